@@ -1,0 +1,47 @@
+"""Declarative sharding: logical axis names -> config rules -> NamedShardings.
+
+Models name the axes of their parameters and activations with *logical* names (`embed`, `mlp`,
+`heads`, `batch`, ...). A config maps those names to *mesh* axes with an ordered rule list:
+
+    config.mesh = dict(data=2, fsdp=2, tensor=2)     # mesh axis -> size; one size may be -1
+    config.logical_axis_rules = [
+        ('batch', ('data', 'fsdp')),   # a tuple shards one dimension over several mesh axes
+        ('embed', 'fsdp'),
+        ('embed', None),               # fallback: used where 'fsdp' is already taken
+        ('mlp', 'tensor'),
+        ('heads', 'tensor'),
+        ('vocab', 'tensor'),
+        ('kv', None),                  # None replicates (and says so explicitly)
+    ]
+
+Resolution, per array: for each dimension in order, take the FIRST rule for its logical name whose
+mesh axes are not already used by an earlier dimension of the same array. Later rules for the same
+name are fallbacks. With the rules above, a `('embed', 'mlp')` kernel becomes `P('fsdp', 'tensor')`,
+and a `('batch', 'length', 'embed')` activation becomes `P(('data', 'fsdp'), None, None)`: 'batch'
+took 'fsdp', so 'embed' falls back to None.
+
+Nothing is replicated silently. These are errors, raised before anything compiles, each naming
+the parameter path (or activation), the logical name, the mesh axes and the sizes involved:
+  * a logical name used by the model with no rule at all (write `(name, None)` to replicate);
+  * a dimension whose every rule names an already-used mesh axis (add a `(name, None)` fallback);
+  * a rule naming a mesh axis that is not in the mesh;
+  * mesh sizes whose product is not the device count;
+  * a dimension not divisible by the product of its mesh axis sizes;
+  * a global batch not divisible by the mesh axes of 'batch'.
+Rules whose logical name nothing uses are reported as warnings.
+
+This package never imports a model: it works on trees of shapes and logical names.
+"""
+from partitioning.mesh import devices_needed, make_mesh, resolve_mesh_shape, simulate_cpu_devices
+from partitioning.plan import (
+    check_batch, local_rows, named_shardings, nnx_logical_axes, opt_state_axes, path_str, tree_specs)
+from partitioning.rules import AxisRules, Rule, ShardingError, bytes_per_device
+from partitioning.shard import shard, shard_logical, use_rules
+from partitioning.table import fmt_bytes, sharding_table, tree_bytes_per_device
+
+__all__ = [
+    'AxisRules', 'Rule', 'ShardingError', 'bytes_per_device', 'check_batch', 'devices_needed',
+    'fmt_bytes', 'local_rows', 'make_mesh', 'named_shardings', 'nnx_logical_axes', 'opt_state_axes',
+    'path_str', 'resolve_mesh_shape', 'shard', 'shard_logical', 'sharding_table', 'simulate_cpu_devices',
+    'tree_bytes_per_device', 'tree_specs', 'use_rules',
+]

@@ -1,0 +1,64 @@
+"""Device meshes from config: `config.mesh` maps mesh axis name -> size (one size may be -1)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from partitioning.rules import ShardingError, _fmt_mesh
+
+
+def _items(mesh_cfg: Mapping[str, int]) -> list[tuple[str, int]]:
+  items = list(mesh_cfg.items())
+  if not items:
+    raise ShardingError('config.mesh is empty: give at least one mesh axis, e.g. data=-1')
+  for name, size in items:
+    if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+      raise ShardingError(f'config.mesh.{name} = {size!r}: a mesh axis size must be a positive int or -1')
+  if sum(size == -1 for _, size in items) > 1:
+    raise ShardingError(
+        f'config.mesh ({_fmt_mesh(dict(items))}) has more than one -1; at most one axis may take '
+        '"the rest of the devices"')
+  return items
+
+
+def devices_needed(mesh_cfg: Mapping[str, int]) -> int:
+  """Devices a mesh config asks for, counting a -1 axis as 1 (used to size simulated CPU meshes)."""
+  return math.prod(max(size, 1) for _, size in _items(mesh_cfg))
+
+
+def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, platform: str = 'device') -> dict[str, int]:
+  """Fills in the -1 axis and checks that the product of sizes equals the device count."""
+  items = _items(mesh_cfg)
+  known = math.prod(size for _, size in items if size != -1)
+  if any(size == -1 for _, size in items):
+    if num_devices % known:
+      raise ShardingError(
+          f'config.mesh ({_fmt_mesh(dict(items))}): the fixed axes take {known} devices, which does not '
+          f'divide the {num_devices} {platform} devices available')
+    items = [(n, num_devices // known if s == -1 else s) for n, s in items]
+  shape = dict(items)
+  if math.prod(shape.values()) != num_devices:
+    raise ShardingError(
+        f'config.mesh ({_fmt_mesh(shape)}) needs {math.prod(shape.values())} devices, but there are '
+        f'{num_devices} {platform} devices; change the mesh sizes so their product is {num_devices} '
+        '(or use -1 for one axis)')
+  return shape
+
+
+def simulate_cpu_devices(n: int) -> None:
+  """Asks the CPU backend for `n` devices. Must run before JAX initialises its backends.
+
+  On GPU/TPU machines this only affects the (unused) CPU backend; the real devices are used.
+  """
+  jax.config.update('jax_num_cpu_devices', n)
+
+
+def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds a mesh with Auto axis types (GSPMD propagation between our explicit constraints)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = resolve_mesh_shape(mesh_cfg, len(devices), devices[0].platform)
+  return jax.make_mesh(tuple(shape.values()), tuple(shape.keys()),
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape), devices=devices)

@@ -1,0 +1,120 @@
+"""Resolving whole pytrees (params, optimizer state, batches) to shardings, with validation."""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from partitioning.rules import AxisRules, ShardingError
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+  """'blocks/0/attn/query/kernel' from a jax key path."""
+  parts = []
+  for k in path:
+    for attr in ('key', 'idx', 'name'):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return '/'.join(parts)
+
+
+def _key_tuple(path: tuple[Any, ...]) -> tuple[str, ...]:
+  return tuple(path_str((k,)) for k in path)
+
+
+def nnx_logical_axes(state: nnx.State) -> dict:
+  """Pure-dict tree of the logical axis names (`out_sharding` metadata) of an NNX state.
+
+  A variable without names maps to None; `tree_specs` reports it (scalars are fine unnamed).
+  """
+  def axes(v):
+    names = v.get_metadata().get('out_sharding')
+    return tuple(names) if names is not None else None
+  return nnx.to_pure_dict(jax.tree.map(axes, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def tree_specs(shapes: Any, axes: Any, rules: AxisRules, mesh_shape: Mapping[str, int],
+               *, kind: str = 'parameter', seen: set[str] | None = None) -> Any:
+  """PartitionSpecs for a tree of arrays/ShapeDtypeStructs given a matching tree of logical axes.
+
+  Raises ShardingError naming the first offending leaf (path, logical axis, mesh axes, sizes).
+  `seen` collects the logical names used, for the unused-rule warning.
+  """
+  def one(path, leaf, names):
+    what = f'{kind} {path_str(path)!r}'
+    if names is None:
+      if len(leaf.shape) == 0:
+        return PartitionSpec()
+      raise ShardingError(
+          f'{what} of shape {tuple(leaf.shape)} has no logical axis names; declare them in the model '
+          "(e.g. nnx.with_partitioning(init, ('embed', 'mlp')))")
+    names = tuple(names)
+    if seen is not None:
+      seen.update(n for n in names if n is not None)
+    return rules.spec(names, leaf.shape, mesh_shape, what=what)
+  return jax.tree_util.tree_map_with_path(one, shapes, axes)
+
+
+def opt_state_axes(opt_shapes: Any, param_shapes: Any, param_axes: Any) -> Any:
+  """Logical axes for an optax state: each leaf that mirrors a parameter gets that parameter's axes.
+
+  A leaf mirrors a parameter when its key path ends with the parameter's path and the shapes match
+  (mu/nu of Adam, momentum, ...). Scalars (step counts) are replicated. Anything else is an error,
+  rather than a silent replication.
+  """
+  by_path: dict[tuple[str, ...], tuple[tuple[int, ...], Any]] = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes):
+    by_path[_key_tuple(path)] = (tuple(leaf.shape), None)
+  for path, names in jax.tree_util.tree_leaves_with_path(param_axes, is_leaf=lambda x: isinstance(x, tuple)):
+    key = _key_tuple(path)
+    by_path[key] = (by_path[key][0], names)
+  lengths = sorted({len(k) for k in by_path}, reverse=True)
+
+  def one(path, leaf):
+    if len(leaf.shape) == 0:
+      return ()
+    key = _key_tuple(path)
+    for n in lengths:
+      hit = by_path.get(key[-n:]) if len(key) >= n else None
+      if hit is not None and hit[0] == tuple(leaf.shape):
+        return hit[1]
+    raise ShardingError(
+        f'optimizer state {path_str(path)!r} of shape {tuple(leaf.shape)} mirrors no parameter; '
+        'this optimizer keeps state the sharding rules cannot place')
+  return jax.tree_util.tree_map_with_path(one, opt_shapes)
+
+
+def named_shardings(specs: Any, mesh: Mesh) -> Any:
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def check_batch(global_batch_size: int, batch_spec: PartitionSpec, mesh_shape: Mapping[str, int]) -> None:
+  """The global batch must split evenly over the mesh axes that the 'batch' rule shards it on."""
+  entry = batch_spec[0] if len(batch_spec) else None
+  axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+  size = math.prod(mesh_shape[a] for a in axes)
+  if global_batch_size % size:
+    parts = ' x '.join(f'{a}={mesh_shape[a]}' for a in axes)
+    raise ShardingError(
+        f'global batch size {global_batch_size} is not divisible by the mesh axes of logical axis '
+        f"'batch' ({parts} = {size}); use a multiple of {size}")
+
+
+def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
+  """The contiguous range of leading-axis rows this process's devices hold of a global array."""
+  idx = sharding.addressable_devices_indices_map(global_shape).values()
+  starts = sorted({(i[0].start or 0, i[0].stop if i[0].stop is not None else global_shape[0]) for i in idx})
+  lo, hi = starts[0][0], starts[-1][1]
+  covered = sum(b - a for a, b in starts)
+  if covered != hi - lo:
+    raise ShardingError(
+        f'this process holds non-contiguous batch rows {starts} of a global batch of {global_shape[0]}; '
+        'order the mesh so each process owns a contiguous block of the batch axes')
+  return slice(lo, hi)

@@ -1,0 +1,162 @@
+"""Logical-axis rules: parsing, resolution to PartitionSpecs, and validation.
+
+See the package docstring (`partitioning/__init__.py`) for the semantics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+LogicalAxes = tuple[str | None, ...]
+MeshAxes = tuple[str, ...]
+
+
+class ShardingError(ValueError):
+  """A sharding problem found before compilation. The first line names the culprit."""
+
+
+def _fmt_mesh(mesh_shape: Mapping[str, int]) -> str:
+  return ' x '.join(f'{k}={v}' for k, v in mesh_shape.items()) or '(empty mesh)'
+
+
+def _fmt_target(axes: MeshAxes) -> str:
+  if not axes:
+    return 'None'
+  return repr(axes[0]) if len(axes) == 1 else repr(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  index: int  # position in the user's list, for error messages
+  logical: str
+  mesh_axes: MeshAxes  # () means replicate
+
+  def __str__(self) -> str:
+    return f'rule #{self.index} ({self.logical!r}, {_fmt_target(self.mesh_axes)})'
+
+
+def _parse_rule(i: int, rule: Any) -> Rule:
+  if not isinstance(rule, (tuple, list)) or len(rule) != 2:
+    raise ShardingError(
+        f'logical_axis_rules[{i}] = {rule!r}: each rule must be a pair '
+        '(logical_name, mesh_axis | tuple_of_mesh_axes | None)')
+  logical, target = rule
+  if not isinstance(logical, str) or not logical:
+    raise ShardingError(f'logical_axis_rules[{i}] = {tuple(rule)!r}: the logical name must be a non-empty string')
+  if target is None:
+    axes: MeshAxes = ()
+  elif isinstance(target, str):
+    axes = (target,)
+  elif isinstance(target, (tuple, list)) and all(isinstance(a, str) for a in target):
+    axes = tuple(target)
+  else:
+    raise ShardingError(
+        f'logical_axis_rules[{i}] = {tuple(rule)!r}: the target must be a mesh axis name, '
+        'a tuple of mesh axis names, or None')
+  if len(set(axes)) != len(axes):
+    raise ShardingError(f'logical_axis_rules[{i}] = {tuple(rule)!r}: a mesh axis appears twice in the target')
+  return Rule(i, logical, axes)
+
+
+class AxisRules:
+  """An ordered list of (logical_name, mesh_axes) rules with first-free-match semantics."""
+
+  def __init__(self, rules: Sequence[Any]):
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
+      raise ShardingError(f'logical_axis_rules must be a list of pairs, got {type(rules).__name__}')
+    self.rules: tuple[Rule, ...] = tuple(_parse_rule(i, r) for i, r in enumerate(rules))
+    self._by_name: dict[str, list[Rule]] = {}
+    for r in self.rules:
+      self._by_name.setdefault(r.logical, []).append(r)
+
+  def __repr__(self) -> str:
+    return 'AxisRules([' + ', '.join(f'({r.logical!r}, {_fmt_target(r.mesh_axes)})' for r in self.rules) + '])'
+
+  @property
+  def logical_names(self) -> set[str]:
+    return set(self._by_name)
+
+  def check_mesh(self, mesh_shape: Mapping[str, int]) -> None:
+    """Every mesh axis named by a rule must exist in the mesh."""
+    for r in self.rules:
+      for a in r.mesh_axes:
+        if a not in mesh_shape:
+          raise ShardingError(
+              f'{r} names mesh axis {a!r}, which is not in the mesh ({_fmt_mesh(mesh_shape)})')
+
+  def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
+           mesh_shape: Mapping[str, int] | None = None, *, what: str = 'array') -> PartitionSpec:
+    """Resolves one array's logical axes to a PartitionSpec.
+
+    For each dimension, the first rule for its logical name whose mesh axes are not already
+    taken by another dimension of the same array wins; later rules are fallbacks. A logical
+    name of `None` (only allowed for activations) leaves the dimension unsharded.
+    With `shape` and `mesh_shape`, also checks divisibility.
+    """
+    logical_axes = tuple(logical_axes)
+    if shape is not None and len(shape) != len(logical_axes):
+      raise ShardingError(
+          f'{what}: has {len(shape)} dimensions (shape {tuple(shape)}) but {len(logical_axes)} '
+          f'logical axis names {logical_axes}')
+    used: dict[str, int] = {}  # mesh axis -> dim that took it
+    out: list[Any] = []
+    for dim, name in enumerate(logical_axes):
+      if name is None:
+        out.append(None)
+        continue
+      candidates = self._by_name.get(name)
+      if not candidates:
+        raise ShardingError(
+            f"{what}: logical axis {name!r} (dim {dim}) has no rule; add ({name!r}, <mesh axis>) "
+            f"to logical_axis_rules, or ({name!r}, None) to replicate it")
+      chosen = next((r for r in candidates if not any(a in used for a in r.mesh_axes)), None)
+      if chosen is None:
+        taken = {a: used[a] for r in candidates for a in r.mesh_axes if a in used}
+        taken_s = ', '.join(f'{a!r} by dim {d} ({logical_axes[d]!r})' for a, d in taken.items())
+        raise ShardingError(
+            f'{what}: logical axis {name!r} (dim {dim}): every rule for it names a mesh axis '
+            f'already taken ({taken_s}); add a fallback rule ({name!r}, None) to replicate this dim')
+      for a in chosen.mesh_axes:
+        used[a] = dim
+      if shape is not None and mesh_shape is not None and chosen.mesh_axes:
+        missing = [a for a in chosen.mesh_axes if a not in mesh_shape]
+        if missing:
+          raise ShardingError(
+              f'{chosen} names mesh axis {missing[0]!r}, which is not in the mesh ({_fmt_mesh(mesh_shape)})')
+        size = math.prod(mesh_shape[a] for a in chosen.mesh_axes)
+        if shape[dim] % size:
+          parts = ' x '.join(f'{a}={mesh_shape[a]}' for a in chosen.mesh_axes)
+          raise ShardingError(
+              f'{what}: dim {dim} ({name!r}) has size {shape[dim]}, not divisible by mesh axes '
+              f'{parts} = {size} (from {chosen})')
+      if not chosen.mesh_axes:
+        out.append(None)
+      elif len(chosen.mesh_axes) == 1:
+        out.append(chosen.mesh_axes[0])
+      else:
+        out.append(chosen.mesh_axes)
+    # Drop trailing Nones so specs compare equal to the canonical short form.
+    while out and out[-1] is None:
+      out.pop()
+    return PartitionSpec(*out)
+
+  def unused(self, names_seen: set[str]) -> list[Rule]:
+    """Rules whose logical name no parameter or activation used."""
+    return [r for r in self.rules if r.logical not in names_seen]
+
+
+def bytes_per_device(shape: Sequence[int], dtype: Any, spec: PartitionSpec,
+                     mesh_shape: Mapping[str, int]) -> int:
+  """Bytes one device holds of an array with this spec (dims assumed divisible)."""
+  n = math.prod(shape) * np.dtype(dtype).itemsize
+  for entry in spec:
+    if entry is None:
+      continue
+    for a in (entry if isinstance(entry, tuple) else (entry,)):
+      n //= mesh_shape[a]
+  return n

@@ -1,0 +1,79 @@
+"""Placing pytrees on the mesh, and logical activation constraints for model code."""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from partitioning.rules import AxisRules
+
+
+def shard(tree: Any, shardings: Any) -> Any:
+  """Puts every leaf of `tree` on its sharding; `shardings` is a matching tree (or one sharding).
+
+  Inside `jax.jit` this is a sharding constraint; outside it places the data: a `jax.Array` is
+  resharded with `device_put`, a host value (numpy, scalar) is cut into per-device slices with
+  `make_array_from_callback`, so each device (and each process) only copies its own slice.
+  """
+  def one(x, s):
+    if isinstance(x, jax.core.Tracer):
+      return jax.lax.with_sharding_constraint(x, s)
+    if isinstance(x, jax.Array):
+      return jax.device_put(x, s)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: one(x, shardings), tree)
+  return jax.tree.map(one, tree, shardings)
+
+
+@dataclasses.dataclass
+class _Context:
+  rules: AxisRules
+  mesh: Mesh
+  seen: set[str]  # logical names used by activations while this context was active
+
+
+_CTX: contextvars.ContextVar[_Context | None] = contextvars.ContextVar('shardzoo_rules', default=None)
+
+
+@contextlib.contextmanager
+def use_rules(rules: AxisRules, mesh: Mesh, seen: set[str] | None = None) -> Iterator[_Context]:
+  """Activates `rules` on `mesh` for `shard_logical` calls made while tracing model code.
+
+  Logical names used by activations are added to `seen` (for the unused-rule warning).
+  """
+  ctx = _Context(rules, mesh, set() if seen is None else seen)
+  token = _CTX.set(ctx)
+  try:
+    yield ctx
+  finally:
+    _CTX.reset(token)
+
+
+def _caller() -> str:
+  """file:line of the model code that called shard_logical, for error messages."""
+  f = sys._getframe(2)
+  return f'{"/".join(f.f_code.co_filename.rsplit("/", 2)[-2:])}:{f.f_lineno} ({f.f_code.co_name})'
+
+
+def shard_logical(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """Constrains an activation by logical axis names; a no-op outside `use_rules`.
+
+  Model code calls this at block boundaries, e.g. `shard_logical(x_BLD, ('batch', 'length', 'embed'))`.
+  A logical name without a rule raises here, at trace time, before anything compiles.
+  """
+  ctx = _CTX.get()
+  if ctx is None:
+    return x
+  ctx.seen.update(a for a in logical_axes if a is not None)
+  spec = ctx.rules.spec(logical_axes, x.shape, ctx.mesh.shape,
+                        what=f'activation {tuple(logical_axes)} of shape {tuple(x.shape)} at {_caller()}')
+  return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))

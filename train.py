@@ -1,0 +1,156 @@
+r"""Trains a zoo model with declarative sharding. The one entry point.
+
+  python train.py --config configs/default.py --workdir /tmp/shardzoo [--config.key=value ...]
+  python train.py --config configs/default.py:fsdp --workdir /tmp/shardzoo --dry_run
+
+Sections: devices and mesh -> model, optimizer and shardings (validated) -> sharding table ->
+compile the steps -> sharded init -> input pipeline -> train loop with eval -> sample.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+import partitioning
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/default.py[:preset].', lock_config=True)
+flags.DEFINE_string('workdir', None, 'Where metrics (TensorBoard events) are written.')
+flags.DEFINE_bool('dry_run', False, 'Build everything abstractly, print the sharding table, exit.')
+
+
+def say(msg: str) -> None:
+  """Progress for humans, printed once (by process 0)."""
+  import jax
+  if jax.process_index() == 0:
+    print(msg, flush=True)
+
+
+def evaluate(eval_step, state, ds, trainer, rows) -> dict[str, float]:
+  """Exact metrics over the whole eval split (the last batch is padded and masked)."""
+  import jax
+  import data
+  totals: dict[str, Any] = {}
+  for local in data.eval_batches(ds.eval, trainer.config.batch_size, rows, ds.transform):
+    sums = eval_step(state, data.to_global(local, trainer.batch_shardings, trainer.config.batch_size))
+    totals = {k: totals.get(k, 0) + v for k, v in sums.items()}
+  totals = jax.device_get(totals)
+  w = float(totals['weight'])
+  return {'loss': float(totals['loss_sum']) / w, 'accuracy': float(totals['correct_sum']) / w, 'weight': w}
+
+
+def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> dict[str, Any]:
+  import jax
+  import numpy as np
+  from clu import metric_writers, periodic_actions
+
+  import data
+  import models
+  import training
+
+  # --- Devices and mesh ------------------------------------------------------------------------
+  mesh = partitioning.make_mesh(config.mesh)
+  say(f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, '
+      f'{jax.process_count()} process(es)')
+
+  # --- Model, optimizer and their shardings (validated; nothing allocated yet) ------------------
+  trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs))
+  train_step = training.jit_train_step(trainer)
+  eval_step = training.jit_eval_step(trainer)
+  training.trace(trainer, train_step)  # validates every activation constraint before compiling
+  training.trace(trainer, eval_step)
+
+  # --- Sharding table ---------------------------------------------------------------------------
+  say(partitioning.sharding_table(trainer.abstract.params, trainer.axes.params, trainer.specs.params,
+                                  mesh.shape, trainer.abstract.opt_state, trainer.specs.opt_state))
+  for w in trainer.warnings():
+    logging.warning('sharding: %s', w)
+    say(f'WARNING sharding: {w}')
+  if dry_run:
+    return {'num_params': training.num_params(trainer)}
+
+  # --- Compile once (ahead of time), then create the state directly in its shardings ------------
+  t0 = time.perf_counter()
+  train_step, eval_step = training.compile_step(trainer, train_step), training.compile_step(trainer, eval_step)
+  mem = train_step.memory_analysis()
+  say(f'compiled train+eval steps in {time.perf_counter() - t0:.1f}s; train step per device: '
+      f'arguments {partitioning.fmt_bytes(mem.argument_size_in_bytes)}, '
+      f'temporaries {partitioning.fmt_bytes(mem.temp_size_in_bytes)}')
+  state = training.init_state(trainer)
+
+  # --- Input pipeline: each process reads only its rows of every global batch -------------------
+  ds = data.build(config.dataset)
+  B = config.batch_size
+  rows = partitioning.local_rows(trainer.batch_shardings['inputs'], (B,) + trainer.batch_abstract['inputs'].shape[1:])
+  train_iter = iter(data.train_dataset(ds.train, B, rows, config.seed, ds.transform))
+  units_per_step = math.prod(trainer.batch_abstract[trainer.task.unit_field].shape)
+  if ds.language is not None:
+    floor = ds.language.loss_floor(config.dataset.seq_len)
+    say(f"data: {config.dataset.name}; entropy floor of the eval loss {floor:.4f} nats/token "
+        f"(bigram {ds.language.entropies()['bigram']:.4f}, uniform {math.log(config.dataset.vocab_size):.4f})")
+
+  # --- Train loop -------------------------------------------------------------------------------
+  writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  writer.write_hparams({k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str))})
+  progress = periodic_actions.ReportProgress(num_train_steps=config.total_steps, writer=writer,
+                                             every_steps=config.log_every, every_secs=None)
+  pending, wait_s, t_last, step_last, result = [], 0.0, time.perf_counter(), 0, {}
+  for step in range(1, config.total_steps + 1):
+    t_in = time.perf_counter()
+    batch = data.to_global(next(train_iter), trainer.batch_shardings, B)
+    wait_s += time.perf_counter() - t_in
+    state, metrics = train_step(state, batch)
+    pending.append(metrics)
+    progress(step)
+    if step % config.log_every == 0 or step == config.total_steps:
+      logged = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]}
+      dt, n = time.perf_counter() - t_last, step - step_last
+      logged |= {'steps_per_sec': n / dt, f'{trainer.task.unit}_per_sec': n * units_per_step / dt,
+                 'input_wait_fraction': wait_s / dt}
+      writer.write_scalars(step, {f'train/{k}': v for k, v in logged.items()})
+      say(f"step {step:5d} | loss {logged['loss']:.4f} | acc {logged['accuracy']:.3f} | "
+          f"{logged['steps_per_sec']:.2f} steps/s | {logged[f'{trainer.task.unit}_per_sec']:,.0f} "
+          f"{trainer.task.unit}/s | input wait {100 * logged['input_wait_fraction']:.1f}%")
+      pending, wait_s, t_last, step_last, result['train'] = [], 0.0, time.perf_counter(), step, logged
+    if step % config.eval_every == 0 or step == config.total_steps:
+      ev = evaluate(eval_step, state, ds, trainer, rows)
+      writer.write_scalars(step, {f'eval/{k}': v for k, v in ev.items() if k != 'weight'})
+      gap = f' (floor {floor:.4f}, gap {ev["loss"] - floor:+.4f})' if ds.language is not None else ''
+      say(f"eval @ {step:5d} | loss {ev['loss']:.4f}{gap} | acc {ev['accuracy']:.3f}")
+      result['eval'] = ev
+      t_last = time.perf_counter()  # eval time is not train time
+  writer.flush()
+
+  # --- Sample -----------------------------------------------------------------------------------
+  if ds.language is not None and config.sample_len:
+    prompt = np.asarray(ds.eval[:8, :2], np.int32)
+    tokens = np.asarray(trainer.task.generate(trainer.graphdef, state.params, state.model_state, prompt,
+                                                     config.sample_len, config.seed))
+    nll = ds.language.nll(tokens)
+    say(f'sample: {ds.language.decode(tokens[0])}')
+    say(f'sample NLL under the true language: {nll:.4f} nats/token (entropy rate '
+        f"{ds.language.entropies()['order2']:.4f}; a sampler of the true language scores about that)")
+    result['sample_nll'] = nll
+  result['state'] = state
+  return result
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  config = FLAGS.config
+  if config is None:
+    raise app.UsageError('--config is required, e.g. --config configs/default.py')
+  if FLAGS.workdir is None and not FLAGS.dry_run:
+    raise app.UsageError('--workdir is required (metrics are written there)')
+  # Simulated CPU devices must be requested before JAX starts its backends (no effect on GPU/TPU).
+  partitioning.simulate_cpu_devices(partitioning.devices_needed(config.mesh))
+  train_and_evaluate(config, FLAGS.workdir, dry_run=FLAGS.dry_run)
+
+
+if __name__ == '__main__':
+  app.run(main)

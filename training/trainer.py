@@ -1,0 +1,173 @@
+"""Train state, its shardings, sharded initialisation, and the jitted train/eval steps.
+
+`build()` does everything that needs no device memory: abstract model and optimizer state,
+logical axes, PartitionSpecs, NamedShardings, and validation of every parameter, optimizer
+leaf and batch field against the rules. Activations are validated when a step is traced
+(`compile_step`), still before anything compiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import partitioning
+from partitioning import AxisRules
+from training import optim, tasks
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: Any
+  params: Any  # pure dict of arrays, as nnx.to_pure_dict gives
+  opt_state: Any
+  model_state: Any  # non-parameter model variables (e.g. BatchNorm statistics); often {}
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Everything derived from (config, mesh) before any array is allocated."""
+  config: ml_collections.ConfigDict
+  mesh: Mesh
+  rules: AxisRules
+  task: Any
+  make_model: Callable[[nnx.Rngs], nnx.Module]
+  graphdef: Any
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  abstract: TrainState  # ShapeDtypeStruct leaves
+  axes: TrainState  # logical axis names per leaf
+  specs: TrainState  # PartitionSpec per leaf
+  shardings: TrainState  # NamedSharding per leaf
+  batch_abstract: dict[str, jax.ShapeDtypeStruct]
+  batch_shardings: dict[str, NamedSharding]
+  seen: set[str]  # logical names used by params, state, batches and (once traced) activations
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, PartitionSpec())
+
+  def warnings(self) -> list[str]:
+    """Unused rules, and mesh axes no rule uses (everything is replicated over them)."""
+    out = [f'{r} is used by no parameter or activation' for r in self.rules.unused(self.seen)]
+    used_mesh = {a for r in self.rules.rules if r.logical in self.seen for a in r.mesh_axes}
+    for name, size in self.mesh.shape.items():
+      if size > 1 and name not in used_mesh:
+        out.append(f'mesh axis {name!r} (size {size}) is used by no rule: every array is replicated over '
+                   'it and its devices repeat the same work')
+    return out
+
+
+def _split(model: nnx.Module) -> tuple[Any, dict, dict]:
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+
+def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[nnx.Rngs], nnx.Module]) -> Trainer:
+  rules = AxisRules(config.logical_axis_rules)
+  rules.check_mesh(mesh.shape)
+  task = tasks.get(config.task)
+
+  abs_model = nnx.eval_shape(lambda: make_model(nnx.Rngs(config.seed)))
+  graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
+  param_axes, rest_axes = partitioning.nnx_logical_axes(abs_params), partitioning.nnx_logical_axes(abs_rest)
+  _, param_shapes, rest_shapes = _split(abs_model)
+  tx, schedule = optim.make_optimizer(config.optim, config.total_steps)
+  opt_shapes = jax.eval_shape(tx.init, param_shapes)
+  opt_axes = partitioning.opt_state_axes(opt_shapes, param_shapes, param_axes)
+
+  abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), param_shapes, opt_shapes, rest_shapes)
+  axes = TrainState((), param_axes, opt_axes, rest_axes)
+  seen: set[str] = set()
+  resolve = lambda shapes, names, kind: partitioning.tree_specs(shapes, names, rules, mesh.shape, kind=kind, seen=seen)
+  specs = TrainState(PartitionSpec(), resolve(param_shapes, param_axes, 'parameter'),
+                     resolve(opt_shapes, opt_axes, 'optimizer state'), resolve(rest_shapes, rest_axes, 'model state'))
+
+  # Batches: check the global batch against the 'batch' rule first, for the clearest message.
+  B = config.batch_size
+  partitioning.check_batch(B, rules.spec(('batch',), what="logical axis 'batch'"), mesh.shape)
+  batch_abstract = {k: jax.ShapeDtypeStruct((B,) + tuple(shape), dtype)
+                    for k, (shape, dtype) in config_example_shapes(config).items()}
+  batch_specs = resolve(batch_abstract, {k: task.batch_axes[k] for k in batch_abstract}, 'batch field')
+  return Trainer(config, mesh, rules, task, make_model, graphdef, tx, schedule, abstract, axes, specs,
+                 partitioning.named_shardings(specs, mesh), batch_abstract,
+                 partitioning.named_shardings(batch_specs, mesh), seen)
+
+
+def config_example_shapes(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """Per-example shapes of the batch fields, from the config alone (no data loaded)."""
+  if config.task == 'lm':
+    L = config.dataset.seq_len
+    if L > config.model.max_len:
+      raise ValueError(f'config.dataset.seq_len={L} exceeds config.model.max_len={config.model.max_len}')
+    return {'inputs': ((L,), jnp.int32), 'targets': ((L,), jnp.int32), 'mask': ((L,), jnp.float32)}
+  raise ValueError(f'no batch layout for task {config.task!r}')
+
+
+def init_state(trainer: Trainer, seed: int | None = None) -> TrainState:
+  """Creates model and optimizer state directly in their shardings (no full copy on any device)."""
+  seed = trainer.config.seed if seed is None else seed
+
+  def init():
+    _, params, rest = _split(trainer.make_model(nnx.Rngs(seed)))
+    return TrainState(jnp.zeros((), jnp.int32), params, trainer.tx.init(params), rest)
+  return jax.jit(init, out_shardings=trainer.shardings)()
+
+
+def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+  graphdef, task, tx, schedule = trainer.graphdef, trainer.task, trainer.tx, trainer.schedule
+
+  def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    with partitioning.use_rules(trainer.rules, trainer.mesh, seen=trainer.seen):
+      def loss_fn(params):
+        model = nnx.merge(graphdef, params, state.model_state)
+        loss, metrics = task.loss(model, batch)
+        return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
+      (_, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
+    metrics = {**metrics, 'grad_norm': optax.global_norm(grads), 'lr': schedule(state.step)}
+    return TrainState(state.step + 1, params, opt_state, model_state), metrics
+  return step
+
+
+def eval_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], dict]:
+  def step(state: TrainState, batch: dict) -> dict:
+    with partitioning.use_rules(trainer.rules, trainer.mesh, seen=trainer.seen):
+      model = nnx.merge(trainer.graphdef, state.params, state.model_state)
+      return trainer.task.metric_sums(model, batch)
+  return step
+
+
+def jit_train_step(trainer: Trainer):
+  """One jax.jit with explicit in/out shardings and the state donated."""
+  return jax.jit(train_step_fn(trainer), in_shardings=(trainer.shardings, trainer.batch_shardings),
+                 out_shardings=(trainer.shardings, trainer.replicated), donate_argnums=0)
+
+
+def jit_eval_step(trainer: Trainer):
+  return jax.jit(eval_step_fn(trainer), in_shardings=(trainer.shardings, trainer.batch_shardings),
+                 out_shardings=trainer.replicated)
+
+
+def trace(trainer: Trainer, jitted) -> Any:
+  """Traces a step on abstract inputs: validates every activation constraint, compiles nothing."""
+  return jitted.trace(trainer.abstract, trainer.batch_abstract)
+
+
+def compile_step(trainer: Trainer, jitted) -> Any:
+  """Ahead-of-time compiles a step once. Calling it with other shardings raises instead of recompiling."""
+  return trace(trainer, jitted).lower().compile()
+
+
+def num_params(trainer: Trainer) -> int:
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract.params))
