@@ -34,12 +34,10 @@ def evaluate(eval_step, state, ds, trainer, rows) -> dict[str, float]:
   """Exact metrics over the whole eval split (the last batch is padded and masked)."""
   import jax
   import data
-  totals: dict[str, Any] = {}
-  for local in data.eval_batches(ds.eval, trainer.config.batch_size, rows, ds.transform):
-    sums = eval_step(state, data.to_global(local, trainer.batch_shardings, trainer.config.batch_size))
-    totals = {k: totals.get(k, 0) + v for k, v in sums.items()}
-  totals = jax.device_get(totals)
-  w = float(totals['weight'])
+  sums = [eval_step(state, data.to_global(local, trainer.batch_shardings, trainer.config.batch_size))
+          for local in data.eval_batches(ds.eval, trainer.config.batch_size, rows, ds.transform)]
+  totals = {k: sum(float(s[k]) for s in jax.device_get(sums)) for k in sums[0]}
+  w = totals['weight']
   return {'loss': float(totals['loss_sum']) / w, 'accuracy': float(totals['correct_sum']) / w, 'weight': w}
 
 
@@ -148,8 +146,11 @@ def main(argv) -> None:
   if FLAGS.workdir is None and not FLAGS.dry_run:
     raise app.UsageError('--workdir is required (metrics are written there)')
   # Simulated CPU devices must be requested before JAX starts its backends (no effect on GPU/TPU).
-  partitioning.simulate_cpu_devices(partitioning.devices_needed(config.mesh))
-  train_and_evaluate(config, FLAGS.workdir, dry_run=FLAGS.dry_run)
+  try:
+    partitioning.simulate_cpu_devices(partitioning.devices_needed(config.mesh))
+    train_and_evaluate(config, FLAGS.workdir, dry_run=FLAGS.dry_run)
+  except partitioning.ShardingError as e:  # bad config: one clear message, no traceback
+    raise SystemExit(f'shardzoo: sharding error: {e}') from None
 
 
 if __name__ == '__main__':

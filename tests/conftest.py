@@ -1,0 +1,30 @@
+"""Tests run on 8 simulated CPU devices (set before JAX starts its backends)."""
+import os
+
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update('jax_num_cpu_devices', 8)
+
+from configs import default  # noqa: E402
+
+
+def tiny_config(preset: str = 'fsdp_tp', **overrides) -> ml_collections.ConfigDict:
+  """The default config shrunk so a step takes milliseconds; same rules and mesh."""
+  c = default.get_config(preset)
+  c.model.update(num_layers=2, embed_dim=64, mlp_dim=128, num_heads=4, max_len=16)
+  c.dataset.update(seq_len=16, num_train=512, num_eval=100)
+  c.update(batch_size=16, total_steps=3, log_every=1, eval_every=3, sample_len=0)
+  c.optim.warmup_steps = 1
+  for k, v in overrides.items():
+    c[k] = v
+  return c
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _eight_devices():
+  assert jax.device_count() == 8, f'tests need 8 simulated CPU devices, got {jax.devices()}'

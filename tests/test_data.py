@@ -1,0 +1,94 @@
+"""The synthetic language's entropy floor, and the grain pipeline's determinism and per-process slicing."""
+import jax
+import numpy as np
+import pytest
+
+import data
+import partitioning
+from data import MarkovLanguage
+
+
+def test_markov_floor_matches_empirical_nll():
+  lang = MarkovLanguage(16, 4, 0.03, seed=0)
+  seqs = lang.sample(20000, 66, seed=5)
+  e = lang.entropies()
+  # NLL of real samples under the true chain estimates the entropy rate.
+  assert lang.nll(seqs) == pytest.approx(e['order2'], abs=0.01)
+  assert e['order2'] < e['bigram'] < e['unigram'] <= np.log(16) + 1e-9
+  # Empirical unigram frequencies match the stationary distribution.
+  freq = np.bincount(seqs.ravel(), minlength=16) / seqs.size
+  np.testing.assert_allclose(freq, lang.stationary_pairs.sum(0), atol=0.005)
+  assert lang.loss_floor(64) == pytest.approx((e['bigram'] + 63 * e['order2']) / 64)
+
+
+def test_lm_example_shifts_by_one():
+  ex = data.lm_example(np.arange(10).reshape(2, 5))
+  np.testing.assert_array_equal(ex['inputs'], [[0, 1, 2, 3], [5, 6, 7, 8]])
+  np.testing.assert_array_equal(ex['targets'], [[1, 2, 3, 4], [6, 7, 8, 9]])
+  assert ex['mask'].dtype == np.float32 and ex['mask'].all()
+
+
+def _batches(source, rows, n, seed=0, global_batch=8):
+  it = iter(data.train_dataset(source, global_batch, rows, seed, data.lm_example))
+  return [next(it)['inputs'] for _ in range(n)]
+
+
+def test_processes_read_disjoint_rows_that_form_the_global_batch():
+  source = np.arange(64 * 3).reshape(64, 3)
+  whole = _batches(source, slice(0, 8), 10)
+  halves = [_batches(source, slice(0, 4), 10), _batches(source, slice(4, 8), 10)]
+  for g in range(10):
+    np.testing.assert_array_equal(np.concatenate([halves[0][g], halves[1][g]]), whole[g])
+  firsts = np.concatenate([b[:, 0] for b in whole[:8]])
+  assert len(set(firsts.tolist())) == 64  # one epoch of 8 batches covers each example once
+
+
+def test_same_seed_same_batches_and_resume_from_state():
+  source = np.arange(64 * 3).reshape(64, 3)
+  assert all((a == b).all() for a, b in zip(_batches(source, slice(0, 8), 12), _batches(source, slice(0, 8), 12)))
+  assert not all((a == b).all() for a, b in zip(_batches(source, slice(0, 8), 4, seed=0),
+                                                 _batches(source, slice(0, 8), 4, seed=1)))
+  it = iter(data.train_dataset(source, 8, slice(0, 8), 0, data.lm_example))
+  for _ in range(5):
+    next(it)
+  state = it.get_state()
+  expected = [next(it)['inputs'] for _ in range(4)]
+  it2 = iter(data.train_dataset(source, 8, slice(0, 8), 0, data.lm_example))
+  it2.set_state(state)
+  for e in expected:
+    np.testing.assert_array_equal(next(it2)['inputs'], e)
+
+
+def test_eval_pads_and_masks_the_last_batch():
+  source = np.arange(13 * 5).reshape(13, 5)
+  batches = list(data.eval_batches(source, 8, slice(0, 8), data.lm_example))
+  assert len(batches) == 2
+  assert batches[1]['mask'][:5].all() and not batches[1]['mask'][5:].any()
+  assert sum(b['mask'].sum() for b in batches) == 13 * 4
+  # Per-process: the second process's rows of the last batch are all padding.
+  second = list(data.eval_batches(source, 8, slice(4, 8), data.lm_example))
+  assert second[1]['mask'][:1].all() and not second[1]['mask'][1:].any()
+
+
+def test_local_rows_follow_the_batch_sharding():
+  mesh = partitioning.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
+  s = jax.sharding.NamedSharding(mesh, jax.P(('data', 'fsdp')))
+  assert partitioning.local_rows(s, (16, 4)) == slice(0, 16)  # one process holds every row
+
+
+def test_to_global_builds_sharded_arrays():
+  mesh = partitioning.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
+  s = jax.sharding.NamedSharding(mesh, jax.P(('data', 'fsdp')))
+  local = data.lm_example(np.arange(8 * 5).reshape(8, 5))
+  g = data.to_global(local, {k: s for k in local}, 8)
+  assert g['inputs'].shape == (8, 4) and g['inputs'].sharding == s
+  assert g['inputs'].addressable_shards[0].data.shape == (2, 4)
+  np.testing.assert_array_equal(np.asarray(g['targets']), local['targets'])
+
+
+def test_unknown_dataset():
+  from tests.conftest import tiny_config
+  cfg = tiny_config().dataset
+  cfg.name = 'nope'
+  with pytest.raises(ValueError, match=r"config.dataset.name='nope' is not a known dataset"):
+    data.build(cfg)
