@@ -113,14 +113,20 @@ def config_example_shapes(config: ml_collections.ConfigDict) -> dict[str, tuple[
   raise ValueError(f'no batch layout for task {config.task!r}')
 
 
-def init_state(trainer: Trainer, seed: int | None = None) -> TrainState:
-  """Creates model and optimizer state directly in their shardings (no full copy on any device)."""
+def jit_init(trainer: Trainer, seed: int | None = None):
+  """A jitted initialiser whose outputs are born in their shardings: each device computes only its
+  own slices (partitionable threefry), so no device or host ever holds the full state."""
   seed = trainer.config.seed if seed is None else seed
 
   def init():
     _, params, rest = _split(trainer.make_model(nnx.Rngs(seed)))
     return TrainState(jnp.zeros((), jnp.int32), params, trainer.tx.init(params), rest)
-  return jax.jit(init, out_shardings=trainer.shardings)()
+  return jax.jit(init, out_shardings=trainer.shardings)
+
+
+def init_state(trainer: Trainer, seed: int | None = None) -> TrainState:
+  """Creates model and optimizer state directly in their shardings."""
+  return jit_init(trainer, seed)()
 
 
 def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
