@@ -12,28 +12,35 @@ import math
 import time
 from typing import Any
 
+import jax
+import numpy as np
 from absl import app, flags, logging
+from clu import metric_writers, periodic_actions
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
+import data
+import models
 import partitioning
+import training
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/default.py[:preset].', lock_config=True)
 flags.DEFINE_string('workdir', None, 'Where metrics (TensorBoard events) are written.')
 flags.DEFINE_bool('dry_run', False, 'Build everything abstractly, print the sharding table, exit.')
+flags.DEFINE_string('coordinator_address', None, 'Multi-process: host:port of process 0 (jax.distributed).')
+flags.DEFINE_integer('num_processes', 1, 'Multi-process: how many processes take part.')
+flags.DEFINE_integer('process_id', 0, 'Multi-process: this process (0 .. num_processes-1).')
 
 
 def say(msg: str) -> None:
   """Progress for humans, printed once (by process 0)."""
-  import jax
   if jax.process_index() == 0:
     print(msg, flush=True)
 
 
 def evaluate(eval_step, state, ds, trainer, rows) -> dict[str, float]:
   """Exact metrics over the whole eval split (the last batch is padded and masked)."""
-  import jax
-  import data
   sums = [eval_step(state, data.to_global(local, trainer.batch_shardings, trainer.config.batch_size))
           for local in data.eval_batches(ds.eval, trainer.config.batch_size, rows, ds.transform)]
   totals = {k: sum(float(s[k]) for s in jax.device_get(sums)) for k in sums[0]}
@@ -42,14 +49,6 @@ def evaluate(eval_step, state, ds, trainer, rows) -> dict[str, float]:
 
 
 def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> dict[str, Any]:
-  import jax
-  import numpy as np
-  from clu import metric_writers, periodic_actions
-
-  import data
-  import models
-  import training
-
   # --- Devices and mesh ------------------------------------------------------------------------
   mesh = partitioning.make_mesh(config.mesh)
   say(f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, '
@@ -127,7 +126,7 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
   if ds.language is not None and config.sample_len:
     prompt = np.asarray(ds.eval[:8, :2], np.int32)
     tokens = np.asarray(trainer.task.generate(trainer.graphdef, state.params, state.model_state, prompt,
-                                                     config.sample_len, config.seed))
+                                                     config.sample_len, config.seed, trainer.replicated))
     nll = ds.language.nll(tokens)
     say(f'sample: {ds.language.decode(tokens[0])}')
     say(f'sample NLL under the true language: {nll:.4f} nats/token (entropy rate '
@@ -145,10 +144,19 @@ def main(argv) -> None:
     raise app.UsageError('--config is required, e.g. --config configs/default.py')
   if FLAGS.workdir is None and not FLAGS.dry_run:
     raise app.UsageError('--workdir is required (metrics are written there)')
-  # Simulated CPU devices must be requested before JAX starts its backends (no effect on GPU/TPU).
   try:
-    partitioning.simulate_cpu_devices(partitioning.devices_needed(config.mesh))
+    # Simulated CPU devices must be requested before JAX starts its backends (no effect on GPU/TPU).
+    needed = partitioning.devices_needed(config.mesh)
+    if needed % FLAGS.num_processes:
+      raise partitioning.ShardingError(
+          f'the mesh needs {needed} devices, which {FLAGS.num_processes} processes cannot split evenly')
+    partitioning.simulate_cpu_devices(needed // FLAGS.num_processes)
+    if FLAGS.num_processes > 1:
+      jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     train_and_evaluate(config, FLAGS.workdir, dry_run=FLAGS.dry_run)
+    if FLAGS.num_processes > 1:  # leave together: the coordinator must not shut down under a client
+      multihost_utils.sync_global_devices('shardzoo:end')
+      jax.distributed.shutdown()
   except partitioning.ShardingError as e:  # bad config: one clear message, no traceback
     raise SystemExit(f'shardzoo: sharding error: {e}') from None
 

@@ -1,6 +1,7 @@
 """Tasks: what a batch holds, its logical axes, and the loss/metrics a model is trained on."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -36,11 +37,11 @@ class LanguageModeling:
 
   @staticmethod
   def generate(graphdef: Any, params: Any, model_state: Any, prompt_BP: np.ndarray, length: int,
-               seed: int) -> jax.Array:
+               seed: int, out_sharding: Any = None) -> jax.Array:
     """Samples `length` tokens after the prompt at temperature 1 (fixed shapes: one compile)."""
     P = prompt_BP.shape[1]
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=out_sharding)
     def run(params, model_state, prompt_BP, key):
       model = nnx.merge(graphdef, params, model_state)
       tokens_BL = jnp.zeros((prompt_BP.shape[0], P + length), jnp.int32).at[:, :P].set(prompt_BP)
