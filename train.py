@@ -159,6 +159,8 @@ def main(argv) -> None:
       jax.distributed.shutdown()
   except partitioning.ShardingError as e:  # bad config: one clear message, no traceback
     raise SystemExit(f'shardzoo: sharding error: {e}') from None
+  except partitioning.ConfigError as e:
+    raise SystemExit(f'shardzoo: config error: {e}') from None
 
 
 if __name__ == '__main__':

@@ -13,6 +13,7 @@ import numpy as np
 
 from data.markov import MarkovLanguage
 from data.pipeline import eval_batches, to_global, train_dataset
+from partitioning import ConfigError
 
 __all__ = ['Dataset', 'MarkovLanguage', 'build', 'eval_batches', 'lm_example', 'to_global', 'train_dataset']
 
@@ -39,4 +40,4 @@ def build(cfg: ml_collections.ConfigDict) -> Dataset:
     return Dataset(train=lang.sample(cfg.num_train, n, seed=cfg.seed + 1),
                    eval=lang.sample(cfg.num_eval, n, seed=cfg.seed + 2),
                    transform=lm_example, language=lang)
-  raise ValueError(f"config.dataset.name={cfg.name!r} is not a known dataset; known: ['markov']")
+  raise ConfigError(f"config.dataset.name={cfg.name!r} is not a known dataset; known: ['markov']")

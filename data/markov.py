@@ -12,6 +12,8 @@ import functools
 
 import numpy as np
 
+from partitioning import ConfigError
+
 ALPHABET = 'abcdefghijklmnopqrstuvwxyz0123456789'
 
 
@@ -24,9 +26,9 @@ class MarkovLanguage:
 
   def __post_init__(self):
     if not 2 <= self.vocab_size <= len(ALPHABET):
-      raise ValueError(f'markov vocab_size={self.vocab_size} must be in [2, {len(ALPHABET)}]')
+      raise ConfigError(f'config.dataset.vocab_size={self.vocab_size} must be in [2, {len(ALPHABET)}]')
     if not 1 <= self.branching <= self.vocab_size:
-      raise ValueError(f'markov branching={self.branching} must be in [1, vocab_size={self.vocab_size}]')
+      raise ConfigError(f'config.dataset.branching={self.branching} must be in [1, vocab_size={self.vocab_size}]')
 
   @functools.cached_property
   def transitions(self) -> np.ndarray:

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from partitioning import ConfigError
+
 
 def _check_rows(rows: slice, global_batch: int) -> int:
   local = rows.stop - rows.start
@@ -31,7 +33,7 @@ def train_dataset(source: Any, global_batch: int, rows: slice, seed: int,
   """
   local = _check_rows(rows, global_batch)
   if len(source) < global_batch:
-    raise ValueError(f'the training split has {len(source)} examples, fewer than one global batch ({global_batch})')
+    raise ConfigError(f'the training split has {len(source)} examples, fewer than one global batch ({global_batch})')
   ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
   ds = ds.batch(local, drop_remainder=True)[rows.start // local::global_batch // local]
   ds = ds.map(transform)

@@ -23,6 +23,7 @@ import ml_collections
 from flax import nnx
 
 from models import gpt
+from partitioning import ConfigError
 
 MODELS: dict[str, Callable[..., nnx.Module]] = {
     'gpt': gpt.GPT,
@@ -31,5 +32,5 @@ MODELS: dict[str, Callable[..., nnx.Module]] = {
 
 def create(cfg: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
   if cfg.name not in MODELS:
-    raise ValueError(f'config.model.name={cfg.name!r} is not a known model; known: {sorted(MODELS)}')
+    raise ConfigError(f'config.model.name={cfg.name!r} is not a known model; known: {sorted(MODELS)}')
   return MODELS[cfg.name](cfg, rngs=rngs)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from partitioning import shard_logical
+from partitioning import ConfigError, shard_logical
 
 Initializer = Callable[..., jax.Array]
 
@@ -76,7 +76,7 @@ class Attention(nnx.Module):
   def __init__(self, dim: int, num_heads: int, *, out_init_scale: float = 1.0, use_bias: bool = True,
                dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     if dim % num_heads:
-      raise ValueError(f'embed_dim {dim} is not divisible by num_heads {num_heads}')
+      raise ConfigError(f'embed_dim {dim} is not divisible by num_heads {num_heads}')
     k = dim // num_heads
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     bias = ('heads', 'kv') if use_bias else None

@@ -16,7 +16,11 @@ LogicalAxes = tuple[str | None, ...]
 MeshAxes = tuple[str, ...]
 
 
-class ShardingError(ValueError):
+class ConfigError(ValueError):
+  """A bad config value, found before anything compiles. The message names the culprit."""
+
+
+class ShardingError(ConfigError):
   """A sharding problem found before compilation. The first line names the culprit."""
 
 

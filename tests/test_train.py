@@ -56,6 +56,23 @@ def test_cli_dry_run_on_one_device():
 
 
 @pytest.mark.slow
+def test_cli_preset_switches_strategy():
+  r = _cli('--dry_run', '--config', 'configs/default.py:tp')
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "mesh: {'data': 2, 'fsdp': 1, 'tensor': 4} on 8 cpu devices" in r.stdout
+  row = next(line for line in r.stdout.splitlines() if line.startswith('blocks/0/mlp/up/layer/kernel'))
+  assert "P(None, 'tensor')" in row and '64.00 KiB' in row  # 128x512 f32 = 256 KiB over tensor=4
+
+
+@pytest.mark.slow
+def test_cli_bad_model_name_is_one_clear_error():
+  r = _cli('--dry_run', '--config.model.name=gtp')
+  assert r.returncode == 1
+  assert r.stderr.strip().splitlines()[-1] == (
+      "shardzoo: config error: config.model.name='gtp' is not a known model; known: ['gpt']")
+
+
+@pytest.mark.slow
 def test_cli_bad_batch_is_one_clear_error():
   r = _cli('--dry_run', '--config.batch_size=6')
   assert r.returncode == 1

@@ -120,3 +120,17 @@ def test_opt_state_leaf_that_mirrors_no_param():
   opt = {'factored_row': jax.ShapeDtypeStruct((4,), jnp.float32)}
   with pytest.raises(ShardingError, match=r"optimizer state 'factored_row' of shape \(4,\) mirrors no parameter"):
     partitioning.opt_state_axes(opt, params, {'w': ('embed', 'mlp')})
+
+
+@pytest.mark.parametrize('field, value, msg', [
+    ('dataset.vocab_size', 20, r'config.dataset.vocab_size=20 exceeds config.model.vocab_size=16'),
+    ('dataset.seq_len', 32, r'config.dataset.seq_len=32 exceeds config.model.max_len=16'),
+    ('optim.name', 'adam', r"config.optim.name='adam' is not known"),
+    ('task', 'translate', r"config.task='translate' is not a known task"),
+])
+def test_config_errors_name_the_field(field, value, msg):
+  cfg = tiny_config()
+  section, _, key = field.rpartition('.')
+  (cfg[section] if section else cfg)[key] = value
+  with pytest.raises(partitioning.ConfigError, match=msg):
+    build(cfg)

@@ -5,6 +5,8 @@ import jax
 import ml_collections
 import optax
 
+from partitioning import ConfigError
+
 
 def make_schedule(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
   """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `total_steps`."""
@@ -23,6 +25,6 @@ def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int) -> tuple[op
   elif cfg.name == 'sgd':
     opt = optax.sgd(schedule, momentum=cfg.get('momentum', 0.9) or None)
   else:
-    raise ValueError(f"config.optim.name={cfg.name!r} is not known; known: ['adamw', 'sgd']")
+    raise ConfigError(f"config.optim.name={cfg.name!r} is not known; known: ['adamw', 'sgd']")
   chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
   return optax.chain(*chain, opt), schedule

@@ -10,6 +10,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from partitioning import ConfigError
+
 Metrics = dict[str, jax.Array]
 
 
@@ -60,5 +62,5 @@ TASKS = {'lm': LanguageModeling}
 
 def get(name: str):
   if name not in TASKS:
-    raise ValueError(f'config.task={name!r} is not a known task; known: {sorted(TASKS)}')
+    raise ConfigError(f'config.task={name!r} is not a known task; known: {sorted(TASKS)}')
   return TASKS[name]()

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import partitioning
-from partitioning import AxisRules
+from partitioning import AxisRules, ConfigError
 from training import optim, tasks
 
 
@@ -108,9 +108,12 @@ def config_example_shapes(config: ml_collections.ConfigDict) -> dict[str, tuple[
   if config.task == 'lm':
     L = config.dataset.seq_len
     if L > config.model.max_len:
-      raise ValueError(f'config.dataset.seq_len={L} exceeds config.model.max_len={config.model.max_len}')
+      raise ConfigError(f'config.dataset.seq_len={L} exceeds config.model.max_len={config.model.max_len}')
+    if config.dataset.vocab_size > config.model.vocab_size:
+      raise ConfigError(f'config.dataset.vocab_size={config.dataset.vocab_size} exceeds '
+                        f'config.model.vocab_size={config.model.vocab_size}: token ids would fall outside the embedding')
     return {'inputs': ((L,), jnp.int32), 'targets': ((L,), jnp.int32), 'mask': ((L,), jnp.float32)}
-  raise ValueError(f'no batch layout for task {config.task!r}')
+  raise ConfigError(f'no batch layout for task {config.task!r}')
 
 
 def jit_init(trainer: Trainer, seed: int | None = None):
