@@ -114,12 +114,13 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
           f"{trainer.task.unit}/s | input wait {100 * logged['input_wait_fraction']:.1f}%")
       pending, wait_s, t_last, step_last, result['train'] = [], 0.0, time.perf_counter(), step, logged
     if step % config.eval_every == 0 or step == config.total_steps:
+      t_eval = time.perf_counter()
       ev = evaluate(eval_step, state, ds, trainer, rows)
       writer.write_scalars(step, {f'eval/{k}': v for k, v in ev.items() if k != 'weight'})
       gap = f' (floor {floor:.4f}, gap {ev["loss"] - floor:+.4f})' if ds.language is not None else ''
       say(f"eval @ {step:5d} | loss {ev['loss']:.4f}{gap} | acc {ev['accuracy']:.3f}")
       result['eval'] = ev
-      t_last = time.perf_counter()  # eval time is not train time
+      t_last += time.perf_counter() - t_eval  # eval time is not train time
   writer.flush()
 
   # --- Sample -----------------------------------------------------------------------------------

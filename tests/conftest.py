@@ -8,7 +8,9 @@ import jax  # noqa: E402
 import ml_collections  # noqa: E402
 import pytest  # noqa: E402
 
-jax.config.update('jax_num_cpu_devices', 8)
+import partitioning  # noqa: E402
+
+partitioning.simulate_cpu_devices(8)
 
 from configs import default  # noqa: E402
 
