@@ -23,6 +23,17 @@ class LanguageModeling:
   unit_field = 'targets'
 
   @staticmethod
+  def example_shapes(config: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Per-example shape and dtype of each batch field, from the config alone (no data loaded)."""
+    L = config.dataset.seq_len
+    if L > config.model.max_len:
+      raise ConfigError(f'config.dataset.seq_len={L} exceeds config.model.max_len={config.model.max_len}')
+    if config.dataset.vocab_size > config.model.vocab_size:
+      raise ConfigError(f'config.dataset.vocab_size={config.dataset.vocab_size} exceeds '
+                        f'config.model.vocab_size={config.model.vocab_size}: token ids would fall outside the embedding')
+    return {k: ((L,), jnp.float32 if k == 'mask' else jnp.int32) for k in LanguageModeling.batch_axes}
+
+  @staticmethod
   def metric_sums(model: Any, batch: dict[str, jax.Array]) -> Metrics:
     """Sums over the batch (so eval over many batches is exact): loss, correct, weight."""
     logits_BLV = model(batch['inputs']).astype(jnp.float32)

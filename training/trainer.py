@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import partitioning
-from partitioning import AxisRules, ConfigError
+from partitioning import AxisRules
 from training import optim, tasks
 
 
@@ -80,7 +80,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   abs_model = nnx.eval_shape(lambda: make_model(nnx.Rngs(config.seed)))
   graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
   param_axes, rest_axes = partitioning.nnx_logical_axes(abs_params), partitioning.nnx_logical_axes(abs_rest)
-  _, param_shapes, rest_shapes = _split(abs_model)
+  param_shapes, rest_shapes = nnx.to_pure_dict(abs_params), nnx.to_pure_dict(abs_rest)
   tx, schedule = optim.make_optimizer(config.optim, config.total_steps)
   opt_shapes = jax.eval_shape(tx.init, param_shapes)
   opt_axes = partitioning.opt_state_axes(opt_shapes, param_shapes, param_axes)
@@ -96,24 +96,11 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   B = config.batch_size
   partitioning.check_batch(B, rules.spec(('batch',), what="logical axis 'batch'"), mesh.shape)
   batch_abstract = {k: jax.ShapeDtypeStruct((B,) + tuple(shape), dtype)
-                    for k, (shape, dtype) in config_example_shapes(config).items()}
+                    for k, (shape, dtype) in task.example_shapes(config).items()}
   batch_specs = resolve(batch_abstract, {k: task.batch_axes[k] for k in batch_abstract}, 'batch field')
   return Trainer(config, mesh, rules, task, make_model, graphdef, tx, schedule, abstract, axes, specs,
                  partitioning.named_shardings(specs, mesh), batch_abstract,
                  partitioning.named_shardings(batch_specs, mesh), seen)
-
-
-def config_example_shapes(config: ml_collections.ConfigDict) -> dict[str, tuple[tuple[int, ...], Any]]:
-  """Per-example shapes of the batch fields, from the config alone (no data loaded)."""
-  if config.task == 'lm':
-    L = config.dataset.seq_len
-    if L > config.model.max_len:
-      raise ConfigError(f'config.dataset.seq_len={L} exceeds config.model.max_len={config.model.max_len}')
-    if config.dataset.vocab_size > config.model.vocab_size:
-      raise ConfigError(f'config.dataset.vocab_size={config.dataset.vocab_size} exceeds '
-                        f'config.model.vocab_size={config.model.vocab_size}: token ids would fall outside the embedding')
-    return {'inputs': ((L,), jnp.int32), 'targets': ((L,), jnp.int32), 'mask': ((L,), jnp.float32)}
-  raise ConfigError(f'no batch layout for task {config.task!r}')
 
 
 def jit_init(trainer: Trainer, seed: int | None = None):
