@@ -129,6 +129,8 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
         loss, metrics = task.loss(model, batch)
         return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
       (_, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+      # Gradients live where their parameters live (a reduce-scatter under FSDP, not an all-reduce).
+      grads = partitioning.shard(grads, trainer.shardings.params)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     metrics = {**metrics, 'grad_norm': optax.global_norm(grads), 'lr': schedule(state.step)}
