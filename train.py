@@ -73,10 +73,8 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
   # --- Compile once (ahead of time), then create the state directly in its shardings ------------
   t0 = time.perf_counter()
   train_step, eval_step = training.compile_step(trainer, train_step), training.compile_step(trainer, eval_step)
-  mem = train_step.memory_analysis()
   say(f'compiled train+eval steps in {time.perf_counter() - t0:.1f}s; train step per device: '
-      f'arguments {partitioning.fmt_bytes(mem.argument_size_in_bytes)}, '
-      f'temporaries {partitioning.fmt_bytes(mem.temp_size_in_bytes)}')
+      f'{partitioning.audit(train_step)}')
   state = training.init_state(trainer)
 
   # --- Input pipeline: each process reads only its rows of every global batch -------------------
