@@ -56,10 +56,9 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
 
   # --- Model, optimizer and their shardings (validated; nothing allocated yet) ------------------
   trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs))
-  train_step = training.jit_train_step(trainer)
-  eval_step = training.jit_eval_step(trainer)
-  training.trace(trainer, train_step)  # validates every activation constraint before compiling
-  training.trace(trainer, eval_step)
+  # Tracing runs the model code on abstract inputs: every activation constraint is validated here.
+  traced_train = training.trace(trainer, training.jit_train_step(trainer))
+  traced_eval = training.trace(trainer, training.jit_eval_step(trainer))
 
   # --- Sharding table ---------------------------------------------------------------------------
   say(partitioning.sharding_table(trainer.abstract.params, trainer.axes.params, trainer.specs.params,
@@ -72,7 +71,7 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
 
   # --- Compile once (ahead of time), then create the state directly in its shardings ------------
   t0 = time.perf_counter()
-  train_step, eval_step = training.compile_step(trainer, train_step), training.compile_step(trainer, eval_step)
+  train_step, eval_step = traced_train.lower().compile(), traced_eval.lower().compile()
   say(f'compiled train+eval steps in {time.perf_counter() - t0:.1f}s; train step per device: '
       f'{partitioning.audit(train_step)}')
   state = training.init_state(trainer)

@@ -129,7 +129,7 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
         loss, metrics = task.loss(model, batch)
         return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
       (_, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-      # Gradients live where their parameters live (a reduce-scatter under FSDP, not an all-reduce).
+      # Gradients live where their parameters live (lets XLA reduce-scatter them under FSDP).
       grads = partitioning.shard(grads, trainer.shardings.params)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
