@@ -14,6 +14,7 @@ from flax import nnx
 from partitioning import ConfigError, shard_logical
 
 Initializer = Callable[..., jax.Array]
+NORMAL_002 = nnx.initializers.normal(0.02)  # GPT-2's initialiser for kernels and embeddings
 
 
 def axes(*names: str) -> Mapping[str, Any]:
@@ -25,7 +26,7 @@ class Dense(nnx.Module):
   """y = einsum(x, kernel) + bias over named axes, e.g. Dense('bld,dhk->blhk', (D,H,K), ('embed','heads','kv'))."""
 
   def __init__(self, einsum: str, kernel_shape: Sequence[int], kernel_axes: Sequence[str], *,
-               bias_axes: Sequence[str] | None = None, kernel_init: Initializer = nnx.initializers.normal(0.02),
+               bias_axes: Sequence[str] | None = None, kernel_init: Initializer = NORMAL_002,
                dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     bias_shape = None
     if bias_axes is not None:

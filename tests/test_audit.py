@@ -1,6 +1,4 @@
 """The compiled-step audit: collectives parsed from HLO, and what each preset's rules imply."""
-import pytest
-
 import models
 import partitioning
 import training

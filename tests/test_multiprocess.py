@@ -39,7 +39,7 @@ def test_two_processes_match_one(tmp_path):
        f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
       cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
   outs = [p.communicate(timeout=300) for p in procs]
-  for p, (out, err) in zip(procs, outs):
+  for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
   assert 'on 8 cpu devices, 2 process(es)' in outs[0][0]
   assert _losses(outs[1][0]) == [] and 'parameter' not in outs[1][0]  # only process 0 reports
