@@ -56,7 +56,7 @@ class Embed(nnx.Module):
   def __init__(self, vocab: int, dim: int, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
                rngs: nnx.Rngs):
     self.embed = nnx.Embed(vocab, dim, dtype=dtype, param_dtype=param_dtype,
-                           embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+                           embedding_init=NORMAL_002, rngs=rngs,
                            embedding_metadata=axes('vocab', 'embed'))
     self.dtype = dtype
 
