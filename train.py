@@ -45,7 +45,7 @@ def evaluate(eval_step, state, ds, trainer, rows) -> dict[str, float]:
           for local in data.eval_batches(ds.eval, trainer.config.batch_size, rows, ds.transform)]
   totals = {k: sum(float(s[k]) for s in jax.device_get(sums)) for k in sums[0]}
   w = totals['weight']
-  return {'loss': float(totals['loss_sum']) / w, 'accuracy': float(totals['correct_sum']) / w, 'weight': w}
+  return {'loss': totals['loss_sum'] / w, 'accuracy': totals['correct_sum'] / w, 'weight': w}
 
 
 def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> dict[str, Any]:

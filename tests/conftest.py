@@ -1,4 +1,5 @@
 """Tests run on 8 simulated CPU devices (set before JAX starts its backends)."""
+import contextlib
 import os
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -12,7 +13,12 @@ import partitioning  # noqa: E402
 
 partitioning.simulate_cpu_devices(8)
 
+import models  # noqa: E402
+import training  # noqa: E402
 from configs import default  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKEND_COMPILE = '/jax/core/compile/backend_compile_duration'
 
 
 def tiny_config(preset: str = 'fsdp_tp', **overrides) -> ml_collections.ConfigDict:
@@ -30,3 +36,27 @@ def tiny_config(preset: str = 'fsdp_tp', **overrides) -> ml_collections.ConfigDi
 @pytest.fixture(scope='session', autouse=True)
 def _eight_devices():
   assert jax.device_count() == 8, f'tests need 8 simulated CPU devices, got {jax.devices()}'
+
+
+def build_trainer(cfg: ml_collections.ConfigDict, devices=None) -> training.Trainer:
+  """A Trainer for the config's model on its mesh (all 8 devices unless `devices` is given)."""
+  return training.build(cfg, partitioning.make_mesh(cfg.mesh, devices), lambda rngs: models.create(cfg.model, rngs))
+
+
+@contextlib.contextmanager
+def recorded_compile_events():
+  """Collects the names of JAX's compile events (e.g. BACKEND_COMPILE) seen inside the block."""
+  events: list[str] = []
+  listener = lambda event, duration, **kw: events.append(event)
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def subprocess_env() -> dict[str, str]:
+  """Environment for running train.py in a child process: CPU only, no inherited device flags."""
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'TF_CPP_MIN_LOG_LEVEL': '2'}
+  env.pop('XLA_FLAGS', None)
+  return env

@@ -1,8 +1,7 @@
 """The compiled-step audit: collectives parsed from HLO, and what each preset's rules imply."""
-import models
 import partitioning
 import training
-from tests.conftest import tiny_config
+from tests.conftest import build_trainer, tiny_config
 
 HLO = """
 ENTRY %main {
@@ -26,7 +25,7 @@ def test_collective_stats_parses_counts_and_bytes():
 
 def _stats(preset):
   cfg = tiny_config(preset)
-  trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh), lambda rngs: models.create(cfg.model, rngs))
+  trainer = build_trainer(cfg)
   compiled = training.compile_step(trainer, training.jit_train_step(trainer))
   return partitioning.collective_stats(compiled.as_text()), partitioning.audit(compiled)
 

@@ -5,10 +5,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import data
-import models
 import partitioning
 import training
-from tests.conftest import tiny_config
+from tests.conftest import BACKEND_COMPILE, build_trainer, recorded_compile_events, tiny_config
 
 PRESETS = ['dp', 'fsdp', 'tp', 'fsdp_tp']
 # fp32, 3 AdamW steps. Measured worst cases over the four presets: loss 4.8e-7, parameters 3.7e-6 absolute
@@ -18,8 +17,7 @@ RTOL, ATOL = 1e-5, 1e-5
 
 
 def run(cfg, devices, steps=3):
-  mesh = partitioning.make_mesh(cfg.mesh, devices)
-  trainer = training.build(cfg, mesh, lambda rngs: models.create(cfg.model, rngs))
+  trainer = build_trainer(cfg, devices)
   step = training.jit_train_step(trainer)
   state = training.init_state(trainer)
   ds = data.build(cfg.dataset)
@@ -87,23 +85,18 @@ def test_arrays_carry_the_rule_shardings():
 
 
 def test_train_step_compiles_once():
-  compiles = []
-  listener = lambda event, duration, **kw: compiles.append(event)
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with recorded_compile_events() as compiles:
     _, _, _, step = run(tiny_config('fsdp_tp'), jax.devices(), steps=5)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert step._cache_size() == 1
   # Init, the step, and nothing per step afterwards (a step-2 recompile would add one).
-  assert compiles.count('/jax/core/compile/backend_compile_duration') == 2, compiles
+  assert compiles.count(BACKEND_COMPILE) == 2, compiles
 
 
 def test_init_is_born_sharded():
   """The jitted init writes only each device's slices and never holds the full state."""
   cfg = tiny_config('fsdp_tp')
   cfg.model.update(embed_dim=128, mlp_dim=512)
-  trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh), lambda rngs: models.create(cfg.model, rngs))
+  trainer = build_trainer(cfg)
   mem = training.jit_init(trainer).lower().compile().memory_analysis()
   per_device = partitioning.tree_bytes_per_device(trainer.abstract, trainer.specs, trainer.mesh.shape)
   full_params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract.params))

@@ -1,5 +1,4 @@
 """Two processes on one machine (4 simulated CPU devices each) train exactly like one process with 8."""
-import os
 import re
 import socket
 import subprocess
@@ -7,18 +6,13 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import ROOT, subprocess_env
+
 TINY = ['--config', 'configs/default.py', '--config.model.num_layers=2', '--config.model.embed_dim=64',
         '--config.model.mlp_dim=128', '--config.model.max_len=16', '--config.dataset.seq_len=16',
         '--config.dataset.num_train=512', '--config.dataset.num_eval=100', '--config.batch_size=16',
         '--config.total_steps=6', '--config.log_every=3', '--config.eval_every=6', '--config.sample_len=4',
         '--config.optim.warmup_steps=1']
-
-
-def _env():
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'TF_CPP_MIN_LOG_LEVEL': '2'}
-  env.pop('XLA_FLAGS', None)
-  return env
 
 
 def _free_port() -> int:
@@ -37,7 +31,7 @@ def test_two_processes_match_one(tmp_path):
   procs = [subprocess.Popen(
       [sys.executable, 'train.py', *TINY, '--workdir', str(tmp_path / 'multi'),
        f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
-      cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+      cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
   outs = [p.communicate(timeout=300) for p in procs]
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
@@ -45,7 +39,7 @@ def test_two_processes_match_one(tmp_path):
   assert _losses(outs[1][0]) == [] and 'parameter' not in outs[1][0]  # only process 0 reports
 
   single = subprocess.run([sys.executable, 'train.py', *TINY, '--workdir', str(tmp_path / 'single')],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert single.returncode == 0, single.stderr[-3000:]
   assert 'on 8 cpu devices, 1 process(es)' in single.stdout
   multi_losses, single_losses = _losses(outs[0][0]), _losses(single.stdout)

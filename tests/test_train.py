@@ -1,18 +1,14 @@
 """train.py end to end: the loss falls, metrics land in the workdir, the CLI validates before compiling."""
 import glob
 import math
-import os
 import subprocess
 import sys
 
-import jax
 import pytest
 
 import data
 import train
-from tests.conftest import tiny_config
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import BACKEND_COMPILE, ROOT, recorded_compile_events, subprocess_env, tiny_config
 
 
 def test_default_config_learns(tmp_path):
@@ -20,13 +16,8 @@ def test_default_config_learns(tmp_path):
   cfg.dataset.update(num_train=8192, num_eval=250)  # 250 is not a multiple of the batch: padded eval
   cfg.update(total_steps=400, log_every=100, eval_every=200, sample_len=8)
   cfg.optim.update(lr=3e-3, warmup_steps=20)
-  compiles = []
-  listener = lambda event, duration, **kw: compiles.append(event)
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with recorded_compile_events() as compiles:
     result = train.train_and_evaluate(cfg, str(tmp_path))
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert result['eval']['weight'] == 250 * 16  # every eval token counted once, padding masked
   # Below the bigram entropy: the model uses the two-back context, which only attention provides.
   bigram = data.MarkovLanguage(16, 4, 0.03, 0).entropies()['bigram']
@@ -35,13 +26,12 @@ def test_default_config_learns(tmp_path):
   assert int(result['state'].step) == 400
   assert glob.glob(str(tmp_path / 'events.out.tfevents.*'))
   # Train step, eval step, init, and three for sampling (key, seed, loop): none per step, log or eval.
-  assert compiles.count('/jax/core/compile/backend_compile_duration') <= 6, compiles
+  assert compiles.count(BACKEND_COMPILE) <= 6, compiles
 
 
 def _cli(*args, timeout=300):
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'TF_CPP_MIN_LOG_LEVEL': '2'}
-  env.pop('XLA_FLAGS', None)
-  return subprocess.run([sys.executable, 'train.py', '--config', 'configs/default.py', *args], cwd=ROOT, env=env,
+  return subprocess.run([sys.executable, 'train.py', '--config', 'configs/default.py', *args], cwd=ROOT,
+                        env=subprocess_env(),
                         capture_output=True, text=True, timeout=timeout)
 
 

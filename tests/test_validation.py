@@ -5,17 +5,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import models
 from models.layers import axes
 import partitioning
 import training
 from partitioning import ShardingError
-from tests.conftest import tiny_config
-
-
-def build(cfg, devices=None):
-  mesh = partitioning.make_mesh(cfg.mesh, devices)
-  return training.build(cfg, mesh, lambda rngs: models.create(cfg.model, rngs))
+from tests.conftest import build_trainer, tiny_config
 
 
 def without_rule(rules, name):
@@ -26,7 +20,7 @@ def test_parameter_logical_name_without_rule():
   cfg = tiny_config(logical_axis_rules=without_rule(tiny_config().logical_axis_rules, 'mlp'))
   with pytest.raises(ShardingError, match=r"parameter 'blocks/0/mlp/down/layer/kernel'.*logical axis 'mlp' "
                                           r"\(dim 0\) has no rule; add \('mlp', <mesh axis>\)"):
-    build(cfg)
+    build_trainer(cfg)
 
 
 class ActivationOnlyName(nnx.Module):
@@ -51,14 +45,14 @@ def test_activation_logical_name_without_rule_fails_at_trace_time():
 def test_rule_naming_unknown_mesh_axis():
   cfg = tiny_config(logical_axis_rules=tiny_config().logical_axis_rules + [('vocab', 'model')])
   with pytest.raises(ShardingError, match=r"\('vocab', 'model'\) names mesh axis 'model', which is not in the mesh"):
-    build(cfg)
+    build_trainer(cfg)
 
 
 def test_mesh_product_must_match_device_count():
   cfg = tiny_config()
   cfg.mesh.data = 4
   with pytest.raises(ShardingError, match='needs 16 devices, but there are 8 cpu devices'):
-    build(cfg)
+    build_trainer(cfg)
 
 
 def test_parameter_not_divisible():
@@ -66,19 +60,19 @@ def test_parameter_not_divisible():
   cfg.model.mlp_dim = 129  # 'mlp' is sharded over tensor=2
   with pytest.raises(ShardingError, match=r"parameter 'blocks/0/mlp/down/layer/kernel': dim 0 \('mlp'\) has size "
                                           r"129, not divisible by mesh axes tensor=2 = 2"):
-    build(cfg)
+    build_trainer(cfg)
 
 
 def test_global_batch_not_divisible():
   with pytest.raises(ShardingError, match=r"global batch size 6 is not divisible by the mesh axes of logical axis "
                                           r"'batch' \(data=2 x fsdp=2 = 4\)"):
-    build(tiny_config(batch_size=6))
+    build_trainer(tiny_config(batch_size=6))
 
 
 def test_unused_rule_and_unused_mesh_axis_warnings():
   cfg = tiny_config('dp', logical_axis_rules=tiny_config('dp').logical_axis_rules + [('expert', None)])
   cfg.mesh.update(data=2, fsdp=1, tensor=4)  # tensor is in no dp rule: 4x duplicated work
-  trainer = build(cfg)
+  trainer = build_trainer(cfg)
   training.trace(trainer, training.jit_train_step(trainer))
   warnings = trainer.warnings()
   assert any("('expert', None) is used by no parameter or activation" in w for w in warnings), warnings
@@ -87,7 +81,7 @@ def test_unused_rule_and_unused_mesh_axis_warnings():
 
 
 def test_default_config_has_no_warnings():
-  trainer = build(tiny_config())
+  trainer = build_trainer(tiny_config())
   training.trace(trainer, training.jit_train_step(trainer))
   assert trainer.warnings() == []
 
@@ -107,7 +101,7 @@ def test_unnamed_parameter_is_rejected():
 
 
 def test_optimizer_state_follows_params():
-  trainer = build(tiny_config())
+  trainer = build_trainer(tiny_config())
   adam = trainer.specs.opt_state[1][0]
   assert adam.mu == trainer.specs.params and adam.nu == trainer.specs.params
   assert adam.count == P()
@@ -133,4 +127,4 @@ def test_config_errors_name_the_field(field, value, msg):
   section, _, key = field.rpartition('.')
   (cfg[section] if section else cfg)[key] = value
   with pytest.raises(partitioning.ConfigError, match=msg):
-    build(cfg)
+    build_trainer(cfg)
