@@ -18,23 +18,24 @@ import ml_collections
 RULES = {
     'dp': [
         ('batch', 'data'),
-        ('length', None), ('embed', None), ('mlp', None), ('heads', None), ('kv', None),
+        ('length', None), ('embed', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('kv', None),
         ('vocab', None), ('norm', None),
     ],
     'fsdp': [
         ('batch', ('data', 'fsdp')),
         ('embed', 'fsdp'), ('embed', None),  # params sharded on embed; activations fall back to None
-        ('length', None), ('mlp', None), ('heads', None), ('kv', None), ('vocab', None), ('norm', None),
+        ('length', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('kv', None), ('vocab', None),
+        ('norm', None),
     ],
     'tp': [
         ('batch', 'data'),
-        ('mlp', 'tensor'), ('heads', 'tensor'), ('vocab', 'tensor'),
+        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
         ('length', None), ('embed', None), ('kv', None), ('norm', None),
     ],
     'fsdp_tp': [
         ('batch', ('data', 'fsdp')),
         ('embed', 'fsdp'), ('embed', None),
-        ('mlp', 'tensor'), ('heads', 'tensor'), ('vocab', 'tensor'),
+        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
         ('length', None), ('kv', None), ('norm', None),
     ],
 }
@@ -58,7 +59,7 @@ def get_config(preset: str = 'fsdp_tp') -> ml_collections.ConfigDict:
   c.logical_axis_rules = RULES[preset]
 
   c.model = ml_collections.ConfigDict(dict(
-      name='gpt', vocab_size=16, max_len=64, num_layers=4, num_heads=4, embed_dim=128, mlp_dim=512,
+      name='gpt2', vocab_size=16, max_len=64, num_layers=4, num_heads=4, embed_dim=128, mlp_dim=512,
       norm_eps=1e-5, dtype='float32', param_dtype='float32'))
   c.dataset = ml_collections.ConfigDict(dict(
       name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64,

@@ -1,19 +1,32 @@
 """The model zoo. Models name logical axes only; `partitioning` maps them to mesh axes via config rules.
 
-Logical-axis vocabulary (one set of names across the zoo):
+Logical-axis vocabulary (one set of names across the zoo; every config's rules cover the names
+its model uses, and a name without a rule is an error, never a silent replication):
 
-| name     | meaning                                               | typical rule           |
-|----------|-------------------------------------------------------|------------------------|
-| batch    | examples in a batch (activations)                     | ('data', 'fsdp')       |
-| length   | sequence positions (activations; position table rows) | None (or 'sequence')   |
-| embed    | model width d_model (params and activations)          | 'fsdp', fallback None  |
-| mlp      | feed-forward hidden width                             | 'tensor'               |
-| heads    | attention heads                                       | 'tensor'               |
-| kv       | width of one attention head                           | None                   |
-| vocab    | vocabulary entries (embedding rows, logits)           | 'tensor'               |
-| norm     | LayerNorm/RMSNorm scale and bias                      | None                   |
+| name       | meaning                                                        | typical rule            |
+|------------|----------------------------------------------------------------|-------------------------|
+| batch      | examples in a batch (activations, batch fields)                | ('data', 'fsdp')        |
+| length     | sequence positions (activations; position-table rows)          | None (or 'sequence')    |
+| embed      | model width d_model (params and activations)                   | 'fsdp', fallback None   |
+| mlp        | feed-forward hidden width                                      | 'tensor'                |
+| heads      | query attention heads                                          | 'tensor'                |
+| kv_heads   | key/value heads (fewer than heads under grouped-query attn)    | 'tensor', fallback None |
+| kv         | width of one attention head                                    | None                    |
+| vocab      | vocabulary entries (embedding rows, logits)                    | 'tensor'                |
+| norm       | LayerNorm/RMSNorm/BatchNorm scale, bias and statistics         | None                    |
+| layers     | the stacked-layer axis of scanned blocks (`scan_layers=True`)  | None                    |
+| expert     | experts of a mixture-of-experts layer                          | 'expert'                |
+| classes    | classifier outputs                                             | None                    |
+| height     | image rows (activations)                                       | None                    |
+| width      | image columns (activations)                                    | None                    |
+| channels   | input image channels                                           | None                    |
+| conv_in    | input features of a convolution kernel                         | None or 'fsdp'          |
+| conv_out   | output features of a convolution kernel (and its activations)  | None or 'tensor'        |
+| patch      | flattened patch pixels (ViT patch embedding input)             | None                    |
 
-A model is chosen by `config.model.name`; `create(config.model, rngs)` builds it.
+A model is chosen by `config.model.name`; `create(config.model, rngs)` builds it. Compute dtype and
+parameter dtype come from `config.model.dtype` / `config.model.param_dtype` (e.g. bfloat16 compute
+with float32 parameters); logits are always float32.
 """
 from __future__ import annotations
 
@@ -22,11 +35,11 @@ from collections.abc import Callable
 import ml_collections
 from flax import nnx
 
-from models import gpt
+from models import gpt2
 from partitioning import ConfigError
 
 MODELS: dict[str, Callable[..., nnx.Module]] = {
-    'gpt': gpt.GPT,
+    'gpt2': gpt2.GPT2,
 }
 
 

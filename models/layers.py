@@ -51,13 +51,19 @@ class LayerNorm(nnx.LayerNorm):
 
 
 class Embed(nnx.Module):
-  """Token embedding ('vocab', 'embed'); `attend` gives float32 logits (tied output head)."""
+  """Token embedding ('vocab', 'embed'); `attend` gives float32 logits (tied output head).
 
-  def __init__(self, vocab: int, dim: int, *, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-               rngs: nnx.Rngs):
-    self.embed = nnx.Embed(vocab, dim, dtype=dtype, param_dtype=param_dtype,
-                           embedding_init=NORMAL_002, rngs=rngs,
+  `pad_to` rounds the table's rows up to a multiple (e.g. 128, so 'vocab' can be sharded: GPT-2's
+  50257 is prime to every mesh size); padded rows are never looked up and their logits are masked.
+  """
+
+  def __init__(self, vocab: int, dim: int, *, pad_to: int = 1, embedding_init: Initializer = NORMAL_002,
+               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    rows = -(-vocab // pad_to) * pad_to
+    self.embed = nnx.Embed(rows, dim, dtype=dtype, param_dtype=param_dtype,
+                           embedding_init=embedding_init, rngs=rngs,
                            embedding_metadata=axes('vocab', 'embed'))
+    self.vocab_size = vocab
     self.dtype = dtype
 
   def __call__(self, tokens_BL: jax.Array) -> jax.Array:
@@ -68,48 +74,189 @@ class Embed(nnx.Module):
 
   def attend(self, x_BLD: jax.Array) -> jax.Array:
     w_VD = self.embed.embedding[...].astype(self.dtype)
-    return jnp.einsum('bld,vd->blv', x_BLD.astype(self.dtype), w_VD, preferred_element_type=jnp.float32)
+    logits_BLV = jnp.einsum('bld,vd->blv', x_BLD.astype(self.dtype), w_VD, preferred_element_type=jnp.float32)
+    return mask_padded_vocab(logits_BLV, self.vocab_size)
+
+
+def mask_padded_vocab(logits_BLV: jax.Array, vocab: int) -> jax.Array:
+  """Padded vocabulary rows get -1e9 logits: no probability mass, no gradient."""
+  if logits_BLV.shape[-1] == vocab:
+    return logits_BLV
+  return jnp.where(jnp.arange(logits_BLV.shape[-1]) < vocab, logits_BLV, -1e9)
+
+
+def rope(x_BLHK: jax.Array, positions_BL: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding in the Hugging Face convention (rotate_half: pairs dims i and i + K/2)."""
+  K = x_BLHK.shape[-1]
+  inv_freq_k = 1.0 / (theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K))
+  angles_BLk = positions_BL.astype(jnp.float32)[..., None] * inv_freq_k
+  angles_BLK = jnp.concatenate([angles_BLk, angles_BLk], axis=-1)[:, :, None, :]
+  x = x_BLHK.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x * jnp.cos(angles_BLK) + rotated * jnp.sin(angles_BLK)).astype(x_BLHK.dtype)
+
+
+def attention_mask(*, causal: bool, length: int, segment_ids_BL: jax.Array | None = None,
+                   valid_BL: jax.Array | None = None) -> jax.Array | None:
+  """Boolean (B|1, 1, L, L) mask: True = may attend. Combines causality, packed documents
+  (segment ids: attend only within the same segment) and padding (valid: 1 = real key)."""
+  mask = None
+  if causal:
+    mask = jnp.tril(jnp.ones((length, length), bool))[None, None]
+  if segment_ids_BL is not None:
+    same = segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :]
+    mask = same if mask is None else mask & same
+  if valid_BL is not None:
+    keys = valid_BL.astype(bool)[:, None, None, :]
+    mask = keys if mask is None else mask & keys
+  return mask
 
 
 class Attention(nnx.Module):
-  """Multi-head self-attention with (embed, heads, kv) projections."""
+  """Multi-head self-attention; grouped-query when num_kv_heads < num_heads; optional rotary.
 
-  def __init__(self, dim: int, num_heads: int, *, out_init_scale: float = 1.0, use_bias: bool = True,
+  Projections: query (embed, heads, kv), key/value (embed, kv_heads, kv), out (heads, kv, embed).
+  """
+
+  def __init__(self, dim: int, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
+               use_bias: bool = True, out_bias: bool | None = None, rope_theta: float | None = None,
+               out_init_scale: float = 1.0, kernel_init: Initializer = NORMAL_002,
                dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-    if dim % num_heads:
-      raise ConfigError(f'embed_dim {dim} is not divisible by num_heads {num_heads}')
-    k = dim // num_heads
-    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    bias = ('heads', 'kv') if use_bias else None
-    self.query = Dense('bld,dhk->blhk', (dim, num_heads, k), ('embed', 'heads', 'kv'), bias_axes=bias, **kw)
-    self.key = Dense('bld,dhk->blhk', (dim, num_heads, k), ('embed', 'heads', 'kv'), bias_axes=bias, **kw)
-    self.value = Dense('bld,dhk->blhk', (dim, num_heads, k), ('embed', 'heads', 'kv'), bias_axes=bias, **kw)
-    self.out = Dense('blhk,hkd->bld', (num_heads, k, dim), ('heads', 'kv', 'embed'),
-                     bias_axes=('embed',) if use_bias else None,
-                     kernel_init=nnx.initializers.normal(0.02 * out_init_scale), **kw)
+    num_kv_heads = num_kv_heads or num_heads
+    if head_dim is None:
+      if dim % num_heads:
+        raise ConfigError(f'embed_dim {dim} is not divisible by num_heads {num_heads}')
+      head_dim = dim // num_heads
+    if num_heads % num_kv_heads:
+      raise ConfigError(f'num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}')
+    if rope_theta is not None and head_dim % 2:
+      raise ConfigError(f'rotary embeddings need an even head_dim, got {head_dim}')
+    K = head_dim
+    kw = dict(dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
+    q_bias = ('heads', 'kv') if use_bias else None
+    kv_bias = ('kv_heads', 'kv') if use_bias else None
+    self.query = Dense('bld,dhk->blhk', (dim, num_heads, K), ('embed', 'heads', 'kv'), bias_axes=q_bias, **kw)
+    self.key = Dense('bld,dhk->blhk', (dim, num_kv_heads, K), ('embed', 'kv_heads', 'kv'), bias_axes=kv_bias, **kw)
+    self.value = Dense('bld,dhk->blhk', (dim, num_kv_heads, K), ('embed', 'kv_heads', 'kv'), bias_axes=kv_bias,
+                       **kw)
+    kw['kernel_init'] = _scaled(kernel_init, out_init_scale)
+    self.out = Dense('blhk,hkd->bld', (num_heads, K, dim), ('heads', 'kv', 'embed'),
+                     bias_axes=('embed',) if (use_bias if out_bias is None else out_bias) else None, **kw)
+    self.rope_theta = rope_theta
 
-  def __call__(self, x_BLD: jax.Array, *, causal: bool) -> jax.Array:
-    names = ('batch', 'length', 'heads', 'kv')
-    q_BLHK = shard_logical(self.query(x_BLD), names)
-    k_BLHK = shard_logical(self.key(x_BLD), names)
-    v_BLHK = shard_logical(self.value(x_BLD), names)
-    o_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLHK, v_BLHK, is_causal=causal)
-    o_BLHK = shard_logical(o_BLHK, names)
+  def __call__(self, x_BLD: jax.Array, *, causal: bool, positions_BL: jax.Array | None = None,
+               segment_ids_BL: jax.Array | None = None, valid_BL: jax.Array | None = None) -> jax.Array:
+    q_BLHK = shard_logical(self.query(x_BLD), ('batch', 'length', 'heads', 'kv'))
+    k_BLGK = shard_logical(self.key(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
+    v_BLGK = shard_logical(self.value(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
+    if self.rope_theta is not None:
+      if positions_BL is None:
+        positions_BL = jnp.arange(x_BLD.shape[1])[None]
+      q_BLHK = rope(q_BLHK, positions_BL, self.rope_theta)
+      k_BLGK = rope(k_BLGK, positions_BL, self.rope_theta)
+    mask = attention_mask(causal=causal, length=x_BLD.shape[1], segment_ids_BL=segment_ids_BL, valid_BL=valid_BL)
+    # jax.nn.dot_product_attention computes the softmax in float32 and handles grouped kv heads.
+    o_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask)
+    o_BLHK = shard_logical(o_BLHK, ('batch', 'length', 'heads', 'kv'))
     return self.out(o_BLHK)
+
+
+def _scaled(init: Initializer, scale: float) -> Initializer:
+  if scale == 1.0:
+    return init
+  return lambda key, shape, dtype=jnp.float32: init(key, shape, dtype) * jnp.asarray(scale, dtype)
 
 
 class MLP(nnx.Module):
   """Two-layer feed-forward block, D -> F -> D."""
 
   def __init__(self, dim: int, hidden: int, *, activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
-               out_init_scale: float = 1.0, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-               rngs: nnx.Rngs):
+               use_bias: bool = True, out_init_scale: float = 1.0, kernel_init: Initializer = NORMAL_002,
+               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.up = Dense('bld,df->blf', (dim, hidden), ('embed', 'mlp'), bias_axes=('mlp',), **kw)
-    self.down = Dense('blf,fd->bld', (hidden, dim), ('mlp', 'embed'), bias_axes=('embed',),
-                      kernel_init=nnx.initializers.normal(0.02 * out_init_scale), **kw)
+    self.up = Dense('bld,df->blf', (dim, hidden), ('embed', 'mlp'), bias_axes=('mlp',) if use_bias else None,
+                    kernel_init=kernel_init, **kw)
+    self.down = Dense('blf,fd->bld', (hidden, dim), ('mlp', 'embed'), bias_axes=('embed',) if use_bias else None,
+                      kernel_init=_scaled(kernel_init, out_init_scale), **kw)
     self.activation = activation
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     h_BLF = shard_logical(self.activation(self.up(x_BLD)), ('batch', 'length', 'mlp'))
     return self.down(h_BLF)
+
+
+class GatedMLP(nnx.Module):
+  """SwiGLU feed-forward (Llama): down(silu(gate(x)) * up(x)), no biases."""
+
+  def __init__(self, dim: int, hidden: int, *, activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+               out_init_scale: float = 1.0, kernel_init: Initializer = NORMAL_002,
+               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.gate = Dense('bld,df->blf', (dim, hidden), ('embed', 'mlp'), kernel_init=kernel_init, **kw)
+    self.up = Dense('bld,df->blf', (dim, hidden), ('embed', 'mlp'), kernel_init=kernel_init, **kw)
+    self.down = Dense('blf,fd->bld', (hidden, dim), ('mlp', 'embed'),
+                      kernel_init=_scaled(kernel_init, out_init_scale), **kw)
+    self.activation = activation
+
+  def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    h_BLF = shard_logical(self.activation(self.gate(x_BLD)) * self.up(x_BLD), ('batch', 'length', 'mlp'))
+    return self.down(h_BLF)
+
+
+class RMSNorm(nnx.RMSNorm):
+  """x / rms(x) * scale, computed in float32 (as Llama does), cast back to the compute dtype."""
+
+  def __init__(self, dim: int, *, eps: float = 1e-6, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+               rngs: nnx.Rngs):
+    super().__init__(dim, epsilon=eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
+                     scale_metadata=axes('norm'))
+    self.out_dtype = dtype
+
+  def __call__(self, x: jax.Array, mask: Any = None) -> jax.Array:
+    return super().__call__(x.astype(jnp.float32)).astype(self.out_dtype)
+
+
+class Stack(nnx.Module):
+  """`num` identical blocks, unrolled or stacked on a leading 'layers' axis and run with `nnx.scan`.
+
+  Scanned: every parameter of the block gets a leading dimension named 'layers' (so rules can shard
+  or replicate it like any other axis) and the step compiles one block instead of `num`.
+  Unrolled: an nnx.List, parameters at blocks/<i>/... . Both give the same outputs.
+  A block maps (x, *args) -> x, or -> (x, aux) with aux a dict of scalars, summed over layers.
+  `remat` recomputes each block's activations in the backward pass (saves memory).
+  """
+
+  def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], num: int, *, scan: bool, rngs: nnx.Rngs,
+               remat: bool = False):
+    self.scan, self.remat, self.num = scan, remat, num
+    if scan:
+      make = nnx.vmap(make_block, in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+      self.layers = make(rngs.split(num))
+    else:
+      self.layers = nnx.List([make_block(rngs) for _ in range(num)])
+
+  def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def apply(block, x, *args):
+      out = block(x, *args)
+      return out if isinstance(out, tuple) else (out, {})
+    if self.remat:
+      apply = nnx.remat(apply)
+    if not self.scan:
+      totals: dict[str, jax.Array] = {}
+      for block in self.layers:
+        x, aux = apply(block, x, *args)
+        totals = {k: totals.get(k, 0.0) + v for k, v in aux.items()}
+      return x, totals
+
+    @nnx.scan(in_axes=(nnx.Carry, 0) + (None,) * len(args), out_axes=(nnx.Carry, 0),
+              transform_metadata={nnx.PARTITION_NAME: 'layers'})
+    def body(x, block, *args):
+      return apply(block, x, *args)
+    x, aux = body(x, self.layers, *args)
+    return x, {k: v.sum() for k, v in aux.items()}
+
+
+def dtypes(cfg: Any) -> dict[str, Any]:
+  """Compute and parameter dtypes from a model config (e.g. dtype='bfloat16', param_dtype='float32')."""
+  return dict(dtype=jnp.dtype(cfg.get('dtype', 'float32')), param_dtype=jnp.dtype(cfg.get('param_dtype', 'float32')))

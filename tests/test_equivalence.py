@@ -50,12 +50,12 @@ def test_sharded_equals_single_device(preset, single_device):
 
 
 EXPECTED = {  # independent of the resolver: what the fsdp_tp rules in configs/default.py must give
-    ('blocks', 0, 'mlp', 'up', 'layer', 'kernel'): P('fsdp', 'tensor'),
-    ('blocks', 0, 'mlp', 'down', 'layer', 'kernel'): P('tensor', 'fsdp'),
-    ('blocks', 1, 'attn', 'query', 'layer', 'kernel'): P('fsdp', 'tensor'),
-    ('blocks', 1, 'attn', 'out', 'layer', 'kernel'): P('tensor', None, 'fsdp'),
-    ('blocks', 1, 'attn', 'query', 'layer', 'bias'): P('tensor'),
-    ('blocks', 0, 'ln1', 'scale'): P(),
+    ('blocks', 'layers', 0, 'mlp', 'up', 'layer', 'kernel'): P('fsdp', 'tensor'),
+    ('blocks', 'layers', 0, 'mlp', 'down', 'layer', 'kernel'): P('tensor', 'fsdp'),
+    ('blocks', 'layers', 1, 'attn', 'query', 'layer', 'kernel'): P('fsdp', 'tensor'),
+    ('blocks', 'layers', 1, 'attn', 'out', 'layer', 'kernel'): P('tensor', None, 'fsdp'),
+    ('blocks', 'layers', 1, 'attn', 'query', 'layer', 'bias'): P('tensor'),
+    ('blocks', 'layers', 0, 'ln1', 'scale'): P(),
     ('tok', 'embed', 'embedding'): P('tensor', 'fsdp'),
     ('pos',): P(None, 'fsdp'),
 }
@@ -80,7 +80,7 @@ def test_arrays_carry_the_rule_shardings():
   for leaf in (state.step, adam.count):
     assert leaf.sharding.spec == P() and leaf.sharding.mesh.size == 8
   # Each device holds 1/4 of an ('embed', 'mlp') kernel: fsdp=2 x tensor=2.
-  kernel = _get(state.params, ('blocks', 0, 'mlp', 'up', 'layer', 'kernel'))
+  kernel = _get(state.params, ('blocks', 'layers', 0, 'mlp', 'up', 'layer', 'kernel'))
   assert kernel.addressable_shards[0].data.shape == (32, 64)
 
 

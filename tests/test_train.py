@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import data
+import models
 import train
 from tests.conftest import BACKEND_COMPILE, ROOT, recorded_compile_events, subprocess_env, tiny_config
 
@@ -40,7 +41,7 @@ def test_cli_dry_run_on_one_device():
   r = _cli('--dry_run', '--config.mesh.data=1', '--config.mesh.fsdp=1', '--config.mesh.tensor=1')
   assert r.returncode == 0, r.stderr[-3000:]
   assert "on 1 cpu devices" in r.stdout
-  assert "blocks/0/mlp/up/layer/kernel" in r.stdout and "P('fsdp', 'tensor')" in r.stdout
+  assert "blocks/layers/0/mlp/up/layer/kernel" in r.stdout and "P('fsdp', 'tensor')" in r.stdout
   assert 'parameters: 803,584' in r.stdout and 'optimizer state per device' in r.stdout
   assert 'step ' not in r.stdout  # nothing trained
 
@@ -50,7 +51,7 @@ def test_cli_preset_switches_strategy():
   r = _cli('--dry_run', '--config', 'configs/default.py:tp')
   assert r.returncode == 0, r.stderr[-3000:]
   assert "mesh: {'data': 2, 'fsdp': 1, 'tensor': 4} on 8 cpu devices" in r.stdout
-  row = next(line for line in r.stdout.splitlines() if line.startswith('blocks/0/mlp/up/layer/kernel'))
+  row = next(line for line in r.stdout.splitlines() if line.startswith('blocks/layers/0/mlp/up/layer/kernel'))
   assert "P(None, 'tensor')" in row and '64.00 KiB' in row  # 128x512 f32 = 256 KiB over tensor=4
 
 
@@ -59,7 +60,7 @@ def test_cli_bad_model_name_is_one_clear_error():
   r = _cli('--dry_run', '--config.model.name=gtp')
   assert r.returncode == 1
   assert r.stderr.strip().splitlines()[-1] == (
-      "shardzoo: config error: config.model.name='gtp' is not a known model; known: ['gpt']")
+      f"shardzoo: config error: config.model.name='gtp' is not a known model; known: {sorted(models.MODELS)}")
 
 
 @pytest.mark.slow

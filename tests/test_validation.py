@@ -18,7 +18,7 @@ def without_rule(rules, name):
 
 def test_parameter_logical_name_without_rule():
   cfg = tiny_config(logical_axis_rules=without_rule(tiny_config().logical_axis_rules, 'mlp'))
-  with pytest.raises(ShardingError, match=r"parameter 'blocks/0/mlp/down/layer/kernel'.*logical axis 'mlp' "
+  with pytest.raises(ShardingError, match=r"parameter 'blocks/layers/0/mlp/down/layer/kernel'.*logical axis 'mlp' "
                                           r"\(dim 0\) has no rule; add \('mlp', <mesh axis>\)"):
     build_trainer(cfg)
 
@@ -58,7 +58,7 @@ def test_mesh_product_must_match_device_count():
 def test_parameter_not_divisible():
   cfg = tiny_config()
   cfg.model.mlp_dim = 129  # 'mlp' is sharded over tensor=2
-  with pytest.raises(ShardingError, match=r"parameter 'blocks/0/mlp/down/layer/kernel': dim 0 \('mlp'\) has size "
+  with pytest.raises(ShardingError, match=r"parameter 'blocks/layers/0/mlp/down/layer/kernel': dim 0 \('mlp'\) has size "
                                           r"129, not divisible by mesh axes tensor=2 = 2"):
     build_trainer(cfg)
 

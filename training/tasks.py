@@ -1,4 +1,8 @@
-"""Tasks: what a batch holds, its logical axes, and the loss/metrics a model is trained on."""
+"""Tasks: what a batch holds, its logical axes, and the loss/metrics a model is trained on.
+
+A model returns logits, or (logits, aux) where aux is a dict of scalars; `aux['aux_loss']` (e.g. an
+MoE load-balancing loss, already weighted) is added to the training loss, every aux entry is logged.
+"""
 from __future__ import annotations
 
 import functools
@@ -13,40 +17,93 @@ from flax import nnx
 from partitioning import ConfigError
 
 Metrics = dict[str, jax.Array]
+FieldSpec = dict[str, tuple[tuple[int, ...], Any]]
 
 
-class LanguageModeling:
-  """Next-token prediction on {'inputs', 'targets', 'mask'}, each (batch, length)."""
+def _split_output(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+  return out if isinstance(out, tuple) else (out, {})
 
-  batch_axes = {'inputs': ('batch', 'length'), 'targets': ('batch', 'length'), 'mask': ('batch', 'length')}
-  unit = 'tokens'  # what throughput is counted in: every target position
-  unit_field = 'targets'
 
-  @staticmethod
-  def example_shapes(config: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """Per-example shape and dtype of each batch field, from the config alone (no data loaded)."""
-    L = config.dataset.seq_len
-    if L > config.model.max_len:
-      raise ConfigError(f'config.dataset.seq_len={L} exceeds config.model.max_len={config.model.max_len}')
-    if config.dataset.vocab_size > config.model.vocab_size:
-      raise ConfigError(f'config.dataset.vocab_size={config.dataset.vocab_size} exceeds '
-                        f'config.model.vocab_size={config.model.vocab_size}: token ids would fall outside the embedding')
-    return {k: ((L,), jnp.float32 if k == 'mask' else jnp.int32) for k in LanguageModeling.batch_axes}
+def eval_view(model: nnx.Module) -> nnx.Module:
+  """The model in inference mode: BatchNorm uses running statistics, dropout is off."""
+  return nnx.view(model, use_running_average=True, deterministic=True, raise_if_not_found=False)
 
-  @staticmethod
-  def metric_sums(model: Any, batch: dict[str, jax.Array]) -> Metrics:
-    """Sums over the batch (so eval over many batches is exact): loss, correct, weight."""
-    logits_BLV = model(batch['inputs']).astype(jnp.float32)
-    mask_BL = batch['mask']
-    loss_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch['targets'])
-    correct_BL = (jnp.argmax(logits_BLV, -1) == batch['targets']).astype(jnp.float32)
-    return {'loss_sum': (loss_BL * mask_BL).sum(), 'correct_sum': (correct_BL * mask_BL).sum(),
-            'weight': mask_BL.sum()}
+
+class Task:
+  """Subclasses define `batch_axes`, `example_shapes`, `forward` (model, batch) -> (logits, aux)
+  and `per_example` (logits, batch) -> (loss, correct, weight) arrays of the mask's shape."""
+
+  batch_axes: dict[str, tuple[str, ...]]
+  unit = 'examples'  # what throughput is counted in
+  unit_field = 'mask'
+
+  def fields(self, config: Any) -> dict[str, tuple[str, ...]]:
+    return dict(self.batch_axes)
+
+  def metric_sums(self, model: Any, batch: dict[str, jax.Array]) -> Metrics:
+    """Sums over the batch (so eval over many batches is exact): loss, correct, weight (+ aux)."""
+    logits, aux = self.forward(model, batch)
+    loss, correct, weight = self.per_example(logits.astype(jnp.float32), batch)
+    return {'loss_sum': (loss * weight).sum(), 'correct_sum': (correct * weight).sum(),
+            'weight': weight.sum(), **{f'aux/{k}': v for k, v in aux.items()}}
 
   def loss(self, model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
     m = self.metric_sums(model, batch)
     w = jnp.maximum(m['weight'], 1.0)
-    return m['loss_sum'] / w, {'loss': m['loss_sum'] / w, 'accuracy': m['correct_sum'] / w}
+    loss = m['loss_sum'] / w
+    metrics = {'loss': loss, 'accuracy': m['correct_sum'] / w}
+    aux = {k[4:]: v for k, v in m.items() if k.startswith('aux/')}
+    if 'aux_loss' in aux:
+      loss = loss + aux['aux_loss']
+    return loss, {**metrics, **aux}
+
+
+def _softmax_xent(logits: jax.Array, targets: jax.Array, mask: jax.Array):
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+  return loss, correct, mask
+
+
+def _check_vocab(config: Any) -> None:
+  dv, mv = config.dataset.get('vocab_size'), config.model.get('vocab_size')
+  if dv is not None and mv is not None and dv > mv:
+    raise ConfigError(f'config.dataset.vocab_size={dv} exceeds config.model.vocab_size={mv}: '
+                      'token ids would fall outside the embedding')
+
+
+def _check_length(config: Any) -> int:
+  L = config.dataset.seq_len
+  max_len = config.model.get('max_len')
+  if max_len is not None and L > max_len:
+    raise ConfigError(f'config.dataset.seq_len={L} exceeds config.model.max_len={max_len}')
+  return L
+
+
+class LanguageModeling(Task):
+  """Next-token prediction on {'inputs', 'targets', 'mask'} (batch, length); packed datasets
+  (`config.dataset.pack=True`) add 'segment_ids' and 'positions' so documents do not attend to each other."""
+
+  batch_axes = {'inputs': ('batch', 'length'), 'targets': ('batch', 'length'), 'mask': ('batch', 'length')}
+  packed_axes = {'segment_ids': ('batch', 'length'), 'positions': ('batch', 'length')}
+  unit = 'tokens'
+  unit_field = 'targets'
+
+  def fields(self, config: Any) -> dict[str, tuple[str, ...]]:
+    return {**self.batch_axes, **(self.packed_axes if config.dataset.get('pack', False) else {})}
+
+  def example_shapes(self, config: Any) -> FieldSpec:
+    L = _check_length(config)
+    _check_vocab(config)
+    return {k: ((L,), jnp.float32 if k == 'mask' else jnp.int32) for k in self.fields(config)}
+
+  @staticmethod
+  def forward(model: Any, batch: dict[str, jax.Array]):
+    packed = {f'{k}_BL': batch[k] for k in ('positions', 'segment_ids') if k in batch}
+    return _split_output(model(batch['inputs'], **packed))
+
+  @staticmethod
+  def per_example(logits, batch):
+    return _softmax_xent(logits, batch['targets'], batch['mask'])
 
   @staticmethod
   def generate(graphdef: Any, params: Any, model_state: Any, prompt_BP: np.ndarray, length: int,
@@ -56,22 +113,96 @@ class LanguageModeling:
 
     @functools.partial(jax.jit, out_shardings=out_sharding)
     def run(params, model_state, prompt_BP, key):
-      model = nnx.merge(graphdef, params, model_state)
+      model = eval_view(nnx.merge(graphdef, params, model_state))
       tokens_BL = jnp.zeros((prompt_BP.shape[0], P + length), jnp.int32).at[:, :P].set(prompt_BP)
 
       def body(i, carry):
         tokens_BL, key = carry
         key, sub = jax.random.split(key)
-        nxt_B = jax.random.categorical(sub, model(tokens_BL)[:, i - 1].astype(jnp.float32))
+        logits_BLV, _ = _split_output(model(tokens_BL))
+        nxt_B = jax.random.categorical(sub, logits_BLV[:, i - 1].astype(jnp.float32))
         return tokens_BL.at[:, i].set(nxt_B), key
       return jax.lax.fori_loop(P, P + length, body, (tokens_BL, key))[0]
     return run(params, model_state, prompt_BP, jax.random.key(seed))
 
 
-TASKS = {'lm': LanguageModeling}
+class Classification(Task):
+  """Image classification on {'image' (B,H,W,C) float32, 'label' (B,) int32, 'mask' (B,) float32}."""
+
+  batch_axes = {'image': ('batch', 'height', 'width', 'channels'), 'label': ('batch',), 'mask': ('batch',)}
+
+  def example_shapes(self, config: Any) -> FieldSpec:
+    d, m = config.dataset, config.model
+    if d.num_classes > m.num_classes:
+      raise ConfigError(f'config.dataset.num_classes={d.num_classes} exceeds config.model.num_classes='
+                        f'{m.num_classes}: labels would fall outside the classifier')
+    if m.get('image_size') is not None and d.image_size != m.image_size:
+      raise ConfigError(f'config.dataset.image_size={d.image_size} does not match config.model.image_size='
+                        f'{m.image_size} (the model was built for that size)')
+    if m.get('channels') is not None and d.channels != m.channels:
+      raise ConfigError(f'config.dataset.channels={d.channels} does not match config.model.channels={m.channels}')
+    return {'image': ((d.image_size, d.image_size, d.channels), jnp.float32), 'label': ((), jnp.int32),
+            'mask': ((), jnp.float32)}
+
+  @staticmethod
+  def forward(model: Any, batch: dict[str, jax.Array]):
+    return _split_output(model(batch['image']))
+
+  @staticmethod
+  def per_example(logits, batch):
+    return _softmax_xent(logits, batch['label'], batch['mask'])
 
 
-def get(name: str):
+class MaskedLanguageModeling(Task):
+  """BERT-style MLM: predict 'targets' where 'mask' is 1, from 'inputs' with padding ('input_mask')."""
+
+  batch_axes = {'inputs': ('batch', 'length'), 'targets': ('batch', 'length'), 'mask': ('batch', 'length'),
+                'input_mask': ('batch', 'length'), 'token_types': ('batch', 'length')}
+  unit = 'tokens'
+  unit_field = 'inputs'
+
+  def example_shapes(self, config: Any) -> FieldSpec:
+    L = _check_length(config)
+    _check_vocab(config)
+    return {k: ((L,), jnp.float32 if k == 'mask' else jnp.int32) for k in self.batch_axes}
+
+  @staticmethod
+  def forward(model: Any, batch: dict[str, jax.Array]):
+    return _split_output(model(batch['inputs'], valid_BL=batch['input_mask'], token_types_BL=batch['token_types']))
+
+  @staticmethod
+  def per_example(logits, batch):
+    return _softmax_xent(logits, batch['targets'], batch['mask'])
+
+
+class TextClassification(MaskedLanguageModeling):
+  """Sequence classification (BERT's pooled [CLS] head): one 'label' per row."""
+
+  batch_axes = {'inputs': ('batch', 'length'), 'input_mask': ('batch', 'length'),
+                'token_types': ('batch', 'length'), 'label': ('batch',), 'mask': ('batch',)}
+  unit = 'examples'
+  unit_field = 'mask'
+
+  def example_shapes(self, config: Any) -> FieldSpec:
+    L = _check_length(config)
+    _check_vocab(config)
+    d, m = config.dataset, config.model
+    if d.num_classes > m.num_classes:
+      raise ConfigError(f'config.dataset.num_classes={d.num_classes} exceeds config.model.num_classes='
+                        f'{m.num_classes}: labels would fall outside the classifier')
+    return {k: (() if k in ('label', 'mask') else (L,), jnp.float32 if k == 'mask' else jnp.int32)
+            for k in self.batch_axes}
+
+  @staticmethod
+  def per_example(logits, batch):
+    return _softmax_xent(logits, batch['label'], batch['mask'])
+
+
+TASKS = {'lm': LanguageModeling, 'classification': Classification, 'mlm': MaskedLanguageModeling,
+         'text_classification': TextClassification}
+
+
+def get(name: str) -> Task:
   if name not in TASKS:
     raise ConfigError(f'config.task={name!r} is not a known task; known: {sorted(TASKS)}')
   return TASKS[name]()

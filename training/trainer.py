@@ -97,7 +97,8 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   partitioning.check_batch(B, rules.spec(('batch',), what="logical axis 'batch'"), mesh.shape)
   batch_abstract = {k: jax.ShapeDtypeStruct((B,) + tuple(shape), dtype)
                     for k, (shape, dtype) in task.example_shapes(config).items()}
-  batch_specs = resolve(batch_abstract, {k: task.batch_axes[k] for k in batch_abstract}, 'batch field')
+  batch_axes = task.fields(config)
+  batch_specs = resolve(batch_abstract, {k: batch_axes[k] for k in batch_abstract}, 'batch field')
   return Trainer(config, mesh, rules, task, make_model, graphdef, tx, schedule, abstract, axes, specs,
                  partitioning.named_shardings(specs, mesh), batch_abstract,
                  partitioning.named_shardings(batch_specs, mesh), seen)
@@ -141,7 +142,7 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
 def eval_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], dict]:
   def step(state: TrainState, batch: dict) -> dict:
     with partitioning.use_rules(trainer.rules, trainer.mesh, seen=trainer.seen):
-      model = nnx.merge(trainer.graphdef, state.params, state.model_state)
+      model = tasks.eval_view(nnx.merge(trainer.graphdef, state.params, state.model_state))
       return trainer.task.metric_sums(model, batch)
   return step
 
