@@ -1,0 +1,53 @@
+"""Pieces shared by the config files (not a config itself: it has no get_config).
+
+Every config file takes big_vision-style arguments after a colon: a parallelism preset and/or a
+size, in any order, comma-separated:
+  --config configs/gpt2.py              default preset, real size
+  --config configs/gpt2.py:tp           tensor parallel, real size
+  --config configs/gpt2.py:tiny         default preset, tiny size (trains in seconds on CPU)
+  --config configs/gpt2.py:fsdp,tiny
+The rules and meshes live in each config file, where users edit them.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import ml_collections
+
+
+def parse_arg(arg: str | None, presets: Sequence[str], sizes: Sequence[str], *, default_preset: str,
+              default_size: str, file: str) -> tuple[str, str]:
+  """'fsdp,tiny' -> ('fsdp', 'tiny'); unknown words raise naming the choices."""
+  preset, size = default_preset, default_size
+  for word in (w.strip() for w in (arg or '').split(',') if w.strip()):
+    if word in presets:
+      preset = word
+    elif word in sizes:
+      size = word
+    else:
+      raise ValueError(f'{file}: unknown config argument {word!r}; presets: {sorted(presets)}, '
+                       f'sizes: {sorted(sizes)}')
+  return preset, size
+
+
+def mesh(sizes: Mapping[str, int]) -> ml_collections.ConfigDict:
+  """Mesh axis name -> size, in device-layout order (outermost first). One size may be -1."""
+  return ml_collections.ConfigDict(dict(sizes), sort_keys=False)
+
+
+def base(preset: str, size: str) -> ml_collections.ConfigDict:
+  """Fields every config has: seed, loop lengths, logging and the AdamW optimizer."""
+  c = ml_collections.ConfigDict()
+  c.preset, c.size = preset, size
+  c.seed = 0
+  c.total_steps = 1000
+  c.log_every = 50
+  c.eval_every = 500
+  c.sample_len = 0
+  c.optim = ml_collections.ConfigDict(dict(
+      name='adamw', lr=1e-3, warmup_steps=100, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
+      weight_decay=0.1, grad_clip=1.0))
+  return c
+
+
+ConfigDict = ml_collections.ConfigDict

@@ -1,0 +1,81 @@
+r"""GPT-2 (124M at real size): decoder-only LM, learned positions, tied embeddings.
+
+  python train.py --config configs/gpt2.py:tiny --workdir /tmp/gpt2_tiny          # seconds on CPU
+  python train.py --config configs/gpt2.py:fsdp --workdir /tmp/gpt2 --dry_run     # per-device memory
+  python train.py --config configs/gpt2.py --workdir /tmp/gpt2                    # 124M on lm1b (bytes)
+
+Presets (one word switches the strategy; rules and meshes below stay editable):
+  :dp       data parallel            mesh data=8
+  :fsdp     fully sharded (default)  mesh data=1, fsdp=8
+  :tp       tensor parallel + data   mesh data=2, tensor=4
+  :fsdp_tp  FSDP + tensor            mesh data=1, fsdp=4, tensor=2
+Sizes: real (GPT-2 small, 124M: 12 layers, 12 heads, d=768), tiny (2 layers, d=64, on the offline
+Markov language). Combine with a comma: configs/gpt2.py:tp,tiny.
+"""
+from configs import common
+
+RULES = {
+    'dp': [
+        ('batch', 'data'),
+        ('layers', None), ('length', None), ('embed', None), ('mlp', None), ('heads', None),
+        ('kv_heads', None), ('kv', None), ('vocab', None), ('norm', None),
+    ],
+    'fsdp': [
+        ('batch', ('data', 'fsdp')),
+        ('embed', 'fsdp'), ('embed', None),  # params sharded on embed; activations fall back to None
+        ('layers', None), ('length', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('kv', None),
+        ('vocab', None), ('norm', None),
+    ],
+    'tp': [
+        ('batch', 'data'),
+        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
+        ('layers', None), ('length', None), ('embed', None), ('kv', None), ('norm', None),
+    ],
+    'fsdp_tp': [
+        ('batch', ('data', 'fsdp')),
+        ('embed', 'fsdp'), ('embed', None),
+        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
+        ('layers', None), ('length', None), ('kv', None), ('norm', None),
+    ],
+}
+MESHES = {
+    'dp': dict(data=8, fsdp=1, tensor=1),
+    'fsdp': dict(data=1, fsdp=8, tensor=1),
+    'tp': dict(data=2, fsdp=1, tensor=4),
+    'fsdp_tp': dict(data=1, fsdp=4, tensor=2),
+}
+SIZES = {
+    # pad_vocab_to: 50257 rows padded to 50304 so 'vocab' divides any mesh axis up to 128 (padded logits masked).
+    'real': dict(vocab_size=50257, pad_vocab_to=128, max_len=1024, num_layers=12, num_heads=12, embed_dim=768,
+                 mlp_dim=3072),
+    'tiny': dict(vocab_size=16, pad_vocab_to=1, max_len=64, num_layers=2, num_heads=4, embed_dim=64, mlp_dim=256),
+}
+
+
+def get_config(arg: str | None = None):
+  preset, size = common.parse_arg(arg, RULES, SIZES, default_preset='fsdp', default_size='real', file='gpt2.py')
+  c = common.base(preset, size)
+  c.task = 'lm'
+  c.mesh = common.mesh(MESHES[preset])
+  c.logical_axis_rules = RULES[preset]
+  c.model = common.ConfigDict(dict(
+      name='gpt2', **SIZES[size], norm_eps=1e-5, dtype='float32', param_dtype='float32',
+      scan_layers=True, remat=False))
+  if size == 'real':
+    c.model.dtype = 'bfloat16'  # bf16 compute, f32 params and optimizer state
+    c.dataset = common.ConfigDict(dict(
+        name='lm1b', data_dir=None, train_split='train', eval_split='test', seq_len=1024, pack=True,
+        tokenizer='byte'))
+    c.batch_size = 64
+    c.total_steps = 100_000
+    c.optim.update(lr=6e-4, warmup_steps=2000, weight_decay=0.1)
+    c.eval_every = 5000
+  else:
+    c.dataset = common.ConfigDict(dict(
+        name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64,
+        num_train=8192, num_eval=512))
+    c.batch_size = 16
+    c.total_steps = 300
+    c.optim.update(lr=3e-3, warmup_steps=30)
+    c.log_every, c.eval_every = 50, 300
+  return c
