@@ -23,11 +23,15 @@ def axes(*names: str) -> Mapping[str, Any]:
 
 
 class Dense(nnx.Module):
-  """y = einsum(x, kernel) + bias over named axes, e.g. Dense('bld,dhk->blhk', (D,H,K), ('embed','heads','kv'))."""
+  """y = einsum(x, kernel) + bias over named axes, e.g. Dense('bld,dhk->blhk', (D,H,K), ('embed','heads','kv')).
+
+  preferred_element_type=jnp.float32 accumulates and returns float32 under bf16 compute (output heads).
+  """
 
   def __init__(self, einsum: str, kernel_shape: Sequence[int], kernel_axes: Sequence[str], *,
                bias_axes: Sequence[str] | None = None, kernel_init: Initializer = NORMAL_002,
-               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, preferred_element_type: Any = None,
+               rngs: nnx.Rngs):
     bias_shape = None
     if bias_axes is not None:
       out = einsum.split('->')[1]
@@ -36,8 +40,8 @@ class Dense(nnx.Module):
       assert len(bias_shape) == len(bias_axes), (einsum, bias_axes)
     self.layer = nnx.Einsum(
         einsum, tuple(kernel_shape), bias_shape, dtype=dtype, param_dtype=param_dtype,
-        kernel_init=kernel_init, bias_init=nnx.initializers.zeros, rngs=rngs,
-        kernel_metadata=axes(*kernel_axes), bias_metadata=axes(*(bias_axes or ())))
+        kernel_init=kernel_init, bias_init=nnx.initializers.zeros, preferred_element_type=preferred_element_type,
+        rngs=rngs, kernel_metadata=axes(*kernel_axes), bias_metadata=axes(*(bias_axes or ())))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.layer(x)
