@@ -17,6 +17,7 @@ its model uses, and a name without a rule is an error, never a silent replicatio
 | layers     | the stacked-layer axis of scanned blocks (`scan_layers=True`)  | None                    |
 | expert     | experts of a mixture-of-experts layer                          | 'expert'                |
 | classes    | classifier outputs                                             | None                    |
+| token_types| token-type (segment A/B) embedding rows (BERT)                 | None                    |
 | height     | image rows (activations)                                       | None                    |
 | width      | image columns (activations)                                    | None                    |
 | channels   | input image channels                                           | None                    |
@@ -35,11 +36,13 @@ from collections.abc import Callable
 import ml_collections
 from flax import nnx
 
-from models import gpt2
+from models import bert, gpt2, llama
 from partitioning import ConfigError
 
 MODELS: dict[str, Callable[..., nnx.Module]] = {
     'gpt2': gpt2.GPT2,
+    'llama': llama.Llama,
+    'bert': bert.Bert,
 }
 
 

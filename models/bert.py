@@ -1,0 +1,110 @@
+"""BERT: bidirectional encoder with post-LayerNorm blocks, learned positions and token types.
+
+Parameters follow Hugging Face's BertForMaskedLM / BertForSequenceClassification, so weights can be
+imported by renaming (HF Linear weights are (out, in); ours are (in, ...) with heads split out):
+  word_embeddings, position_embeddings, token_type_embeddings, embeddings_ln  (embeddings.*, .LayerNorm)
+  encoder.layers.N.attention.{query, key, value}   (encoder.layer.N.attention.self.*)
+  encoder.layers.N.attention.out, .attention_ln    (attention.output.dense, attention.output.LayerNorm)
+  encoder.layers.N.mlp.{up, down}, .output_ln      (intermediate.dense, output.dense, output.LayerNorm)
+  head 'mlm':      transform, transform_ln, decoder_bias  (cls.predictions.transform.dense,
+                   .transform.LayerNorm, cls.predictions.bias; the decoder is tied to word_embeddings)
+  head 'classify': pooler, classifier                     (bert.pooler.dense, classifier)
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from models.layers import MLP, Attention, Dense, Embed, LayerNorm, Stack, axes, dtypes
+from partitioning import ConfigError, shard_logical
+
+ACT = ('batch', 'length', 'embed')
+HEADS = ('mlm', 'classify')
+gelu = functools.partial(jax.nn.gelu, approximate=False)  # BERT's exact erf GELU
+
+
+class Block(nnx.Module):
+  """Post-LN: x = LN(x + attn(x)); x = LN(x + mlp(x))."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    kw = dict(**dtypes(cfg), rngs=rngs)
+    D = cfg.embed_dim
+    self.attention = Attention(D, cfg.num_heads, **kw)
+    self.attention_ln = LayerNorm(D, eps=cfg.norm_eps, **kw)
+    self.mlp = MLP(D, cfg.mlp_dim, activation=gelu, **kw)
+    self.output_ln = LayerNorm(D, eps=cfg.norm_eps, **kw)
+
+  def __call__(self, x_BLD: jax.Array, valid_BL: jax.Array | None) -> jax.Array:
+    x_BLD = shard_logical(self.attention_ln(x_BLD + self.attention(x_BLD, causal=False, valid_BL=valid_BL)), ACT)
+    return shard_logical(self.output_ln(x_BLD + self.mlp(x_BLD)), ACT)
+
+
+class Bert(nnx.Module):
+  """tokens (B, L) int32 -> MLM logits (B, L, V) or class logits (B, num_classes), float32.
+
+  valid_BL (1 = real token, 0 = padding) keeps padded keys out of every attention; token_types_BL
+  (segment A/B) defaults to all zeros.
+  """
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    kw = dtypes(cfg)
+    D, head = cfg.embed_dim, cfg.get('head', 'mlm')
+    if head not in HEADS:
+      raise ConfigError(f'config.model.head={head!r} is not a BERT head; choose one of {list(HEADS)}')
+    param = lambda shape, names: nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), shape, kw['param_dtype']),
+                                           **axes(*names))
+    self.word_embeddings = Embed(cfg.vocab_size, D, pad_to=cfg.get('pad_vocab_to', 1), **kw, rngs=rngs)
+    self.position_embeddings = param((cfg.max_len, D), ('length', 'embed'))
+    self.token_type_embeddings = param((cfg.get('type_vocab_size', 2), D), ('token_types', 'embed'))
+    self.embeddings_ln = LayerNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
+    self.encoder = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, scan=cfg.get('scan_layers', False),
+                         remat=cfg.get('remat', False), rngs=rngs)
+    self.head = head
+    if head == 'mlm':
+      self.transform = Dense('bld,de->ble', (D, D), ('embed', 'embed'), bias_axes=('embed',), **kw, rngs=rngs)
+      self.transform_ln = LayerNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
+      rows = self.word_embeddings.embed.embedding.shape[0]
+      self.decoder_bias = nnx.Param(jnp.zeros((rows,), kw['param_dtype']), **axes('vocab'))
+    else:
+      self.pooler = Dense('bd,de->be', (D, D), ('embed', 'embed'), bias_axes=('embed',), **kw, rngs=rngs)
+      self.classifier = Dense('bd,dc->bc', (D, cfg.num_classes), ('embed', 'classes'), bias_axes=('classes',),
+                              preferred_element_type=jnp.float32, **kw, rngs=rngs)
+    self.max_len, self.dtype = cfg.max_len, kw['dtype']
+
+  def __call__(self, tokens_BL: jax.Array, *, valid_BL: jax.Array | None = None,
+               token_types_BL: jax.Array | None = None) -> jax.Array:
+    L = tokens_BL.shape[1]
+    if L > self.max_len:
+      raise ConfigError(f'sequence length {L} exceeds the model max_len {self.max_len}')
+    if token_types_BL is None:
+      token_types_BL = jnp.zeros_like(tokens_BL)
+    pos_LD = shard_logical(self.position_embeddings[...], (None, None))[:L]
+    types_BLD = jnp.take(shard_logical(self.token_type_embeddings[...], (None, None)), token_types_BL, axis=0)
+    x_BLD = self.word_embeddings(tokens_BL) + (pos_LD[None] + types_BLD).astype(self.dtype)
+    x_BLD = shard_logical(self.embeddings_ln(x_BLD), ACT)
+    x_BLD, _ = self.encoder(x_BLD, valid_BL)
+    if self.head == 'mlm':
+      h_BLD = self.transform_ln(gelu(self.transform(x_BLD)))
+      logits_BLV = self.word_embeddings.attend(h_BLD) + self.decoder_bias[...].astype(jnp.float32)
+      return shard_logical(logits_BLV, ('batch', 'length', 'vocab'))
+    pooled_BD = jnp.tanh(self.pooler(x_BLD[:, 0]))  # the [CLS] position
+    return shard_logical(self.classifier(pooled_BD), ('batch', 'classes'))
+
+
+def num_params(cfg: Any) -> int:
+  """Closed-form parameter count (checked against the built model in tests)."""
+  D, F, N, T = cfg.embed_dim, cfg.mlp_dim, cfg.num_layers, getattr(cfg, 'type_vocab_size', 2)
+  pad = getattr(cfg, 'pad_vocab_to', 1) or 1
+  V = -(-cfg.vocab_size // pad) * pad
+  embeddings = (V + cfg.max_len + T) * D + 2 * D
+  block = 4 * (D * D + D) + (D * F + F) + (F * D + D) + 2 * 2 * D
+  if getattr(cfg, 'head', 'mlm') == 'mlm':
+    head = (D * D + D) + 2 * D + V  # transform dense, its LayerNorm, decoder bias
+  else:
+    head = (D * D + D) + (D * cfg.num_classes + cfg.num_classes)  # pooler, classifier
+  return embeddings + N * block + head
