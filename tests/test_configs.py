@@ -1,0 +1,81 @@
+"""The config matrix: every config file in configs/ is built and trained for 2 steps on 8 simulated
+CPU devices under each of its presets (tiny size), so a new config file is covered automatically.
+
+A config file is any configs/*.py with a get_config(arg); it must define RULES (its presets) and,
+when it has real sizes, SIZES with a 'tiny' entry that the matrix uses.
+"""
+import glob
+import importlib
+import math
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+import partitioning
+import train
+from tests.conftest import ROOT
+
+MAX_TINY_PARAMS = 2_000_000  # keeps the matrix inside the CI budget; shrink a config's 'tiny' size instead
+
+
+def config_modules():
+  out = []
+  for path in sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py'))):
+    name = os.path.splitext(os.path.basename(path))[0]
+    module = importlib.import_module(f'configs.{name}')
+    if hasattr(module, 'get_config'):
+      out.append((name, module))
+  return out
+
+
+MODULES = config_modules()
+
+
+def tiny_config(module, preset):
+  arg = f'{preset},tiny' if hasattr(module, 'SIZES') else preset
+  return module.get_config(arg)
+
+
+def cases():
+  return [pytest.param(name, preset, id=f'{name}:{preset}') for name, module in MODULES for preset in module.RULES]
+
+
+def test_every_config_file_is_in_the_matrix_with_two_presets():
+  assert {'default', 'gpt2'} <= {name for name, _ in MODULES}
+  for name, module in MODULES:
+    assert len(module.RULES) >= 2, f'configs/{name}.py needs at least two presets (RULES)'
+    assert not hasattr(module, 'SIZES') or 'tiny' in module.SIZES, f"configs/{name}.py: SIZES needs 'tiny'"
+    doc = (module.__doc__ or '').strip()
+    assert f'python train.py --config configs/{name}.py' in doc.split('\n\n')[1] if doc.count('\n\n') else False, (
+        f'configs/{name}.py must start with the command that runs it')
+
+
+@pytest.mark.parametrize('name,preset', cases())
+def test_config_trains_two_steps(name, preset, tmp_path):
+  module = dict(MODULES)[name]
+  cfg = tiny_config(module, preset)
+  assert math.prod(v for v in cfg.mesh.values() if v > 0) in (8, jax.device_count()) or -1 in cfg.mesh.values()
+
+  # Every parameter names its logical axes (one per dimension) before anything is allocated.
+  abstract = nnx.eval_shape(lambda: models.create(cfg.model, nnx.Rngs(0)))
+  state = nnx.state(abstract)
+  axes = partitioning.nnx_logical_axes(state)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state)):
+    names = axes
+    for k in path:
+      names = names[k.key]
+    where = f'configs/{name}.py:{preset} {partitioning.path_str(path)}'
+    assert names is not None and len(names) == len(leaf.shape), where
+    assert all(isinstance(n, str) for n in names), where
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+  assert n <= MAX_TINY_PARAMS, f'configs/{name}.py tiny size has {n:,} parameters'
+
+  cfg.update(total_steps=2, log_every=1, eval_every=2, sample_len=0)
+  result = train.train_and_evaluate(cfg, str(tmp_path))
+  assert np.isfinite(result['train']['loss']) and np.isfinite(result['eval']['loss'])
+  params = result['state'].params
+  assert jax.tree.leaves(params)[0].sharding.mesh.size == 8
