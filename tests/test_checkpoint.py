@@ -1,0 +1,119 @@
+"""Checkpoints: restore exactly, onto other meshes and rules, params only; clear errors for bad input."""
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import partitioning
+import training
+from training import checkpoint
+from tests.conftest import build_trainer, tiny_config
+
+
+class _Iter:
+  """A stand-in for a grain iterator (the real one is tested end to end in test_resume)."""
+
+  def __init__(self, pos=0):
+    self.pos = pos
+
+  def get_state(self):  # grain's handler stores bytes for iterators other than its own
+    return json.dumps({'pos': self.pos}).encode()
+
+  def set_state(self, state):
+    self.pos = json.loads(state)['pos']
+
+  def start_prefetch(self):
+    pass
+
+
+def _trained_state(trainer, steps=2):
+  state = training.init_state(trainer)
+  step = training.jit_train_step(trainer)
+  rng = np.random.default_rng(0)
+  for _ in range(steps):
+    batch = {k: rng.integers(0, 16, v.shape).astype(v.dtype) for k, v in trainer.batch_abstract.items()}
+    batch['mask'] = np.ones_like(batch['mask'])
+    state, _ = step(state, jax.device_put(batch, trainer.batch_shardings))
+  return state
+
+
+@pytest.fixture(scope='module')
+def saved(tmp_path_factory):
+  """A checkpoint of 2 AdamW steps of the tiny model under fsdp_tp on 8 devices."""
+  directory = str(tmp_path_factory.mktemp('ckpt'))
+  trainer = build_trainer(tiny_config('fsdp_tp'))
+  state = _trained_state(trainer)
+  ckpt = checkpoint.Checkpointer(directory, every_steps=1, keep=2)
+  ckpt.save(2, state, _Iter(7))
+  ckpt.wait()
+  ckpt.close()
+  return directory, jax.device_get(state)
+
+
+def _assert_equal(a, b):
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), b)
+
+
+def test_restore_is_exact_and_restores_the_data_position(saved):
+  directory, expected = saved
+  trainer = build_trainer(tiny_config('fsdp_tp'))
+  it = _Iter()
+  state = checkpoint.Checkpointer(directory, every_steps=1, keep=2).restore(trainer, it)
+  _assert_equal(state, expected)
+  assert it.pos == 7 and int(state.step) == 2
+  jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(str(x.sharding)),
+               state, trainer.shardings)
+
+
+@pytest.mark.parametrize('preset,num_devices', [('dp', 8), ('tp', 8), ('fsdp', 4), ('dp', 1)])
+def test_restore_onto_other_mesh_and_rules(saved, preset, num_devices):
+  directory, expected = saved
+  cfg = tiny_config(preset)
+  cfg.mesh = {'dp': dict(data=num_devices, fsdp=1, tensor=1), 'tp': dict(data=2, fsdp=1, tensor=4),
+              'fsdp': dict(data=1, fsdp=4, tensor=1)}[preset] if num_devices != 8 or preset != 'dp' else cfg.mesh
+  trainer = build_trainer(cfg, jax.devices()[:num_devices])
+  state = checkpoint.Checkpointer(directory, every_steps=1, keep=2).restore(trainer, _Iter())
+  _assert_equal(state, expected)
+  kernel = state.params['blocks']['layers'][0]['mlp']['up']['layer']['kernel']
+  assert kernel.sharding.mesh.size == num_devices
+  assert kernel.sharding.spec == trainer.specs.params['blocks']['layers'][0]['mlp']['up']['layer']['kernel']
+
+
+def test_params_only_for_fine_tuning(saved):
+  directory, expected = saved
+  trainer = build_trainer(tiny_config('tp'))
+  params = checkpoint.load_params(directory, trainer)
+  _assert_equal(params, expected.params)
+
+
+def test_checkpoint_of_another_model_names_the_first_mismatch(saved):
+  directory, _ = saved
+  cfg = tiny_config('fsdp_tp')
+  cfg.model.mlp_dim = 256
+  trainer = build_trainer(cfg)
+  msg = (r"parameter 'blocks/layers/0/mlp/down/layer/kernel': the model expects shape \(256, 64\), "
+         r"the checkpoint has \(128, 64\)")
+  with pytest.raises(checkpoint.CheckpointError, match=msg):
+    checkpoint.Checkpointer(directory, every_steps=1, keep=2).restore(trainer, _Iter())
+  with pytest.raises(checkpoint.CheckpointError, match=msg):
+    checkpoint.load_params(directory, trainer)
+
+
+def test_missing_and_corrupt_checkpoints_are_clear_errors(saved, tmp_path):
+  directory, _ = saved
+  trainer = build_trainer(tiny_config('fsdp_tp'))
+  with pytest.raises(checkpoint.CheckpointError, match='no checkpoint in'):
+    checkpoint.Checkpointer(str(tmp_path / 'empty'), every_steps=1, keep=2).restore(trainer, _Iter())
+  with pytest.raises(checkpoint.CheckpointError, match='no checkpoint there'):
+    checkpoint.load_params(str(tmp_path / 'nothing'), trainer)
+  # Garbage metadata, and truncated array data: both are errors, never a silent fresh start.
+  for name, corrupt in [('metadata', lambda d: (d / '_METADATA').write_text('{not json')),
+                        ('data', lambda d: [f.write_bytes(f.read_bytes()[:20]) for f in d.rglob('d/*')])]:
+    broken = tmp_path / name
+    shutil.copytree(directory, broken)
+    corrupt(broken / '2' / 'state')
+    with pytest.raises(checkpoint.CheckpointError, match=r'checkpoint .*/2 (is missing or corrupt|could not be restored)'):
+      checkpoint.Checkpointer(str(broken), every_steps=1, keep=2).restore(trainer, _Iter())

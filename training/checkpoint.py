@@ -1,0 +1,179 @@
+"""Checkpoints with orbax: asynchronous saves every N steps, keep the last K, exact resumption
+(train state + each process's data-iterator position), restore onto any mesh and rules, and
+params-only initialisation for fine-tuning.
+
+Layout: <workdir>/checkpoints/<step>/{state, data}. 'state' is the TrainState as a dict of
+global jax.Arrays (orbax writes each process's shards); 'data' is grain's per-process iterator
+state (one JSON file per process).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from partitioning import ConfigError, path_str
+from training.trainer import Trainer, TrainState
+
+
+class CheckpointError(ConfigError):
+  """A checkpoint that is missing, corrupt, or does not fit the model being trained."""
+
+
+def state_dict(state: TrainState) -> dict[str, Any]:
+  return {'step': state.step, 'params': state.params, 'opt_state': state.opt_state,
+          'model_state': state.model_state}
+
+
+def _abstract(trainer: Trainer) -> dict[str, Any]:
+  """ShapeDtypeStructs carrying the target NamedShardings: orbax reads each shard straight into place."""
+  with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+  return state_dict(jax.tree.map(with_sharding, trainer.abstract, trainer.shardings))
+
+
+def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, 'shape'))
+  return {path_str(p): (tuple(x.shape), str(np.dtype(x.dtype))) for p, x in leaves}
+
+
+def check_compatible(expected: Any, found: Any, *, what: str, source: str) -> None:
+  """Raises CheckpointError naming the first parameter whose path, shape or dtype differs."""
+  exp, got = _shapes(expected), _shapes(found)
+  for path, (shape, dtype) in exp.items():
+    if path not in got:
+      extra = sorted(set(got) - set(exp))
+      hint = f'; the checkpoint has instead e.g. {extra[:3]}' if extra else ''
+      raise CheckpointError(f'{source}: {what} {path!r} (shape {shape}) is missing from the checkpoint{hint}. '
+                            'Was it written by another model or config?')
+    if got[path][0] != shape:
+      raise CheckpointError(f'{source}: {what} {path!r}: the model expects shape {shape}, the checkpoint has '
+                            f'{got[path][0]}. Was it written by another model or config?')
+  extra = sorted(set(got) - set(exp))
+  if extra:
+    raise CheckpointError(f'{source}: the checkpoint has {what}s the model does not: {extra[:5]}'
+                          f'{" ..." if len(extra) > 5 else ""}. Was it written by another model or config?')
+
+
+class Checkpointer:
+  """An orbax CheckpointManager for one run directory."""
+
+  def __init__(self, directory: str, *, every_steps: int, keep: int, async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    self.manager = ocp.CheckpointManager(
+        self.directory, item_names=('state', 'data'),
+        item_handlers={'state': ocp.StandardCheckpointHandler(), 'data': grain.checkpoint.CheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every_steps, create=True,
+                                             enable_async_checkpointing=async_save))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: TrainState, data_iter: Any, *, force: bool = False) -> bool:
+    """Starts an asynchronous save (when due or forced); training continues while it writes."""
+    return self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state_dict(state)), data=grain.checkpoint.CheckpointSave(data_iter)),
+        force=force)
+
+  def restore(self, trainer: Trainer, data_iter: Any, step: int | None = None) -> TrainState:
+    """Restores the train state into the trainer's shardings (any mesh, any rules) and the data
+    iterator's position (same process count), checking shapes first."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise CheckpointError(f'no checkpoint in {self.directory}')
+    source = f'checkpoint {self.directory}/{step}'
+    abstract = _abstract(trainer)
+    found = _read_metadata(self.manager, step, source)
+    check_compatible(abstract['params'], found['params'], what='parameter', source=source)
+    check_compatible(abstract['model_state'], found.get('model_state', {}), what='model state', source=source)
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(data_iter)))
+    except (ValueError, FileNotFoundError, OSError) as e:
+      raise CheckpointError(f'{source} could not be restored: {e}') from e
+    s = restored['state']
+    return TrainState(s['step'], s['params'], s['opt_state'], s['model_state'])
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def _read_metadata(manager: ocp.CheckpointManager, step: int, source: str) -> Mapping[str, Any]:
+  try:
+    md = manager.item_metadata(step)['state']
+  except Exception as e:  # orbax raises assorted errors for missing/corrupt metadata
+    raise CheckpointError(f'{source} is missing or corrupt (cannot read its metadata: {e})') from e
+  if md is None:
+    raise CheckpointError(f'{source} is missing or corrupt (no state metadata)')
+  return md.tree if hasattr(md, 'tree') else md
+
+
+def load_params(path: str, trainer: Trainer) -> Any:
+  """Parameters only (for fine-tuning: optimizer state starts fresh) from a checkpoint of this project:
+  `path` is a run's checkpoint directory (latest step) or one step's directory. Each process reads
+  only its shards, straight into the trainer's shardings."""
+  path = os.path.abspath(path)
+  step_dir = path
+  if not os.path.isdir(os.path.join(path, 'state')):
+    steps = sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
+    if not steps:
+      raise CheckpointError(f'init_from={path!r}: no checkpoint there (expected <dir>/<step>/state)')
+    step_dir = os.path.join(path, str(steps[-1]))
+  source = f'checkpoint {step_dir}'
+  abstract = _abstract(trainer)['params']
+  checkpointer = ocp.StandardCheckpointer()
+  try:
+    md = checkpointer.metadata(os.path.join(step_dir, 'state'))
+  except Exception as e:
+    raise CheckpointError(f'{source} is missing or corrupt (cannot read its metadata: {e})') from e
+  tree = md.item_metadata.tree if hasattr(md, 'item_metadata') else md
+  found = tree.get('params') if isinstance(tree, Mapping) else None
+  if found is None:
+    raise CheckpointError(f'{source} holds no parameters')
+  check_compatible(abstract, found, what='parameter', source=source)
+  restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+  try:
+    out = ocp.PyTreeCheckpointer().restore(
+        os.path.join(step_dir, 'state'),
+        args=ocp.args.PyTreeRestore(item={'params': abstract}, restore_args={'params': restore_args},
+                                    partial_restore=True))
+  except (ValueError, FileNotFoundError, OSError) as e:
+    raise CheckpointError(f'{source} could not be restored: {e}') from e
+  return out['params']
+
+
+class Preemption:
+  """SIGTERM sets a flag; the train loop asks `requested(step)` and saves before exiting.
+
+  With several processes they must stop at the same step: the flags are combined across processes
+  every `sync_every` steps (one tiny all-gather), so all processes stop together.
+  """
+
+  def __init__(self, sync_every: int = 10):
+    self._flag = threading.Event()
+    self._previous = None
+    self.sync_every = sync_every
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, lambda *_: self._flag.set())
+
+  def requested(self, step: int) -> bool:
+    if jax.process_count() == 1:
+      return self._flag.is_set()
+    if step % self.sync_every:
+      return False
+    flags = multihost_utils.process_allgather(np.array([self._flag.is_set()], np.int32))
+    return bool(np.asarray(flags).any())
+
+  def close(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
