@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from models import hf_import as hf
 from models.layers import MLP, Attention, Embed, LayerNorm, Stack, axes, dtypes
 from partitioning import ConfigError, shard_logical
 
@@ -68,3 +69,46 @@ def num_params(cfg: Any) -> int:
   V = -(-cfg.vocab_size // pad) * pad
   block = 2 * 2 * D + 4 * (D * D + D) + (D * F + F) + (F * D + D)
   return V * D + L * D + N * block + 2 * D
+
+
+def _hf_config(c: dict) -> dict:
+  if c.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
+    raise ConfigError(f"config.json activation_function={c['activation_function']!r}: the zoo's GPT-2 uses the "
+                      "tanh-approximated GELU (gelu_new)")
+  return dict(vocab_size=c['vocab_size'], max_len=c['n_positions'], num_layers=c['n_layer'],
+              num_heads=c['n_head'], embed_dim=c['n_embd'], mlp_dim=c.get('n_inner') or 4 * c['n_embd'],
+              norm_eps=c['layer_norm_epsilon'])
+
+
+def _hf_params() -> list[hf.Param]:
+  """GPT-2's Conv1D weights are stored (in, out); c_attn fuses q|k|v along out."""
+  def qkv(part: int, bias: bool):
+    def ops(cfg):
+      D, H = cfg.embed_dim, cfg.num_heads
+      return [hf.Slice(0 if bias else 1, part * D, (part + 1) * D),
+              hf.R((H, D // H) if bias else (D, H, D // H))]
+    return ops
+  rows = [
+      hf.Param('tok/embed/embedding', 'wte.weight',
+               lambda cfg: [hf.Pad(0, -(-cfg.vocab_size // cfg.get('pad_vocab_to', 1)) * cfg.get('pad_vocab_to', 1))]),
+      hf.Param('pos', 'wpe.weight'),
+      hf.Param('ln_f/scale', 'ln_f.weight'), hf.Param('ln_f/bias', 'ln_f.bias'),
+      hf.Param('blocks/layers/{i}/attn/out/layer/kernel', 'h.{i}.attn.c_proj.weight',
+               lambda cfg: [hf.R((cfg.num_heads, cfg.embed_dim // cfg.num_heads, cfg.embed_dim))]),
+      hf.Param('blocks/layers/{i}/attn/out/layer/bias', 'h.{i}.attn.c_proj.bias'),
+      hf.Param('blocks/layers/{i}/mlp/up/layer/kernel', 'h.{i}.mlp.c_fc.weight'),
+      hf.Param('blocks/layers/{i}/mlp/up/layer/bias', 'h.{i}.mlp.c_fc.bias'),
+      hf.Param('blocks/layers/{i}/mlp/down/layer/kernel', 'h.{i}.mlp.c_proj.weight'),
+      hf.Param('blocks/layers/{i}/mlp/down/layer/bias', 'h.{i}.mlp.c_proj.bias'),
+  ]
+  for ours, theirs in (('ln1', 'ln_1'), ('ln2', 'ln_2')):
+    rows += [hf.Param(f'blocks/layers/{{i}}/{ours}/scale', f'h.{{i}}.{theirs}.weight'),
+             hf.Param(f'blocks/layers/{{i}}/{ours}/bias', f'h.{{i}}.{theirs}.bias')]
+  for part, name in enumerate(('query', 'key', 'value')):
+    rows += [hf.Param(f'blocks/layers/{{i}}/attn/{name}/layer/kernel', 'h.{i}.attn.c_attn.weight', qkv(part, False)),
+             hf.Param(f'blocks/layers/{{i}}/attn/{name}/layer/bias', 'h.{i}.attn.c_attn.bias', qkv(part, True))]
+  return rows
+
+
+HF = hf.Family(model_types=('gpt2',), config=_hf_config, params=_hf_params(), prefixes=('transformer.', ''),
+               ignore=(r'\.attn\.(masked_)?bias$', r'^lm_head\.weight$'))  # causal-mask buffers; tied head

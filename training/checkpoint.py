@@ -9,6 +9,7 @@ state (one JSON file per process).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 from collections.abc import Mapping
@@ -118,10 +119,23 @@ def _read_metadata(manager: ocp.CheckpointManager, step: int, source: str) -> Ma
   return md.tree if hasattr(md, 'tree') else md
 
 
-def load_params(path: str, trainer: Trainer) -> Any:
+def _filter(tree: Any, keep, prefix: str = '') -> Any:
+  """The nested dict without the leaves whose path fails `keep` (empty dicts dropped)."""
+  if not isinstance(tree, Mapping):
+    return tree if keep(prefix) else None
+  out = {}
+  for k, v in tree.items():
+    sub = _filter(v, keep, f'{prefix}/{k}' if prefix else str(k))
+    if sub is not None and sub != {}:
+      out[k] = sub
+  return out
+
+
+def load_params(path: str, trainer: Trainer, dont_load: str | None = None) -> Any:
   """Parameters only (for fine-tuning: optimizer state starts fresh) from a checkpoint of this project:
   `path` is a run's checkpoint directory (latest step) or one step's directory. Each process reads
-  only its shards, straight into the trainer's shardings."""
+  only its shards, straight into the trainer's shardings. Parameters whose path matches the regex
+  `dont_load` are neither read nor checked (returned tree lacks them)."""
   path = os.path.abspath(path)
   step_dir = path
   if not os.path.isdir(os.path.join(path, 'state')):
@@ -130,7 +144,8 @@ def load_params(path: str, trainer: Trainer) -> Any:
       raise CheckpointError(f'init_from={path!r}: no checkpoint there (expected <dir>/<step>/state)')
     step_dir = os.path.join(path, str(steps[-1]))
   source = f'checkpoint {step_dir}'
-  abstract = _abstract(trainer)['params']
+  keep = (lambda p: not re.search(dont_load, p)) if dont_load else (lambda p: True)
+  abstract = _filter(_abstract(trainer)['params'], keep)
   checkpointer = ocp.StandardCheckpointer()
   try:
     md = checkpointer.metadata(os.path.join(step_dir, 'state'))
@@ -140,7 +155,7 @@ def load_params(path: str, trainer: Trainer) -> Any:
   found = tree.get('params') if isinstance(tree, Mapping) else None
   if found is None:
     raise CheckpointError(f'{source} holds no parameters')
-  check_compatible(abstract, found, what='parameter', source=source)
+  check_compatible(abstract, _filter(dict(found), keep), what='parameter', source=source)
   restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
   try:
     out = ocp.PyTreeCheckpointer().restore(

@@ -1,0 +1,363 @@
+"""Hugging Face safetensors -> zoo parameters, streamed straight into their shardings.
+
+Each model family declares, as data, how its parameters come from a Hugging Face checkpoint
+(`HF` in the family's file): a function from config.json to the zoo's model config, and a table of
+(zoo path, HF key, ops) rows where `{i}` stands for the layer index and `ops` is a short list of
+array operations (transpose, reshape, slice of a fused tensor, row padding) turning the HF tensor
+into the zoo's layout.
+
+Streaming: every parameter is created with `jax.make_array_from_callback` on its target
+NamedSharding. The callback for one device maps that device's slice of the zoo tensor back
+through the ops to a region of the HF tensor and reads only that region with safetensors'
+`get_slice` (a reshape that merges dims is read whole along the merged dims). So each process
+reads only what its devices hold, and the host never holds more than one tensor's slice.
+Scanned models (stacked 'layers' axis) read the layers their slice covers, one at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from safetensors import safe_open
+
+from partitioning import ConfigError, path_str
+
+Region = list[tuple[int, int]]  # (start, stop) per dimension
+
+
+class HFImportError(ConfigError):
+  """A Hugging Face directory that cannot be imported; the message names the culprit."""
+
+
+# --- Ops: forward on arrays, backward on regions ------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class T:
+  """Transpose by `perm` (as np.transpose)."""
+  perm: tuple[int, ...]
+
+  def shape(self, s):
+    return tuple(s[p] for p in self.perm)
+
+  def back(self, region, s):
+    out = [None] * len(s)
+    for i, p in enumerate(self.perm):
+      out[p] = region[i]
+    return out
+
+  def fwd(self, x, region, want, s):
+    return np.transpose(x, self.perm), [region[p] for p in self.perm]
+
+  def __call__(self, x):
+    return np.transpose(x, self.perm)
+
+
+@dataclasses.dataclass(frozen=True)
+class R:
+  """Reshape to `shape` (may contain one -1)."""
+  to: tuple[int, ...]
+
+  def shape(self, s):
+    n = math.prod(s)
+    known = math.prod(d for d in self.to if d != -1)
+    return tuple(n // known if d == -1 else d for d in self.to)
+
+  def _groups(self, s):
+    """Pairs (input dims, output dims) with equal products, in order."""
+    out_s = self.shape(s)
+    groups, i, j = [], 0, 0
+    while i < len(s) or j < len(out_s):
+      gi, gj = [i], [j]
+      pi, pj = s[i] if i < len(s) else 1, out_s[j] if j < len(out_s) else 1
+      while pi != pj:
+        if pi < pj:
+          i += 1
+          gi.append(i)
+          pi *= s[i]
+        else:
+          j += 1
+          gj.append(j)
+          pj *= out_s[j]
+      groups.append(([d for d in gi if d < len(s)], [d for d in gj if d < len(out_s)]))
+      i, j = i + 1, j + 1
+    return out_s, groups
+
+  def back(self, region, s):
+    """The smallest input region that is one contiguous block: an input dim split into output dims
+    is read as a range when only its first partial output dim is partial (e.g. a range of heads);
+    anything else (merged dims) is read whole."""
+    out_s, groups = self._groups(s)
+    src: Region = [None] * len(s)
+    for gi, gj in groups:
+      if len(gi) == 1 and gj:
+        sizes = [out_s[d] for d in gj]
+        parts = [region[d] for d in gj]
+        p = next((k for k, (a, b) in enumerate(parts) if (a, b) != (0, sizes[k])), len(parts) - 1)
+        if all(parts[k] == (0, sizes[k]) for k in range(p + 1, len(parts))) and all(
+            b - a == 1 for a, b in parts[:p]):
+          stride = math.prod(sizes[p + 1:])
+          offset = sum(a * math.prod(sizes[k + 1:]) for k, (a, _) in enumerate(parts[:p]))
+          src[gi[0]] = (offset + parts[p][0] * stride, offset + parts[p][1] * stride)
+          continue
+      for d in gi:
+        src[d] = (0, s[d])
+    return src
+
+  def fwd(self, x, region, want, s):
+    out_s, groups = self._groups(s)
+    out: Region = [None] * len(out_s)
+    for gi, gj in groups:
+      if len(gi) == 1 and gj and region[gi[0]] != (0, s[gi[0]]):
+        a, b = region[gi[0]]
+        sizes = [out_s[d] for d in gj]
+        for p in range(len(gj)):
+          stride = math.prod(sizes[p + 1:])
+          if a % stride == 0 and b % stride == 0 and (a // stride) // sizes[p] == ((b - 1) // stride) // sizes[p]:
+            lead = np.unravel_index((a // stride) // sizes[p], sizes[:p]) if p else ()
+            for k, d in enumerate(gj[:p]):
+              out[d] = (int(lead[k]), int(lead[k]) + 1)
+            lo = (a // stride) % sizes[p]
+            out[gj[p]] = (lo, lo + (b - a) // stride)
+            for k, d in enumerate(gj[p + 1:], start=p + 1):
+              out[d] = (0, sizes[k])
+            break
+      else:
+        for d in gj:
+          out[d] = (0, out_s[d])
+    return x.reshape([b - a for a, b in out]), out
+
+  def __call__(self, x):
+    return x.reshape(self.to)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  """x[start:stop] along `axis` (one part of a fused tensor, e.g. GPT-2's q|k|v)."""
+  axis: int
+  start: int
+  stop: int
+
+  def shape(self, s):
+    return tuple(self.stop - self.start if d == self.axis else n for d, n in enumerate(s))
+
+  def back(self, region, s):
+    return [(a + self.start, b + self.start) if d == self.axis else (a, b) for d, (a, b) in enumerate(region)]
+
+  def fwd(self, x, region, want, s):
+    return x, [(a - self.start, b - self.start) if d == self.axis else (a, b) for d, (a, b) in enumerate(region)]
+
+  def __call__(self, x):
+    return np.take(x, np.arange(self.start, self.stop), axis=self.axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pad:
+  """Zero rows appended along `axis` up to `size` (a padded vocabulary)."""
+  axis: int
+  size: int
+
+  def shape(self, s):
+    return tuple(self.size if d == self.axis else n for d, n in enumerate(s))
+
+  def back(self, region, s):
+    return [(min(a, s[d]), min(b, s[d])) if d == self.axis else (a, b) for d, (a, b) in enumerate(region)]
+
+  def fwd(self, x, region, want, s):
+    (a, b), stop = region[self.axis], want[self.axis][1]
+    widths = [(0, max(0, stop - b)) if d == self.axis else (0, 0) for d in range(x.ndim)]
+    return np.pad(x, widths), [(a, max(b, stop)) if d == self.axis else r for d, r in enumerate(region)]
+
+  def __call__(self, x):
+    widths = [(0, self.size - x.shape[d]) if d == self.axis else (0, 0) for d in range(x.ndim)]
+    return np.pad(x, widths)
+
+
+Op = T | R | Slice | Pad
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+  """One zoo parameter from one HF tensor: zoo path and HF key may contain '{i}' (layer index)."""
+  zoo: str
+  hf: str
+  ops: Callable[[Any], Sequence[Op]] | Sequence[Op] = ()
+
+  def ops_for(self, cfg: Any) -> Sequence[Op]:
+    return self.ops(cfg) if callable(self.ops) else self.ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """How one zoo family maps to Hugging Face checkpoints."""
+  model_types: tuple[str, ...]  # config.json "model_type" values this family imports
+  config: Callable[[dict], dict]  # config.json -> zoo model config fields
+  params: Sequence[Param]
+  prefixes: tuple[str, ...] = ('',)  # tried in order in front of every HF key (e.g. 'transformer.')
+  ignore: tuple[str, ...] = ()  # regexes of HF keys that are not parameters (buffers, unused heads)
+
+
+# --- Reading a directory ----------------------------------------------------------------------
+
+class HFDir:
+  """A Hugging Face model directory: config.json and one or several *.safetensors files."""
+
+  def __init__(self, path: str):
+    self.path = path
+    cfg_file = os.path.join(path, 'config.json')
+    if not os.path.isfile(cfg_file):
+      raise HFImportError(f'{path!r} is not a Hugging Face model directory: no config.json there')
+    with open(cfg_file) as f:
+      self.config = json.load(f)
+    index = os.path.join(path, 'model.safetensors.index.json')
+    if os.path.isfile(index):
+      with open(index) as f:
+        weight_map = json.load(f)['weight_map']
+    else:
+      files = sorted(glob.glob(os.path.join(path, '*.safetensors')))
+      if not files:
+        raise HFImportError(f'{path!r} has no *.safetensors files (PyTorch .bin checkpoints are not read: '
+                            'convert them with transformers save_pretrained(safe_serialization=True))')
+      weight_map = {}
+      for file in files:
+        with safe_open(file, 'np') as f:
+          weight_map.update({k: os.path.basename(file) for k in f.keys()})
+    self.files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+    missing = sorted({v for v in self.files.values() if not os.path.isfile(v)})
+    if missing:
+      raise HFImportError(f'{path!r}: the index names {missing[0]!r}, which is not there')
+    self._shapes: dict[str, tuple[int, ...]] = {}
+
+  def keys(self) -> set[str]:
+    return set(self.files)
+
+  def shape(self, key: str) -> tuple[int, ...]:
+    if key not in self._shapes:
+      with safe_open(self.files[key], 'np') as f:
+        self._shapes[key] = tuple(f.get_slice(key).get_shape())
+    return self._shapes[key]
+
+  def read(self, key: str, region: Region) -> np.ndarray:
+    """Only `region` of tensor `key` is read from disk."""
+    with safe_open(self.files[key], 'np') as f:
+      return f.get_slice(key)[tuple(slice(a, b) for a, b in region)]
+
+
+def _read_through(hf: HFDir, key: str, ops: Sequence[Op], index: tuple[slice, ...], dtype: Any) -> np.ndarray:
+  """The zoo tensor's slice `index`: the HF region it needs is read, pushed through `ops`, cut to size."""
+  shapes = [hf.shape(key)]
+  for op in ops:
+    shapes.append(op.shape(shapes[-1]))
+  want: Region = [(s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shapes[-1], strict=True)]
+  wants = [want]  # the region needed in each intermediate space, last op first
+  for op, s in zip(reversed(ops), reversed(shapes[:-1]), strict=True):
+    wants.append(op.back(wants[-1], s))
+  wants.reverse()
+  region = wants[0]
+  x = hf.read(key, region)
+  for k, op in enumerate(ops):
+    x, region = op.fwd(x, region, wants[k + 1], shapes[k])
+  cut = tuple(slice(a - h0, b - h0) for (a, b), (h0, _) in zip(want, region, strict=True))
+  return np.asarray(x[cut], dtype=dtype)
+
+
+# --- Import -----------------------------------------------------------------------------------
+
+def _resolve_key(hf: HFDir, family: Family, template: str, i: int | None) -> str | None:
+  name = template.format(i=i) if i is not None else template
+  for prefix in family.prefixes:
+    if prefix + name in hf.files:
+      return prefix + name
+  return None
+
+
+def import_params(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shardings: Any,
+                  dont_load: str | None = None) -> tuple[dict, set[str]]:
+  """Builds the zoo's params tree from `hf`, each leaf born in its sharding.
+
+  `abstract`/`shardings`: the model's params (pure dict of ShapeDtypeStructs / NamedShardings).
+  Leaves whose path matches `dont_load` are skipped (returned paths, to be initialised fresh).
+  Raises HFImportError listing zoo parameters nothing explains and HF tensors nothing uses.
+  """
+  flat = {path_str(p): (p, leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
+  flat_sh = {path_str(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
+  skip = re.compile(dont_load) if dont_load else None
+  out: dict[str, jax.Array] = {}
+  used: set[str] = set()
+  num_layers = model_cfg.get('num_layers', 0)
+  for row in family.params:
+    ops = row.ops_for(model_cfg)
+    layered = '{i}' in row.zoo
+    targets = []  # (zoo path, stacked?, layer or None)
+    if layered:
+      stacked = row.zoo.replace('/{i}', '')
+      if stacked in flat:
+        targets.append((stacked, True, None))
+      else:
+        targets += [(row.zoo.format(i=i), False, i) for i in range(num_layers)]
+    else:
+      targets.append((row.zoo, False, None))
+    for zoo, stacked, layer in targets:
+      if zoo not in flat or (skip and skip.search(zoo)):
+        continue
+      layers = range(num_layers) if stacked else [layer]
+      keys = [_resolve_key(hf, family, row.hf, i) for i in layers]
+      if None in keys:
+        continue  # reported below as unexplained if nothing else provides it
+      leaf, sharding = flat[zoo][1], flat_sh[zoo]
+      expect = tuple(leaf.shape[1:]) if stacked else tuple(leaf.shape)
+      for key in keys:
+        got = hf.shape(key)
+        for op in ops:
+          got = op.shape(got)
+        if tuple(got) != expect:
+          raise HFImportError(f'{hf.path}: {key} {hf.shape(key)} gives shape {tuple(got)} for zoo parameter '
+                              f'{zoo!r}, which expects {expect}; does config.json match the model config?')
+      used.update(keys)
+      out[zoo] = _stream(hf, keys, ops, leaf, sharding, stacked)
+  ignored = [re.compile(r) for r in family.ignore]
+  unused = sorted(k for k in hf.keys() - used if not any(r.search(k) for r in ignored))
+  skipped = {z for z in flat if skip and skip.search(z)}
+  missing = sorted(set(flat) - set(out) - skipped)
+  if missing or unused:
+    raise HFImportError(
+        f'{hf.path}: cannot map the checkpoint onto the model. '
+        + (f'Zoo parameters with no HF tensor ({len(missing)}): {missing[:6]}{" ..." if len(missing) > 6 else ""}. '
+           'Exclude them with config.dont_load (regex) to initialise them fresh, e.g. a new head. '
+           if missing else '')
+        + (f'HF tensors the model does not use ({len(unused)}): {unused[:6]}{" ..." if len(unused) > 6 else ""}.'
+           if unused else ''))
+  tree: dict = {}
+  for zoo, arr in out.items():
+    node = tree
+    path = flat[zoo][0]
+    for k in path[:-1]:
+      node = node.setdefault(_key(k), {})
+    node[_key(path[-1])] = arr
+  return tree, skipped
+
+
+def _key(k):
+  return getattr(k, 'key', getattr(k, 'idx', k))
+
+
+def _stream(hf: HFDir, keys: list[str], ops: Sequence[Op], leaf: Any, sharding: Any, stacked: bool) -> jax.Array:
+  def read(index: tuple[slice, ...]) -> np.ndarray:
+    if not stacked:
+      return _read_through(hf, keys[0], ops, index, leaf.dtype)
+    layers = range(*index[0].indices(len(keys)))
+    return np.stack([_read_through(hf, keys[i], ops, index[1:], leaf.dtype) for i in layers])
+  return jax.make_array_from_callback(tuple(leaf.shape), sharding, read)
+
+
+def is_hf_dir(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, 'config.json')) and (
+      bool(glob.glob(os.path.join(path, '*.safetensors'))) or
+      os.path.isfile(os.path.join(path, 'model.safetensors.index.json')))

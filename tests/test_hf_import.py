@@ -1,0 +1,142 @@
+"""Hugging Face import: logits match transformers (torch, fp32) with the model sharded on 8 devices;
+each device reads only its slice; unexplained tensors and bad directories are clear errors."""
+import itertools
+import os
+
+os.environ['HF_HUB_OFFLINE'] = '1'
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import models  # noqa: E402
+from configs import gpt2 as gpt2_config  # noqa: E402
+from models import hf_import  # noqa: E402
+from models.hf_import import Pad, R, Slice, T  # noqa: E402
+from tests.conftest import build_trainer  # noqa: E402
+from training import pretrained, tasks  # noqa: E402
+
+PARITY_ATOL = 1e-4  # max |logits difference| allowed (fp32 both sides)
+
+
+def forward(trainer, state, *args, **kwargs):
+  """The model's output (eval mode) under the trainer's shardings."""
+  def run(params, rest, *a):
+    return tasks.eval_view(nnx.merge(trainer.graphdef, params, rest))(*a, **kwargs)
+  return np.asarray(jax.jit(run)(state.params, state.model_state, *args))
+
+
+def zoo_config(config_file, arg, hf_dir, **overrides):
+  cfg = config_file.get_config(arg)
+  cfg.init_from = hf_dir
+  cfg.dont_load = ''
+  for k, v in overrides.items():
+    cfg.model[k] = v
+  pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+  return cfg
+
+
+@pytest.fixture(scope='module')
+def gpt2_dir(tmp_path_factory):
+  torch.manual_seed(0)
+  hf_cfg = transformers.GPT2Config(vocab_size=100, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+  model = transformers.GPT2LMHeadModel(hf_cfg).eval()
+  path = str(tmp_path_factory.mktemp('hf_gpt2'))
+  model.save_pretrained(path)
+  return path, model
+
+
+@pytest.mark.parametrize('arg,scan', [('fsdp_tp,tiny', True), ('tp,tiny', False)])
+def test_gpt2_logits_match_transformers(gpt2_dir, arg, scan):
+  path, hf_model = gpt2_dir
+  cfg = zoo_config(gpt2_config, arg, path, scan_layers=scan, pad_vocab_to=8)
+  assert (cfg.model.vocab_size, cfg.model.embed_dim, cfg.model.num_layers) == (100, 64, 2)  # from config.json
+  trainer = build_trainer(cfg)
+  state = pretrained.init_state(trainer, models.HF_FAMILIES)
+  tokens = np.random.default_rng(0).integers(0, 100, (2, 32))
+  ours = forward(trainer, state, tokens)[..., :100]
+  with torch.no_grad():
+    theirs = hf_model(torch.tensor(tokens)).logits.numpy()
+  err = np.abs(ours - theirs).max()
+  assert err < PARITY_ATOL, err
+  emb = state.params['tok']['embed']['embedding']
+  assert emb.shape == (104, 64) and emb.sharding.spec == trainer.specs.params['tok']['embed']['embedding']
+  assert not np.asarray(emb[100:]).any()  # padded rows are zeros
+
+
+def test_unexplained_parameters_are_listed_and_dont_load_initialises_them(gpt2_dir, tmp_path):
+  path, hf_model = gpt2_dir
+  cfg = zoo_config(gpt2_config, 'fsdp,tiny', path)
+  trainer = build_trainer(cfg)
+  # Drop ln_f from a copy of the checkpoint: the zoo's ln_f is then unexplained.
+  from safetensors.numpy import load_file, save_file
+  broken = tmp_path / 'broken'
+  broken.mkdir()
+  (broken / 'config.json').write_text(open(os.path.join(path, 'config.json')).read())
+  tensors = load_file(os.path.join(path, 'model.safetensors'))
+  tensors['transformer.extra.weight'] = np.zeros(3, np.float32)
+  save_file({k: v for k, v in tensors.items() if 'ln_f' not in k}, str(broken / 'model.safetensors'))
+  cfg.init_from = str(broken)
+  with pytest.raises(hf_import.HFImportError, match=r"Zoo parameters with no HF tensor \(2\): \['ln_f/bias', "
+                                                    r"'ln_f/scale'\].*HF tensors the model does not use \(1\): "
+                                                    r"\['transformer.extra.weight'\]"):
+    pretrained.init_state(trainer, models.HF_FAMILIES)
+  save_file({k: v for k, v in tensors.items() if 'ln_f' not in k and 'extra' not in k},
+            str(broken / 'model.safetensors'))
+  cfg.dont_load = '^ln_f/'
+  state = pretrained.init_state(trainer, models.HF_FAMILIES)
+  np.testing.assert_array_equal(np.asarray(state.params['ln_f']['scale']), 1.0)  # fresh init
+  np.testing.assert_array_equal(np.asarray(state.params['pos']), tensors['transformer.wpe.weight'])
+
+
+def test_bad_directories_are_clear_errors(gpt2_dir, tmp_path):
+  with pytest.raises(hf_import.HFImportError, match='no config.json'):
+    hf_import.HFDir(str(tmp_path))
+  (tmp_path / 'config.json').write_text('{"model_type": "gpt2"}')
+  with pytest.raises(hf_import.HFImportError, match=r'has no \*.safetensors files'):
+    hf_import.HFDir(str(tmp_path))
+  cfg = gpt2_config.get_config('tiny')
+  cfg.init_from = gpt2_dir[0]
+  cfg.model.name = 'llama_typo'
+  with pytest.raises(ValueError, match="config.model.name='llama_typo' has no Hugging Face importer"):
+    pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+
+
+class _FakeHF:
+  def __init__(self, x):
+    self.x, self.reads = x, []
+
+  def shape(self, key):
+    return self.x.shape
+
+  def read(self, key, region):
+    self.reads.append(region)
+    return self.x[tuple(slice(a, b) for a, b in region)]
+
+
+@pytest.mark.parametrize('shape,ops', [
+    ((6, 12), [T((1, 0)), R((3, 4, 6))]),  # Linear (out=H*K, in=D) -> (D, H, K)
+    ((8, 36), [Slice(1, 12, 24), R((8, 3, 4))]),  # fused q|k|v, key part
+    ((10, 4), [Pad(0, 16)]),  # padded vocabulary
+    ((4, 6), [R((4, 2, 3)), T((1, 2, 0))]),
+    ((2, 3, 4, 5), [R((6, 20))]),  # merged dims
+    ((5, 3, 2, 2), [T((2, 3, 1, 0)), R((12, 5))]),  # conv (O, I, kh, kw) -> flattened patches
+])
+def test_ops_read_only_the_region_a_slice_needs(shape, ops):
+  x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+  full = x
+  for op in ops:
+    full = op(full)
+  def slices(n):
+    return [slice(0, n)] + [slice(a, a + w) for w in range(1, n) if n % w == 0 for a in range(0, n, w)]
+  for index in itertools.product(*(slices(n) for n in full.shape)):
+    fake = _FakeHF(x)
+    got = hf_import._read_through(fake, 'k', ops, index, np.float32)
+    np.testing.assert_array_equal(got, full[index])
+  # A head-range slice of a (D, H, K) kernel from a (H*K, D) Linear weight reads only those rows.
+  fake = _FakeHF(np.zeros((12, 6), np.float32))
+  hf_import._read_through(fake, 'k', [T((1, 0)), R((6, 3, 4))], (slice(0, 6), slice(1, 2), slice(0, 4)), np.float32)
+  assert fake.reads == [[(4, 8), (0, 6)]]

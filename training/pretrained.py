@@ -1,0 +1,91 @@
+"""Starting from pretrained weights: `config.init_from` names a checkpoint of this project (params
+only; the optimizer starts fresh) or a Hugging Face model directory (config.json + safetensors).
+
+`config.dont_load` (regex over zoo parameter paths, e.g. '^classifier/') leaves matching parameters
+freshly initialised (a new head with another number of classes). Everything else must be explained:
+missing or unexpected parameters are an error that lists them.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from models import hf_import
+from partitioning import ConfigError, path_str
+from training import checkpoint
+from training.trainer import Trainer, TrainState, _split
+
+
+def hf_family(config: ml_collections.ConfigDict, families: dict[str, hf_import.Family]) -> hf_import.Family:
+  name = config.model.name
+  if name not in families:
+    raise ConfigError(f'init_from={config.init_from!r} is a Hugging Face directory, but config.model.name={name!r} '
+                      f'has no Hugging Face importer; families with one: {sorted(families)}')
+  return families[name]
+
+
+def adopt_hf_config(config: ml_collections.ConfigDict, families: dict[str, hf_import.Family]) -> dict[str, Any]:
+  """Reads the architecture (sizes, heads, eps, ...) from the HF config.json into config.model.
+  Returns the fields that changed (for the log)."""
+  hf = hf_import.HFDir(config.init_from)
+  family = hf_family(config, families)
+  model_type = hf.config.get('model_type')
+  if model_type not in family.model_types:
+    raise ConfigError(f'{config.init_from}/config.json has model_type={model_type!r}, but config.model.name='
+                      f'{config.model.name!r} imports {list(family.model_types)}')
+  fields = family.config(hf.config)
+  changed = {k: v for k, v in fields.items() if config.model.get(k) != v}
+  unknown = sorted(k for k in fields if k not in config.model)
+  if unknown:
+    raise ConfigError(f'config.model has no field(s) {unknown} that {config.model.name} reads from config.json')
+  config.model.update(fields)
+  return changed
+
+
+def init_state(trainer: Trainer, families: dict[str, hf_import.Family]) -> TrainState:
+  """The train state with pretrained params (born in their shardings), fresh optimizer state,
+  and fresh initialisation for parameters matching config.dont_load."""
+  config = trainer.config
+  path, dont_load = config.init_from, config.get('dont_load') or None
+  if dont_load:
+    try:
+      re.compile(dont_load)
+    except re.error as e:
+      raise ConfigError(f'config.dont_load={dont_load!r} is not a valid regex: {e}') from None
+  if hf_import.is_hf_dir(path):
+    loaded, _ = hf_import.import_params(hf_import.HFDir(path), hf_family(config, families), config.model,
+                                        trainer.abstract.params, trainer.shardings.params, dont_load)
+  elif os.path.isdir(path):
+    loaded = checkpoint.load_params(path, trainer, dont_load=dont_load)
+  else:
+    raise ConfigError(f'config.init_from={path!r} is neither a checkpoint directory of this project nor a '
+                      'Hugging Face model directory (config.json + *.safetensors)')
+  return with_params(trainer, loaded)
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+  return {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def with_params(trainer: Trainer, loaded: Any) -> TrainState:
+  """A fresh TrainState whose params are `loaded` where given (a partial tree) and freshly
+  initialised elsewhere; the optimizer state is initialised for the final params. One jit: the
+  random initialisation of loaded parameters is dead code that XLA removes."""
+  loaded_flat = _flat(loaded)
+  param_paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(trainer.abstract.params)]
+  treedef = jax.tree.structure(trainer.abstract.params)
+
+  def init(loaded_flat):
+    _, params, rest = _split(trainer.make_model(nnx.Rngs(trainer.config.seed)))
+    fresh = dict(zip(param_paths, jax.tree.leaves(params), strict=True))
+    merged = jax.tree.unflatten(treedef, [loaded_flat.get(p, fresh[p]) for p in param_paths])
+    return TrainState(jnp.zeros((), jnp.int32), merged, trainer.tx.init(merged), rest)
+  in_shardings = {p: s for p, s in _flat(trainer.shardings.params).items() if p in loaded_flat}
+  return jax.jit(init, in_shardings=(in_shardings,), out_shardings=trainer.shardings,
+                 donate_argnums=0)(loaded_flat)
