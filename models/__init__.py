@@ -18,10 +18,10 @@ its model uses, and a name without a rule is an error, never a silent replicatio
 | expert     | experts of a mixture-of-experts layer                          | 'expert'                |
 | classes    | classifier outputs                                             | None                    |
 | token_types| token-type (segment A/B) embedding rows (BERT)                 | None                    |
-| height     | image rows (activations)                                       | None                    |
-| width      | image columns (activations)                                    | None                    |
-| channels   | input image channels                                           | None                    |
-| conv_in    | input features of a convolution kernel                         | None or 'fsdp'          |
+| height     | image rows (activations; rows of conv and image-input kernels) | None                    |
+| width      | image columns (activations; kernel columns likewise)           | None                    |
+| channels   | input image channels (and the kernel dim that reads them)      | None                    |
+| conv_in    | input features of a conv kernel (or of a dense over conv maps) | None or 'fsdp'          |
 | conv_out   | output features of a convolution kernel (and its activations)  | None or 'tensor'        |
 | patch      | flattened patch pixels (ViT patch embedding input)             | None                    |
 
@@ -36,13 +36,24 @@ from collections.abc import Callable
 import ml_collections
 from flax import nnx
 
-from models import bert, gpt2, llama
+from models import bert, gpt2, llama, moe
+from models import resnet, simple, vit
 from partitioning import ConfigError
 
 MODELS: dict[str, Callable[..., nnx.Module]] = {
     'gpt2': gpt2.GPT2,
     'llama': llama.Llama,
     'bert': bert.Bert,
+    'moe': moe.MoE,
+    'mlp': simple.MLP,
+    'cnn': simple.CNN,
+    'resnet': resnet.ResNet,
+    'vit': vit.ViT,
+}
+
+# Hugging Face importers (see models/hf_import.py): zoo model name -> its family's mapping.
+HF_FAMILIES = {
+    'gpt2': gpt2.HF,
 }
 
 
