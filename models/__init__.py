@@ -15,6 +15,7 @@ its model uses, and a name without a rule is an error, never a silent replicatio
 | vocab      | vocabulary entries (embedding rows, logits)                    | 'tensor'                |
 | norm       | LayerNorm/RMSNorm/BatchNorm scale, bias and statistics         | None                    |
 | layers     | the stacked-layer axis of scanned blocks (`scan_layers=True`)  | None                    |
+| lora_rank  | the rank of LoRA adapters (models/lora.py)                     | None                    |
 | expert     | experts of a mixture-of-experts layer                          | 'expert'                |
 | classes    | classifier outputs                                             | None                    |
 | token_types| token-type (segment A/B) embedding rows (BERT)                 | None                    |
@@ -36,7 +37,7 @@ from collections.abc import Callable
 import ml_collections
 from flax import nnx
 
-from models import bert, gpt2, llama, moe
+from models import bert, gpt2, llama, lora, moe
 from models import resnet, simple, vit
 from partitioning import ConfigError
 
@@ -57,7 +58,13 @@ HF_FAMILIES = {
 }
 
 
-def create(cfg: ml_collections.ConfigDict, rngs: nnx.Rngs) -> nnx.Module:
+def create(cfg: ml_collections.ConfigDict, rngs: nnx.Rngs,
+           lora_cfg: ml_collections.ConfigDict | None = None) -> nnx.Module:
+  """The model named by cfg.name; with lora_cfg.rank > 0, LoRA adapters on the Dense layers
+  whose path matches lora_cfg.targets (see models/lora.py)."""
   if cfg.name not in MODELS:
     raise ConfigError(f'config.model.name={cfg.name!r} is not a known model; known: {sorted(MODELS)}')
-  return MODELS[cfg.name](cfg, rngs=rngs)
+  model = MODELS[cfg.name](cfg, rngs=rngs)
+  if lora_cfg is not None and lora_cfg.get('rank', 0):
+    model = lora.apply(model, lora_cfg.rank, lora_cfg.get('alpha', lora_cfg.rank), lora_cfg.targets, rngs)
+  return model

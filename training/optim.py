@@ -1,11 +1,14 @@
 """Optimizers and schedules from `config.optim`."""
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import jax
 import ml_collections
 import optax
 
-from partitioning import ConfigError
+from partitioning import ConfigError, path_str
 
 
 def make_schedule(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -16,8 +19,25 @@ def make_schedule(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Sch
       decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
 
 
-def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """Gradient clipping, then the optimizer. Weight decay skips vectors (norms, biases)."""
+def trainable_labels(params: Any, freeze: str | None, train_only: str | None) -> Any:
+  """'train' / 'frozen' per parameter from regexes over its path: `freeze` freezes what matches,
+  `train_only` freezes everything that does not match (e.g. LoRA adapters or a new head)."""
+  def label(path, _):
+    p = path_str(path)
+    frozen = bool(freeze and re.search(freeze, p)) or bool(train_only and not re.search(train_only, p))
+    return 'frozen' if frozen else 'train'
+  labels = jax.tree_util.tree_map_with_path(label, params)
+  if 'train' not in jax.tree.leaves(labels):
+    raise ConfigError(f'config.freeze={freeze!r} / train_only={train_only!r} freeze every parameter: nothing to train')
+  return labels
+
+
+def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int, labels: Any = None,
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """Gradient clipping, then the optimizer. Weight decay skips vectors (norms, biases).
+
+  With `labels` (see trainable_labels), frozen parameters get zero updates and no optimizer state.
+  """
   schedule = make_schedule(cfg, total_steps)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
   if cfg.name == 'adamw':
@@ -27,4 +47,7 @@ def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int) -> tuple[op
   else:
     raise ConfigError(f"config.optim.name={cfg.name!r} is not known; known: ['adamw', 'sgd']")
   chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
-  return optax.chain(*chain, opt), schedule
+  tx = optax.chain(*chain, opt)
+  if labels is not None and 'frozen' in jax.tree.leaves(labels):
+    tx = optax.multi_transform({'train': tx, 'frozen': optax.set_to_zero()}, labels)
+  return tx, schedule

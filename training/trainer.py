@@ -81,7 +81,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
   param_axes, rest_axes = partitioning.nnx_logical_axes(abs_params), partitioning.nnx_logical_axes(abs_rest)
   param_shapes, rest_shapes = nnx.to_pure_dict(abs_params), nnx.to_pure_dict(abs_rest)
-  tx, schedule = optim.make_optimizer(config.optim, config.total_steps)
+  tx, schedule = optim.make_optimizer(config.optim, config.total_steps, trainable(config, param_shapes))
   opt_shapes = jax.eval_shape(tx.init, param_shapes)
   opt_axes = partitioning.opt_state_axes(opt_shapes, param_shapes, param_axes)
 
@@ -102,6 +102,18 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   return Trainer(config, mesh, rules, task, make_model, graphdef, tx, schedule, abstract, axes, specs,
                  partitioning.named_shardings(specs, mesh), batch_abstract,
                  partitioning.named_shardings(batch_specs, mesh), seen)
+
+
+def trainable(config: ml_collections.ConfigDict, params: Any) -> Any:
+  """'train'/'frozen' labels from config.freeze / config.train_only (regexes over parameter paths);
+  with LoRA (config.lora.rank > 0) only the adapters train unless train_only says otherwise."""
+  freeze, train_only = config.get('freeze') or None, config.get('train_only') or None
+  lora = config.get('lora')
+  if lora is not None and lora.get('rank', 0) and not train_only:
+    train_only = r'(^|/)lora_[ab]$'
+  if not (freeze or train_only):
+    return None
+  return optim.trainable_labels(params, freeze, train_only)
 
 
 def jit_init(trainer: Trainer, seed: int | None = None):
