@@ -1,0 +1,208 @@
+"""Mixture-of-experts decoder (Mixtral-style): Llama blocks (RMSNorm, rotary, grouped-query attention,
+no biases) whose feed-forward is a mixture of SwiGLU experts with top-k routing and a load-balancing loss.
+
+Parameters map onto Hugging Face's MixtralForCausalLM (transformers 5: model.layers.N.mlp.{gate,
+experts.gate_up_proj, experts.down_proj}; tested against it): embed_tokens, blocks.layers.N.{input_layernorm,
+self_attn.{query, key, value, out}, post_attention_layernorm, moe.{router (mlp.gate), gate and up (the
+halves of gate_up_proj), down (down_proj)}}, norm, lm_head (absent when tie_embeddings). Expert weights
+are stacked on a leading 'expert' axis: gate/up (expert, embed, mlp), down (expert, mlp, embed).
+
+Tokens move to the experts, never the expert weights to the tokens (GShard/Switch dispatch):
+  1. the (B, L) tokens are cut into groups of S = group_size: x (G, S, D), G sharded like 'batch';
+  2. the router picks k experts per token; an expert takes at most C = ceil(k * S * capacity_factor / E)
+     of a group's tokens (C <= S);
+  3. dispatch: a one-hot einsum, local to each group's devices, gives x (E, G, C, D); re-constraining it
+     from (None, 'batch', ...) to ('expert', 'batch', ...) moves the tokens to their experts' devices:
+     with 'batch' and 'expert' on one mesh axis (('batch', ('data', 'expert')), ('expert', 'expert')),
+     an all-to-all over that axis (and its transpose in the backward pass);
+  4. each device runs only its own experts: (E, G, C, D) x (E, D, F) with E sharded;
+  5. combine: the router-weighted sum back to (G, S, D) (the inverse all-to-all).
+Dropped tokens: if more than C of a group's assignments pick one expert, the later ones are dropped
+(slots go to every token's first choice before any second choice, then in token order). A dropped
+assignment contributes nothing; the token keeps its other experts and the residual connection.
+aux['dropped_fraction'] reports the dropped share of assignments; capacity_factor >= E / k drops none.
+Padding tokens are routed like any other and take capacity.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from models.layers import NORMAL_002, Attention, Dense, Embed, RMSNorm, Stack, axes, dtypes, mask_padded_vocab
+from partitioning import ConfigError, shard_logical
+
+ACT = ('batch', 'length', 'embed')
+EXPERT_ACT = ('expert', 'batch', None, 'embed')  # dispatched tokens (E, G, C, D) on their experts' devices
+GROUP_ACT = (None, 'batch', None, 'embed')  # the same, still on their groups' devices
+
+
+def route(logits_GSE: jax.Array, k: int, capacity: int) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+  """Top-k routing with per-group expert capacity.
+
+  Returns dispatch_GSEC (1 where token s of group g fills slot c of expert e), combine_GSEC (the same
+  entries holding the token's renormalised router weight) and unweighted statistics: the
+  load-balancing loss E * sum_e(f_e * p_e) (f_e: share of the k-per-token assignments routed to e,
+  before capacity; p_e: mean router probability of e; 1.0 when routing is uniform), the router z-loss
+  mean(logsumexp(logits)^2), and the fraction of assignments dropped for lack of capacity.
+  """
+  G, S, E = logits_GSE.shape
+  logits_GSE = logits_GSE.astype(jnp.float32)
+  probs_GSE = jax.nn.softmax(logits_GSE, axis=-1)
+  weights_GSK, experts_GSK = top_k(probs_GSE, k)
+  weights_GSK = weights_GSK / weights_GSK.sum(-1, keepdims=True)  # Mixtral renormalises the k weights
+  choice_GSKE = jax.nn.one_hot(experts_GSK, E, dtype=jnp.int32)
+  # Slot of each assignment in its expert's buffer, counting all first choices of the group, then seconds...
+  order_GKSE = choice_GSKE.transpose(0, 2, 1, 3)
+  slots_GKSE = jnp.cumsum(order_GKSE.reshape(G, k * S, E), axis=1).reshape(G, k, S, E) - 1
+  slot_GSK = (slots_GKSE.transpose(0, 2, 1, 3) * choice_GSKE).sum(-1)
+  slot_GSKC = jax.nn.one_hot(slot_GSK, capacity)  # an index >= capacity gives a zero row: dropped
+  choice_GSKE = choice_GSKE.astype(jnp.float32)
+  dispatch_GSEC = jnp.einsum('gske,gskc->gsec', choice_GSKE, slot_GSKC)
+  combine_GSEC = jnp.einsum('gsk,gske,gskc->gsec', weights_GSK, choice_GSKE, slot_GSKC)
+  share_E = choice_GSKE.mean((0, 1)).sum(0) / k
+  stats = {'load_balance_loss': E * jnp.sum(share_E * probs_GSE.mean((0, 1))),
+           'router_z_loss': jnp.mean(jax.nn.logsumexp(logits_GSE, axis=-1) ** 2),
+           'dropped_fraction': jnp.mean(slot_GSK >= capacity)}
+  return dispatch_GSEC, combine_GSEC, stats
+
+
+def top_k(x_GSE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """jax.lax.top_k over the last axis (ties: lower index first) as k argmax passes: the partitioner
+  keeps these sharded over G, while it gathers a top_k's operand onto every device."""
+  values, indices = [], []
+  for _ in range(k):
+    i_GS = jnp.argmax(x_GSE, axis=-1)
+    values.append(jnp.take_along_axis(x_GSE, i_GS[..., None], axis=-1)[..., 0])
+    indices.append(i_GS)
+    x_GSE = jnp.where(jnp.arange(x_GSE.shape[-1]) == i_GS[..., None], -jnp.inf, x_GSE)
+  return jnp.stack(values, -1), jnp.stack(indices, -1)
+
+
+def capacity(cfg: Any, group_size: int) -> int:
+  """Slots per expert and group: ceil(k * S * capacity_factor / E), at most S."""
+  return min(group_size, math.ceil(cfg.top_k * group_size * cfg.capacity_factor / cfg.num_experts))
+
+
+class MoEMLP(nnx.Module):
+  """Top-k mixture of SwiGLU experts. x (B, L, D) -> (y (B, L, D), aux); aux['aux_loss'] is weighted."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    E, D, F, k = cfg.num_experts, cfg.embed_dim, cfg.mlp_dim, cfg.top_k
+    if not 1 <= k <= E:
+      raise ConfigError(f'config.model.top_k={k} must be in [1, num_experts={E}]')
+    if cfg.capacity_factor <= 0:
+      raise ConfigError(f'config.model.capacity_factor={cfg.capacity_factor} must be > 0')
+    if cfg.group_size < 1:
+      raise ConfigError(f'config.model.group_size={cfg.group_size} must be >= 1')
+    kw = dtypes(cfg)
+    # The router runs in float32 (as Mixtral's softmax does): routing decisions are not bf16 noise.
+    self.router = Dense('gsd,de->gse', (D, E), ('embed', 'expert'), dtype=jnp.float32,
+                        param_dtype=kw['param_dtype'], rngs=rngs)
+    expert = lambda shape, names: nnx.Param(NORMAL_002(rngs.params(), shape, kw['param_dtype']), **axes(*names))
+    self.gate = expert((E, D, F), ('expert', 'embed', 'mlp'))
+    self.up = expert((E, D, F), ('expert', 'embed', 'mlp'))
+    self.down = expert((E, F, D), ('expert', 'mlp', 'embed'))
+    self.cfg, self.dtype = cfg, kw['dtype']
+
+  def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    B, L, D = x_BLD.shape
+    S = min(self.cfg.group_size, L)
+    if L % S:
+      raise ConfigError(f'config.model.group_size={self.cfg.group_size} must divide the sequence length {L}')
+    x_GSD = shard_logical(x_BLD.reshape(B * L // S, S, D), ACT)
+    logits_GSE = shard_logical(self.router(x_GSD), ('batch', 'length', None))
+    dispatch_GSEC, combine_GSEC, stats = route(logits_GSE, self.cfg.top_k, capacity(self.cfg, S))
+    dt = self.dtype
+    # Each einsum runs where its tokens are (G sharded); the constraint from GROUP_ACT to EXPERT_ACT
+    # (and back) is the all-to-all, in the forward and (as its transpose) in the backward pass.
+    x_EGCD = shard_logical(jnp.einsum('gsec,gsd->egcd', dispatch_GSEC.astype(dt), x_GSD), GROUP_ACT)
+    x_EGCD = shard_logical(x_EGCD, EXPERT_ACT)
+    gate_EDF, up_EDF, down_EFD = (w[...].astype(dt) for w in (self.gate, self.up, self.down))
+    h_EGCF = (jax.nn.silu(jnp.einsum('egcd,edf->egcf', x_EGCD, gate_EDF)) *
+              jnp.einsum('egcd,edf->egcf', x_EGCD, up_EDF))
+    h_EGCF = shard_logical(h_EGCF, ('expert', 'batch', None, 'mlp'))
+    y_EGCD = shard_logical(jnp.einsum('egcf,efd->egcd', h_EGCF, down_EFD), EXPERT_ACT)
+    y_EGCD = shard_logical(y_EGCD, GROUP_ACT)
+    y_GSD = shard_logical(jnp.einsum('gsec,egcd->gsd', combine_GSEC.astype(dt), y_EGCD), ACT)
+    aux_loss = (self.cfg.aux_loss_weight * stats['load_balance_loss'] +
+                self.cfg.get('router_z_loss_weight', 0.0) * stats['router_z_loss'])
+    return y_GSD.reshape(B, L, D), {'aux_loss': aux_loss, **stats}
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    kw = dict(**dtypes(cfg), rngs=rngs)
+    D = cfg.embed_dim
+    self.input_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
+    self.self_attn = Attention(D, cfg.num_heads, num_kv_heads=cfg.get('num_kv_heads'), head_dim=cfg.get('head_dim'),
+                               use_bias=False, rope_theta=cfg.get('rope_theta', 1e6), **kw)
+    self.post_attention_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
+    self.moe = MoEMLP(cfg, rngs=rngs)
+
+  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None,
+               segment_ids_BL: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    h_BLD = self.self_attn(self.input_layernorm(x_BLD), causal=True, positions_BL=positions_BL,
+                           segment_ids_BL=segment_ids_BL)
+    x_BLD = shard_logical(x_BLD + h_BLD, ACT)
+    y_BLD, aux = self.moe(self.post_attention_layernorm(x_BLD))
+    return shard_logical(x_BLD + y_BLD, ACT), aux
+
+
+class MoE(nnx.Module):
+  """tokens (B, L) int32 -> (logits (B, L, V) float32, aux). aux['aux_loss'] is the weighted sum over
+  layers (the lm task adds it to the loss); the other aux entries are unweighted means over layers."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    kw = dtypes(cfg)
+    D, V = cfg.embed_dim, cfg.vocab_size
+    self.embed_tokens = Embed(V, D, pad_to=cfg.get('pad_vocab_to', 1), **kw, rngs=rngs)
+    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, scan=cfg.get('scan_layers', False),
+                        remat=cfg.get('remat', False), rngs=rngs)
+    self.norm = RMSNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
+    self.tied = cfg.get('tie_embeddings', False)
+    if not self.tied:
+      rows = self.embed_tokens.embed.embedding.shape[0]
+      self.lm_head = Dense('bld,dv->blv', (D, rows), ('embed', 'vocab'), preferred_element_type=jnp.float32,
+                           **kw, rngs=rngs)
+    self.vocab_size, self.num_layers = V, cfg.num_layers
+
+  def __call__(self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None,
+               segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    x_BLD = shard_logical(self.embed_tokens(tokens_BL), ACT)
+    x_BLD, totals = self.blocks(x_BLD, positions_BL, segment_ids_BL)
+    x_BLD = self.norm(x_BLD)
+    if self.tied:
+      logits_BLV = self.embed_tokens.attend(x_BLD)
+    else:
+      logits_BLV = mask_padded_vocab(self.lm_head(x_BLD), self.vocab_size)
+    aux = {k: v if k == 'aux_loss' else v / self.num_layers for k, v in totals.items()}
+    return shard_logical(logits_BLV, ('batch', 'length', 'vocab')), aux
+
+
+def _counts(cfg: Any) -> tuple[int, int, int]:
+  """(parameters outside the experts, parameters of one expert, expert layers)."""
+  D, F, N, H, E = cfg.embed_dim, cfg.mlp_dim, cfg.num_layers, cfg.num_heads, cfg.num_experts
+  G = getattr(cfg, 'num_kv_heads', None) or H
+  K = getattr(cfg, 'head_dim', None) or D // H
+  pad = getattr(cfg, 'pad_vocab_to', 1) or 1
+  V = -(-cfg.vocab_size // pad) * pad
+  block = 2 * D + 2 * D * H * K + 2 * D * G * K + D * E  # 2 RMSNorms, q+o, k+v, router
+  heads = 1 if getattr(cfg, 'tie_embeddings', False) else 2
+  return heads * V * D + N * block + D, 3 * D * F, N
+
+
+def num_params(cfg: Any) -> int:
+  """Closed-form total parameter count (checked against the built model in tests)."""
+  dense, expert, N = _counts(cfg)
+  return dense + N * cfg.num_experts * expert
+
+
+def num_active_params(cfg: Any) -> int:
+  """Parameters one token uses: everything but the experts it is not routed to (k of E per layer)."""
+  dense, expert, N = _counts(cfg)
+  return dense + N * cfg.top_k * expert
