@@ -4,7 +4,7 @@ r"""Trains a zoo model with declarative sharding. The one entry point.
   python train.py --config configs/default.py:fsdp --workdir /tmp/shardzoo --dry_run
 
 Sections: devices and mesh -> model, optimizer and shardings (validated) -> sharding table ->
-compile the steps -> sharded init -> input pipeline -> train loop with eval -> sample.
+input pipeline (validated) -> compile the steps -> sharded init -> train loop with eval -> sample.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def say(msg: str) -> None:
 def evaluate(eval_step, state, ds, trainer, rows) -> dict[str, float]:
   """Exact metrics over the whole eval split (the last batch is padded and masked)."""
   sums = [eval_step(state, data.to_global(local, trainer.batch_shardings, trainer.config.batch_size))
-          for local in data.eval_batches(ds.eval, trainer.config.batch_size, rows, ds.transform)]
+          for local in ds.eval_batches(trainer.config.batch_size, rows)]
   totals = {k: sum(float(s[k]) for s in jax.device_get(sums)) for k in sums[0]}
   w = totals['weight']
   return {'loss': totals['loss_sum'] / w, 'accuracy': totals['correct_sum'] / w, 'weight': w}
@@ -69,23 +69,26 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
   if dry_run:
     return {'num_params': training.num_params(trainer)}
 
+  # --- Input pipeline: each process reads only its rows of every global batch -------------------
+  # Built before compiling, so a bad dataset, split or size fails in seconds.
+  ds = data.build(config)
+  ds.check_fields(trainer.batch_abstract)
+  B = config.batch_size
+  rows = partitioning.local_rows(trainer.batch_shardings['mask'], trainer.batch_abstract['mask'].shape)
+  train_iter = iter(ds.train_dataset(B, rows, config.seed))  # get_state()/set_state() resume it exactly
+  units_per_step = math.prod(trainer.batch_abstract[trainer.task.unit_field].shape)
+  say(f'data: {ds.description}')
+  if ds.language is not None:
+    floor = ds.language.loss_floor(config.dataset.seq_len)
+    say(f"data: entropy floor of the eval loss {floor:.4f} nats/token "
+        f"(bigram {ds.language.entropies()['bigram']:.4f}, uniform {math.log(config.dataset.vocab_size):.4f})")
+
   # --- Compile once (ahead of time), then create the state directly in its shardings ------------
   t0 = time.perf_counter()
   train_step, eval_step = traced_train.lower().compile(), traced_eval.lower().compile()
   say(f'compiled train+eval steps in {time.perf_counter() - t0:.1f}s; train step per device: '
       f'{partitioning.audit(train_step)}')
   state = training.init_state(trainer)
-
-  # --- Input pipeline: each process reads only its rows of every global batch -------------------
-  ds = data.build(config.dataset)
-  B = config.batch_size
-  rows = partitioning.local_rows(trainer.batch_shardings['inputs'], (B,) + trainer.batch_abstract['inputs'].shape[1:])
-  train_iter = iter(data.train_dataset(ds.train, B, rows, config.seed, ds.transform))
-  units_per_step = math.prod(trainer.batch_abstract[trainer.task.unit_field].shape)
-  if ds.language is not None:
-    floor = ds.language.loss_floor(config.dataset.seq_len)
-    say(f"data: {config.dataset.name}; entropy floor of the eval loss {floor:.4f} nats/token "
-        f"(bigram {ds.language.entropies()['bigram']:.4f}, uniform {math.log(config.dataset.vocab_size):.4f})")
 
   # --- Train loop -------------------------------------------------------------------------------
   writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
@@ -119,6 +122,7 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
       result['eval'] = ev
       t_last += time.perf_counter() - t_eval  # eval time is not train time
   writer.flush()
+  train_iter.close()  # stops the prefetch threads
 
   # --- Sample -----------------------------------------------------------------------------------
   if ds.language is not None and config.sample_len:

@@ -88,3 +88,30 @@ class MarkovLanguage:
 
   def decode(self, tokens: np.ndarray) -> str:
     return ''.join(ALPHABET[int(i)] for i in tokens)
+
+
+class MarkovText:
+  """Offline text with labels: strings written by one of `num_classes` Markov languages (same
+  alphabet, different transition tables), of lengths uniform in [min_len, max_len]. The label (which
+  language wrote it) is learnable from the text; the varying lengths make padding masks matter.
+  Random access, deterministic in (seed, split)."""
+
+  def __init__(self, num: int, min_len: int, max_len: int, num_classes: int, seed: int, split: int,
+               vocab_size: int = 16, branching: int = 4, smoothing: float = 0.03):
+    if not 1 <= min_len <= max_len:
+      raise ConfigError(f'text lengths must satisfy 1 <= min_len ({min_len}) <= max_len ({max_len})')
+    langs = [MarkovLanguage(vocab_size, branching, smoothing, seed + c) for c in range(num_classes)]
+    rng = np.random.default_rng((seed, split))
+    self.labels = rng.integers(num_classes, size=num)
+    self.lengths = rng.integers(min_len, max_len + 1, size=num)
+    self.tokens = np.empty((num, max_len), np.uint8)
+    for c, lang in enumerate(langs):
+      rows = np.flatnonzero(self.labels == c)
+      self.tokens[rows] = lang.sample(len(rows), max_len, seed=int(rng.integers(2**31)))
+
+  def __len__(self) -> int:
+    return len(self.labels)
+
+  def __getitem__(self, i: int) -> dict[str, object]:
+    i = int(i)
+    return {'text': ''.join(ALPHABET[t] for t in self.tokens[i, :self.lengths[i]]), 'label': int(self.labels[i])}

@@ -1,20 +1,47 @@
 """Input pipelines on grain: per-process slices of a deterministic global batch, assembled into jax.Arrays.
 
-Global batch g holds examples [g*B, (g+1)*B) of the shuffled stream, whatever the number of
-processes: each process reads only the rows its devices hold (`partitioning.local_rows`), so the
-batches are the same on 1 device or 8, on 1 process or many.
+Why grain on random-access sources (`tfds.data_source`, or arrays in memory) rather than
+`tfds.load` + tf.data:
+* Random access makes the batch layout a pure function of (seed, step): global batch g holds
+  examples [g*B, (g+1)*B) of one shuffled index stream (grain's index shuffle, reshuffled each
+  epoch), whatever the number of processes or devices. Each process reads only the rows its
+  devices hold (`partitioning.local_rows`) and nothing else. tf.data shards by files or by
+  `shard(process_count)`, which changes the order when the number of processes changes.
+* Resumption is exact and cheap: the iterator state is a few integers (the next index; for
+  packed text, also the position inside one document), JSON-serialisable, so a resumed run sees
+  exactly the batches an uninterrupted run would have. tf.data checkpoints whole shuffle buffers.
+* No TensorFlow at run time (tfds' array_record sources decode with numpy/PIL).
+
+Sharding, shuffling, repetition, batching, threads and prefetching are grain's; this module only
+chooses the indices. Global batches become jax.Arrays with `jax.make_array_from_process_local_data`.
+
+Packed text (language modelling): a row of the global batch is a stream of its own. Row r of every
+global batch is cut from documents r, r+B, r+2B, ... of the shuffled document stream by grain's
+ConcatThenSplit packer (documents are concatenated into rows of `seq_len`, a document that does not
+fit continues in the next row of the same stream). So the packing depends on the seed and the
+global batch size only, never on the number of processes, and a process packs only the documents
+of its own rows. (Packing one global stream and slicing rows would make every process read every
+document; packing per process would make the batches depend on the process count.)
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import grain
 import jax
 import numpy as np
+from grain import experimental as grain_exp
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from partitioning import ConfigError
+
+# A per-example transform: a callable or grain.transforms.Map (example -> dict of arrays), or a
+# grain.transforms.RandomMap, whose numpy Generator is seeded by (seed, index in the stream).
+Transform = Callable[[Any], Mapping[str, np.ndarray]] | grain.transforms.Map | grain.transforms.RandomMap
+PACKED_FIELDS = ('inputs', 'targets', 'mask', 'segment_ids', 'positions')
 
 
 def _check_rows(rows: slice, global_batch: int) -> int:
@@ -24,34 +51,128 @@ def _check_rows(rows: slice, global_batch: int) -> int:
   return local
 
 
-def train_dataset(source: Any, global_batch: int, rows: slice, seed: int,
-                  transform: Callable[[np.ndarray], Mapping[str, np.ndarray]],
-                  prefetch: int = 4) -> grain.IterDataset:
-  """Infinite, reshuffled-per-epoch stream of this process's part of each global batch.
+def _apply(ds: grain.MapDataset, transform: Transform, seed: int) -> grain.MapDataset:
+  if isinstance(transform, grain.transforms.RandomMap):
+    return ds.random_map(transform, seed=seed)
+  return ds.map(transform)
 
-  The returned dataset's iterator supports get_state()/set_state() for exact resumption.
+
+def _read_options(num_threads: int, prefetch: int) -> grain.ReadOptions:
+  return grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
+
+
+def train_dataset(source: Any, global_batch: int, rows: slice, seed: int, transform: Transform, *,
+                  num_threads: int = 1, prefetch: int = 4) -> grain.IterDataset:
+  """Infinite, reshuffled-per-epoch stream of this process's rows of each global batch.
+
+  `transform` runs per example, only on the examples this process reads (grain is lazy), in
+  `num_threads` background threads with `prefetch` local batches buffered. The iterator supports
+  get_state()/set_state() (JSON-serialisable) for exact resumption.
   """
   local = _check_rows(rows, global_batch)
   if len(source) < global_batch:
     raise ConfigError(f'the training split has {len(source)} examples, fewer than one global batch ({global_batch})')
-  ds = grain.MapDataset.source(source).shuffle(seed=seed).repeat()
+  ds = _apply(grain.MapDataset.source(source).shuffle(seed=seed).repeat(), transform, seed)
   ds = ds.batch(local, drop_remainder=True)[rows.start // local::global_batch // local]
-  ds = ds.map(transform)
-  return ds.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=prefetch))
+  return ds.to_iter_dataset(_read_options(num_threads, prefetch))
 
 
-def eval_batches(source: Any, global_batch: int, rows: slice,
-                 transform: Callable[[np.ndarray], Mapping[str, np.ndarray]]) -> Iterator[dict[str, np.ndarray]]:
+def eval_batches(source: Any, global_batch: int, rows: slice, transform: Transform, *, seed: int = 0,
+                 num_threads: int = 1, prefetch: int = 4) -> Iterator[dict[str, np.ndarray]]:
   """The whole split in order; the last global batch is padded and its padding rows get mask 0."""
   local = _check_rows(rows, global_batch)
-  n = len(source)
-  for start in range(0, n, global_batch):
-    idx = np.arange(start + rows.start, start + rows.start + local)
-    valid = idx < n
-    examples = np.stack([np.asarray(source[int(i)]) for i in np.where(valid, idx, 0)])
-    batch = dict(transform(examples))
-    batch['mask'] = batch['mask'] * valid.reshape((-1,) + (1,) * (batch['mask'].ndim - 1))
-    yield batch
+  examples = _apply(grain.MapDataset.source(source), transform, seed)
+  n = len(examples)
+
+  def masked(i: int) -> dict[str, np.ndarray]:
+    ex = dict(examples[min(i, n - 1)])
+    ex['mask'] = ex['mask'] * np.float32(i < n)
+    return ex
+  ds = grain.MapDataset.range(math.ceil(n / global_batch) * global_batch).map(masked)
+  ds = ds.batch(local)[rows.start // local::global_batch // local]
+  return iter(ds.to_iter_dataset(_read_options(num_threads, prefetch)))
+
+
+class _JsonSafeState(grain.IterDataset):
+  """Passes elements through; restores a packer state that went through JSON.
+
+  grain 0.2.18's ConcatThenSplit compares its `remainder_slices` with a tuple, but JSON (which
+  grain.checkpoint and orbax use) turns tuples into lists, and the restored packer would then
+  resume at the wrong token. This turns them back into tuples.
+  """
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return _JsonSafeStateIterator(self._parent.__iter__())
+
+
+class _JsonSafeStateIterator(grain.DatasetIterator):
+  def __next__(self):
+    return next(self._parent)
+
+  def get_state(self) -> dict[str, Any]:
+    return self._parent.get_state()
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    slices = {k: tuple(v) for k, v in state['remainder_slices'].items()}
+    self._parent.set_state({**state, 'remainder_slices': slices})
+
+
+def _packed_rows(docs: grain.MapDataset, global_batch: int, rows: slice, seq_len: int) -> list[grain.IterDataset]:
+  """One packer per row of this process: row r packs documents r, r+B, r+2B, ... of `docs`."""
+  def stream(r: int) -> grain.IterDataset:
+    ds = docs[r::global_batch].to_iter_dataset(_read_options(0, 0))
+    return _JsonSafeState(grain_exp.ConcatThenSplitIterDataset(ds, length_struct={'inputs': seq_len,
+                                                                                   'targets': seq_len}))
+  return [stream(r) for r in range(rows.start, rows.stop)]
+
+
+def _stack_packed(rows: tuple[Mapping[str, np.ndarray] | None, ...], seq_len: int) -> dict[str, np.ndarray]:
+  """Local batch from packed rows (None = padding row): mask 1 on every packed target."""
+  pad = np.zeros(seq_len, np.int32)
+  get = lambda r, k: pad if r is None else r[k]
+  seg = np.stack([get(r, 'inputs_segment_ids') for r in rows]).astype(np.int32)
+  return {'inputs': np.stack([get(r, 'inputs') for r in rows]).astype(np.int32),
+          'targets': np.stack([get(r, 'targets') for r in rows]).astype(np.int32),
+          'mask': (seg > 0).astype(np.float32), 'segment_ids': seg,
+          'positions': np.stack([get(r, 'inputs_positions') for r in rows]).astype(np.int32)}
+
+
+def packed_train_dataset(source: Any, global_batch: int, rows: slice, seed: int, tokenize: Transform,
+                         seq_len: int, *, prefetch: int = 4) -> grain.IterDataset:
+  """Infinite stream of this process's rows of packed global batches (see the module docstring).
+
+  `tokenize` maps an example to one document {'inputs': ids[:-1], 'targets': ids[1:]}; rows hold
+  inputs, targets, mask, segment_ids (1, 2, .. per document in a row, 0 = padding) and positions
+  (within the document). Packing runs in one background thread with `prefetch` batches buffered.
+  """
+  _check_rows(rows, global_batch)
+  if len(source) < global_batch:
+    raise ConfigError(f'the training split has {len(source)} documents, fewer than one global batch '
+                      f'({global_batch}): every row of a batch packs documents of its own')
+  docs = _apply(grain.MapDataset.source(source).shuffle(seed=seed).repeat(), tokenize, seed)
+  ds = grain_exp.ZipIterDataset(_packed_rows(docs, global_batch, rows, seq_len))
+  ds = ds.map(lambda r: _stack_packed(r, seq_len))
+  return grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
+
+
+def packed_eval_batches(source: Any, global_batch: int, rows: slice, tokenize: Transform, seq_len: int, *,
+                        seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
+  """Every document of the split, packed in order; rows whose stream has ended are padding (mask 0).
+
+  Streams end at different batches, so the processes agree on the last batch (one tiny
+  all-gather per batch when there are several processes): every process runs every eval step.
+  """
+  _check_rows(rows, global_batch)
+  docs = _apply(grain.MapDataset.source(source), tokenize, seed)
+  streams = [iter(s) for s in _packed_rows(docs, global_batch, rows, seq_len)]
+  while True:
+    batch = tuple(next(s, None) for s in streams)
+    more = any(r is not None for r in batch)
+    if jax.process_count() > 1:
+      more = bool(np.any(multihost_utils.process_allgather(np.int32(more))))
+    if not more:
+      return
+    yield _stack_packed(batch, seq_len)
 
 
 def to_global(local_batch: Mapping[str, np.ndarray], shardings: Mapping[str, NamedSharding],
