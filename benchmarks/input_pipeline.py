@@ -1,0 +1,130 @@
+r"""Throughput of the input pipelines alone (no model): examples/s of one process's train batches.
+
+  python benchmarks/input_pipeline.py                  # all pipelines below
+  python benchmarks/input_pipeline.py --only lm1b --batch 64 --seq_len 1024
+
+Pipelines:
+  imagenet_jpeg  a TFDS dataset prepared here with ImageNet-sized JPEGs (500x375, smooth random content):
+                 JPEG decode (tfds) + random-resized crop to 224 + flip + normalise
+  imagenet2012   tfds.testing.mock_data: small decoded random images (no JPEG decode): crop + resize + normalise
+  cifar10        tfds.testing.mock_data: pad-crop + flip + normalise at 32x32
+  lm1b           tfds.testing.mock_data (its sentences are ~15 characters): byte tokenizer + packing
+                 into rows of seq_len
+  sentences      a TFDS text dataset prepared here with lm1b-like sentences (~130 bytes): same pipeline
+  markov         the default offline dataset (in memory)
+Each runs the real `data.build(config).train_dataset(...)` iterator: warm-up batches, then timed ones.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow_datasets as tfds  # noqa: E402
+
+import data  # noqa: E402
+
+MOCK_EXAMPLES = 4096
+
+
+class ShardzooJpegs(tfds.core.GeneratorBasedBuilder):
+  """ImageNet-like JPEGs (500x375, smooth random colours), prepared locally: no download."""
+  VERSION = tfds.core.Version('1.0.0')
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        'image': tfds.features.Image(shape=(None, None, 3), encoding_format='jpeg'),
+        'label': tfds.features.ClassLabel(num_classes=1000)}))
+
+  def _split_generators(self, dl_manager):
+    return {'train': self._generate_examples(512), 'validation': self._generate_examples(64)}
+
+  def _generate_examples(self, n):
+    rng = np.random.default_rng(0)
+    for i in range(n):
+      coarse = rng.integers(0, 256, (12, 16, 3)).astype(np.float32)
+      image = np.repeat(np.repeat(coarse, 32, 0), 32, 1)[:375, :500] + rng.normal(0, 12, (375, 500, 3))
+      yield i, {'image': np.clip(image, 0, 255).astype(np.uint8), 'label': int(rng.integers(1000))}
+
+
+class ShardzooSentences(tfds.core.GeneratorBasedBuilder):
+  """lm1b-like sentences (random words, 8-40 of them, ~130 bytes on average), prepared locally."""
+  VERSION = tfds.core.Version('1.0.0')
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({'text': tfds.features.Text()}))
+
+  def _split_generators(self, dl_manager):
+    return {'train': self._generate_examples(5000), 'test': self._generate_examples(100)}
+
+  def _generate_examples(self, n):
+    rng = np.random.default_rng(0)
+    words = [''.join(rng.choice(list('etaoinshrdlucmfwyp'), size=rng.integers(1, 9))) for _ in range(5000)]
+    for i in range(n):
+      yield i, {'text': ' '.join(rng.choice(words, size=rng.integers(8, 41))) + ' .'}
+
+
+def config(task: str, **dataset) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(dict(task=task, dataset=dataset))
+
+
+def measure(cfg: ml_collections.ConfigDict, batch: int, steps: int, warmup: int = 3) -> dict[str, float]:
+  ds = data.build(cfg)
+  it = iter(ds.train_dataset(batch, slice(0, batch), seed=0))
+  for _ in range(warmup):
+    next(it)
+  t0, masked = time.perf_counter(), 0.0
+  for _ in range(steps):
+    masked += float(next(it)['mask'].sum())
+  dt = time.perf_counter() - t0
+  it.close()
+  return {'examples/s': steps * batch / dt, 'targets/s': masked / dt, 'ms/batch': 1000 * dt / steps}
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument('--only', nargs='*', default=None)
+  p.add_argument('--batch', type=int, default=128)
+  p.add_argument('--steps', type=int, default=20)
+  p.add_argument('--seq_len', type=int, default=512)
+  p.add_argument('--threads', type=int, default=1, help='grain read threads for the map-style pipelines')
+  args = p.parse_args()
+  b, n = args.batch, args.threads
+  pipelines = {
+      'imagenet_jpeg': lambda d: config('classification', name='shardzoo_jpegs', data_dir=d, eval_split='validation',
+                                        image_size=224, augment='inception_crop', num_threads=n),
+      'imagenet2012': lambda d: config('classification', name='imagenet2012', image_size=224, num_threads=n),
+      'cifar10': lambda d: config('classification', name='cifar10', num_threads=n),
+      'lm1b': lambda d: config('lm', name='lm1b', seq_len=args.seq_len, pack=True),
+      'sentences': lambda d: config('lm', name='shardzoo_sentences', data_dir=d, seq_len=args.seq_len, pack=True),
+      'markov': lambda d: config('lm', name='markov', vocab_size=16, branching=4, smoothing=0.03, seq_len=64,
+                                 num_train=65536, num_eval=100),
+  }
+  print(f'batch {b}, {args.steps} timed batches, {n} read threads, {os.cpu_count()} CPU cores')
+  with tempfile.TemporaryDirectory() as tmp:
+    for name, make in pipelines.items():
+      if args.only and name not in args.only:
+        continue
+      if name in ('imagenet_jpeg', 'sentences'):
+        t0 = time.perf_counter()
+        tfds.builder(make(tmp).dataset.name, data_dir=tmp, file_format='array_record').download_and_prepare()
+        print(f'  (prepared {name} in {time.perf_counter() - t0:.0f}s)')
+        r = measure(make(tmp), b, args.steps)
+      elif name in ('imagenet2012', 'cifar10', 'lm1b'):
+        with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
+          r = measure(make(tmp), b, args.steps)
+      else:
+        r = measure(make(tmp), b, args.steps)
+      extra = f" | {r['targets/s']:,.0f} tokens/s" if name in ('lm1b', 'sentences', 'markov') else ''
+      print(f"{name:14s} {r['examples/s']:10,.0f} examples/s | {r['ms/batch']:7.1f} ms/batch{extra}", flush=True)
+
+
+if __name__ == '__main__':
+  main()
