@@ -54,6 +54,35 @@ class LayerNorm(nnx.LayerNorm):
                      scale_metadata=axes('norm'), bias_metadata=axes('norm'))
 
 
+class BatchNorm(nnx.BatchNorm):
+  """BatchNorm over the last (feature) axis; scale, bias and the running mean/var (nnx.BatchStat) are named
+  'norm'. Under jit with the batch sharded, the batch statistics are global: XLA all-reduces them.
+  The variance is two-pass, E[(x - mean)^2] (flax's default E[x^2] - mean^2 cancels badly for large means).
+
+  Train mode (the default) normalises with the batch statistics and updates the running averages;
+  `nnx.view(model, use_running_average=True)` (training.tasks.eval_view) normalises with the averages.
+  """
+
+  def __init__(self, dim: int, *, momentum: float = 0.9, eps: float = 1e-5, dtype: Any = jnp.float32,
+               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    super().__init__(dim, momentum=momentum, epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                     use_fast_variance=False, scale_metadata=axes('norm'), bias_metadata=axes('norm'))
+    for stat in (self.mean, self.var):
+      stat.set_metadata(**axes('norm'))
+
+
+class Conv(nnx.Conv):
+  """2-D convolution of NHWC images; kernel (height, width, in_axis, out_axis), bias (out_axis,)."""
+
+  def __init__(self, in_features: int, out_features: int, kernel_size: int, *, strides: int = 1,
+               padding: Any = 'SAME', use_bias: bool = True, in_axis: str = 'conv_in', out_axis: str = 'conv_out',
+               kernel_init: Initializer = nnx.initializers.he_normal(), dtype: Any = jnp.float32,
+               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    super().__init__(in_features, out_features, (kernel_size, kernel_size), strides=strides, padding=padding,
+                     use_bias=use_bias, kernel_init=kernel_init, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                     kernel_metadata=axes('height', 'width', in_axis, out_axis), bias_metadata=axes(out_axis))
+
+
 class Embed(nnx.Module):
   """Token embedding ('vocab', 'embed'); `attend` gives float32 logits (tied output head).
 

@@ -1,0 +1,137 @@
+"""ResNet (He et al. 2015) in torchvision's layout (v1.5: a bottleneck's stride is on its 3x3 conv).
+
+image (B, H, W, C) -> logits (B, classes) float32. Stem: 7x7/2 conv, BatchNorm, ReLU, 3x3/2 max pool;
+stages of basic blocks (ResNet-18/34: two 3x3 convs) or bottlenecks (ResNet-50/101: 1x1, 3x3, 1x1 with
+4x expansion), widths `width * 2**i`, stride 2 from the second stage on, a 1x1 projection (conv + BN)
+where the shortcut changes shape; global average pool; linear classifier. Convs have no bias
+and torch's symmetric padding (k // 2). Parameters map onto torchvision's names: conv1/bn1 (stem),
+layer{i}.{j} = stages/{i-1}/first (j = 0) or stages/{i-1}/rest/layers/{j-1}, conv{n}/bn{n} = convs/{n-1}
+and bns/{n-1}, downsample.{0,1} = downsample_conv/downsample_bn, fc = head.
+
+BatchNorm (layers.BatchNorm): train mode normalises with the statistics of the global batch (under
+jit with the batch sharded, XLA all-reduces them) and updates the running averages, which live in
+nnx.BatchStat variables (the trainer's `model_state`, named 'norm', placed by the rules); eval mode
+(training.tasks.eval_view) uses the running averages. Momentum 0.9 is torch's 0.1.
+
+Shape suffixes: B batch, H/W rows/columns, C channels, K classes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from models.layers import BatchNorm, Conv, Dense, Stack, dtypes
+from partitioning import ConfigError, shard_logical
+
+ACT = ('batch', 'height', 'width', 'conv_out')
+KAIMING_OUT = nnx.initializers.variance_scaling(2.0, 'fan_out', 'normal')  # torchvision's conv init
+BLOCKS = {'basic': 1, 'bottleneck': 4}  # block type -> expansion (output width / block width)
+
+
+def _conv(cfg: Any, c_in: int, c_out: int, k: int, stride: int, rngs: nnx.Rngs, in_axis: str = 'conv_in') -> Conv:
+  return Conv(c_in, c_out, k, strides=stride, padding=[(k // 2, k // 2)] * 2, use_bias=False, in_axis=in_axis,
+              kernel_init=KAIMING_OUT, rngs=rngs, **dtypes(cfg))
+
+
+def _bn(cfg: Any, c: int, rngs: nnx.Rngs) -> BatchNorm:
+  return BatchNorm(c, momentum=cfg.bn_momentum, eps=cfg.bn_eps, rngs=rngs, **dtypes(cfg))
+
+
+class Block(nnx.Module):
+  """Basic (3x3, 3x3) or bottleneck (1x1, 3x3, 1x1 x4) residual block; `c_in` -> `width * expansion`."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, c_in: int, width: int, stride: int, *, rngs: nnx.Rngs):
+    c_out = width * BLOCKS[cfg.block]
+    if cfg.block == 'basic':
+      self.convs = nnx.List([_conv(cfg, c_in, width, 3, stride, rngs), _conv(cfg, width, width, 3, 1, rngs)])
+    else:
+      self.convs = nnx.List([_conv(cfg, c_in, width, 1, 1, rngs), _conv(cfg, width, width, 3, stride, rngs),
+                             _conv(cfg, width, c_out, 1, 1, rngs)])
+    self.bns = nnx.List([_bn(cfg, conv.out_features, rngs) for conv in self.convs])
+    project = stride != 1 or c_in != c_out
+    self.downsample_conv = _conv(cfg, c_in, c_out, 1, stride, rngs) if project else None
+    self.downsample_bn = _bn(cfg, c_out, rngs) if project else None
+
+  def __call__(self, x_BHWC: jax.Array) -> jax.Array:
+    h_BHWC = x_BHWC
+    for i, (conv, bn) in enumerate(zip(self.convs, self.bns)):
+      h_BHWC = bn(conv(h_BHWC))
+      if i < len(self.convs) - 1:
+        h_BHWC = shard_logical(jax.nn.relu(h_BHWC), ACT)
+    if self.downsample_conv is not None:
+      x_BHWC = self.downsample_bn(self.downsample_conv(x_BHWC))
+    return shard_logical(jax.nn.relu(h_BHWC + x_BHWC), ACT)
+
+
+class Stage(nnx.Module):
+  """`num` blocks: the first may change width and stride, the rest are identical (a layers.Stack)."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, num: int, c_in: int, width: int, stride: int, *,
+               rngs: nnx.Rngs):
+    self.first = Block(cfg, c_in, width, stride, rngs=rngs)
+    c_out = width * BLOCKS[cfg.block]
+    self.rest = Stack(lambda r: Block(cfg, c_out, width, 1, rngs=r), num - 1, scan=cfg.get('scan_layers', False),
+                      remat=cfg.get('remat', False), rngs=rngs) if num > 1 else None
+
+  def __call__(self, x_BHWC: jax.Array) -> jax.Array:
+    x_BHWC = self.first(x_BHWC)
+    return x_BHWC if self.rest is None else self.rest(x_BHWC)[0]
+
+
+def _check(cfg: Any) -> None:
+  if cfg.block not in BLOCKS:
+    raise ConfigError(f'config.model.block={cfg.block!r} is not a ResNet block; choose one of {sorted(BLOCKS)}')
+  if not cfg.stage_sizes or min(cfg.stage_sizes) < 1:
+    raise ConfigError(f'config.model.stage_sizes={tuple(cfg.stage_sizes)}: need one or more stages of >= 1 block')
+
+
+class ResNet(nnx.Module):
+  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    _check(cfg)
+    self.conv1 = _conv(cfg, cfg.channels, cfg.width, 7, 2, rngs, in_axis='channels')
+    self.bn1 = _bn(cfg, cfg.width, rngs)
+    stages, c = [], cfg.width
+    for i, num in enumerate(cfg.stage_sizes):
+      width = cfg.width * 2 ** i
+      stages.append(Stage(cfg, num, c, width, 1 if i == 0 else 2, rngs=rngs))
+      c = width * BLOCKS[cfg.block]
+    self.stages = nnx.List(stages)
+    self.head = Dense('bc,ck->bk', (c, cfg.num_classes), ('conv_in', 'classes'), bias_axes=('classes',),
+                      kernel_init=nnx.initializers.lecun_normal(), preferred_element_type=jnp.float32,
+                      rngs=rngs, **dtypes(cfg))
+    self.dtype = dtypes(cfg)['dtype']
+
+  def __call__(self, image_BHWC: jax.Array) -> jax.Array:
+    x_BHWC = jax.nn.relu(self.bn1(self.conv1(image_BHWC.astype(self.dtype))))
+    x_BHWC = nnx.max_pool(x_BHWC, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    x_BHWC = shard_logical(x_BHWC, ACT)
+    for stage in self.stages:
+      x_BHWC = stage(x_BHWC)
+    x_BC = shard_logical(x_BHWC.mean(axis=(1, 2)), ('batch', 'conv_out'))
+    return shard_logical(self.head(x_BC), ('batch', 'classes'))
+
+
+def num_params(cfg: Any) -> int:
+  """Closed-form parameter count: conv kernels, BatchNorm scale + bias (2 per channel), classifier.
+
+  The running mean/var are state, not parameters (torchvision counts them neither).
+  """
+  _check(cfg)
+  conv_bn = lambda k, a, b: k * k * a * b + 2 * b
+  n, c = conv_bn(7, cfg.channels, cfg.width), cfg.width
+  for i, num in enumerate(cfg.stage_sizes):
+    w = cfg.width * 2 ** i
+    out = w * BLOCKS[cfg.block]
+    for j in range(num):
+      c_in, stride = (c, 1 if i == 0 else 2) if j == 0 else (out, 1)
+      if cfg.block == 'basic':
+        n += conv_bn(3, c_in, w) + conv_bn(3, w, w)
+      else:
+        n += conv_bn(1, c_in, w) + conv_bn(3, w, w) + conv_bn(1, w, out)
+      n += conv_bn(1, c_in, out) if stride != 1 or c_in != out else 0
+    c = out
+  return n + (c + 1) * cfg.num_classes
