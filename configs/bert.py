@@ -1,0 +1,114 @@
+r"""BERT (bert-base at real size, 109M): bidirectional post-LN encoder; masked-LM or classifier head.
+
+  python train.py --config configs/bert.py:tiny --workdir /tmp/bert_tiny                # MLM, seconds on CPU
+  python train.py --config configs/bert.py:tiny,classify --workdir /tmp/bert_cls        # text classification
+  python train.py --config configs/bert.py:tp --workdir /tmp/bert --dry_run             # per-device memory
+  python train.py --config configs/bert.py --workdir /tmp/bert \
+      --config.dataset.tokenizer=/path/to/bert_tokenizer                                # MLM on lm1b
+
+Presets (one word switches the strategy; rules and meshes below stay editable):
+  :dp       data parallel            mesh data=8
+  :fsdp     fully sharded (default)  mesh data=1, fsdp=8
+  :tp       tensor parallel + data   mesh data=2, tensor=4 (heads, mlp, vocab on 'tensor')
+  :fsdp_tp  FSDP + tensor            mesh data=1, fsdp=4, tensor=2
+Sizes: base (vocab 30522 padded to 30592 rows, 12 layers, 12 heads, d=768, mlp 3072, 512 positions,
+2 token types), tiny (2 layers, d=64, byte tokenizer, on the offline 'markov_text' strings).
+Tasks: mlm (default: head 'mlm', task 'mlm') or classify (head 'classify', task 'text_classification':
+pooled [CLS] -> num_classes). Combine words with commas: configs/bert.py:tp,tiny,classify.
+
+Real data: MLM reads TFDS 'lm1b' (rows of 128 tokens, 15% masked); classify reads TFDS 'glue/sst2'
+(text_key 'sentence', 2 classes). Both need a BERT WordPiece tokenizer in a local directory, saved on
+a machine with access by
+  AutoTokenizer.from_pretrained('bert-base-uncased').save_pretrained(DIR)
+and passed as --config.dataset.tokenizer=DIR (TOKENIZER below is a placeholder: left as is, start-up
+fails with a message naming that field). Fine-tuning pretrained weights needs the planned HF import.
+"""
+from configs import common
+
+RULES = {
+    'dp': [
+        ('batch', 'data'),
+        ('layers', None), ('length', None), ('embed', None), ('mlp', None), ('heads', None),
+        ('kv_heads', None), ('kv', None), ('vocab', None), ('token_types', None), ('norm', None),
+    ],
+    'fsdp': [
+        ('batch', ('data', 'fsdp')),
+        ('embed', 'fsdp'), ('embed', None),  # params sharded on embed; activations fall back to None
+        ('layers', None), ('length', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('kv', None),
+        ('vocab', None), ('token_types', None), ('norm', None),
+    ],
+    'tp': [
+        ('batch', 'data'),
+        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
+        ('layers', None), ('length', None), ('embed', None), ('kv', None), ('token_types', None), ('norm', None),
+    ],
+    'fsdp_tp': [
+        ('batch', ('data', 'fsdp')),
+        ('embed', 'fsdp'), ('embed', None),
+        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
+        ('layers', None), ('length', None), ('kv', None), ('token_types', None), ('norm', None),
+    ],
+}
+MESHES = {
+    'dp': dict(data=8, fsdp=1, tensor=1),
+    'fsdp': dict(data=1, fsdp=8, tensor=1),
+    'tp': dict(data=2, fsdp=1, tensor=4),
+    'fsdp_tp': dict(data=1, fsdp=4, tensor=2),
+}
+SIZES = {
+    # pad_vocab_to: 30522 = 2 x 3 x 5087 rows padded to 30592 so 'vocab' divides tensor=4 (padded logits masked).
+    'base': dict(vocab_size=30522, pad_vocab_to=128, max_len=512, type_vocab_size=2, num_layers=12, num_heads=12,
+                 embed_dim=768, mlp_dim=3072),
+    'tiny': dict(vocab_size=260, pad_vocab_to=1, max_len=64, type_vocab_size=2, num_layers=2, num_heads=4,
+                 embed_dim=64, mlp_dim=256),  # 260 = the byte tokenizer's ids
+}
+TASKS = {'mlm': ('mlm', 'mlm'), 'classify': ('text_classification', 'classify')}  # word -> (task, head)
+TOKENIZER = '/path/to/bert_tokenizer'  # placeholder: a local directory with a saved HF tokenizer
+
+
+def get_config(arg: str | None = None):
+  words = [w.strip() for w in (arg or '').split(',') if w.strip()]
+  word = ([w for w in words if w in TASKS] or ['mlm'])[-1]
+  rest = ','.join(w for w in words if w not in TASKS)
+  try:
+    preset, size = common.parse_arg(rest, RULES, SIZES, default_preset='fsdp', default_size='base', file='bert.py')
+  except ValueError as e:
+    raise ValueError(f'{e}, tasks: {sorted(TASKS)}') from None
+  task, head = TASKS[word]
+  c = common.base(preset, size)
+  c.task = task
+  c.mesh = common.mesh(MESHES[preset])
+  c.logical_axis_rules = RULES[preset] + ([('classes', None)] if head == 'classify' else [])
+  c.model = common.ConfigDict(dict(
+      name='bert', **SIZES[size], head=head, norm_eps=1e-12, dtype='float32',
+      param_dtype='float32', scan_layers=True, remat=False))
+  if size == 'base':
+    c.model.dtype = 'bfloat16'  # bf16 compute, f32 params and optimizer state
+    c.optim.update(b2=0.999, eps=1e-6, weight_decay=0.01)
+    if task == 'mlm':  # BERT's pre-training recipe (phase 1: 128-token rows)
+      c.dataset = common.ConfigDict(dict(
+          name='lm1b', data_dir=None, train_split='train', eval_split='test[:10000]', seq_len=128,
+          tokenizer=TOKENIZER, mlm_probability=0.15))
+      c.batch_size, c.total_steps, c.eval_every = 256, 1_000_000, 10_000
+      c.optim.update(lr=1e-4, warmup_steps=10_000)
+    else:  # SST-2 fine-tuning: 3 epochs of 67,349 sentences
+      c.dataset = common.ConfigDict(dict(
+          name='glue/sst2', data_dir=None, train_split='train', eval_split='validation', seq_len=128,
+          tokenizer=TOKENIZER, text_key='sentence', num_classes=2))
+      c.batch_size, c.total_steps, c.eval_every = 32, 6300, 1000
+      c.optim.update(lr=2e-5, warmup_steps=630)
+  else:
+    c.dataset = common.ConfigDict(dict(
+        name='markov_text', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=32,
+        num_train=8192, num_eval=512, tokenizer='byte'))
+    c.batch_size = 16
+    c.total_steps = 300
+    c.optim.update(lr=3e-3, warmup_steps=30)
+    c.log_every, c.eval_every = 50, 300
+    if task == 'text_classification':  # which of 2 languages wrote a string: longer strings, gentler lr
+      c.dataset.update(num_classes=2, seq_len=64)
+      c.total_steps = c.eval_every = 600
+      c.optim.lr = 1e-3  # at 3e-3 (3 classes, 32 tokens) the post-LN encoder stayed at chance for 300 steps
+  if head == 'classify':
+    c.model.num_classes = c.dataset.num_classes
+  return c

@@ -1,0 +1,91 @@
+r"""Llama (1.24B at real size, Llama-3.2-1B layout): RMSNorm, rotary, grouped-query attention, SwiGLU.
+
+  python train.py --config configs/llama.py:tiny --workdir /tmp/llama_tiny          # seconds on CPU
+  python train.py --config configs/llama.py:fsdp --workdir /tmp/llama --dry_run     # per-device memory
+  python train.py --config configs/llama.py --workdir /tmp/llama \
+      --config.dataset.tokenizer=/path/to/llama_tokenizer                           # 1.24B on packed C4
+
+Presets (one word switches the strategy; rules and meshes below stay editable):
+  :dp       data parallel            mesh data=8 (1.24B replicated: 13.8 GiB of params + Adam per device)
+  :fsdp     fully sharded (default)  mesh data=1, fsdp=8
+  :tp       tensor parallel + data   mesh data=2, tensor=4 (heads, kv_heads, mlp, vocab on 'tensor')
+  :fsdp_tp  FSDP + tensor            mesh data=1, fsdp=4, tensor=2
+Sizes: real (vocab 128256, d=2048, 16 layers, 32 heads, 8 kv heads, mlp 8192, rope_theta 5e5, tied
+embeddings), tiny (2 layers, d=64, 8 heads, 4 kv heads, on the offline Markov language).
+Combine with a comma: configs/llama.py:tp,tiny.
+
+The real size reads TFDS 'c4' packed into rows of 2048 tokens (segment ids and positions per
+document); eval uses the first 10,000 validation documents. Set config.dataset.tokenizer to a local
+directory holding the Llama 3 tokenizer, saved on a machine with access by
+  AutoTokenizer.from_pretrained('meta-llama/Llama-3.2-1B').save_pretrained(DIR)
+(TOKENIZER below is a placeholder: left as is, start-up fails with a message naming that field).
+"""
+from configs import common
+
+RULES = {
+    'dp': [
+        ('batch', 'data'),
+        ('layers', None), ('length', None), ('embed', None), ('mlp', None), ('heads', None),
+        ('kv_heads', None), ('kv', None), ('vocab', None), ('norm', None),
+    ],
+    'fsdp': [
+        ('batch', ('data', 'fsdp')),
+        ('embed', 'fsdp'), ('embed', None),  # params sharded on embed; activations fall back to None
+        ('layers', None), ('length', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('kv', None),
+        ('vocab', None), ('norm', None),
+    ],
+    'tp': [
+        ('batch', 'data'),
+        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
+        ('layers', None), ('length', None), ('embed', None), ('kv', None), ('norm', None),
+    ],
+    'fsdp_tp': [
+        ('batch', ('data', 'fsdp')),
+        ('embed', 'fsdp'), ('embed', None),
+        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
+        ('layers', None), ('length', None), ('kv', None), ('norm', None),
+    ],
+}
+MESHES = {
+    'dp': dict(data=8, fsdp=1, tensor=1),
+    'fsdp': dict(data=1, fsdp=8, tensor=1),
+    'tp': dict(data=2, fsdp=1, tensor=4),
+    'fsdp_tp': dict(data=1, fsdp=4, tensor=2),
+}
+SIZES = {
+    # Llama-3.2-1B: 1,235,814,400 parameters (HF config: hidden_size 2048, intermediate_size 8192,
+    # num_key_value_heads 8, rms_norm_eps 1e-5, tie_word_embeddings True). head_dim = 2048 / 32 = 64.
+    'real': dict(vocab_size=128256, embed_dim=2048, mlp_dim=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+                 head_dim=64, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=True, max_len=2048),
+    'tiny': dict(vocab_size=16, embed_dim=64, mlp_dim=128, num_layers=2, num_heads=8, num_kv_heads=4,
+                 head_dim=8, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=True, max_len=64),
+}
+TOKENIZER = '/path/to/llama_tokenizer'  # placeholder: a local directory with a saved HF tokenizer
+
+
+def get_config(arg: str | None = None):
+  preset, size = common.parse_arg(arg, RULES, SIZES, default_preset='fsdp', default_size='real', file='llama.py')
+  c = common.base(preset, size)
+  c.task = 'lm'
+  c.mesh = common.mesh(MESHES[preset])
+  c.logical_axis_rules = RULES[preset]
+  c.model = common.ConfigDict(dict(
+      name='llama', **SIZES[size], dtype='float32', param_dtype='float32', scan_layers=True, remat=False))
+  if size == 'real':
+    c.model.update(dtype='bfloat16', remat=True)  # bf16 compute, f32 params and optimizer state
+    c.dataset = common.ConfigDict(dict(
+        name='c4', data_dir=None, train_split='train', eval_split='validation[:10000]', seq_len=2048, pack=True,
+        tokenizer=TOKENIZER))
+    c.batch_size = 64  # 131k tokens per step
+    c.total_steps = 100_000
+    c.optim.update(lr=3e-4, warmup_steps=2000, weight_decay=0.1)
+    c.eval_every = 5000
+  else:
+    c.dataset = common.ConfigDict(dict(
+        name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64,
+        num_train=8192, num_eval=512))
+    c.batch_size = 16
+    c.total_steps = 300
+    c.optim.update(lr=3e-3, warmup_steps=30)
+    c.log_every, c.eval_every = 50, 300
+  return c
