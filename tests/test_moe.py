@@ -18,8 +18,9 @@ from models.layers import stack_layers
 from partitioning import ConfigError, ShardingError
 from tests.conftest import build_trainer
 
-# fp32 forward, 8 devices vs 1: measured max abs difference ~1e-7 on logits of size ~1 (reductions in
-# another order); routing decisions are identical (no router logit is within 1e-5 of a tie here).
+# fp32 forward, ep (8 devices) vs 1 device: measured max abs difference 1.7e-7 on logits up to 0.53
+# (reductions in another order); routing, including the 29% of assignments dropped at capacity factor
+# 1.25 with groups of 16 tokens, is identical.
 RTOL = ATOL = 1e-5
 L = 16  # test sequence length (also the group size)
 
@@ -201,7 +202,7 @@ def test_expert_parallel_forward_equals_single_device():
     np.testing.assert_allclose(aux[k], aux_1[k], rtol=RTOL, atol=ATOL, err_msg=k)
 
 
-_GATHER = re.compile(r'^\s*(?:ROOT\s+)?%\S+\s*=\s*(?P<shape>.+?)\s+all-gather(?:-start)?\(', re.M)
+_GATHER = re.compile(r'^\s*(?:ROOT\s+)?%\S+\s*=\s*(?P<shape>.+?)\s+all-gather(?:-start)?\(', re.MULTILINE)
 _ARRAY = re.compile(r'\b(f32|bf16)\[([0-9,]*)\]')
 
 
@@ -220,12 +221,13 @@ def test_compiled_step_moves_tokens_not_expert_weights(preset):
   for shape in gathers:
     assert shape not in full_shapes, shape
     assert 4 * np.prod(shape) < layer_bytes, shape
-  # Under fsdp_ep, FSDP gathers this device's experts over 'fsdp' only: (E / expert, D, F), 2 of 8 experts.
-  assert ((E // 4, D, F) in gathers) == (preset == 'fsdp_ep')
+  if preset == 'ep':  # the only gathers: the router's (embed, expert) kernel, forward and backward
+    assert gathers == [(D, E), (D, E)], gathers
+  else:  # FSDP gathers this device's experts over 'fsdp' only: (E / expert, D, F), 2 of the 8 experts
+    assert (E // 4, D, F) in gathers and (E // 4, F, D) in gathers, gathers
   # Tokens move instead: all-to-all to the experts and back, in the forward and the backward pass.
   stats = partitioning.collective_stats(hlo)
   assert stats['all-to-all'][0] == 4, stats
-  print(f'{preset} train step collectives (count, bytes per device):', stats)
 
 
 def test_scan_equals_unrolled():
