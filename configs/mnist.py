@@ -50,7 +50,8 @@ def get_config(arg: str | None = None):
   c.batch_size = 128
   c.optim.update(lr=1e-3, warmup_steps=50, weight_decay=0.0)
   if size.endswith('tiny'):
-    c.dataset = common.ConfigDict(dict(name='synthetic_images', **_MNIST, num_train=4096, num_eval=512, seed=0))
+    c.dataset = common.ConfigDict(dict(name='synthetic_images', **_MNIST, noise=4.0, num_train=4096, num_eval=512,
+                                       seed=0))  # noise 4: eval accuracy ~0.98 after 200 steps, not 1.0 at once
     c.batch_size = 32
     c.total_steps = 200
     c.optim.update(lr=3e-3, warmup_steps=20)

@@ -54,7 +54,7 @@ def get_config(arg: str | None = None):
   if size == 'tiny':
     c.dataset = common.ConfigDict(dict(
         name='synthetic_images', image_size=m['image_size'], channels=m['channels'], num_classes=m['num_classes'],
-        num_train=4096, num_eval=512, seed=0))
+        noise=4.0, num_train=4096, num_eval=512, seed=0))  # noise 4: a learning curve, not 1.0 at once
     c.batch_size = 32
     c.total_steps = 300
     c.optim.update(lr=0.05, warmup_steps=30)

@@ -7,9 +7,8 @@ r"""ViT (Ti/16, S/16, B/16 at 224x224 on ImageNet; B/16 is 86.6M parameters): pa
 Presets (one word switches the strategy; rules and meshes below stay editable):
   :dp       data parallel            mesh data=8
   :fsdp     fully sharded (default)  mesh data=1, fsdp=8
-  :tp       tensor parallel + data   mesh data=2, tensor=4   (heads and mlp on 'tensor': B/16's 12 heads;
-                                                              S/16 has 6, Ti/16 3: use tensor=2 or fsdp)
-  :fsdp_tp  FSDP + tensor            mesh data=1, fsdp=4, tensor=2
+  :tp       tensor parallel + data   mesh data=2, tensor=4   heads and mlp on 'tensor' (B/16: 12 heads;
+                     S/16's 6 heads: add --config.mesh.data=4 --config.mesh.tensor=2; Ti/16's 3: dp or fsdp)
 Sizes: ti16 (d=192, 3 heads), s16 (d=384, 6 heads), b16 (default; d=768, 12 heads), all 12 layers on
 imagenet2012 224x224 (DeiT's recipe: AdamW, lr 1e-3 at batch 1024, weight decay 0.05, 300 epochs;
 no mixup/RandAugment here); tiny (2 layers, d=64, 16x16 images in 4x4 patches, offline synthetic_images).
@@ -27,17 +26,11 @@ RULES = {
     ] + _IMAGE,
     'tp': [('batch', 'data'), ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('embed', None)]
           + _IMAGE,
-    'fsdp_tp': [
-        ('batch', ('data', 'fsdp')),
-        ('embed', 'fsdp'), ('embed', None),
-        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'),
-    ] + _IMAGE,
 }
 MESHES = {
     'dp': dict(data=8, fsdp=1, tensor=1),
     'fsdp': dict(data=1, fsdp=8, tensor=1),
     'tp': dict(data=2, fsdp=1, tensor=4),
-    'fsdp_tp': dict(data=1, fsdp=4, tensor=2),
 }
 _IMAGENET = dict(image_size=224, patch_size=16, channels=3, num_classes=1000, num_layers=12)
 SIZES = {

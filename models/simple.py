@@ -47,7 +47,7 @@ class MLP(nnx.Module):
     self.hidden = nnx.List([Dense('bf,fg->bg', (dims[i - 1], dims[i]), (names[i - 1], names[i]),
                                   bias_axes=(names[i],), **kw) for i in range(1, len(dims))])
     self.head = _classifier(dims[-1], names[-1], cfg, rngs)
-    self.names = names
+    self.names = tuple(names)
     self.dtype = kw['dtype']
 
   def __call__(self, image_BHWC: jax.Array) -> jax.Array:

@@ -258,6 +258,50 @@ def test_vit_matches_hugging_face_layout():
   np.testing.assert_allclose(apply(build(cfg, params, {}), x), expected, rtol=1e-4, atol=1e-5)
 
 
+def test_resnet_matches_hugging_face_layout():
+  """Weights and running statistics of a Hugging Face ResNetForImageClassification (torchvision's layout),
+  mapped by name, give its eval-mode logits."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  cfg = tiny('resnet').model
+  hf = transformers.ResNetForImageClassification(transformers.ResNetConfig(
+      num_channels=cfg.channels, embedding_size=cfg.width, hidden_sizes=[cfg.width * 2 ** i for i in range(4)],
+      depths=list(cfg.stage_sizes), layer_type=cfg.block, num_labels=cfg.num_classes))
+  assert count(cfg) == sum(p.numel() for p in hf.parameters())
+  gen = torch.Generator().manual_seed(0)
+  for m in hf.modules():  # non-trivial running statistics
+    if isinstance(m, torch.nn.BatchNorm2d):
+      m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+      m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+  w = {k: v.numpy() for k, v in hf.eval().state_dict().items()}
+  conv = lambda k: {'kernel': w[k + '.convolution.weight'].transpose(2, 3, 1, 0)}
+  bn = lambda k: {'scale': w[k + '.normalization.weight'], 'bias': w[k + '.normalization.bias'],
+                  'mean': w[k + '.normalization.running_mean'], 'var': w[k + '.normalization.running_var']}
+
+  def block(k):
+    n = 2 if cfg.block == 'basic' else 3
+    out = {'convs': {i: conv(f'{k}.layer.{i}') for i in range(n)}, 'bns': {i: bn(f'{k}.layer.{i}') for i in range(n)}}
+    if f'{k}.shortcut.convolution.weight' in w:
+      out.update(downsample_conv=conv(k + '.shortcut'), downsample_bn=bn(k + '.shortcut'))
+    return out
+  stages = {}
+  for i, num in enumerate(cfg.stage_sizes):
+    k = f'resnet.encoder.stages.{i}.layers'
+    stages[i] = {'first': block(f'{k}.0')}
+    if num > 1:
+      stages[i]['rest'] = {'layers': {j - 1: block(f'{k}.{j}') for j in range(1, num)}}
+  weights = stack_layers({'conv1': conv('resnet.embedder.embedder'), 'bn1': bn('resnet.embedder.embedder'),
+                          'stages': stages, 'head': {'layer': {'kernel': w['classifier.1.weight'].T,
+                                                               'bias': w['classifier.1.bias']}}})
+  params, state, image, _, _ = single_device('resnet')
+  model = build(cfg, params, state)
+  nnx.update(model, jax.tree.map(jnp.asarray, weights))
+  x = np.asarray(image)
+  with torch.no_grad():
+    expected = hf(pixel_values=torch.tensor(x.transpose(0, 3, 1, 2))).logits.numpy()
+  np.testing.assert_allclose(apply(tasks.eval_view(model), x), expected, rtol=1e-4, atol=1e-5)
+
+
 def test_bad_configs_name_the_culprit():
   def fails(name, message, **model):
     with pytest.raises(ConfigError, match=re.escape(message)):
