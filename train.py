@@ -8,7 +8,9 @@ input pipeline (validated) -> compile the steps -> sharded init -> train loop wi
 """
 from __future__ import annotations
 
+import logging as logging_std
 import math
+import os
 import time
 from typing import Any
 
@@ -23,6 +25,8 @@ import data
 import models
 import partitioning
 import training
+from models import hf_import
+from training import checkpoint, pretrained
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/default.py[:preset].', lock_config=True)
@@ -55,7 +59,10 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
       f'{jax.process_count()} process(es)')
 
   # --- Model, optimizer and their shardings (validated; nothing allocated yet) ------------------
-  trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs))
+  if config.get('init_from') and hf_import.is_hf_dir(config.init_from):  # architecture from config.json
+    changed = pretrained.adopt_hf_config(config, models.HF_FAMILIES)
+    say(f'init_from {config.init_from}: model config from config.json: {changed or "as configured"}')
+  trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
   # Tracing runs the model code on abstract inputs: every activation constraint is validated here.
   traced_train = training.trace(trainer, training.jit_train_step(trainer))
   traced_eval = training.trace(trainer, training.jit_eval_step(trainer))
@@ -88,7 +95,21 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
   train_step, eval_step = traced_train.lower().compile(), traced_eval.lower().compile()
   say(f'compiled train+eval steps in {time.perf_counter() - t0:.1f}s; train step per device: '
       f'{partitioning.audit(train_step)}')
-  state = training.init_state(trainer)
+
+  # --- State: resume this run, else start from pretrained weights, else from scratch ------------
+  ckpt = None
+  if workdir and config.get('checkpoint_every', 0) > 0:
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=config.checkpoint_every,
+                                   keep=config.get('keep_checkpoints', 2))
+  if ckpt is not None and ckpt.latest_step() is not None:
+    state = ckpt.restore(trainer, train_iter)  # model, optimizer and data position, in the new shardings
+    say(f'resumed from {ckpt.directory}/{int(state.step)}')
+  elif config.get('init_from'):
+    state = pretrained.init_state(trainer, models.HF_FAMILIES)
+    say(f'initialised from {config.init_from}' + (f' except {config.dont_load!r}' if config.get('dont_load') else ''))
+  else:
+    state = training.init_state(trainer)
+  preemption = checkpoint.Preemption(sync_every=config.log_every)
 
   # --- Train loop -------------------------------------------------------------------------------
   writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
@@ -96,7 +117,7 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
   progress = periodic_actions.ReportProgress(num_train_steps=config.total_steps, writer=writer,
                                              every_steps=config.log_every, every_secs=None)
   pending, wait_s, t_last, step_last, result = [], 0.0, time.perf_counter(), 0, {}
-  for step in range(1, config.total_steps + 1):
+  for step in range(int(state.step) + 1, config.total_steps + 1):
     t_in = time.perf_counter()
     batch = data.to_global(next(train_iter), trainer.batch_shardings, B)
     wait_s += time.perf_counter() - t_in
@@ -121,8 +142,25 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
       say(f"eval @ {step:5d} | loss {ev['loss']:.4f}{gap} | acc {ev['accuracy']:.3f}")
       result['eval'] = ev
       t_last += time.perf_counter() - t_eval  # eval time is not train time
+    if ckpt is not None:  # asynchronous: training goes on while it writes
+      ckpt.save(step, state, train_iter, force=step == config.total_steps)
+    if preemption.requested(step):
+      if ckpt is not None:
+        ckpt.save(step, state, train_iter, force=True)
+      say(f'SIGTERM: stopped at step {step}' + (f', checkpoint in {ckpt.directory}' if ckpt else ' (no checkpoints)'))
+      result['preempted_at'] = step
+      break
+  if ckpt is not None:
+    ckpt.wait()
+    ckpt.close()
+  preemption.close()
   writer.flush()
   train_iter.close()  # stops the prefetch threads
+  if result.get('preempted_at'):
+    result['state'] = state
+    return result
+  if config.get('lora') and config.lora.get('rank') and config.lora.get('export_merged') and workdir:
+    say(f"LoRA adapters merged into the base weights: {checkpoint.export_merged_lora(trainer, state, workdir)}")
 
   # --- Sample -----------------------------------------------------------------------------------
   if ds.language is not None and config.sample_len:
@@ -138,7 +176,15 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
   return result
 
 
+class _QuietOrbax(logging_std.Filter):
+  """orbax logs every save/restore detail at INFO; keep its warnings and errors only."""
+
+  def filter(self, record: logging_std.LogRecord) -> bool:
+    return record.levelno >= logging_std.WARNING or '/orbax/' not in record.pathname
+
+
 def main(argv) -> None:
+  logging.get_absl_handler().addFilter(_QuietOrbax())
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   config = FLAGS.config

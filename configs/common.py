@@ -47,6 +47,20 @@ def base(preset: str, size: str) -> ml_collections.ConfigDict:
   c.optim = ml_collections.ConfigDict(dict(
       name='adamw', lr=1e-3, warmup_steps=100, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
       weight_decay=0.1, grad_clip=1.0))
+  return add_run_fields(c)
+
+
+def add_run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Checkpointing and fine-tuning fields (README: "Checkpoints" and "Fine-tune a pretrained model")."""
+  c.checkpoint_every = 1000  # steps between asynchronous checkpoints in <workdir>/checkpoints; 0 = never
+  c.keep_checkpoints = 2  # the last K are kept; rerunning the same command resumes from the latest
+  c.init_from = ''  # a checkpoint dir of this project (params only) or a Hugging Face model dir
+  c.dont_load = ''  # regex over parameter paths left freshly initialised (e.g. a new head: '^classifier/')
+  c.freeze = ''  # regex over parameter paths that get no updates and no optimizer state
+  c.train_only = ''  # regex: freeze everything else (e.g. '^classifier/' trains only the head)
+  c.lora = ml_collections.ConfigDict(dict(
+      rank=0,  # > 0 adds LoRA adapters (and freezes all but them unless train_only says otherwise)
+      alpha=16.0, targets=r'attn/(query|value)$', export_merged=False))
   return c
 
 

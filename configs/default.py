@@ -14,6 +14,8 @@ for the default language; a bigram model cannot go below ~2.54, uniform guessing
 """
 import ml_collections
 
+from configs import common
+
 # Logical-axis rules per preset. First free match wins; later rules for a name are fallbacks; None replicates.
 RULES = {
     'dp': [
@@ -73,4 +75,4 @@ def get_config(preset: str = 'fsdp_tp') -> ml_collections.ConfigDict:
   c.log_every = 100
   c.eval_every = 400
   c.sample_len = 48
-  return c
+  return common.add_run_fields(c)

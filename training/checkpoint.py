@@ -17,10 +17,12 @@ from typing import Any
 
 import grain
 import jax
+from flax import nnx
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from models import lora
 from partitioning import ConfigError, path_str
 from training.trainer import Trainer, TrainState
 
@@ -73,15 +75,22 @@ class Checkpointer:
         item_handlers={'state': ocp.StandardCheckpointHandler(), 'data': grain.checkpoint.CheckpointHandler()},
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every_steps, create=True,
                                              enable_async_checkpointing=async_save))
+    self._last_saved = self.manager.latest_step()
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def save(self, step: int, state: TrainState, data_iter: Any, *, force: bool = False) -> bool:
-    """Starts an asynchronous save (when due or forced); training continues while it writes."""
-    return self.manager.save(step, args=ocp.args.Composite(
+    """Starts an asynchronous save (when due or forced; once per step); training continues while
+    it writes. Orbax copies the arrays to host memory before returning, so donating them is safe."""
+    if step == self._last_saved:
+      return False
+    saved = self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state_dict(state)), data=grain.checkpoint.CheckpointSave(data_iter)),
         force=force)
+    if saved:
+      self._last_saved = step
+    return saved
 
   def restore(self, trainer: Trainer, data_iter: Any, step: int | None = None) -> TrainState:
     """Restores the train state into the trainer's shardings (any mesh, any rules) and the data
@@ -192,3 +201,17 @@ class Preemption:
   def close(self) -> None:
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
+
+
+def export_merged_lora(trainer: Trainer, state: TrainState, workdir: str) -> str:
+  """Saves the params with LoRA adapters folded into the base kernels, as a params-only checkpoint
+  (<workdir>/export/0/state) that `init_from` reads with the base model's config (no LoRA)."""
+  def merge(params, rest):
+    model = lora.merge(nnx.merge(trainer.graphdef, params, rest))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  merged = jax.jit(merge)(state.params, state.model_state)
+  directory = os.path.join(os.path.abspath(workdir), 'export')
+  with ocp.StandardCheckpointer() as saver:
+    saver.save(os.path.join(directory, '0', 'state'), {'params': merged}, force=True)
+    saver.wait_until_finished()
+  return directory

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from models import hf_import
+from models import hf_import, lora
 from partitioning import ConfigError, path_str
 from training import checkpoint
 from training.trainer import Trainer, TrainState, _split
@@ -58,6 +58,8 @@ def init_state(trainer: Trainer, families: dict[str, hf_import.Family]) -> Train
       re.compile(dont_load)
     except re.error as e:
       raise ConfigError(f'config.dont_load={dont_load!r} is not a valid regex: {e}') from None
+  if config.get('lora') is not None and config.lora.get('rank', 0):  # adapters start fresh (B = 0)
+    dont_load = '|'.join(f'(?:{r})' for r in (dont_load, lora.LORA_PARAM.pattern) if r)
   if hf_import.is_hf_dir(path):
     loaded, _ = hf_import.import_params(hf_import.HFDir(path), hf_family(config, families), config.model,
                                         trainer.abstract.params, trainer.shardings.params, dont_load)
