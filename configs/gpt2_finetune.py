@@ -1,0 +1,30 @@
+r"""Fine-tune pretrained GPT-2 (Hugging Face weights) on a text dataset.
+
+  python train.py --config configs/gpt2_finetune.py --workdir /tmp/gpt2_ft --config.init_from=hf/gpt2
+  python train.py --config configs/gpt2_finetune.py:tiny --workdir /tmp/gpt2_ft_tiny   # offline, from scratch
+
+`init_from` is a Hugging Face model directory (config.json + *.safetensors), downloaded once on a
+machine with network, e.g. `huggingface-cli download gpt2 --local-dir hf/gpt2`; its tokenizer files
+tokenize the dataset (so token ids match the pretrained embedding). The architecture comes from its
+config.json. Everything is loaded; the optimizer starts fresh. Rerunning the same command resumes.
+Presets and rules: as configs/gpt2.py (dp, fsdp (default), tp, fsdp_tp).
+"""
+from configs import gpt2
+from configs.gpt2 import MESHES, RULES, SIZES  # noqa: F401  (the presets and sizes of this config)
+
+HF_DIR = 'hf/gpt2'
+
+
+def get_config(arg: str | None = None):
+  c = gpt2.get_config(arg)
+  if c.size == 'tiny':
+    return c  # offline: trains from scratch on the Markov language (tests, trying things)
+  c.init_from = HF_DIR
+  c.model.pad_vocab_to = 1  # GPT-2's 50257 rows; vocab stays replicated in these presets' rules
+  c.logical_axis_rules = [r if r[0] != 'vocab' else ('vocab', None) for r in c.logical_axis_rules]
+  c.dataset.update(name='lm1b', seq_len=1024, pack=True, tokenizer=HF_DIR)
+  c.batch_size = 32
+  c.total_steps = 5000
+  c.optim.update(lr=1e-4, warmup_steps=200, weight_decay=0.01)
+  c.checkpoint_every, c.eval_every = 500, 1000
+  return c
