@@ -17,6 +17,10 @@ import models  # noqa: E402
 import training  # noqa: E402
 from configs import default  # noqa: E402
 
+def pytest_addoption(parser):
+  parser.addoption('--all-presets', action='store_true', help='config matrix: every preset of every config file')
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND_COMPILE = '/jax/core/compile/backend_compile_duration'
 

@@ -1,5 +1,6 @@
 """The config matrix: every config file in configs/ is built and trained for 2 steps on 8 simulated
-CPU devices under each of its presets (tiny size), so a new config file is covered automatically.
+CPU devices under two of its presets (all with `pytest --all-presets`), at its tiny size, so a new
+config file is covered automatically.
 
 A config file is any configs/*.py with a get_config(arg); it must define RULES (its presets) and,
 when it has real sizes, SIZES with a 'tiny' entry that the matrix uses.
@@ -40,8 +41,18 @@ def tiny_config(module, preset):
   return module.get_config(arg)
 
 
-def cases():
-  return [pytest.param(name, preset, id=f'{name}:{preset}') for name, module in MODULES for preset in module.RULES]
+def matrix_presets(module, all_presets: bool) -> list[str]:
+  """Two presets per file by default (first and last: e.g. dp and fsdp_tp); every preset with
+  `pytest --all-presets`."""
+  presets = list(module.RULES)
+  return presets if all_presets else [presets[0], presets[-1]]
+
+
+def pytest_generate_tests(metafunc):
+  if {'name', 'preset'} <= set(metafunc.fixturenames):
+    all_presets = metafunc.config.getoption('--all-presets')
+    metafunc.parametrize('name,preset', [pytest.param(name, preset, id=f'{name}:{preset}') for name, module in MODULES
+                                         for preset in matrix_presets(module, all_presets)])
 
 
 def test_every_config_file_is_in_the_matrix_with_two_presets():
@@ -54,7 +65,6 @@ def test_every_config_file_is_in_the_matrix_with_two_presets():
         f'configs/{name}.py must start with the command that runs it')
 
 
-@pytest.mark.parametrize('name,preset', cases())
 def test_config_trains_two_steps(name, preset, tmp_path):
   module = dict(MODULES)[name]
   cfg = tiny_config(module, preset)
@@ -79,3 +89,15 @@ def test_config_trains_two_steps(name, preset, tmp_path):
   assert np.isfinite(result['train']['loss']) and np.isfinite(result['eval']['loss'])
   params = result['state'].params
   assert jax.tree.leaves(params)[0].sharding.mesh.size == 8
+
+
+@pytest.mark.parametrize('name', [name for name, module in MODULES if hasattr(module, 'SIZES')])
+def test_real_size_dry_run_validates_without_allocating(name, capsys):
+  """Each config's default (real) size builds abstractly on 8 devices: rules, shapes and traced steps
+  are validated and the per-device table is printed; nothing is allocated or compiled."""
+  module = dict(MODULES)[name]
+  out = train.train_and_evaluate(module.get_config(None), None, dry_run=True)
+  printed = capsys.readouterr().out
+  tiny = train.train_and_evaluate(tiny_config(module, list(module.RULES)[0]), None, dry_run=True)
+  assert out['num_params'] > tiny['num_params']
+  assert 'params + optimizer per device' in printed
