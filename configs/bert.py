@@ -87,13 +87,13 @@ def get_config(arg: str | None = None):
     c.optim.update(b2=0.999, eps=1e-6, weight_decay=0.01)
     if task == 'mlm':  # BERT's pre-training recipe (phase 1: 128-token rows)
       c.dataset = common.ConfigDict(dict(
-          name='lm1b', data_dir=None, train_split='train', eval_split='test[:10000]', seq_len=128,
+          name='lm1b', data_dir=common.placeholder(str), train_split='train', eval_split='test[:10000]', seq_len=128,
           tokenizer=TOKENIZER, mlm_probability=0.15))
       c.batch_size, c.total_steps, c.eval_every = 256, 1_000_000, 10_000
       c.optim.update(lr=1e-4, warmup_steps=10_000)
     else:  # SST-2 fine-tuning: 3 epochs of 67,349 sentences
       c.dataset = common.ConfigDict(dict(
-          name='glue/sst2', data_dir=None, train_split='train', eval_split='validation', seq_len=128,
+          name='glue/sst2', data_dir=common.placeholder(str), train_split='train', eval_split='validation', seq_len=128,
           tokenizer=TOKENIZER, text_key='sentence', num_classes=2))
       c.batch_size, c.total_steps, c.eval_every = 32, 6300, 1000
       c.optim.update(lr=2e-5, warmup_steps=630)

@@ -65,3 +65,4 @@ def add_run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 ConfigDict = ml_collections.ConfigDict
+placeholder = ml_collections.config_dict.placeholder  # a typed None: `--config.dataset.data_dir=DIR` can set it

@@ -64,7 +64,7 @@ def get_config(arg: str | None = None):
   if size == 'real':
     c.model.dtype = 'bfloat16'  # bf16 compute, f32 params and optimizer state
     c.dataset = common.ConfigDict(dict(
-        name='lm1b', data_dir=None, train_split='train', eval_split='test', seq_len=1024, pack=True,
+        name='lm1b', data_dir=common.placeholder(str), train_split='train', eval_split='test', seq_len=1024, pack=True,
         tokenizer='byte'))
     c.batch_size = 64
     c.total_steps = 100_000

@@ -57,7 +57,7 @@ def get_config(arg: str | None = None):
     c.optim.update(lr=3e-3, warmup_steps=20)
     c.log_every, c.eval_every = 50, 200
   else:
-    c.dataset = common.ConfigDict(dict(name='mnist', data_dir=None, **_MNIST))
+    c.dataset = common.ConfigDict(dict(name='mnist', data_dir=common.placeholder(str), **_MNIST))
     c.total_steps = 10 * 469  # 10 epochs of 60,000 images
     c.log_every, c.eval_every = 100, 469
   return c

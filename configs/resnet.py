@@ -62,7 +62,7 @@ def get_config(arg: str | None = None):
   else:
     c.model.dtype = 'bfloat16'  # bf16 compute, f32 params, BatchNorm statistics and optimizer state
     c.dataset = common.ConfigDict(dict(
-        name='imagenet2012', data_dir=None, image_size=224, channels=3, num_classes=1000))
+        name='imagenet2012', data_dir=common.placeholder(str), image_size=224, channels=3, num_classes=1000))
     c.batch_size = 1024
     c.total_steps = 90 * 1251  # 90 epochs of 1,281,167 images
     c.optim.update(lr=0.4, warmup_steps=5 * 1251)

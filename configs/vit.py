@@ -62,7 +62,7 @@ def get_config(arg: str | None = None):
   else:
     c.model.dtype = 'bfloat16'  # bf16 compute, f32 params and optimizer state
     c.dataset = common.ConfigDict(dict(
-        name='imagenet2012', data_dir=None, image_size=224, channels=3, num_classes=1000))
+        name='imagenet2012', data_dir=common.placeholder(str), image_size=224, channels=3, num_classes=1000))
     c.batch_size = 1024
     c.total_steps = 300 * 1251  # 300 epochs of 1,281,167 images
     c.optim.update(lr=1e-3, warmup_steps=5 * 1251, b2=0.999, weight_decay=0.05)
