@@ -1,6 +1,7 @@
 """Tests run on 8 simulated CPU devices (set before JAX starts its backends)."""
 import contextlib
 import os
+import tempfile
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
@@ -13,9 +14,18 @@ import partitioning  # noqa: E402
 
 partitioning.simulate_cpu_devices(8)
 
+# Many tests compile the same programs (the same tiny config under the same mesh, built by different
+# trainers). A compilation cache private to this test session serves the repeats; it starts empty
+# every session, so nothing carries over between runs.
+_CACHE = tempfile.mkdtemp(prefix='shardzoo_jax_cache_')
+jax.config.update('jax_compilation_cache_dir', _CACHE)
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+
 import models  # noqa: E402
 import training  # noqa: E402
 from configs import default  # noqa: E402
+
 
 def pytest_addoption(parser):
   parser.addoption('--all-presets', action='store_true', help='config matrix: every preset of every config file')
