@@ -305,10 +305,13 @@ def import_params(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shar
     else:
       targets.append((row.zoo, False, None))
     for zoo, stacked, layer in targets:
-      if zoo not in flat or (skip and skip.search(zoo)):
+      if zoo not in flat:
         continue
       layers = range(num_layers) if stacked else [layer]
       keys = [_resolve_key(hf, family, row.hf, i) for i in layers]
+      if skip and skip.search(zoo):  # deliberately not loaded (e.g. a head for other classes): its tensors
+        used.update(k for k in keys if k is not None)  # are explained, whatever their shapes
+        continue
       if None in keys:
         continue  # reported below as unexplained if nothing else provides it
       leaf, sharding = flat[zoo][1], flat_sh[zoo]
