@@ -70,7 +70,8 @@ def get_config(arg: str | None = None):
   c.mesh = common.mesh(MESHES[preset])
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(dict(
-      name='llama', **SIZES[size], dtype='float32', param_dtype='float32', scan_layers=True, remat=False))
+      name='llama', **SIZES[size], dtype='float32', param_dtype='float32', scan_layers=True, remat=False,
+      rope_scaling=None))  # None, or Llama 3 scaling as (key, value) pairs (models/layers.rope_scaling_params)
   if size == 'real':
     c.model.update(dtype='bfloat16', remat=True)  # bf16 compute, f32 params and optimizer state
     c.dataset = common.ConfigDict(dict(

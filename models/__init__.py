@@ -55,6 +55,9 @@ MODELS: dict[str, Callable[..., nnx.Module]] = {
 # Hugging Face importers (see models/hf_import.py): zoo model name -> its family's mapping.
 HF_FAMILIES = {
     'gpt2': gpt2.HF,
+    'llama': llama.HF,
+    'bert': bert.HF,
+    'vit': vit.HF,
 }
 
 

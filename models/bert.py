@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from models import hf_import as hf
 from models.layers import MLP, Attention, Dense, Embed, LayerNorm, Stack, axes, dtypes
 from partitioning import ConfigError, shard_logical
 
@@ -108,3 +109,81 @@ def num_params(cfg: Any) -> int:
   else:
     head = (D * D + D) + (D * cfg.num_classes + cfg.num_classes)  # pooler, classifier
   return embeddings + N * block + head
+
+
+# --- Hugging Face import (models/hf_import.py): BertForMaskedLM / BertForSequenceClassification ----
+#
+# The head is the zoo config's choice, not config.json's: config.model.head follows config.task
+# (mlm or text_classification), and num_classes follows the dataset. So config.json's architectures,
+# num_labels and id2label are not adopted: a checkpoint whose head matches (BertForMaskedLM into 'mlm',
+# BertForSequenceClassification with num_labels == num_classes into 'classify') loads completely;
+# another head is one clear error (missing/unused tensors, or the classifier's shapes) until
+# config.dont_load names it, e.g. bert-base-uncased (BertForPreTraining: encoder + pooler + MLM head)
+# fine-tuned on 2 classes: head 'classify', dont_load='^classifier/'. Tensors of the head the zoo
+# model does not build (cls.predictions.* under 'classify'; the pooler and the next-sentence head
+# cls.seq_relationship.* under 'mlm') are ignored, as transformers ignores them.
+
+def _hf_config(c: dict) -> dict:
+  for field, ok, why in (
+      ('hidden_act', ('gelu',), "the zoo's BERT uses the exact erf GELU ('gelu')"),
+      ('position_embedding_type', ('absolute',), "the zoo's BERT has learned absolute positions"),
+      ('is_decoder', (False,), "the zoo's BERT is a bidirectional encoder"),
+      ('add_cross_attention', (False,), "the zoo's BERT has no cross-attention"),
+      ('tie_word_embeddings', (True,), "the zoo's MLM decoder is tied to the word embeddings")):
+    if c.get(field, ok[0]) not in ok:
+      raise hf.HFImportError(f'config.json {field}={c[field]!r}: {why}')
+  return dict(vocab_size=c['vocab_size'], embed_dim=c['hidden_size'], num_layers=c['num_hidden_layers'],
+              num_heads=c['num_attention_heads'], mlp_dim=c['intermediate_size'],
+              max_len=c['max_position_embeddings'], type_vocab_size=c.get('type_vocab_size', 2),
+              norm_eps=c.get('layer_norm_eps', 1e-12))
+
+
+def _hf_params() -> list[hf.Param]:
+  """HF Linear weights are (out, in): transpose, then split the heads out. The vocabulary rows
+  (word embeddings, MLM decoder bias) are zero-padded to config.model.pad_vocab_to."""
+  def dims(cfg):  # D, H, K
+    return cfg.embed_dim, cfg.num_heads, cfg.embed_dim // cfg.num_heads
+  pad = lambda cfg: [hf.Pad(0, -(-cfg.vocab_size // (cfg.get('pad_vocab_to') or 1)) * (cfg.get('pad_vocab_to') or 1))]
+  qkv = lambda cfg: [hf.T((1, 0)), hf.R(dims(cfg))]
+  qkv_bias = lambda cfg: [hf.R(dims(cfg)[1:])]
+  out = lambda cfg: [hf.T((1, 0)), hf.R((*dims(cfg)[1:], dims(cfg)[0]))]
+  lin = [hf.T((1, 0))]
+
+  def ln(zoo, theirs):  # older files name LayerNorm parameters gamma/beta (whichever the file has is read)
+    return [hf.Param(f'{zoo}/scale', f'{theirs}.weight'), hf.Param(f'{zoo}/bias', f'{theirs}.bias'),
+            hf.Param(f'{zoo}/scale', f'{theirs}.gamma'), hf.Param(f'{zoo}/bias', f'{theirs}.beta')]
+
+  def dense(zoo, theirs, kernel_ops=lin, bias_ops=()):
+    return [hf.Param(f'{zoo}/layer/kernel', f'{theirs}.weight', kernel_ops),
+            hf.Param(f'{zoo}/layer/bias', f'{theirs}.bias', bias_ops)]
+  b, h = 'encoder/layers/{i}', 'encoder.layer.{i}'
+  rows = [
+      hf.Param('word_embeddings/embed/embedding', 'embeddings.word_embeddings.weight', pad),
+      hf.Param('position_embeddings', 'embeddings.position_embeddings.weight'),
+      hf.Param('token_type_embeddings', 'embeddings.token_type_embeddings.weight'),
+      *ln('embeddings_ln', 'embeddings.LayerNorm'),
+      *dense(f'{b}/attention/out', f'{h}.attention.output.dense', out),
+      *ln(f'{b}/attention_ln', f'{h}.attention.output.LayerNorm'),
+      *dense(f'{b}/mlp/up', f'{h}.intermediate.dense'),
+      *dense(f'{b}/mlp/down', f'{h}.output.dense'),
+      *ln(f'{b}/output_ln', f'{h}.output.LayerNorm'),
+      # head 'mlm' (the decoder weight is the word embedding table)
+      *dense('transform', 'cls.predictions.transform.dense'),
+      *ln('transform_ln', 'cls.predictions.transform.LayerNorm'),
+      hf.Param('decoder_bias', 'cls.predictions.decoder.bias', pad),  # files with only the decoder's copy
+      hf.Param('decoder_bias', 'cls.predictions.bias', pad),
+      # head 'classify'
+      *dense('pooler', 'pooler.dense'),
+      *dense('classifier', 'classifier'),
+  ]
+  for n in ('query', 'key', 'value'):
+    rows += dense(f'{b}/attention/{n}', f'{h}.attention.self.{n}', qkv, qkv_bias)
+  return rows
+
+
+# Keys are 'bert.'-prefixed in BertFor* files, bare in BertModel ones; the heads (cls.*, classifier)
+# are never prefixed. Ignored when nothing reads them (checked by the importer): position_ids and
+# token_type_ids buffers, the tied decoder (cls.predictions.decoder.*: copies of the word embeddings and
+# cls.predictions.bias), the next-sentence head, and the tensors of the head the zoo model does not build.
+HF = hf.Family(model_types=('bert',), config=_hf_config, params=_hf_params(), prefixes=('bert.', ''),
+               ignore=(r'embeddings\.(position_ids|token_type_ids)$', r'^cls\.', r'^(bert\.)?pooler\.'))

@@ -118,10 +118,55 @@ def mask_padded_vocab(logits_BLV: jax.Array, vocab: int) -> jax.Array:
   return jnp.where(jnp.arange(logits_BLV.shape[-1]) < vocab, logits_BLV, -1e9)
 
 
-def rope(x_BLHK: jax.Array, positions_BL: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding in the Hugging Face convention (rotate_half: pairs dims i and i + K/2)."""
-  K = x_BLHK.shape[-1]
+ROPE_SCALING_KEYS = ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')
+
+
+def rope_scaling_params(scaling: Any) -> tuple[tuple[str, Any], ...] | None:
+  """A rope scaling setting (None, a mapping, or a tuple of (key, value) pairs as configs hold it)
+  checked and made hashable: (('rope_type', 'llama3'), ('factor', f), ('low_freq_factor', l),
+  ('high_freq_factor', h), ('original_max_position_embeddings', n)). Only Llama 3's 'llama3' type."""
+  if scaling is None:
+    return None
+  items = dict(scaling.items() if hasattr(scaling, 'items') else scaling)
+  kind = items.get('rope_type', items.get('type'))
+  if kind in (None, 'default'):
+    return None
+  if kind != 'llama3':
+    raise ConfigError(f"rope_scaling rope_type={kind!r} is not supported; the zoo implements 'llama3' (or None)")
+  missing = [k for k in ROPE_SCALING_KEYS if items.get(k) is None]
+  if missing:
+    raise ConfigError(f"rope_scaling of type 'llama3' needs {list(ROPE_SCALING_KEYS)}; missing {missing}")
+  if not items['high_freq_factor'] > items['low_freq_factor']:
+    raise ConfigError(f"rope_scaling: high_freq_factor ({items['high_freq_factor']}) must exceed low_freq_factor "
+                      f"({items['low_freq_factor']})")
+  return (('rope_type', 'llama3'),) + tuple((k, float(items[k])) for k in ROPE_SCALING_KEYS)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: Any = None) -> jax.Array:
+  """The (head_dim/2,) inverse frequencies; with Llama 3 scaling (`scaling` as rope_scaling_params
+  takes it), wavelengths longer than original_max_position_embeddings / low_freq_factor are stretched
+  by `factor`, shorter than .../high_freq_factor kept, and those in between interpolated
+  (transformers' _compute_llama3_parameters, in float32 like it)."""
+  K = head_dim
   inv_freq_k = 1.0 / (theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K))
+  scaling = rope_scaling_params(scaling)
+  if scaling is None:
+    return inv_freq_k
+  s = dict(scaling)
+  factor, low, high, old_len = (s[k] for k in ROPE_SCALING_KEYS)
+  wavelen_k = 2 * jnp.pi / inv_freq_k
+  scaled_k = jnp.where(wavelen_k > old_len / low, inv_freq_k / factor, inv_freq_k)
+  smooth_k = (old_len / wavelen_k - low) / (high - low)
+  smoothed_k = (1 - smooth_k) * scaled_k / factor + smooth_k * scaled_k
+  medium_k = (wavelen_k >= old_len / high) & (wavelen_k <= old_len / low)
+  return jnp.where(medium_k, smoothed_k, scaled_k)
+
+
+def rope(x_BLHK: jax.Array, positions_BL: jax.Array, theta: float, scaling: Any = None) -> jax.Array:
+  """Rotary position embedding in the Hugging Face convention (rotate_half: pairs dims i and i + K/2).
+  `scaling`: None (plain RoPE) or Llama 3 frequency scaling (see rope_frequencies)."""
+  K = x_BLHK.shape[-1]
+  inv_freq_k = rope_frequencies(K, theta, scaling)
   angles_BLk = positions_BL.astype(jnp.float32)[..., None] * inv_freq_k
   angles_BLK = jnp.concatenate([angles_BLk, angles_BLk], axis=-1)[:, :, None, :]
   x = x_BLHK.astype(jnp.float32)
@@ -147,14 +192,15 @@ def attention_mask(*, causal: bool, length: int, segment_ids_BL: jax.Array | Non
 
 
 class Attention(nnx.Module):
-  """Multi-head self-attention; grouped-query when num_kv_heads < num_heads; optional rotary.
+  """Multi-head self-attention; grouped-query when num_kv_heads < num_heads; optional rotary
+  (rope_theta), optionally with Llama 3 frequency scaling (rope_scaling, see rope_frequencies).
 
   Projections: query (embed, heads, kv), key/value (embed, kv_heads, kv), out (heads, kv, embed).
   """
 
   def __init__(self, dim: int, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
                use_bias: bool = True, out_bias: bool | None = None, rope_theta: float | None = None,
-               out_init_scale: float = 1.0, kernel_init: Initializer = NORMAL_002,
+               rope_scaling: Any = None, out_init_scale: float = 1.0, kernel_init: Initializer = NORMAL_002,
                dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     num_kv_heads = num_kv_heads or num_heads
     if head_dim is None:
@@ -177,6 +223,7 @@ class Attention(nnx.Module):
     self.out = Dense('blhk,hkd->bld', (num_heads, K, dim), ('heads', 'kv', 'embed'),
                      bias_axes=('embed',) if (use_bias if out_bias is None else out_bias) else None, **kw)
     self.rope_theta = rope_theta
+    self.rope_scaling = rope_scaling_params(rope_scaling)  # hashable (static): None or (key, value) pairs
 
   def __call__(self, x_BLD: jax.Array, *, causal: bool, positions_BL: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None, valid_BL: jax.Array | None = None) -> jax.Array:
@@ -186,8 +233,8 @@ class Attention(nnx.Module):
     if self.rope_theta is not None:
       if positions_BL is None:
         positions_BL = jnp.arange(x_BLD.shape[1])[None]
-      q_BLHK = rope(q_BLHK, positions_BL, self.rope_theta)
-      k_BLGK = rope(k_BLGK, positions_BL, self.rope_theta)
+      q_BLHK = rope(q_BLHK, positions_BL, self.rope_theta, self.rope_scaling)
+      k_BLGK = rope(k_BLGK, positions_BL, self.rope_theta, self.rope_scaling)
     mask = attention_mask(causal=causal, length=x_BLD.shape[1], segment_ids_BL=segment_ids_BL, valid_BL=valid_BL)
     # jax.nn.dot_product_attention computes the softmax in float32 and handles grouped kv heads.
     o_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask)

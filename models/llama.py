@@ -5,6 +5,9 @@ embed_tokens, blocks.layers.N.{input_layernorm, self_attn.{query, key, value, ou
 post_attention_layernorm, mlp.{gate, up, down}_proj}, norm, lm_head (absent when tie_embeddings).
 HF's Linear weights are (out, in); ours are (in, ...) with heads split out, e.g. q_proj (H*K, D) is
 query (D, H, K). Rotary embeddings use HF's rotate_half convention, so no permutation is needed.
+`rope_scaling` (None, or Llama 3.1+'s frequency scaling as (key, value) pairs: rope_type 'llama3',
+factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) is read from config.json
+by the Hugging Face importer (`HF` at the end of this file).
 """
 from __future__ import annotations
 
@@ -15,8 +18,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from models.layers import Attention, Dense, Embed, GatedMLP, RMSNorm, Stack, dtypes
-from partitioning import shard_logical
+from models import hf_import as hf
+from models.layers import Attention, Dense, Embed, GatedMLP, RMSNorm, Stack, dtypes, rope_scaling_params
+from partitioning import ConfigError, shard_logical
 
 ACT = ('batch', 'length', 'embed')
 
@@ -27,7 +31,8 @@ class Block(nnx.Module):
     D = cfg.embed_dim
     self.input_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
     self.self_attn = Attention(D, cfg.num_heads, num_kv_heads=cfg.get('num_kv_heads'), head_dim=cfg.get('head_dim'),
-                               use_bias=False, rope_theta=cfg.get('rope_theta', 10_000.0), **kw)
+                               use_bias=False, rope_theta=cfg.get('rope_theta', 10_000.0),
+                               rope_scaling=cfg.get('rope_scaling'), **kw)
     self.post_attention_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
     self.mlp = GatedMLP(D, cfg.mlp_dim, **kw)
 
@@ -72,3 +77,81 @@ def num_params(cfg: Any) -> int:
   block = 2 * D + 2 * D * H * K + 2 * D * G * K + 3 * D * F  # 2 RMSNorms, q+o, k+v, gate+up+down
   head = 0 if getattr(cfg, 'tie_embeddings', True) else D * V
   return V * D + N * block + D + head
+
+
+# --- Hugging Face import (models/hf_import.py): LlamaForCausalLM / LlamaModel ----------------------
+
+def _unsupported(c: dict, field: str, value: Any, why: str) -> hf.HFImportError:
+  return hf.HFImportError(f'config.json {field}={value!r}: {why}')
+
+
+def _hf_rope(c: dict) -> tuple[float, tuple | None]:
+  """(rope_theta, rope_scaling) from config.json: transformers 5.x writes `rope_parameters`
+  {rope_type, rope_theta, ...}; older files have top-level `rope_theta` and `rope_scaling` {type|rope_type, ...}."""
+  params = dict(c.get('rope_parameters') or c.get('rope_scaling') or {})
+  field = 'rope_parameters' if c.get('rope_parameters') else 'rope_scaling'
+  if params and not all(isinstance(v, (int, float, str, type(None))) for v in params.values()):
+    raise _unsupported(c, field, params, 'per-layer-type rope parameters are not supported')
+  theta = float(params.get('rope_theta') or c.get('rope_theta') or 10_000.0)
+  kind = params.get('rope_type', params.get('type', 'default'))
+  if float(params.get('partial_rotary_factor', c.get('partial_rotary_factor')) or 1.0) != 1.0:
+    raise _unsupported(c, 'partial_rotary_factor', params.get('partial_rotary_factor', c.get('partial_rotary_factor')),
+                       "the zoo's Llama rotates the whole head_dim")
+  if kind == 'default':
+    return theta, None
+  if kind != 'llama3':
+    raise _unsupported(c, f'{field}.rope_type', kind, "the zoo's Llama implements 'default' and 'llama3' RoPE")
+  params.setdefault('original_max_position_embeddings', c.get('max_position_embeddings'))
+  try:
+    return theta, rope_scaling_params({**params, 'rope_type': 'llama3'})
+  except ConfigError as e:
+    raise hf.HFImportError(f'config.json {field}: {e}') from None
+
+
+def _hf_config(c: dict) -> dict:
+  """config.json -> config.model. Every architectural field is adopted (the head is part of the
+  architecture: untied configs get their own lm_head)."""
+  for field, want, why in (('hidden_act', 'silu', "the zoo's Llama MLP is SwiGLU (silu)"),
+                           ('attention_bias', False, "the zoo's Llama projections have no biases"),
+                           ('mlp_bias', False, "the zoo's Llama MLP has no biases")):
+    if c.get(field, want) != want:
+      raise _unsupported(c, field, c[field], why)
+  H = c['num_attention_heads']
+  theta, scaling = _hf_rope(c)
+  return dict(vocab_size=c['vocab_size'], embed_dim=c['hidden_size'], mlp_dim=c['intermediate_size'],
+              num_layers=c['num_hidden_layers'], num_heads=H, num_kv_heads=c.get('num_key_value_heads') or H,
+              head_dim=c.get('head_dim') or c['hidden_size'] // H, rope_theta=theta, rope_scaling=scaling,
+              norm_eps=c.get('rms_norm_eps', 1e-6), tie_embeddings=bool(c.get('tie_word_embeddings', False)),
+              max_len=c.get('max_position_embeddings', 2048))
+
+
+def _hf_params() -> list[hf.Param]:
+  """HF Linear weights are (out, in): transpose, then split the heads out."""
+  def dims(cfg):  # D, H, G, K
+    H = cfg.num_heads
+    return cfg.embed_dim, H, cfg.get('num_kv_heads') or H, cfg.get('head_dim') or cfg.embed_dim // H
+  q = lambda cfg: [hf.T((1, 0)), hf.R((dims(cfg)[0], dims(cfg)[1], dims(cfg)[3]))]
+  kv = lambda cfg: [hf.T((1, 0)), hf.R((dims(cfg)[0], dims(cfg)[2], dims(cfg)[3]))]
+  out = lambda cfg: [hf.T((1, 0)), hf.R((dims(cfg)[1], dims(cfg)[3], dims(cfg)[0]))]
+  b = 'blocks/layers/{i}'
+  rows = [
+      hf.Param('embed_tokens/embed/embedding', 'embed_tokens.weight'),
+      hf.Param('norm/scale', 'norm.weight'),
+      hf.Param('lm_head/layer/kernel', 'lm_head.weight', [hf.T((1, 0))]),  # untied only
+      hf.Param(f'{b}/input_layernorm/scale', 'layers.{i}.input_layernorm.weight'),
+      hf.Param(f'{b}/post_attention_layernorm/scale', 'layers.{i}.post_attention_layernorm.weight'),
+      hf.Param(f'{b}/self_attn/query/layer/kernel', 'layers.{i}.self_attn.q_proj.weight', q),
+      hf.Param(f'{b}/self_attn/key/layer/kernel', 'layers.{i}.self_attn.k_proj.weight', kv),
+      hf.Param(f'{b}/self_attn/value/layer/kernel', 'layers.{i}.self_attn.v_proj.weight', kv),
+      hf.Param(f'{b}/self_attn/out/layer/kernel', 'layers.{i}.self_attn.o_proj.weight', out),
+  ]
+  rows += [hf.Param(f'{b}/mlp/{n}/layer/kernel', f'layers.{{i}}.mlp.{n}_proj.weight', [hf.T((1, 0))])
+           for n in ('gate', 'up', 'down')]
+  return rows
+
+
+# Keys are 'model.'-prefixed in LlamaForCausalLM files, bare in LlamaModel ones; lm_head.weight is never
+# prefixed. Ignored: rotary inv_freq buffers (older files), and a tied checkpoint's copy of the embedding
+# saved as lm_head.weight (tie_embeddings follows config.json, so an untied model always uses it).
+HF = hf.Family(model_types=('llama',), config=_hf_config, params=_hf_params(), prefixes=('model.', ''),
+               ignore=(r'rotary_emb\.inv_freq$', r'^lm_head\.weight$'))

@@ -83,3 +83,64 @@ def num_params(cfg: Any) -> int:
   D, F, p, C, K = cfg.embed_dim, cfg.mlp_dim, cfg.patch_size, cfg.channels, cfg.num_classes
   block = 2 * 2 * D + 4 * (D * D + D) + (D * F + F) + (F * D + D)
   return (p * p * C * D + D) + D + (_num_patches(cfg) + 1) * D + cfg.num_layers * block + 2 * D + (D * K + K)
+
+
+# --- Hugging Face import (models/hf_import.py): ViTForImageClassification / ViTModel ---------------
+#
+# config.json's num_labels is not adopted: the classifier's size follows the dataset
+# (config.model.num_classes = config.dataset.num_classes). A checkpoint with as many labels loads
+# completely; one with another number is an error naming the classifier's shapes until
+# config.dont_load='^head/' initialises a new head (fine-tuning on new classes).
+
+from models import hf_import as hf  # noqa: E402  (imported here: this section is appended to the file)
+
+
+def _hf_config(c: dict) -> dict:
+  for field, want, why in (('hidden_act', 'gelu', "the zoo's ViT MLP uses the exact erf GELU ('gelu')"),
+                           ('qkv_bias', True, "the zoo's ViT attention has q/k/v biases")):
+    if c.get(field, want) != want:
+      raise hf.HFImportError(f'config.json {field}={c[field]!r}: {why}')
+  return dict(embed_dim=c['hidden_size'], num_layers=c['num_hidden_layers'], num_heads=c['num_attention_heads'],
+              mlp_dim=c['intermediate_size'], image_size=c['image_size'], patch_size=c['patch_size'],
+              channels=c.get('num_channels', 3), norm_eps=c.get('layer_norm_eps', 1e-12))
+
+
+def _hf_params() -> list[hf.Param]:
+  """HF Linear weights are (out, in): transpose, then split the heads out. The patch embedding is a
+  torch conv weight (E, C, P, P) -> (P, P, C, E); cls_token (1, 1, E) -> (E,); position_embeddings
+  (1, N+1, E) -> (N+1, E)."""
+  def dims(cfg):  # D, H, K
+    return cfg.embed_dim, cfg.num_heads, cfg.embed_dim // cfg.num_heads
+  lin = [hf.T((1, 0))]
+
+  def dense(zoo, theirs, kernel_ops=lin, bias_ops=()):
+    return [hf.Param(f'{zoo}/layer/kernel', f'{theirs}.weight', kernel_ops),
+            hf.Param(f'{zoo}/layer/bias', f'{theirs}.bias', bias_ops)]
+
+  def ln(zoo, theirs):
+    return [hf.Param(f'{zoo}/scale', f'{theirs}.weight'), hf.Param(f'{zoo}/bias', f'{theirs}.bias')]
+  b, h = 'blocks/layers/{i}', 'encoder.layer.{i}'
+  rows = [
+      hf.Param('patch/kernel', 'embeddings.patch_embeddings.projection.weight', [hf.T((2, 3, 1, 0))]),
+      hf.Param('patch/bias', 'embeddings.patch_embeddings.projection.bias'),
+      hf.Param('cls', 'embeddings.cls_token', lambda cfg: [hf.R((cfg.embed_dim,))]),
+      hf.Param('pos', 'embeddings.position_embeddings', lambda cfg: [hf.R((-1, cfg.embed_dim))]),
+      *ln(f'{b}/ln1', f'{h}.layernorm_before'),
+      *dense(f'{b}/attn/out', f'{h}.attention.output.dense',
+             lambda cfg: [hf.T((1, 0)), hf.R((*dims(cfg)[1:], dims(cfg)[0]))]),
+      *ln(f'{b}/ln2', f'{h}.layernorm_after'),
+      *dense(f'{b}/mlp/up', f'{h}.intermediate.dense'),
+      *dense(f'{b}/mlp/down', f'{h}.output.dense'),
+      *ln('ln', 'layernorm'),
+      *dense('head', 'classifier'),
+  ]
+  for n in ('query', 'key', 'value'):
+    rows += dense(f'{b}/attn/{n}', f'{h}.attention.attention.{n}', lambda cfg: [hf.T((1, 0)), hf.R(dims(cfg))],
+                  lambda cfg: [hf.R(dims(cfg)[1:])])
+  return rows
+
+
+# Keys are 'vit.'-prefixed in ViTForImageClassification files, bare in ViTModel ones (whose pooler,
+# unused by classification, is ignored); the classifier is never prefixed.
+HF = hf.Family(model_types=('vit',), config=_hf_config, params=_hf_params(), prefixes=('vit.', ''),
+               ignore=(r'^(vit\.)?pooler\.',))

@@ -1,0 +1,249 @@
+"""Hugging Face import for Llama, BERT and ViT: logits match transformers (torch, fp32, eval mode)
+with the zoo model sharded on 8 simulated devices under a model-parallel preset; scanned and
+unrolled stacks; a sharded checkpoint (model.safetensors.index.json); Llama 3 rope scaling; a ViT
+head replaced for another number of classes; unsupported config.json settings name the field."""
+import json
+import os
+
+os.environ['HF_HUB_OFFLINE'] = '1'
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import models  # noqa: E402
+from configs import bert as bert_config  # noqa: E402
+from configs import llama as llama_config  # noqa: E402
+from configs import vit as vit_config  # noqa: E402
+from models import hf_import, layers  # noqa: E402
+from tests.conftest import build_trainer  # noqa: E402
+from training import pretrained, tasks  # noqa: E402
+
+# Max |logits difference| allowed, fp32 on both sides. Measured (2-core CPU, 8 simulated devices; the
+# tests print them with -s): llama GQA untied, sharded file 1.8e-7 (logits up to 0.59); llama tied +
+# llama3 rope 6.0e-7 (1.40); BERT MLM 1.4e-6 (3.04; real positions); BERT classify 2.4e-7 (0.70);
+# ViT 6.6e-7 (2.81).
+PARITY_ATOL = 1e-4
+LLAMA3_ROPE = dict(rope_type='llama3', factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+
+
+def forward(trainer, state, *args, **kwargs):
+  """The model's output (eval mode) under the trainer's shardings."""
+  def run(params, rest, *a):
+    return tasks.eval_view(nnx.merge(trainer.graphdef, params, rest))(*a, **kwargs)
+  return np.asarray(jax.jit(run)(state.params, state.model_state, *args))
+
+
+def zoo_config(config_file, arg, hf_dir, dataset=None, **model):
+  """The family's config (preset + tiny size) with the architecture read from hf_dir/config.json."""
+  cfg = config_file.get_config(arg)
+  cfg.init_from, cfg.dont_load = hf_dir, ''
+  cfg.model.update(model)
+  cfg.dataset.update(dataset or {})
+  pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+  return cfg
+
+
+def import_hf(cfg):
+  trainer = build_trainer(cfg)
+  return trainer, pretrained.init_state(trainer, models.HF_FAMILIES)
+
+
+def hf_config_json(path):
+  with open(os.path.join(path, 'config.json')) as f:
+    return json.load(f)
+
+
+def save(model, path, **kwargs):
+  model.save_pretrained(str(path), **kwargs)
+  return str(path), model
+
+
+# --- Llama ------------------------------------------------------------------------------------------
+
+LLAMA_CASES = {  # name -> (LlamaConfig overrides, save_pretrained kwargs, zoo preset, scan_layers)
+    'gqa_untied_sharded_file': (dict(tie_word_embeddings=False), dict(max_shard_size='20KB'), 'fsdp_tp,tiny', True),
+    'tied_llama3_rope': (dict(tie_word_embeddings=True, rope_parameters=dict(rope_theta=10_000.0, **LLAMA3_ROPE)),
+                         {}, 'tp,tiny', False),
+}
+
+
+@pytest.fixture(scope='module', params=sorted(LLAMA_CASES))
+def llama_case(request, tmp_path_factory):
+  overrides, save_kw, arg, scan = LLAMA_CASES[request.param]
+  torch.manual_seed(0)
+  hf_cfg = transformers.LlamaConfig(
+      vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+      num_key_value_heads=4, head_dim=8, rms_norm_eps=1e-5, max_position_embeddings=128, **overrides)
+  path, model = save(transformers.LlamaForCausalLM(hf_cfg).eval(), tmp_path_factory.mktemp('hf_llama'), **save_kw)
+  return request.param, path, model, arg, scan
+
+
+def test_llama_logits_match_transformers(llama_case):
+  name, path, hf_model, arg, scan = llama_case
+  tied = hf_model.config.tie_word_embeddings
+  if 'sharded' in name:
+    assert os.path.isfile(os.path.join(path, 'model.safetensors.index.json'))
+    assert len([f for f in os.listdir(path) if f.endswith('.safetensors')]) > 2
+  cfg = zoo_config(llama_config, arg, path, scan_layers=scan, num_kv_heads=8, tie_embeddings=not tied)
+  m = cfg.model  # from config.json, whatever the preset said
+  assert (m.vocab_size, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.norm_eps) == (96, 64, 8, 4, 8, 1e-5)
+  assert m.tie_embeddings == tied and m.max_len == 128
+  trainer, state = import_hf(cfg)
+  assert ('lm_head' in state.params) != tied
+  q = state.params['blocks']['layers']['self_attn']['query']['layer']['kernel'] if scan else \
+      state.params['blocks']['layers'][0]['self_attn']['query']['layer']['kernel']
+  assert q.sharding.spec != jax.P() and q.sharding.spec == (
+      trainer.specs.params['blocks']['layers']['self_attn']['query']['layer']['kernel'] if scan else
+      trainer.specs.params['blocks']['layers'][0]['self_attn']['query']['layer']['kernel'])
+  if 'llama3' in name:
+    assert dict(m.rope_scaling) == {**LLAMA3_ROPE, 'original_max_position_embeddings': 64.0}
+    ours = np.asarray(layers.rope_frequencies(m.head_dim, m.rope_theta, m.rope_scaling))
+    theirs = hf_model.model.rotary_emb.inv_freq.numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+    # The case covers all three regimes: kept (high), interpolated (medium) and divided (low frequencies).
+    plain = np.asarray(layers.rope_frequencies(m.head_dim, m.rope_theta))
+    assert ours[0] == plain[0] and plain[1] / 8 < ours[1] < plain[1] and np.allclose(ours[2:], plain[2:] / 8)
+  else:
+    assert m.rope_scaling is None
+  tokens = np.random.default_rng(0).integers(0, 96, (2, 32))
+  ours = forward(trainer, state, tokens)
+  with torch.no_grad():
+    theirs = hf_model(torch.tensor(tokens)).logits.numpy()
+  err = float(np.abs(ours - theirs).max())
+  print(f'llama {name}: max |logits diff| {err:.2e} (logits up to {np.abs(theirs).max():.2f})')
+  assert err < PARITY_ATOL, err
+
+
+def test_llama_rope_scaling_default_is_unchanged():
+  """rope_scaling=None (the default) is plain RoPE; llama3 scaling changes only the low frequencies."""
+  x = jax.random.normal(jax.random.key(0), (1, 40, 2, 8))
+  pos = np.arange(40)[None]
+  inv = 1.0 / (10_000.0 ** (np.arange(0, 8, 2) / 8))
+  np.testing.assert_allclose(layers.rope_frequencies(8, 10_000.0), inv, rtol=1e-6)
+  np.testing.assert_array_equal(layers.rope(x, pos, 10_000.0), layers.rope(x, pos, 10_000.0, None))
+  scaled = layers.rope(x, pos, 10_000.0, LLAMA3_ROPE)
+  np.testing.assert_array_equal(scaled[..., [0, 4]], layers.rope(x, pos, 10_000.0)[..., [0, 4]])  # highest freq
+  assert not np.allclose(scaled, layers.rope(x, pos, 10_000.0))
+
+
+# --- BERT -------------------------------------------------------------------------------------------
+
+BERT_CASES = {  # head -> (HF class, zoo preset, scan_layers, model overrides)
+    'mlm': (transformers.BertForMaskedLM, 'tp,tiny', True, dict(pad_vocab_to=8)),  # 100 rows padded to 104
+    'classify': (transformers.BertForSequenceClassification, 'fsdp_tp,tiny,classify', False, dict(num_classes=3)),
+}
+
+
+@pytest.fixture(scope='module', params=sorted(BERT_CASES))
+def bert_case(request, tmp_path_factory):
+  cls = BERT_CASES[request.param][0]
+  torch.manual_seed(0)
+  hf_cfg = transformers.BertConfig(
+      vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+      max_position_embeddings=64, type_vocab_size=2, num_labels=3, initializer_range=0.1)  # logits of O(1)
+  path, model = save(cls(hf_cfg).eval(), tmp_path_factory.mktemp('hf_bert'))
+  return request.param, path, model
+
+
+def test_bert_logits_match_transformers(bert_case):
+  head, path, hf_model = bert_case
+  _, arg, scan, overrides = BERT_CASES[head]
+  cfg = zoo_config(bert_config, arg, path, scan_layers=scan, max_len=512, mlp_dim=32, **overrides)
+  m = cfg.model
+  assert (m.vocab_size, m.embed_dim, m.mlp_dim, m.max_len, m.head) == (100, 64, 128, 64, head)
+  trainer, state = import_hf(cfg)
+  tokens = np.random.default_rng(0).integers(0, 100, (2, 16))
+  valid = (np.arange(16) < np.array([[16], [11]])).astype(np.int32)  # row 2: 5 padded positions
+  types = (np.arange(16) >= 6)[None].repeat(2, 0).astype(np.int32)
+  ours = forward(trainer, state, tokens, valid_BL=valid, token_types_BL=types)
+  with torch.no_grad():
+    theirs = hf_model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(valid),
+                      token_type_ids=torch.tensor(types)).logits.numpy()
+  if head == 'mlm':  # real positions and real vocabulary only (padded positions are never scored)
+    assert ours.shape == (2, 16, 104) and (ours[..., 100:] < -1e8).all()
+    ours, theirs = ours[valid == 1][:, :100], theirs[valid == 1]
+  err = float(np.abs(ours - theirs).max())
+  print(f'bert {head}: max |logits diff| {err:.2e} (logits up to {np.abs(theirs).max():.2f})')
+  assert err < PARITY_ATOL, err
+
+
+# --- ViT --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def vit_dir(tmp_path_factory):
+  torch.manual_seed(0)
+  hf_cfg = transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                  image_size=16, patch_size=4, num_channels=3, num_labels=5, initializer_range=0.1)
+  return save(transformers.ViTForImageClassification(hf_cfg).eval(), tmp_path_factory.mktemp('hf_vit'))
+
+
+def images(n=2):
+  return np.random.default_rng(0).normal(size=(n, 16, 16, 3)).astype(np.float32)
+
+
+def test_vit_logits_match_transformers(vit_dir):
+  path, hf_model = vit_dir
+  cfg = zoo_config(vit_config, 'tp,tiny', path, dataset=dict(num_classes=5), num_classes=5, embed_dim=32,
+                   patch_size=8)
+  assert (cfg.model.embed_dim, cfg.model.patch_size, cfg.model.num_layers) == (64, 4, 2)
+  trainer, state = import_hf(cfg)
+  x = images()
+  ours = forward(trainer, state, x)
+  with torch.no_grad():
+    theirs = hf_model(pixel_values=torch.tensor(x.transpose(0, 3, 1, 2))).logits.numpy()
+  err = float(np.abs(ours - theirs).max())
+  print(f'vit: max |logits diff| {err:.2e} (logits up to {np.abs(theirs).max():.2f})')
+  assert err < PARITY_ATOL, err
+
+
+def test_vit_new_head_for_other_classes(vit_dir):
+  """A 5-label checkpoint fine-tuned on 3 classes: the classifier's shapes are the error until
+  dont_load leaves the head fresh; everything else is the checkpoint's."""
+  path, hf_model = vit_dir
+  cfg = zoo_config(vit_config, 'fsdp,tiny', path, dataset=dict(num_classes=3), num_classes=3, scan_layers=False)
+  trainer = build_trainer(cfg)
+  with pytest.raises(hf_import.HFImportError, match=r"classifier.weight \(5, 64\) gives shape \(64, 5\) for zoo "
+                                                    r"parameter 'head/layer/kernel', which expects \(64, 3\)"):
+    pretrained.init_state(trainer, models.HF_FAMILIES)
+  cfg.dont_load = '^head/'
+  state = pretrained.init_state(trainer, models.HF_FAMILIES)
+  kernel, bias = (np.asarray(state.params['head']['layer'][k]) for k in ('kernel', 'bias'))
+  assert kernel.shape == (64, 3) and 0.01 < kernel.std() < 0.03 and not bias.any()  # fresh: normal(0.02), zeros
+  # Everything before the head is the checkpoint's: the logits are the HF features through the new head.
+  x = images()
+  with torch.no_grad():
+    features = hf_model.vit(pixel_values=torch.tensor(x.transpose(0, 3, 1, 2))).last_hidden_state[:, 0].numpy()
+  err = float(np.abs(forward(trainer, state, x) - (features @ kernel + bias)).max())
+  assert err < PARITY_ATOL, err
+
+
+# --- config.json settings the zoo does not implement ------------------------------------------------
+
+def test_unsupported_settings_name_the_field(vit_dir, tmp_path):
+  llama = hf_config_json(save(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=8, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)),
+      tmp_path / 'llama')[0])
+  cases = [
+      ('llama', dict(llama, hidden_act='gelu'), r"config.json hidden_act='gelu'"),
+      ('llama', dict(llama, attention_bias=True), r'config.json attention_bias=True'),
+      ('llama', dict(llama, rope_parameters=dict(rope_type='yarn', rope_theta=1e4, factor=2.0)),
+       r"config.json rope_parameters.rope_type='yarn'"),
+      ('llama', dict(llama, rope_parameters=dict(rope_type='llama3', rope_theta=1e4, factor=2.0)),
+       r"config.json rope_parameters: .*missing \['low_freq_factor', 'high_freq_factor'\]"),
+      ('bert', dict(hidden_act='gelu_new'), r"config.json hidden_act='gelu_new'"),
+      ('bert', dict(position_embedding_type='relative_key'), r"config.json position_embedding_type='relative_key'"),
+      ('vit', dict(hf_config_json(vit_dir[0]), qkv_bias=False), r'config.json qkv_bias=False'),
+  ]
+  for family, c, message in cases:
+    with pytest.raises(hf_import.HFImportError, match=message):
+      models.HF_FAMILIES[family].config(c)
+  # Older config.json files: top-level rope_theta and rope_scaling {type: llama3}.
+  old = {k: v for k, v in llama.items() if k != 'rope_parameters'}
+  fields = models.HF_FAMILIES['llama'].config(dict(old, rope_theta=5e5, max_position_embeddings=4096, rope_scaling=dict(
+      type='llama3', factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)))
+  assert fields['rope_theta'] == 5e5 and dict(fields['rope_scaling'])['original_max_position_embeddings'] == 4096
