@@ -75,7 +75,8 @@ def get_config(arg: str | None = None):
   if size == 'real':
     c.model.update(dtype='bfloat16', remat=True)  # bf16 compute, f32 params and optimizer state
     c.dataset = common.ConfigDict(dict(
-        name='c4', data_dir=common.placeholder(str), train_split='train', eval_split='validation[:10000]', seq_len=2048, pack=True,
+        name='c4', data_dir=common.placeholder(str), train_split='train', eval_split='validation[:10000]',
+        seq_len=2048, pack=True,
         tokenizer=TOKENIZER))
     c.batch_size = 64  # 131k tokens per step
     c.total_steps = 100_000
