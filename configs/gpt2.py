@@ -74,8 +74,8 @@ def get_config(arg: str | None = None):
     c.dataset = common.ConfigDict(dict(
         name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64,
         num_train=8192, num_eval=512))
-    c.batch_size = 16
-    c.total_steps = 300
-    c.optim.update(lr=3e-3, warmup_steps=30)
-    c.log_every, c.eval_every = 50, 300
+    c.batch_size = 32
+    c.total_steps = 400  # measured: eval loss 1.316, 0.058 above the floor (uniform 2.77, bigram 2.54)
+    c.optim.update(lr=1e-2, warmup_steps=30)
+    c.log_every, c.eval_every = 50, 400
   return c

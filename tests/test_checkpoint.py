@@ -1,13 +1,11 @@
 """Checkpoints: restore exactly, onto other meshes and rules, params only; clear errors for bad input."""
 import json
-import os
 import shutil
 
 import jax
 import numpy as np
 import pytest
 
-import partitioning
 import training
 from training import checkpoint
 from tests.conftest import build_trainer, tiny_config
