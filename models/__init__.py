@@ -24,9 +24,8 @@ its model uses, and a name without a rule is an error, never a silent replicatio
 | channels   | input image channels (and the kernel dim that reads them)      | None                    |
 | conv_in    | input features of a conv kernel (or of a dense over conv maps) | None or 'fsdp'          |
 | conv_out   | output features of a convolution kernel (and its activations)  | None or 'tensor'        |
-| patch      | flattened patch pixels (ViT patch embedding input)             | None                    |
 
-A model is chosen by `config.model.name`; `create(config.model, rngs)` builds it. Compute dtype and
+A model is chosen by `config.model.name`; `create(config.model, rngs, config.lora)` builds it. Compute dtype and
 parameter dtype come from `config.model.dtype` / `config.model.param_dtype` (e.g. bfloat16 compute
 with float32 parameters); logits are always float32.
 """
