@@ -27,6 +27,11 @@ ACT = ('batch', 'length', 'embed')
 
 class Block(nnx.Module):
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+    self.init_attention(cfg, rngs)
+    self.mlp = GatedMLP(cfg.embed_dim, cfg.mlp_dim, **dtypes(cfg), rngs=rngs)
+
+  def init_attention(self, cfg: ml_collections.ConfigDict, rngs: nnx.Rngs) -> None:
+    """The norms and attention of a Llama block (shared with the MoE block, which swaps the MLP)."""
     kw = dict(**dtypes(cfg), rngs=rngs)
     D = cfg.embed_dim
     self.input_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
@@ -34,13 +39,17 @@ class Block(nnx.Module):
                                use_bias=False, rope_theta=cfg.get('rope_theta', 10_000.0),
                                rope_scaling=cfg.get('rope_scaling'), **kw)
     self.post_attention_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
-    self.mlp = GatedMLP(D, cfg.mlp_dim, **kw)
+
+  def attend(self, x_BLD: jax.Array, positions_BL: jax.Array | None,
+             segment_ids_BL: jax.Array | None) -> jax.Array:
+    """x + attention(norm(x)); the feed-forward half follows on post_attention_layernorm."""
+    h_BLD = self.self_attn(self.input_layernorm(x_BLD), causal=True, positions_BL=positions_BL,
+                           segment_ids_BL=segment_ids_BL)
+    return shard_logical(x_BLD + h_BLD, ACT)
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None,
                segment_ids_BL: jax.Array | None) -> jax.Array:
-    h_BLD = self.self_attn(self.input_layernorm(x_BLD), causal=True, positions_BL=positions_BL,
-                           segment_ids_BL=segment_ids_BL)
-    x_BLD = shard_logical(x_BLD + h_BLD, ACT)
+    x_BLD = self.attend(x_BLD, positions_BL, segment_ids_BL)
     return shard_logical(x_BLD + self.mlp(self.post_attention_layernorm(x_BLD)), ACT)
 
 

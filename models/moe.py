@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from models.layers import NORMAL_002, Attention, Dense, Embed, RMSNorm, Stack, axes, dtypes, mask_padded_vocab
+from models import llama
+from models.layers import NORMAL_002, Dense, Embed, RMSNorm, Stack, axes, dtypes, mask_padded_vocab
 from partitioning import ConfigError, shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -134,21 +135,16 @@ class MoEMLP(nnx.Module):
     return y_GSD.reshape(B, L, D), {'aux_loss': aux_loss, **stats}
 
 
-class Block(nnx.Module):
+class Block(llama.Block):
+  """A Llama block whose feed-forward is the mixture of experts; returns (x, aux)."""
+
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
-    kw = dict(**dtypes(cfg), rngs=rngs)
-    D = cfg.embed_dim
-    self.input_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
-    self.self_attn = Attention(D, cfg.num_heads, num_kv_heads=cfg.get('num_kv_heads'), head_dim=cfg.get('head_dim'),
-                               use_bias=False, rope_theta=cfg.get('rope_theta', 1e6), **kw)
-    self.post_attention_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
+    self.init_attention(cfg, rngs)
     self.moe = MoEMLP(cfg, rngs=rngs)
 
   def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None,
                segment_ids_BL: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    h_BLD = self.self_attn(self.input_layernorm(x_BLD), causal=True, positions_BL=positions_BL,
-                           segment_ids_BL=segment_ids_BL)
-    x_BLD = shard_logical(x_BLD + h_BLD, ACT)
+    x_BLD = self.attend(x_BLD, positions_BL, segment_ids_BL)
     y_BLD, aux = self.moe(self.post_attention_layernorm(x_BLD))
     return shard_logical(x_BLD + y_BLD, ACT), aux
 
