@@ -8,7 +8,9 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import jax  # noqa: E402
 import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
 
 import partitioning  # noqa: E402
 
@@ -67,6 +69,31 @@ def recorded_compile_events():
     yield events
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def assert_every_leaf_named(state, where: str = '') -> dict:
+  """Every leaf of an NNX state names one logical axis (a string) per dimension; returns the axes tree."""
+  axes = partitioning.nnx_logical_axes(state)
+  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state)):
+    names = axes
+    for k in path:
+      names = names[k.key]
+    culprit = f'{where} {partitioning.path_str(path)}'.strip()
+    assert names is not None and len(names) == leaf.ndim and all(isinstance(n, str) for n in names), culprit
+  return axes
+
+
+def train_on_random_batches(trainer: training.Trainer, steps: int) -> tuple[training.TrainState, training.TrainState]:
+  """(initial state on host, state after `steps` jitted train steps on random token batches, mask 1)."""
+  state = training.init_state(trainer)
+  start = jax.device_get(state)
+  step = training.jit_train_step(trainer)
+  rng = np.random.default_rng(0)
+  for _ in range(steps):
+    batch = {k: rng.integers(0, 16, v.shape).astype(v.dtype) for k, v in trainer.batch_abstract.items()}
+    batch['mask'] = np.ones_like(batch['mask'])
+    state, _ = step(state, jax.device_put(batch, trainer.batch_shardings))
+  return start, state
 
 
 def subprocess_env() -> dict[str, str]:

@@ -6,9 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-import training
+from tests.conftest import build_trainer, tiny_config, train_on_random_batches
 from training import checkpoint
-from tests.conftest import build_trainer, tiny_config
 
 
 class _Iter:
@@ -27,23 +26,12 @@ class _Iter:
     pass
 
 
-def _trained_state(trainer, steps=2):
-  state = training.init_state(trainer)
-  step = training.jit_train_step(trainer)
-  rng = np.random.default_rng(0)
-  for _ in range(steps):
-    batch = {k: rng.integers(0, 16, v.shape).astype(v.dtype) for k, v in trainer.batch_abstract.items()}
-    batch['mask'] = np.ones_like(batch['mask'])
-    state, _ = step(state, jax.device_put(batch, trainer.batch_shardings))
-  return state
-
-
 @pytest.fixture(scope='module')
 def saved(tmp_path_factory):
   """A checkpoint of 2 AdamW steps of the tiny model under fsdp_tp on 8 devices."""
   directory = str(tmp_path_factory.mktemp('ckpt'))
   trainer = build_trainer(tiny_config('fsdp_tp'))
-  state = _trained_state(trainer)
+  _, state = train_on_random_batches(trainer, 2)
   ckpt = checkpoint.Checkpointer(directory, every_steps=1, keep=2)
   ckpt.save(2, state, _Iter(7))
   ckpt.wait()

@@ -16,9 +16,8 @@ import pytest
 from flax import nnx
 
 import models
-import partitioning
 import train
-from tests.conftest import ROOT
+from tests.conftest import ROOT, assert_every_leaf_named
 
 MAX_TINY_PARAMS = 2_000_000  # keeps the matrix inside the CI budget; shrink a config's 'tiny' size instead
 
@@ -72,15 +71,7 @@ def test_config_trains_two_steps(name, preset, tmp_path):
 
   # Every parameter names its logical axes (one per dimension) before anything is allocated.
   abstract = nnx.eval_shape(lambda: models.create(cfg.model, nnx.Rngs(0)))
-  state = nnx.state(abstract)
-  axes = partitioning.nnx_logical_axes(state)
-  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state)):
-    names = axes
-    for k in path:
-      names = names[k.key]
-    where = f'configs/{name}.py:{preset} {partitioning.path_str(path)}'
-    assert names is not None and len(names) == len(leaf.shape), where
-    assert all(isinstance(n, str) for n in names), where
+  assert_every_leaf_named(nnx.state(abstract), f'configs/{name}.py:{preset}')
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
   assert n <= MAX_TINY_PARAMS, f'configs/{name}.py tiny size has {n:,} parameters'
 

@@ -9,19 +9,12 @@ import models
 import partitioning
 import training
 from models import lora
-from tests.conftest import build_trainer, tiny_config
+from tests.conftest import build_trainer, tiny_config, train_on_random_batches
 
 
 def _steps(trainer, n=3):
-  state = training.init_state(trainer)
-  start = jax.device_get(state.params)
-  step = training.jit_train_step(trainer)
-  rng = np.random.default_rng(0)
-  for _ in range(n):
-    batch = {k: rng.integers(0, 16, v.shape).astype(v.dtype) for k, v in trainer.batch_abstract.items()}
-    batch['mask'] = np.ones_like(batch['mask'])
-    state, _ = step(state, jax.device_put(batch, trainer.batch_shardings))
-  return start, jax.device_get(state.params), state
+  start, state = train_on_random_batches(trainer, n)
+  return start.params, jax.device_get(state.params), state
 
 
 def _flat(tree):

@@ -16,7 +16,7 @@ from configs import moe as moe_config
 from models import moe
 from models.layers import stack_layers
 from partitioning import ConfigError, ShardingError
-from tests.conftest import build_trainer
+from tests.conftest import assert_every_leaf_named, build_trainer
 
 # fp32 forward, ep (8 devices) vs 1 device: measured max abs difference 1.7e-7 on logits up to 0.53
 # (reductions in another order); routing, including the 29% of assignments dropped at capacity factor
@@ -47,13 +47,7 @@ def tokens(B=4, seed=1):
 
 def test_every_parameter_has_logical_names():
   abstract = nnx.eval_shape(lambda: models.create(tiny_cfg().model, nnx.Rngs(0)))
-  state = nnx.state(abstract)
-  axes = partitioning.nnx_logical_axes(state)
-  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state)):
-    names = axes
-    for k in path:
-      names = names[k.key]
-    assert len(names) == leaf.ndim and all(isinstance(n, str) for n in names), partitioning.path_str(path)
+  axes = assert_every_leaf_named(nnx.state(abstract))
   layers = axes['blocks']['layers']['moe']
   assert layers['gate'] == ('layers', 'expert', 'embed', 'mlp')
   assert layers['down'] == ('layers', 'expert', 'mlp', 'embed')

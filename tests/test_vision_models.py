@@ -17,11 +17,13 @@ from jax.sharding import PartitionSpec as P
 import models
 import partitioning
 import training
-from configs import mnist, resnet as resnet_config, vit as vit_config
+from configs import mnist
+from configs import resnet as resnet_config
+from configs import vit as vit_config
 from models import resnet, simple, vit
 from models.layers import stack_layers, unstack_layers
 from partitioning import ConfigError, ShardingError
-from tests.conftest import build_trainer
+from tests.conftest import assert_every_leaf_named, build_trainer
 from training import tasks
 
 TINY = {'cnn': (mnist, 'tiny'), 'mlp': (mnist, 'mlp_tiny'), 'resnet': (resnet_config, 'tiny'),
@@ -103,13 +105,7 @@ def assert_close_tree(a, b, rtol=RTOL, atol=1e-6):
 @pytest.mark.parametrize('name', sorted(TINY))
 def test_every_parameter_and_statistic_has_logical_names(name):
   state = nnx.state(abstract(tiny(name).model))  # parameters and BatchNorm statistics
-  axes = partitioning.nnx_logical_axes(state)
-  for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(state)):
-    names = axes
-    for k in path:
-      names = names[k.key]
-    where = partitioning.path_str(path)
-    assert names is not None and len(names) == leaf.ndim and all(isinstance(n, str) for n in names), where
+  assert_every_leaf_named(state)
 
 
 @pytest.mark.parametrize('name', sorted(TINY))
