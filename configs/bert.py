@@ -81,7 +81,7 @@ def get_config(arg: str | None = None):
   c.logical_axis_rules = RULES[preset] + ([('classes', None)] if head == 'classify' else [])
   c.model = common.ConfigDict(dict(
       name='bert', **SIZES[size], head=head, norm_eps=1e-12, dtype='float32',
-      param_dtype='float32', scan_layers=True, remat=False))
+      param_dtype='float32', scan_layers=True, remat='none', attention='auto'))
   if size == 'base':
     c.model.dtype = 'bfloat16'  # bf16 compute, f32 params and optimizer state
     c.optim.update(b2=0.999, eps=1e-6, weight_decay=0.01)

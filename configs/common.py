@@ -61,6 +61,8 @@ def add_run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.lora = ml_collections.ConfigDict(dict(
       rank=0,  # > 0 adds LoRA adapters (and freezes all but them unless train_only says otherwise)
       alpha=16.0, targets=r'attn/(query|value)$', export_merged=False))
+  c.profile_first_step = 0  # > 0: capture a jax.profiler trace of steps [first, first + profile_steps) into workdir
+  c.profile_steps = 5
   return c
 
 

@@ -62,7 +62,7 @@ def get_config(preset: str = 'fsdp_tp') -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict(dict(
       name='gpt2', vocab_size=16, max_len=64, num_layers=4, num_heads=4, embed_dim=128, mlp_dim=512,
-      norm_eps=1e-5, dtype='float32', param_dtype='float32'))
+      norm_eps=1e-5, dtype='float32', param_dtype='float32', attention='auto'))
   c.dataset = ml_collections.ConfigDict(dict(
       name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64,
       num_train=65536, num_eval=2000))

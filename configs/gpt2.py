@@ -60,7 +60,7 @@ def get_config(arg: str | None = None):
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(dict(
       name='gpt2', **SIZES[size], norm_eps=1e-5, dtype='float32', param_dtype='float32',
-      scan_layers=True, remat=False))
+      scan_layers=True, remat='none', attention='auto', logits_dtype='float32'))
   if size == 'real':
     c.model.dtype = 'bfloat16'  # bf16 compute, f32 params and optimizer state
     c.dataset = common.ConfigDict(dict(

@@ -70,10 +70,11 @@ def get_config(arg: str | None = None):
   c.mesh = common.mesh(MESHES[preset])
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(dict(
-      name='llama', **SIZES[size], dtype='float32', param_dtype='float32', scan_layers=True, remat=False,
+      name='llama', **SIZES[size], dtype='float32', param_dtype='float32', scan_layers=True, remat='none',
+      attention='auto', logits_dtype='float32',
       rope_scaling=None))  # None, or Llama 3 scaling as (key, value) pairs (models/layers.rope_scaling_params)
   if size == 'real':
-    c.model.update(dtype='bfloat16', remat=True)  # bf16 compute, f32 params and optimizer state
+    c.model.update(dtype='bfloat16', remat='full')  # bf16 compute, f32 params and optimizer state
     c.dataset = common.ConfigDict(dict(
         name='c4', data_dir=common.placeholder(str), train_split='train', eval_split='validation[:10000]',
         seq_len=2048, pack=True,

@@ -50,7 +50,8 @@ def get_config(arg: str | None = None):
   c.logical_axis_rules = RULES[preset]
   m = SIZES[size]
   c.model = common.ConfigDict(dict(
-      name='vit', **m, norm_eps=1e-12, dtype='float32', param_dtype='float32', scan_layers=True, remat=False))
+      name='vit', **m, norm_eps=1e-12, dtype='float32', param_dtype='float32', scan_layers=True, remat='none',
+      attention='auto'))
   if size == 'tiny':
     c.dataset = common.ConfigDict(dict(
         name='synthetic_images', image_size=m['image_size'], channels=m['channels'], num_classes=m['num_classes'],

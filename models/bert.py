@@ -21,7 +21,7 @@ import ml_collections
 from flax import nnx
 
 from models import hf_import as hf
-from models.layers import MLP, Attention, Dense, Embed, LayerNorm, Stack, axes, dtypes
+from models.layers import MLP, Attention, Dense, Embed, LayerNorm, Stack, axes, dtypes, stack_options
 from partitioning import ConfigError, shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -35,7 +35,7 @@ class Block(nnx.Module):
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dict(**dtypes(cfg), rngs=rngs)
     D = cfg.embed_dim
-    self.attention = Attention(D, cfg.num_heads, **kw)
+    self.attention = Attention(D, cfg.num_heads, impl=cfg.get('attention', 'auto'), **kw)
     self.attention_ln = LayerNorm(D, eps=cfg.norm_eps, **kw)
     self.mlp = MLP(D, cfg.mlp_dim, activation=gelu, **kw)
     self.output_ln = LayerNorm(D, eps=cfg.norm_eps, **kw)
@@ -63,8 +63,8 @@ class Bert(nnx.Module):
     self.position_embeddings = param((cfg.max_len, D), ('length', 'embed'))
     self.token_type_embeddings = param((cfg.get('type_vocab_size', 2), D), ('token_types', 'embed'))
     self.embeddings_ln = LayerNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
-    self.encoder = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, scan=cfg.get('scan_layers', False),
-                         remat=cfg.get('remat', False), rngs=rngs)
+    self.encoder = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg),
+                        rngs=rngs)
     self.head = head
     if head == 'mlm':
       self.transform = Dense('bld,de->ble', (D, D), ('embed', 'embed'), bias_axes=('embed',), **kw, rngs=rngs)
@@ -138,6 +138,22 @@ def _hf_config(c: dict) -> dict:
               norm_eps=c.get('layer_norm_eps', 1e-12))
 
 
+def to_hf_config(cfg: Any) -> dict:
+  """config.model -> config.json of the same BertForMaskedLM (head 'mlm') or BertForSequenceClassification
+  (head 'classify', num_labels = num_classes): the inverse of _hf_config, with the real vocabulary (not the
+  padded rows) and no dropout (the zoo has none)."""
+  head = cfg.get('head', 'mlm')
+  arch = {'mlm': 'BertForMaskedLM', 'classify': 'BertForSequenceClassification'}
+  if head not in arch:
+    raise ConfigError(f'config.model.head={head!r} is not a BERT head; choose one of {list(HEADS)}')
+  out = dict(model_type='bert', architectures=[arch[head]], vocab_size=cfg.vocab_size, hidden_size=cfg.embed_dim,
+             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, intermediate_size=cfg.mlp_dim,
+             hidden_act='gelu', max_position_embeddings=cfg.max_len, type_vocab_size=cfg.get('type_vocab_size', 2),
+             layer_norm_eps=cfg.norm_eps, position_embedding_type='absolute', tie_word_embeddings=True,
+             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+  return dict(out, num_labels=cfg.num_classes, classifier_dropout=0.0) if head == 'classify' else out
+
+
 def _hf_params() -> list[hf.Param]:
   """HF Linear weights are (out, in): transpose, then split the heads out. The vocabulary rows
   (word embeddings, MLM decoder bias) are zero-padded to config.model.pad_vocab_to."""
@@ -186,4 +202,5 @@ def _hf_params() -> list[hf.Param]:
 # token_type_ids buffers, the tied decoder (cls.predictions.decoder.*: copies of the word embeddings and
 # cls.predictions.bias), the next-sentence head, and the tensors of the head the zoo model does not build.
 HF = hf.Family(model_types=('bert',), config=_hf_config, params=_hf_params(), prefixes=('bert.', ''),
-               ignore=(r'embeddings\.(position_ids|token_type_ids)$', r'^cls\.', r'^(bert\.)?pooler\.'))
+               ignore=(r'embeddings\.(position_ids|token_type_ids)$', r'^cls\.', r'^(bert\.)?pooler\.'),
+               to_config=to_hf_config)

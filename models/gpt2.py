@@ -13,7 +13,7 @@ import ml_collections
 from flax import nnx
 
 from models import hf_import as hf
-from models.layers import MLP, Attention, Embed, LayerNorm, Stack, axes, dtypes
+from models.layers import MLP, Attention, Embed, LayerNorm, Stack, axes, dtypes, logits_dtype, stack_options
 from partitioning import ConfigError, shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -24,7 +24,8 @@ class Block(nnx.Module):
     kw = dict(**dtypes(cfg), rngs=rngs)
     scale = (2 * cfg.num_layers) ** -0.5  # GPT-2's scaled init of residual projections
     self.ln1 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
-    self.attn = Attention(cfg.embed_dim, cfg.num_heads, out_init_scale=scale, **kw)
+    self.attn = Attention(cfg.embed_dim, cfg.num_heads, out_init_scale=scale, impl=cfg.get('attention', 'auto'),
+                          **kw)
     self.ln2 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
     # HF's "gelu_new" is the tanh approximation, jax.nn.gelu's default.
     self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=jax.nn.gelu, out_init_scale=scale, **kw)
@@ -40,11 +41,12 @@ class GPT2(nnx.Module):
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
-    self.tok = Embed(cfg.vocab_size, cfg.embed_dim, pad_to=cfg.get('pad_vocab_to', 1), **kw, rngs=rngs)
+    self.tok = Embed(cfg.vocab_size, cfg.embed_dim, pad_to=cfg.get('pad_vocab_to', 1), logits_dtype=logits_dtype(cfg),
+                     **kw, rngs=rngs)
     self.pos = nnx.Param(nnx.initializers.normal(0.01)(rngs.params(), (cfg.max_len, cfg.embed_dim),
                                                        kw['param_dtype']), **axes('length', 'embed'))
-    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, scan=cfg.get('scan_layers', False),
-                        remat=cfg.get('remat', False), rngs=rngs)
+    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg),
+                        rngs=rngs)
     self.ln_f = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw, rngs=rngs)
     self.max_len = cfg.max_len
     self.dtype = kw['dtype']
@@ -80,6 +82,16 @@ def _hf_config(c: dict) -> dict:
               norm_eps=c['layer_norm_epsilon'])
 
 
+def to_hf_config(cfg: Any) -> dict:
+  """config.model -> config.json of the same GPT2LMHeadModel (the inverse of _hf_config): the real
+  vocabulary (not the padded rows), the tied head, and no dropout (the zoo has none)."""
+  return dict(model_type='gpt2', architectures=['GPT2LMHeadModel'], vocab_size=cfg.vocab_size, n_positions=cfg.max_len,
+              n_layer=cfg.num_layers, n_head=cfg.num_heads, n_embd=cfg.embed_dim, n_inner=cfg.mlp_dim,
+              activation_function='gelu_new', layer_norm_epsilon=cfg.norm_eps, tie_word_embeddings=True,
+              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+              bos_token_id=None, eos_token_id=None)  # the tokenizer's business (GPT2Config's 50256 may not exist)
+
+
 def _hf_params() -> list[hf.Param]:
   """GPT-2's Conv1D weights are stored (in, out); c_attn fuses q|k|v along out."""
   def qkv(part: int, bias: bool):
@@ -111,4 +123,5 @@ def _hf_params() -> list[hf.Param]:
 
 
 HF = hf.Family(model_types=('gpt2',), config=_hf_config, params=_hf_params(), prefixes=('transformer.', ''),
-               ignore=(r'\.attn\.(masked_)?bias$', r'^lm_head\.weight$'))  # causal-mask buffers; tied head
+               ignore=(r'\.attn\.(masked_)?bias$', r'^lm_head\.weight$'),  # causal-mask buffers; tied head
+               to_config=to_hf_config)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import attention
 from partitioning import ConfigError, shard_logical
 
 Initializer = Callable[..., jax.Array]
@@ -84,20 +85,23 @@ class Conv(nnx.Conv):
 
 
 class Embed(nnx.Module):
-  """Token embedding ('vocab', 'embed'); `attend` gives float32 logits (tied output head).
+  """Token embedding ('vocab', 'embed'); `attend` gives logits (tied output head) in `logits_dtype`:
+  float32 (default), or bfloat16 to halve the largest activation of a language model (the loss is still
+  computed in float32, inside the fused softmax).
 
   `pad_to` rounds the table's rows up to a multiple (e.g. 128, so 'vocab' can be sharded: GPT-2's
   50257 is prime to every mesh size); padded rows are never looked up and their logits are masked.
   """
 
   def __init__(self, vocab: int, dim: int, *, pad_to: int = 1, embedding_init: Initializer = NORMAL_002,
-               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, logits_dtype: Any = jnp.float32,
+               rngs: nnx.Rngs):
     rows = -(-vocab // pad_to) * pad_to
     self.embed = nnx.Embed(rows, dim, dtype=dtype, param_dtype=param_dtype,
                            embedding_init=embedding_init, rngs=rngs,
                            embedding_metadata=axes('vocab', 'embed'))
     self.vocab_size = vocab
-    self.dtype = dtype
+    self.dtype, self.logits_dtype = dtype, jnp.dtype(logits_dtype)
 
   def __call__(self, tokens_BL: jax.Array) -> jax.Array:
     # Gather the table's embed dim first (as FSDP does for every weight): a lookup into a table
@@ -107,7 +111,7 @@ class Embed(nnx.Module):
 
   def attend(self, x_BLD: jax.Array) -> jax.Array:
     w_VD = self.embed.embedding[...].astype(self.dtype)
-    logits_BLV = jnp.einsum('bld,vd->blv', x_BLD.astype(self.dtype), w_VD, preferred_element_type=jnp.float32)
+    logits_BLV = jnp.einsum('bld,vd->blv', x_BLD.astype(self.dtype), w_VD, preferred_element_type=self.logits_dtype)
     return mask_padded_vocab(logits_BLV, self.vocab_size)
 
 
@@ -175,25 +179,10 @@ def rope(x_BLHK: jax.Array, positions_BL: jax.Array, theta: float, scaling: Any 
   return (x * jnp.cos(angles_BLK) + rotated * jnp.sin(angles_BLK)).astype(x_BLHK.dtype)
 
 
-def attention_mask(*, causal: bool, length: int, segment_ids_BL: jax.Array | None = None,
-                   valid_BL: jax.Array | None = None) -> jax.Array | None:
-  """Boolean (B|1, 1, L, L) mask: True = may attend. Combines causality, packed documents
-  (segment ids: attend only within the same segment) and padding (valid: 1 = real key)."""
-  mask = None
-  if causal:
-    mask = jnp.tril(jnp.ones((length, length), bool))[None, None]
-  if segment_ids_BL is not None:
-    same = segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :]
-    mask = same if mask is None else mask & same
-  if valid_BL is not None:
-    keys = valid_BL.astype(bool)[:, None, None, :]
-    mask = keys if mask is None else mask & keys
-  return mask
-
-
 class Attention(nnx.Module):
   """Multi-head self-attention; grouped-query when num_kv_heads < num_heads; optional rotary
   (rope_theta), optionally with Llama 3 frequency scaling (rope_scaling, see rope_frequencies).
+  `impl` picks the kernel (models/attention.py: 'auto' = cuDNN flash attention where it applies).
 
   Projections: query (embed, heads, kv), key/value (embed, kv_heads, kv), out (heads, kv, embed).
   """
@@ -201,7 +190,7 @@ class Attention(nnx.Module):
   def __init__(self, dim: int, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
                use_bias: bool = True, out_bias: bool | None = None, rope_theta: float | None = None,
                rope_scaling: Any = None, out_init_scale: float = 1.0, kernel_init: Initializer = NORMAL_002,
-               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+               impl: str = 'auto', dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     num_kv_heads = num_kv_heads or num_heads
     if head_dim is None:
       if dim % num_heads:
@@ -224,6 +213,7 @@ class Attention(nnx.Module):
                      bias_axes=('embed',) if (use_bias if out_bias is None else out_bias) else None, **kw)
     self.rope_theta = rope_theta
     self.rope_scaling = rope_scaling_params(rope_scaling)  # hashable (static): None or (key, value) pairs
+    self.impl = impl  # 'auto' | 'xla' | 'cudnn' (models/attention.py)
 
   def __call__(self, x_BLD: jax.Array, *, causal: bool, positions_BL: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None, valid_BL: jax.Array | None = None) -> jax.Array:
@@ -235,9 +225,8 @@ class Attention(nnx.Module):
         positions_BL = jnp.arange(x_BLD.shape[1])[None]
       q_BLHK = rope(q_BLHK, positions_BL, self.rope_theta, self.rope_scaling)
       k_BLGK = rope(k_BLGK, positions_BL, self.rope_theta, self.rope_scaling)
-    mask = attention_mask(causal=causal, length=x_BLD.shape[1], segment_ids_BL=segment_ids_BL, valid_BL=valid_BL)
-    # jax.nn.dot_product_attention computes the softmax in float32 and handles grouped kv heads.
-    o_BLHK = jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask)
+    o_BLHK = attention.attend(q_BLHK, k_BLGK, v_BLGK, causal=causal, impl=self.impl, segment_ids_BL=segment_ids_BL,
+                              valid_BL=valid_BL)
     o_BLHK = shard_logical(o_BLHK, ('batch', 'length', 'heads', 'kv'))
     return self.out(o_BLHK)
 
@@ -297,6 +286,25 @@ class RMSNorm(nnx.RMSNorm):
     return super().__call__(x.astype(jnp.float32)).astype(self.out_dtype)
 
 
+REMAT_POLICIES = {
+    'none': None,  # keep every activation for the backward pass (fastest, most memory)
+    'full': jax.checkpoint_policies.nothing_saveable,  # keep only each block's input; recompute the block
+    # keep the outputs of weight matmuls (q/k/v/out projections, MLP layers); recompute norms, activations
+    # and the attention core:
+    'dots': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # keep attention's q, k, v and output (models/attention.py names them); recompute the MLPs:
+    'attention': jax.checkpoint_policies.save_only_these_names('attn_q', 'attn_k', 'attn_v', 'attn_out'),
+}
+
+
+def remat_policy(remat: Any) -> str:
+  """config.model.remat -> a REMAT_POLICIES name (True/False are 'full'/'none', for older configs)."""
+  name = {True: 'full', False: 'none', None: 'none', '': 'none'}.get(remat, remat)
+  if name not in REMAT_POLICIES:
+    raise ConfigError(f'config.model.remat={remat!r} is not a remat policy; choose one of {list(REMAT_POLICIES)}')
+  return name
+
+
 class Stack(nnx.Module):
   """`num` identical blocks, unrolled or stacked on a leading 'layers' axis and run with `nnx.scan`.
 
@@ -304,12 +312,12 @@ class Stack(nnx.Module):
   or replicate it like any other axis) and the step compiles one block instead of `num`.
   Unrolled: an nnx.List, parameters at blocks/<i>/... . Both give the same outputs.
   A block maps (x, *args) -> x, or -> (x, aux) with aux a dict of scalars, summed over layers.
-  `remat` recomputes each block's activations in the backward pass (saves memory).
+  `remat` names what each block keeps for the backward pass (REMAT_POLICIES); the rest is recomputed.
   """
 
   def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], num: int, *, scan: bool, rngs: nnx.Rngs,
-               remat: bool = False):
-    self.scan, self.remat, self.num = scan, remat, num
+               remat: Any = 'none'):
+    self.scan, self.remat, self.num = scan, remat_policy(remat), num
     if scan:
       make = nnx.vmap(make_block, in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
       self.layers = make(rngs.split(num))
@@ -320,8 +328,8 @@ class Stack(nnx.Module):
     def apply(block, x, *args):
       out = block(x, *args)
       return out if isinstance(out, tuple) else (out, {})
-    if self.remat:
-      apply = nnx.remat(apply)
+    if self.remat != 'none':
+      apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
     if not self.scan:
       totals: dict[str, jax.Array] = {}
       for block in self.layers:
@@ -337,9 +345,19 @@ class Stack(nnx.Module):
     return x, {k: v.sum() for k, v in aux.items()}
 
 
+def stack_options(cfg: Any) -> dict[str, Any]:
+  """Stack keyword arguments from a model config: scan_layers and remat."""
+  return dict(scan=cfg.get('scan_layers', False), remat=cfg.get('remat', 'none'))
+
+
 def dtypes(cfg: Any) -> dict[str, Any]:
   """Compute and parameter dtypes from a model config (e.g. dtype='bfloat16', param_dtype='float32')."""
   return dict(dtype=jnp.dtype(cfg.get('dtype', 'float32')), param_dtype=jnp.dtype(cfg.get('param_dtype', 'float32')))
+
+
+def logits_dtype(cfg: Any) -> Any:
+  """The dtype of a language model's logits (config.model.logits_dtype; float32 unless set)."""
+  return jnp.dtype(cfg.get('logits_dtype', 'float32'))
 
 
 def stack_layers(tree: Any) -> Any:

@@ -19,7 +19,8 @@ import ml_collections
 from flax import nnx
 
 from models import hf_import as hf
-from models.layers import Attention, Dense, Embed, GatedMLP, RMSNorm, Stack, dtypes, rope_scaling_params
+from models.layers import (
+    Attention, Dense, Embed, GatedMLP, RMSNorm, Stack, dtypes, rope_scaling_params, logits_dtype, stack_options)
 from partitioning import ConfigError, shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -37,7 +38,7 @@ class Block(nnx.Module):
     self.input_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
     self.self_attn = Attention(D, cfg.num_heads, num_kv_heads=cfg.get('num_kv_heads'), head_dim=cfg.get('head_dim'),
                                use_bias=False, rope_theta=cfg.get('rope_theta', 10_000.0),
-                               rope_scaling=cfg.get('rope_scaling'), **kw)
+                               rope_scaling=cfg.get('rope_scaling'), impl=cfg.get('attention', 'auto'), **kw)
     self.post_attention_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
 
   def attend(self, x_BLD: jax.Array, positions_BL: jax.Array | None,
@@ -60,13 +61,13 @@ class Llama(nnx.Module):
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     D, V = cfg.embed_dim, cfg.vocab_size
-    self.embed_tokens = Embed(V, D, **kw, rngs=rngs)
-    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, scan=cfg.get('scan_layers', False),
-                        remat=cfg.get('remat', False), rngs=rngs)
+    self.embed_tokens = Embed(V, D, logits_dtype=logits_dtype(cfg), **kw, rngs=rngs)
+    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg),
+                        rngs=rngs)
     self.norm = RMSNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
     self.tied = cfg.get('tie_embeddings', True)
     if not self.tied:
-      self.lm_head = Dense('bld,dv->blv', (D, V), ('embed', 'vocab'), preferred_element_type=jnp.float32,
+      self.lm_head = Dense('bld,dv->blv', (D, V), ('embed', 'vocab'), preferred_element_type=logits_dtype(cfg),
                            **kw, rngs=rngs)
 
   def __call__(self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None,
@@ -134,6 +135,28 @@ def _hf_config(c: dict) -> dict:
               max_len=c.get('max_position_embeddings', 2048))
 
 
+def hf_rope_parameters(cfg: Any) -> dict:
+  """config.model's rope_theta / rope_scaling as transformers 5's `rope_parameters` (shared with MoE)."""
+  theta = float(cfg.get('rope_theta', 10_000.0))
+  scaling = rope_scaling_params(cfg.get('rope_scaling'))
+  if scaling is None:
+    return dict(rope_type='default', rope_theta=theta)
+  s = dict(scaling)
+  return dict(s, rope_theta=theta, original_max_position_embeddings=int(s['original_max_position_embeddings']))
+
+
+def to_hf_config(cfg: Any) -> dict:
+  """config.model -> config.json of the same LlamaForCausalLM (the inverse of _hf_config)."""
+  H = cfg.num_heads
+  return dict(model_type='llama', architectures=['LlamaForCausalLM'], vocab_size=cfg.vocab_size,
+              hidden_size=cfg.embed_dim, intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.num_layers,
+              num_attention_heads=H, num_key_value_heads=cfg.get('num_kv_heads') or H,
+              head_dim=cfg.get('head_dim') or cfg.embed_dim // H, hidden_act='silu', rms_norm_eps=cfg.norm_eps,
+              rope_parameters=hf_rope_parameters(cfg), tie_word_embeddings=bool(cfg.get('tie_embeddings', True)),
+              max_position_embeddings=cfg.get('max_len', 2048), attention_bias=False, mlp_bias=False,
+              attention_dropout=0.0)
+
+
 def _hf_params() -> list[hf.Param]:
   """HF Linear weights are (out, in): transpose, then split the heads out."""
   def dims(cfg):  # D, H, G, K
@@ -163,4 +186,4 @@ def _hf_params() -> list[hf.Param]:
 # prefixed. Ignored: rotary inv_freq buffers (older files), and a tied checkpoint's copy of the embedding
 # saved as lm_head.weight (tie_embeddings follows config.json, so an untied model always uses it).
 HF = hf.Family(model_types=('llama',), config=_hf_config, params=_hf_params(), prefixes=('model.', ''),
-               ignore=(r'rotary_emb\.inv_freq$', r'^lm_head\.weight$'))
+               ignore=(r'rotary_emb\.inv_freq$', r'^lm_head\.weight$'), to_config=to_hf_config)

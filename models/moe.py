@@ -34,7 +34,8 @@ import ml_collections
 from flax import nnx
 
 from models import llama
-from models.layers import NORMAL_002, Dense, Embed, RMSNorm, Stack, axes, dtypes, mask_padded_vocab
+from models.layers import (
+    NORMAL_002, Dense, Embed, RMSNorm, Stack, axes, dtypes, mask_padded_vocab, logits_dtype, stack_options)
 from partitioning import ConfigError, shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -156,14 +157,14 @@ class MoE(nnx.Module):
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     D, V = cfg.embed_dim, cfg.vocab_size
-    self.embed_tokens = Embed(V, D, pad_to=cfg.get('pad_vocab_to', 1), **kw, rngs=rngs)
-    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, scan=cfg.get('scan_layers', False),
-                        remat=cfg.get('remat', False), rngs=rngs)
+    self.embed_tokens = Embed(V, D, pad_to=cfg.get('pad_vocab_to', 1), logits_dtype=logits_dtype(cfg), **kw, rngs=rngs)
+    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg),
+                        rngs=rngs)
     self.norm = RMSNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
     self.tied = cfg.get('tie_embeddings', False)
     if not self.tied:
       rows = self.embed_tokens.embed.embedding.shape[0]
-      self.lm_head = Dense('bld,dv->blv', (D, rows), ('embed', 'vocab'), preferred_element_type=jnp.float32,
+      self.lm_head = Dense('bld,dv->blv', (D, rows), ('embed', 'vocab'), preferred_element_type=logits_dtype(cfg),
                            **kw, rngs=rngs)
     self.vocab_size, self.num_layers = V, cfg.num_layers
 
@@ -202,3 +203,41 @@ def num_active_params(cfg: Any) -> int:
   """Parameters one token uses: everything but the experts it is not routed to (k of E per layer)."""
   dense, expert, N = _counts(cfg)
   return dense + N * cfg.top_k * expert
+
+
+# --- Hugging Face config.json (MixtralForCausalLM) --------------------------------------------------
+#
+# The architecture only: there is no weight importer for MoE (no `HF` family; the parameter layout is
+# tested against MixtralForCausalLM in tests/test_moe.py). capacity_factor and group_size have no
+# config.json counterpart (Mixtral is dropless: capacity_factor >= num_experts / top_k here).
+
+def _hf_config(c: dict) -> dict:
+  """config.json (model_type 'mixtral') -> config.model's architecture fields (the inverse of to_hf_config)."""
+  for field, want, why in (('hidden_act', 'silu', "the zoo's MoE experts are SwiGLU (silu)"),
+                           ('sliding_window', None, "the zoo's MoE attends to the whole sequence")):
+    if c.get(field, want) != want:
+      raise llama._unsupported(c, field, c[field], why)
+  H = c['num_attention_heads']
+  theta, scaling = llama._hf_rope(c)
+  return dict(vocab_size=c['vocab_size'], embed_dim=c['hidden_size'], mlp_dim=c['intermediate_size'],
+              num_layers=c['num_hidden_layers'], num_heads=H, num_kv_heads=c.get('num_key_value_heads') or H,
+              head_dim=c.get('head_dim') or c['hidden_size'] // H, num_experts=c['num_local_experts'],
+              top_k=c['num_experts_per_tok'], rope_theta=theta, rope_scaling=scaling,
+              norm_eps=c.get('rms_norm_eps', 1e-5), tie_embeddings=bool(c.get('tie_word_embeddings', False)))
+
+
+def to_hf_config(cfg: Any) -> dict:
+  """config.model -> config.json of the same MixtralForCausalLM: the real vocabulary (not the padded rows),
+  no dropout or router jitter, and the loss weights as router_aux_loss_coef (Mixtral's) and
+  router_z_loss_coef (not a Mixtral field: transformers keeps it as an attribute; the torch peer reads it)."""
+  H = cfg.num_heads
+  out = dict(model_type='mixtral', architectures=['MixtralForCausalLM'], vocab_size=cfg.vocab_size,
+             hidden_size=cfg.embed_dim, intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.num_layers,
+             num_attention_heads=H, num_key_value_heads=cfg.get('num_kv_heads') or H,
+             head_dim=cfg.get('head_dim') or cfg.embed_dim // H, num_local_experts=cfg.num_experts,
+             num_experts_per_tok=cfg.top_k, hidden_act='silu', rms_norm_eps=cfg.norm_eps,
+             rope_parameters=llama.hf_rope_parameters(cfg), tie_word_embeddings=bool(cfg.get('tie_embeddings', False)),
+             sliding_window=None, attention_dropout=0.0, router_jitter_noise=0.0,
+             router_aux_loss_coef=cfg.get('aux_loss_weight', 0.0),
+             router_z_loss_coef=cfg.get('router_z_loss_weight', 0.0))
+  return dict(out, max_position_embeddings=cfg.max_len) if cfg.get('max_len') else out

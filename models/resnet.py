@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from models.layers import BatchNorm, Conv, Dense, Stack, dtypes
+from models.layers import BatchNorm, Conv, Dense, Stack, dtypes, stack_options
 from partitioning import ConfigError, shard_logical
 
 ACT = ('batch', 'height', 'width', 'conv_out')
@@ -74,8 +74,8 @@ class Stage(nnx.Module):
                rngs: nnx.Rngs):
     self.first = Block(cfg, c_in, width, stride, rngs=rngs)
     c_out = width * BLOCKS[cfg.block]
-    self.rest = Stack(lambda r: Block(cfg, c_out, width, 1, rngs=r), num - 1, scan=cfg.get('scan_layers', False),
-                      remat=cfg.get('remat', False), rngs=rngs) if num > 1 else None
+    self.rest = Stack(lambda r: Block(cfg, c_out, width, 1, rngs=r), num - 1, **stack_options(cfg),
+                        rngs=rngs) if num > 1 else None
 
   def __call__(self, x_BHWC: jax.Array) -> jax.Array:
     x_BHWC = self.first(x_BHWC)

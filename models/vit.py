@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from models.layers import MLP, NORMAL_002, Attention, Conv, Dense, LayerNorm, Stack, axes, dtypes
+from models.layers import MLP, NORMAL_002, Attention, Conv, Dense, LayerNorm, Stack, axes, dtypes, stack_options
 from partitioning import ConfigError, shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -34,7 +34,7 @@ class Block(nnx.Module):
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dict(**dtypes(cfg), rngs=rngs)
     self.ln1 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
-    self.attn = Attention(cfg.embed_dim, cfg.num_heads, use_bias=True, **kw)
+    self.attn = Attention(cfg.embed_dim, cfg.num_heads, use_bias=True, impl=cfg.get('attention', 'auto'), **kw)
     self.ln2 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
     self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=GELU_ERF, **kw)
 
@@ -58,8 +58,8 @@ class ViT(nnx.Module):
                       kernel_init=NORMAL_002, rngs=rngs, **kw)
     self.cls = nnx.Param(NORMAL_002(rngs.params(), (D,), kw['param_dtype']), **axes('embed'))
     self.pos = nnx.Param(NORMAL_002(rngs.params(), (N + 1, D), kw['param_dtype']), **axes('length', 'embed'))
-    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, scan=cfg.get('scan_layers', False),
-                        remat=cfg.get('remat', False), rngs=rngs)
+    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg),
+                        rngs=rngs)
     self.ln = LayerNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
     self.head = Dense('bd,dk->bk', (D, cfg.num_classes), ('embed', 'classes'), bias_axes=('classes',),
                       preferred_element_type=jnp.float32, rngs=rngs, **kw)
@@ -105,6 +105,16 @@ def _hf_config(c: dict) -> dict:
               channels=c.get('num_channels', 3), norm_eps=c.get('layer_norm_eps', 1e-12))
 
 
+def to_hf_config(cfg: Any) -> dict:
+  """config.model -> config.json of the same ViTForImageClassification (the inverse of _hf_config, plus
+  num_labels = num_classes), without dropout (the zoo has none)."""
+  return dict(model_type='vit', architectures=['ViTForImageClassification'], hidden_size=cfg.embed_dim,
+              num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, intermediate_size=cfg.mlp_dim,
+              hidden_act='gelu', image_size=cfg.image_size, patch_size=cfg.patch_size, num_channels=cfg.channels,
+              layer_norm_eps=cfg.norm_eps, qkv_bias=True, num_labels=cfg.num_classes, hidden_dropout_prob=0.0,
+              attention_probs_dropout_prob=0.0)
+
+
 def _hf_params() -> list[hf.Param]:
   """HF Linear weights are (out, in): transpose, then split the heads out. The patch embedding is a
   torch conv weight (E, C, P, P) -> (P, P, C, E); cls_token (1, 1, E) -> (E,); position_embeddings
@@ -143,4 +153,4 @@ def _hf_params() -> list[hf.Param]:
 # Keys are 'vit.'-prefixed in ViTForImageClassification files, bare in ViTModel ones (whose pooler,
 # unused by classification, is ignored); the classifier is never prefixed.
 HF = hf.Family(model_types=('vit',), config=_hf_config, params=_hf_params(), prefixes=('vit.', ''),
-               ignore=(r'^(vit\.)?pooler\.',))
+               ignore=(r'^(vit\.)?pooler\.',), to_config=to_hf_config)

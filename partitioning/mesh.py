@@ -49,6 +49,34 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, platform: 
   return shape
 
 
+def fit_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, platform: str = 'device',
+                   ) -> tuple[dict[str, int], str | None]:
+  """On real accelerators: (sizes, None) when the config's mesh fits the devices; otherwise the mesh
+  fitted to them, its largest axis (the preset's main strategy) taking every device and the others 1,
+  with a note that says so and gives the flags that choose another layout."""
+  items = _items(mesh_cfg)
+  try:
+    return resolve_mesh_shape(mesh_cfg, num_devices, platform), None
+  except ShardingError:
+    pass
+  main = max(items, key=lambda it: math.inf if it[1] == -1 else it[1])[0]
+  fitted = {name: num_devices if name == main else 1 for name, _ in items}
+  flags = ' '.join(f'--config.mesh.{name}={size}' for name, size in fitted.items())
+  return fitted, (f'config.mesh ({_fmt_mesh(dict(items))}) asks for {devices_needed(mesh_cfg)} devices; there are '
+                  f'{num_devices} {platform} devices, so the mesh is fitted to them: {flags} (set these flags '
+                  'to choose another layout)')
+
+
+def check_platform() -> None:
+  """Refuses to run on the CPU when an NVIDIA GPU is present but JAX cannot use it (a CPU-only jaxlib):
+  training would silently be ~100x slower. JAX_PLATFORMS=cpu says the CPU is meant."""
+  gpu_present = os.path.exists('/dev/nvidiactl') or os.path.exists('/dev/nvidia0')
+  if jax.default_backend() == 'cpu' and gpu_present and os.environ.get('JAX_PLATFORMS', '') != 'cpu':
+    raise ShardingError('an NVIDIA GPU is present but JAX found only the CPU (a CPU-only jaxlib?): install the GPU '
+                        'plugin, pip install "jax[cuda13]==0.10.2" (or jax[cuda12]), or set JAX_PLATFORMS=cpu to '
+                        'run on the CPU on purpose')
+
+
 def simulate_cpu_devices(n: int) -> None:
   """Asks the CPU backend for `n` devices. Must run before JAX initialises its backends.
 

@@ -58,6 +58,22 @@ def use_rules(rules: AxisRules, mesh: Mesh, seen: set[str] | None = None) -> Ite
     _CTX.reset(token)
 
 
+def active_mesh() -> Mesh | None:
+  """The mesh of the enclosing `use_rules`, or None outside it."""
+  ctx = _CTX.get()
+  return None if ctx is None else ctx.mesh
+
+
+def logical_spec(logical_axes: Sequence[str | None], shape: Sequence[int]) -> jax.sharding.PartitionSpec | None:
+  """The PartitionSpec the active rules give an activation of this shape, or None outside `use_rules`."""
+  ctx = _CTX.get()
+  if ctx is None:
+    return None
+  ctx.seen.update(a for a in logical_axes if a is not None)
+  return ctx.rules.spec(logical_axes, shape, ctx.mesh.shape, what=f'activation {tuple(logical_axes)} of shape '
+                        f'{tuple(shape)} at {_caller()}')
+
+
 def _caller() -> str:
   """file:line of the model code that called shard_logical, for error messages."""
   f = sys._getframe(2)

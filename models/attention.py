@@ -1,0 +1,198 @@
+"""The attention kernel: a fused cuDNN flash attention on GPUs where it applies, XLA everywhere else.
+
+`config.model.attention` picks it:
+  'auto'  (default) cuDNN when every condition below holds, else XLA; the choice and its reason are
+          logged once per distinct decision (`decisions()`; train.py and the benchmark print them);
+  'xla'   always XLA (`jax.nn.dot_product_attention(implementation='xla')`: materialises the L x L scores);
+  'cudnn' always cuDNN; a condition that fails is a ConfigError naming it.
+
+cuDNN (flash attention: O(L) memory, no L x L scores or mask) applies on a GPU, with bfloat16/float16
+compute and head_dim a multiple of 8 (<= 256). It covers:
+  * causal or full attention (`is_causal`, no materialised mask);
+  * sequence lengths it does not take (e.g. ViT's 197 tokens): padded to a multiple of
+    CUDNN_LENGTH_MULTIPLE with the padded keys masked by length, the padded queries dropped;
+  * packed documents (segment ids): cuDNN's packed (ragged) layout, each run of equal segment ids one
+    sequence (Hopper or newer GPUs);
+  * padding masks (BERT) only when asked for ('cudnn'): the mask becomes key lengths, exact for right-padded
+    rows (what the zoo's pipelines produce); 'auto' keeps XLA for them.
+Under a mesh, cuDNN runs per shard inside `jax.shard_map` (batch and heads may be sharded; sequence
+sharding falls back to XLA).
+
+Shape suffixes: B batch, L length, H query heads, G kv heads, K head dim.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from partitioning import ConfigError, active_mesh, logical_spec
+
+IMPLEMENTATIONS = ('auto', 'xla', 'cudnn')
+CUDNN_LENGTH_MULTIPLE = 64  # non-causal lengths that are not a multiple are padded (masked keys)
+Q_AXES, KV_AXES = ('batch', 'length', 'heads', 'kv'), ('batch', 'length', 'kv_heads', 'kv')
+
+_decisions: dict[str, None] = {}  # every distinct choice made while tracing, in order
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar('shardzoo_attention_forced', default=None)
+
+
+def decisions() -> list[str]:
+  """The distinct attention choices made so far in this process, e.g. 'cudnn: causal, bfloat16, head_dim 64'."""
+  return list(_decisions)
+
+
+@contextlib.contextmanager
+def forced(impl: str):
+  """Traces every attention with `impl`, whatever the config says (FLOP counting uses 'xla')."""
+  token = _forced.set(impl)
+  try:
+    yield
+  finally:
+    _forced.reset(token)
+
+
+def _record(decision: str) -> None:
+  if decision not in _decisions:
+    _decisions[decision] = None
+    logging.info('attention: %s', decision)
+
+
+def _platform() -> str:
+  mesh = active_mesh()
+  return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
+def _hopper_or_newer() -> bool:
+  try:
+    return float(jax.devices()[0].compute_capability) >= 9.0
+  except (AttributeError, ValueError):
+    return False
+
+
+def _local_specs(q_BLHK, k_BLGK) -> tuple[P, P, P] | str:
+  """PartitionSpecs (q, kv, (batch, length)) for running cuDNN per shard, or why it cannot."""
+  q_spec, kv_spec = logical_spec(Q_AXES, q_BLHK.shape), logical_spec(KV_AXES, k_BLGK.shape)
+  q_spec, kv_spec = (tuple(s) + (None,) * (4 - len(s)) for s in (q_spec, kv_spec))
+  if q_spec[1] is not None:
+    return f'the sequence is sharded over {q_spec[1]!r} (context parallelism runs on XLA attention)'
+  if q_spec[3] is not None or kv_spec[3] is not None:
+    return 'the head dim (kv) is sharded'
+  if q_spec[0] != kv_spec[0] or q_spec[2] != kv_spec[2]:
+    return (f'queries and keys are sharded differently (heads {q_spec[2]!r} vs kv_heads {kv_spec[2]!r}): '
+            'shard kv_heads like heads')
+  return P(*q_spec), P(*kv_spec), P(q_spec[0], None)
+
+
+def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, packed: bool, padded: bool,
+           ) -> tuple[str, Any]:
+  """('cudnn', local specs or None) or ('xla', None), recording the decision and its reason."""
+  forced_impl = _forced.get()
+  if forced_impl is not None:
+    return forced_impl, None
+  if impl not in IMPLEMENTATIONS:
+    raise ConfigError(f'config.model.attention={impl!r} is not known; choose one of {list(IMPLEMENTATIONS)}')
+  what = ', '.join(['causal' if causal else 'full'] + (['packed'] if packed else []) + (['padding'] if padded else [])
+                   + [f'{jnp.dtype(q_BLHK.dtype).name}', f'L={q_BLHK.shape[1]}', f'head_dim {q_BLHK.shape[-1]}'])
+  if impl == 'xla':
+    _record(f'xla ({what}): config.model.attention=xla')
+    return 'xla', None
+  why = []
+  if _platform() != 'gpu':
+    why.append(f'{_platform()} backend (cuDNN runs on GPUs)')
+  if jnp.dtype(q_BLHK.dtype) not in (jnp.bfloat16, jnp.float16):
+    why.append(f'{jnp.dtype(q_BLHK.dtype).name} compute (cuDNN takes bfloat16/float16: config.model.dtype)')
+  K = q_BLHK.shape[-1]
+  if K % 8 or K > 256:
+    why.append(f'head_dim {K} (cuDNN takes a multiple of 8, at most 256)')
+  if padded and impl == 'auto':
+    why.append("a per-token padding mask (cuDNN takes lengths; attention='cudnn' uses them for right-padded rows)")
+  if packed and not why and not _hopper_or_newer():
+    why.append("packed documents (cuDNN's packed layout needs a Hopper or newer GPU)")
+  specs = None
+  if active_mesh() is not None and active_mesh().size > 1 and not why:
+    specs = _local_specs(q_BLHK, k_BLGK)
+    if isinstance(specs, str):
+      why.append(specs)
+  if why:
+    if impl == 'cudnn':
+      raise ConfigError(f'config.model.attention=cudnn cannot run this attention ({what}): {"; ".join(why)}')
+    _record(f'xla ({what}): ' + '; '.join(why))
+    return 'xla', None
+  _record(f'cudnn ({what})' + (' per shard (shard_map)' if specs else ''))
+  return 'cudnn', specs
+
+
+def packed_layout(segment_ids_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """cuDNN's packed layout for rows of documents: each run of equal consecutive segment ids (padding
+  runs too, so every token is covered) is one sequence. Returns seqlen (B, L) and offsets (B, L + 1):
+  the runs' lengths and start offsets, then the row's end, -1 after the last run."""
+  B, L = segment_ids_BL.shape
+  start_BL = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids_BL[:, 1:] != segment_ids_BL[:, :-1]], axis=1)
+  pos_L = jnp.arange(L, dtype=jnp.int32)
+  starts_BL = jnp.sort(jnp.where(start_BL, pos_L, L), axis=1)  # run starts ascending, then L
+  n_B1 = start_BL.sum(1, keepdims=True)
+  ends_BL = jnp.concatenate([starts_BL[:, 1:], jnp.full((B, 1), L, jnp.int32)], axis=1)
+  seqlen_BL = jnp.where(pos_L < n_B1, ends_BL - starts_BL, -1).astype(jnp.int32)
+  offsets = jnp.concatenate([starts_BL, jnp.full((B, 1), L, jnp.int32)], axis=1)
+  offsets = jnp.where(jnp.arange(L + 1) <= n_B1, offsets, -1).astype(jnp.int32)
+  return seqlen_BL, offsets
+
+
+def _cudnn(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
+  B, L = q_BLHK.shape[:2]
+  if segment_ids_BL is not None:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # the packed layout is not in jax.nn's API
+    seqlen, offsets = packed_layout(segment_ids_BL)
+    mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
+    return cudnn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, None, None, seqlen, seqlen, offsets, offsets,
+                                       scale=q_BLHK.shape[-1] ** -0.5, mask_type=mask, qkv_layout='BTNH')
+  lengths_B = None if valid_BL is None else valid_BL.astype(jnp.int32).sum(-1)
+  pad = 0 if causal else -L % CUDNN_LENGTH_MULTIPLE  # causal: later (padded) keys are never seen
+  if pad:
+    q_BLHK, k_BLGK, v_BLGK = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q_BLHK, k_BLGK, v_BLGK))
+    lengths_B = jnp.full((B,), L, jnp.int32) if lengths_B is None else lengths_B
+  o_BLHK = jax.nn.dot_product_attention(
+      q_BLHK, k_BLGK, v_BLGK, is_causal=causal, implementation='cudnn',
+      query_seq_lengths=None if lengths_B is None else jnp.full((B,), L + pad, jnp.int32),
+      key_value_seq_lengths=lengths_B)
+  return o_BLHK[:, :L]
+
+
+def _xla(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
+  """jax.nn.dot_product_attention (softmax in float32, grouped kv heads); causality via is_causal."""
+  mask = None
+  if segment_ids_BL is not None:
+    mask = segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :]
+  if valid_BL is not None:
+    keys = valid_BL.astype(bool)[:, None, None, :]
+    mask = keys if mask is None else mask & keys
+  return jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask, is_causal=causal, implementation='xla')
+
+
+def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, causal: bool, impl: str = 'auto',
+           segment_ids_BL: jax.Array | None = None, valid_BL: jax.Array | None = None) -> jax.Array:
+  """softmax(q k^T / sqrt(K) [+ masks]) v for every head; grouped-query when G < H. Masks: causal, packed
+  documents (attend within the same segment id), padding (valid_BL: 1 = real key)."""
+  kind, specs = choose(impl, q_BLHK, k_BLGK, causal=causal, packed=segment_ids_BL is not None,
+                       padded=valid_BL is not None)
+  q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(x, n) for x, n in ((q_BLHK, 'attn_q'), (k_BLGK, 'attn_k'),
+                                                                (v_BLGK, 'attn_v')))
+  kernel = functools.partial(_cudnn if kind == 'cudnn' else _xla, causal=causal)
+  # Named so FLOP counting (training/flops.py) can tell causal attention's matmuls from the rest.
+  with jax.named_scope('causal_attention' if causal else 'attention'):
+    if specs is None:
+      o_BLHK = kernel(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL)
+    else:
+      q_spec, kv_spec, bl_spec = specs
+      rows = {k: x for k, x in (('segment_ids_BL', segment_ids_BL), ('valid_BL', valid_BL)) if x is not None}
+      local = lambda q, k, v, rows: kernel(q, k, v, rows.get('segment_ids_BL'), rows.get('valid_BL'))
+      o_BLHK = jax.shard_map(local, mesh=active_mesh(), in_specs=(q_spec, kv_spec, kv_spec, {k: bl_spec for k in rows}),
+                             out_specs=q_spec, check_vma=False)(q_BLHK, k_BLGK, v_BLGK, rows)
+  return checkpoint_name(o_BLHK, 'attn_out')
