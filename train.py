@@ -25,8 +25,8 @@ import data
 import models
 import partitioning
 import training
-from models import hf_import
-from training import checkpoint, pretrained
+from models import attention, hf_import
+from training import checkpoint, flops, pretrained, profiling
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/default.py[:preset].', lock_config=True)
@@ -35,6 +35,7 @@ flags.DEFINE_bool('dry_run', False, 'Build everything abstractly, print the shar
 flags.DEFINE_string('coordinator_address', None, 'Multi-process: host:port of process 0 (jax.distributed).')
 flags.DEFINE_integer('num_processes', 1, 'Multi-process: how many processes take part.')
 flags.DEFINE_integer('process_id', 0, 'Multi-process: this process (0 .. num_processes-1).')
+flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s per device for MFU (default: known GPUs/TPUs by device kind).')
 
 
 def say(msg: str) -> None:
@@ -52,8 +53,15 @@ def evaluate(eval_step, state, ds, trainer, rows) -> dict[str, float]:
   return {'loss': totals['loss_sum'] / w, 'accuracy': totals['correct_sum'] / w, 'weight': w}
 
 
-def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> dict[str, Any]:
+def train_and_evaluate(config, workdir: str | None, dry_run: bool = False,
+                       peak_tflops: float | None = None) -> dict[str, Any]:
   # --- Devices and mesh ------------------------------------------------------------------------
+  device = jax.devices()[0]
+  if device.platform != 'cpu':  # a mesh for more (or fewer) accelerators than there are is fitted, and said so
+    fitted, note = partitioning.fit_mesh_shape(config.mesh, jax.device_count(), device.platform)
+    if note:
+      say(f'WARNING {note}')
+      config.mesh.update(fitted)
   mesh = partitioning.make_mesh(config.mesh)
   say(f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, '
       f'{jax.process_count()} process(es)')
@@ -66,6 +74,8 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
   # Tracing runs the model code on abstract inputs: every activation constraint is validated here.
   traced_train = training.trace(trainer, training.jit_train_step(trainer))
   traced_eval = training.trace(trainer, training.jit_eval_step(trainer))
+  for decision in attention.decisions():  # the kernel each attention runs on, and why
+    say(f'attention: {decision}')
 
   # --- Sharding table ---------------------------------------------------------------------------
   say(partitioning.sharding_table(trainer.abstract.params, trainer.axes.params, trainer.specs.params,
@@ -95,6 +105,11 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
   train_step, eval_step = traced_train.lower().compile(), traced_eval.lower().compile()
   say(f'compiled train+eval steps in {time.perf_counter() - t0:.1f}s; train step per device: '
       f'{partitioning.audit(train_step)}')
+  peak, peak_from = flops.describe_peak(device, peak_tflops)  # MFU where the chip's peak is known
+  step_flops = flops.step_flops(trainer) if peak else None
+  if step_flops:
+    say(f'model FLOPs per step: {step_flops.causal / 1e12:.4g} T (causal-correct; PaLM count '
+        f'{step_flops.palm / 1e12:.4g} T); MFU against {peak_from}')
 
   # --- State: resume this run, else start from pretrained weights, else from scratch ------------
   ckpt = None
@@ -110,6 +125,7 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
   else:
     state = training.init_state(trainer)
   preemption = checkpoint.Preemption(sync_every=config.log_every)
+  profiler = profiling.StepProfiler(workdir or '.', config.get('profile_first_step', 0), config.get('profile_steps', 5))
 
   # --- Train loop -------------------------------------------------------------------------------
   writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
@@ -124,18 +140,25 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False) -> di
     t_in, idle = time.perf_counter(), not pending or pending[-1]['loss'].is_ready()
     batch = data.to_global(next(train_iter), trainer.batch_shardings, B)
     wait_s += (time.perf_counter() - t_in) if idle else 0.0
+    profiler.before(step)
     state, metrics = train_step(state, batch)
     pending.append(metrics)
     progress(step)
+    if profiler.after(step, state):
+      say(f'profile of steps {profiler.first}-{step} in {workdir} (TensorBoard profile tab; perfetto_trace.json.gz)')
     if step % config.log_every == 0 or step == config.total_steps:
       logged = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]}
       dt, n = time.perf_counter() - t_last, step - step_last
       logged |= {'steps_per_sec': n / dt, f'{trainer.task.unit}_per_sec': n * units_per_step / dt,
                  'input_wait_fraction': wait_s / dt}
+      if step_flops:
+        logged['tflops_per_device'] = step_flops.per_device_tflops(dt / n, jax.device_count())
+        logged['mfu'] = logged['tflops_per_device'] / peak
       writer.write_scalars(step, {f'train/{k}': v for k, v in logged.items()})
       say(f"step {step:5d} | loss {logged['loss']:.4f} | acc {logged['accuracy']:.3f} | "
           f"{logged['steps_per_sec']:.2f} steps/s | {logged[f'{trainer.task.unit}_per_sec']:,.0f} "
-          f"{trainer.task.unit}/s | input wait {100 * logged['input_wait_fraction']:.1f}%")
+          f"{trainer.task.unit}/s | input wait {100 * logged['input_wait_fraction']:.1f}%"
+          + (f" | {logged['tflops_per_device']:.1f} TFLOP/s/device | MFU {100 * logged['mfu']:.1f}%" if step_flops else ''))
       pending, wait_s, t_last, step_last, result['train'] = [], 0.0, time.perf_counter(), step, logged
     if step % config.eval_every == 0 or step == config.total_steps:
       t_eval = time.perf_counter()
@@ -204,7 +227,8 @@ def main(argv) -> None:
     partitioning.simulate_cpu_devices(needed // FLAGS.num_processes)
     if FLAGS.num_processes > 1:
       jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
-    train_and_evaluate(config, FLAGS.workdir, dry_run=FLAGS.dry_run)
+    partitioning.check_platform()
+    train_and_evaluate(config, FLAGS.workdir, dry_run=FLAGS.dry_run, peak_tflops=FLAGS.peak_tflops)
     if FLAGS.num_processes > 1:  # leave together: the coordinator must not shut down under a client
       multihost_utils.sync_global_devices('shardzoo:end')
       jax.distributed.shutdown()

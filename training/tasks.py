@@ -40,6 +40,33 @@ class Task:
   def fields(self, config: Any) -> dict[str, tuple[str, ...]]:
     return dict(self.batch_axes)
 
+  def synthetic_batch(self, config: Any, seed: int = 0) -> dict[str, np.ndarray]:
+    """A random global batch of this task's fields (benchmarks): token ids below the model's vocabulary,
+    labels below its classes, standard-normal images, every example counted (mask 1), one document
+    per row (segment id 1, positions 0..L-1), no padding (input_mask 1), MLM targets at 15%."""
+    rng = np.random.default_rng(seed)
+    vocab = config.model.get('vocab_size') or config.dataset.get('vocab_size')
+    classes = config.model.get('num_classes') or config.dataset.get('num_classes')
+    out = {}
+    for name, (shape, dtype) in self.example_shapes(config).items():
+      shape = (config.batch_size, *shape)
+      if name == 'image':
+        x = rng.standard_normal(shape)
+      elif name in ('inputs', 'targets'):
+        x = rng.integers(0, vocab, shape)
+      elif name == 'label':
+        x = rng.integers(0, classes, shape)
+      elif name == 'positions':
+        x = np.broadcast_to(np.arange(shape[-1]), shape)
+      elif name == 'token_types':
+        x = np.zeros(shape)
+      elif name == 'mask' and isinstance(self, MaskedLanguageModeling) and len(shape) == 2:
+        x = rng.random(shape) < config.dataset.get('mlm_probability', 0.15)
+      else:  # mask, input_mask, segment_ids
+        x = np.ones(shape)
+      out[name] = np.asarray(x, dtype)
+    return out
+
   def metric_sums(self, model: Any, batch: dict[str, jax.Array]) -> Metrics:
     """Sums over the batch (so eval over many batches is exact): loss, correct, weight (+ aux)."""
     logits, aux = self.forward(model, batch)

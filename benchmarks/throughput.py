@@ -1,0 +1,189 @@
+r"""Throughput of the exact train step train.py runs, optionally beside the same model in PyTorch.
+
+  python benchmarks/throughput.py --config configs/gpt2.py --peer torch
+  python benchmarks/throughput.py --config configs/llama.py --config.batch_size=8 --peer torch
+  python benchmarks/throughput.py --config configs/vit.py --config.batch_size=256 --config.model.attention=xla
+  python benchmarks/throughput.py --config configs/gpt2.py:tiny --steps 3 --warmup 1     # CPU smoke test
+
+Same build and jit as train.py (training.build + jit_train_step, compiled ahead of time), on one
+synthetic batch of the config's global batch size (the task's fields: random tokens / images, one
+document per row). On GPUs/TPUs the config's mesh is fitted to the devices found (as train.py does);
+on CPU it runs on simulated devices. Prints one table: median step time over --steps after --warmup,
+tokens/s or examples/s, TFLOP/s per device and MFU (model FLOPs from the model's matmuls: the PaLM
+count and the causal-correct one, training/flops.py), peak device memory, compile time.
+
+--peer torch runs the same architecture in PyTorch (transformers / torchvision, torch.compile, bf16
+autocast, SDPA, fused AdamW or SGD) on the same batch in a child process (benchmarks/torch_peer.py),
+before JAX takes the GPU, and prints the ratio; where torch is missing it says so and goes on.
+--profile DIR captures a jax.profiler trace of 3 steps and prints the costliest device ops.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+import models  # noqa: E402
+import partitioning  # noqa: E402
+import training  # noqa: E402
+from models import attention, layers  # noqa: E402
+from training import flops, profiling  # noqa: E402
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/gpt2.py[:preset].', lock_config=True)
+flags.DEFINE_integer('steps', 15, 'Timed steps (the median is reported).')
+flags.DEFINE_integer('warmup', 5, 'Untimed steps first (clocks up, autotuning, allocator).')
+flags.DEFINE_enum('peer', 'none', ['none', 'torch'], 'Also run the same model in PyTorch and print the ratio.')
+flags.DEFINE_bool('peer_compile', True, 'torch.compile the peer (off: eager, for CPU smoke tests).')
+flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s per device for MFU (default: from the device kind).')
+flags.DEFINE_string('profile', None, 'Capture a profile of 3 steps into this directory and list the top ops.')
+flags.DEFINE_string('out', None, 'Also write the results as JSON here.')
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'torch_peer.py')
+
+
+def peer_spec(config, device: str) -> dict:
+  """What benchmarks/torch_peer.py needs to build the same model and optimizer."""
+  m = config.model
+  spec = dict(family=m.name, task=config.task, optim=config.optim.to_dict(),
+              remat=layers.remat_policy(m.get('remat')) != 'none', dtype=m.get('dtype', 'float32'),
+              steps=FLAGS.steps, warmup=FLAGS.warmup, compile=FLAGS.peer_compile, device=device)
+  if m.name == 'resnet':
+    spec['resnet'] = dict(block=m.block, stage_sizes=list(m.stage_sizes), width=m.width, num_classes=m.num_classes)
+  elif m.name in models.HF_FAMILIES and getattr(models.HF_FAMILIES[m.name], 'to_config', None):
+    spec['hf_config'] = models.HF_FAMILIES[m.name].to_config(m)
+  else:
+    return {}
+  return spec
+
+
+def run_peer(config, batch: dict[str, np.ndarray], device: str) -> dict:
+  """Runs the torch peer in a child process on `batch`; {'ok': False, 'reason': ...} when it cannot."""
+  spec = peer_spec(config, device)
+  if not spec:
+    return {'ok': False, 'reason': f'no PyTorch peer for model {config.model.name!r}'}
+  with tempfile.TemporaryDirectory() as tmp:
+    paths = {k: os.path.join(tmp, f) for k, f in (('spec', 'spec.json'), ('batch', 'batch.npz'), ('out', 'out.json'))}
+    with open(paths['spec'], 'w') as f:
+      json.dump(spec, f)
+    np.savez(paths['batch'], **batch)
+    r = subprocess.run([sys.executable, PEER, '--spec', paths['spec'], '--batch', paths['batch'], '--out', paths['out']],
+                       capture_output=True, text=True)
+    if not os.path.exists(paths['out']):
+      return {'ok': False, 'reason': f'peer exited {r.returncode}: {(r.stderr or r.stdout)[-800:]}'}
+    with open(paths['out']) as f:
+      return json.load(f)
+
+
+def fmt_bytes(b: int | None) -> str:
+  return '-' if b is None else partitioning.fmt_bytes(b)
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  config = FLAGS.config
+  if config is None:
+    raise app.UsageError('--config is required, e.g. --config configs/gpt2.py')
+  task = training.tasks.get(config.task)
+  batch_np = task.synthetic_batch(config, seed=config.seed)  # numpy: JAX has not touched a device yet
+  unit = task.unit
+  units_per_step = int(np.prod(batch_np[task.unit_field].shape))
+
+  # --- The peer first: JAX would take most of the GPU's memory once its backend starts ---------------
+  peer = None
+  if FLAGS.peer == 'torch':
+    on_gpu = os.path.exists('/dev/nvidiactl') and os.environ.get('JAX_PLATFORMS', '') != 'cpu'
+    print(f'running the PyTorch peer ({"cuda" if on_gpu else "cpu"}) ...', flush=True)
+    peer = run_peer(config, batch_np, 'cuda' if on_gpu else 'cpu')
+
+  # --- Our step, exactly as train.py builds it --------------------------------------------------------
+  partitioning.simulate_cpu_devices(partitioning.devices_needed(config.mesh))
+  partitioning.check_platform()
+  platform = jax.devices()[0].platform
+  if platform != 'cpu':
+    fitted, note = partitioning.fit_mesh_shape(config.mesh, jax.device_count(), platform)
+    if note:
+      print(note)
+      config.mesh.update(fitted)
+  mesh = partitioning.make_mesh(config.mesh)
+  trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+  t0 = time.perf_counter()
+  step = training.compile_step(trainer, training.jit_train_step(trainer))
+  compile_s = time.perf_counter() - t0
+  step_flops = flops.step_flops(trainer)
+  state = training.init_state(trainer)
+  batch = partitioning.shard(batch_np, trainer.batch_shardings)
+  state, times = profiling.time_steps(step, state, batch, warmup=FLAGS.warmup, steps=FLAGS.steps)
+  step_s = profiling.median(times)
+  device = jax.devices()[0]
+  peak, peak_from = flops.describe_peak(device, FLAGS.peak_tflops)
+  n = jax.device_count()
+  ours = dict(step_s=step_s, units_per_s=units_per_step / step_s, tflops=step_flops.per_device_tflops(step_s, n),
+              tflops_palm=step_flops.per_device_tflops(step_s, n, causal=False),
+              peak_memory=profiling.peak_memory(device), compiled_memory=profiling.compiled_memory(step),
+              compile_s=compile_s, step_times=times)
+  if FLAGS.profile:
+    tracer = profiling.StepProfiler(FLAGS.profile, first=1, num=3)
+    for i in range(1, 4):
+      tracer.before(i)
+      state, _ = step(state, batch)
+      tracer.after(i, state)
+
+  # --- Report -----------------------------------------------------------------------------------------
+  m = config.model
+  print(f'\n{m.name} ({config.get("size", "")}, {training.num_params(trainer):,} params), global batch '
+        f'{config.batch_size}, {units_per_step:,} {unit}/step, mesh {dict(mesh.shape)} on {n} {device.device_kind}')
+  print(f'model: dtype {m.get("dtype", "float32")}, params {m.get("param_dtype", "float32")}, '
+        f'scan_layers={m.get("scan_layers", False)}, remat={m.get("remat", "none")}, '
+        f'logits {m.get("logits_dtype", "float32")}; optimizer {config.optim.name}')
+  for d in attention.decisions():
+    print(f'attention: {d}')
+  print(f'FLOPs/step: {step_flops.causal / 1e12:.3f} T causal-correct, {step_flops.palm / 1e12:.3f} T PaLM count; '
+        f'peak: {peak_from}')
+  mfu = lambda tflops: '-' if peak is None else f'{100 * tflops / peak:.1f}%'
+  rows = [('', 'step (ms)', f'{unit}/s', 'TFLOP/s/dev', 'MFU', 'MFU (PaLM)', 'peak mem', 'compile (s)'),
+          ('shardzoo', f'{1e3 * step_s:.1f}', f'{ours["units_per_s"]:,.0f}', f'{ours["tflops"]:.1f}',
+           mfu(ours['tflops']), mfu(ours['tflops_palm']),
+           fmt_bytes(ours['peak_memory']) + ('' if ours['peak_memory'] else
+                                             f' (compiled {fmt_bytes(ours["compiled_memory"])})'),
+           f'{compile_s:.1f}')]
+  if peer is not None and peer.get('ok'):
+    ps = peer['step_time_s']
+    tf = step_flops.per_device_tflops(ps, 1)
+    rows.append((f'torch{"" if peer.get("compiled") else " (eager)"}', f'{1e3 * ps:.1f}',
+                 f'{units_per_step / ps:,.0f}', f'{tf:.1f}', mfu(tf), mfu(step_flops.per_device_tflops(ps, 1, False)),
+                 fmt_bytes(peer.get('peak_memory_bytes')), f'{peer.get("first_step_s", 0):.1f}'))
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  print()
+  for r in rows:
+    print('  '.join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+  if peer is not None:
+    if peer.get('ok'):
+      ratio = (units_per_step / step_s) / (units_per_step / peer['step_time_s']) * (1 if n == 1 else 1 / n)
+      print(f'\nratio shardzoo / torch: {ratio:.2f}x {unit}/s' + (f' (per device; ours on {n} devices)' if n > 1 else '')
+            + (f'; peer notes: {"; ".join(peer["notes"])}' if peer.get('notes') else ''))
+      ours['ratio'] = ratio
+    else:
+      print(f'\ntorch peer skipped: {peer.get("reason")}')
+  if FLAGS.profile:
+    print(f'\nprofile of 3 steps in {FLAGS.profile} (TensorBoard profile plugin, or the perfetto trace):')
+    for name, ms, count in profiling.top_ops(FLAGS.profile):
+      print(f'  {ms / 3:9.2f} ms/step  x{count / 3:<5g} {name[:110]}')
+  if FLAGS.out:
+    with open(FLAGS.out, 'w') as f:
+      json.dump(dict(config=config.to_json(), ours=ours, peer=peer, flops=vars(step_flops),
+                     attention=attention.decisions(), device=device.device_kind), f, indent=1, default=str)
+
+
+if __name__ == '__main__':
+  app.run(main)

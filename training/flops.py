@@ -1,0 +1,107 @@
+"""Model FLOPs of a train step, chip peaks, and MFU.
+
+FLOPs are counted from the model's own forward pass (its jaxpr, traced on abstract inputs): every
+matmul (dot_general) and convolution, times the trip count of the loops they sit in, times 3 for
+forward + backward (the backward's two matmuls per forward matmul). Attention is traced on the XLA
+path for counting, so its score and value matmuls are counted over the full L x L square. For a
+transformer this is exactly PaLM's count, 6 N + 12 layers d_attn L per token (N = parameters of the
+matmuls, the output head included; lookups are not matmuls). `causal` halves the matmuls of causal
+attention (a causal mask leaves half of the square), the figure MFU is reported in. Recomputation
+under remat is not counted: MFU is model FLOPs over time, not hardware FLOPs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+from flax import nnx
+
+from models import attention
+
+# Dense bf16 peak TFLOP/s per chip (no sparsity), matched against jax's device_kind in order.
+PEAK_TFLOPS: list[tuple[str, float]] = [
+    (r'H100.*PCIe', 756.0), (r'H100|H200|H800', 989.0), (r'B200', 2250.0), (r'A100', 312.0), (r'L40S', 362.0),
+    (r'L4\b', 121.0), (r'A10\b|A10G', 125.0),
+    (r'TPU v6', 918.0), (r'TPU v5p', 459.0), (r'TPU v5 ?lite|TPU v5e', 197.0), (r'TPU v5', 459.0),
+    (r'TPU v4', 275.0), (r'TPU v3', 123.0), (r'TPU v2', 45.0),
+]
+
+
+def peak_tflops(device_kind: str) -> float | None:
+  """Dense bf16 peak of one chip, or None when the kind is not in PEAK_TFLOPS (e.g. CPUs)."""
+  for pattern, tflops in PEAK_TFLOPS:
+    if re.search(pattern, device_kind):
+      return tflops
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+  palm: float  # 3 x forward matmul FLOPs, attention over the full square (PaLM's 6N + 12 l d L per token)
+  causal: float  # the same with causal attention's matmuls halved
+
+  def per_device_tflops(self, step_seconds: float, num_devices: int, causal: bool = True) -> float:
+    return (self.causal if causal else self.palm) / step_seconds / num_devices / 1e12
+
+
+def _sub_jaxprs(eqn) -> list[tuple[Any, float]]:
+  """(sub-jaxpr, times it runs) for the jaxprs inside an equation (loops, calls, remat, cond branches)."""
+  out = []
+  mult = float(eqn.params.get('length', 1)) if eqn.primitive.name == 'scan' else 1.0
+  for name, p in eqn.params.items():
+    for q in (p if isinstance(p, (tuple, list)) else [p]):
+      j = q.jaxpr if isinstance(q, jcore.ClosedJaxpr) else q
+      if isinstance(j, jcore.Jaxpr):
+        out.append((j, mult))
+  if eqn.primitive.name == 'cond':  # only one branch runs: count the costliest
+    return out[:1] if len(out) <= 1 else [max(out, key=lambda jm: _count(jm[0])[0])]
+  return out
+
+
+def _count(jaxpr) -> tuple[float, float]:
+  """(matmul + conv FLOPs, of which causal attention) of one run of a jaxpr."""
+  total = causal = 0.0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    f = 0.0
+    if name == 'dot_general':
+      (lhs_contract, _), _ = eqn.params['dimension_numbers']
+      lhs = eqn.invars[0].aval.shape
+      f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+    elif name == 'conv_general_dilated':
+      rhs = eqn.invars[1].aval.shape
+      out_features = rhs[eqn.params['dimension_numbers'].rhs_spec[0]]
+      f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
+    total += f
+    if f and 'causal_attention' in str(eqn.source_info.name_stack):
+      causal += f
+    for sub, mult in _sub_jaxprs(eqn):
+      t, c = _count(sub)
+      total, causal = total + mult * t, causal + mult * c
+  return total, causal
+
+
+def step_flops(trainer: Any) -> StepFlops:
+  """Model FLOPs of one train step on the trainer's global batch (abstract: nothing is computed)."""
+  def forward(params, model_state, batch):
+    model = nnx.merge(trainer.graphdef, params, model_state)
+    return trainer.task.loss(model, batch)[0]
+  with attention.forced('xla'):
+    jaxpr = jax.make_jaxpr(forward)(trainer.abstract.params, trainer.abstract.model_state, trainer.batch_abstract)
+  total, causal = _count(jaxpr.jaxpr)
+  return StepFlops(palm=3 * total, causal=3 * (total - causal / 2))
+
+
+def describe_peak(device: Any, override: float | None = None) -> tuple[float | None, str]:
+  """(peak TFLOP/s per device, where it came from) for MFU; override wins, CPUs have none."""
+  if override:
+    return float(override), f'{override:g} TFLOP/s (given)'
+  peak = peak_tflops(device.device_kind)
+  if peak is None:
+    return None, f'no known peak for {device.device_kind!r}'
+  return peak, f'{peak:g} TFLOP/s dense bf16 ({device.device_kind})'
+

@@ -1,0 +1,90 @@
+"""Measuring a compiled step: step times, device memory, and profiles (jax.profiler) with a top-ops summary."""
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import jax
+
+
+def time_steps(step: Any, state: Any, batch: Any, *, warmup: int, steps: int) -> tuple[Any, list[float]]:
+  """Runs `warmup` untimed then `steps` timed calls of a (donating) train step on one batch; each timed
+  step waits for the whole new state. Returns the final state and the step times in seconds."""
+  for _ in range(warmup):
+    state, _ = step(state, batch)
+  jax.block_until_ready(state)
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    state, _ = step(state, batch)
+    jax.block_until_ready(state)
+    times.append(time.perf_counter() - t0)
+  return state, times
+
+
+def median(xs: list[float]) -> float:
+  return statistics.median(xs)
+
+
+def peak_memory(device: jax.Device) -> int | None:
+  """Peak bytes the device allocator has held in this process (GPU/TPU); None where unknown (CPU)."""
+  stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
+  return None if not stats else stats.get('peak_bytes_in_use')
+
+
+def compiled_memory(compiled: Any) -> int:
+  """Per-device bytes a compiled step needs: arguments + outputs + temporaries, minus donated aliases."""
+  m = compiled.memory_analysis()
+  return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+class StepProfiler:
+  """Captures a jax.profiler trace of steps [first, first + num) into `logdir` (TensorBoard's profile
+  plugin reads it; a perfetto_trace.json.gz beside it opens in ui.perfetto.dev). first <= 0: off."""
+
+  def __init__(self, logdir: str, first: int, num: int):
+    self.logdir, self.first, self.last = logdir, first, first + max(num, 1) - 1
+    self.active = False
+
+  def before(self, step: int) -> None:
+    if self.first > 0 and step == self.first:
+      jax.profiler.start_trace(self.logdir, create_perfetto_trace=True)
+      self.active = True
+
+  def after(self, step: int, state: Any) -> str | None:
+    """Stops after the last profiled step (waiting for it); returns the trace's directory then."""
+    if self.active and step >= self.last:
+      jax.block_until_ready(state)
+      jax.profiler.stop_trace()
+      self.active = False
+      return self.logdir
+    return None
+
+
+def top_ops(logdir: str, k: int = 15) -> list[tuple[str, float, int]]:
+  """(name, total ms, count) of the k costliest device ops in the newest perfetto trace under `logdir`
+  (device streams only when the trace has them, e.g. GPU kernels; every op otherwise)."""
+  files = sorted(glob.glob(os.path.join(logdir, '**', '*perfetto_trace.json.gz'), recursive=True),
+                 key=os.path.getmtime)
+  if not files:
+    return []
+  with gzip.open(files[-1], 'rt') as f:
+    trace = json.load(f)
+  events = trace['traceEvents'] if isinstance(trace, dict) else trace
+  names = {e['pid']: e.get('args', {}).get('name', '') for e in events
+           if e.get('ph') == 'M' and e.get('name') == 'process_name'}
+  device_pids = {pid for pid, name in names.items() if '/device:' in name and 'CPU' not in name.upper()}
+  totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  for e in events:
+    if e.get('ph') == 'X' and (not device_pids or e.get('pid') in device_pids):
+      t = totals[e.get('name', '?')]
+      t[0] += e.get('dur', 0) / 1e3
+      t[1] += 1
+  ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:k]
+  return [(name, ms, int(n)) for name, (ms, n) in ranked]
