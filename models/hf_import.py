@@ -202,6 +202,7 @@ class Family:
   params: Sequence[Param]
   prefixes: tuple[str, ...] = ('',)  # tried in order in front of every HF key (e.g. 'transformer.')
   ignore: tuple[str, ...] = ()  # regexes of HF keys that are not parameters (buffers, unused heads)
+  to_config: Callable[[Any], dict] | None = None  # config.model -> config.json (the inverse of `config`)
 
 
 # --- Reading a directory ----------------------------------------------------------------------

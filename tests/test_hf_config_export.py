@@ -1,0 +1,113 @@
+"""config.model -> Hugging Face config.json (`to_hf_config` in each family's file, the PyTorch peer's
+architecture): the import mapping reads the same architecture back (real and tiny sizes), and the
+transformers model built from it has the zoo's parameter count (tiny sizes)."""
+import json
+import os
+
+os.environ['HF_HUB_OFFLINE'] = '1'
+
+import pytest  # noqa: E402
+import transformers  # noqa: E402
+
+from configs import bert as bert_config  # noqa: E402
+from configs import gpt2 as gpt2_config  # noqa: E402
+from configs import llama as llama_config  # noqa: E402
+from configs import moe as moe_config  # noqa: E402
+from configs import vit as vit_config  # noqa: E402
+from models import bert, gpt2, hf_import, layers, llama, moe, vit  # noqa: E402
+
+LLAMA3_ROPE = (('rope_type', 'llama3'), ('factor', 32.0), ('low_freq_factor', 1.0), ('high_freq_factor', 4.0),
+               ('original_max_position_embeddings', 8192))
+# name -> (config file, argument, model overrides, family module, transformers Auto class)
+CASES = {
+    'gpt2': (gpt2_config, 'real', {}, gpt2, transformers.AutoModelForCausalLM),
+    'gpt2_tiny': (gpt2_config, 'tiny', {}, gpt2, transformers.AutoModelForCausalLM),
+    'llama': (llama_config, 'real', {}, llama, transformers.AutoModelForCausalLM),
+    'llama_llama3_rope_untied': (llama_config, 'real', dict(rope_scaling=LLAMA3_ROPE, tie_embeddings=False), llama,
+                                 transformers.AutoModelForCausalLM),
+    'llama_tiny': (llama_config, 'tiny', {}, llama, transformers.AutoModelForCausalLM),
+    'llama_tiny_llama3_rope_untied': (llama_config, 'tiny', dict(rope_scaling=LLAMA3_ROPE, tie_embeddings=False),
+                                      llama, transformers.AutoModelForCausalLM),
+    'vit': (vit_config, 'b16', {}, vit, transformers.AutoModelForImageClassification),
+    'vit_tiny': (vit_config, 'tiny', {}, vit, transformers.AutoModelForImageClassification),
+    'bert': (bert_config, 'base', {}, bert, transformers.AutoModelForMaskedLM),
+    'bert_tiny': (bert_config, 'tiny', {}, bert, transformers.AutoModelForMaskedLM),
+    'bert_classify': (bert_config, 'base,classify', {}, bert, transformers.AutoModelForSequenceClassification),
+    'bert_tiny_classify': (bert_config, 'tiny,classify', {}, bert, transformers.AutoModelForSequenceClassification),
+    'moe': (moe_config, 'small', {}, moe, transformers.AutoModelForCausalLM),
+    'moe_tiny': (moe_config, 'tiny', {}, moe, transformers.AutoModelForCausalLM),
+}
+TINY = sorted(k for k in CASES if 'tiny' in k)
+
+
+def case(name):
+  config_file, arg, overrides, family, auto = CASES[name]
+  cfg = config_file.get_config(arg).model
+  cfg.update(overrides)
+  return cfg, family, auto
+
+
+def import_config(family, d: dict) -> dict:
+  """The family's config.json -> config.model mapping (MoE has one, but no weight importer / HF family)."""
+  return family.HF.config(d) if hasattr(family, 'HF') else family._hf_config(d)
+
+
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_import_mapping_reads_the_same_architecture_back(name):
+  cfg, family, _ = case(name)
+  d = json.loads(json.dumps(family.to_hf_config(cfg)))  # what a config.json file holds
+  fields = import_config(family, d)
+  expected = {k: cfg.get(k) for k in fields}
+  if 'head_dim' in fields:  # MoE configs leave these to the defaults the model derives
+    expected.update(head_dim=cfg.get('head_dim') or cfg.embed_dim // cfg.num_heads,
+                    num_kv_heads=cfg.get('num_kv_heads') or cfg.num_heads)
+  if 'rope_scaling' in fields:  # configs hold it as pairs or None; the importer gives the checked form
+    expected['rope_scaling'] = layers.rope_scaling_params(cfg.get('rope_scaling'))
+  assert fields == expected
+  hf_cfg = transformers.AutoConfig.for_model(**d)
+  assert hf_cfg.model_type == d['model_type'] and type(hf_cfg).__name__ != 'PretrainedConfig'
+  if 'num_classes' in cfg:  # not an architecture field on import (the dataset decides), but exported
+    assert hf_cfg.num_labels == cfg.num_classes
+  if family is moe:
+    assert (hf_cfg.router_aux_loss_coef, hf_cfg.router_z_loss_coef) == (cfg.aux_loss_weight, cfg.router_z_loss_weight)
+
+
+def test_families_register_the_export():
+  for family in (gpt2, llama, vit, bert):
+    assert family.HF.to_config is family.to_hf_config
+  assert not hasattr(moe, 'HF')  # MoE exports config.json, but has no Hugging Face weight importer
+
+
+def num_hf_params(d: dict, auto) -> int:
+  """Parameters of the transformers model built from config.json `d` (tied tensors counted once)."""
+  model = auto.from_config(transformers.AutoConfig.for_model(**d))
+  return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize('name', TINY)
+def test_transformers_model_has_the_zoo_parameter_count(name):
+  # Like for like: the tiny configs have no vocabulary padding (pad_vocab_to=1); both sides count tied
+  # embeddings once; BERT's MLM model has no pooler (BertForMaskedLM, zoo head 'mlm') and its classifier has
+  # the pooler and no MLM head (BertForSequenceClassification, zoo head 'classify'), as in the zoo.
+  cfg, family, auto = case(name)
+  assert num_hf_params(family.to_hf_config(cfg), auto) == family.num_params(cfg)
+
+
+@pytest.mark.parametrize('name', ['gpt2_tiny', 'bert_tiny', 'bert_tiny_classify', 'moe_tiny'])
+def test_vocab_padding_is_the_only_parameter_difference(name):
+  # The zoo pads the vocabulary rows (embedding, untied head, MLM decoder bias) to a multiple of
+  # pad_vocab_to; transformers has the real vocabulary. At the real sizes this is GPT-2's 36,096
+  # (47 rows x 768) and BERT's 53,830 (70 x 768 + 70 bias) / 53,760 (classify: no decoder bias).
+  cfg, family, auto = case(name)
+  cfg.pad_vocab_to = 128
+  rows = -(-cfg.vocab_size // 128) * 128 - cfg.vocab_size
+  per_row = {'gpt2_tiny': cfg.embed_dim, 'bert_tiny': cfg.embed_dim + 1, 'bert_tiny_classify': cfg.embed_dim,
+             'moe_tiny': 2 * cfg.embed_dim}[name]  # MoE: embedding and untied head
+  assert family.num_params(cfg) - num_hf_params(family.to_hf_config(cfg), auto) == rows * per_row
+
+
+def test_moe_config_json_the_zoo_cannot_build_names_the_field():
+  d = moe.to_hf_config(case('moe_tiny')[0])
+  for field, value in (('sliding_window', 4096), ('hidden_act', 'gelu')):
+    with pytest.raises(hf_import.HFImportError, match=f'config.json {field}={value!r}'):
+      moe._hf_config(dict(d, **{field: value}))
