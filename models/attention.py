@@ -11,8 +11,8 @@ compute and head_dim a multiple of 8 (<= 256). It covers:
   * causal or full attention (`is_causal`, no materialised mask);
   * sequence lengths it does not take (e.g. ViT's 197 tokens): padded to a multiple of
     CUDNN_LENGTH_MULTIPLE with the padded keys masked by length, the padded queries dropped;
-  * packed documents (segment ids): cuDNN's packed (ragged) layout, each run of equal segment ids one
-    sequence (Hopper or newer GPUs);
+  * not packed documents (segment ids): JAX's cuDNN packed layout allocates as if each segment were a
+    full row (130 GiB for 2 rows of 2048 tokens on an H100), so they run on XLA (masked scores);
   * padding masks (BERT) only when asked for ('cudnn'): the mask becomes key lengths, exact for right-padded
     rows (what the zoo's pipelines produce); 'auto' keeps XLA for them.
 Under a mesh, cuDNN runs per shard inside `jax.shard_map` (batch and heads may be sharded; sequence
@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from partitioning import ConfigError, active_mesh, logical_spec
 
 IMPLEMENTATIONS = ('auto', 'xla', 'cudnn')
-CUDNN_LENGTH_MULTIPLE = 64  # non-causal lengths that are not a multiple are padded (masked keys)
+CUDNN_LENGTH_MULTIPLE = 8  # non-causal lengths that are not a multiple are padded (masked keys); 197 failed on an H100
 Q_AXES, KV_AXES = ('batch', 'length', 'heads', 'kv'), ('batch', 'length', 'kv_heads', 'kv')
 
 _decisions: dict[str, None] = {}  # every distinct choice made while tracing, in order
@@ -67,13 +67,6 @@ def _record(decision: str) -> None:
 def _platform() -> str:
   mesh = active_mesh()
   return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-
-
-def _hopper_or_newer() -> bool:
-  try:
-    return float(jax.devices()[0].compute_capability) >= 9.0
-  except (AttributeError, ValueError):
-    return False
 
 
 def _local_specs(q_BLHK, k_BLGK) -> tuple[P, P, P] | str:
@@ -113,8 +106,8 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
     why.append(f'head_dim {K} (cuDNN takes a multiple of 8, at most 256)')
   if padded and impl == 'auto':
     why.append("a per-token padding mask (cuDNN takes lengths; attention='cudnn' uses them for right-padded rows)")
-  if packed and not why and not _hopper_or_newer():
-    why.append("packed documents (cuDNN's packed layout needs a Hopper or newer GPU)")
+  if packed:  # JAX's cuDNN packed layout allocates as if every segment were a full row (B=2, L=2048: 130 GiB)
+    why.append('packed documents (segment ids; cuDNN through JAX has no memory-sane packed layout)')
   specs = None
   if active_mesh() is not None and active_mesh().size > 1 and not why:
     specs = _local_specs(q_BLHK, k_BLGK)
@@ -129,30 +122,9 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
   return 'cudnn', specs
 
 
-def packed_layout(segment_ids_BL: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cuDNN's packed layout for rows of documents: each run of equal consecutive segment ids (padding
-  runs too, so every token is covered) is one sequence. Returns seqlen (B, L) and offsets (B, L + 1):
-  the runs' lengths and start offsets, then the row's end, -1 after the last run."""
-  B, L = segment_ids_BL.shape
-  start_BL = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids_BL[:, 1:] != segment_ids_BL[:, :-1]], axis=1)
-  pos_L = jnp.arange(L, dtype=jnp.int32)
-  starts_BL = jnp.sort(jnp.where(start_BL, pos_L, L), axis=1)  # run starts ascending, then L
-  n_B1 = start_BL.sum(1, keepdims=True)
-  ends_BL = jnp.concatenate([starts_BL[:, 1:], jnp.full((B, 1), L, jnp.int32)], axis=1)
-  seqlen_BL = jnp.where(pos_L < n_B1, ends_BL - starts_BL, -1).astype(jnp.int32)
-  offsets = jnp.concatenate([starts_BL, jnp.full((B, 1), L, jnp.int32)], axis=1)
-  offsets = jnp.where(jnp.arange(L + 1) <= n_B1, offsets, -1).astype(jnp.int32)
-  return seqlen_BL, offsets
-
-
 def _cudnn(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
+  del segment_ids_BL  # never set here: packed documents run on XLA (see choose)
   B, L = q_BLHK.shape[:2]
-  if segment_ids_BL is not None:
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn  # the packed layout is not in jax.nn's API
-    seqlen, offsets = packed_layout(segment_ids_BL)
-    mask = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
-    return cudnn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, None, None, seqlen, seqlen, offsets, offsets,
-                                       scale=q_BLHK.shape[-1] ** -0.5, mask_type=mask, qkv_layout='BTNH')
   lengths_B = None if valid_BL is None else valid_BL.astype(jnp.int32).sum(-1)
   pad = 0 if causal else -L % CUDNN_LENGTH_MULTIPLE  # causal: later (padded) keys are never seen
   if pad:
