@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs benchmark commands on a GPU machine, each in its own process with its own time limit, keeping logs.
+#   bash benchmarks/gpu_run.sh NAME:SECONDS:ARGS... (ARGS for benchmarks/throughput.py, or 'parity')
+# Logs go to $OUT (or /tmp/shardzoo_bench). Wheels in .whl/ (e.g. ml_collections) are installed first if present.
+export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+OUT=${OUT:-/tmp/shardzoo_bench}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" 2>&1 | tail -1
+for run in "$@"; do
+  name=${run%%:*}; rest=${run#*:}; secs=${rest%%:*}; args=${rest#*:}
+  echo "=== $name ($secs s): $args"
+  if [ "$args" = parity ]; then cmd="python3 benchmarks/attention_parity.py"
+  else cmd="python3 benchmarks/throughput.py $args --out $OUT/$name.json"; fi
+  timeout "$secs" $cmd > "$OUT/$name.log" 2>&1; echo "exit $?" >> "$OUT/$name.log"
+  grep -v -E "^[IW][0-9]{4} |Warning|warnings.warn|^  warnings|UserWarning" "$OUT/$name.log" | tail -${TAIL:-16}
+done

@@ -1,0 +1,186 @@
+"""The GPU speed paths, tested where CI runs (CPU): attention selection and its fallback, remat policies,
+bf16 logits, FLOP counting, chip peaks, mesh fitting, MFU and profiles in train.py, the benchmark."""
+import glob
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+import partitioning
+import train
+import training
+from models import attention, layers
+from partitioning import ConfigError, ShardingError
+from tests.conftest import ROOT, build_trainer, subprocess_env, tiny_config
+from training import flops
+
+
+def _qkv(B=2, L=16, H=4, G=2, K=8, dtype=jnp.float32):
+  rng = np.random.default_rng(0)
+  return tuple(jnp.asarray(rng.standard_normal((B, L, n, K)), dtype) for n in (H, G, G))
+
+
+def test_auto_attention_on_cpu_runs_xla_and_says_why():
+  q, k, v = _qkv()
+  assert attention.choose('auto', q, k, causal=True, packed=False, padded=False) == ('xla', None)
+  why = [d for d in attention.decisions() if d.startswith('xla (causal, float32, L=16, head_dim 8)')]
+  assert why and 'cpu backend (cuDNN runs on GPUs)' in why[0] and 'float32 compute' in why[0], attention.decisions()
+
+
+def test_cudnn_where_it_cannot_run_is_one_error_naming_why():
+  q, k, v = _qkv(K=12)
+  with pytest.raises(ConfigError, match=r"config.model.attention=cudnn cannot run this attention .*cpu backend.*"
+                                        r"head_dim 12 \(cuDNN takes a multiple of 8"):
+    attention.choose('cudnn', q, k, causal=True, packed=False, padded=False)
+  with pytest.raises(ConfigError, match=r"config.model.attention='flash' is not known; choose one of"):
+    attention.choose('flash', q, k, causal=True, packed=False, padded=False)
+
+
+def test_xla_attention_equals_explicit_masked_softmax():
+  """Causal + packed documents + padded keys, grouped kv heads, against a float64 numpy reference."""
+  q, k, v = _qkv()
+  seg = np.array([[1] * 6 + [2] * 7 + [0] * 3, [1] * 16])
+  valid = np.array([[1] * 16, [1] * 12 + [0] * 4])
+  out = attention.attend(q, k, v, causal=True, segment_ids_BL=jnp.asarray(seg), valid_BL=jnp.asarray(valid))
+  qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))
+  kn, vn = np.repeat(kn, 2, axis=2), np.repeat(vn, 2, axis=2)
+  s = np.einsum('bqhk,bshk->bhqs', qn, kn) / np.sqrt(8)
+  allowed = np.tril(np.ones((16, 16), bool))[None] & (seg[:, :, None] == seg[:, None, :]) & valid[:, None, :].astype(bool)
+  s = np.where(allowed[:, None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  ref = np.einsum('bhqs,bshk->bqhk', p / p.sum(-1, keepdims=True), vn)
+  np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
+
+
+def test_cudnn_would_run_per_shard_and_sequence_sharding_falls_back():
+  cfg = tiny_config('fsdp_tp')
+  trainer = build_trainer(cfg)
+  q, k, v = _qkv(B=16, L=16, H=4, G=4, K=16)
+  with partitioning.use_rules(trainer.rules, trainer.mesh):
+    q_spec, kv_spec, row_spec = attention._local_specs(q, k)
+  assert q_spec == jax.P(('data', 'fsdp'), None, 'tensor', None) == kv_spec
+  assert row_spec == jax.P(('data', 'fsdp'), None)
+  rules = partitioning.AxisRules([('batch', ('data', 'fsdp')), ('length', 'tensor'), ('heads', None),
+                                  ('kv_heads', None), ('kv', None)])
+  with partitioning.use_rules(rules, trainer.mesh):
+    assert 'the sequence is sharded' in attention._local_specs(q, k)
+
+
+def _loss_and_grads(cfg):
+  trainer = build_trainer(cfg)
+  state = training.init_state(trainer)
+  batch = training.tasks.get('lm').synthetic_batch(cfg, seed=1)
+  batch = {k: jnp.asarray(v) for k, v in batch.items() if k in trainer.batch_abstract}
+
+  def loss(params):
+    return trainer.task.loss(nnx.merge(trainer.graphdef, params, state.model_state), batch)[0]
+  return jax.jit(jax.value_and_grad(loss))(jax.device_get(state.params))
+
+
+def _gpt2_tiny(**model):
+  from configs import gpt2
+  cfg = gpt2.get_config('dp,tiny')
+  cfg.update(batch_size=8)
+  cfg.model.update(model)
+  return cfg
+
+
+def test_remat_policies_change_memory_not_results():
+  ref_loss, ref_grads = _loss_and_grads(_gpt2_tiny())  # scanned layers
+  for policy in ('full', 'dots', 'attention'):
+    cfg = _gpt2_tiny(remat=policy)
+    loss, grads = _loss_and_grads(cfg)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, err_msg=policy)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=policy), grads, ref_grads)
+  with pytest.raises(ConfigError, match=r"config.model.remat='most' is not a remat policy; choose one of \['none', "):
+    layers.remat_policy('most')
+  assert layers.remat_policy(True) == 'full' and layers.remat_policy(False) == 'none'
+
+
+def test_bf16_logits_keep_the_loss():
+  ref, _ = _loss_and_grads(_gpt2_tiny())
+  loss, _ = _loss_and_grads(_gpt2_tiny(logits_dtype='bfloat16'))
+  assert abs(float(loss) - float(ref)) < 2e-3 * float(ref), (loss, ref)  # bf16 logits: ~3 significant digits
+
+
+def test_step_flops_are_the_palm_count():
+  """3 x forward matmul FLOPs = 6 N + 12 layers d L per token, N = the matmul parameters (kernels and the tied
+  embedding, which is the output head); causal attention's matmuls halved in the causal-correct count."""
+  cfg = tiny_config('dp')
+  trainer = build_trainer(cfg)
+  f = flops.step_flops(trainer)
+  leaves = jax.tree_util.tree_leaves_with_path(trainer.abstract.params)
+  n_mm = sum(x.size for p, x in leaves if partitioning.path_str(p).endswith(('kernel', 'tok/embed/embedding')))
+  m, B, L = cfg.model, cfg.batch_size, cfg.dataset.seq_len
+  attn = 12 * m.num_layers * m.embed_dim * L
+  assert f.palm == B * L * (6 * n_mm + attn)
+  assert f.causal == B * L * (6 * n_mm + attn / 2)
+
+
+def test_peaks_of_known_chips():
+  assert flops.peak_tflops('NVIDIA H100 80GB HBM3') == 989
+  assert flops.peak_tflops('NVIDIA H100 PCIe') == 756
+  assert flops.peak_tflops('NVIDIA A100-SXM4-80GB') == 312
+  assert flops.peak_tflops('TPU v5 lite') == 197 and flops.peak_tflops('TPU v4') == 275
+  assert flops.peak_tflops('cpu') is None
+
+
+def test_mesh_is_fitted_to_the_accelerators_found():
+  assert partitioning.fit_mesh_shape({'data': 2, 'fsdp': 4}, 8, 'gpu') == ({'data': 2, 'fsdp': 4}, None)
+  sizes, note = partitioning.fit_mesh_shape({'data': 1, 'fsdp': 8, 'tensor': 1}, 1, 'gpu')
+  assert sizes == {'data': 1, 'fsdp': 1, 'tensor': 1}
+  assert note.startswith('config.mesh (data=1 x fsdp=8 x tensor=1) asks for 8 devices; there are 1 gpu devices')
+  assert '--config.mesh.data=1 --config.mesh.fsdp=1 --config.mesh.tensor=1' in note
+  assert partitioning.fit_mesh_shape({'data': 2, 'fsdp': 2, 'tensor': 2}, 4, 'gpu')[0] == {'data': 4, 'fsdp': 1,
+                                                                                              'tensor': 1}
+
+
+def test_no_silent_cpu_run_beside_a_gpu(monkeypatch):
+  monkeypatch.setattr(os.path, 'exists', lambda p: p == '/dev/nvidiactl')
+  monkeypatch.setenv('JAX_PLATFORMS', '')
+  with pytest.raises(ShardingError, match=r'an NVIDIA GPU is present but JAX found only the CPU .*jax\[cuda13\]'):
+    partitioning.check_platform()
+  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
+  partitioning.check_platform()  # the CPU on purpose
+
+
+def test_synthetic_batches_match_every_task_batch():
+  from configs import bert, llama, vit
+  for cfg in (tiny_config(), llama.get_config('tiny'), vit.get_config('tiny'), bert.get_config('tiny')):
+    cfg.dataset.pack = cfg.dataset.get('pack', False)
+    trainer_task = training.tasks.get(cfg.task)
+    batch = trainer_task.synthetic_batch(cfg)
+    shapes = trainer_task.example_shapes(cfg)
+    assert set(batch) == set(shapes), cfg.task
+    for k, (shape, dtype) in shapes.items():
+      assert batch[k].shape == (cfg.batch_size, *shape) and batch[k].dtype == dtype, k
+
+
+def test_train_reports_mfu_and_captures_a_profile(tmp_path, capsys):
+  cfg = tiny_config('dp', total_steps=4, log_every=2, eval_every=4, checkpoint_every=0, profile_first_step=2,
+                    profile_steps=2)
+  train.train_and_evaluate(cfg, str(tmp_path), peak_tflops=1.0)
+  out = capsys.readouterr().out
+  assert 'model FLOPs per step:' in out and 'MFU against 1 TFLOP/s (given)' in out
+  assert ' TFLOP/s/device | MFU ' in next(line for line in out.splitlines() if line.startswith('step     4'))
+  assert f'profile of steps 2-3 in {tmp_path}' in out
+  assert glob.glob(str(tmp_path / '**' / '*perfetto_trace.json.gz'), recursive=True)
+  assert 'attention: xla (causal, float32, L=16, head_dim 16): cpu backend' in out
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_with_torch_peer():
+  r = subprocess.run([sys.executable, 'benchmarks/throughput.py', '--config', 'configs/gpt2.py:tiny', '--steps', '2',
+                      '--warmup', '1', '--peer', 'torch', '--peer_compile=false', '--peak_tflops', '1'],
+                     cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert 'FLOPs/step:' in r.stdout and 'peak: 1 TFLOP/s (given)' in r.stdout
+  rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith(('shardzoo', 'torch'))}
+  assert set(rows) == {'shardzoo', 'torch'} and '%' in rows['shardzoo'], r.stdout
+  assert 'ratio shardzoo / torch:' in r.stdout
