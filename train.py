@@ -158,7 +158,8 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False,
       say(f"step {step:5d} | loss {logged['loss']:.4f} | acc {logged['accuracy']:.3f} | "
           f"{logged['steps_per_sec']:.2f} steps/s | {logged[f'{trainer.task.unit}_per_sec']:,.0f} "
           f"{trainer.task.unit}/s | input wait {100 * logged['input_wait_fraction']:.1f}%"
-          + (f" | {logged['tflops_per_device']:.1f} TFLOP/s/device | MFU {100 * logged['mfu']:.1f}%" if step_flops else ''))
+          + (f" | {logged['tflops_per_device']:.1f} TFLOP/s/device | MFU {100 * logged['mfu']:.1f}%"
+             if step_flops else ''))
       pending, wait_s, t_last, step_last, result['train'] = [], 0.0, time.perf_counter(), step, logged
     if step % config.eval_every == 0 or step == config.total_steps:
       t_eval = time.perf_counter()

@@ -76,7 +76,8 @@ def run_peer(config, batch: dict[str, np.ndarray], device: str) -> dict:
     with open(paths['spec'], 'w') as f:
       json.dump(spec, f)
     np.savez(paths['batch'], **batch)
-    r = subprocess.run([sys.executable, PEER, '--spec', paths['spec'], '--batch', paths['batch'], '--out', paths['out']],
+    r = subprocess.run([sys.executable, PEER, '--spec', paths['spec'], '--batch', paths['batch'],
+                        '--out', paths['out']],
                        capture_output=True, text=True)
     if not os.path.exists(paths['out']):
       return {'ok': False, 'reason': f'peer exited {r.returncode}: {(r.stderr or r.stdout)[-800:]}'}
@@ -170,7 +171,8 @@ def main(argv) -> None:
   if peer is not None:
     if peer.get('ok'):
       ratio = (units_per_step / step_s) / (units_per_step / peer['step_time_s']) * (1 if n == 1 else 1 / n)
-      print(f'\nratio shardzoo / torch: {ratio:.2f}x {unit}/s' + (f' (per device; ours on {n} devices)' if n > 1 else '')
+      print(f'\nratio shardzoo / torch: {ratio:.2f}x {unit}/s'
+            + (f' (per device; ours on {n} devices)' if n > 1 else '')
             + (f'; peer notes: {"; ".join(peer["notes"])}' if peer.get('notes') else ''))
       ours['ratio'] = ratio
     else:

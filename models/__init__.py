@@ -27,7 +27,7 @@ its model uses, and a name without a rule is an error, never a silent replicatio
 
 A model is chosen by `config.model.name`; `create(config.model, rngs, config.lora)` builds it. Compute dtype and
 parameter dtype come from `config.model.dtype` / `config.model.param_dtype` (e.g. bfloat16 compute
-with float32 parameters); logits are always float32.
+with float32 parameters); logits are float32 unless `config.model.logits_dtype` says bfloat16.
 """
 from __future__ import annotations
 
