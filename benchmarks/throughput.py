@@ -59,8 +59,8 @@ def peer_spec(config, device: str) -> dict:
               steps=FLAGS.steps, warmup=FLAGS.warmup, compile=FLAGS.peer_compile, device=device)
   if m.name == 'resnet':
     spec['resnet'] = dict(block=m.block, stage_sizes=list(m.stage_sizes), width=m.width, num_classes=m.num_classes)
-  elif m.name in models.HF_FAMILIES and getattr(models.HF_FAMILIES[m.name], 'to_config', None):
-    spec['hf_config'] = models.HF_FAMILIES[m.name].to_config(m)
+  elif getattr(getattr(models, m.name, None), 'to_hf_config', None):  # the family's config.json (MoE: Mixtral's)
+    spec['hf_config'] = getattr(models, m.name).to_hf_config(m)
   else:
     return {}
   return spec
