@@ -56,6 +56,11 @@ def tree_specs(shapes: Any, axes: Any, rules: AxisRules, mesh_shape: Mapping[str
           f'{what} of shape {tuple(leaf.shape)} has no logical axis names; declare them in the model '
           "(e.g. nnx.with_partitioning(init, ('embed', 'mlp')))")
     names = tuple(names)
+    if None in names:  # only activations may leave a dim unnamed; stored arrays name every dim
+      dim = names.index(None)
+      raise ShardingError(
+          f'{what} of shape {tuple(leaf.shape)}: dim {dim} has no logical axis name ({names}); name it in the '
+          "model and give the name a rule (('name', None) replicates it)")
     if seen is not None:
       seen.update(n for n in names if n is not None)
     return rules.spec(names, leaf.shape, mesh_shape, what=what)

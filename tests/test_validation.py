@@ -100,6 +100,21 @@ def test_unnamed_parameter_is_rejected():
     training.build(cfg, mesh, Bad)
 
 
+def test_parameter_dim_named_none_is_rejected():
+  """None leaves an activation's dim unsharded; a stored array must name every dim (never replicated silently)."""
+  class Bad(nnx.Module):
+    def __init__(self, rngs):
+      self.w = nnx.Param(jnp.zeros((4, 8)), out_sharding=(None, 'embed'), eager_sharding=False)
+
+    def __call__(self, x):
+      return x @ self.w
+
+  cfg = tiny_config()
+  with pytest.raises(ShardingError, match=r"parameter 'w' of shape \(4, 8\): dim 0 has no logical axis name "
+                                          r"\(\(None, 'embed'\)\); name it in the model"):
+    training.build(cfg, partitioning.make_mesh(cfg.mesh), Bad)
+
+
 def test_optimizer_state_follows_params():
   trainer = build_trainer(tiny_config())
   adam = trainer.specs.opt_state[1][0]
