@@ -79,3 +79,20 @@ def test_lora_targets_matching_nothing_is_an_error():
   with pytest.raises(ValueError, match=r"config.lora.targets='attn/qkv\$' matches no Dense layer; Dense layers are "
                                        r"e.g. \['blocks/layers/0/attn/key'"):
     models.create(cfg.model, nnx.Rngs(0), cfg.lora)
+
+
+def test_lora_step_computes_no_frozen_weight_gradients():
+  """The logged grad norm is the adapters' (what clipping sees), so XLA drops the frozen weights' gradients:
+  the compiled step's FLOPs fall by about a third (measured 0.74x of the step that also takes their norm)."""
+  import dataclasses
+  cfg = _lora_config()
+  trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh), lambda rngs: models.create(cfg.model, rngs, cfg.lora))
+  flops = lambda t: training.compile_step(t, training.jit_train_step(t)).cost_analysis()['flops']
+  assert flops(trainer) < 0.8 * flops(dataclasses.replace(trainer, labels=None))
+  state = training.init_state(trainer)
+  batch = {k: np.ones(v.shape, v.dtype) for k, v in trainer.batch_abstract.items()}
+  grad_of = jax.jit(jax.grad(lambda p, b: trainer.task.loss(nnx.merge(trainer.graphdef, p, state.model_state), b)[0]))
+  grads = _flat(jax.device_get(grad_of(state.params, batch)))
+  expected = np.sqrt(sum(np.sum(np.square(g)) for p, g in grads.items() if '/lora_' in p))
+  _, metrics = training.jit_train_step(trainer)(state, jax.device_put(batch, trainer.batch_shardings))
+  np.testing.assert_allclose(float(metrics['grad_norm']), expected, rtol=1e-5)

@@ -51,6 +51,7 @@ class Trainer:
   batch_abstract: dict[str, jax.ShapeDtypeStruct]
   batch_shardings: dict[str, NamedSharding]
   seen: set[str]  # logical names used by params, state, batches and (once traced) activations
+  labels: Any = None  # 'train' / 'frozen' per parameter (config.freeze, train_only, LoRA); None: all train
 
   @property
   def replicated(self) -> NamedSharding:
@@ -81,7 +82,8 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
   param_axes, rest_axes = partitioning.nnx_logical_axes(abs_params), partitioning.nnx_logical_axes(abs_rest)
   param_shapes, rest_shapes = nnx.to_pure_dict(abs_params), nnx.to_pure_dict(abs_rest)
-  tx, schedule = optim.make_optimizer(config.optim, config.total_steps, trainable(config, param_shapes))
+  labels = trainable(config, param_shapes)
+  tx, schedule = optim.make_optimizer(config.optim, config.total_steps, labels)
   opt_shapes = jax.eval_shape(tx.init, param_shapes)
   opt_axes = partitioning.opt_state_axes(opt_shapes, param_shapes, param_axes)
 
@@ -101,7 +103,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   batch_specs = resolve(batch_abstract, {k: batch_axes[k] for k in batch_abstract}, 'batch field')
   return Trainer(config, mesh, rules, task, make_model, graphdef, tx, schedule, abstract, axes, specs,
                  partitioning.named_shardings(specs, mesh), batch_abstract,
-                 partitioning.named_shardings(batch_specs, mesh), seen)
+                 partitioning.named_shardings(batch_specs, mesh), seen, labels)
 
 
 def trainable(config: ml_collections.ConfigDict, params: Any) -> Any:
@@ -146,7 +148,10 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
       grads = partitioning.shard(grads, trainer.shardings.params)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
-    metrics = {**metrics, 'grad_norm': optax.global_norm(grads), 'lr': schedule(state.step)}
+    # The norm of what trains (the one clipping sees): frozen weights' gradients stay dead code that XLA removes.
+    trained = grads if trainer.labels is None else [
+        g for g, label in zip(jax.tree.leaves(grads), jax.tree.leaves(trainer.labels)) if label == 'train']
+    metrics = {**metrics, 'grad_norm': optax.global_norm(trained), 'lr': schedule(state.step)}
     return TrainState(state.step + 1, params, opt_state, model_state), metrics
   return step
 
