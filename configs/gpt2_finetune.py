@@ -22,7 +22,8 @@ def get_config(arg: str | None = None):
   c.init_from = HF_DIR
   c.model.pad_vocab_to = 1  # GPT-2's 50257 rows; vocab stays replicated in these presets' rules
   c.logical_axis_rules = [r if r[0] != 'vocab' else ('vocab', None) for r in c.logical_axis_rules]
-  c.dataset.update(name='lm1b', seq_len=1024, pack=True, tokenizer=HF_DIR)
+  # The tokenizer is init_from's (a field reference: --config.init_from=DIR moves both).
+  c.dataset.update(name='lm1b', seq_len=1024, pack=True, tokenizer=c.get_ref('init_from'))
   c.batch_size = 32
   c.total_steps = 5000
   c.optim.update(lr=1e-4, warmup_steps=200, weight_decay=0.01)

@@ -26,7 +26,7 @@ def get_config(arg: str | None = None):
     c.optim.update(lr=1e-2)
     return c
   c.init_from = 'hf/llama-3.2-1b'
-  c.dataset.update(tokenizer=c.init_from, seq_len=1024)
+  c.dataset.update(tokenizer=c.get_ref('init_from'), seq_len=1024)  # follows --config.init_from
   c.model.max_len = 1024
   c.batch_size = 32
   c.total_steps = 2000

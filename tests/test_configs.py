@@ -92,3 +92,12 @@ def test_real_size_dry_run_validates_without_allocating(name, capsys):
   tiny = train.train_and_evaluate(tiny_config(module, list(module.RULES)[0]), None, dry_run=True)
   assert out['num_params'] > tiny['num_params']
   assert 'params + optimizer per device' in printed
+
+
+@pytest.mark.parametrize('name', ['gpt2_finetune', 'llama_lora'])
+def test_tokenizer_follows_init_from_overrides(name):
+  """Derived fields are field references: --config.init_from=DIR also moves the tokenizer."""
+  cfg = importlib.import_module(f'configs.{name}').get_config()
+  cfg.lock()
+  cfg.init_from = '/elsewhere/model'  # what config_flags does for --config.init_from=/elsewhere/model
+  assert cfg.dataset.tokenizer == '/elsewhere/model' == cfg.to_dict()['dataset']['tokenizer']
