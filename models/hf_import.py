@@ -21,7 +21,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -203,6 +203,9 @@ class Family:
   prefixes: tuple[str, ...] = ('',)  # tried in order in front of every HF key (e.g. 'transformer.')
   ignore: tuple[str, ...] = ()  # regexes of HF keys that are not parameters (buffers, unused heads)
   to_config: Callable[[Any], dict] | None = None  # config.model -> config.json (the inverse of `config`)
+  # Fields where config.model may differ from config.json: field -> check(ours, theirs) giving None when our
+  # value works with the checkpoint (it is kept), else why not. Every other field comes from config.json.
+  keep: Mapping[str, Callable[[Any, Any], str | None]] = dataclasses.field(default_factory=dict)
 
 
 # --- Reading a directory ----------------------------------------------------------------------

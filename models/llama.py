@@ -185,5 +185,12 @@ def _hf_params() -> list[hf.Param]:
 # Keys are 'model.'-prefixed in LlamaForCausalLM files, bare in LlamaModel ones; lm_head.weight is never
 # prefixed. Ignored: rotary inv_freq buffers (older files), and a tied checkpoint's copy of the embedding
 # saved as lm_head.weight (tie_embeddings follows config.json, so an untied model always uses it).
+def _fits_positions(ours: int, theirs: int) -> str | None:
+  """max_len: rotary positions have no table, so a shorter (or equal) length works with any checkpoint."""
+  return None if 0 < ours <= theirs else (f'longer than the {theirs} positions the checkpoint was trained for; '
+                                          'extend the context with rope_scaling, or drop the override')
+
+
 HF = hf.Family(model_types=('llama',), config=_hf_config, params=_hf_params(), prefixes=('model.', ''),
+               keep={'max_len': _fits_positions},
                ignore=(r'rotary_emb\.inv_freq$', r'^lm_head\.weight$'), to_config=to_hf_config)

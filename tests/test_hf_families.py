@@ -92,7 +92,7 @@ def test_llama_logits_match_transformers(llama_case):
   cfg = zoo_config(llama_config, arg, path, scan_layers=scan, num_kv_heads=8, tie_embeddings=not tied)
   m = cfg.model  # from config.json, whatever the preset said
   assert (m.vocab_size, m.embed_dim, m.num_heads, m.num_kv_heads, m.head_dim, m.norm_eps) == (96, 64, 8, 4, 8, 1e-5)
-  assert m.tie_embeddings == tied and m.max_len == 128
+  assert m.tie_embeddings == tied and m.max_len == 64  # the preset's 64 fits the 128 positions: kept
   trainer, state = import_hf(cfg)
   assert ('lm_head' in state.params) != tied
   q = state.params['blocks']['layers']['self_attn']['query']['layer']['kernel'] if scan else \
@@ -117,6 +117,19 @@ def test_llama_logits_match_transformers(llama_case):
   err = float(np.abs(ours - theirs).max())
   print(f'llama {name}: max |logits diff| {err:.2e} (logits up to {np.abs(theirs).max():.2f})')
   assert err < PARITY_ATOL, err
+
+
+def test_llama_keeps_a_compatible_max_len_and_refuses_a_longer_one(llama_case):
+  _, path, _, arg, _ = llama_case
+  cfg = llama_config.get_config(arg)
+  cfg.init_from, cfg.model.max_len = path, 32
+  taken, kept = pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+  assert cfg.model.max_len == 32 and kept == {'max_len': (32, 128)}
+  assert taken['embed_dim'] == 64 and taken['num_kv_heads'] == 4 and 'max_len' not in taken  # every field logged
+  cfg.model.max_len = 256
+  with pytest.raises(ValueError, match=r"config.model.max_len=256 does not fit .* \(config.json gives 128\): longer "
+                                       'than the 128 positions the checkpoint was trained for'):
+    pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
 
 
 def test_llama_rope_scaling_default_is_unchanged():

@@ -30,9 +30,14 @@ def hf_family(config: ml_collections.ConfigDict, families: dict[str, hf_import.F
   return families[name]
 
 
-def adopt_hf_config(config: ml_collections.ConfigDict, families: dict[str, hf_import.Family]) -> dict[str, Any]:
+def adopt_hf_config(config: ml_collections.ConfigDict, families: dict[str, hf_import.Family],
+                    ) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
   """Reads the architecture (sizes, heads, eps, ...) from the HF config.json into config.model.
-  Returns the fields that changed (for the log)."""
+
+  A field the family lets differ (`Family.keep`, e.g. Llama's max_len: rotary positions have no table)
+  keeps config.model's value when it works with the checkpoint, and is an error naming both values when
+  it does not. Returns (every field taken from config.json, {kept field: (ours, config.json's)}) for the log.
+  """
   hf = hf_import.HFDir(config.init_from)
   family = hf_family(config, families)
   model_type = hf.config.get('model_type')
@@ -40,12 +45,20 @@ def adopt_hf_config(config: ml_collections.ConfigDict, families: dict[str, hf_im
     raise ConfigError(f'{config.init_from}/config.json has model_type={model_type!r}, but config.model.name='
                       f'{config.model.name!r} imports {list(family.model_types)}')
   fields = family.config(hf.config)
-  changed = {k: v for k, v in fields.items() if config.model.get(k) != v}
   unknown = sorted(k for k in fields if k not in config.model)
   if unknown:
     raise ConfigError(f'config.model has no field(s) {unknown} that {config.model.name} reads from config.json')
+  kept = {}
+  for name, check in family.keep.items():
+    ours, theirs = config.model.get(name), fields.get(name)
+    if name in fields and ours is not None and ours != theirs:
+      why = check(ours, theirs)
+      if why:
+        raise ConfigError(f'config.model.{name}={ours!r} does not fit {config.init_from} (config.json gives '
+                          f'{theirs!r}): {why}')
+      kept[name] = (ours, fields.pop(name))
   config.model.update(fields)
-  return changed
+  return fields, kept
 
 
 def init_state(trainer: Trainer, families: dict[str, hf_import.Family]) -> TrainState:
