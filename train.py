@@ -8,6 +8,7 @@ input pipeline (validated) -> compile the steps -> sharded init -> train loop wi
 """
 from __future__ import annotations
 
+import contextlib
 import logging as logging_std
 import math
 import os
@@ -55,6 +56,14 @@ def evaluate(eval_step, state, ds, trainer, rows) -> dict[str, float]:
 
 def train_and_evaluate(config, workdir: str | None, dry_run: bool = False,
                        peak_tflops: float | None = None) -> dict[str, Any]:
+  """Trains and evaluates; whatever happens, the prefetch threads stop, a save in flight finishes and the
+  SIGTERM handler is restored (the `cleanup` stack)."""
+  with contextlib.ExitStack() as cleanup:
+    return _train_and_evaluate(config, workdir, dry_run, peak_tflops, cleanup)
+
+
+def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops: float | None,
+                        cleanup: contextlib.ExitStack) -> dict[str, Any]:
   # --- Devices and mesh ------------------------------------------------------------------------
   device = jax.devices()[0]
   if device.platform != 'cpu':  # a mesh for more (or fewer) accelerators than there are is fitted, and said so
@@ -68,8 +77,9 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False,
 
   # --- Model, optimizer and their shardings (validated; nothing allocated yet) ------------------
   if config.get('init_from') and hf_import.is_hf_dir(config.init_from):  # architecture from config.json
-    changed = pretrained.adopt_hf_config(config, models.HF_FAMILIES)
-    say(f'init_from {config.init_from}: model config from config.json: {changed or "as configured"}')
+    taken, kept = pretrained.adopt_hf_config(config, models.HF_FAMILIES)
+    say(f'init_from {config.init_from}: from config.json: ' + ', '.join(f'{k}={v!r}' for k, v in taken.items())
+        + ''.join(f'; kept config.model.{k}={ours!r} (config.json: {theirs!r})' for k, (ours, theirs) in kept.items()))
   trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
   # Tracing runs the model code on abstract inputs: every activation constraint is validated here.
   traced_train = training.trace(trainer, training.jit_train_step(trainer))
@@ -93,6 +103,7 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False,
   B = config.batch_size
   rows = partitioning.local_rows(trainer.batch_shardings['mask'], trainer.batch_abstract['mask'].shape)
   train_iter = iter(ds.train_dataset(B, rows, config.seed))  # get_state()/set_state() resume it exactly
+  cleanup.callback(train_iter.close)  # stops the prefetch threads
   units_per_step = math.prod(trainer.batch_abstract[trainer.task.unit_field].shape)
   say(f'data: {ds.description}')
   if ds.language is not None:
@@ -116,6 +127,8 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False,
   if workdir and config.get('checkpoint_every', 0) > 0:
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=config.checkpoint_every,
                                    keep=config.get('keep_checkpoints', 2))
+    cleanup.callback(ckpt.close)
+    cleanup.callback(ckpt.wait)  # runs first: a save in flight completes
   if ckpt is not None and ckpt.latest_step() is not None:
     state = ckpt.restore(trainer, train_iter)  # model, optimizer and data position, in the new shardings
     say(f'resumed from {ckpt.directory}/{int(state.step)}')
@@ -125,10 +138,13 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False,
   else:
     state = training.init_state(trainer)
   preemption = checkpoint.Preemption(sync_every=config.log_every)
+  cleanup.callback(preemption.close)  # restores the SIGTERM handler
   profiler = profiling.StepProfiler(workdir or '.', config.get('profile_first_step', 0), config.get('profile_steps', 5))
+  cleanup.callback(profiler.close)
 
   # --- Train loop -------------------------------------------------------------------------------
   writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  cleanup.callback(writer.flush)
   writer.write_hparams({k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str))})
   progress = periodic_actions.ReportProgress(num_train_steps=config.total_steps, writer=writer,
                                              every_steps=config.log_every, every_secs=None)
@@ -177,12 +193,7 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False,
       say(f'SIGTERM: stopped at step {step}' + (f', checkpoint in {ckpt.directory}' if ckpt else ' (no checkpoints)'))
       result['preempted_at'] = step
       break
-  if ckpt is not None:
-    ckpt.wait()
-    ckpt.close()
-  preemption.close()
-  writer.flush()
-  train_iter.close()  # stops the prefetch threads
+  cleanup.close()  # flush, finish saving, restore SIGTERM, stop the prefetch threads
   if result.get('preempted_at'):
     result['state'] = state
     return result
@@ -220,12 +231,9 @@ def main(argv) -> None:
   if FLAGS.workdir is None and not FLAGS.dry_run:
     raise app.UsageError('--workdir is required (metrics are written there)')
   try:
-    # Simulated CPU devices must be requested before JAX starts its backends (no effect on GPU/TPU).
-    needed = partitioning.devices_needed(config.mesh)
-    if needed % FLAGS.num_processes:
-      raise partitioning.ShardingError(
-          f'the mesh needs {needed} devices, which {FLAGS.num_processes} processes cannot split evenly')
-    partitioning.simulate_cpu_devices(needed // FLAGS.num_processes)
+    # Simulated CPU devices must be requested before JAX starts its backends (no effect on GPU/TPU): enough
+    # per process for the mesh (a -1 axis counts as 1); make_mesh checks the real count once JAX has started.
+    partitioning.simulate_cpu_devices(-(-partitioning.devices_needed(config.mesh) // FLAGS.num_processes))
     if FLAGS.num_processes > 1:
       jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     partitioning.check_platform()
@@ -235,6 +243,8 @@ def main(argv) -> None:
       jax.distributed.shutdown()
   except partitioning.ShardingError as e:  # bad config: one clear message, no traceback
     raise SystemExit(f'shardzoo: sharding error: {e}') from None
+  except checkpoint.CheckpointError as e:  # missing, corrupt or not this model's: not a config problem
+    raise SystemExit(f'shardzoo: checkpoint error: {e}') from None
   except partitioning.ConfigError as e:
     raise SystemExit(f'shardzoo: config error: {e}') from None
 

@@ -45,3 +45,18 @@ def test_two_processes_match_one(tmp_path):
   multi_losses, single_losses = _losses(outs[0][0]), _losses(single.stdout)
   assert len(multi_losses) == 3
   assert multi_losses == pytest.approx(single_losses, abs=2e-4)
+
+
+@pytest.mark.slow
+def test_minus_one_mesh_axis_with_two_processes():
+  """data=-1 takes 'the rest of the devices' across processes too (each simulates what it needs)."""
+  port = _free_port()
+  flags = ['--dry_run', '--config.mesh.data=-1', '--config.mesh.fsdp=1', '--config.mesh.tensor=1']
+  procs = [subprocess.Popen(
+      [sys.executable, 'train.py', *TINY, *flags, f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+       f'--process_id={i}'], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  outs = [p.communicate(timeout=300) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  assert "mesh: {'data': 2, 'fsdp': 1, 'tensor': 1} on 2 cpu devices, 2 process(es)" in outs[0][0]

@@ -72,3 +72,33 @@ def test_cli_bad_batch_is_one_clear_error():
       "shardzoo: sharding error: global batch size 6 is not divisible by the mesh axes of logical axis 'batch' "
       "(data=2 x fsdp=2 = 4); use a multiple of 4")
   assert 'Traceback' not in r.stderr
+
+
+def test_an_exception_in_the_loop_releases_everything_and_a_corrupt_checkpoint_says_so(tmp_path, monkeypatch):
+  """The SIGTERM handler is restored and the save in flight completes when the loop raises; rerunning on
+  that checkpoint, corrupted, stops with a 'checkpoint error' (not a config error)."""
+  import signal
+  import data as data_pkg
+  handler = signal.getsignal(signal.SIGTERM)
+  calls, real = [], data_pkg.to_global
+
+  def failing(*args):
+    calls.append(1)
+    if len(calls) == 2:
+      raise RuntimeError('input pipeline broke')
+    return real(*args)
+  monkeypatch.setattr(train.data, 'to_global', failing)
+  cfg = tiny_config('fsdp_tp', checkpoint_every=1, total_steps=3)
+  with pytest.raises(RuntimeError, match='input pipeline broke'):
+    train.train_and_evaluate(cfg, str(tmp_path))
+  assert signal.getsignal(signal.SIGTERM) is handler
+  state_dir = tmp_path / 'checkpoints' / '1' / 'state'
+  assert (state_dir / '_METADATA').is_file()  # step 1's asynchronous save finished before the error surfaced
+  (state_dir / '_METADATA').write_text('{not json')
+  flags = ['--config.model.num_layers=2', '--config.model.embed_dim=64', '--config.model.mlp_dim=128',
+           '--config.model.max_len=16', '--config.dataset.seq_len=16', '--config.dataset.num_train=512',
+           '--config.dataset.num_eval=100', '--config.batch_size=16', '--config.total_steps=3',
+           '--config.sample_len=0', '--config.checkpoint_every=1']
+  r = _cli('--workdir', str(tmp_path), *flags)
+  assert r.returncode == 1, r.stderr[-2000:]
+  assert r.stderr.strip().splitlines()[-1].startswith('shardzoo: checkpoint error: checkpoint ') and 'corrupt' in r.stderr

@@ -67,6 +67,13 @@ class StepProfiler:
     return None
 
 
+  def close(self) -> None:
+    """Stops a trace still running (e.g. after an exception)."""
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active = False
+
+
 def top_ops(logdir: str, k: int = 15) -> list[tuple[str, float, int]]:
   """(name, total ms, count) of the k costliest device ops in the newest perfetto trace under `logdir`
   (device streams only when the trace has them, e.g. GPU kernels; every op otherwise)."""
