@@ -23,6 +23,7 @@ from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 import data
+import errors
 import models
 import partitioning
 import training
@@ -241,11 +242,11 @@ def main(argv) -> None:
     if FLAGS.num_processes > 1:  # leave together: the coordinator must not shut down under a client
       multihost_utils.sync_global_devices('shardzoo:end')
       jax.distributed.shutdown()
-  except partitioning.ShardingError as e:  # bad config: one clear message, no traceback
+  except errors.ShardingError as e:  # bad config: one clear message, no traceback
     raise SystemExit(f'shardzoo: sharding error: {e}') from None
-  except checkpoint.CheckpointError as e:  # missing, corrupt or not this model's: not a config problem
+  except errors.CheckpointError as e:  # missing, corrupt or not this model's: not a config problem
     raise SystemExit(f'shardzoo: checkpoint error: {e}') from None
-  except partitioning.ConfigError as e:
+  except errors.ConfigError as e:
     raise SystemExit(f'shardzoo: config error: {e}') from None
 
 

@@ -34,10 +34,10 @@ import grain
 import ml_collections
 import numpy as np
 
+from errors import ConfigError
 from data import pipeline, text, tfds_source, vision
 from data.markov import MarkovLanguage, MarkovText
 from data.pipeline import eval_batches, to_global, train_dataset
-from partitioning import ConfigError
 
 __all__ = ['Dataset', 'MarkovLanguage', 'MarkovText', 'build', 'eval_batches', 'lm_example', 'to_global',
            'train_dataset']

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from partitioning import ConfigError
+from errors import ConfigError
 
 ALPHABET = 'abcdefghijklmnopqrstuvwxyz0123456789'
 

@@ -36,7 +36,7 @@ from grain import experimental as grain_exp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from partitioning import ConfigError
+from errors import ConfigError
 
 # A per-example transform: a callable or grain.transforms.Map (example -> dict of arrays), or a
 # grain.transforms.RandomMap, whose numpy Generator is seeded by (seed, index in the stream).

@@ -12,7 +12,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from partitioning import ConfigError
+from errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

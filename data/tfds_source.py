@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from partitioning import ConfigError
+from errors import ConfigError
 
 RANDOM_ACCESS_FORMATS = ('array_record', 'parquet')
 

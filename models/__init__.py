@@ -36,9 +36,9 @@ from collections.abc import Callable
 import ml_collections
 from flax import nnx
 
+from errors import ConfigError
 from models import bert, gpt2, llama, lora, moe
 from models import resnet, simple, vit
-from partitioning import ConfigError
 
 MODELS: dict[str, Callable[..., nnx.Module]] = {
     'gpt2': gpt2.GPT2,

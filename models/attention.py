@@ -33,7 +33,8 @@ from absl import logging
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from partitioning import ConfigError, active_mesh, logical_spec
+from errors import ConfigError
+from partitioning import active_mesh, logical_spec
 
 IMPLEMENTATIONS = ('auto', 'xla', 'cudnn')
 CUDNN_LENGTH_MULTIPLE = 8  # non-causal lengths that are not a multiple are padded (masked keys); 197 failed on an H100

@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from errors import ConfigError
 from models import hf_import as hf
 from models.layers import MLP, Attention, Dense, Embed, LayerNorm, Stack, axes, dtypes, stack_options
-from partitioning import ConfigError, shard_logical
+from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
 HEADS = ('mlm', 'classify')

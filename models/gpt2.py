@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from errors import ConfigError
 from models import hf_import as hf
 from models.layers import MLP, Attention, Embed, LayerNorm, Stack, axes, dtypes, logits_dtype, stack_options
-from partitioning import ConfigError, shard_logical
+from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
 

@@ -28,13 +28,10 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from partitioning import ConfigError, path_str
+from errors import ConfigError, HFImportError
+from partitioning import path_str
 
 Region = list[tuple[int, int]]  # (start, stop) per dimension
-
-
-class HFImportError(ConfigError):
-  """A Hugging Face directory that cannot be imported; the message names the culprit."""
 
 
 # --- Ops: forward on arrays, backward on regions ------------------------------------------------

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from errors import ConfigError
 from models import attention
-from partitioning import ConfigError, shard_logical
+from partitioning import shard_logical
 
 Initializer = Callable[..., jax.Array]
 NORMAL_002 = nnx.initializers.normal(0.02)  # GPT-2's initialiser for kernels and embeddings

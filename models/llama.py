@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from errors import ConfigError
 from models import hf_import as hf
 from models.layers import (
     Attention, Dense, Embed, GatedMLP, RMSNorm, Stack, dtypes, rope_scaling_params, logits_dtype, stack_options)
-from partitioning import ConfigError, shard_logical
+from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
 

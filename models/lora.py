@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from errors import ConfigError
 from models.layers import Dense, axes
-from partitioning import ConfigError, path_str
+from partitioning import path_str
 
 LORA_PARAM = re.compile(r'(^|/)lora_[ab]$')  # paths of adapter parameters
 

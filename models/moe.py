@@ -33,10 +33,11 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from errors import ConfigError
 from models import llama
 from models.layers import (
     NORMAL_002, Dense, Embed, RMSNorm, Stack, axes, dtypes, mask_padded_vocab, logits_dtype, stack_options)
-from partitioning import ConfigError, shard_logical
+from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
 EXPERT_ACT = ('expert', 'batch', None, 'embed')  # dispatched tokens (E, G, C, D) on their experts' devices

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from errors import ConfigError
 from models.layers import BatchNorm, Conv, Dense, Stack, dtypes, stack_options
-from partitioning import ConfigError, shard_logical
+from partitioning import shard_logical
 
 ACT = ('batch', 'height', 'width', 'conv_out')
 KAIMING_OUT = nnx.initializers.variance_scaling(2.0, 'fan_out', 'normal')  # torchvision's conv init

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from errors import ConfigError
 from models.layers import Conv, Dense, dtypes
-from partitioning import ConfigError, shard_logical
+from partitioning import shard_logical
 
 HE = nnx.initializers.he_normal()  # fan-in scaled, for ReLU layers (fan-in of (H, W, C, F) is H*W*C)
 LECUN = nnx.initializers.lecun_normal()  # classifier

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from errors import ConfigError
 from models.layers import MLP, NORMAL_002, Attention, Conv, Dense, LayerNorm, Stack, axes, dtypes, stack_options
-from partitioning import ConfigError, shard_logical
+from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
 GELU_ERF = functools.partial(jax.nn.gelu, approximate=False)  # HF's "gelu"

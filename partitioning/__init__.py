@@ -37,12 +37,12 @@ from partitioning.mesh import (
     check_platform, devices_needed, fit_mesh_shape, make_mesh, resolve_mesh_shape, simulate_cpu_devices)
 from partitioning.plan import (
     check_batch, local_rows, named_shardings, nnx_logical_axes, opt_state_axes, path_str, tree_specs)
-from partitioning.rules import AxisRules, ConfigError, Rule, ShardingError, bytes_per_device
+from partitioning.rules import AxisRules, Rule, bytes_per_device
 from partitioning.shard import active_mesh, logical_spec, shard, shard_logical, use_rules
 from partitioning.table import fmt_bytes, sharding_table, tree_bytes_per_device
 
 __all__ = [
-    'AxisRules', 'ConfigError', 'Rule', 'ShardingError', 'active_mesh', 'audit', 'bytes_per_device', 'check_batch',
+    'AxisRules', 'Rule', 'active_mesh', 'audit', 'bytes_per_device', 'check_batch',
     'check_platform', 'collective_stats', 'devices_needed', 'fit_mesh_shape',
     'fmt_bytes', 'local_rows', 'logical_spec', 'make_mesh', 'named_shardings', 'nnx_logical_axes', 'opt_state_axes',
     'path_str', 'resolve_mesh_shape', 'shard', 'shard_logical', 'sharding_table', 'simulate_cpu_devices',

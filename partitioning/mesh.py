@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import Mesh
 
-from partitioning.rules import ShardingError, _fmt_mesh
+from errors import ShardingError
+from partitioning.rules import _fmt_mesh
 
 
 def _items(mesh_cfg: Mapping[str, int]) -> list[tuple[str, int]]:

@@ -9,7 +9,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from partitioning.rules import AxisRules, ShardingError
+from errors import ShardingError
+from partitioning.rules import AxisRules
 
 
 def path_str(path: tuple[Any, ...]) -> str:

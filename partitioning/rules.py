@@ -12,16 +12,10 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from errors import ShardingError
+
 LogicalAxes = tuple[str | None, ...]
 MeshAxes = tuple[str, ...]
-
-
-class ConfigError(ValueError):
-  """A bad config value, found before anything compiles. The message names the culprit."""
-
-
-class ShardingError(ConfigError):
-  """A sharding problem found before compilation. The first line names the culprit."""
 
 
 def _fmt_mesh(mesh_shape: Mapping[str, int]) -> str:

@@ -8,9 +8,9 @@ import ml_collections
 import numpy as np
 import pytest
 
+from errors import ConfigError
 import data
 import partitioning
-from partitioning import ConfigError
 
 
 def make(task: str, vocab_size: int = 260, **dataset) -> ml_collections.ConfigDict:

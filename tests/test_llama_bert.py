@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import models
+import errors
 import partitioning
 from configs import bert as bert_config
 from configs import llama as llama_config
@@ -306,11 +307,11 @@ def test_bert_equals_hugging_face(variant):
 
 
 def test_config_errors_name_the_culprit():
-  with pytest.raises(partitioning.ConfigError, match='num_heads 8 is not a multiple of num_kv_heads 3'):
+  with pytest.raises(errors.ConfigError, match='num_heads 8 is not a multiple of num_kv_heads 3'):
     nnx.eval_shape(lambda: models.create(model_cfg('llama', num_kv_heads=3), nnx.Rngs(0)))
-  with pytest.raises(partitioning.ConfigError, match=re.escape("config.model.head='pooler' is not a BERT head")):
+  with pytest.raises(errors.ConfigError, match=re.escape("config.model.head='pooler' is not a BERT head")):
     nnx.eval_shape(lambda: models.create(model_cfg('bert_mlm', head='pooler'), nnx.Rngs(0)))
-  with pytest.raises(partitioning.ConfigError, match='sequence length 65 exceeds the model max_len 64'):
+  with pytest.raises(errors.ConfigError, match='sequence length 65 exceeds the model max_len 64'):
     model('bert_mlm')(jnp.zeros((1, 65), jnp.int32))
   known = "presets: ['dp', 'fsdp', 'fsdp_tp', 'tp'], sizes: ['base', 'tiny'], tasks: ['classify', 'mlm']"
   with pytest.raises(ValueError, match=re.escape(f"unknown config argument 'clasify'; {known}")):
@@ -318,7 +319,7 @@ def test_config_errors_name_the_culprit():
   # 2 kv heads cannot be split over tensor=4 (the tp preset): the rules say which array and why.
   cfg = llama_config.get_config('tp,tiny')
   cfg.model.num_kv_heads = 2
-  with pytest.raises(partitioning.ShardingError, match=r"parameter 'blocks/layers/self_attn/key/layer/kernel': "
+  with pytest.raises(errors.ShardingError, match=r"parameter 'blocks/layers/self_attn/key/layer/kernel': "
                                                        r"dim 2 \('kv_heads'\) has size 2, not divisible by mesh axes "
                                                        r"tensor=4"):
     build_trainer(cfg)

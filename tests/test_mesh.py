@@ -2,7 +2,8 @@
 import jax
 import pytest
 
-from partitioning import ShardingError, devices_needed, make_mesh, resolve_mesh_shape
+from errors import ShardingError
+from partitioning import devices_needed, make_mesh, resolve_mesh_shape
 
 
 def test_mesh_from_config_keeps_order_and_auto_axes():

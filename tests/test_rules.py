@@ -2,7 +2,8 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from partitioning import AxisRules, ShardingError
+from errors import ShardingError
+from partitioning import AxisRules
 
 MESH = {'data': 2, 'fsdp': 2, 'tensor': 2}
 RULES = AxisRules([

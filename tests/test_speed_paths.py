@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from errors import ConfigError, ShardingError
 import models
 import partitioning
 import train
 import training
 from models import attention, layers
-from partitioning import ConfigError, ShardingError
 from tests.conftest import ROOT, build_trainer, subprocess_env, tiny_config
 from training import flops
 

@@ -11,11 +11,11 @@ import optax
 import pytest
 import tensorflow_datasets as tfds
 
+from errors import ConfigError
 import data
 import partitioning
 import train
 from data import vision
-from partitioning import ConfigError
 from tests.conftest import tiny_config
 from tests.test_data_offline import Recorder, assert_same, make, take
 

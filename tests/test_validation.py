@@ -5,10 +5,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from errors import ShardingError
 from models.layers import axes
+import errors
 import partitioning
 import training
-from partitioning import ShardingError
 from tests.conftest import build_trainer, tiny_config
 
 
@@ -141,5 +142,5 @@ def test_config_errors_name_the_field(field, value, msg):
   cfg = tiny_config()
   section, _, key = field.rpartition('.')
   (cfg[section] if section else cfg)[key] = value
-  with pytest.raises(partitioning.ConfigError, match=msg):
+  with pytest.raises(errors.ConfigError, match=msg):
     build_trainer(cfg)

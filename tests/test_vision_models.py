@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from errors import ConfigError, ShardingError
 import models
 import partitioning
 import training
@@ -22,7 +23,6 @@ from configs import resnet as resnet_config
 from configs import vit as vit_config
 from models import resnet, simple, vit
 from models.layers import stack_layers, unstack_layers
-from partitioning import ConfigError, ShardingError
 from tests.conftest import assert_every_leaf_named, build_trainer
 from training import tasks
 

@@ -22,13 +22,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from errors import CheckpointError, ConfigError
 from models import lora
-from partitioning import ConfigError, path_str
+from partitioning import path_str
 from training.trainer import Trainer, TrainState
-
-
-class CheckpointError(ConfigError):
-  """A checkpoint that is missing, corrupt, or does not fit the model being trained."""
 
 
 def state_dict(state: TrainState) -> dict[str, Any]:

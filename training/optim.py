@@ -8,7 +8,8 @@ import jax
 import ml_collections
 import optax
 
-from partitioning import ConfigError, path_str
+from errors import ConfigError
+from partitioning import path_str
 
 
 def make_schedule(cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from errors import ConfigError
 from models import hf_import, lora
-from partitioning import ConfigError, path_str
+from partitioning import path_str
 from training import checkpoint
 from training.trainer import Trainer, TrainState, _split
 

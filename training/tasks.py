@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from partitioning import ConfigError
+from errors import ConfigError
 
 Metrics = dict[str, jax.Array]
 FieldSpec = dict[str, tuple[tuple[int, ...], Any]]

@@ -1,0 +1,19 @@
+"""The errors shardzoo raises for bad input. Each is raised before anything compiles where possible, and
+its message is one line that names the culprit (config field, parameter path, logical axis, mesh axes,
+sizes, file). train.py prints it as `shardzoo: <kind> error: <message>`, with no traceback."""
+
+
+class ConfigError(ValueError):
+  """A bad config value, found before anything compiles. The message names the culprit."""
+
+
+class ShardingError(ConfigError):
+  """A sharding problem (rules, mesh, divisibility) found before compilation."""
+
+
+class CheckpointError(ConfigError):
+  """A checkpoint that is missing, corrupt, or does not fit the model being trained."""
+
+
+class HFImportError(ConfigError):
+  """A Hugging Face directory that cannot be imported as the configured model."""
