@@ -28,7 +28,8 @@ import models
 import partitioning
 import training
 from models import attention, hf_import
-from training import checkpoint, flops, pretrained, profiling
+from training import checkpoint, export, flops, pretrained, profiling
+from training.preemption import Preemption
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/default.py[:preset].', lock_config=True)
@@ -138,7 +139,7 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
     say(f'initialised from {config.init_from}' + (f' except {config.dont_load!r}' if config.get('dont_load') else ''))
   else:
     state = training.init_state(trainer)
-  preemption = checkpoint.Preemption(sync_every=config.log_every)
+  preemption = Preemption(sync_every=config.log_every)
   cleanup.callback(preemption.close)  # restores the SIGTERM handler
   profiler = profiling.StepProfiler(workdir or '.', config.get('profile_first_step', 0), config.get('profile_steps', 5))
   cleanup.callback(profiler.close)
@@ -199,7 +200,7 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
     result['state'] = state
     return result
   if config.get('lora') and config.lora.get('rank') and config.lora.get('export_merged') and workdir:
-    say(f"LoRA adapters merged into the base weights: {checkpoint.export_merged_lora(trainer, state, workdir)}")
+    say(f"LoRA adapters merged into the base weights: {export.export_merged_lora(trainer, state, workdir)}")
 
   # --- Sample -----------------------------------------------------------------------------------
   if ds.language is not None and config.sample_len:

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from safetensors import safe_open
 
-from errors import ConfigError, HFImportError
+from errors import HFImportError
 from partitioning import path_str
 
 Region = list[tuple[int, int]]  # (start, stop) per dimension

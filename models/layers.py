@@ -359,27 +359,3 @@ def dtypes(cfg: Any) -> dict[str, Any]:
 def logits_dtype(cfg: Any) -> Any:
   """The dtype of a language model's logits (config.model.logits_dtype; float32 unless set)."""
   return jnp.dtype(cfg.get('logits_dtype', 'float32'))
-
-
-def stack_layers(tree: Any) -> Any:
-  """Unrolled -> scanned parameters: every {'layers': {0: t0, 1: t1, ...}} becomes {'layers': stack(t_i)}.
-
-  Works on pure dicts (nnx.to_pure_dict) of arrays; the inverse is `unstack_layers`.
-  """
-  if not isinstance(tree, Mapping):
-    return tree
-  out = {}
-  for k, v in tree.items():
-    if k == 'layers' and isinstance(v, Mapping) and v and all(isinstance(i, int) for i in v):
-      out[k] = jax.tree.map(lambda *xs: jnp.stack(xs), *(v[i] for i in range(len(v))))
-    else:
-      out[k] = stack_layers(v)
-  return out
-
-
-def unstack_layers(tree: Any, num: int) -> Any:
-  """Scanned -> unrolled parameters (inverse of `stack_layers`), `num` layers per stack."""
-  if not isinstance(tree, Mapping):
-    return tree
-  return {k: ({i: jax.tree.map(lambda x, i=i: x[i], v) for i in range(num)} if k == 'layers'
-              else unstack_layers(v, num)) for k, v in tree.items()}

@@ -2,11 +2,14 @@
 import contextlib
 import os
 import tempfile
+from collections.abc import Mapping
+from typing import Any
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -101,3 +104,27 @@ def subprocess_env() -> dict[str, str]:
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'TF_CPP_MIN_LOG_LEVEL': '2'}
   env.pop('XLA_FLAGS', None)
   return env
+
+
+def stack_layers(tree: Any) -> Any:
+  """Unrolled -> scanned parameters: every {'layers': {0: t0, 1: t1, ...}} becomes {'layers': stack(t_i)}.
+
+  Works on pure dicts (nnx.to_pure_dict) of arrays; the inverse is `unstack_layers`.
+  """
+  if not isinstance(tree, Mapping):
+    return tree
+  out = {}
+  for k, v in tree.items():
+    if k == 'layers' and isinstance(v, Mapping) and v and all(isinstance(i, int) for i in v):
+      out[k] = jax.tree.map(lambda *xs: jnp.stack(xs), *(v[i] for i in range(len(v))))
+    else:
+      out[k] = stack_layers(v)
+  return out
+
+
+def unstack_layers(tree: Any, num: int) -> Any:
+  """Scanned -> unrolled parameters (inverse of `stack_layers`), `num` layers per stack."""
+  if not isinstance(tree, Mapping):
+    return tree
+  return {k: ({i: jax.tree.map(lambda x, i=i: x[i], v) for i in range(num)} if k == 'layers'
+              else unstack_layers(v, num)) for k, v in tree.items()}

@@ -10,7 +10,7 @@ from flax import nnx
 import models
 from configs import gpt2 as gpt2_config
 from models import gpt2
-from models.layers import stack_layers, unstack_layers
+from tests.conftest import stack_layers, unstack_layers
 
 
 def tiny(**overrides):

@@ -15,7 +15,7 @@ import partitioning
 from configs import bert as bert_config
 from configs import llama as llama_config
 from models import bert, llama
-from models.layers import stack_layers, unstack_layers
+from tests.conftest import stack_layers, unstack_layers
 from tests.conftest import build_trainer
 
 # fp32 logits, 8 devices vs 1 device (sharded matmuls sum in another order), scanned vs unrolled,

@@ -15,7 +15,7 @@ import partitioning
 import training
 from configs import moe as moe_config
 from models import moe
-from models.layers import stack_layers
+from tests.conftest import stack_layers
 from tests.conftest import assert_every_leaf_named, build_trainer
 
 # fp32 forward, ep (8 devices) vs 1 device: measured max abs difference 1.7e-7 on logits up to 0.53

@@ -22,7 +22,7 @@ from configs import mnist
 from configs import resnet as resnet_config
 from configs import vit as vit_config
 from models import resnet, simple, vit
-from models.layers import stack_layers, unstack_layers
+from tests.conftest import stack_layers, unstack_layers
 from tests.conftest import assert_every_leaf_named, build_trainer
 from training import tasks
 

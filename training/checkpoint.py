@@ -1,6 +1,7 @@
 """Checkpoints with orbax: asynchronous saves every N steps, keep the last K, exact resumption
 (train state + each process's data-iterator position), restore onto any mesh and rules, and
-params-only initialisation for fine-tuning.
+params-only initialisation for fine-tuning. (SIGTERM handling: training/preemption.py; merged LoRA
+export: training/export.py.)
 
 Layout: <workdir>/checkpoints/<step>/{state, data}. 'state' is the TrainState as a dict of
 global jax.Arrays (orbax writes each process's shards); 'data' is grain's per-process iterator
@@ -10,20 +11,15 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 import grain
 import jax
-from flax import nnx
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
-from errors import CheckpointError, ConfigError
-from models import lora
+from errors import CheckpointError
 from partitioning import path_str
 from training.trainer import Trainer, TrainState
 
@@ -171,44 +167,3 @@ def load_params(path: str, trainer: Trainer, dont_load: str | None = None) -> An
   except (ValueError, FileNotFoundError, OSError) as e:
     raise CheckpointError(f'{source} could not be restored: {e}') from e
   return out['params']
-
-
-class Preemption:
-  """SIGTERM sets a flag; the train loop asks `requested(step)` and saves before exiting.
-
-  With several processes they must stop at the same step: the flags are combined across processes
-  every `sync_every` steps (one tiny all-gather), so all processes stop together.
-  """
-
-  def __init__(self, sync_every: int = 10):
-    self._flag = threading.Event()
-    self._previous = None
-    self.sync_every = sync_every
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, lambda *_: self._flag.set())
-
-  def requested(self, step: int) -> bool:
-    if jax.process_count() == 1:
-      return self._flag.is_set()
-    if step % self.sync_every:
-      return False
-    flags = multihost_utils.process_allgather(np.array([self._flag.is_set()], np.int32))
-    return bool(np.asarray(flags).any())
-
-  def close(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-
-
-def export_merged_lora(trainer: Trainer, state: TrainState, workdir: str) -> str:
-  """Saves the params with LoRA adapters folded into the base kernels, as a params-only checkpoint
-  (<workdir>/export/0/state) that `init_from` reads with the base model's config (no LoRA)."""
-  def merge(params, rest):
-    model = lora.merge(nnx.merge(trainer.graphdef, params, rest))
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  merged = jax.jit(merge)(state.params, state.model_state)
-  directory = os.path.join(os.path.abspath(workdir), 'export')
-  with ocp.StandardCheckpointer() as saver:
-    saver.save(os.path.join(directory, '0', 'state'), {'params': merged}, force=True)
-    saver.wait_until_finished()
-  return directory
