@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import traverse_util
 from safetensors import safe_open
 
 from errors import HFImportError
@@ -338,13 +339,7 @@ def import_params(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shar
            if missing else '')
         + (f'HF tensors the model does not use ({len(unused)}): {unused[:6]}{" ..." if len(unused) > 6 else ""}.'
            if unused else ''))
-  tree: dict = {}
-  for zoo, arr in out.items():
-    node = tree
-    path = flat[zoo][0]
-    for k in path[:-1]:
-      node = node.setdefault(_key(k), {})
-    node[_key(path[-1])] = arr
+  tree = traverse_util.unflatten_dict({tuple(_key(k) for k in flat[zoo][0]): arr for zoo, arr in out.items()})
   return tree, skipped
 
 

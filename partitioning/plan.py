@@ -15,15 +15,7 @@ from partitioning.rules import AxisRules
 
 def path_str(path: tuple[Any, ...]) -> str:
   """'blocks/0/attn/query/kernel' from a jax key path."""
-  parts = []
-  for k in path:
-    for attr in ('key', 'idx', 'name'):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return '/'.join(parts)
+  return jax.tree_util.keystr(path, simple=True, separator='/')
 
 
 def _key_tuple(path: tuple[Any, ...]) -> tuple[str, ...]:
