@@ -25,36 +25,8 @@ fails with a message naming that field). Fine-tuning pretrained weights needs th
 """
 from configs import common
 
-RULES = {
-    'dp': [
-        ('batch', 'data'),
-        ('layers', None), ('length', None), ('embed', None), ('mlp', None), ('heads', None),
-        ('kv_heads', None), ('kv', None), ('vocab', None), ('token_types', None), ('norm', None),
-    ],
-    'fsdp': [
-        ('batch', ('data', 'fsdp')),
-        ('embed', 'fsdp'), ('embed', None),  # params sharded on embed; activations fall back to None
-        ('layers', None), ('length', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('kv', None),
-        ('vocab', None), ('token_types', None), ('norm', None),
-    ],
-    'tp': [
-        ('batch', 'data'),
-        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
-        ('layers', None), ('length', None), ('embed', None), ('kv', None), ('token_types', None), ('norm', None),
-    ],
-    'fsdp_tp': [
-        ('batch', ('data', 'fsdp')),
-        ('embed', 'fsdp'), ('embed', None),
-        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
-        ('layers', None), ('length', None), ('kv', None), ('token_types', None), ('norm', None),
-    ],
-}
-MESHES = {
-    'dp': dict(data=8, fsdp=1, tensor=1),
-    'fsdp': dict(data=1, fsdp=8, tensor=1),
-    'tp': dict(data=2, fsdp=1, tensor=4),
-    'fsdp_tp': dict(data=1, fsdp=4, tensor=2),
-}
+# The transformer presets (configs/common.py) plus BERT's token-type rows, copied here to edit for this family.
+RULES, MESHES = common.transformer_presets(extra=[('token_types', None)])
 SIZES = {
     # pad_vocab_to: 30522 = 2 x 3 x 5087 rows padded to 30592 so 'vocab' divides tensor=4 (padded logits masked).
     'base': dict(vocab_size=30522, pad_vocab_to=128, max_len=512, type_vocab_size=2, num_layers=12, num_heads=12,

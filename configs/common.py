@@ -10,6 +10,7 @@ The rules and meshes live in each config file, where users edit them.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 
 import ml_collections
@@ -28,6 +29,48 @@ def parse_arg(arg: str | None, presets: Sequence[str], sizes: Sequence[str], *, 
       raise ValueError(f'{file}: unknown config argument {word!r}; presets: {sorted(presets)}, '
                        f'sizes: {sorted(sizes)}')
   return preset, size
+
+
+# The four parallelism presets of the transformer families (gpt2, llama, bert): logical-axis rules (first free
+# match wins, later rules for a name are fallbacks, None replicates) and meshes over 8 devices. A config file
+# takes a copy (`transformer_presets`) and may edit it, e.g. RULES['tp'] = [...], where users run it.
+TRANSFORMER_RULES = {
+    'dp': [
+        ('batch', 'data'),
+        ('layers', None), ('length', None), ('embed', None), ('mlp', None), ('heads', None),
+        ('kv_heads', None), ('kv', None), ('vocab', None), ('norm', None),
+    ],
+    'fsdp': [
+        ('batch', ('data', 'fsdp')),
+        ('embed', 'fsdp'), ('embed', None),  # params sharded on embed; activations fall back to None
+        ('layers', None), ('length', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('kv', None),
+        ('vocab', None), ('norm', None),
+    ],
+    'tp': [
+        ('batch', 'data'),
+        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
+        ('layers', None), ('length', None), ('embed', None), ('kv', None), ('norm', None),
+    ],
+    'fsdp_tp': [
+        ('batch', ('data', 'fsdp')),
+        ('embed', 'fsdp'), ('embed', None),
+        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
+        ('layers', None), ('length', None), ('kv', None), ('norm', None),
+    ],
+}
+TRANSFORMER_MESHES = {
+    'dp': dict(data=8, fsdp=1, tensor=1),
+    'fsdp': dict(data=1, fsdp=8, tensor=1),
+    'tp': dict(data=2, fsdp=1, tensor=4),
+    'fsdp_tp': dict(data=1, fsdp=4, tensor=2),
+}
+
+
+def transformer_presets(extra: Sequence[tuple] = (), drop: Sequence[str] = ()) -> tuple[dict, dict]:
+  """Copies of (TRANSFORMER_RULES, TRANSFORMER_MESHES) for one config file: `extra` rules appended to every
+  preset (e.g. ('token_types', None)), rules for the logical names in `drop` left out."""
+  rules = {k: [r for r in v if r[0] not in drop] + list(extra) for k, v in TRANSFORMER_RULES.items()}
+  return rules, copy.deepcopy(TRANSFORMER_MESHES)
 
 
 def mesh(sizes: Mapping[str, int]) -> ml_collections.ConfigDict:

@@ -14,36 +14,8 @@ Markov language). Combine with a comma: configs/gpt2.py:tp,tiny.
 """
 from configs import common
 
-RULES = {
-    'dp': [
-        ('batch', 'data'),
-        ('layers', None), ('length', None), ('embed', None), ('mlp', None), ('heads', None),
-        ('kv_heads', None), ('kv', None), ('vocab', None), ('norm', None),
-    ],
-    'fsdp': [
-        ('batch', ('data', 'fsdp')),
-        ('embed', 'fsdp'), ('embed', None),  # params sharded on embed; activations fall back to None
-        ('layers', None), ('length', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('kv', None),
-        ('vocab', None), ('norm', None),
-    ],
-    'tp': [
-        ('batch', 'data'),
-        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
-        ('layers', None), ('length', None), ('embed', None), ('kv', None), ('norm', None),
-    ],
-    'fsdp_tp': [
-        ('batch', ('data', 'fsdp')),
-        ('embed', 'fsdp'), ('embed', None),
-        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
-        ('layers', None), ('length', None), ('kv', None), ('norm', None),
-    ],
-}
-MESHES = {
-    'dp': dict(data=8, fsdp=1, tensor=1),
-    'fsdp': dict(data=1, fsdp=8, tensor=1),
-    'tp': dict(data=2, fsdp=1, tensor=4),
-    'fsdp_tp': dict(data=1, fsdp=4, tensor=2),
-}
+# The transformer presets (configs/common.py), copied here to edit for this family, e.g. RULES['tp'] = [...].
+RULES, MESHES = common.transformer_presets()
 SIZES = {
     # pad_vocab_to: 50257 rows padded to 50304 so 'vocab' divides any mesh axis up to 128 (padded logits masked).
     'real': dict(vocab_size=50257, pad_vocab_to=128, max_len=1024, num_layers=12, num_heads=12, embed_dim=768,

@@ -22,36 +22,8 @@ directory holding the Llama 3 tokenizer, saved on a machine with access by
 """
 from configs import common
 
-RULES = {
-    'dp': [
-        ('batch', 'data'),
-        ('layers', None), ('length', None), ('embed', None), ('mlp', None), ('heads', None),
-        ('kv_heads', None), ('kv', None), ('vocab', None), ('norm', None),
-    ],
-    'fsdp': [
-        ('batch', ('data', 'fsdp')),
-        ('embed', 'fsdp'), ('embed', None),  # params sharded on embed; activations fall back to None
-        ('layers', None), ('length', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('kv', None),
-        ('vocab', None), ('norm', None),
-    ],
-    'tp': [
-        ('batch', 'data'),
-        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
-        ('layers', None), ('length', None), ('embed', None), ('kv', None), ('norm', None),
-    ],
-    'fsdp_tp': [
-        ('batch', ('data', 'fsdp')),
-        ('embed', 'fsdp'), ('embed', None),
-        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
-        ('layers', None), ('length', None), ('kv', None), ('norm', None),
-    ],
-}
-MESHES = {
-    'dp': dict(data=8, fsdp=1, tensor=1),
-    'fsdp': dict(data=1, fsdp=8, tensor=1),
-    'tp': dict(data=2, fsdp=1, tensor=4),
-    'fsdp_tp': dict(data=1, fsdp=4, tensor=2),
-}
+# The transformer presets (configs/common.py), copied here to edit for this family, e.g. RULES['tp'] = [...].
+RULES, MESHES = common.transformer_presets()
 SIZES = {
     # Llama-3.2-1B: 1,235,814,400 parameters (HF config: hidden_size 2048, intermediate_size 8192,
     # num_key_value_heads 8, rms_norm_eps 1e-5, tie_word_embeddings True). head_dim = 2048 / 32 = 64.
