@@ -309,9 +309,9 @@ def remat_policy(remat: Any) -> str:
 class Stack(nnx.Module):
   """`num` identical blocks, unrolled or stacked on a leading 'layers' axis and run with `nnx.scan`.
 
-  Scanned: every parameter of the block gets a leading dimension named 'layers' (so rules can shard
-  or replicate it like any other axis) and the step compiles one block instead of `num`.
-  Unrolled: an nnx.List, parameters at blocks/<i>/... . Both give the same outputs.
+  Scanned: parameters at <stack>/layers/..., each with a leading dimension named 'layers' (so rules can
+  shard or replicate it like any other axis); the step compiles one block instead of `num`.
+  Unrolled: an nnx.List, parameters at <stack>/layers/<i>/... . Both give the same outputs.
   A block maps (x, *args) -> x, or -> (x, aux) with aux a dict of scalars, summed over layers.
   `remat` names what each block keeps for the backward pass (REMAT_POLICIES); the rest is recomputed.
   """

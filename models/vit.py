@@ -24,6 +24,7 @@ import ml_collections
 from flax import nnx
 
 from errors import ConfigError
+from models import hf_import as hf
 from models.layers import MLP, NORMAL_002, Attention, Conv, Dense, LayerNorm, Stack, axes, dtypes, stack_options
 from partitioning import shard_logical
 
@@ -92,9 +93,6 @@ def num_params(cfg: Any) -> int:
 # (config.model.num_classes = config.dataset.num_classes). A checkpoint with as many labels loads
 # completely; one with another number is an error naming the classifier's shapes until
 # config.dont_load='^head/' initialises a new head (fine-tuning on new classes).
-
-from models import hf_import as hf  # noqa: E402  (imported here: this section is appended to the file)
-
 
 def _hf_config(c: dict) -> dict:
   for field, want, why in (('hidden_act', 'gelu', "the zoo's ViT MLP uses the exact erf GELU ('gelu')"),
