@@ -1,6 +1,7 @@
 """What a compiled step costs per device: memory, and the collectives the sharding rules imply."""
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -14,17 +15,20 @@ _INSTR = re.compile(r'^\s*(?:ROOT\s+)?%\S+\s*=\s*(?P<shape>.+?)\s+(?P<op>' + '|'
 _ARRAY = re.compile(r'\b([a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn)?)?)\[([0-9,]*)\]')
 
 
-def _bytes(shape: str, start: bool) -> int:
-  arrays = [(dt, dims) for dt, dims in _ARRAY.findall(shape) if dt in _ITEMSIZE]
-  if start and len(arrays) > 1:  # async start: (operand, result[, ...]); count the result
-    arrays = arrays[1:2]
-  total = 0
-  for dt, dims in arrays:
-    n = 1
-    for d in filter(None, dims.split(',')):
-      n *= int(d)
-    total += n * _ITEMSIZE[dt]
-  return total
+def _collectives(hlo_text: str):
+  """(op, [(dtype, dims), ...] of its result) for every collective of an HLO module's text. An async start's
+  shape is (operand, result[, ...]): its result is taken."""
+  for m in _INSTR.finditer(hlo_text):
+    arrays = [(dt, tuple(int(d) for d in dims.split(',') if d)) for dt, dims in _ARRAY.findall(m['shape'])
+              if dt in _ITEMSIZE]
+    if m['start'] and len(arrays) > 1:
+      arrays = arrays[1:2]
+    yield m['op'], arrays
+
+
+def collective_shapes(hlo_text: str, op: str) -> list[tuple[int, ...]]:
+  """The per-device result shapes of every `op` (e.g. 'all-gather') in a compiled HLO module's text."""
+  return [dims for o, arrays in _collectives(hlo_text) if o == op for _, dims in arrays]
 
 
 def collective_stats(hlo_text: str) -> dict[str, tuple[int, int]]:
@@ -33,10 +37,10 @@ def collective_stats(hlo_text: str) -> dict[str, tuple[int, int]]:
   Counts are static (an op in a loop body counts once); shapes in partitioned HLO are per device.
   """
   stats: dict[str, list[int]] = {}
-  for m in _INSTR.finditer(hlo_text):
-    s = stats.setdefault(m['op'], [0, 0])
+  for op, arrays in _collectives(hlo_text):
+    s = stats.setdefault(op, [0, 0])
     s[0] += 1
-    s[1] += _bytes(m['shape'], bool(m['start']))
+    s[1] += sum(math.prod(dims) * _ITEMSIZE[dt] for dt, dims in arrays)
   return {op: (c, b) for op, (c, b) in sorted(stats.items())}
 
 

@@ -16,7 +16,9 @@ import pytest
 from flax import nnx
 
 import models
+import partitioning
 import train
+import training
 from tests.conftest import ROOT, assert_every_leaf_named
 
 MAX_TINY_PARAMS = 2_000_000  # keeps the matrix inside the CI budget; shrink a config's 'tiny' size instead
@@ -78,8 +80,18 @@ def test_config_trains_two_steps(name, preset, tmp_path):
   cfg.update(total_steps=2, log_every=1, eval_every=2, sample_len=0)
   result = train.train_and_evaluate(cfg, str(tmp_path))
   assert np.isfinite(result['train']['loss']) and np.isfinite(result['eval']['loss'])
+  assert result['eval']['weight'] > 0 and 0 <= result['eval']['accuracy'] <= 1
   params = result['state'].params
   assert jax.tree.leaves(params)[0].sharding.mesh.size == 8
+  # Two steps trained what trains and nothing else: each trainable parameter moved from its (seeded)
+  # initial value, each frozen one (LoRA's base weights) did not.
+  trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh),
+                           lambda rngs: models.create(cfg.model, rngs, cfg.get('lora')))
+  start = jax.device_get(training.init_state(trainer).params)
+  labels = trainer.labels or jax.tree.map(lambda _: 'train', start)
+  for (path, before), after, label in zip(jax.tree_util.tree_leaves_with_path(start), jax.tree.leaves(
+      jax.device_get(params)), jax.tree.leaves(labels)):
+    assert np.array_equal(before, after) == (label == 'frozen'), f'{name}:{preset} {partitioning.path_str(path)}'
 
 
 @pytest.mark.parametrize('name', [name for name, module in MODULES if hasattr(module, 'SIZES')])

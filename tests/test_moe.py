@@ -196,10 +196,6 @@ def test_expert_parallel_forward_equals_single_device():
     np.testing.assert_allclose(aux[k], aux_1[k], rtol=RTOL, atol=ATOL, err_msg=k)
 
 
-_GATHER = re.compile(r'^\s*(?:ROOT\s+)?%\S+\s*=\s*(?P<shape>.+?)\s+all-gather(?:-start)?\(', re.MULTILINE)
-_ARRAY = re.compile(r'\b(f32|bf16)\[([0-9,]*)\]')
-
-
 @pytest.mark.parametrize('preset', ['ep', 'fsdp_ep'])
 def test_compiled_step_moves_tokens_not_expert_weights(preset):
   cfg = tiny_cfg(preset, mlp_dim=48)  # a width no other array has, so expert shapes are unambiguous
@@ -209,8 +205,7 @@ def test_compiled_step_moves_tokens_not_expert_weights(preset):
   E, D, F, N = m.num_experts, m.embed_dim, m.mlp_dim, m.num_layers
   full_shapes = {(N, E, D, F), (N, E, F, D), (E, D, F), (E, F, D)}
   layer_bytes = E * D * F * 4  # one layer's full gate (or up, or down) weights
-  gathers = [tuple(int(d) for d in dims.split(',') if d) for s in _GATHER.findall(hlo) for _, dims in
-             _ARRAY.findall(s)]
+  gathers = partitioning.collective_shapes(hlo, 'all-gather')  # per-device result shapes
   assert gathers  # the parser sees the gathers that are there (the router kernel, FSDP's dense weights)
   for shape in gathers:
     assert shape not in full_shapes, shape
