@@ -9,7 +9,8 @@ TFDS datasets, prepared in config.dataset.data_dir (see README): mnist, cifar10,
 ('classification'), lm1b, c4 ('lm', 'mlm'), and any other TFDS dataset with 'image' + 'label' or a
 text feature (`text_key`, default 'text'; plus 'label' for 'text_classification').
 
-Batch fields per task (per global batch of B; `Dataset.fields` lists what a dataset produces):
+Batch fields per task (per global batch of B; the task in training/tasks.py owns this contract, and
+`Dataset.example_spec()` says what a dataset makes, for the task's `check_data`):
   lm                   inputs, targets int32 (B, L); mask float32 (B, L); packed text
                        (config.dataset.pack=True) adds segment_ids (1, 2, .. per document in a row,
                        0 = padding) and positions (within the document), int32 (B, L)
@@ -27,7 +28,7 @@ Missing fields take the dataset's defaults.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import grain
@@ -43,12 +44,6 @@ __all__ = ['Dataset', 'MarkovLanguage', 'MarkovText', 'build', 'eval_batches', '
            'train_dataset']
 
 OFFLINE = ('markov', 'markov_text', 'synthetic_images')
-TASK_FIELDS = {
-    'lm': ('inputs', 'targets', 'mask'),
-    'classification': ('image', 'label', 'mask'),
-    'mlm': ('inputs', 'targets', 'mask', 'input_mask', 'token_types'),
-    'text_classification': ('inputs', 'input_mask', 'token_types', 'label', 'mask'),
-}
 TEXT_TASKS = ('lm', 'mlm', 'text_classification')
 # Defaults for well-known TFDS datasets (any field can be set in config.dataset instead).
 TFDS_DEFAULTS = {
@@ -71,9 +66,12 @@ def lm_example(seqs: np.ndarray) -> dict[str, np.ndarray]:
 
 @dataclasses.dataclass
 class Dataset:
-  """Random-access train/eval splits and the per-example transforms that make batch fields of them."""
+  """Random-access train/eval splits and the per-example transforms that make batch fields of them.
+
+  It declares no field list: `example_spec()` measures what it makes, and the task checks that
+  (training.tasks.Task.check_data), with `vocab` and `num_classes`, against itself and the model.
+  """
   name: str
-  fields: tuple[str, ...]  # the batch fields this dataset produces
   train: Any  # random-access examples
   eval: Any
   transform: pipeline.Transform  # per example (for packed text: example -> one tokenized document)
@@ -84,6 +82,8 @@ class Dataset:
   description: str = ''
   language: MarkovLanguage | None = None  # 'markov': the true language (entropy floor, sample NLL)
   tokenizer: Any = None
+  vocab: tuple[int, str] | None = None  # token datasets: (number of ids, what emits them)
+  num_classes: int | None = None  # labelled datasets: labels are below this
 
   def train_dataset(self, global_batch: int, rows: slice, seed: int) -> grain.IterDataset:
     """This process's `rows` of every global batch, forever; `iter()` of it has get_state/set_state."""
@@ -101,14 +101,14 @@ class Dataset:
     return pipeline.eval_batches(self.eval, global_batch, rows, t, num_threads=self.num_threads,
                                  prefetch=self.prefetch)
 
-  def check_fields(self, needed: Iterable[str]) -> None:
-    """The task's batch fields must be exactly the ones this dataset produces."""
-    needed = set(needed)
-    missing, extra = sorted(needed - set(self.fields)), sorted(set(self.fields) - needed)
-    if missing or extra:
-      raise ConfigError(f'dataset {self.name!r} produces batch fields {list(self.fields)}, but the task takes '
-                        f'{sorted(needed)} (missing {missing}, unused {extra}); packed text needs '
-                        'config.dataset.pack=True for both')
+  def example_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Field -> (shape, dtype) of one example as the pipelines make it, measured on the first train and
+    eval examples (their transforms must agree)."""
+    train = pipeline.example_spec(self.train, self.transform, self.pack_len)
+    eval_ = pipeline.example_spec(self.eval, self.eval_transform or self.transform, self.pack_len)
+    if train != eval_:
+      raise ConfigError(f'dataset {self.name!r} makes train examples {train} but eval examples {eval_}')
+    return train
 
 
 def _opt(cfg: ml_collections.ConfigDict, key: str, default: Any = None) -> Any:
@@ -129,20 +129,19 @@ def _check_task(name: str, task: str, serves: tuple[str, ...]) -> None:
     raise ConfigError(f'config.task={task!r} does not fit dataset {name!r}, which serves {list(serves)}')
 
 
-def _text_dataset(cfg, task: str, name: str, train: Any, eval_: Any, where: str) -> Dataset:
+def _text_dataset(cfg, task: str, name: str, train: Any, eval_: Any, where: str,
+                  num_classes: int | None = None) -> Dataset:
   """Tokenizer, then the task's transform: packed or per-row LM documents, MLM masking, or classification."""
   L = _seq_len(cfg, task)
   tok = text.tokenizer(_opt(cfg, 'tokenizer', 'byte'))
   key = _opt(cfg, 'text_key', 'text')
   pack = bool(cfg.get('pack', False))
-  fields = TASK_FIELDS[task]
   if pack and task != 'lm':
     raise ConfigError(f'config.dataset.pack=True packs documents for task lm, not {task!r}')
   if task == 'lm':
     if tok.eos_id is None:
       raise ConfigError(f'tokenizer {tok.name!r} has no end-of-text token: LM documents need one')
     transform = text.LMDocument(tok, key) if pack else text.LMRow(tok, L, key)
-    fields = pipeline.PACKED_FIELDS if pack else fields
     layout = f'packed rows of {L} tokens' if pack else f'one document per row (truncated to {L} tokens)'
   elif task == 'mlm':
     if tok.mask_id is None:
@@ -151,8 +150,10 @@ def _text_dataset(cfg, task: str, name: str, train: Any, eval_: Any, where: str)
     transform, layout = text.MaskTokens(tok, L, prob, key), f'rows of {L} tokens, {prob:.0%} masked'
   else:
     transform, layout = text.ClassifyText(tok, L, key), f'rows of {L} tokens'
-  return Dataset(name, fields, train, eval_, transform, pack_len=L if pack else None,
+  return Dataset(name, train, eval_, transform, pack_len=L if pack else None,
                  num_threads=_opt(cfg, 'num_threads', 1), prefetch=_opt(cfg, 'prefetch', 4), tokenizer=tok,
+                 vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
+                 num_classes=num_classes if task == 'text_classification' else None,
                  description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} documents; '
                              f'{tok.name} tokenizer ({tok.vocab_size} ids); {layout}')
 
@@ -166,9 +167,9 @@ def _image_dataset(cfg, name: str, train: Any, eval_: Any, where: str, *, size: 
     raise ConfigError(f'config.dataset.augment={augment!r}; choose one of {list(vision.AUGMENTATIONS)}')
   if not isinstance(size, int) or size < 1:
     raise ConfigError(f'config.dataset.image_size={size!r}: must be a positive integer')
-  return Dataset(name, TASK_FIELDS['classification'], train, eval_,
+  return Dataset(name, train, eval_,
                  vision.TrainImages(size, augment, mean, std), vision.EvalImages(size, augment, mean, std),
-                 num_threads=_opt(cfg, 'num_threads', 1), prefetch=_opt(cfg, 'prefetch', 4),
+                 num_threads=_opt(cfg, 'num_threads', 1), prefetch=_opt(cfg, 'prefetch', 4), num_classes=num_classes,
                  description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} images, '
                              f'{size}x{size}x{channels}, {num_classes} classes; train augmentation {augment}')
 
@@ -181,8 +182,9 @@ def _offline(cfg, task: str) -> Dataset:
       raise ConfigError("config.dataset.pack=True: 'markov' rows are single sequences, there is nothing to pack")
     lang = MarkovLanguage(cfg.vocab_size, cfg.branching, cfg.smoothing, seed)
     n = cfg.seq_len + 1
-    return Dataset(name, TASK_FIELDS['lm'], lang.sample(cfg.num_train, n, seed=seed + 1),
+    return Dataset(name, lang.sample(cfg.num_train, n, seed=seed + 1),
                    lang.sample(cfg.num_eval, n, seed=seed + 2), lm_example, language=lang,
+                   vocab=(lang.vocab_size, 'the markov language (config.dataset.vocab_size)'),
                    description=f'markov: {cfg.num_train:,} train / {cfg.num_eval:,} eval sequences of {n} tokens')
   num_train, num_eval = _opt(cfg, 'num_train', 8192), _opt(cfg, 'num_eval', 1000)
   num_classes = _opt(cfg, 'num_classes', 2 if name == 'markov_text' else 10)
@@ -200,7 +202,7 @@ def _offline(cfg, task: str) -> Dataset:
   make = lambda num, split: MarkovText(num, _opt(cfg, 'min_text_len', max(1, max_len // 4)), max_len, num_classes,
                                        seed, split, _opt(cfg, 'vocab_size', 16), _opt(cfg, 'branching', 4),
                                        _opt(cfg, 'smoothing', 0.03))
-  return _text_dataset(cfg, task, name, make(num_train, 0), make(num_eval, 1), 'offline')
+  return _text_dataset(cfg, task, name, make(num_train, 0), make(num_eval, 1), 'offline', num_classes)
 
 
 def _tfds(cfg, task: str) -> Dataset:
@@ -229,15 +231,17 @@ def _tfds(cfg, task: str) -> Dataset:
     _check_task(name, task, TEXT_TASKS if labelled else ('lm', 'mlm'))
     if task == 'text_classification' and cfg.get('num_classes') not in (None, features['label'].num_classes):
       raise ConfigError(f"config.dataset.num_classes={cfg.num_classes} but {name} has {features['label'].num_classes}")
-    return _text_dataset(cfg, task, name, *open_(), f'TFDS, {b.data_dir}')
+    return _text_dataset(cfg, task, name, *open_(), f'TFDS, {b.data_dir}',
+                         features['label'].num_classes if labelled else None)
   raise ConfigError(f'TFDS dataset {name!r} has neither image+label nor a {key!r} text feature '
                     f'(its features: {sorted(features)}); set config.dataset.text_key for text datasets')
 
 
 def build(config: ml_collections.ConfigDict) -> Dataset:
-  """The dataset of `config.dataset` for `config.task`, checked against `config.model` (vocabulary).
+  """The dataset of `config.dataset` for `config.task` (`config.model` is not read: the task checks
+  the dataset against the model, `Task.check_data`).
 
-  Passing `config.dataset` alone is accepted for the LM task (no model check). Raises ConfigError,
+  Passing `config.dataset` alone is accepted for the LM task. Raises ConfigError,
   before anything is read, for an unknown dataset, split, task or a bad size; an unprepared TFDS
   dataset fails at once with the command that prepares it.
   """
@@ -247,9 +251,4 @@ def build(config: ml_collections.ConfigDict) -> Dataset:
   ds = _offline(cfg, task) if cfg.name in OFFLINE else _tfds(cfg, task)
   if not len(ds.eval):
     raise ConfigError(f'the eval split of {cfg.name!r} is empty')
-  model = config.get('model') if whole else None
-  vocab = model.get('vocab_size') if model is not None else None
-  if ds.tokenizer is not None and vocab is not None and ds.tokenizer.vocab_size > vocab:
-    raise ConfigError(f'the {ds.tokenizer.name} tokenizer has {ds.tokenizer.vocab_size} ids but config.model.vocab_size='
-                      f'{vocab}: set config.model.vocab_size >= {ds.tokenizer.vocab_size}')
   return ds

@@ -41,7 +41,6 @@ from errors import ConfigError
 # A per-example transform: a callable or grain.transforms.Map (example -> dict of arrays), or a
 # grain.transforms.RandomMap, whose numpy Generator is seeded by (seed, index in the stream).
 Transform = Callable[[Any], Mapping[str, np.ndarray]] | grain.transforms.Map | grain.transforms.RandomMap
-PACKED_FIELDS = ('inputs', 'targets', 'mask', 'segment_ids', 'positions')
 
 
 def _check_rows(rows: slice, global_batch: int) -> int:
@@ -173,6 +172,19 @@ def packed_eval_batches(source: Any, global_batch: int, rows: slice, tokenize: T
     if not more:
       return
     yield _stack_packed(batch, seq_len)
+
+
+def example_spec(source: Any, transform: Transform, pack_len: int | None = None, *,
+                 seed: int = 0) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """Field -> (shape, dtype) of the first example of `source` as the pipeline makes it (for packed
+  text, `transform` makes a document and the example is the first packed row)."""
+  examples = _apply(grain.MapDataset.source(source), transform, seed)
+  if pack_len:
+    row = next(iter(_packed_rows(examples, 1, slice(0, 1), pack_len)[0]))
+    example = {k: v[0] for k, v in _stack_packed((row,), pack_len).items()}
+  else:
+    example = examples[0]
+  return {k: (np.shape(v), np.asarray(v).dtype) for k, v in example.items()}
 
 
 def to_global(local_batch: Mapping[str, np.ndarray], shardings: Mapping[str, NamedSharding],
