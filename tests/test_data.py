@@ -88,7 +88,7 @@ def test_to_global_builds_sharded_arrays():
 
 def test_unknown_dataset():
   from tests.conftest import tiny_config
-  cfg = tiny_config().dataset
-  cfg.name = 'nope'
+  cfg = tiny_config()
+  cfg.dataset.name = 'nope'
   with pytest.raises(ValueError, match=r"config.dataset.name='nope' is not a known dataset"):
     data.build(cfg)
