@@ -103,7 +103,7 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
   ds = data.build(config)
   trainer.task.check_data(config, ds.example_spec(), ds.vocab, ds.num_classes)
   B = config.batch_size
-  rows = partitioning.local_rows(trainer.batch_shardings['mask'], trainer.batch_abstract['mask'].shape)
+  rows = data.local_rows(trainer.batch_shardings['mask'], trainer.batch_abstract['mask'].shape)
   train_iter = iter(ds.train_dataset(B, rows, config.seed))  # get_state()/set_state() resume it exactly
   cleanup.callback(train_iter.close)  # stops the prefetch threads
   units_per_step = math.prod(trainer.batch_abstract[trainer.task.unit_field].shape)

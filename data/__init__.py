@@ -4,7 +4,8 @@ datasets, the config.dataset fields and the batch of each task.
 
   ds = data.build(config)                 # config.dataset for config.task (registry.py)
   trainer.task.check_data(config, ds.example_spec(), ds.vocab, ds.num_classes)  # the task's contract
-  it = iter(ds.train_dataset(B, rows, seed))   # this process's rows of every global batch
+  rows = data.local_rows(batch_sharding, (B, ...))  # the rows of every global batch this process reads
+  it = iter(ds.train_dataset(B, rows, seed))
   data.to_global(next(it), shardings, B)  # -> global jax.Arrays
 
 Modules: registry (the datasets and build), dataset (Dataset), pipeline (grain: shuffling, per-process
@@ -14,9 +15,9 @@ The batch fields, their logical axes, shapes and dtypes belong to the tasks (tra
 """
 from data.dataset import Dataset
 from data.markov import MarkovLanguage, MarkovText
-from data.pipeline import eval_batches, to_global, train_dataset
+from data.pipeline import eval_batches, local_rows, to_global, train_dataset
 from data.registry import build
 from data.text import lm_example
 
-__all__ = ['Dataset', 'MarkovLanguage', 'MarkovText', 'build', 'eval_batches', 'lm_example', 'to_global',
-           'train_dataset']
+__all__ = ['Dataset', 'MarkovLanguage', 'MarkovText', 'build', 'eval_batches', 'lm_example', 'local_rows',
+           'to_global', 'train_dataset']

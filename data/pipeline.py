@@ -5,7 +5,7 @@ Why grain on random-access sources (`tfds.data_source`, or arrays in memory) rat
 * Random access makes the batch layout a pure function of (seed, step): global batch g holds
   examples [g*B, (g+1)*B) of one shuffled index stream (grain's index shuffle, reshuffled each
   epoch), whatever the number of processes or devices. Each process reads only the rows its
-  devices hold (`partitioning.local_rows`) and nothing else. tf.data shards by files or by
+  devices hold (`local_rows`) and nothing else. tf.data shards by files or by
   `shard(process_count)`, which changes the order when the number of processes changes.
 * Resumption is exact and cheap: the iterator state is a few integers (the next index; for
   packed text, also the position inside one document), JSON-serialisable, so a resumed run sees
@@ -36,11 +36,25 @@ from grain import experimental as grain_exp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from errors import ConfigError
+from errors import ConfigError, ShardingError
 
 # A per-example transform: a callable or grain.transforms.Map (example -> dict of arrays), or a
 # grain.transforms.RandomMap, whose numpy Generator is seeded by (seed, index in the stream).
 Transform = Callable[[Any], Mapping[str, np.ndarray]] | grain.transforms.Map | grain.transforms.RandomMap
+
+
+def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
+  """The rows of a global batch this process reads: the contiguous range of leading-axis rows its
+  devices hold of an array of `global_shape` with `sharding` (the batch field's)."""
+  idx = sharding.addressable_devices_indices_map(global_shape).values()
+  starts = sorted({(i[0].start or 0, i[0].stop if i[0].stop is not None else global_shape[0]) for i in idx})
+  lo, hi = starts[0][0], starts[-1][1]
+  covered = sum(b - a for a, b in starts)
+  if covered != hi - lo:
+    raise ShardingError(
+        f'this process holds non-contiguous batch rows {starts} of a global batch of {global_shape[0]}; '
+        'order the mesh so each process owns a contiguous block of the batch axes')
+  return slice(lo, hi)
 
 
 def _check_rows(rows: slice, global_batch: int) -> int:

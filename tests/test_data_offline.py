@@ -195,7 +195,7 @@ def test_order_is_a_function_of_the_seed_and_equal_on_one_or_eight_devices():
   got = {}
   for name, mesh in (('eight', eight), ('one', one)):
     s = jax.sharding.NamedSharding(mesh, jax.P('data'))
-    rows = partitioning.local_rows(s, (8, 16))
+    rows = data.local_rows(s, (8, 16))
     got[name] = [jax.device_get(data.to_global(b, {k: s for k in b}, 8)) for b in take(ds, 3, rows=rows)]
   assert_same(got['eight'], got['one'])
 

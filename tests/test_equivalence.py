@@ -21,7 +21,7 @@ def run(cfg, devices, steps=3):
   step = training.jit_train_step(trainer)
   state = training.init_state(trainer)
   ds = data.build(cfg)
-  rows = partitioning.local_rows(trainer.batch_shardings['inputs'], (cfg.batch_size, cfg.dataset.seq_len))
+  rows = data.local_rows(trainer.batch_shardings['inputs'], (cfg.batch_size, cfg.dataset.seq_len))
   it = iter(data.train_dataset(ds.train, cfg.batch_size, rows, cfg.seed, ds.transform))
   losses = []
   for _ in range(steps):

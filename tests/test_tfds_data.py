@@ -115,7 +115,7 @@ def test_eval_metric_is_exact_when_the_split_is_not_a_multiple_of_the_batch(mock
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, b['label'])
     return jnp.stack([(loss * b['mask']).sum(), ((logits.argmax(-1) == b['label']) * b['mask']).sum(), b['mask'].sum()])
   total = sum(np.asarray(sums(data.to_global(b, {k: s for k in b}, 8)), np.float64)
-              for b in ds.eval_batches(8, partitioning.local_rows(s, (8,))))
+              for b in ds.eval_batches(8, data.local_rows(s, (8,))))
   # Plain numpy, one example at a time, straight from the source.
   x = np.stack([(ds.eval[i]['image'] / 255 - 0.1307) / 0.3081 for i in range(N)]).reshape(N, -1) @ W.astype(np.float64)
   y = np.array([ds.eval[i]['label'] for i in range(N)])
