@@ -10,7 +10,9 @@ Why grain on random-access sources (`tfds.data_source`, or arrays in memory) rat
 * Resumption is exact and cheap: the iterator state is a few integers (the next index; for
   packed text, also the position inside one document), JSON-serialisable, so a resumed run sees
   exactly the batches an uninterrupted run would have. tf.data checkpoints whole shuffle buffers.
-* No TensorFlow at run time (tfds' array_record sources decode with numpy/PIL).
+* The pipelines never import TensorFlow: `tfds.data_source` reads array_record files and decodes
+  with numpy/PIL (checked for JPEG images and text). TensorFlow is still needed to prepare datasets
+  (`tfds build`), and train.py loads it anyway, through clu's TensorBoard metric writer.
 
 Sharding, shuffling, repetition, batching, threads and prefetching are grain's; this module only
 chooses the indices. Global batches become jax.Arrays with `jax.make_array_from_process_local_data`.
