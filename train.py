@@ -99,11 +99,12 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
     return {'num_params': training.num_params(trainer)}
 
   # --- Input pipeline: each process reads only its rows of every global batch -------------------
-  # Built before compiling, so a bad dataset, split or size fails in seconds.
+  # Built before compiling, so a bad dataset, split or size fails in seconds; the task checks that the
+  # dataset makes its fields (shapes, dtypes) and fits the model's vocabulary and classes.
   ds = data.build(config)
-  ds.check_fields(trainer.batch_abstract)
+  trainer.task.check_data(config, ds.example_spec(), ds.vocab, ds.num_classes)
   B = config.batch_size
-  rows = partitioning.local_rows(trainer.batch_shardings['mask'], trainer.batch_abstract['mask'].shape)
+  rows = data.local_rows(trainer.batch_shardings['mask'], trainer.batch_abstract['mask'].shape)
   train_iter = iter(ds.train_dataset(B, rows, config.seed))  # get_state()/set_state() resume it exactly
   cleanup.callback(train_iter.close)  # stops the prefetch threads
   units_per_step = math.prod(trainer.batch_abstract[trainer.task.unit_field].shape)

@@ -5,12 +5,14 @@ Why grain on random-access sources (`tfds.data_source`, or arrays in memory) rat
 * Random access makes the batch layout a pure function of (seed, step): global batch g holds
   examples [g*B, (g+1)*B) of one shuffled index stream (grain's index shuffle, reshuffled each
   epoch), whatever the number of processes or devices. Each process reads only the rows its
-  devices hold (`partitioning.local_rows`) and nothing else. tf.data shards by files or by
+  devices hold (`local_rows`) and nothing else. tf.data shards by files or by
   `shard(process_count)`, which changes the order when the number of processes changes.
 * Resumption is exact and cheap: the iterator state is a few integers (the next index; for
   packed text, also the position inside one document), JSON-serialisable, so a resumed run sees
   exactly the batches an uninterrupted run would have. tf.data checkpoints whole shuffle buffers.
-* No TensorFlow at run time (tfds' array_record sources decode with numpy/PIL).
+* The pipelines never import TensorFlow: `tfds.data_source` reads array_record files and decodes
+  with numpy/PIL (checked for JPEG images and text). TensorFlow is still needed to prepare datasets
+  (`tfds build`), and train.py loads it anyway, through clu's TensorBoard metric writer.
 
 Sharding, shuffling, repetition, batching, threads and prefetching are grain's; this module only
 chooses the indices. Global batches become jax.Arrays with `jax.make_array_from_process_local_data`.
@@ -36,12 +38,25 @@ from grain import experimental as grain_exp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from errors import ConfigError
+from errors import ConfigError, ShardingError
 
 # A per-example transform: a callable or grain.transforms.Map (example -> dict of arrays), or a
 # grain.transforms.RandomMap, whose numpy Generator is seeded by (seed, index in the stream).
 Transform = Callable[[Any], Mapping[str, np.ndarray]] | grain.transforms.Map | grain.transforms.RandomMap
-PACKED_FIELDS = ('inputs', 'targets', 'mask', 'segment_ids', 'positions')
+
+
+def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
+  """The rows of a global batch this process reads: the contiguous range of leading-axis rows its
+  devices hold of an array of `global_shape` with `sharding` (the batch field's)."""
+  idx = sharding.addressable_devices_indices_map(global_shape).values()
+  starts = sorted({(i[0].start or 0, i[0].stop if i[0].stop is not None else global_shape[0]) for i in idx})
+  lo, hi = starts[0][0], starts[-1][1]
+  covered = sum(b - a for a, b in starts)
+  if covered != hi - lo:
+    raise ShardingError(
+        f'this process holds non-contiguous batch rows {starts} of a global batch of {global_shape[0]}; '
+        'order the mesh so each process owns a contiguous block of the batch axes')
+  return slice(lo, hi)
 
 
 def _check_rows(rows: slice, global_batch: int) -> int:
@@ -173,6 +188,19 @@ def packed_eval_batches(source: Any, global_batch: int, rows: slice, tokenize: T
     if not more:
       return
     yield _stack_packed(batch, seq_len)
+
+
+def example_spec(source: Any, transform: Transform, pack_len: int | None = None, *,
+                 seed: int = 0) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+  """Field -> (shape, dtype) of the first example of `source` as the pipeline makes it (for packed
+  text, `transform` makes a document and the example is the first packed row)."""
+  examples = _apply(grain.MapDataset.source(source), transform, seed)
+  if pack_len:
+    row = next(iter(_packed_rows(examples, 1, slice(0, 1), pack_len)[0]))
+    example = {k: v[0] for k, v in _stack_packed((row,), pack_len).items()}
+  else:
+    example = examples[0]
+  return {k: (np.shape(v), np.asarray(v).dtype) for k, v in example.items()}
 
 
 def to_global(local_batch: Mapping[str, np.ndarray], shardings: Mapping[str, NamedSharding],

@@ -1,4 +1,5 @@
-"""Tokenizers and per-example text transforms for the 'lm', 'mlm' and 'text_classification' tasks.
+"""Tokenizers and per-example text transforms for the 'lm', 'mlm' and 'text_classification' tasks
+(and `lm_example`, the 'lm' transform of rows of token ids, used by the offline 'markov' dataset).
 
 Tokenizers: 'byte' (UTF-8 bytes 0..255 plus four special ids; no files) or a local directory holding
 a Hugging Face tokenizer (loaded with `local_files_only=True`: never a hub download at run time).
@@ -92,6 +93,13 @@ def _framed(tok, ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
   row = np.full(seq_len, tok.pad_id, np.int32)
   row[0], row[1:n - 1], row[n - 1] = tok.cls_id, ids, tok.sep_id
   return row, n
+
+
+def lm_example(seqs: np.ndarray) -> dict[str, np.ndarray]:
+  """Next-token prediction: inputs are tokens[:-1], targets tokens[1:], every target counted."""
+  seqs = np.asarray(seqs)
+  return {'inputs': seqs[..., :-1].astype(np.int32), 'targets': seqs[..., 1:].astype(np.int32),
+          'mask': np.ones(seqs[..., 1:].shape, np.float32)}
 
 
 class LMDocument(grain.transforms.Map):

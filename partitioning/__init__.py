@@ -36,7 +36,7 @@ from partitioning.audit import audit, collective_shapes, collective_stats
 from partitioning.mesh import (
     check_platform, devices_needed, fit_mesh_shape, make_mesh, resolve_mesh_shape, simulate_cpu_devices)
 from partitioning.plan import (
-    check_batch, local_rows, named_shardings, nnx_logical_axes, opt_state_axes, path_str, tree_specs)
+    check_batch, named_shardings, nnx_logical_axes, opt_state_axes, path_str, tree_specs)
 from partitioning.rules import AxisRules, Rule, bytes_per_device
 from partitioning.shard import active_mesh, logical_spec, shard, shard_logical, use_rules
 from partitioning.table import fmt_bytes, sharding_table, tree_bytes_per_device
@@ -44,7 +44,7 @@ from partitioning.table import fmt_bytes, sharding_table, tree_bytes_per_device
 __all__ = [
     'AxisRules', 'Rule', 'active_mesh', 'audit', 'bytes_per_device', 'check_batch',
     'check_platform', 'collective_shapes', 'collective_stats', 'devices_needed', 'fit_mesh_shape',
-    'fmt_bytes', 'local_rows', 'logical_spec', 'make_mesh', 'named_shardings', 'nnx_logical_axes', 'opt_state_axes',
+    'fmt_bytes', 'logical_spec', 'make_mesh', 'named_shardings', 'nnx_logical_axes', 'opt_state_axes',
     'path_str', 'resolve_mesh_shape', 'shard', 'shard_logical', 'sharding_table', 'simulate_cpu_devices',
     'tree_bytes_per_device', 'tree_specs', 'use_rules',
 ]

@@ -104,15 +104,3 @@ def check_batch(global_batch_size: int, batch_spec: PartitionSpec, mesh_shape: M
         f'global batch size {global_batch_size} is not divisible by the mesh axes of logical axis '
         f"'batch' ({parts} = {size}); use a multiple of {size}")
 
-
-def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
-  """The contiguous range of leading-axis rows this process's devices hold of a global array."""
-  idx = sharding.addressable_devices_indices_map(global_shape).values()
-  starts = sorted({(i[0].start or 0, i[0].stop if i[0].stop is not None else global_shape[0]) for i in idx})
-  lo, hi = starts[0][0], starts[-1][1]
-  covered = sum(b - a for a, b in starts)
-  if covered != hi - lo:
-    raise ShardingError(
-        f'this process holds non-contiguous batch rows {starts} of a global batch of {global_shape[0]}; '
-        'order the mesh so each process owns a contiguous block of the batch axes')
-  return slice(lo, hi)

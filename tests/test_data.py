@@ -5,6 +5,7 @@ import pytest
 
 import data
 import partitioning
+from errors import ShardingError
 from data import MarkovLanguage
 
 
@@ -70,10 +71,32 @@ def test_eval_pads_and_masks_the_last_batch():
   assert second[1]['mask'][:1].all() and not second[1]['mask'][1:].any()
 
 
+class ProcessView:
+  """A real sharding as one process of several sees it: only `devices` are addressable."""
+
+  def __init__(self, sharding: jax.sharding.NamedSharding, devices):
+    self.sharding, self.devices = sharding, set(devices)
+
+  def addressable_devices_indices_map(self, global_shape):
+    return {d: i for d, i in self.sharding.devices_indices_map(global_shape).items() if d in self.devices}
+
+
 def test_local_rows_follow_the_batch_sharding():
   mesh = partitioning.make_mesh({'data': 2, 'fsdp': 2, 'tensor': 2})
   s = jax.sharding.NamedSharding(mesh, jax.P(('data', 'fsdp')))
-  assert partitioning.local_rows(s, (16, 4)) == slice(0, 16)  # one process holds every row
+  assert data.local_rows(s, (16, 4)) == slice(0, 16)  # one process holds every row
+  # Two processes, one per 'data' index: each reads its contiguous half, the second process rows 8-16.
+  for d, want in ((0, slice(0, 8)), (1, slice(8, 16))):
+    assert data.local_rows(ProcessView(s, mesh.devices[d].ravel()), (16, 4)) == want
+  # Four processes, one per (data, fsdp): rows 4-8 for (0, 1); 'tensor' replicas read the same rows.
+  assert data.local_rows(ProcessView(s, mesh.devices[0, 1].ravel()), (16, 4)) == slice(4, 8)
+  # A replicated batch: every process reads every row.
+  replicated = jax.sharding.NamedSharding(mesh, jax.P())
+  assert data.local_rows(ProcessView(replicated, mesh.devices[1].ravel()), (16, 4)) == slice(0, 16)
+  # A process holding fsdp=0 of both data rows holds rows 0-4 and 8-12: not one block, refused.
+  with pytest.raises(ShardingError, match=r'this process holds non-contiguous batch rows \[\(0, 4\), \(8, 12\)\] '
+                                          r'of a global batch of 16; order the mesh'):
+    data.local_rows(ProcessView(s, mesh.devices[:, 0].ravel()), (16, 4))
 
 
 def test_to_global_builds_sharded_arrays():
@@ -88,7 +111,7 @@ def test_to_global_builds_sharded_arrays():
 
 def test_unknown_dataset():
   from tests.conftest import tiny_config
-  cfg = tiny_config().dataset
-  cfg.name = 'nope'
+  cfg = tiny_config()
+  cfg.dataset.name = 'nope'
   with pytest.raises(ValueError, match=r"config.dataset.name='nope' is not a known dataset"):
     data.build(cfg)

@@ -23,8 +23,8 @@ def global_batches():
                                                                num_eval=20, pack=True)))
   ds = data.build(cfg)
   s = jax.sharding.NamedSharding(partitioning.make_mesh({'data': 8}), jax.P('data'))
-  rows = partitioning.local_rows(s, (8, 16))
-  shardings = {k: s for k in ds.fields}
+  rows = data.local_rows(s, (8, 16))
+  shardings = {k: s for k in ds.example_spec()}
   it = iter(ds.train_dataset(8, rows, 0))
   train = [data.to_global(next(it), shardings, 8) for _ in range(3)]
   it.close()

@@ -11,6 +11,7 @@ import pytest
 from errors import ConfigError
 import data
 import partitioning
+from training import tasks
 
 
 def make(task: str, vocab_size: int = 260, **dataset) -> ml_collections.ConfigDict:
@@ -19,6 +20,13 @@ def make(task: str, vocab_size: int = 260, **dataset) -> ml_collections.ConfigDi
   c.dataset = ml_collections.ConfigDict(dataset)
   c.model = ml_collections.ConfigDict(dict(vocab_size=vocab_size))
   return c
+
+
+def check(cfg: ml_collections.ConfigDict, ds: data.Dataset) -> dict:
+  """What train.py runs before compiling: the task checks the dataset; returns what the dataset makes."""
+  spec = ds.example_spec()
+  tasks.get(cfg.task).check_data(cfg, spec, ds.vocab, ds.num_classes)
+  return spec
 
 
 def take(ds: data.Dataset, n: int, global_batch: int = 8, rows: slice = slice(0, 8), seed: int = 0):
@@ -54,9 +62,11 @@ PACKED = dict(name='markov_text', seq_len=16, num_train=512, num_eval=37, pack=T
 
 
 def test_synthetic_images_contract_and_learnable_signal():
-  ds = data.build(make('classification', name='synthetic_images', image_size=12, channels=3, num_classes=4,
-                       num_train=512, num_eval=101))
-  assert ds.fields == ('image', 'label', 'mask')
+  cfg = make('classification', name='synthetic_images', image_size=12, channels=3, num_classes=4, num_train=512,
+             num_eval=101)
+  ds = data.build(cfg)
+  assert check(cfg, ds) == {'image': ((12, 12, 3), np.float32), 'label': ((), np.int32), 'mask': ((), np.float32)}
+  assert ds.num_classes == 4 and ds.vocab is None
   b = take(ds, 1)[0]
   assert b['image'].shape == (8, 12, 12, 3) and b['image'].dtype == np.float32
   assert b['label'].dtype == np.int32 and b['mask'].dtype == np.float32 and b['mask'].all()
@@ -73,7 +83,9 @@ def test_synthetic_images_contract_and_learnable_signal():
 
 
 def test_mlm_batches_follow_the_bert_contract():
-  ds = data.build(make('mlm', name='markov_text', seq_len=24, num_train=256, num_eval=50))
+  cfg = make('mlm', name='markov_text', seq_len=24, num_train=256, num_eval=50)
+  ds = data.build(cfg)
+  assert set(check(cfg, ds)) == {'inputs', 'targets', 'mask', 'input_mask', 'token_types'}
   tok = ds.tokenizer
   batches = take(ds, 30)
   for b in batches:
@@ -95,9 +107,9 @@ def test_mlm_batches_follow_the_bert_contract():
 
 
 def test_text_classification_label_is_learnable_from_the_text():
-  ds = data.build(make('text_classification', name='markov_text', seq_len=40, num_classes=2, num_train=400,
-                       num_eval=200))
-  assert ds.fields == ('inputs', 'input_mask', 'token_types', 'label', 'mask')
+  cfg = make('text_classification', name='markov_text', seq_len=40, num_classes=2, num_train=400, num_eval=200)
+  ds = data.build(cfg)
+  assert set(check(cfg, ds)) == {'inputs', 'input_mask', 'token_types', 'label', 'mask'} and ds.num_classes == 2
   b = take(ds, 1)[0]
   assert b['label'].shape == (8,) and b['mask'].shape == (8,) and b['inputs'].shape == (8, 40)
 
@@ -114,9 +126,11 @@ def test_text_classification_label_is_learnable_from_the_text():
 
 
 def test_packed_rows_keep_documents_apart_and_cover_the_split_exactly():
-  ds = data.build(make('lm', **PACKED))
+  cfg = make('lm', **PACKED)
+  ds = data.build(cfg)
   tok, B, L = ds.tokenizer, 4, 16
-  assert ds.fields == ('inputs', 'targets', 'mask', 'segment_ids', 'positions')
+  assert check(cfg, ds) == {k: ((L,), np.float32 if k == 'mask' else np.int32)
+                            for k in ('inputs', 'targets', 'mask', 'segment_ids', 'positions')}
   batches = list(ds.eval_batches(B, slice(0, B)))
   docs = [tok.encode(ds.eval[i]['text']) for i in range(len(ds.eval))]
   # Every target of every document is counted exactly once: the eval metric is exact.
@@ -181,7 +195,7 @@ def test_order_is_a_function_of_the_seed_and_equal_on_one_or_eight_devices():
   got = {}
   for name, mesh in (('eight', eight), ('one', one)):
     s = jax.sharding.NamedSharding(mesh, jax.P('data'))
-    rows = partitioning.local_rows(s, (8, 16))
+    rows = data.local_rows(s, (8, 16))
     got[name] = [jax.device_get(data.to_global(b, {k: s for k in b}, 8)) for b in take(ds, 3, rows=rows)]
   assert_same(got['eight'], got['one'])
 
@@ -251,8 +265,6 @@ def test_hugging_face_tokenizer_from_a_local_directory(tmp_path):
     (make('lm', name='markov_text', seq_len=1), r'config.dataset.seq_len=1: must be an integer >= 2'),
     (make('mlm', name='markov_text'), r'config.dataset.seq_len=None: must be an integer >= 3'),
     (make('classification', name='synthetic_images', image_size=0), r'config.dataset.image_size=0: must be a positive'),
-    (make('lm', vocab_size=16, name='markov_text', seq_len=16), r'the byte tokenizer has 260 ids but '
-                                                                r'config.model.vocab_size=16: set config.model.vocab_size >= 260'),
     (make('mlm', name='markov_text', seq_len=16, pack=True), r'pack=True packs documents for task lm'),
     (make('classification', name='synthetic_images', augment='mixup'), r"config.dataset.augment='mixup'"),
 ])
@@ -261,8 +273,37 @@ def test_config_errors(cfg, message):
     data.build(cfg)
 
 
-def test_fields_must_match_the_task():
-  ds = data.build(make('lm', **PACKED))
-  ds.check_fields(['inputs', 'targets', 'mask', 'segment_ids', 'positions'])
-  with pytest.raises(ConfigError, match=r"missing \[\], unused \['positions', 'segment_ids'\]"):
-    ds.check_fields(['inputs', 'targets', 'mask'])
+def test_the_task_checks_the_dataset_against_itself_and_the_model():
+  packed = data.build(make('lm', **PACKED))
+  check(make('lm', **PACKED), packed)
+  unpacked = make('lm', **{**PACKED, 'pack': False})
+  with pytest.raises(ConfigError, match=r"dataset 'markov_text' makes batch fields .* but task 'lm' takes "
+                                        r"\['inputs', 'mask', 'targets'\] \(missing \[\], unused \['positions', 'segment_ids'\]\)"):
+    check(unpacked, packed)
+  with pytest.raises(ConfigError, match=r"makes 'inputs' as int32 \(16,\) per example, but task 'lm' takes int32 \(12,\)"):
+    check(make('lm', **{**PACKED, 'seq_len': 12}), packed)
+  markov = make('lm', vocab_size=16, name='markov', branching=4, smoothing=0.03, seq_len=16, num_train=64, num_eval=8)
+  markov.dataset.vocab_size = 16
+  ds = data.build(markov)
+  check(markov, ds)
+  int_mask = lambda x: {**data.lm_example(x), 'mask': np.ones(16, np.int32)}
+  with pytest.raises(ConfigError, match=r"makes 'mask' as int32 \(16,\) per example, but task 'lm' takes float32 \(16,\)"):
+    check(markov, dataclasses.replace(ds, transform=int_mask))
+  with pytest.raises(ConfigError, match=r"dataset 'markov' makes train examples .* but eval examples"):
+    check(markov, dataclasses.replace(ds, eval_transform=int_mask))
+  # Token ids and labels the model has: one check, whatever emits them.
+  markov.dataset.vocab_size = 20
+  with pytest.raises(ConfigError, match=r'the markov language \(config.dataset.vocab_size\) has 20 ids but '
+                                        r'config.model.vocab_size=16: set config.model.vocab_size >= 20'):
+    check(markov, data.build(markov))
+  text = make('lm', vocab_size=16, name='markov_text', seq_len=16)
+  with pytest.raises(ConfigError, match=r'the byte tokenizer has 260 ids but config.model.vocab_size=16: set '
+                                        r'config.model.vocab_size >= 260'):
+    check(text, data.build(text))
+  for cfg in (make('classification', name='synthetic_images', image_size=8, channels=3, num_classes=4),
+              make('text_classification', name='markov_text', seq_len=16, num_classes=4)):
+    cfg.model.num_classes = 3
+    with pytest.raises(ConfigError, match=rf"dataset '{cfg.dataset.name}' has 4 classes but config.model.num_classes=3"):
+      check(cfg, data.build(cfg))
+    cfg.model.num_classes = 4
+    check(cfg, data.build(cfg))

@@ -20,8 +20,8 @@ def run(cfg, devices, steps=3):
   trainer = build_trainer(cfg, devices)
   step = training.jit_train_step(trainer)
   state = training.init_state(trainer)
-  ds = data.build(cfg.dataset)
-  rows = partitioning.local_rows(trainer.batch_shardings['inputs'], (cfg.batch_size, cfg.dataset.seq_len))
+  ds = data.build(cfg)
+  rows = data.local_rows(trainer.batch_shardings['inputs'], (cfg.batch_size, cfg.dataset.seq_len))
   it = iter(data.train_dataset(ds.train, cfg.batch_size, rows, cfg.seed, ds.transform))
   losses = []
   for _ in range(steps):

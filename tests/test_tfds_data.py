@@ -17,7 +17,7 @@ import partitioning
 import train
 from data import vision
 from tests.conftest import tiny_config
-from tests.test_data_offline import Recorder, assert_same, make, take
+from tests.test_data_offline import Recorder, assert_same, check, make, take
 
 N = 21  # examples per mocked split: not a multiple of the batch
 
@@ -34,7 +34,10 @@ VISION = {'mnist': (28, 1), 'cifar10': (32, 3), 'imagenet2012': (40, 3)}  # imag
 @pytest.mark.parametrize('name', VISION)
 def test_vision_pipelines(name, mock):
   size, channels = VISION[name]
-  ds = data.build(make('classification', name=name, image_size=size, channels=channels))
+  cfg = make('classification', name=name, image_size=size, channels=channels)
+  ds = data.build(cfg)
+  assert check(cfg, ds)['image'] == ((size, size, channels), np.float32)
+  assert ds.num_classes == tfds.builder(name).info.features['label'].num_classes
   b = take(ds, 2)[1]
   assert b['image'].shape == (8, size, size, channels) and b['image'].dtype == np.float32
   assert b['label'].dtype == np.int32 and b['mask'].dtype == np.float32 and b['mask'].all()
@@ -92,8 +95,9 @@ def test_mlm_and_unpacked_lm_on_lm1b(mock):
   ds = data.build(make('mlm', name='lm1b', seq_len=24))
   b = take(ds, 1)[0]
   assert b['inputs'].shape == (8, 24) and (b['mask'] > 0).sum(1).min() >= 1
-  ds = data.build(make('lm', name='lm1b', seq_len=12))
-  assert ds.fields == ('inputs', 'targets', 'mask') and ds.pack_len is None
+  cfg = make('lm', name='lm1b', seq_len=12)
+  ds = data.build(cfg)
+  assert set(check(cfg, ds)) == {'inputs', 'targets', 'mask'} and ds.pack_len is None
   docs = [ds.tokenizer.encode(ds.eval[i]['text']) for i in range(N)]
   evals = list(ds.eval_batches(8, slice(0, 8)))
   assert sum(e['mask'].sum() for e in evals) == sum(min(len(d) + 1, 12) for d in docs)  # truncated rows
@@ -111,7 +115,7 @@ def test_eval_metric_is_exact_when_the_split_is_not_a_multiple_of_the_batch(mock
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, b['label'])
     return jnp.stack([(loss * b['mask']).sum(), ((logits.argmax(-1) == b['label']) * b['mask']).sum(), b['mask'].sum()])
   total = sum(np.asarray(sums(data.to_global(b, {k: s for k in b}, 8)), np.float64)
-              for b in ds.eval_batches(8, partitioning.local_rows(s, (8,))))
+              for b in ds.eval_batches(8, data.local_rows(s, (8,))))
   # Plain numpy, one example at a time, straight from the source.
   x = np.stack([(ds.eval[i]['image'] / 255 - 0.1307) / 0.3081 for i in range(N)]).reshape(N, -1) @ W.astype(np.float64)
   y = np.array([ds.eval[i]['label'] for i in range(N)])
@@ -187,6 +191,7 @@ def prepared(tmp_path_factory):
 def test_prepared_dataset_reads_and_rejects_unknown_splits(prepared):
   ds = data.build(make('text_classification', name='shardzoo_tiny_text', data_dir=str(prepared / 'ar'), seq_len=32))
   assert len(ds.train) == 40 and len(ds.eval) == 11 and isinstance(ds.eval[0]['text'], bytes)
+  assert ds.num_classes == 3 and ds.vocab == (260, 'the byte tokenizer')
   b = list(ds.eval_batches(8, slice(0, 8)))
   assert sum(e['mask'].sum() for e in b) == 11
   np.testing.assert_array_equal(np.concatenate([e['label'] for e in b])[:11], [ds.eval[i]['label'] for i in range(11)])

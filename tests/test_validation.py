@@ -133,7 +133,6 @@ def test_opt_state_leaf_that_mirrors_no_param():
 
 
 @pytest.mark.parametrize('field, value, msg', [
-    ('dataset.vocab_size', 20, r'config.dataset.vocab_size=20 exceeds config.model.vocab_size=16'),
     ('dataset.seq_len', 32, r'config.dataset.seq_len=32 exceeds config.model.max_len=16'),
     ('optim.name', 'adam', r"config.optim.name='adam' is not known"),
     ('task', 'translate', r"config.task='translate' is not a known task"),

@@ -1,5 +1,10 @@
 """Tasks: what a batch holds, its logical axes, and the loss/metrics a model is trained on.
 
+A task owns its batch contract: the fields, their logical axes (`fields`), their per-example shapes
+and dtypes (`example_shapes`), and whether a dataset's token ids and labels fit the model
+(`check_data`). Datasets (the `data` package) declare none of it: they say what they make, and
+`check_data` compares.
+
 A model returns logits, or (logits, aux) where aux is a dict of scalars; `aux['aux_loss']` (e.g. an
 MoE load-balancing loss, already weighted) is added to the training loss, every aux entry is logged.
 """
@@ -38,7 +43,36 @@ class Task:
   unit_field = 'mask'
 
   def fields(self, config: Any) -> dict[str, tuple[str, ...]]:
+    """Batch field -> its logical axes (the first is 'batch')."""
     return dict(self.batch_axes)
+
+  def check_data(self, config: Any, produced: FieldSpec, vocab: tuple[int, str] | None = None,
+                 num_classes: int | None = None) -> None:
+    """The one check of a dataset against this task and the model, before anything compiles.
+
+    `produced`: field -> (shape, dtype) of one example as the dataset makes it; `vocab`: (number of
+    token ids it emits, what emits them); `num_classes`: how many labels it has. Raises ConfigError
+    for fields other than this task's, another shape or dtype, more ids than config.model.vocab_size,
+    more classes than config.model.num_classes.
+    """
+    name, want = config.dataset.name, self.example_shapes(config)
+    missing, unused = sorted(want.keys() - produced.keys()), sorted(produced.keys() - want.keys())
+    if missing or unused:
+      raise ConfigError(f'dataset {name!r} makes batch fields {sorted(produced)}, but task {config.task!r} takes '
+                        f'{sorted(want)} (missing {missing}, unused {unused})')
+    for k, (shape, dtype) in want.items():
+      got_shape, got_dtype = produced[k]
+      if tuple(got_shape) != tuple(shape) or np.dtype(got_dtype) != np.dtype(dtype):
+        raise ConfigError(f'dataset {name!r} makes {k!r} as {np.dtype(got_dtype).name} {tuple(got_shape)} per '
+                          f'example, but task {config.task!r} takes {np.dtype(dtype).name} {tuple(shape)}')
+    model_vocab = config.model.get('vocab_size')
+    if vocab is not None and model_vocab is not None and vocab[0] > model_vocab:
+      raise ConfigError(f'{vocab[1]} has {vocab[0]} ids but config.model.vocab_size={model_vocab}: set '
+                        f'config.model.vocab_size >= {vocab[0]} (token ids would fall outside the embedding)')
+    model_classes = config.model.get('num_classes')
+    if num_classes is not None and model_classes is not None and num_classes > model_classes:
+      raise ConfigError(f'dataset {name!r} has {num_classes} classes but config.model.num_classes={model_classes}: '
+                        'labels would fall outside the classifier')
 
   def synthetic_batch(self, config: Any, seed: int = 0) -> dict[str, np.ndarray]:
     """A random global batch of this task's fields (benchmarks): token ids below the model's vocabulary,
@@ -91,13 +125,6 @@ def _softmax_xent(logits: jax.Array, targets: jax.Array, mask: jax.Array):
   return loss, correct, mask
 
 
-def _check_vocab(config: Any) -> None:
-  dv, mv = config.dataset.get('vocab_size'), config.model.get('vocab_size')
-  if dv is not None and mv is not None and dv > mv:
-    raise ConfigError(f'config.dataset.vocab_size={dv} exceeds config.model.vocab_size={mv}: '
-                      'token ids would fall outside the embedding')
-
-
 def _check_length(config: Any) -> int:
   L = config.dataset.seq_len
   max_len = config.model.get('max_len')
@@ -120,7 +147,6 @@ class LanguageModeling(Task):
 
   def example_shapes(self, config: Any) -> FieldSpec:
     L = _check_length(config)
-    _check_vocab(config)
     return {k: ((L,), jnp.float32 if k == 'mask' else jnp.int32) for k in self.fields(config)}
 
   @staticmethod
@@ -160,9 +186,6 @@ class Classification(Task):
 
   def example_shapes(self, config: Any) -> FieldSpec:
     d, m = config.dataset, config.model
-    if d.num_classes > m.num_classes:
-      raise ConfigError(f'config.dataset.num_classes={d.num_classes} exceeds config.model.num_classes='
-                        f'{m.num_classes}: labels would fall outside the classifier')
     if m.get('image_size') is not None and d.image_size != m.image_size:
       raise ConfigError(f'config.dataset.image_size={d.image_size} does not match config.model.image_size='
                         f'{m.image_size} (the model was built for that size)')
@@ -190,7 +213,6 @@ class MaskedLanguageModeling(Task):
 
   def example_shapes(self, config: Any) -> FieldSpec:
     L = _check_length(config)
-    _check_vocab(config)
     return {k: ((L,), jnp.float32 if k == 'mask' else jnp.int32) for k in self.batch_axes}
 
   @staticmethod
@@ -212,11 +234,6 @@ class TextClassification(MaskedLanguageModeling):
 
   def example_shapes(self, config: Any) -> FieldSpec:
     L = _check_length(config)
-    _check_vocab(config)
-    d, m = config.dataset, config.model
-    if d.num_classes > m.num_classes:
-      raise ConfigError(f'config.dataset.num_classes={d.num_classes} exceeds config.model.num_classes='
-                        f'{m.num_classes}: labels would fall outside the classifier')
     return {k: (() if k in ('label', 'mask') else (L,), jnp.float32 if k == 'mask' else jnp.int32)
             for k in self.batch_axes}
 

@@ -1,0 +1,60 @@
+"""A dataset: random-access train/eval splits and the per-example transforms that make batches of them."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import grain
+import numpy as np
+
+from errors import ConfigError
+from data import pipeline
+from data.markov import MarkovLanguage
+
+
+@dataclasses.dataclass
+class Dataset:
+  """Random-access train/eval splits and the per-example transforms that make batch fields of them.
+
+  It declares no field list: `example_spec()` measures what it makes, and the task checks that
+  (training.tasks.Task.check_data), with `vocab` and `num_classes`, against itself and the model.
+  """
+  name: str
+  train: Any  # random-access examples
+  eval: Any
+  transform: pipeline.Transform  # per example (for packed text: example -> one tokenized document)
+  eval_transform: pipeline.Transform | None = None  # default: transform
+  pack_len: int | None = None  # packed text: rows of this many tokens
+  num_threads: int = 1
+  prefetch: int = 4
+  description: str = ''
+  language: MarkovLanguage | None = None  # 'markov': the true language (entropy floor, sample NLL)
+  tokenizer: Any = None
+  vocab: tuple[int, str] | None = None  # token datasets: (number of ids, what emits them)
+  num_classes: int | None = None  # labelled datasets: labels are below this
+
+  def train_dataset(self, global_batch: int, rows: slice, seed: int) -> grain.IterDataset:
+    """This process's `rows` of every global batch, forever; `iter()` of it has get_state/set_state."""
+    if self.pack_len:
+      return pipeline.packed_train_dataset(self.train, global_batch, rows, seed, self.transform, self.pack_len,
+                                           prefetch=self.prefetch)
+    return pipeline.train_dataset(self.train, global_batch, rows, seed, self.transform,
+                                  num_threads=self.num_threads, prefetch=self.prefetch)
+
+  def eval_batches(self, global_batch: int, rows: slice) -> Iterator[dict[str, np.ndarray]]:
+    """This process's rows of the whole eval split; padding rows have mask 0."""
+    t = self.eval_transform or self.transform
+    if self.pack_len:
+      return pipeline.packed_eval_batches(self.eval, global_batch, rows, t, self.pack_len)
+    return pipeline.eval_batches(self.eval, global_batch, rows, t, num_threads=self.num_threads,
+                                 prefetch=self.prefetch)
+
+  def example_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Field -> (shape, dtype) of one example as the pipelines make it, measured on the first train and
+    eval examples (their transforms must agree)."""
+    train = pipeline.example_spec(self.train, self.transform, self.pack_len)
+    eval_ = pipeline.example_spec(self.eval, self.eval_transform or self.transform, self.pack_len)
+    if train != eval_:
+      raise ConfigError(f'dataset {self.name!r} makes train examples {train} but eval examples {eval_}')
+    return train
