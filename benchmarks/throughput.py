@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -125,7 +126,7 @@ def main(argv) -> None:
   state = training.init_state(trainer)
   batch = partitioning.shard(batch_np, trainer.batch_shardings)
   state, times = profiling.time_steps(step, state, batch, warmup=FLAGS.warmup, steps=FLAGS.steps)
-  step_s = profiling.median(times)
+  step_s = statistics.median(times)
   device = jax.devices()[0]
   peak, peak_from = flops.describe_peak(device, FLAGS.peak_tflops)
   n = jax.device_count()

@@ -127,10 +127,11 @@ def _cudnn(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) ->
   del segment_ids_BL  # never set here: packed documents run on XLA (see choose)
   B, L = q_BLHK.shape[:2]
   lengths_B = None if valid_BL is None else valid_BL.astype(jnp.int32).sum(-1)
-  pad = 0 if causal else -L % CUDNN_LENGTH_MULTIPLE  # causal: later (padded) keys are never seen
-  if pad:
+  pad = -L % CUDNN_LENGTH_MULTIPLE
+  if pad:  # padded queries are dropped below; padded keys are masked by length (causal: never seen anyway)
     q_BLHK, k_BLGK, v_BLGK = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q_BLHK, k_BLGK, v_BLGK))
-    lengths_B = jnp.full((B,), L, jnp.int32) if lengths_B is None else lengths_B
+    if lengths_B is None and not causal:
+      lengths_B = jnp.full((B,), L, jnp.int32)
   o_BLHK = jax.nn.dot_product_attention(
       q_BLHK, k_BLGK, v_BLGK, is_causal=causal, implementation='cudnn',
       query_seq_lengths=None if lengths_B is None else jnp.full((B,), L + pad, jnp.int32),

@@ -6,7 +6,6 @@ import glob
 import gzip
 import json
 import os
-import statistics
 import time
 from typing import Any
 
@@ -26,10 +25,6 @@ def time_steps(step: Any, state: Any, batch: Any, *, warmup: int, steps: int) ->
     jax.block_until_ready(state)
     times.append(time.perf_counter() - t0)
   return state, times
-
-
-def median(xs: list[float]) -> float:
-  return statistics.median(xs)
 
 
 def peak_memory(device: jax.Device) -> int | None:
