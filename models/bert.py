@@ -64,8 +64,7 @@ class Bert(nnx.Module):
     self.position_embeddings = param((cfg.max_len, D), ('length', 'embed'))
     self.token_type_embeddings = param((cfg.get('type_vocab_size', 2), D), ('token_types', 'embed'))
     self.embeddings_ln = LayerNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
-    self.encoder = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg),
-                        rngs=rngs)
+    self.encoder = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg), rngs=rngs)
     self.head = head
     if head == 'mlm':
       self.transform = Dense('bld,de->ble', (D, D), ('embed', 'embed'), bias_axes=('embed',), **kw, rngs=rngs)

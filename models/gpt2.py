@@ -46,8 +46,7 @@ class GPT2(nnx.Module):
                      **kw, rngs=rngs)
     self.pos = nnx.Param(nnx.initializers.normal(0.01)(rngs.params(), (cfg.max_len, cfg.embed_dim),
                                                        kw['param_dtype']), **axes('length', 'embed'))
-    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg),
-                        rngs=rngs)
+    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg), rngs=rngs)
     self.ln_f = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw, rngs=rngs)
     self.max_len = cfg.max_len
     self.dtype = kw['dtype']

@@ -159,8 +159,7 @@ class MoE(nnx.Module):
     kw = dtypes(cfg)
     D, V = cfg.embed_dim, cfg.vocab_size
     self.embed_tokens = Embed(V, D, pad_to=cfg.get('pad_vocab_to', 1), logits_dtype=logits_dtype(cfg), **kw, rngs=rngs)
-    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg),
-                        rngs=rngs)
+    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg), rngs=rngs)
     self.norm = RMSNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
     self.tied = cfg.get('tie_embeddings', False)
     if not self.tied:

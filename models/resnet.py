@@ -76,7 +76,7 @@ class Stage(nnx.Module):
     self.first = Block(cfg, c_in, width, stride, rngs=rngs)
     c_out = width * BLOCKS[cfg.block]
     self.rest = Stack(lambda r: Block(cfg, c_out, width, 1, rngs=r), num - 1, **stack_options(cfg),
-                        rngs=rngs) if num > 1 else None
+                      rngs=rngs) if num > 1 else None
 
   def __call__(self, x_BHWC: jax.Array) -> jax.Array:
     x_BHWC = self.first(x_BHWC)

@@ -60,8 +60,7 @@ class ViT(nnx.Module):
                       kernel_init=NORMAL_002, rngs=rngs, **kw)
     self.cls = nnx.Param(NORMAL_002(rngs.params(), (D,), kw['param_dtype']), **axes('embed'))
     self.pos = nnx.Param(NORMAL_002(rngs.params(), (N + 1, D), kw['param_dtype']), **axes('length', 'embed'))
-    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg),
-                        rngs=rngs)
+    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg), rngs=rngs)
     self.ln = LayerNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
     self.head = Dense('bd,dk->bk', (D, cfg.num_classes), ('embed', 'classes'), bias_axes=('classes',),
                       preferred_element_type=jnp.float32, rngs=rngs, **kw)

@@ -11,7 +11,6 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -87,14 +86,12 @@ def assert_every_leaf_named(state, where: str = '') -> dict:
 
 
 def train_on_random_batches(trainer: training.Trainer, steps: int) -> tuple[training.TrainState, training.TrainState]:
-  """(initial state on host, state after `steps` jitted train steps on random token batches, mask 1)."""
+  """(initial state on host, state after `steps` jitted train steps on the task's synthetic batches)."""
   state = training.init_state(trainer)
   start = jax.device_get(state)
   step = training.jit_train_step(trainer)
-  rng = np.random.default_rng(0)
-  for _ in range(steps):
-    batch = {k: rng.integers(0, 16, v.shape).astype(v.dtype) for k, v in trainer.batch_abstract.items()}
-    batch['mask'] = np.ones_like(batch['mask'])
+  for i in range(steps):
+    batch = trainer.task.synthetic_batch(trainer.config, seed=i)
     state, _ = step(state, jax.device_put(batch, trainer.batch_shardings))
   return start, state
 
