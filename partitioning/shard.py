@@ -64,19 +64,21 @@ def active_mesh() -> Mesh | None:
   return None if ctx is None else ctx.mesh
 
 
-def logical_spec(logical_axes: Sequence[str | None], shape: Sequence[int]) -> jax.sharding.PartitionSpec | None:
-  """The PartitionSpec the active rules give an activation of this shape, or None outside `use_rules`."""
+def logical_spec(logical_axes: Sequence[str | None], shape: Sequence[int],
+                 _depth: int = 2) -> jax.sharding.PartitionSpec | None:
+  """The PartitionSpec the active rules give an activation of this shape, or None outside `use_rules`.
+  Errors name the code `_depth` frames up from the message's maker (default: this function's caller)."""
   ctx = _CTX.get()
   if ctx is None:
     return None
   ctx.seen.update(a for a in logical_axes if a is not None)
   return ctx.rules.spec(logical_axes, shape, ctx.mesh.shape, what=f'activation {tuple(logical_axes)} of shape '
-                        f'{tuple(shape)} at {_caller()}')
+                        f'{tuple(shape)} at {_caller(_depth)}')
 
 
-def _caller() -> str:
-  """file:line of the model code that called shard_logical, for error messages."""
-  f = sys._getframe(2)
+def _caller(depth: int) -> str:
+  """file:line of the code `depth` frames above this one (2: logical_spec's caller), for error messages."""
+  f = sys._getframe(depth)
   return f'{"/".join(f.f_code.co_filename.rsplit("/", 2)[-2:])}:{f.f_lineno} ({f.f_code.co_name})'
 
 
@@ -86,10 +88,5 @@ def shard_logical(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array
   Model code calls this at block boundaries, e.g. `shard_logical(x_BLD, ('batch', 'length', 'embed'))`.
   A logical name without a rule raises here, at trace time, before anything compiles.
   """
-  ctx = _CTX.get()
-  if ctx is None:
-    return x
-  ctx.seen.update(a for a in logical_axes if a is not None)
-  spec = ctx.rules.spec(logical_axes, x.shape, ctx.mesh.shape,
-                        what=f'activation {tuple(logical_axes)} of shape {tuple(x.shape)} at {_caller()}')
-  return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
+  spec = logical_spec(logical_axes, x.shape, _depth=3)  # errors name shard_logical's caller
+  return x if spec is None else jax.lax.with_sharding_constraint(x, NamedSharding(active_mesh(), spec))
