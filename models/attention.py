@@ -4,7 +4,8 @@
   'auto'  (default) cuDNN when every condition below holds, else XLA; the choice and its reason are
           logged once per distinct decision (`decisions()`; train.py and the benchmark print them);
   'xla'   always XLA (`jax.nn.dot_product_attention(implementation='xla')`: materialises the L x L scores);
-  'cudnn' always cuDNN; a condition that fails is a ConfigError naming it.
+  'cudnn' always cuDNN; a condition that fails is a ConfigError naming it;
+  'pallas' always JAX's Pallas (Triton) flash attention (jax.experimental.pallas.ops.gpu.attention); likewise.
 
 cuDNN (flash attention: O(L) memory, no L x L scores or mask) applies on a GPU, with bfloat16/float16
 compute and head_dim a multiple of 8 (<= 256). It covers:
@@ -12,10 +13,15 @@ compute and head_dim a multiple of 8 (<= 256). It covers:
   * sequence lengths it does not take (e.g. ViT's 197 tokens): padded to a multiple of
     CUDNN_LENGTH_MULTIPLE with the padded keys masked by length, the padded queries dropped;
   * not packed documents (segment ids): JAX's cuDNN packed layout allocates as if each segment were a
-    full row (130 GiB for 2 rows of 2048 tokens on an H100), so they run on XLA (masked scores);
+    full row (130 GiB for 2 rows of 2048 tokens on an H100). Those run on Pallas (below);
   * padding masks (BERT) only when asked for ('cudnn'): the mask becomes key lengths, exact for right-padded
     rows (what the zoo's pipelines produce); 'auto' keeps XLA for them.
-Under a mesh, cuDNN runs per shard inside `jax.shard_map` (batch and heads may be sharded; sequence
+Pallas: JAX's own flash attention kernel in Pallas (Triton), shipped with jax, so it always matches the
+installed version; it takes segment ids (packed documents; padding as segment 0), on GPUs of compute
+capability >= 8.0, with power-of-two head_dim and the length a multiple of PALLAS_BLOCK. 'auto' picks it for
+packed documents, which cuDNN does not take (benchmarks/attention_parity.py compares the kernels). (tokamax 0.0.12's kernels failed on
+jax 0.11.2: its Mosaic GPU kernel passes a removed Mesh argument, its Triton kernel calls the removed pl.dot.)
+Under a mesh, cuDNN and Pallas run per shard inside `jax.shard_map` (batch and heads may be sharded; sequence
 sharding falls back to XLA).
 
 Shape suffixes: B batch, L length, H query heads, G kv heads, K head dim.
@@ -36,7 +42,8 @@ from jax.sharding import PartitionSpec as P
 from errors import ConfigError
 from partitioning import active_mesh, logical_spec
 
-IMPLEMENTATIONS = ('auto', 'xla', 'cudnn')
+IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'pallas')
+PALLAS_BLOCK = 128  # the Pallas kernel's query/key block: lengths must be a multiple
 CUDNN_LENGTH_MULTIPLE = 8  # non-causal lengths that are not a multiple are padded (masked keys); 197 failed on an H100
 Q_AXES, KV_AXES = ('batch', 'length', 'heads', 'kv'), ('batch', 'length', 'kv_heads', 'kv')
 
@@ -84,9 +91,24 @@ def _local_specs(q_BLHK, k_BLGK) -> tuple[P, P, P] | str:
   return P(*q_spec), P(*kv_spec), P(q_spec[0], None)
 
 
+def _device() -> Any:
+  mesh = active_mesh()
+  return mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+
+
+def pallas_support() -> str:
+  """'' where JAX's Pallas (Triton) kernels can run on this device, else why not."""
+  capability = getattr(_device(), 'compute_capability', None)
+  try:
+    major = int(str(capability).split('.')[0])
+  except ValueError:
+    return f'device compute capability {capability!r} unknown'
+  return '' if major >= 8 else f'compute capability {capability} (Pallas/Triton needs >= 8.0)'
+
+
 def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, packed: bool, padded: bool,
            ) -> tuple[str, Any]:
-  """('cudnn', local specs or None) or ('xla', None), recording the decision and its reason."""
+  """(kernel, local specs or None): kernel 'cudnn', 'pallas' or 'xla'; records the decision and why."""
   forced_impl = _forced.get()
   if forced_impl is not None:
     return forced_impl, None
@@ -97,34 +119,67 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
   if impl == 'xla':
     _record(f'xla ({what}): config.model.attention=xla')
     return 'xla', None
-  why = []
+  fused = []  # what rules out every fused kernel
   if _platform() != 'gpu':
-    why.append(f'{_platform()} backend (cuDNN runs on GPUs)')
+    fused.append(f'{_platform()} backend (cuDNN and Pallas run on GPUs)')
   if jnp.dtype(q_BLHK.dtype) not in (jnp.bfloat16, jnp.float16):
-    why.append(f'{jnp.dtype(q_BLHK.dtype).name} compute (cuDNN takes bfloat16/float16: config.model.dtype)')
+    fused.append(f'{jnp.dtype(q_BLHK.dtype).name} compute (fused kernels take bfloat16/float16: config.model.dtype)')
   K = q_BLHK.shape[-1]
   if K % 8 or K > 256:
-    why.append(f'head_dim {K} (cuDNN takes a multiple of 8, at most 256)')
+    fused.append(f'head_dim {K} (fused kernels take a multiple of 8, at most 256)')
+  cudnn_why, pallas_why = list(fused), list(fused)
   if padded and impl == 'auto':
-    why.append("a per-token padding mask (cuDNN takes lengths; attention='cudnn' uses them for right-padded rows)")
+    cudnn_why.append("a per-token padding mask (cuDNN takes lengths; attention='cudnn' uses them for right-padded rows)")
   if packed:  # JAX's cuDNN packed layout allocates as if every segment were a full row (B=2, L=2048: 130 GiB)
-    why.append('packed documents (segment ids; cuDNN through JAX has no memory-sane packed layout)')
+    cudnn_why.append('packed documents (segment ids; cuDNN through JAX has no memory-sane packed layout)')
+  if not fused and pallas_support():
+    pallas_why.append(pallas_support())
+  L = q_BLHK.shape[1]
+  if L % PALLAS_BLOCK:
+    pallas_why.append(f'length {L} (Pallas takes a multiple of {PALLAS_BLOCK})')
+  if K & (K - 1):
+    pallas_why.append(f'head_dim {K} (Pallas takes a power of two)')
+  if impl == 'auto':
+    choice = 'cudnn' if not cudnn_why else 'pallas' if packed and not pallas_why else None
+  else:
+    choice = impl
+    why = cudnn_why if impl == 'cudnn' else pallas_why
+    if why:
+      raise ConfigError(f'config.model.attention={impl} cannot run this attention ({what}): {"; ".join(why)}')
   specs = None
-  if active_mesh() is not None and active_mesh().size > 1 and not why:
+  if choice is not None and active_mesh() is not None and active_mesh().size > 1:
     specs = _local_specs(q_BLHK, k_BLGK)
     if isinstance(specs, str):
-      why.append(specs)
-  if why:
-    if impl == 'cudnn':
-      raise ConfigError(f'config.model.attention=cudnn cannot run this attention ({what}): {"; ".join(why)}')
-    _record(f'xla ({what}): ' + '; '.join(why))
+      if impl != 'auto':
+        raise ConfigError(f'config.model.attention={impl} cannot run this attention ({what}): {specs}')
+      cudnn_why.append(specs)
+      choice = None
+  if choice is None:
+    _record(f'xla ({what}): ' + '; '.join(cudnn_why + (['Pallas: ' + '; '.join(pallas_why)] if packed else [])))
     return 'xla', None
-  _record(f'cudnn ({what})' + (' per shard (shard_map)' if specs else ''))
-  return 'cudnn', specs
+  _record(f'{choice} ({what})' + (' per shard (shard_map)' if specs else ''))
+  return choice, specs
+
+
+def _pallas(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, interpret: bool = False):
+  """JAX's Pallas flash attention. Padding becomes segment 0 (real queries never see padded keys; padded
+  queries' outputs are unused). Grouped kv heads are repeated. `interpret` runs it on the CPU (tests)."""
+  from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+  B, L, H, K = q_BLHK.shape
+  seg = segment_ids_BL
+  if valid_BL is not None:
+    seg = jnp.where(valid_BL.astype(bool), 1 if seg is None else seg + 1, 0)
+  if k_BLGK.shape[2] != H:
+    k_BLGK, v_BLGK = (jnp.repeat(x, H // x.shape[2], axis=2) for x in (k_BLGK, v_BLGK))
+  block = min(PALLAS_BLOCK, L)
+  sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=min(32, L), block_kv_dkv=min(32, L),
+                                      block_q_dq=min(32, L), block_kv_dq=min(32, L))
+  return pallas_attention.mha(q_BLHK, k_BLGK, v_BLGK, seg, sm_scale=K ** -0.5, causal=causal, block_sizes=sizes,
+                              interpret=interpret)
 
 
 def _cudnn(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
-  del segment_ids_BL  # never set here: packed documents run on XLA (see choose)
+  del segment_ids_BL  # never set here: packed documents run on Pallas or XLA (see choose)
   B, L = q_BLHK.shape[:2]
   lengths_B = None if valid_BL is None else valid_BL.astype(jnp.int32).sum(-1)
   pad = -L % CUDNN_LENGTH_MULTIPLE
@@ -158,7 +213,7 @@ def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, causal: b
                        padded=valid_BL is not None)
   q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(x, n) for x, n in ((q_BLHK, 'attn_q'), (k_BLGK, 'attn_k'),
                                                                 (v_BLGK, 'attn_v')))
-  kernel = functools.partial(_cudnn if kind == 'cudnn' else _xla, causal=causal)
+  kernel = functools.partial({'cudnn': _cudnn, 'pallas': _pallas, 'xla': _xla}[kind], causal=causal)
   # Named so FLOP counting (training/flops.py) can tell causal attention's matmuls from the rest.
   with jax.named_scope('causal_attention' if causal else 'attention'):
     if specs is None:
