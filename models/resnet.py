@@ -25,7 +25,7 @@ import ml_collections
 from flax import nnx
 
 from errors import ConfigError
-from models.layers import BatchNorm, Conv, Dense, Stack, dtypes, stack_options
+from models.layers import BatchNorm, Conv, Dense, Stack, dtypes, max_pool, stack_options
 from partitioning import shard_logical
 
 ACT = ('batch', 'height', 'width', 'conv_out')
@@ -39,7 +39,8 @@ def _conv(cfg: Any, c_in: int, c_out: int, k: int, stride: int, rngs: nnx.Rngs, 
 
 
 def _bn(cfg: Any, c: int, rngs: nnx.Rngs) -> BatchNorm:
-  return BatchNorm(c, momentum=cfg.bn_momentum, eps=cfg.bn_eps, rngs=rngs, **dtypes(cfg))
+  return BatchNorm(c, momentum=cfg.bn_momentum, eps=cfg.bn_eps, fast_variance=cfg.get('bn_fast_variance', False),
+                   rngs=rngs, **dtypes(cfg))
 
 
 class Block(nnx.Module):
@@ -108,7 +109,7 @@ class ResNet(nnx.Module):
 
   def __call__(self, image_BHWC: jax.Array) -> jax.Array:
     x_BHWC = jax.nn.relu(self.bn1(self.conv1(image_BHWC.astype(self.dtype))))
-    x_BHWC = nnx.max_pool(x_BHWC, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+    x_BHWC = max_pool(x_BHWC, 3, stride=2, pad=1)
     x_BHWC = shard_logical(x_BHWC, ACT)
     for stage in self.stages:
       x_BHWC = stage(x_BHWC)

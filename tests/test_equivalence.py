@@ -102,4 +102,10 @@ def test_init_is_born_sharded():
   full_params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract.params))
   assert per_device < full_params  # the sharding really splits the state (1/4 of params, 1/4 of moments)
   assert mem.output_size_in_bytes <= per_device * 1.01
-  assert mem.temp_size_in_bytes < full_params / 2
+  # Temporaries are sharded too: a quarter of the same init's on one device (an unrolled stack is initialised
+  # stacked, then split: ~1.3x the state per device, where one initialiser per layer needed 0.5x but took
+  # 96 s to compile for GPT-2 on an H100).
+  cfg.mesh.update(data=1, fsdp=1, tensor=1)
+  one = training.jit_init(build_trainer(cfg, jax.devices()[:1])).lower().compile().memory_analysis()
+  assert mem.temp_size_in_bytes < one.temp_size_in_bytes / 3
+  assert mem.temp_size_in_bytes < 1.5 * per_device

@@ -124,7 +124,8 @@ def jit_init(trainer: Trainer, seed: int | None = None):
   seed = trainer.config.seed if seed is None else seed
 
   def init():
-    _, params, rest = _split(trainer.make_model(nnx.Rngs(seed)))
+    with partitioning.use_rules(trainer.rules, trainer.mesh):  # model code may place what it creates
+      _, params, rest = _split(trainer.make_model(nnx.Rngs(seed)))
     return TrainState(jnp.zeros((), jnp.int32), params, trainer.tx.init(params), rest)
   return jax.jit(init, out_shardings=trainer.shardings)
 
