@@ -55,7 +55,7 @@ def get_config(arg: str | None = None):
       name='bert', **SIZES[size], head=head, norm_eps=1e-12, dtype='float32',
       param_dtype='float32', scan_layers=True, remat='none', attention='auto'))
   if size == 'base':
-    c.model.dtype = 'bfloat16'  # bf16 compute, f32 params and optimizer state
+    c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
     c.optim.update(b2=0.999, eps=1e-6, weight_decay=0.01)
     if task == 'mlm':  # BERT's pre-training recipe (phase 1: 128-token rows)
       c.dataset = common.ConfigDict(dict(

@@ -34,6 +34,13 @@ def parse_arg(arg: str | None, presets: Sequence[str], sizes: Sequence[str], *, 
 # The four parallelism presets of the transformer families (gpt2, llama, bert): logical-axis rules (first free
 # match wins, later rules for a name are fallbacks, None replicates) and meshes over 8 devices. A config file
 # takes a copy (`transformer_presets`) and may edit it, e.g. RULES['tp'] = [...], where users run it.
+# What real sizes (run on accelerators) change in config.model: bf16 compute (params and optimizer state stay
+# f32) and unrolled layers. Scanned layers compile one block instead of `num_layers` but cost step time on GPUs
+# (one H100, benchmarks/throughput.py: GPT-2 124M B=16 263.0k tokens/s scanned vs 329.8k unrolled, compile
+# 10.9 s vs 21.5 s). Tiny sizes keep scanned layers: one block to compile is what the CPU tests want.
+# Set --config.model.scan_layers=True to trade step time for compile time (e.g. very deep models).
+REAL_SIZE_MODEL = dict(dtype='bfloat16', scan_layers=False)
+
 TRANSFORMER_RULES = {
     'dp': [
         ('batch', 'data'),

@@ -34,7 +34,7 @@ def get_config(arg: str | None = None):
       name='gpt2', **SIZES[size], norm_eps=1e-5, dtype='float32', param_dtype='float32',
       scan_layers=True, remat='none', attention='auto', logits_dtype='float32'))
   if size == 'real':
-    c.model.dtype = 'bfloat16'  # bf16 compute, f32 params and optimizer state
+    c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
     c.dataset = common.ConfigDict(dict(
         name='lm1b', data_dir=common.placeholder(str), train_split='train', eval_split='test', seq_len=1024, pack=True,
         tokenizer='byte'))

@@ -48,7 +48,7 @@ def get_config(arg: str | None = None):
   if size == 'real':
     # bf16 compute, f32 params and optimizer state. remat='dots' keeps the weight matmuls' outputs: on one H100
     # at 8 x 2048 tokens per device, 50.8k tokens/s (40% MFU) in 41.6 GiB (benchmarks/throughput.py).
-    c.model.update(dtype='bfloat16', remat='dots')
+    c.model.update(common.REAL_SIZE_MODEL, remat='dots')
     c.dataset = common.ConfigDict(dict(
         name='c4', data_dir=common.placeholder(str), train_split='train', eval_split='validation[:10000]',
         seq_len=2048, pack=True,

@@ -61,7 +61,7 @@ def get_config(arg: str | None = None):
     c.optim.update(lr=3e-3, warmup_steps=30, weight_decay=0.0)
     c.log_every, c.eval_every = 50, 300
   else:
-    c.model.dtype = 'bfloat16'  # bf16 compute, f32 params and optimizer state
+    c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
     c.dataset = common.ConfigDict(dict(
         name='imagenet2012', data_dir=common.placeholder(str), image_size=224, channels=3, num_classes=1000))
     c.batch_size = 1024
