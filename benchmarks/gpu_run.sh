@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs benchmark commands on a GPU machine, each in its own process with its own time limit, keeping logs.
-#   bash benchmarks/gpu_run.sh NAME:SECONDS:ARGS... (ARGS for benchmarks/throughput.py, or 'parity')
+#   bash benchmarks/gpu_run.sh NAME:SECONDS:ARGS... (ARGS for benchmarks/throughput.py, 'parity', or a
+#   script and its args, e.g. benchmarks/loss_parity.py --config ...; ARGS may
+#   begin with VAR=VALUE words, set for that run alone, e.g. XLA_FLAGS=--xla_dump_to=/tmp/d)
 # Logs go to $OUT (or /tmp/shardzoo_bench). Wheels in .whl/ (e.g. ml_collections) are installed first if present.
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 OUT=${OUT:-/tmp/shardzoo_bench}; mkdir -p "$OUT"
@@ -12,8 +14,11 @@ python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__versi
 for run in "$@"; do
   name=${run%%:*}; rest=${run#*:}; secs=${rest%%:*}; args=${rest#*:}
   echo "=== $name ($secs s): $args"
-  if [ "$args" = parity ]; then cmd="python3 benchmarks/attention_parity.py"
-  else cmd="python3 benchmarks/throughput.py $args --out $OUT/$name.json"; fi
-  timeout "$secs" $cmd > "$OUT/$name.log" 2>&1; echo "exit $?" >> "$OUT/$name.log"
+  envs=(); set -f; words=($args); set +f
+  while [ ${#words[@]} -gt 0 ] && [[ ${words[0]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
+  if [ "${words[0]}" = parity ]; then cmd=(python3 benchmarks/attention_parity.py)
+  elif [[ ${words[0]} == *.py ]]; then cmd=(python3 "${words[@]}")
+  else cmd=(python3 benchmarks/throughput.py "${words[@]}" --out "$OUT/$name.json"); fi
+  env "${envs[@]}" timeout "$secs" "${cmd[@]}" > "$OUT/$name.log" 2>&1; echo "exit $?" >> "$OUT/$name.log"
   grep -v -E "^[IW][0-9]{4} |Warning|warnings.warn|^  warnings|UserWarning" "$OUT/$name.log" | tail -${TAIL:-16}
 done

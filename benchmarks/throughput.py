@@ -118,14 +118,23 @@ def main(argv) -> None:
       print(note)
       config.mesh.update(fitted)
   mesh = partitioning.make_mesh(config.mesh)
+  phases, t0 = {}, time.perf_counter()
+
+  def phase(name):  # seconds since the last phase ended
+    nonlocal t0
+    phases[name], t0 = time.perf_counter() - t0, time.perf_counter()
   trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
-  t0 = time.perf_counter()
+  phase('build')
   step = training.compile_step(trainer, training.jit_train_step(trainer))
-  compile_s = time.perf_counter() - t0
+  phase('compile step')
+  compile_s = phases['compile step']
   step_flops = flops.step_flops(trainer)
-  state = training.init_state(trainer)
+  phase('count FLOPs')
+  state = jax.block_until_ready(training.init_state(trainer))
+  phase('init state')
   batch = partitioning.shard(batch_np, trainer.batch_shardings)
   state, times = profiling.time_steps(step, state, batch, warmup=FLAGS.warmup, steps=FLAGS.steps)
+  phase('timed steps')
   step_s = statistics.median(times)
   device = jax.devices()[0]
   peak, peak_from = flops.describe_peak(device, FLAGS.peak_tflops)
@@ -133,7 +142,7 @@ def main(argv) -> None:
   ours = dict(step_s=step_s, units_per_s=units_per_step / step_s, tflops=step_flops.per_device_tflops(step_s, n),
               tflops_palm=step_flops.per_device_tflops(step_s, n, causal=False),
               peak_memory=profiling.peak_memory(device), compiled_memory=profiling.compiled_memory(step),
-              compile_s=compile_s, step_times=times)
+              compile_s=compile_s, step_times=times, phases=phases)
   if FLAGS.profile:
     tracer = profiling.StepProfiler(FLAGS.profile, first=1, num=3)
     for i in range(1, 4):
@@ -150,6 +159,7 @@ def main(argv) -> None:
         f'logits {m.get("logits_dtype", "float32")}; optimizer {config.optim.name}')
   for d in attention.decisions():
     print(f'attention: {d}')
+  print('seconds: ' + ', '.join(f'{k} {v:.1f}' for k, v in phases.items()))
   print(f'FLOPs/step: {step_flops.causal / 1e12:.3f} T causal-correct, {step_flops.palm / 1e12:.3f} T PaLM count; '
         f'peak: {peak_from}')
   mfu = lambda tflops: '-' if peak is None else f'{100 * tflops / peak:.1f}%'
@@ -180,8 +190,12 @@ def main(argv) -> None:
       print(f'\ntorch peer skipped: {peer.get("reason")}')
   if FLAGS.profile:
     print(f'\nprofile of 3 steps in {FLAGS.profile} (TensorBoard profile plugin, or the perfetto trace):')
-    for name, ms, count in profiling.top_ops(FLAGS.profile):
+    ops = profiling.top_ops(FLAGS.profile, k=None)
+    for name, ms, count in ops[:20]:
       print(f'  {ms / 3:9.2f} ms/step  x{count / 3:<5g} {name[:110]}')
+    print('by kind:')
+    for kind, ms, count in profiling.op_kinds(ops):
+      print(f'  {ms / 3:9.2f} ms/step  x{count / 3:<5g} {kind}')
   if FLAGS.out:
     with open(FLAGS.out, 'w') as f:
       json.dump(dict(config=config.to_json(), ours=ours, peer=peer, flops=vars(step_flops),

@@ -22,7 +22,7 @@ SPEC.json
   dtype      'bfloat16' (torch.autocast) | 'float32'; parameters and optimizer state stay float32
   steps      N timed steps (default 10); warmup: W untimed steps before them (default 3; the first
              step, which compiles, is always one of them)
-  compile    torch.compile the model (default true; a failure falls back to eager, noted)
+  compile    torch.compile the model with the loss (default true; a failure falls back to eager, noted)
   device     'cuda' | 'cpu' (default 'cuda')
   tf32       float32 matmuls in TF32 on cuda, as XLA does on GPU by default (default true)
   init_from  optional: a Hugging Face model directory to load instead of a fresh init (same class)
@@ -260,10 +260,13 @@ def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
   params = [p for p in model.parameters() if p.requires_grad]
   autocast = dict(device_type=device, dtype=torch.bfloat16, enabled=spec['dtype'] == 'bfloat16')
 
-  def step(m):
+  def forward(batch):  # model and loss: compiled together, the logits' upcast and cross-entropy fuse too
+    return loss_fn(torch, spec, model, batch)
+
+  def step(fwd):
     opt.zero_grad(set_to_none=True)
     with torch.autocast(**autocast):
-      loss = loss_fn(torch, spec, m, b)
+      loss = fwd(b)
     loss.backward()
     if clip > 0:
       torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
@@ -274,10 +277,10 @@ def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
     if cuda:
       torch.cuda.synchronize()
 
-  compiled, runner = bool(spec['compile']), model
+  compiled, runner = bool(spec['compile']), forward
   if compiled:
     try:
-      runner = torch.compile(model)
+      runner = torch.compile(forward)
     except Exception as e:  # noqa: BLE001 (any failure: run eager and say why)
       compiled = False
       notes.append(f'torch.compile failed, eager: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}')
@@ -290,7 +293,7 @@ def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
   except Exception as e:  # noqa: BLE001
     if not compiled:
       raise
-    compiled, runner = False, model
+    compiled, runner = False, forward
     notes.append(f'torch.compile failed at the first step, eager: {type(e).__name__}: '
                  f'{str(e).splitlines()[0] if str(e) else ""}')
     torch._dynamo.reset()

@@ -1,4 +1,5 @@
-"""Measuring a compiled step: step times, device memory, and profiles (jax.profiler) with a top-ops summary."""
+"""Measuring a compiled step: step times, device memory, profiles (jax.profiler) with a top-ops summary, and the
+loss curve of a few train steps (the fast paths' loss parity)."""
 from __future__ import annotations
 
 import collections
@@ -10,6 +11,11 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
+
+import models
+import partitioning
+from training import trainer as trainer_lib
 
 
 def time_steps(step: Any, state: Any, batch: Any, *, warmup: int, steps: int) -> tuple[Any, list[float]]:
@@ -69,9 +75,9 @@ class StepProfiler:
       self.active = False
 
 
-def top_ops(logdir: str, k: int = 15) -> list[tuple[str, float, int]]:
-  """(name, total ms, count) of the k costliest device ops in the newest perfetto trace under `logdir`
-  (device streams only when the trace has them, e.g. GPU kernels; every op otherwise)."""
+def top_ops(logdir: str, k: int | None = 15) -> list[tuple[str, float, int]]:
+  """(name, total ms, count) of the k (None: all) costliest device ops in the newest perfetto trace under
+  `logdir` (device streams only when the trace has them, e.g. GPU kernels; every op otherwise)."""
   files = sorted(glob.glob(os.path.join(logdir, '**', '*perfetto_trace.json.gz'), recursive=True),
                  key=os.path.getmtime)
   if not files:
@@ -90,3 +96,53 @@ def top_ops(logdir: str, k: int = 15) -> list[tuple[str, float, int]]:
       t[1] += 1
   ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:k]
   return [(name, ms, int(n)) for name, (ms, n) in ranked]
+
+
+OP_KINDS = (  # (kind, name fragments), first match wins; names as GPU traces show kernels
+    ('attention', ('fmha', 'flash', 'attention', 'sdpa', 'mha')),
+    ('convolution', ('conv', 'fprop', 'dgrad', 'wgrad')),
+    ('matmul', ('gemm', 'nvjet', 'cublas', 'cutlass', 'matmul', 'dot')),
+    ('copy', ('memcpy', 'memset', 'copy', 'dynamic_update_slice', 'dynamic-update-slice')),
+    ('reduction', ('reduce',)),
+    ('elementwise fusion', ('fusion', 'loop_', 'input_')),
+)
+
+
+def op_kinds(ops: list[tuple[str, float, int]]) -> list[tuple[str, float, int]]:
+  """(kind, total ms, count) of `ops` (top_ops(..., k=None)) grouped by OP_KINDS, costliest first."""
+  totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+  for name, ms, n in ops:
+    low = name.lower()
+    kind = next((k for k, frags in OP_KINDS if any(f in low for f in frags)), 'other')
+    totals[kind][0] += ms
+    totals[kind][1] += n
+  return sorted(((k, ms, int(n)) for k, (ms, n) in totals.items()), key=lambda r: -r[1])
+
+
+def config_overrides(config: Any, spec: str) -> dict[str, Any]:
+  """'a.b=v,c=w' -> {'a.b': v, ...} for the keys `config` has, each value parsed as its field's type (bools
+  from 'True'/'False'); keys it lacks are skipped (one reference spec serves every family)."""
+  out = {}
+  for item in filter(None, spec.split(',')):
+    key, value = item.split('=', 1)
+    *holders, field = key.split('.')
+    node = config
+    for h in holders:
+      node = node.get(h) if hasattr(node, 'get') else None
+    if node is None or not hasattr(node, 'get') or field not in node:
+      continue
+    old = node[field]
+    out[key] = (value == 'True') if isinstance(old, bool) else value if old is None else type(old)(value)
+  return out
+
+
+def train_losses(config: Any, mesh: Any, batches: list[dict]) -> Any:
+  """The loss of each of len(batches) train steps of `config` from its initial state (numpy float64)."""
+  trainer = trainer_lib.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+  step = trainer_lib.compile_step(trainer, trainer_lib.jit_train_step(trainer))
+  state = trainer_lib.init_state(trainer)
+  out = []
+  for batch in batches:
+    state, metrics = step(state, partitioning.shard(batch, trainer.batch_shardings))
+    out.append(metrics['loss'])
+  return np.asarray(jax.device_get(out), np.float64)
