@@ -1,5 +1,6 @@
 """The GPU speed paths, tested where CI runs (CPU): attention selection and its fallback, remat policies,
 bf16 logits, FLOP counting, chip peaks, mesh fitting, MFU and profiles in train.py, the benchmark."""
+import functools
 import glob
 import os
 import subprocess
@@ -18,7 +19,7 @@ import train
 import training
 from models import attention, layers
 from tests.conftest import ROOT, build_trainer, subprocess_env, tiny_config
-from training import flops
+from training import flops, profiling
 
 
 def _qkv(B=2, L=16, H=4, G=2, K=8, dtype=jnp.float32):
@@ -30,14 +31,19 @@ def test_auto_attention_on_cpu_runs_xla_and_says_why():
   q, k, v = _qkv()
   assert attention.choose('auto', q, k, causal=True, packed=False, padded=False) == ('xla', None)
   why = [d for d in attention.decisions() if d.startswith('xla (causal, float32, L=16, head_dim 8)')]
-  assert why and 'cpu backend (cuDNN runs on GPUs)' in why[0] and 'float32 compute' in why[0], attention.decisions()
+  assert why and 'cpu backend (cuDNN and Pallas run on GPUs)' in why[0] and 'float32 compute' in why[0], \
+      attention.decisions()
 
 
 def test_cudnn_where_it_cannot_run_is_one_error_naming_why():
   q, k, v = _qkv(K=12)
   with pytest.raises(ConfigError, match=r"config.model.attention=cudnn cannot run this attention .*cpu backend.*"
-                                        r"head_dim 12 \(cuDNN takes a multiple of 8"):
+                                        r"head_dim 12 \(fused kernels take a multiple of 8"):
     attention.choose('cudnn', q, k, causal=True, packed=False, padded=False)
+  q, k, v = _qkv(L=24, K=24)
+  with pytest.raises(ConfigError, match=r"config.model.attention=pallas cannot run this attention .*cpu backend.*"
+                                        r"length 24 \(Pallas takes a multiple of 128\); head_dim 24 \(Pallas takes a power"):
+    attention.choose('pallas', q, k, causal=True, packed=True, padded=False)
   with pytest.raises(ConfigError, match=r"config.model.attention='flash' is not known; choose one of"):
     attention.choose('flash', q, k, causal=True, packed=False, padded=False)
 
@@ -59,6 +65,24 @@ def test_xla_attention_equals_explicit_masked_softmax():
   np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
 
 
+def test_pallas_kernel_equals_xla_for_packed_padded_grouped_heads():
+  """The GPU kernel itself (Pallas' interpreter on the CPU): packed documents, padding, grouped kv heads; the
+  outputs of real queries and all gradients match the XLA path."""
+  q, k, v = _qkv(L=32, K=16)
+  seg = jnp.asarray([[1] * 6 + [2] * 17 + [0] * 9, [1] * 32])
+  valid = jnp.asarray([[1] * 32, [1] * 20 + [0] * 12])
+  real = (valid * (seg > 0))[:, :, None, None]
+  def loss(kernel, q, k, v):
+    o = kernel(q, k, v, seg, valid, causal=True)
+    return (o * real * jnp.cos(jnp.arange(o.size).reshape(o.shape))).sum(), o
+  pallas = functools.partial(attention._pallas, interpret=True)
+  (_, out), grads = jax.value_and_grad(functools.partial(loss, pallas), (0, 1, 2), has_aux=True)(q, k, v)
+  (_, ref), ref_grads = jax.value_and_grad(functools.partial(loss, attention._xla), (0, 1, 2), has_aux=True)(q, k, v)
+  np.testing.assert_allclose(out * real, ref * real, atol=2e-6)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, atol=2e-5)
+
+
 def test_cudnn_would_run_per_shard_and_sequence_sharding_falls_back():
   cfg = tiny_config('fsdp_tp')
   trainer = build_trainer(cfg)
@@ -71,6 +95,30 @@ def test_cudnn_would_run_per_shard_and_sequence_sharding_falls_back():
                                   ('kv_heads', None), ('kv', None)])
   with partitioning.use_rules(rules, trainer.mesh):
     assert 'the sequence is sharded' in attention._local_specs(q, k)
+
+
+def test_unrolled_stack_initialises_as_the_scanned_one():
+  """Unrolled blocks come from the scanned stack's one vmapped initialiser (fast to compile) and hold
+  exactly its values, each with its own logical axes (no 'layers')."""
+  from tests.conftest import unstack_layers
+  cfg = _gpt2_tiny()
+  params = {}
+  for scan in (True, False):
+    cfg.model.scan_layers = scan
+    model = models.create(cfg.model, nnx.Rngs(0))
+    params[scan] = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  jax.tree.map(np.testing.assert_array_equal, unstack_layers(params[True], cfg.model.num_layers), params[False])
+  names = partitioning.nnx_logical_axes(nnx.state(model, nnx.Param))
+  assert names['blocks']['layers'][0]['mlp']['up']['layer']['kernel'] == ('embed', 'mlp')
+
+
+def test_max_pool_by_slices_equals_reduce_window():
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 15, 16, 3)), jnp.float32)
+  ref = lambda x: nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+  ours = lambda x: layers.max_pool(x, 3, stride=2, pad=1)
+  np.testing.assert_array_equal(ours(x), ref(x))
+  grad = lambda f: jax.grad(lambda x: (f(x) * jnp.arange(64 * 3.).reshape(8, 8, 3)).sum())(x)
+  np.testing.assert_array_equal(grad(ours), grad(ref))
 
 
 def _loss_and_grads(cfg):
@@ -173,6 +221,28 @@ def test_train_reports_mfu_and_captures_a_profile(tmp_path, capsys):
   assert f'profile of steps 2-3 in {tmp_path}' in out
   assert glob.glob(str(tmp_path / '**' / '*perfetto_trace.json.gz'), recursive=True)
   assert 'attention: xla (causal, float32, L=16, head_dim 16): cpu backend' in out
+
+
+def test_loss_parity_fp32_on_cpu():
+  """The helpers of benchmarks/loss_parity.py: the fast paths (unrolled layers, remat) against the previous path
+  (scanned, none), 3 steps in float32, within 1e-5 (the issue's bar)."""
+  cfg = _gpt2_tiny(scan_layers=False, remat='dots')
+  cfg.mesh.update(data=1)
+  reference = cfg.copy_and_resolve_references()
+  changes = profiling.config_overrides(reference, 'model.scan_layers=True,model.remat=none,model.nope=1,optim.lr=0.5')
+  assert changes == {'model.scan_layers': True, 'model.remat': 'none', 'optim.lr': 0.5}
+  reference.model.update(scan_layers=True, remat='none')
+  batches = [training.tasks.get('lm').synthetic_batch(cfg, seed=i) for i in range(3)]
+  mesh = partitioning.make_mesh(cfg.mesh, jax.devices()[:1])
+  ours, ref = profiling.train_losses(cfg, mesh, batches), profiling.train_losses(reference, mesh, batches)
+  np.testing.assert_allclose(ours, ref, rtol=1e-5)
+  assert len(set(ours.round(6))) == 3  # it trained
+
+
+def test_one_pass_batchnorm_variance_matches_two_pass():
+  x = jnp.asarray(np.random.default_rng(0).normal(0.5, 2.0, (8, 4, 4, 16)), jnp.float32)
+  out = {fast: layers.BatchNorm(16, fast_variance=fast, rngs=nnx.Rngs(0))(x) for fast in (False, True)}
+  np.testing.assert_allclose(out[True], out[False], atol=1e-5)
 
 
 @pytest.mark.slow
