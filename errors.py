@@ -15,5 +15,14 @@ class CheckpointError(ConfigError):
   """A checkpoint that is missing, corrupt, or does not fit the model being trained."""
 
 
+class DamagedCheckpointError(CheckpointError):
+  """A checkpoint whose metadata or data cannot be read (truncated, garbage, half-written)."""
+
+
 class HFImportError(ConfigError):
   """A Hugging Face directory that cannot be imported as the configured model."""
+
+
+class NonFiniteError(RuntimeError):
+  """Training met a non-finite loss or gradient (config.on_nonfinite): names the step and the parameter.
+  Not bad input: the parameters stayed finite, and no checkpoint was written after the bad step."""

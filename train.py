@@ -132,14 +132,19 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
                                    keep=config.get('keep_checkpoints', 2))
     cleanup.callback(ckpt.close)
     cleanup.callback(ckpt.wait)  # runs first: a save in flight completes
-  if ckpt is not None and ckpt.latest_step() is not None:
-    state = ckpt.restore(trainer, train_iter)  # model, optimizer and data position, in the new shardings
+  if ckpt is not None and ckpt.latest_step() is not None:  # model, optimizer and data position, new shardings
+    state, damaged = ckpt.restore_latest(trainer, train_iter, fallback=config.get('resume_fallback', True))
+    for w in damaged:
+      logging.warning('checkpoint: %s', w)
+      say(f'WARNING checkpoint: {w}')
     say(f'resumed from {ckpt.directory}/{int(state.step)}')
   elif config.get('init_from'):
     state = pretrained.init_state(trainer, models.HF_FAMILIES)
     say(f'initialised from {config.init_from}' + (f' except {config.dont_load!r}' if config.get('dont_load') else ''))
   else:
     state = training.init_state(trainer)
+  guard = training.NonFiniteGuard(trainer, config.get('on_nonfinite', 'stop'), config.get('max_nonfinite_skips', 10))
+  last_good = lambda: 'none' if ckpt is None or ckpt.latest_step() is None else f'{ckpt.directory}/{ckpt.latest_step()}'
   preemption = Preemption(sync_every=config.log_every)
   cleanup.callback(preemption.close)  # restores the SIGTERM handler
   profiler = profiling.StepProfiler(workdir or '.', config.get('profile_first_step', 0), config.get('profile_steps', 5))
@@ -162,11 +167,14 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
     profiler.before(step)
     state, metrics = train_step(state, batch)
     pending.append(metrics)
+    guard.add(step, metrics)
     progress(step)
     if profiler.after(step, state):
       say(f'profile of steps {profiler.first}-{step} in {workdir} (TensorBoard profile tab; perfetto_trace.json.gz)')
     if step % config.log_every == 0 or step == config.total_steps:
-      logged = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]}
+      guard.check(last_good())  # a non-finite step stops the run here ('stop'), or is counted ('skip')
+      logged = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]
+                if k != training.FIRST_NONFINITE}
       dt, n = time.perf_counter() - t_last, step - step_last
       logged |= {'steps_per_sec': n / dt, f'{trainer.task.unit}_per_sec': n * units_per_step / dt,
                  'input_wait_fraction': wait_s / dt}
@@ -188,15 +196,20 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
       say(f"eval @ {step:5d} | loss {ev['loss']:.4f}{gap} | acc {ev['accuracy']:.3f}")
       result['eval'] = ev
       t_last += time.perf_counter() - t_eval  # eval time is not train time
-    if ckpt is not None:  # asynchronous: training goes on while it writes
-      ckpt.save(step, state, train_iter, force=step == config.total_steps)
+    if ckpt is not None and ckpt.due(step, force=step == config.total_steps):
+      guard.check(last_good())  # no checkpoint is written after a non-finite step under 'stop'
+      ckpt.save(step, state, train_iter, force=step == config.total_steps)  # asynchronous: training goes on
     if preemption.requested(step):
       if ckpt is not None:
+        guard.check(last_good())
         ckpt.save(step, state, train_iter, force=True)
       say(f'SIGTERM: stopped at step {step}' + (f', checkpoint in {ckpt.directory}' if ckpt else ' (no checkpoints)'))
       result['preempted_at'] = step
       break
   cleanup.close()  # flush, finish saving, restore SIGTERM, stop the prefetch threads
+  if guard.skipped:
+    say(f'skipped {len(guard.skipped)} non-finite step(s) (config.on_nonfinite=skip): {guard.skipped[:20]}')
+  result['nonfinite_skipped'] = guard.skipped
   if result.get('preempted_at'):
     result['state'] = state
     return result
@@ -250,6 +263,8 @@ def main(argv) -> None:
     raise SystemExit(f'shardzoo: checkpoint error: {e}') from None
   except errors.ConfigError as e:
     raise SystemExit(f'shardzoo: config error: {e}') from None
+  except errors.NonFiniteError as e:  # the parameters stayed finite; the last good checkpoint is named
+    raise SystemExit(f'shardzoo: training stopped: {e}') from None
 
 
 if __name__ == '__main__':

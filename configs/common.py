@@ -104,6 +104,7 @@ def add_run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Checkpointing and fine-tuning fields (README: "Checkpoints" and "Fine-tune a pretrained model")."""
   c.checkpoint_every = 1000  # steps between asynchronous checkpoints in <workdir>/checkpoints; 0 = never
   c.keep_checkpoints = 2  # the last K are kept; rerunning the same command resumes from the latest
+  c.resume_fallback = True  # a damaged latest checkpoint: moved aside (kept) and the previous one resumed; False: error
   c.init_from = ''  # a checkpoint dir of this project (params only) or a Hugging Face model dir
   c.dont_load = ''  # regex over parameter paths left freshly initialised (e.g. a new head: '^classifier/')
   c.freeze = ''  # regex over parameter paths that get no updates and no optimizer state
@@ -111,6 +112,11 @@ def add_run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.lora = ml_collections.ConfigDict(dict(
       rank=0,  # > 0 adds LoRA adapters (and freezes all but them unless train_only says otherwise)
       alpha=16.0, targets=r'attn/(query|value)$', export_merged=False))
+  # A non-finite loss or gradient never reaches the parameters (the update is skipped in the step). 'stop'
+  # ends the run at once, naming the step and the first non-finite gradient's parameter, and writes no
+  # checkpoint after it; 'skip' goes on and stops after max_nonfinite_skips bad steps in a row.
+  c.on_nonfinite = 'stop'
+  c.max_nonfinite_skips = 10
   c.profile_first_step = 0  # > 0: capture a jax.profiler trace of steps [first, first + profile_steps) into workdir
   c.profile_steps = 5
   return c

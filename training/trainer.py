@@ -22,7 +22,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import partitioning
 from partitioning import AxisRules
+from errors import ConfigError, NonFiniteError
 from training import optim, tasks
+
+FIRST_NONFINITE = 'first_nonfinite_param'  # train metrics key: index into Trainer.trained_paths(), -1 if none
 
 
 @flax.struct.dataclass
@@ -56,6 +59,12 @@ class Trainer:
   @property
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, PartitionSpec())
+
+  def trained_paths(self) -> list[str]:
+    """Paths of the parameters that train, in the order of the train step's per-parameter flags."""
+    leaves = jax.tree_util.tree_leaves_with_path(self.abstract.params)
+    labels = jax.tree.leaves(self.labels) if self.labels is not None else ['train'] * len(leaves)
+    return [partitioning.path_str(p) for (p, _), label in zip(leaves, labels) if label == 'train']
 
   def warnings(self) -> list[str]:
     """Unused rules, and mesh axes no rule uses (everything is replicated over them)."""
@@ -152,7 +161,14 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
     # The norm of what trains (the one clipping sees): frozen weights' gradients stay dead code that XLA removes.
     trained = grads if trainer.labels is None else [
         g for g, label in zip(jax.tree.leaves(grads), jax.tree.leaves(trainer.labels)) if label == 'train']
-    metrics = {**metrics, 'grad_norm': optax.global_norm(trained), 'lr': schedule(state.step)}
+    # A non-finite loss or gradient changes nothing: optax.apply_if_finite (optim.py) keeps the params and
+    # optimizer state, and the model state (BatchNorm averages) is kept here. train.py reads the flags.
+    leaf_finite = jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(trained)])
+    finite = jnp.all(leaf_finite) & jnp.isfinite(metrics['loss'])
+    model_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), model_state, state.model_state)
+    first_bad = jnp.where(jnp.all(leaf_finite), -1, jnp.argmin(leaf_finite))
+    metrics = {**metrics, 'grad_norm': optax.global_norm(trained), 'lr': schedule(state.step),
+               'nonfinite': 1.0 - finite.astype(jnp.float32), FIRST_NONFINITE: first_bad}
     return TrainState(state.step + 1, params, opt_state, model_state), metrics
   return step
 
@@ -188,3 +204,38 @@ def compile_step(trainer: Trainer, jitted) -> Any:
 
 def num_params(trainer: Trainer) -> int:
   return sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract.params))
+
+
+class NonFiniteGuard:
+  """The host side of config.on_nonfinite. The step has already skipped every non-finite update; `check`
+  reads the flags of the steps run since the last check (a device sync: call it at log steps and before a
+  checkpoint is written, not every step) and raises NonFiniteError under 'stop', or after
+  `max_skips` bad steps in a row under 'skip'."""
+
+  def __init__(self, trainer: Trainer, policy: str, max_skips: int):
+    if policy not in ('stop', 'skip'):
+      raise ConfigError(f"config.on_nonfinite={policy!r}: choose 'stop' or 'skip'")
+    if max_skips < 1:
+      raise ConfigError(f'config.max_nonfinite_skips={max_skips}: must be >= 1')
+    self.paths, self.policy, self.max_skips = trainer.trained_paths(), policy, max_skips
+    self.unchecked: list[tuple[int, dict]] = []
+    self.in_a_row, self.skipped = 0, []
+
+  def add(self, step: int, metrics: dict) -> None:
+    self.unchecked.append((step, {k: metrics[k] for k in ('loss', 'nonfinite', FIRST_NONFINITE)}))
+
+  def check(self, last_good: str) -> None:
+    flags, self.unchecked = jax.device_get(self.unchecked), []
+    for step, m in flags:
+      if not m['nonfinite']:
+        self.in_a_row = 0
+        continue
+      self.in_a_row += 1
+      self.skipped.append(step)
+      if self.policy == 'stop' or self.in_a_row >= self.max_skips:
+        leaf = int(m[FIRST_NONFINITE])
+        what = f'gradient of {self.paths[leaf]!r}' if leaf >= 0 else 'loss (gradients finite)'
+        why = ("config.on_nonfinite='stop'; 'skip' skips such steps" if self.policy == 'stop' else
+               f'{self.in_a_row} non-finite steps in a row (config.max_nonfinite_skips={self.max_skips})')
+        raise NonFiniteError(f'step {step}: non-finite {what}, loss {float(m["loss"]):.4g}; the update was '
+                             f'skipped and the run stopped ({why}); last good checkpoint: {last_good}')

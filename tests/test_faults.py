@@ -1,0 +1,101 @@
+"""Faults: a non-finite loss or gradient never reaches the parameters; the run stops naming the step and the
+parameter ('stop', the default) or skips and counts ('skip'); no checkpoint is written after a bad step."""
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import errors
+import partitioning
+import train
+import training
+from tests.conftest import build_trainer, tiny_config
+from training import checkpoint
+
+
+def _finite(tree) -> bool:
+  return all(bool(np.isfinite(x).all()) for x in jax.tree.leaves(jax.device_get(tree)))
+
+
+def test_a_nan_batch_changes_nothing_and_names_the_first_bad_parameter():
+  from configs import resnet
+  cfg = resnet.get_config('dp,tiny')  # BatchNorm: its running averages must not take the NaNs either
+  cfg.model.update(stage_sizes=(1,), width=4)
+  cfg.update(batch_size=8)
+  cfg.optim.warmup_steps = 0  # the first step already moves the weights
+  trainer = build_trainer(cfg)
+  step = training.compile_step(trainer, training.jit_train_step(trainer))
+  batch = training.tasks.get('classification').synthetic_batch(cfg, seed=0)
+  state = training.init_state(trainer)
+  before = jax.device_get(state)
+  state, metrics = step(state, partitioning.shard(batch, trainer.batch_shardings))
+  assert float(metrics['nonfinite']) == 0 and int(metrics[training.FIRST_NONFINITE]) == -1
+  good = jax.device_get(state)
+  assert not np.array_equal(good.params['head']['layer']['kernel'], before.params['head']['layer']['kernel'])
+  batch['image'][3, 5, 5, 0] = np.nan
+  state, metrics = step(state, partitioning.shard(batch, trainer.batch_shardings))
+  after = jax.device_get(state)
+  for a, b in zip(jax.tree.leaves((good.params, good.opt_state.inner_state, good.model_state)),
+                  jax.tree.leaves((after.params, after.opt_state.inner_state, after.model_state))):
+    np.testing.assert_array_equal(a, b)
+  assert int(after.opt_state.notfinite_count) == 1 and int(after.opt_state.total_notfinite) == 1
+  assert float(metrics['nonfinite']) == 1 and int(after.step) == 2
+  def loss(params):  # the poisoned batch's gradients, computed apart: the first non-finite one in path order
+    return trainer.task.loss(nnx.merge(trainer.graphdef, params, jax.tree.map(jnp.asarray, good.model_state)),
+                             batch)[0]
+  grads = jax.grad(loss)(jax.tree.map(jnp.asarray, good.params))
+  bad = [partitioning.path_str(p) for p, g in jax.tree_util.tree_leaves_with_path(grads) if not np.isfinite(g).all()]
+  assert bad and trainer.trained_paths()[int(metrics[training.FIRST_NONFINITE])] == bad[0]
+
+
+def test_absurd_learning_rate_stops_at_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+  cfg = tiny_config('dp', total_steps=12, log_every=2, eval_every=100, checkpoint_every=2)
+  cfg.optim.update(lr=1e30, warmup_steps=4, grad_clip=0.0)
+  with pytest.raises(errors.NonFiniteError) as info:
+    train.train_and_evaluate(cfg, str(tmp_path))
+  msg = str(info.value)
+  m = re.fullmatch(r"step (\d+): non-finite gradient of '([\w/]+)', loss (nan|inf); the update was skipped and the "
+                   r"run stopped \(config.on_nonfinite='stop'; 'skip' skips such steps\); last good checkpoint: "
+                   r"(.*)/(\d+)", msg)
+  assert m, msg
+  bad, good = int(m.group(1)), int(m.group(5))
+  assert good < bad and m.group(4) == str(tmp_path / 'checkpoints')
+  steps = sorted(int(d) for d in os.listdir(m.group(4)) if d.isdigit())
+  assert steps[-1] == good  # nothing written after the bad step
+  assert _finite(checkpoint.load_params(m.group(4), build_trainer(cfg)))
+
+
+def test_skip_goes_on_past_a_poisoned_batch_and_stops_after_k_in_a_row(monkeypatch):
+  from configs import mnist
+  cfg = mnist.get_config('dp,tiny')
+  cfg.update(total_steps=6, log_every=3, eval_every=6, checkpoint_every=0, on_nonfinite='skip', max_nonfinite_skips=2)
+  to_global, poisoned = train.data.to_global, {3}
+
+  def poison(local, shardings, batch_size):
+    poison.step += 1
+    if poison.step in poisoned:
+      local = dict(local, image=np.full_like(local['image'], np.nan))
+    return to_global(local, shardings, batch_size)
+  poison.step = 0
+  monkeypatch.setattr(train.data, 'to_global', poison)
+  result = train.train_and_evaluate(cfg, None)
+  assert result['nonfinite_skipped'] == [3]
+  assert _finite(result['state'].params) and np.isfinite(result['train']['loss'])
+
+  poison.step, poisoned = 0, {2, 4, 5}  # two in a row at 4-5: stop, naming the second
+  with pytest.raises(errors.NonFiniteError, match=r"^step 5: non-finite gradient of '[\w/]+', loss \S+; .*\(2 "
+                                                  r"non-finite steps in a row \(config.max_nonfinite_skips=2\)\); "
+                                                  r"last good checkpoint: none$"):
+    train.train_and_evaluate(cfg, None)
+
+
+def test_bad_policy_is_a_config_error():
+  trainer = build_trainer(tiny_config('dp'))
+  with pytest.raises(errors.ConfigError, match=r"config.on_nonfinite='ignore': choose 'stop' or 'skip'"):
+    training.NonFiniteGuard(trainer, 'ignore', 3)
+  with pytest.raises(errors.ConfigError, match=r'config.max_nonfinite_skips=0: must be >= 1'):
+    training.NonFiniteGuard(trainer, 'skip', 0)
