@@ -1,5 +1,6 @@
 """Checkpoints: restore exactly, onto other meshes and rules, params only; clear errors for bad input."""
 import json
+import re
 import shutil
 
 import jax
@@ -24,6 +25,10 @@ class _Iter:
 
   def start_prefetch(self):
     pass
+
+
+CORRUPTIONS = [('metadata', lambda d: (d / '_METADATA').write_text('{not json')),  # of a step's 'state'
+               ('data', lambda d: [f.write_bytes(f.read_bytes()[:20]) for f in d.rglob('d/*')])]
 
 
 @pytest.fixture(scope='module')
@@ -96,10 +101,43 @@ def test_missing_and_corrupt_checkpoints_are_clear_errors(saved, tmp_path):
   with pytest.raises(checkpoint.CheckpointError, match='no checkpoint there'):
     checkpoint.load_params(str(tmp_path / 'nothing'), trainer)
   # Garbage metadata, and truncated array data: both are errors, never a silent fresh start.
-  for name, corrupt in [('metadata', lambda d: (d / '_METADATA').write_text('{not json')),
-                        ('data', lambda d: [f.write_bytes(f.read_bytes()[:20]) for f in d.rglob('d/*')])]:
+  for name, corrupt in CORRUPTIONS:
     broken = tmp_path / name
     shutil.copytree(directory, broken)
     corrupt(broken / '2' / 'state')
     with pytest.raises(checkpoint.CheckpointError, match=r'checkpoint .*/2 (is missing or corrupt|could not be restored)'):
       checkpoint.Checkpointer(str(broken), every_steps=1, keep=2).restore(trainer, _Iter())
+
+
+def test_damaged_latest_checkpoint_falls_back_and_is_kept(saved, tmp_path):
+  """A newest checkpoint that cannot be read: an error naming it and the flag (resume_fallback=False), or
+  (the default) moved aside to <step>.damaged, never deleted, and the previous one restored, with a warning."""
+  directory, expected = saved
+  trainer = build_trainer(tiny_config('fsdp_tp'))
+  for name, corrupt in CORRUPTIONS:
+    d = tmp_path / name
+    shutil.copytree(directory, d)
+    shutil.copytree(d / '2', d / '4')
+    corrupt(d / '4' / 'state')
+    ckpt = checkpoint.Checkpointer(str(d), every_steps=1, keep=2)
+    with pytest.raises(checkpoint.CheckpointError, match=rf'checkpoint {d}/4 (is missing or corrupt|could not be '
+                                                         r'restored).*\(config.resume_fallback=True resumes from'):
+      ckpt.restore_latest(trainer, _Iter(), fallback=False)
+    assert (d / '4').is_dir()
+    it = _Iter()
+    state, warnings = ckpt.restore_latest(trainer, it)
+    _assert_equal(state, expected)
+    assert it.pos == 7 and ckpt.latest_step() == 2, name
+    assert len(warnings) == 1 and re.match(rf'checkpoint {d}/4 (is missing or corrupt|could not be restored).*; '
+                                           rf'moved aside to {d}/4.damaged \(not deleted\); resumed from step 2$', warnings[0]), warnings
+    assert (d / '4.damaged' / 'state').is_dir() and not (d / '4').exists()
+    ckpt.close()
+    # The only checkpoint damaged: an error, and nothing moved (a rerun must not start afresh silently).
+    only = tmp_path / f'{name}_only'
+    shutil.copytree(directory, only)
+    corrupt(only / '2' / 'state')
+    ckpt = checkpoint.Checkpointer(str(only), every_steps=1, keep=2)
+    with pytest.raises(checkpoint.CheckpointError, match=r'no older checkpoint can be read either'):
+      ckpt.restore_latest(trainer, _Iter())
+    assert (only / '2' / 'state').is_dir() and ckpt.latest_step() == 2
+    ckpt.close()

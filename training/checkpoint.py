@@ -1,6 +1,7 @@
 """Checkpoints with orbax: asynchronous saves every N steps, keep the last K, exact resumption
 (train state + each process's data-iterator position), restore onto any mesh and rules, and
-params-only initialisation for fine-tuning. (SIGTERM handling: training/preemption.py; merged LoRA
+params-only initialisation for fine-tuning. A damaged newest checkpoint is moved aside and the previous
+one resumed (restore_latest). (SIGTERM handling: training/preemption.py; merged LoRA
 export: training/export.py.)
 
 Layout: <workdir>/checkpoints/<step>/{state, data}. 'state' is the TrainState as a dict of
@@ -18,8 +19,9 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
-from errors import CheckpointError
+from errors import CheckpointError, DamagedCheckpointError
 from partitioning import path_str
 from training.trainer import Trainer, TrainState
 
@@ -73,6 +75,10 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def due(self, step: int, *, force: bool = False) -> bool:
+    """Whether save(step, force=force) would write a checkpoint."""
+    return step != self._last_saved and (force or self.manager.should_save(step))
+
   def save(self, step: int, state: TrainState, data_iter: Any, *, force: bool = False) -> bool:
     """Starts an asynchronous save (when due or forced; once per step); training continues while
     it writes. Orbax copies the arrays to host memory before returning, so donating them is safe."""
@@ -93,16 +99,53 @@ class Checkpointer:
       raise CheckpointError(f'no checkpoint in {self.directory}')
     source = f'checkpoint {self.directory}/{step}'
     abstract = _abstract(trainer)
-    found = _read_metadata(self.manager, step, source)
+    found = _read_metadata(self.manager, step, source)  # DamagedCheckpointError if unreadable
     check_compatible(abstract['params'], found['params'], what='parameter', source=source)
     check_compatible(abstract['model_state'], found.get('model_state', {}), what='model state', source=source)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(data_iter)))
     except (ValueError, FileNotFoundError, OSError) as e:
-      raise CheckpointError(f'{source} could not be restored: {e}') from e
+      raise DamagedCheckpointError(f'{source} could not be restored: {e}') from e
     s = restored['state']
     return TrainState(s['step'], s['params'], s['opt_state'], s['model_state'])
+
+  def restore_latest(self, trainer: Trainer, data_iter: Any, *, fallback: bool = True,
+                     ) -> tuple[TrainState, list[str]]:
+    """Restores the newest checkpoint that can be read: (state, warnings). Damaged newer ones (unreadable
+    metadata or data) are then moved aside to <step>.damaged (kept, never deleted; their step numbers are
+    free for the next saves), each with a warning naming it. With fallback=False (config.resume_fallback), a
+    damaged newest checkpoint is an error; so is one with no readable checkpoint before it (nothing is
+    moved then: a rerun must not silently start afresh). A checkpoint of another model is an error either
+    way (a config problem, not damage)."""
+    damaged: list[tuple[int, DamagedCheckpointError]] = []
+    for step in sorted(self.manager.all_steps(), reverse=True):
+      try:
+        state = self.restore(trainer, data_iter, step)
+      except DamagedCheckpointError as e:
+        if not fallback:
+          raise DamagedCheckpointError(f'{e} (config.resume_fallback=True resumes from the previous one)') from e
+        damaged.append((step, e))
+        continue
+      warnings = [f'{e}; moved aside to {self._move_aside(s)} (not deleted); resumed from step {step}'
+                  for s, e in damaged]
+      return state, warnings
+    if damaged:
+      raise DamagedCheckpointError(f'{damaged[0][1]}; no older checkpoint can be read either') from damaged[0][1]
+    raise CheckpointError(f'no checkpoint in {self.directory}')
+
+  def _move_aside(self, step: int) -> str:
+    src = os.path.join(self.directory, str(step))
+    dst = f'{src}.damaged'
+    n = 1
+    while os.path.exists(dst):
+      n += 1
+      dst = f'{src}.damaged{n}'
+    if jax.process_index() == 0:
+      os.rename(src, dst)
+    multihost_utils.sync_global_devices(f'shardzoo:checkpoint_aside:{step}')
+    self.manager.reload()
+    return dst
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -115,9 +158,9 @@ def _read_metadata(manager: ocp.CheckpointManager, step: int, source: str) -> Ma
   try:
     md = manager.item_metadata(step)['state']
   except Exception as e:  # orbax raises assorted errors for missing/corrupt metadata
-    raise CheckpointError(f'{source} is missing or corrupt (cannot read its metadata: {e})') from e
+    raise DamagedCheckpointError(f'{source} is missing or corrupt (cannot read its metadata: {e})') from e
   if md is None:
-    raise CheckpointError(f'{source} is missing or corrupt (no state metadata)')
+    raise DamagedCheckpointError(f'{source} is missing or corrupt (no state metadata)')
   return md.tree if hasattr(md, 'tree') else md
 
 
