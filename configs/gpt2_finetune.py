@@ -3,8 +3,9 @@ r"""Fine-tune pretrained GPT-2 (Hugging Face weights) on a text dataset.
   python train.py --config configs/gpt2_finetune.py --workdir /tmp/gpt2_ft --config.init_from=hf/gpt2
   python train.py --config configs/gpt2_finetune.py:tiny --workdir /tmp/gpt2_ft_tiny   # offline, from scratch
 
-`init_from` is a Hugging Face model directory (config.json + *.safetensors), downloaded once on a
-machine with network, e.g. `huggingface-cli download gpt2 --local-dir hf/gpt2`; its tokenizer files
+`init_from` is a Hugging Face model directory (config.json + *.safetensors), e.g. from
+`hf download openai-community/gpt2 --local-dir hf/gpt2`, or a hub id (`openai-community/gpt2`, resolved
+through the huggingface_hub cache, downloaded there the first time); its tokenizer files
 tokenize the dataset (so token ids match the pretrained embedding). The architecture comes from its
 config.json. Everything is loaded; the optimizer starts fresh. Rerunning the same command resumes.
 Presets and rules: as configs/gpt2.py (dp, fsdp (default), tp, fsdp_tp).

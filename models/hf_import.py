@@ -356,6 +356,34 @@ def _stream(hf: HFDir, keys: list[str], ops: Sequence[Op], leaf: Any, sharding: 
   return jax.make_array_from_callback(tuple(leaf.shape), sharding, read)
 
 
+HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*/[\w.-]+$')  # 'openai-community/gpt2', 'meta-llama/Llama-3.2-1B'
+HUB_FILES = ('config.json', '*.safetensors', 'model.safetensors.index.json', 'generation_config.json',
+             'tokenizer*', 'special_tokens_map.json', 'vocab.*', 'merges.txt', '*.model')  # no *.bin, *.h5, ...
+
+
+def resolve(init_from: str) -> str:
+  """init_from as given when it is a path that exists (or not a hub id); a Hugging Face hub id -> its snapshot
+  directory in huggingface_hub's cache (HF_HOME / HF_HUB_CACHE), downloading the safetensors weights, config
+  and tokenizer files when they are not there yet. Offline (HF_HUB_OFFLINE=1 or no network) a cached id
+  resolves; a missing one is one HFImportError naming the id, the cache and the command that fetches it."""
+  if not init_from or os.path.exists(init_from) or not HUB_ID.match(init_from):
+    return init_from
+  import huggingface_hub  # only for hub ids
+  try:
+    path = huggingface_hub.snapshot_download(init_from, allow_patterns=list(HUB_FILES))
+  except Exception as e:  # noqa: BLE001  (offline, unknown or gated id: all one message)
+    why = str(e).strip().splitlines()[0] if str(e).strip() else ''
+    raise HFImportError(
+        f'init_from={init_from!r}: not in the Hugging Face cache {huggingface_hub.constants.HF_HUB_CACHE} and '
+        f'not downloadable ({type(e).__name__}: {why[:200]}); fetch it where the hub can be reached with '
+        f'`hf download {init_from} --include {" ".join(repr(p) for p in HUB_FILES)}` into that cache (HF_HOME / HF_HUB_CACHE), '
+        'or give a local directory') from None
+  if not is_hf_dir(path):
+    raise HFImportError(f'init_from={init_from!r} ({path}): no config.json with safetensors weights there '
+                        '(the zoo reads safetensors only)')
+  return path
+
+
 def is_hf_dir(path: str) -> bool:
   return os.path.isfile(os.path.join(path, 'config.json')) and (
       bool(glob.glob(os.path.join(path, '*.safetensors'))) or

@@ -2,6 +2,7 @@
 each device reads only its slice; unexplained tensors and bad directories are clear errors."""
 import itertools
 import os
+import shutil
 
 os.environ['HF_HUB_OFFLINE'] = '1'
 
@@ -140,3 +141,31 @@ def test_ops_read_only_the_region_a_slice_needs(shape, ops):
   fake = _FakeHF(np.zeros((12, 6), np.float32))
   hf_import._read_through(fake, 'k', [T((1, 0)), R((6, 3, 4))], (slice(0, 6), slice(1, 2), slice(0, 4)), np.float32)
   assert fake.reads == [[(4, 8), (0, 6)]]
+
+
+def test_hub_ids_resolve_through_the_cache_and_a_missing_one_says_how_to_fetch_it(gpt2_dir, tmp_path, monkeypatch):
+  """init_from='org/name': the snapshot in huggingface_hub's cache (populated here from a tiny local model,
+  offline); train.py adopts its config.json. A missing id: one line with the id, the cache and the command."""
+  import huggingface_hub
+  import train
+  from configs import gpt2_finetune
+  cache, commit = tmp_path / 'hub', '0123456789abcdef0123456789abcdef01234567'
+  repo = cache / 'models--tiny-org--gpt2'
+  (repo / 'refs').mkdir(parents=True)
+  (repo / 'refs' / 'main').write_text(commit)
+  shutil.copytree(gpt2_dir[0], repo / 'snapshots' / commit)
+  monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_CACHE', str(cache))
+  monkeypatch.setattr(huggingface_hub.constants, 'HF_HUB_OFFLINE', True)
+  path = hf_import.resolve('tiny-org/gpt2')
+  assert path == str(repo / 'snapshots' / commit) and hf_import.is_hf_dir(path)
+  assert hf_import.resolve(gpt2_dir[0]) == gpt2_dir[0] and hf_import.resolve('') == ''
+  cfg = gpt2_finetune.get_config('fsdp_tp')
+  cfg.init_from = 'tiny-org/gpt2'
+  cfg.dataset.seq_len = 32
+  out = train.train_and_evaluate(cfg, None, dry_run=True)
+  assert cfg.init_from == path and cfg.dataset.tokenizer == path and cfg.model.vocab_size == 100
+  assert out['num_params'] > 0
+  with pytest.raises(hf_import.HFImportError, match=(
+      rf"^init_from='tiny-org/missing': not in the Hugging Face cache {cache} and not downloadable \(.*\); fetch "
+      r"it where the hub can be reached with `hf download tiny-org/missing --include 'config.json' '\*.safetensors'")):
+    hf_import.resolve('tiny-org/missing')
