@@ -79,7 +79,10 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
 
   # --- Model, optimizer and their shardings (validated; nothing allocated yet) ------------------
   if config.get('init_from'):  # a hub id becomes its directory in the Hugging Face cache (downloaded if need be)
-    config.init_from = hf_import.resolve(config.init_from)
+    config.init_from = hf_import.resolve(config.init_from, download=not dry_run)
+    if dry_run and not os.path.exists(config.init_from):
+      say(f'WARNING init_from {config.init_from!r} is neither a directory nor a cached hub id: the dry run '
+          'uses config.model as written')
   if config.get('init_from') and hf_import.is_hf_dir(config.init_from):  # architecture from config.json
     taken, kept = pretrained.adopt_hf_config(config, models.HF_FAMILIES)
     say(f'init_from {config.init_from}: from config.json: ' + ', '.join(f'{k}={v!r}' for k, v in taken.items())

@@ -361,21 +361,24 @@ HUB_FILES = ('config.json', '*.safetensors', 'model.safetensors.index.json', 'ge
              'tokenizer*', 'special_tokens_map.json', 'vocab.*', 'merges.txt', '*.model')  # no *.bin, *.h5, ...
 
 
-def resolve(init_from: str) -> str:
+def resolve(init_from: str, *, download: bool = True) -> str:
   """init_from as given when it is a path that exists (or not a hub id); a Hugging Face hub id -> its snapshot
   directory in huggingface_hub's cache (HF_HOME / HF_HUB_CACHE), downloading the safetensors weights, config
   and tokenizer files when they are not there yet. Offline (HF_HUB_OFFLINE=1 or no network) a cached id
-  resolves; a missing one is one HFImportError naming the id, the cache and the command that fetches it."""
+  resolves; a missing one is one HFImportError naming the id, the cache and the command that fetches it.
+  download=False (dry runs) never touches the network and returns a missing id unchanged."""
   if not init_from or os.path.exists(init_from) or not HUB_ID.match(init_from):
     return init_from
   import huggingface_hub  # only for hub ids
   try:
-    path = huggingface_hub.snapshot_download(init_from, allow_patterns=list(HUB_FILES))
+    path = huggingface_hub.snapshot_download(init_from, allow_patterns=list(HUB_FILES), local_files_only=not download)
   except Exception as e:  # noqa: BLE001  (offline, unknown or gated id: all one message)
+    if not download:
+      return init_from
     why = str(e).strip().splitlines()[0] if str(e).strip() else ''
     raise HFImportError(
-        f'init_from={init_from!r}: not in the Hugging Face cache {huggingface_hub.constants.HF_HUB_CACHE} and '
-        f'not downloadable ({type(e).__name__}: {why[:200]}); fetch it where the hub can be reached with '
+        f'init_from={init_from!r}: no such directory, and as a hub id not in the Hugging Face cache '
+        f'{huggingface_hub.constants.HF_HUB_CACHE} and not downloadable ({type(e).__name__}: {why[:200]}); fetch it where the hub can be reached with '
         f'`hf download {init_from} --include {" ".join(repr(p) for p in HUB_FILES)}` into that cache (HF_HOME / HF_HUB_CACHE), '
         'or give a local directory') from None
   if not is_hf_dir(path):

@@ -159,6 +159,7 @@ def test_hub_ids_resolve_through_the_cache_and_a_missing_one_says_how_to_fetch_i
   path = hf_import.resolve('tiny-org/gpt2')
   assert path == str(repo / 'snapshots' / commit) and hf_import.is_hf_dir(path)
   assert hf_import.resolve(gpt2_dir[0]) == gpt2_dir[0] and hf_import.resolve('') == ''
+  assert hf_import.resolve('tiny-org/missing', download=False) == 'tiny-org/missing'  # dry runs
   cfg = gpt2_finetune.get_config('fsdp_tp')
   cfg.init_from = 'tiny-org/gpt2'
   cfg.dataset.seq_len = 32
@@ -166,6 +167,7 @@ def test_hub_ids_resolve_through_the_cache_and_a_missing_one_says_how_to_fetch_i
   assert cfg.init_from == path and cfg.dataset.tokenizer == path and cfg.model.vocab_size == 100
   assert out['num_params'] > 0
   with pytest.raises(hf_import.HFImportError, match=(
-      rf"^init_from='tiny-org/missing': not in the Hugging Face cache {cache} and not downloadable \(.*\); fetch "
+      rf"^init_from='tiny-org/missing': no such directory, and as a hub id not in the Hugging Face cache {cache} "
+      r"and not downloadable \(.*\); fetch "
       r"it where the hub can be reached with `hf download tiny-org/missing --include 'config.json' '\*.safetensors'")):
     hf_import.resolve('tiny-org/missing')
