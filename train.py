@@ -68,11 +68,9 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
                         cleanup: contextlib.ExitStack) -> dict[str, Any]:
   # --- Devices and mesh ------------------------------------------------------------------------
   device = jax.devices()[0]
-  if device.platform != 'cpu':  # a mesh for more (or fewer) accelerators than there are is fitted, and said so
-    fitted, note = partitioning.fit_mesh_shape(config.mesh, jax.device_count(), device.platform)
-    if note:
-      say(f'WARNING {note}')
-      config.mesh.update(fitted)
+  note = partitioning.fit_mesh(config.mesh)  # a mesh for more (or fewer) accelerators than there are is fitted
+  if note:
+    say(f'WARNING {note}')
   mesh = partitioning.make_mesh(config.mesh)
   say(f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, '
       f'{jax.process_count()} process(es)')

@@ -4,7 +4,8 @@ r"""The fused attention kernels (cuDNN, Pallas) vs the XLA path, on a GPU: outpu
 
 For each case the zoo runs (causal GPT-2 / Llama with grouped kv heads, packed documents, ViT's 197
 tokens padded for cuDNN, right-padded BERT rows), compares models/attention.py's fused kernels ('cudnn';
-JAX's Pallas kernel, which alone takes packed documents) with its 'xla' kernel on the same bf16 inputs, both against an float32 XLA reference: relative error
+JAX's Pallas kernel, which alone takes packed documents) with its 'xla' kernel on the same bf16 inputs,
+both against a float32 XLA reference: relative error
 ||out - ref|| / ||ref|| of the output and of dq, dk, dv. Then times forward + backward of each.
 """
 from __future__ import annotations

@@ -43,21 +43,13 @@ def main(argv) -> None:
   batches = [task.synthetic_batch(config, seed=config.seed + i) for i in range(FLAGS.steps)]
   partitioning.simulate_cpu_devices(partitioning.devices_needed(config.mesh))
   partitioning.check_platform()
-  if jax.devices()[0].platform != 'cpu':
-    fitted, note = partitioning.fit_mesh_shape(config.mesh, jax.device_count(), jax.devices()[0].platform)
-    if note:
-      print(note)
-      config.mesh.update(fitted)
+  note = partitioning.fit_mesh(config.mesh)
+  if note:
+    print(note)
   mesh = partitioning.make_mesh(config.mesh)
   reference = config.copy_and_resolve_references()
   changes = profiling.config_overrides(reference, FLAGS.reference)
-  with reference.unlocked():
-    for key, value in changes.items():
-      *holders, field = key.split('.')
-      node = reference
-      for h in holders:
-        node = node[h]
-      node[field] = value
+  reference.update_from_flattened_dict(changes)
   ours = profiling.train_losses(config, mesh, batches)
   ref = profiling.train_losses(reference, mesh, batches)
   rel = np.abs(ours - ref) / np.abs(ref)

@@ -111,12 +111,9 @@ def main(argv) -> None:
   # --- Our step, exactly as train.py builds it --------------------------------------------------------
   partitioning.simulate_cpu_devices(partitioning.devices_needed(config.mesh))
   partitioning.check_platform()
-  platform = jax.devices()[0].platform
-  if platform != 'cpu':
-    fitted, note = partitioning.fit_mesh_shape(config.mesh, jax.device_count(), platform)
-    if note:
-      print(note)
-      config.mesh.update(fitted)
+  note = partitioning.fit_mesh(config.mesh)
+  if note:
+    print(note)
   mesh = partitioning.make_mesh(config.mesh)
   phases, t0 = {}, time.perf_counter()
 

@@ -19,7 +19,8 @@ compute and head_dim a multiple of 8 (<= 256). It covers:
 Pallas: JAX's own flash attention kernel in Pallas (Triton), shipped with jax, so it always matches the
 installed version; it takes segment ids (packed documents; padding as segment 0), on GPUs of compute
 capability >= 8.0, with power-of-two head_dim and the length a multiple of PALLAS_BLOCK. 'auto' picks it for
-packed documents, which cuDNN does not take (benchmarks/attention_parity.py compares the kernels). (tokamax 0.0.12's kernels failed on
+packed documents, which cuDNN does not take (benchmarks/attention_parity.py compares the kernels).
+(tokamax 0.0.12's kernels failed on
 jax 0.11.2: its Mosaic GPU kernel passes a removed Mesh argument, its Triton kernel calls the removed pl.dot.)
 Under a mesh, cuDNN and Pallas run per shard inside `jax.shard_map` (batch and heads may be sharded; sequence
 sharding falls back to XLA).
@@ -73,8 +74,7 @@ def _record(decision: str) -> None:
 
 
 def _platform() -> str:
-  mesh = active_mesh()
-  return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+  return _device().platform
 
 
 def _local_specs(q_BLHK, k_BLGK) -> tuple[P, P, P] | str:
@@ -129,11 +129,12 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
     fused.append(f'head_dim {K} (fused kernels take a multiple of 8, at most 256)')
   cudnn_why, pallas_why = list(fused), list(fused)
   if padded and impl == 'auto':
-    cudnn_why.append("a per-token padding mask (cuDNN takes lengths; attention='cudnn' uses them for right-padded rows)")
+    cudnn_why.append('a per-token padding mask (cuDNN takes lengths; '
+                     "attention='cudnn' uses them for right-padded rows)")
   if packed:  # JAX's cuDNN packed layout allocates as if every segment were a full row (B=2, L=2048: 130 GiB)
     cudnn_why.append('packed documents (segment ids; cuDNN through JAX has no memory-sane packed layout)')
-  if not fused and pallas_support():
-    pallas_why.append(pallas_support())
+  if not fused and (why := pallas_support()):
+    pallas_why.append(why)
   L = q_BLHK.shape[1]
   if L % PALLAS_BLOCK:
     pallas_why.append(f'length {L} (Pallas takes a multiple of {PALLAS_BLOCK})')

@@ -371,16 +371,18 @@ def resolve(init_from: str, *, download: bool = True) -> str:
     return init_from
   import huggingface_hub  # only for hub ids
   try:
-    path = huggingface_hub.snapshot_download(init_from, allow_patterns=list(HUB_FILES), local_files_only=not download)
+    path = huggingface_hub.snapshot_download(init_from, allow_patterns=list(HUB_FILES),
+                                             local_files_only=not download)
   except Exception as e:  # noqa: BLE001  (offline, unknown or gated id: all one message)
     if not download:
       return init_from
-    why = str(e).strip().splitlines()[0] if str(e).strip() else ''
+    why = (str(e).strip().splitlines() or [''])[0][:200]
+    include = ' '.join(repr(p) for p in HUB_FILES)
     raise HFImportError(
         f'init_from={init_from!r}: no such directory, and as a hub id not in the Hugging Face cache '
-        f'{huggingface_hub.constants.HF_HUB_CACHE} and not downloadable ({type(e).__name__}: {why[:200]}); fetch it where the hub can be reached with '
-        f'`hf download {init_from} --include {" ".join(repr(p) for p in HUB_FILES)}` into that cache (HF_HOME / HF_HUB_CACHE), '
-        'or give a local directory') from None
+        f'{huggingface_hub.constants.HF_HUB_CACHE} and not downloadable ({type(e).__name__}: {why}); fetch it '
+        f'where the hub can be reached with `hf download {init_from} --include {include}` into that cache '
+        '(HF_HOME / HF_HUB_CACHE), or give a local directory') from None
   if not is_hf_dir(path):
     raise HFImportError(f'init_from={init_from!r} ({path}): no config.json with safetensors weights there '
                         '(the zoo reads safetensors only)')

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -66,6 +66,19 @@ def fit_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, platform: str 
   return fitted, (f'config.mesh ({_fmt_mesh(dict(items))}) asks for {devices_needed(mesh_cfg)} devices; there are '
                   f'{num_devices} {platform} devices, so the mesh is fitted to them: {flags} (set these flags '
                   'to choose another layout)')
+
+
+def fit_mesh(mesh_cfg: MutableMapping[str, int]) -> str | None:
+  """On GPUs/TPUs, fits the mesh config (config.mesh, updated in place) to the devices found
+  (fit_mesh_shape) and returns the note saying so, or None when it fits already; on the CPU (simulated
+  devices, sized to the mesh) it does nothing."""
+  platform = jax.devices()[0].platform
+  if platform == 'cpu':
+    return None
+  fitted, note = fit_mesh_shape(mesh_cfg, jax.device_count(), platform)
+  if note:
+    mesh_cfg.update(fitted)
+  return note
 
 
 def check_platform() -> None:

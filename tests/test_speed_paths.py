@@ -42,7 +42,8 @@ def test_cudnn_where_it_cannot_run_is_one_error_naming_why():
     attention.choose('cudnn', q, k, causal=True, packed=False, padded=False)
   q, k, v = _qkv(L=24, K=24)
   with pytest.raises(ConfigError, match=r"config.model.attention=pallas cannot run this attention .*cpu backend.*"
-                                        r"length 24 \(Pallas takes a multiple of 128\); head_dim 24 \(Pallas takes a power"):
+                                        r"length 24 \(Pallas takes a multiple of 128\); "
+                                        r"head_dim 24 \(Pallas takes a power"):
     attention.choose('pallas', q, k, causal=True, packed=True, padded=False)
   with pytest.raises(ConfigError, match=r"config.model.attention='flash' is not known; choose one of"):
     attention.choose('flash', q, k, causal=True, packed=False, padded=False)
@@ -180,7 +181,7 @@ def test_peaks_of_known_chips():
   assert flops.peak_tflops('cpu') is None
 
 
-def test_mesh_is_fitted_to_the_accelerators_found():
+def test_mesh_is_fitted_to_the_accelerators_found(monkeypatch):
   assert partitioning.fit_mesh_shape({'data': 2, 'fsdp': 4}, 8, 'gpu') == ({'data': 2, 'fsdp': 4}, None)
   sizes, note = partitioning.fit_mesh_shape({'data': 1, 'fsdp': 8, 'tensor': 1}, 1, 'gpu')
   assert sizes == {'data': 1, 'fsdp': 1, 'tensor': 1}
@@ -188,6 +189,12 @@ def test_mesh_is_fitted_to_the_accelerators_found():
   assert '--config.mesh.data=1 --config.mesh.fsdp=1 --config.mesh.tensor=1' in note
   assert partitioning.fit_mesh_shape({'data': 2, 'fsdp': 2, 'tensor': 2}, 4, 'gpu')[0] == {'data': 4, 'fsdp': 1,
                                                                                               'tensor': 1}
+  mesh = tiny_config('fsdp_tp').mesh  # fit_mesh: the config's mesh, in place, on accelerators only
+  assert partitioning.fit_mesh(mesh) is None and dict(mesh) == {'data': 2, 'fsdp': 2, 'tensor': 2}
+  monkeypatch.setattr(jax, 'devices', lambda *a: [type('Gpu', (), {'platform': 'gpu'})()])
+  monkeypatch.setattr(jax, 'device_count', lambda *a: 1)
+  assert partitioning.fit_mesh(mesh).startswith('config.mesh (data=2 x fsdp=2 x tensor=2) asks for 8 devices')
+  assert dict(mesh) == {'data': 1, 'fsdp': 1, 'tensor': 1}
 
 
 def test_no_silent_cpu_run_beside_a_gpu(monkeypatch):

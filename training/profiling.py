@@ -67,7 +67,6 @@ class StepProfiler:
       return self.logdir
     return None
 
-
   def close(self) -> None:
     """Stops a trace still running (e.g. after an exception)."""
     if self.active:
