@@ -23,6 +23,10 @@ class HFImportError(ConfigError):
   """A Hugging Face directory that cannot be imported as the configured model."""
 
 
+class HFExportError(ConfigError):
+  """A model, table or dtype that cannot be written in its family's Hugging Face layout."""
+
+
 class NonFiniteError(RuntimeError):
   """Training met a non-finite loss or gradient (config.on_nonfinite): names the step and the parameter.
   Not bad input: the parameters stayed finite, and no checkpoint was written after the bad step."""

@@ -159,10 +159,11 @@ def _hf_params() -> list[hf.Param]:
   (word embeddings, MLM decoder bias) are zero-padded to config.model.pad_vocab_to."""
   def dims(cfg):  # D, H, K
     return cfg.embed_dim, cfg.num_heads, cfg.embed_dim // cfg.num_heads
-  pad = lambda cfg: [hf.Pad(0, -(-cfg.vocab_size // (cfg.get('pad_vocab_to') or 1)) * (cfg.get('pad_vocab_to') or 1))]
-  qkv = lambda cfg: [hf.T((1, 0)), hf.R(dims(cfg))]
-  qkv_bias = lambda cfg: [hf.R(dims(cfg)[1:])]
-  out = lambda cfg: [hf.T((1, 0)), hf.R((*dims(cfg)[1:], dims(cfg)[0]))]
+  pad = lambda cfg: [hf.Pad(0, -(-cfg.vocab_size // (cfg.get('pad_vocab_to') or 1)) * (cfg.get('pad_vocab_to') or 1),
+                            cfg.vocab_size)]
+  qkv = lambda cfg: [hf.T((1, 0)), hf.R(dims(cfg), (cfg.embed_dim,) * 2)]
+  qkv_bias = lambda cfg: [hf.R(dims(cfg)[1:], (cfg.embed_dim,))]
+  out = lambda cfg: [hf.T((1, 0)), hf.R((*dims(cfg)[1:], dims(cfg)[0]), (cfg.embed_dim,) * 2)]
   lin = [hf.T((1, 0))]
 
   def ln(zoo, theirs):  # older files name LayerNorm parameters gamma/beta (whichever the file has is read)
@@ -186,8 +187,8 @@ def _hf_params() -> list[hf.Param]:
       # head 'mlm' (the decoder weight is the word embedding table)
       *dense('transform', 'cls.predictions.transform.dense'),
       *ln('transform_ln', 'cls.predictions.transform.LayerNorm'),
-      hf.Param('decoder_bias', 'cls.predictions.decoder.bias', pad),  # files with only the decoder's copy
       hf.Param('decoder_bias', 'cls.predictions.bias', pad),
+      hf.Param('decoder_bias', 'cls.predictions.decoder.bias', pad),  # files with only the decoder's copy
       # head 'classify'
       *dense('pooler', 'pooler.dense'),
       *dense('classifier', 'classifier'),
@@ -203,4 +204,4 @@ def _hf_params() -> list[hf.Param]:
 # cls.predictions.bias), the next-sentence head, and the tensors of the head the zoo model does not build.
 HF = hf.Family(model_types=('bert',), config=_hf_config, params=_hf_params(), prefixes=('bert.', ''),
                ignore=(r'embeddings\.(position_ids|token_type_ids)$', r'^cls\.', r'^(bert\.)?pooler\.'),
-               to_config=to_hf_config)
+               to_config=to_hf_config, unprefixed=(r'^cls\.', r'^classifier\.'))

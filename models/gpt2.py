@@ -98,15 +98,16 @@ def _hf_params() -> list[hf.Param]:
     def ops(cfg):
       D, H = cfg.embed_dim, cfg.num_heads
       return [hf.Slice(0 if bias else 1, part * D, (part + 1) * D),
-              hf.R((H, D // H) if bias else (D, H, D // H))]
+              hf.R((H, D // H), (D,)) if bias else hf.R((D, H, D // H), (D, D))]
     return ops
   rows = [
       hf.Param('tok/embed/embedding', 'wte.weight',
-               lambda cfg: [hf.Pad(0, -(-cfg.vocab_size // cfg.get('pad_vocab_to', 1)) * cfg.get('pad_vocab_to', 1))]),
+               lambda cfg: [hf.Pad(0, -(-cfg.vocab_size // cfg.get('pad_vocab_to', 1)) * cfg.get('pad_vocab_to', 1),
+                                   cfg.vocab_size)]),
       hf.Param('pos', 'wpe.weight'),
       hf.Param('ln_f/scale', 'ln_f.weight'), hf.Param('ln_f/bias', 'ln_f.bias'),
       hf.Param('blocks/layers/{i}/attn/out/layer/kernel', 'h.{i}.attn.c_proj.weight',
-               lambda cfg: [hf.R((cfg.num_heads, cfg.embed_dim // cfg.num_heads, cfg.embed_dim))]),
+               lambda cfg: [hf.R((cfg.num_heads, cfg.embed_dim // cfg.num_heads, cfg.embed_dim), (cfg.embed_dim,) * 2)]),
       hf.Param('blocks/layers/{i}/attn/out/layer/bias', 'h.{i}.attn.c_proj.bias'),
       hf.Param('blocks/layers/{i}/mlp/up/layer/kernel', 'h.{i}.mlp.c_fc.weight'),
       hf.Param('blocks/layers/{i}/mlp/up/layer/bias', 'h.{i}.mlp.c_fc.bias'),

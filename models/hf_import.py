@@ -60,8 +60,10 @@ class T:
 
 @dataclasses.dataclass(frozen=True)
 class R:
-  """Reshape to `shape` (may contain one -1)."""
+  """Reshape to `to` (may contain one -1). `src`, the Hugging Face side's shape (may contain one -1), is
+  what the exporter reshapes back to (a reshape cannot be inverted from its output alone)."""
   to: tuple[int, ...]
+  src: tuple[int, ...] | None = None
 
   def shape(self, s):
     n = math.prod(s)
@@ -158,9 +160,11 @@ class Slice:
 
 @dataclasses.dataclass(frozen=True)
 class Pad:
-  """Zero rows appended along `axis` up to `size` (a padded vocabulary)."""
+  """Zero rows appended along `axis` up to `size` (a padded vocabulary); `src` is the real length there
+  (the exporter drops the padding rows)."""
   axis: int
   size: int
+  src: int | None = None
 
   def shape(self, s):
     return tuple(self.size if d == self.axis else n for d, n in enumerate(s))
@@ -201,6 +205,9 @@ class Family:
   prefixes: tuple[str, ...] = ('',)  # tried in order in front of every HF key (e.g. 'transformer.')
   ignore: tuple[str, ...] = ()  # regexes of HF keys that are not parameters (buffers, unused heads)
   to_config: Callable[[Any], dict] | None = None  # config.model -> config.json (the inverse of `config`)
+  # Export (models/hf_export.py) writes every key with prefixes[0] (the head model's layout, e.g.
+  # GPT2LMHeadModel's 'transformer.') except keys matching these regexes (heads: 'lm_head.', 'classifier.').
+  unprefixed: tuple[str, ...] = ()
   # Fields where config.model may differ from config.json: field -> check(ours, theirs) giving None when our
   # value works with the checkpoint (it is kept), else why not. Every other field comes from config.json.
   keep: Mapping[str, Callable[[Any, Any], str | None]] = dataclasses.field(default_factory=dict)

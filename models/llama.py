@@ -161,9 +161,14 @@ def _hf_params() -> list[hf.Param]:
   def dims(cfg):  # D, H, G, K
     H = cfg.num_heads
     return cfg.embed_dim, H, cfg.get('num_kv_heads') or H, cfg.get('head_dim') or cfg.embed_dim // H
-  q = lambda cfg: [hf.T((1, 0)), hf.R((dims(cfg)[0], dims(cfg)[1], dims(cfg)[3]))]
-  kv = lambda cfg: [hf.T((1, 0)), hf.R((dims(cfg)[0], dims(cfg)[2], dims(cfg)[3]))]
-  out = lambda cfg: [hf.T((1, 0)), hf.R((dims(cfg)[1], dims(cfg)[3], dims(cfg)[0]))]
+  def heads(heads_dim):  # (D, H*K) -> (D, H, K) after the transpose (heads_dim 1: query; 2: key/value)
+    def ops(cfg):
+      D, n, K = dims(cfg)[0], dims(cfg)[heads_dim], dims(cfg)[3]
+      return [hf.T((1, 0)), hf.R((D, n, K), (D, n * K))]
+    return ops
+  q, kv = heads(1), heads(2)
+  out = lambda cfg: [hf.T((1, 0)), hf.R((dims(cfg)[1], dims(cfg)[3], dims(cfg)[0]),
+                                        (dims(cfg)[1] * dims(cfg)[3], dims(cfg)[0]))]
   b = 'blocks/layers/{i}'
   rows = [
       hf.Param('embed_tokens/embed/embedding', 'embed_tokens.weight'),
@@ -192,4 +197,5 @@ def _fits_positions(ours: int, theirs: int) -> str | None:
 
 HF = hf.Family(model_types=('llama',), config=_hf_config, params=_hf_params(), prefixes=('model.', ''),
                keep={'max_len': _fits_positions},
-               ignore=(r'rotary_emb\.inv_freq$', r'^lm_head\.weight$'), to_config=to_hf_config)
+               ignore=(r'rotary_emb\.inv_freq$', r'^lm_head\.weight$'), to_config=to_hf_config,
+               unprefixed=(r'^lm_head\.',))

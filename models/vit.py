@@ -131,11 +131,11 @@ def _hf_params() -> list[hf.Param]:
   rows = [
       hf.Param('patch/kernel', 'embeddings.patch_embeddings.projection.weight', [hf.T((2, 3, 1, 0))]),
       hf.Param('patch/bias', 'embeddings.patch_embeddings.projection.bias'),
-      hf.Param('cls', 'embeddings.cls_token', lambda cfg: [hf.R((cfg.embed_dim,))]),
-      hf.Param('pos', 'embeddings.position_embeddings', lambda cfg: [hf.R((-1, cfg.embed_dim))]),
+      hf.Param('cls', 'embeddings.cls_token', lambda cfg: [hf.R((cfg.embed_dim,), (1, 1, cfg.embed_dim))]),
+      hf.Param('pos', 'embeddings.position_embeddings', lambda cfg: [hf.R((-1, cfg.embed_dim), (1, -1, cfg.embed_dim))]),
       *ln(f'{b}/ln1', f'{h}.layernorm_before'),
       *dense(f'{b}/attn/out', f'{h}.attention.output.dense',
-             lambda cfg: [hf.T((1, 0)), hf.R((*dims(cfg)[1:], dims(cfg)[0]))]),
+             lambda cfg: [hf.T((1, 0)), hf.R((*dims(cfg)[1:], dims(cfg)[0]), (cfg.embed_dim,) * 2)]),
       *ln(f'{b}/ln2', f'{h}.layernorm_after'),
       *dense(f'{b}/mlp/up', f'{h}.intermediate.dense'),
       *dense(f'{b}/mlp/down', f'{h}.output.dense'),
@@ -143,12 +143,13 @@ def _hf_params() -> list[hf.Param]:
       *dense('head', 'classifier'),
   ]
   for n in ('query', 'key', 'value'):
-    rows += dense(f'{b}/attn/{n}', f'{h}.attention.attention.{n}', lambda cfg: [hf.T((1, 0)), hf.R(dims(cfg))],
-                  lambda cfg: [hf.R(dims(cfg)[1:])])
+    rows += dense(f'{b}/attn/{n}', f'{h}.attention.attention.{n}',
+                  lambda cfg: [hf.T((1, 0)), hf.R(dims(cfg), (cfg.embed_dim,) * 2)],
+                  lambda cfg: [hf.R(dims(cfg)[1:], (cfg.embed_dim,))])
   return rows
 
 
 # Keys are 'vit.'-prefixed in ViTForImageClassification files, bare in ViTModel ones (whose pooler,
 # unused by classification, is ignored); the classifier is never prefixed.
 HF = hf.Family(model_types=('vit',), config=_hf_config, params=_hf_params(), prefixes=('vit.', ''),
-               ignore=(r'^(vit\.)?pooler\.',), to_config=to_hf_config)
+               ignore=(r'^(vit\.)?pooler\.',), to_config=to_hf_config, unprefixed=(r'^classifier\.',))

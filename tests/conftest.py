@@ -125,3 +125,46 @@ def unstack_layers(tree: Any, num: int) -> Any:
     return tree
   return {k: ({i: jax.tree.map(lambda x, i=i: x[i], v) for i in range(num)} if k == 'layers'
               else unstack_layers(v, num)) for k, v in tree.items()}
+
+
+# --- Hugging Face export (training/export.py) --------------------------------------------------------
+
+def train_steps(trainer: training.Trainer, state: training.TrainState, steps: int = 2) -> training.TrainState:
+  """`steps` jitted train steps from `state` on the task's synthetic batches (the weights move)."""
+  step = training.jit_train_step(trainer)
+  for i in range(steps):
+    state, _ = step(state, jax.device_put(trainer.task.synthetic_batch(trainer.config, seed=i),
+                                          trainer.batch_shardings))
+  return state
+
+
+def export_hf(trainer: training.Trainer, state: training.TrainState, out_dir: str, **kwargs) -> dict:
+  from training import export
+  return export.write_hf(trainer, state.params, state.model_state, str(out_dir), models.HF_FAMILIES, **kwargs)
+
+
+def assert_hf_round_trip(trainer: training.Trainer, state: training.TrainState, hf_dir: str, out_dir: str,
+                         **kwargs) -> None:
+  """HF -> zoo (`state`, as imported) -> HF: every exported tensor is bitwise the original's, and the
+  original's tensors not written are ones the family's importer ignores (tied copies, buffers, other heads)."""
+  import re
+
+  import numpy as np
+  from models import hf_import
+  export_hf(trainer, state, out_dir, **kwargs)
+  family = models.HF_FAMILIES[trainer.config.model.name]
+  theirs, ours = hf_import.HFDir(hf_dir), hf_import.HFDir(str(out_dir))
+  assert ours.keys() <= theirs.keys(), sorted(ours.keys() - theirs.keys())
+  for key in sorted(ours.keys()):
+    a, b = theirs.read(key, [(0, n) for n in theirs.shape(key)]), ours.read(key, [(0, n) for n in ours.shape(key)])
+    assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), key
+  left = sorted(k for k in theirs.keys() - ours.keys() if not any(re.search(r, k) for r in family.ignore))
+  assert not left, left
+
+
+def load_exported(trainer: training.Trainer, state: training.TrainState, out_dir: str, auto_class: Any, **kwargs):
+  """The state exported to `out_dir` and loaded by transformers (eval mode, fp32), with nothing missing or left."""
+  export_hf(trainer, state, out_dir, **kwargs)
+  model, info = auto_class.from_pretrained(str(out_dir), output_loading_info=True)
+  assert not (info['missing_keys'] or info['unexpected_keys'] or info['mismatched_keys']), info
+  return model.eval()

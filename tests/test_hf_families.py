@@ -19,7 +19,7 @@ from configs import bert as bert_config  # noqa: E402
 from configs import llama as llama_config  # noqa: E402
 from configs import vit as vit_config  # noqa: E402
 from models import hf_import, layers  # noqa: E402
-from tests.conftest import build_trainer  # noqa: E402
+from tests.conftest import assert_hf_round_trip, build_trainer, load_exported, train_steps  # noqa: E402
 from training import pretrained, tasks  # noqa: E402
 
 # Max |logits difference| allowed, fp32 on both sides. Measured (2-core CPU, 8 simulated devices; the
@@ -83,7 +83,7 @@ def llama_case(request, tmp_path_factory):
   return request.param, path, model, arg, scan
 
 
-def test_llama_logits_match_transformers(llama_case):
+def test_llama_logits_match_transformers_and_export_back(llama_case, tmp_path):
   name, path, hf_model, arg, scan = llama_case
   tied = hf_model.config.tie_word_embeddings
   if 'sharded' in name:
@@ -111,12 +111,24 @@ def test_llama_logits_match_transformers(llama_case):
   else:
     assert m.rope_scaling is None
   tokens = np.random.default_rng(0).integers(0, 96, (2, 32))
-  ours = forward(trainer, state, tokens)
-  with torch.no_grad():
-    theirs = hf_model(torch.tensor(tokens)).logits.numpy()
-  err = float(np.abs(ours - theirs).max())
-  print(f'llama {name}: max |logits diff| {err:.2e} (logits up to {np.abs(theirs).max():.2f})')
-  assert err < PARITY_ATOL, err
+
+  def err(state, hf_model, what):
+    ours = forward(trainer, state, tokens)
+    with torch.no_grad():
+      theirs = hf_model(torch.tensor(tokens)).logits.numpy()
+    e = float(np.abs(ours - theirs).max())
+    print(f'llama {name} {what}: max |logits diff| {e:.2e} (logits up to {np.abs(theirs).max():.2f})')
+    return e
+  assert err(state, hf_model, 'import') < PARITY_ATOL
+  # Export: HF -> zoo -> HF is bitwise; trained -> HF -> transformers gives the zoo's logits (the sharded case
+  # is written in several files with an index, like its source).
+  shard = dict(max_shard_size='20KB') if 'sharded' in name else {}
+  assert_hf_round_trip(trainer, state, path, tmp_path / 'round_trip', **shard)
+  if shard:
+    assert os.path.isfile(tmp_path / 'round_trip' / 'model.safetensors.index.json')
+  trained = train_steps(trainer, state)
+  exported = load_exported(trainer, trained, tmp_path / 'trained', transformers.AutoModelForCausalLM, **shard)
+  assert err(trained, exported, 'trained -> HF') < PARITY_ATOL
 
 
 def test_llama_keeps_a_compatible_max_len_and_refuses_a_longer_one(llama_case):
@@ -163,7 +175,7 @@ def bert_case(request, tmp_path_factory):
   return request.param, path, model
 
 
-def test_bert_logits_match_transformers(bert_case):
+def test_bert_logits_match_transformers_and_export_back(bert_case, tmp_path):
   head, path, hf_model = bert_case
   _, arg, scan, overrides = BERT_CASES[head]
   cfg = zoo_config(bert_config, arg, path, scan_layers=scan, max_len=512, mlp_dim=32, **overrides)
@@ -173,16 +185,23 @@ def test_bert_logits_match_transformers(bert_case):
   tokens = np.random.default_rng(0).integers(0, 100, (2, 16))
   valid = (np.arange(16) < np.array([[16], [11]])).astype(np.int32)  # row 2: 5 padded positions
   types = (np.arange(16) >= 6)[None].repeat(2, 0).astype(np.int32)
-  ours = forward(trainer, state, tokens, valid_BL=valid, token_types_BL=types)
-  with torch.no_grad():
-    theirs = hf_model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(valid),
-                      token_type_ids=torch.tensor(types)).logits.numpy()
-  if head == 'mlm':  # real positions and real vocabulary only (padded positions are never scored)
-    assert ours.shape == (2, 16, 104) and (ours[..., 100:] < -1e8).all()
-    ours, theirs = ours[valid == 1][:, :100], theirs[valid == 1]
-  err = float(np.abs(ours - theirs).max())
-  print(f'bert {head}: max |logits diff| {err:.2e} (logits up to {np.abs(theirs).max():.2f})')
-  assert err < PARITY_ATOL, err
+
+  def err(state, hf_model, what):
+    ours = forward(trainer, state, tokens, valid_BL=valid, token_types_BL=types)
+    with torch.no_grad():
+      theirs = hf_model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(valid),
+                        token_type_ids=torch.tensor(types)).logits.numpy()
+    if head == 'mlm':  # real positions and real vocabulary only (padded positions are never scored)
+      assert ours.shape == (2, 16, 104) and (ours[..., 100:] < -1e8).all()
+      ours, theirs = ours[valid == 1][:, :100], theirs[valid == 1]
+    e = float(np.abs(ours - theirs).max())
+    print(f'bert {head} {what}: max |logits diff| {e:.2e} (logits up to {np.abs(theirs).max():.2f})')
+    return e
+  assert err(state, hf_model, 'import') < PARITY_ATOL
+  assert_hf_round_trip(trainer, state, path, tmp_path / 'round_trip')
+  trained = train_steps(trainer, state)
+  exported = load_exported(trainer, trained, tmp_path / 'trained', type(hf_model))
+  assert err(trained, exported, 'trained -> HF') < PARITY_ATOL
 
 
 # --- ViT --------------------------------------------------------------------------------------------
@@ -199,19 +218,26 @@ def images(n=2):
   return np.random.default_rng(0).normal(size=(n, 16, 16, 3)).astype(np.float32)
 
 
-def test_vit_logits_match_transformers(vit_dir):
+def test_vit_logits_match_transformers_and_export_back(vit_dir, tmp_path):
   path, hf_model = vit_dir
   cfg = zoo_config(vit_config, 'tp,tiny', path, dataset=dict(num_classes=5), num_classes=5, embed_dim=32,
                    patch_size=8)
   assert (cfg.model.embed_dim, cfg.model.patch_size, cfg.model.num_layers) == (64, 4, 2)
   trainer, state = import_hf(cfg)
   x = images()
-  ours = forward(trainer, state, x)
-  with torch.no_grad():
-    theirs = hf_model(pixel_values=torch.tensor(x.transpose(0, 3, 1, 2))).logits.numpy()
-  err = float(np.abs(ours - theirs).max())
-  print(f'vit: max |logits diff| {err:.2e} (logits up to {np.abs(theirs).max():.2f})')
-  assert err < PARITY_ATOL, err
+
+  def err(state, hf_model, what):
+    ours = forward(trainer, state, x)
+    with torch.no_grad():
+      theirs = hf_model(pixel_values=torch.tensor(x.transpose(0, 3, 1, 2))).logits.numpy()
+    e = float(np.abs(ours - theirs).max())
+    print(f'vit {what}: max |logits diff| {e:.2e} (logits up to {np.abs(theirs).max():.2f})')
+    return e
+  assert err(state, hf_model, 'import') < PARITY_ATOL
+  assert_hf_round_trip(trainer, state, path, tmp_path / 'round_trip')
+  trained = train_steps(trainer, state)
+  exported = load_exported(trainer, trained, tmp_path / 'trained', transformers.AutoModelForImageClassification)
+  assert err(trained, exported, 'trained -> HF') < PARITY_ATOL
 
 
 def test_vit_new_head_for_other_classes(vit_dir):

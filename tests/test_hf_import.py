@@ -17,7 +17,7 @@ import models  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
 from models import hf_import  # noqa: E402
 from models.hf_import import Pad, R, Slice, T  # noqa: E402
-from tests.conftest import build_trainer  # noqa: E402
+from tests.conftest import assert_hf_round_trip, build_trainer, load_exported, train_steps  # noqa: E402
 from training import pretrained, tasks  # noqa: E402
 
 PARITY_ATOL = 1e-4  # max |logits difference| allowed (fp32 both sides)
@@ -51,21 +51,32 @@ def gpt2_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize('arg,scan', [('fsdp_tp,tiny', True), ('tp,tiny', False)])
-def test_gpt2_logits_match_transformers(gpt2_dir, arg, scan):
+def test_gpt2_logits_match_transformers_and_export_back(gpt2_dir, arg, scan, tmp_path):
+  """Import: the zoo's logits are transformers'. Export (training/export.py): HF -> zoo -> HF is bitwise;
+  after 2 train steps, the exported model loaded by transformers gives the zoo's logits."""
   path, hf_model = gpt2_dir
   cfg = zoo_config(gpt2_config, arg, path, scan_layers=scan, pad_vocab_to=8)
   assert (cfg.model.vocab_size, cfg.model.embed_dim, cfg.model.num_layers) == (100, 64, 2)  # from config.json
   trainer = build_trainer(cfg)
   state = pretrained.init_state(trainer, models.HF_FAMILIES)
   tokens = np.random.default_rng(0).integers(0, 100, (2, 32))
-  ours = forward(trainer, state, tokens)[..., :100]
-  with torch.no_grad():
-    theirs = hf_model(torch.tensor(tokens)).logits.numpy()
-  err = np.abs(ours - theirs).max()
-  assert err < PARITY_ATOL, err
+
+  def err(state, hf_model):
+    ours = forward(trainer, state, tokens)[..., :100]
+    with torch.no_grad():
+      theirs = hf_model(torch.tensor(tokens)).logits.numpy()
+    return float(np.abs(ours - theirs).max())
+  assert err(state, hf_model) < PARITY_ATOL
   emb = state.params['tok']['embed']['embedding']
   assert emb.shape == (104, 64) and emb.sharding.spec == trainer.specs.params['tok']['embed']['embedding']
   assert not np.asarray(emb[100:]).any()  # padded rows are zeros
+  assert_hf_round_trip(trainer, state, path, tmp_path / 'round_trip')
+  trained = train_steps(trainer, state)
+  assert not np.array_equal(trained.params['ln_f']['scale'], state.params['ln_f']['scale'])
+  exported = load_exported(trainer, trained, tmp_path / 'trained', transformers.AutoModelForCausalLM)
+  e = err(trained, exported)
+  print(f'gpt2 {arg}: trained -> HF -> transformers: max |logits diff| {e:.2e}')
+  assert e < PARITY_ATOL, e
 
 
 def test_unexplained_parameters_are_listed_and_dont_load_initialises_them(gpt2_dir, tmp_path):

@@ -181,16 +181,32 @@ def load_params(path: str, trainer: Trainer, dont_load: str | None = None) -> An
   `path` is a run's checkpoint directory (latest step) or one step's directory. Each process reads
   only its shards, straight into the trainer's shardings. Parameters whose path matches the regex
   `dont_load` are neither read nor checked (returned tree lacks them)."""
+  return load_weights(path, trainer, dont_load=dont_load)[0]['params']
+
+
+def step_directory(path: str) -> str:
+  """A run's checkpoint directory -> its latest step's directory; a step's directory as it is."""
   path = os.path.abspath(path)
-  step_dir = path
-  if not os.path.isdir(os.path.join(path, 'state')):
-    steps = sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
-    if not steps:
-      raise CheckpointError(f'init_from={path!r}: no checkpoint there (expected <dir>/<step>/state)')
-    step_dir = os.path.join(path, str(steps[-1]))
+  if os.path.isdir(os.path.join(path, 'state')):
+    return path
+  steps = sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
+  if not steps:
+    raise CheckpointError(f'{path!r}: no checkpoint there (expected <dir>/<step>/state)')
+  return os.path.join(path, str(steps[-1]))
+
+
+def load_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, model_state: bool = False,
+                 ) -> tuple[dict[str, Any], str]:
+  """({'params': ..., ['model_state': ...]}, the step directory read) from a checkpoint of this project,
+  without the optimizer state: see load_params. model_state=True also reads the non-parameter variables
+  (BatchNorm statistics), for export."""
+  step_dir = step_directory(path)
   source = f'checkpoint {step_dir}'
   keep = (lambda p: not re.search(dont_load, p)) if dont_load else (lambda p: True)
-  abstract = _filter(_abstract(trainer)['params'], keep)
+  full = _abstract(trainer)
+  abstract = {'params': _filter(full['params'], keep)}
+  if model_state:
+    abstract['model_state'] = full['model_state']
   checkpointer = ocp.StandardCheckpointer()
   try:
     md = checkpointer.metadata(os.path.join(step_dir, 'state'))
@@ -200,13 +216,15 @@ def load_params(path: str, trainer: Trainer, dont_load: str | None = None) -> An
   found = tree.get('params') if isinstance(tree, Mapping) else None
   if found is None:
     raise CheckpointError(f'{source} holds no parameters')
-  check_compatible(abstract, _filter(dict(found), keep), what='parameter', source=source)
+  check_compatible(abstract['params'], _filter(dict(found), keep), what='parameter', source=source)
+  if model_state:
+    check_compatible(abstract['model_state'], tree.get('model_state') or {}, what='model state', source=source)
+  abstract = {k: v for k, v in abstract.items() if v}  # orbax restores no empty subtrees
   restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
   try:
     out = ocp.PyTreeCheckpointer().restore(
         os.path.join(step_dir, 'state'),
-        args=ocp.args.PyTreeRestore(item={'params': abstract}, restore_args={'params': restore_args},
-                                    partial_restore=True))
+        args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True))
   except (ValueError, FileNotFoundError, OSError) as e:
     raise CheckpointError(f'{source} could not be restored: {e}') from e
-  return out['params']
+  return {'params': {}, 'model_state': {}, **out} if model_state else {'params': {}, **out}, step_dir

@@ -1,23 +1,119 @@
-"""Exporting trained weights: LoRA adapters merged into the base kernels, as a params-only checkpoint."""
+"""Exporting trained weights: as a Hugging Face model directory (export_hf; the family's import table read
+backwards, models/hf_export.py), or with LoRA adapters merged as a params-only checkpoint of this project.
+
+A run's final config is kept beside its checkpoints (<workdir>/run_config.json, written by train.py), so
+`export.py --workdir DIR` rebuilds the same model, mesh and rules without the config file and overrides.
+"""
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from typing import Any
 
 import jax
+import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
-from models import lora
+from errors import ConfigError
+from models import hf_export, hf_import, lora
+from partitioning import path_str
+from training import checkpoint
 from training.trainer import Trainer, TrainState
+
+RUN_CONFIG = 'run_config.json'
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'vocab.json', 'vocab.txt',
+                   'merges.txt', 'tokenizer.model', 'added_tokens.json', 'chat_template.jinja')
+
+
+def save_run_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """The run's config as it trained (after --config.* overrides and config.json adoption), for export."""
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, RUN_CONFIG), 'w') as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+
+
+def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+  path = os.path.join(workdir, RUN_CONFIG)
+  if not os.path.isfile(path):
+    raise ConfigError(f'{path} does not exist (runs before export existed did not write it): give the run\'s '
+                      'config with --config (and the same --config.* overrides)')
+  with open(path) as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+def _merged_weights(trainer: Trainer, params: Any, model_state: Any) -> Any:
+  """Params with LoRA adapters folded into the base kernels (the base model's parameter paths)."""
+  def merge(params, rest):
+    model = lora.merge(nnx.merge(trainer.graphdef, params, rest))
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  return jax.jit(merge)(params, model_state)
+
+
+def _host(x: jax.Array) -> np.ndarray:
+  """One whole array on this host (gathered across processes when it spans several)."""
+  return np.asarray(x) if x.is_fully_addressable else np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def export_hf(trainer: Trainer, checkpoints: str, out_dir: str, families: dict[str, hf_import.Family], *,
+              dtype: Any = None, max_shard_size: int | str = '5GB') -> dict[str, Any]:
+  """Writes a checkpoint (`checkpoints`: a run's checkpoint directory, latest step, or one step's) as a
+  Hugging Face directory (see write_hf); the optimizer state is not read."""
+  weights, step_dir = checkpoint.load_weights(checkpoints, trainer, model_state=True)
+  stats = write_hf(trainer, weights['params'], weights['model_state'], out_dir, families, dtype=dtype,
+                   max_shard_size=max_shard_size)
+  return dict(stats, step_dir=step_dir)
+
+
+def write_hf(trainer: Trainer, params: Any, model_state: Any, out_dir: str, families: dict[str, hf_import.Family],
+             *, dtype: Any = None, max_shard_size: int | str = '5GB') -> dict[str, Any]:
+  """Writes the model's weights (sharded arrays, as the trainer holds them) as a Hugging Face directory:
+  config.json, safetensors (sharded with an index above max_shard_size), the tokenizer files of a local
+  Hugging Face tokenizer the run used, and generation_config.json of the Hugging Face model it started
+  from. LoRA adapters are merged. dtype: the weights' dtype on disk (default: the parameters'). Each zoo
+  tensor is gathered to the host once, alone, and written in place."""
+  config = trainer.config
+  name = config.model.name
+  if name not in families:
+    raise ConfigError(f'config.model.name={name!r} has no Hugging Face layout to export to; families with one: '
+                      f'{sorted(families)}')
+  family = families[name]
+  if config.get('lora') is not None and config.lora.get('rank', 0):
+    params = _merged_weights(trainer, params, model_state)
+  leaves = jax.tree_util.tree_leaves_with_path(params) + jax.tree_util.tree_leaves_with_path(model_state)
+  flat = {path_str(p): x for p, x in leaves}
+  dtype = np.dtype(dtype or jax.tree.leaves(params)[0].dtype)
+  writer = jax.process_index() == 0
+  stats = hf_export.write(family, config.model, {k: tuple(x.shape) for k, x in flat.items()},
+                          lambda path: _host(flat[path]), out_dir, dtype=dtype, max_shard_size=max_shard_size,
+                          is_writer=writer)
+  source = config.get('init_from') or ''
+  source = source if hf_import.is_hf_dir(source) else None
+  if writer:
+    base = hf_import.HFDir(source).config if source else None
+    with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+      json.dump(hf_export.config_json(family, config.model, dtype, base), f, indent=2, sort_keys=True)
+    copied = []
+    tok = config.get('dataset', {}).get('tokenizer')
+    for src, names in ((tok if isinstance(tok, str) and os.path.isdir(tok) else None, TOKENIZER_FILES),
+                       (source, ('generation_config.json',))):
+      for n in names if src else ():
+        if os.path.isfile(os.path.join(src, n)):
+          shutil.copy(os.path.join(src, n), out_dir)
+          copied.append(n)
+    stats['copied'] = sorted(copied)
+  multihost_utils.sync_global_devices('shardzoo:export_hf')
+  return dict(stats, dtype=dtype.name)
 
 
 def export_merged_lora(trainer: Trainer, state: TrainState, workdir: str) -> str:
   """Saves the params with LoRA adapters folded into the base kernels, as a params-only checkpoint
   (<workdir>/export/0/state) that `init_from` reads with the base model's config (no LoRA)."""
-  def merge(params, rest):
-    model = lora.merge(nnx.merge(trainer.graphdef, params, rest))
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  merged = jax.jit(merge)(state.params, state.model_state)
+  merged = _merged_weights(trainer, state.params, state.model_state)
   directory = os.path.join(os.path.abspath(workdir), 'export')
   with ocp.StandardCheckpointer() as saver:
     saver.save(os.path.join(directory, '0', 'state'), {'params': merged}, force=True)

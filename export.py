@@ -1,0 +1,64 @@
+r"""Exports a trained run as a Hugging Face model directory that transformers loads.
+
+  python export.py --workdir DIR --out HF_DIR [--step N] [--dtype bfloat16] [--max_shard_size 5GB]
+  python export.py --workdir DIR --out HF_DIR --config configs/gpt2.py:tiny [--config.key=value ...]
+
+The run's config comes from DIR/run_config.json (train.py writes it), or from --config for runs that
+predate it. The checkpoint's arrays are restored onto the run's mesh and rules and written one tensor at
+a time (training/export.py, models/hf_export.py); LoRA adapters are merged into the base weights.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+from absl import app, flags
+from ml_collections import config_flags
+
+import errors
+import models
+import partitioning
+import training
+from training import export
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file('config', None, "The run's config (default: WORKDIR/run_config.json).",
+                                lock_config=True)
+flags.DEFINE_string('workdir', None, 'The run directory (its checkpoints/ are read).')
+flags.DEFINE_string('out', None, 'The Hugging Face directory to write.')
+flags.DEFINE_integer('step', None, 'The checkpoint step (default: the latest).')
+flags.DEFINE_string('dtype', None, 'Weights dtype on disk, e.g. bfloat16 (default: the parameters\', float32).')
+flags.DEFINE_string('max_shard_size', '5GB', 'Split the weights into files of at most this size (with an index).')
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if not FLAGS.workdir or not FLAGS.out:
+    raise app.UsageError('--workdir and --out are required')
+  try:
+    config = FLAGS.config or export.load_run_config(FLAGS.workdir)
+    partitioning.simulate_cpu_devices(partitioning.devices_needed(config.mesh))
+    partitioning.check_platform()
+    partitioning.fit_mesh(config.mesh)
+    mesh = partitioning.make_mesh(config.mesh)
+    trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+    checkpoints = os.path.join(FLAGS.workdir, 'checkpoints')
+    if FLAGS.step is not None:
+      checkpoints = os.path.join(checkpoints, str(FLAGS.step))
+    t0 = time.perf_counter()
+    out = export.export_hf(trainer, checkpoints, FLAGS.out, models.HF_FAMILIES, dtype=FLAGS.dtype,
+                           max_shard_size=FLAGS.max_shard_size)
+    if jax.process_index() == 0:
+      print(f"exported {out['step_dir']} -> {FLAGS.out}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB "
+            f"{out['dtype']} in {len(out['files'])} file(s), {time.perf_counter() - t0:.1f}s"
+            + (f"; copied {', '.join(out['copied'])}" if out['copied'] else ''), flush=True)
+  except errors.CheckpointError as e:
+    raise SystemExit(f'shardzoo: checkpoint error: {e}') from None
+  except errors.ConfigError as e:  # HFImportError, HFExportError too
+    raise SystemExit(f'shardzoo: export error: {e}') from None
+
+
+if __name__ == '__main__':
+  app.run(main)
