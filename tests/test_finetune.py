@@ -1,5 +1,8 @@
 """Fine-tuning mechanics: frozen parameters do not move and carry no optimizer state; LoRA trains
-only its adapters (sharded by the rules), and merged weights reproduce base + adapter outputs."""
+only its adapters (sharded by the rules), and merged weights reproduce base + adapter outputs (also
+exported to Hugging Face)."""
+import os
+
 import jax
 import numpy as np
 import pytest
@@ -9,7 +12,8 @@ import models
 import partitioning
 import training
 from models import lora
-from tests.conftest import build_trainer, tiny_config, train_on_random_batches
+from tests.conftest import build_trainer, load_exported, tiny_config, train_on_random_batches
+from training import tasks
 
 
 def _steps(trainer, n=3):
@@ -40,7 +44,7 @@ def _lora_config(**lora_overrides):
   return cfg
 
 
-def test_lora_trains_only_adapters_sharded_by_the_rules():
+def test_lora_trains_only_adapters_sharded_by_the_rules_and_exports_merged(tmp_path):
   cfg = _lora_config()
   trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh),
                            lambda rngs: models.create(cfg.model, rngs, cfg.lora))
@@ -48,10 +52,21 @@ def test_lora_trains_only_adapters_sharded_by_the_rules():
   assert specs['blocks/layers/0/attn/query/lora_a'] == jax.sharding.PartitionSpec('fsdp')  # (embed, lora_rank)
   assert specs['blocks/layers/0/attn/query/lora_b'] == jax.sharding.PartitionSpec(None, 'tensor')  # (rank, heads, kv)
   assert specs['blocks/layers/0/mlp/up/lora_b'] == jax.sharding.PartitionSpec(None, 'tensor')
-  start, end, _ = _steps(trainer)
+  start, end, state = _steps(trainer)
   changed = {p for p, x in _flat(start).items() if not np.array_equal(x, _flat(end)[p])}
   assert changed and all(lora.LORA_PARAM.search(p) for p in changed), sorted(changed)
   assert any(p.endswith('lora_b') for p in changed)
+  # Exported to Hugging Face merged (a GPT2LMHeadModel, several files): transformers gives the adapted logits.
+  transformers, torch = pytest.importorskip('transformers'), pytest.importorskip('torch')
+  hf = load_exported(trainer, state, tmp_path / 'hf', transformers.AutoModelForCausalLM, max_shard_size='100KB')
+  assert len([f for f in os.listdir(tmp_path / 'hf') if f.endswith('.safetensors')]) > 1
+  assert not any('lora' in k for k in hf.state_dict())
+  tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 16))
+  ours = nnx.jit(lambda m, t: tasks.eval_view(m)(t))(nnx.merge(trainer.graphdef, state.params, state.model_state),
+                                                      tokens)
+  with torch.no_grad():
+    theirs = hf(torch.tensor(tokens)).logits.numpy()
+  np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize('scan', [False, True])
