@@ -61,7 +61,7 @@ def _inv(op: hf.Op, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return np.transpose(x, np.argsort(op.perm))
   if isinstance(op, hf.R):
     return x.reshape(shape)
-  return np.take(x, np.arange(shape[op.axis]), axis=op.axis)  # hf.Pad: the padding rows go
+  return x[(slice(None),) * op.axis + (slice(0, shape[op.axis]),)]  # hf.Pad: the padding rows go (a view)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +193,7 @@ def write(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int,
     if tuple(x.shape) != tuple(zoo_shapes[zoo]):
       raise HFExportError(f'zoo tensor {zoo!r} has shape {tuple(x.shape)}, expected {tuple(zoo_shapes[zoo])}')
     for piece in p.pieces[zoo]:
-      t = np.asarray(piece.tensor(x), dtype=dtype)
+      t = piece.tensor(x)  # views where the ops allow (transposes, cuts); the cast happens in the assignment
       out = np.memmap(os.path.join(out_dir, file_of[piece.key]), dtype=dtype, mode='r+',
                       offset=offsets[piece.key], shape=p.shapes[piece.key])
       out[piece.region if piece.region is not None else ...] = t

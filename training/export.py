@@ -55,8 +55,15 @@ def _merged_weights(trainer: Trainer, params: Any, model_state: Any) -> Any:
 
 
 def _host(x: jax.Array) -> np.ndarray:
-  """One whole array on this host (gathered across processes when it spans several)."""
-  return np.asarray(x) if x.is_fully_addressable else np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  """One whole array on this host (gathered across processes when it spans several), in a fresh buffer:
+  np.asarray(x) would also keep the copy cached on `x`, i.e. the whole model by the end of an export."""
+  if not x.is_fully_addressable:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  out = np.empty(x.shape, x.dtype)
+  for shard in x.addressable_shards:
+    if shard.replica_id == 0:
+      out[shard.index] = np.asarray(shard.data)
+  return out
 
 
 def export_hf(trainer: Trainer, checkpoints: str, out_dir: str, families: dict[str, hf_import.Family], *,
