@@ -19,6 +19,7 @@ import models
 import partitioning
 import train
 import training
+from training import export
 from tests.conftest import ROOT, assert_every_leaf_named
 
 MAX_TINY_PARAMS = 2_000_000  # keeps the matrix inside the CI budget; shrink a config's 'tiny' size instead
@@ -88,6 +89,11 @@ def test_config_trains_two_steps(name, preset, tmp_path):
   trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh),
                            lambda rngs: models.create(cfg.model, rngs, cfg.get('lora')))
   start = jax.device_get(training.init_state(trainer).params)
+  # The run's config kept in the workdir (for export.py) rebuilds the same model, shapes and shardings.
+  again = export.load_run_config(str(tmp_path))
+  rebuilt = training.build(again, partitioning.make_mesh(again.mesh),
+                           lambda rngs: models.create(again.model, rngs, again.get('lora')))
+  assert rebuilt.abstract == trainer.abstract and rebuilt.specs == trainer.specs, f'{name}:{preset}'
   labels = trainer.labels or jax.tree.map(lambda _: 'train', start)
   for (path, before), after, label in zip(jax.tree_util.tree_leaves_with_path(start), jax.tree.leaves(
       jax.device_get(params)), jax.tree.leaves(labels)):
