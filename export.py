@@ -20,6 +20,7 @@ import errors
 import models
 import partitioning
 import training
+from configs import schema
 from training import export
 
 FLAGS = flags.FLAGS
@@ -39,6 +40,7 @@ def main(argv) -> None:
     raise app.UsageError('--workdir and --out are required')
   try:
     config = FLAGS.config or export.load_run_config(FLAGS.workdir)
+    schema.check(config)
     partitioning.simulate_cpu_devices(partitioning.devices_needed(config.mesh))
     partitioning.check_platform()
     partitioning.fit_mesh(config.mesh)
@@ -61,4 +63,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=schema.parse_flags)

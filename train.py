@@ -27,6 +27,7 @@ import errors
 import models
 import partitioning
 import training
+from configs import schema
 from models import attention, hf_import
 from training import checkpoint, export, flops, pretrained, profiling
 from training.preemption import Preemption
@@ -66,6 +67,7 @@ def train_and_evaluate(config, workdir: str | None, dry_run: bool = False,
 
 def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops: float | None,
                         cleanup: contextlib.ExitStack) -> dict[str, Any]:
+  schema.check(config)  # every field's type and range, before anything is built
   # --- Devices and mesh ------------------------------------------------------------------------
   device = jax.devices()[0]
   note = partitioning.fit_mesh(config.mesh)  # a mesh for more (or fewer) accelerators than there are is fitted
@@ -252,6 +254,7 @@ def main(argv) -> None:
   if FLAGS.workdir is None and not FLAGS.dry_run:
     raise app.UsageError('--workdir is required (metrics are written there)')
   try:
+    schema.check(config)  # before JAX starts
     # Simulated CPU devices must be requested before JAX starts its backends (no effect on GPU/TPU): enough
     # per process for the mesh (a -1 axis counts as 1); make_mesh checks the real count once JAX has started.
     partitioning.simulate_cpu_devices(-(-partitioning.devices_needed(config.mesh) // FLAGS.num_processes))
@@ -273,4 +276,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line, not a traceback

@@ -33,6 +33,9 @@ def trainable_labels(params: Any, freeze: str | None, train_only: str | None) ->
   return labels
 
 
+OPTIMIZERS = ('adamw', 'sgd')
+
+
 def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int, labels: Any = None,
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Gradient clipping, then the optimizer. Weight decay skips vectors (norms, biases). Wrapped in
@@ -48,7 +51,7 @@ def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int, labels: Any
   elif cfg.name == 'sgd':
     opt = optax.sgd(schedule, momentum=cfg.get('momentum', 0.9) or None)
   else:
-    raise ConfigError(f"config.optim.name={cfg.name!r} is not known; known: ['adamw', 'sgd']")
+    raise ConfigError(f'config.optim.name={cfg.name!r} is not known; known: {list(OPTIMIZERS)}')
   chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
   # Inside multi_transform: the finiteness check sees only what trains (frozen gradients stay dead code).
   tx = optax.apply_if_finite(optax.chain(*chain, opt), max_consecutive_errors=2 ** 31 - 1)

@@ -1,0 +1,255 @@
+"""What every config field may hold, checked before anything is built (train.py and export.py call `check`).
+
+One table, FIELDS, gives each field of every config file its type and allowed values; the choices come
+from their owners (models.MODELS, training.tasks.TASKS, ...). A bad value is one ConfigError naming the
+field, the value and what is allowed. Fields no entry describes are an error too (a config file that adds a
+field adds it here: tests/test_validation.py goes over every field of every config file). Deeper checks that
+need the whole config (rules against the mesh, heads dividing the width, a dataset's fields) stay where they
+are, still before compiling.
+
+`parse_flags` is absl's command-line parsing for train.py and export.py, with a bad --config (an unknown
+field, a misspelled preset, a value of the wrong type) reported as one line instead of a traceback.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ml_collections
+from absl import flags
+
+from errors import ConfigError
+
+INF = float('inf')
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  """A field's type (int, float, bool, str, 'regex', 'ints', 'mesh', 'rules', 'rope', 'info') and range."""
+  kind: Any
+  lo: float = -INF
+  hi: float = INF
+  lo_open: bool = False  # lo itself is not allowed
+  hi_open: bool = False
+  choices: Callable[[], Sequence[Any]] | None = None
+  optional: bool = False  # None is allowed
+
+  def allowed(self) -> str:
+    if self.choices is not None:
+      text = f'one of {list(self.choices())}'
+    elif self.kind in (int, float):
+      name = 'an integer' if self.kind is int else 'a number'
+      bounds = [f'{">" if self.lo_open else ">="} {self.lo:g}'] if self.lo > -INF else []
+      bounds += [f'{"<" if self.hi_open else "<="} {self.hi:g}'] if self.hi < INF else []
+      text = f'{name} {" and ".join(bounds)}'.strip()
+    else:
+      text = {bool: 'True or False', str: 'a string', 'regex': 'a regular expression (or empty)',
+              'ints': 'a non-empty tuple of integers >= 1', 'mesh': 'a dict of mesh axis name -> size >= 1 (one may be -1)',
+              'rules': 'a list of (logical name, mesh axis | tuple of mesh axes | None) pairs',
+              'rope': "None or Llama 3 scaling: (name, value) pairs of rope_type='llama3', factor, low_freq_factor, "
+                      'high_freq_factor, original_max_position_embeddings', 'info': 'a string'}[self.kind]
+    return text + (' (or None)' if self.optional else '')
+
+  def problem(self, value: Any) -> bool:
+    """Whether `value` is not allowed."""
+    if value is None:
+      return not self.optional
+    kind = self.kind
+    if kind is bool:
+      return not isinstance(value, bool)
+    if kind in (int, float):
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        return True
+      return (value < self.lo or value > self.hi or (self.lo_open and value == self.lo)
+              or (self.hi_open and value == self.hi))
+    if kind in (str, 'info'):
+      return not isinstance(value, str) or (self.choices is not None and value not in self.choices())
+    if kind == 'regex':
+      if not isinstance(value, str):
+        return True
+      try:
+        re.compile(value)
+      except re.error:
+        return True
+      return False
+    if kind == 'ints':
+      return (not isinstance(value, (tuple, list)) or not value
+              or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value))
+    if kind == 'mesh':
+      return not hasattr(value, 'items') or not value or any(
+          not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or not (v >= 1 or v == -1)
+          for k, v in value.items()) or list(value.values()).count(-1) > 1
+    if kind == 'rules':
+      axis = lambda a: a is None or isinstance(a, str) or (isinstance(a, (tuple, list)) and
+                                                          all(isinstance(x, str) for x in a))
+      return not isinstance(value, (tuple, list)) or any(
+          not isinstance(r, (tuple, list)) or len(r) != 2 or not isinstance(r[0], str) or not axis(r[1]) for r in value)
+    if kind == 'rope':
+      from models import layers
+      try:
+        layers.rope_scaling_params(value)
+      except (ConfigError, TypeError, ValueError, AttributeError):
+        return True
+      return False
+    raise AssertionError(kind)
+
+  def bad_values(self) -> list[Any]:
+    """Values this field refuses (for tests): one of the wrong type, and one out of range where a range exists."""
+    wrong_type = {bool: 'yes', int: 'four', float: 'small', str: 3, 'info': 3, 'regex': '(unclosed', 'ints': 'abc',
+                  'mesh': {'data': 0}, 'rules': [('batch',)], 'rope': dict(rope_type='yarn')}[self.kind]
+    out = [wrong_type]
+    if self.choices is not None:
+      out.append('no_such_choice')
+    if self.kind in (int, float) and self.lo > -INF:
+      out.append(self.kind(self.lo) if self.lo_open else self.kind(self.lo - 1))
+    if self.kind in (int, float) and self.hi < INF:
+      out.append(self.kind(self.hi) if self.hi_open else self.kind(self.hi + 1))
+    if self.kind == 'ints':
+      out.append((0,))
+    return out
+
+
+def _models():
+  import models
+  return sorted(models.MODELS)
+
+
+def _tasks():
+  from training import tasks
+  return sorted(tasks.TASKS)
+
+
+def _optimizers():
+  from training import optim
+  return list(optim.OPTIMIZERS)
+
+
+def _attention():
+  from models import attention
+  return list(attention.IMPLEMENTATIONS)
+
+
+def _remat():
+  from models import layers
+  return list(layers.REMAT_POLICIES)
+
+
+def _heads():
+  from models import bert
+  return list(bert.HEADS)
+
+
+def _blocks():
+  from models import resnet
+  return sorted(resnet.BLOCKS)
+
+
+def _augment():
+  from data import vision
+  return list(vision.AUGMENTATIONS)
+
+
+DTYPES = lambda: ['float32', 'bfloat16', 'float16']
+POSITIVE = Field(int, lo=1)
+COUNT = Field(int, lo=0)
+RATE = Field(float, lo=0, lo_open=True)  # > 0
+NONNEG = Field(float, lo=0)
+FRACTION = Field(float, lo=0, hi=1, hi_open=True)  # [0, 1)
+
+FIELDS: dict[str, Field] = {
+    # the run
+    'task': Field(str, choices=_tasks), 'seed': COUNT, 'batch_size': POSITIVE, 'total_steps': POSITIVE,
+    'log_every': POSITIVE, 'eval_every': POSITIVE, 'checkpoint_every': COUNT, 'keep_checkpoints': POSITIVE,
+    'sample_len': COUNT, 'profile_first_step': COUNT, 'profile_steps': POSITIVE,
+    'on_nonfinite': Field(str, choices=lambda: ['stop', 'skip']), 'max_nonfinite_skips': COUNT,
+    'resume_fallback': Field(bool),
+    'preset': Field('info'), 'size': Field('info'),  # set by get_config(arg): what the file built
+    'mesh': Field('mesh'), 'logical_axis_rules': Field('rules'),
+    # starting from pretrained weights, what trains
+    'init_from': Field(str), 'dont_load': Field('regex'), 'freeze': Field('regex'), 'train_only': Field('regex'),
+    'lora.rank': COUNT, 'lora.alpha': RATE, 'lora.targets': Field('regex'), 'lora.export_merged': Field(bool),
+    # optimizer
+    'optim.name': Field(str, choices=_optimizers), 'optim.lr': NONNEG, 'optim.warmup_steps': COUNT,
+    'optim.min_lr_ratio': Field(float, lo=0, hi=1), 'optim.weight_decay': NONNEG, 'optim.b1': FRACTION,
+    'optim.b2': FRACTION, 'optim.eps': RATE, 'optim.grad_clip': NONNEG, 'optim.momentum': FRACTION,
+    # model (every family's fields; a family reads the ones it has)
+    'model.name': Field(str, choices=_models), 'model.dtype': Field(str, choices=DTYPES),
+    'model.param_dtype': Field(str, choices=DTYPES), 'model.logits_dtype': Field(str, choices=DTYPES),
+    'model.attention': Field(str, choices=_attention), 'model.remat': Field(str, choices=_remat),
+    'model.scan_layers': Field(bool), 'model.vocab_size': POSITIVE, 'model.pad_vocab_to': POSITIVE,
+    'model.max_len': POSITIVE, 'model.num_layers': POSITIVE, 'model.num_heads': POSITIVE,
+    'model.num_kv_heads': POSITIVE, 'model.head_dim': POSITIVE, 'model.embed_dim': POSITIVE,
+    'model.mlp_dim': POSITIVE, 'model.norm_eps': RATE, 'model.tie_embeddings': Field(bool),
+    'model.rope_theta': RATE, 'model.rope_scaling': Field('rope', optional=True),
+    'model.num_experts': POSITIVE, 'model.top_k': POSITIVE, 'model.capacity_factor': RATE,
+    'model.group_size': POSITIVE, 'model.aux_loss_weight': NONNEG, 'model.router_z_loss_weight': NONNEG,
+    'model.type_vocab_size': POSITIVE, 'model.head': Field(str, choices=_heads), 'model.num_classes': POSITIVE,
+    'model.image_size': POSITIVE, 'model.patch_size': POSITIVE, 'model.channels': POSITIVE,
+    'model.features': Field('ints'), 'model.width': POSITIVE, 'model.block': Field(str, choices=_blocks),
+    'model.stage_sizes': Field('ints'), 'model.bn_eps': RATE, 'model.bn_momentum': FRACTION,
+    'model.bn_fast_variance': Field(bool),
+    # data
+    'dataset.name': Field(str), 'dataset.seq_len': POSITIVE, 'dataset.vocab_size': POSITIVE,
+    'dataset.branching': POSITIVE, 'dataset.smoothing': Field(float, lo=0, hi=1), 'dataset.seed': COUNT,
+    'dataset.num_train': POSITIVE, 'dataset.num_eval': POSITIVE, 'dataset.num_classes': POSITIVE,
+    'dataset.image_size': POSITIVE, 'dataset.channels': POSITIVE, 'dataset.pack': Field(bool),
+    'dataset.tokenizer': Field(str), 'dataset.data_dir': Field(str, optional=True),
+    'dataset.train_split': Field(str), 'dataset.eval_split': Field(str),
+    'dataset.mlm_probability': Field(float, lo=0, hi=1, lo_open=True, hi_open=True),
+    'dataset.noise': NONNEG, 'dataset.max_shift': COUNT, 'dataset.text_key': Field(str),
+    'dataset.min_text_len': POSITIVE, 'dataset.max_text_len': POSITIVE, 'dataset.num_threads': POSITIVE,
+    'dataset.prefetch': COUNT, 'dataset.augment': Field(str, choices=_augment),
+}
+OPAQUE = ('mesh', 'model.rope_scaling')  # dict-valued fields checked as a whole (keys: axis names, rope settings)
+
+
+def leaves(config: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
+  """Dotted field path -> value, for every field (dict-valued fields in OPAQUE count as one)."""
+  out = {}
+  for key, value in config.items():
+    path = f'{prefix}{key}'
+    if isinstance(value, (Mapping, ml_collections.ConfigDict)) and path not in OPAQUE:
+      out.update(leaves(value, path + '.'))
+    else:
+      out[path] = value
+  return out
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """Raises one ConfigError for the first field that is unknown or holds a value it does not allow."""
+  for path, value in leaves(config).items():
+    field = FIELDS.get(path)
+    if field is None:
+      raise ConfigError(f'config.{path} is not a field shardzoo knows; a new field is described in '
+                        'configs/schema.py FIELDS (its type and allowed values)')
+    if field.problem(value):
+      shown = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+      raise ConfigError(f'config.{path}={shown!r}: must be {field.allowed()}')
+
+
+def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) -> list[str]:
+  """absl's flag parsing (app.run's flags_parser) with one line for a bad --config instead of a traceback:
+  an unknown field (with ml_collections' suggestion), a misspelled preset or size, a value that does not parse."""
+  flag_values = flags.FLAGS if flag_values is None else flag_values
+  try:
+    return flag_values(argv)
+  except flags.Error as e:  # a value of the wrong type, or the config file's get_config(arg) refused its argument
+    text = str(e)
+    cause = [line.strip() for line in text.splitlines() if re.match(r'\s*\w+(Error|Exception): ', line)]
+    message = text.splitlines()[0].rstrip(':').strip()
+    if cause:
+      message += f': {cause[-1].split(": ", 1)[1]}'
+    for pattern, kind in ((r'for int\(\)', 'an integer'), (r'to float', 'a number'), (r'[Bb]oolean', 'True or False')):
+      if re.search(pattern, text):
+        message += f' (must be {kind})'
+        break
+  except (AttributeError, KeyError) as e:  # --config.<field> naming no field
+    text = str(e.args[0] if e.args else e)
+    bad = re.search(r'instead of "([^"]+)"', text) or re.search(r'(\w+)', text)
+    name = bad.group(1) if bad else text
+    flag = next((a for a in argv if re.match(rf'--config\.([\w.]*\.)?{re.escape(name)}(=|$)', a)), f'--config.{name}')
+    hint = re.search(r'Did you mean "([^"]+)"', text)
+    message = f'{flag}: the config has no field {name!r}' + (f'; did you mean {hint.group(1)!r}?' if hint else '')
+  raise SystemExit(f'shardzoo: config error: {message}')
