@@ -53,8 +53,9 @@ class Dataset:
   def example_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Field -> (shape, dtype) of one example as the pipelines make it, measured on the first train and
     eval examples (their transforms must agree)."""
-    train = pipeline.example_spec(self.train, self.transform, self.pack_len)
-    eval_ = pipeline.example_spec(self.eval, self.eval_transform or self.transform, self.pack_len)
+    train = pipeline.example_spec(self.train, self.transform, self.pack_len, what=f'the train split of {self.name!r}')
+    eval_ = pipeline.example_spec(self.eval, self.eval_transform or self.transform, self.pack_len,
+                                  what=f'the eval split of {self.name!r}')
     if train != eval_:
       raise ConfigError(f'dataset {self.name!r} makes train examples {train} but eval examples {eval_}')
     return train

@@ -28,7 +28,7 @@ document; packing per process would make the batches depend on the process count
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grain
@@ -72,6 +72,22 @@ def _apply(ds: grain.MapDataset, transform: Transform, seed: int) -> grain.MapDa
   return ds.map(transform)
 
 
+def _stack(examples: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
+  """A batch of examples, field by field; examples whose fields differ in shape or dtype (a bad record) are one
+  ConfigError naming the field and both layouts, instead of numpy's stacking error deep in a prefetch thread."""
+  first = examples[0]
+  for i, ex in enumerate(examples[1:], start=1):
+    if ex.keys() != first.keys():
+      raise ConfigError(f'examples of one batch have different fields: {sorted(first)} and {sorted(ex)}')
+    for k, v in ex.items():
+      a, b = np.asarray(first[k]), np.asarray(v)
+      if a.shape != b.shape or a.dtype != b.dtype:
+        raise ConfigError(f'examples of one batch differ in field {k!r}: {a.dtype.name} {a.shape} and {b.dtype.name} '
+                          f'{b.shape} (example {i} of the batch): a record of the dataset does not transform to '
+                          'the layout of the others')
+  return {k: np.stack([np.asarray(ex[k]) for ex in examples]) for k in first}
+
+
 def _read_options(num_threads: int, prefetch: int) -> grain.ReadOptions:
   return grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
 
@@ -88,7 +104,7 @@ def train_dataset(source: Any, global_batch: int, rows: slice, seed: int, transf
   if len(source) < global_batch:
     raise ConfigError(f'the training split has {len(source)} examples, fewer than one global batch ({global_batch})')
   ds = _apply(grain.MapDataset.source(source).shuffle(seed=seed).repeat(), transform, seed)
-  ds = ds.batch(local, drop_remainder=True)[rows.start // local::global_batch // local]
+  ds = ds.batch(local, drop_remainder=True, batch_fn=_stack)[rows.start // local::global_batch // local]
   return ds.to_iter_dataset(_read_options(num_threads, prefetch))
 
 
@@ -104,7 +120,7 @@ def eval_batches(source: Any, global_batch: int, rows: slice, transform: Transfo
     ex['mask'] = ex['mask'] * np.float32(i < n)
     return ex
   ds = grain.MapDataset.range(math.ceil(n / global_batch) * global_batch).map(masked)
-  ds = ds.batch(local)[rows.start // local::global_batch // local]
+  ds = ds.batch(local, batch_fn=_stack)[rows.start // local::global_batch // local]
   return iter(ds.to_iter_dataset(_read_options(num_threads, prefetch)))
 
 
@@ -190,11 +206,13 @@ def packed_eval_batches(source: Any, global_batch: int, rows: slice, tokenize: T
     yield _stack_packed(batch, seq_len)
 
 
-def example_spec(source: Any, transform: Transform, pack_len: int | None = None, *,
-                 seed: int = 0) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def example_spec(source: Any, transform: Transform, pack_len: int | None = None, *, seed: int = 0,
+                 what: str = 'the split') -> dict[str, tuple[tuple[int, ...], np.dtype]]:
   """Field -> (shape, dtype) of the first example of `source` as the pipeline makes it (for packed
   text, `transform` makes a document and the example is the first packed row)."""
   examples = _apply(grain.MapDataset.source(source), transform, seed)
+  if not len(examples):
+    raise ConfigError(f'{what} is empty: no examples to train or evaluate on')
   if pack_len:
     row = next(iter(_packed_rows(examples, 1, slice(0, 1), pack_len)[0]))
     example = {k: v[0] for k, v in _stack_packed((row,), pack_len).items()}

@@ -236,27 +236,45 @@ class HFDir:
                             'convert them with transformers save_pretrained(safe_serialization=True))')
       weight_map = {}
       for file in files:
-        with safe_open(file, 'np') as f:
-          weight_map.update({k: os.path.basename(file) for k in f.keys()})
+        weight_map.update({k: os.path.basename(file) for k in _open(file).keys()})
     self.files = {k: os.path.join(path, v) for k, v in weight_map.items()}
     missing = sorted({v for v in self.files.values() if not os.path.isfile(v)})
     if missing:
       raise HFImportError(f'{path!r}: the index names {missing[0]!r}, which is not there')
     self._shapes: dict[str, tuple[int, ...]] = {}
+    self._dtypes: dict[str, str] = {}
 
   def keys(self) -> set[str]:
     return set(self.files)
 
   def shape(self, key: str) -> tuple[int, ...]:
     if key not in self._shapes:
-      with safe_open(self.files[key], 'np') as f:
+      with _open(self.files[key]) as f:
         self._shapes[key] = tuple(f.get_slice(key).get_shape())
+        self._dtypes[key] = f.get_slice(key).get_dtype()
     return self._shapes[key]
+
+  def dtype(self, key: str) -> str:
+    """The safetensors dtype tag ('F32', 'BF16', 'I64', ...)."""
+    self.shape(key)
+    return self._dtypes[key]
 
   def read(self, key: str, region: Region) -> np.ndarray:
     """Only `region` of tensor `key` is read from disk."""
-    with safe_open(self.files[key], 'np') as f:
+    with _open(self.files[key]) as f:
       return f.get_slice(key)[tuple(slice(a, b) for a, b in region)]
+
+
+def _open(file: str) -> Any:
+  """safe_open, with a damaged file (truncated, not safetensors) as one HFImportError naming it."""
+  try:
+    return safe_open(file, 'np')
+  except Exception as e:  # noqa: BLE001  (safetensors raises its own SafetensorError, OSError, ...)
+    raise HFImportError(f'{file} is not a readable safetensors file (truncated or damaged?): '
+                        f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}') from None
+
+
+FLOAT_TAGS = ('F16', 'BF16', 'F32', 'F64')
 
 
 def _read_through(hf: HFDir, key: str, ops: Sequence[Op], index: tuple[slice, ...], dtype: Any) -> np.ndarray:
@@ -332,6 +350,9 @@ def import_params(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shar
         if tuple(got) != expect:
           raise HFImportError(f'{hf.path}: {key} {hf.shape(key)} gives shape {tuple(got)} for zoo parameter '
                               f'{zoo!r}, which expects {expect}; does config.json match the model config?')
+        if np.issubdtype(leaf.dtype, np.floating) and hf.dtype(key) not in FLOAT_TAGS:
+          raise HFImportError(f'{hf.path}: {key} holds {hf.dtype(key)} values, but zoo parameter {zoo!r} is '
+                              f'{np.dtype(leaf.dtype).name}: weights must be floating point ({", ".join(FLOAT_TAGS)})')
       used.update(keys)
       out[zoo] = _stream(hf, keys, ops, leaf, sharding, stacked)
   ignored = [re.compile(r) for r in family.ignore]

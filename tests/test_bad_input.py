@@ -96,3 +96,111 @@ def test_command_line_unknown_field_misspelled_preset_and_wrong_type(name):
       parse(['train.py', f'--config={path}', *extra])
   _, fv = parse(['train.py', f'--config={path}', f'--config.{field}=7'])
   assert schema.leaves(fv.config)[field] == 7
+
+
+# --- Hugging Face directories ------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def gpt2_dir(tmp_path_factory):
+  transformers = pytest.importorskip('transformers')
+  path = str(tmp_path_factory.mktemp('hf_gpt2'))
+  transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=100, n_positions=64, n_embd=64, n_layer=2,
+                                                       n_head=4)).save_pretrained(path)
+  return path
+
+
+def _variant(src, dst, edit_tensors=None, edit_config=None, truncate=False):
+  import json
+  import shutil
+
+  from safetensors.numpy import load_file, save_file
+  os.makedirs(dst)
+  with open(os.path.join(src, 'config.json')) as f:
+    cfg = json.load(f)
+  with open(os.path.join(dst, 'config.json'), 'w') as f:
+    json.dump(edit_config(cfg) if edit_config else cfg, f)
+  weights = os.path.join(dst, 'model.safetensors')
+  if edit_tensors:
+    tensors = load_file(os.path.join(src, 'model.safetensors'))
+    edit_tensors(tensors)
+    save_file(tensors, weights, metadata={'format': 'pt'})
+  else:
+    shutil.copy(os.path.join(src, 'model.safetensors'), weights)
+  if truncate:
+    with open(weights, 'r+b') as f:
+      f.truncate(os.path.getsize(weights) - 1000)
+  return dst
+
+
+HF_CASES = {  # name -> (variant kwargs, the one-line error)
+    'missing tensor': (dict(edit_tensors=lambda t: t.pop('transformer.ln_f.weight')),
+                       r"Zoo parameters with no HF tensor \(1\): \['ln_f/scale'\]"),
+    'extra tensor': (dict(edit_tensors=lambda t: t.update({'transformer.h.0.extra.weight': t['transformer.ln_f.weight']})),
+                     r"HF tensors the model does not use \(1\): \['transformer.h.0.extra.weight'\]"),
+    'wrong shape': (dict(edit_tensors=lambda t: t.update({'transformer.ln_f.weight': t['transformer.ln_f.weight'][:60]})),
+                    r"transformer.ln_f.weight \(60,\) gives shape \(60,\) for zoo parameter 'ln_f/scale', which "
+                    r'expects \(64,\)'),
+    'wrong dtype': (dict(edit_tensors=lambda t: t.update({'transformer.ln_f.weight': t['transformer.ln_f.weight'].astype(
+        'int32')})), r"transformer.ln_f.weight holds I32 values, but zoo parameter 'ln_f/scale' is float32: weights "
+                     r'must be floating point'),
+    'truncated file': (dict(truncate=True), r'model.safetensors is not a readable safetensors file \(truncated or '
+                                            r'damaged\?\)'),
+    'config.json of another family': (dict(edit_config=lambda c: dict(c, model_type='llama')),
+                                      r"config.json has model_type='llama', but config.model.name='gpt2' imports "
+                                      r"\['gpt2'\]"),
+}
+
+
+def test_bad_hugging_face_directories_are_one_line_each(gpt2_dir, tmp_path):
+  """Each bad directory fails in train.py's order (config.json adopted, then the import) before anything compiles."""
+  import models
+  from configs import gpt2 as gpt2_config
+  from tests.conftest import build_trainer
+  from training import pretrained
+  for name, (kwargs, message) in HF_CASES.items():
+    path = _variant(gpt2_dir, str(tmp_path / name.replace(' ', '_')), **kwargs)
+    cfg = gpt2_config.get_config('fsdp,tiny')
+    cfg.init_from, cfg.model.dtype = path, 'float32'
+    with pytest.raises(errors.ConfigError) as e:
+      pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+      pretrained.init_state(build_trainer(cfg), models.HF_FAMILIES)
+    assert '\n' not in str(e.value) and __import__('re').search(message, str(e.value)), (name, str(e.value))
+
+
+# --- Data ---------------------------------------------------------------------------------------------
+
+def test_bad_data_is_one_line_each():
+  """A record that transforms to another shape or dtype (met while batching, in the prefetch threads), an
+  empty split, and token ids beyond the model's vocabulary (checked before compiling)."""
+  import dataclasses
+
+  import numpy as np
+
+  import data
+  from tests.test_data_offline import check, make
+  records = [{'x': np.zeros(4, np.float32), 'mask': np.float32(1)} for _ in range(16)]
+  ds = data.Dataset('handmade', train=records, eval=records, transform=dict)
+  cases = {
+      'wrong shape': ({'x': np.zeros(5, np.float32), 'mask': np.float32(1)},
+                      r"^examples of one batch differ in field 'x': float32 \((4,\) and float32 \(5|5,\) and float32 \(4),\) "
+                      r'\(example \d of the batch\): a record of the dataset does not transform to the layout of the others'),
+      'wrong dtype': ({'x': np.zeros(4, np.int64), 'mask': np.float32(1)},
+                      r"^examples of one batch differ in field 'x': (float32 \(4,\) and int64|int64 \(4,\) and float32) \(4,\)"),
+  }
+  for name, (record, message) in cases.items():
+    bad = dataclasses.replace(ds, train=records[:5] + [record] + records[6:])
+    with pytest.raises(errors.ConfigError, match=message):
+      it = iter(bad.train_dataset(8, slice(0, 8), seed=0))
+      for _ in range(4):
+        next(it)
+    with pytest.raises(errors.ConfigError, match=message):
+      list(dataclasses.replace(ds, eval=bad.train).eval_batches(8, slice(0, 8)))
+  with pytest.raises(errors.ConfigError, match=r"^the eval split of 'handmade' is empty: no examples to train or "
+                                               r'evaluate on$'):
+    dataclasses.replace(ds, eval=[]).example_spec()
+  with pytest.raises(errors.ConfigError, match=r'^the training split has 0 examples, fewer than one global batch'):
+    dataclasses.replace(ds, train=[]).train_dataset(8, slice(0, 8), seed=0)
+  text = make('lm', vocab_size=16, name='markov_text', seq_len=16, num_train=64, num_eval=8)
+  with pytest.raises(errors.ConfigError, match=r'^the byte tokenizer has 260 ids but config.model.vocab_size=16: set '
+                                               r'config.model.vocab_size >= 260 \(token ids would fall outside'):
+    check(text, data.build(text))
