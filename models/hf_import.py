@@ -2,21 +2,44 @@
 
 Each model family declares, as data, how its parameters come from a Hugging Face checkpoint
 (`HF` in the family's file): a function from config.json to the zoo's model config, and a table of
-(zoo path, HF key, ops) rows where `{i}` stands for the layer index and `ops` is a short list of
-array operations (transpose, reshape, slice of a fused tensor, row padding) turning the HF tensor
-into the zoo's layout.
+`Param(zoo path, HF key, ops)` rows, where `ops` is a short list of array operations (T transpose,
+R reshape, Slice of a fused tensor, Pad of rows) turning the HF tensor into the zoo's layout. Reading
+a table (what an exporter inverts):
 
-Streaming: every parameter is created with `jax.make_array_from_callback` on its target
-NamedSharding. The callback for one device maps that device's slice of the zoo tensor back
-through the ops to a region of the HF tensor and reads only that region with safetensors'
-`get_slice` (a reshape that merges dims is read whole along the merged dims). So each process
-reads only what its devices hold, and the host never holds more than one tensor's slice.
-Scanned models (stacked 'layers' axis) read the layers their slice covers, one at a time.
+* `{i}` (layers): a zoo path with '/{i}' names one layer of a stack. When the model is scanned the
+  zoo leaf is the path without '/{i}' and has a leading 'layers' axis: its entry i is HF key `{i}` =
+  i + `Param.first_layer` (0 except where the zoo keeps a stack's first layer elsewhere, e.g. ResNet's
+  `first` block). When unrolled, the zoo paths with {i} = 0, 1, ... that the model has are filled
+  one by one from the same keys.
+* `{e}` (experts): an HF key with `{e}` is one tensor per expert; the zoo leaf has an 'expert' axis
+  of as many entries, leading (after the 'layers' axis when scanned), whose entry e is that key with
+  {e} = e pushed through `ops`. So stacking adds leading axes in the order layers, experts; the ops
+  act on one HF tensor (one layer, one expert).
+* `Param.state`: the row fills a leaf of the model state (non-parameter variables, e.g. BatchNorm's
+  running mean/var, the trainer's `model_state`) instead of a parameter; same paths, ops and streaming.
+* Several rows may name one zoo path with different HF keys (alternative file layouts: BERT's
+  weight/gamma, Mixtral's per-expert and fused experts): the row whose keys the file has is used.
+  Rows naming a zoo path the model does not have (an untied head on a tied model, a fifth ResNet
+  stage) are skipped.
+* `Family.prefixes` are tried in front of every HF key; `Family.ignore` lists HF keys that are not
+  weights of the model (buffers, other heads).
+
+Rules: every zoo parameter and model-state leaf is explained by a row (or excluded by `dont_load`:
+left to fresh initialisation), every HF tensor is used or ignored, and a shape mismatch names the
+HF key and the zoo path. Anything else is an HFImportError.
+
+Streaming: every leaf is created with `jax.make_array_from_callback` on its target NamedSharding.
+The callback for one device maps that device's slice of the zoo tensor back through the ops to a
+region of the HF tensor and reads only that region with safetensors' `get_slice` (a reshape that
+merges dims is read whole along the merged dims). So each process reads only what its devices hold,
+and the host never holds more than one tensor's slice. Stacked leaves read only the layers and
+experts their slice covers (a device holding experts 2..3 reads those experts' tensors), one at a time.
 """
 from __future__ import annotations
 
 import dataclasses
 import glob
+import itertools
 import json
 import math
 import os
@@ -187,10 +210,14 @@ Op = T | R | Slice | Pad
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-  """One zoo parameter from one HF tensor: zoo path and HF key may contain '{i}' (layer index)."""
+  """One zoo leaf from HF tensors: `zoo` may contain '{i}' (layer), `hf` '{i}' and '{e}' (expert); see the
+  module docstring. `state`: the leaf is model state (e.g. BatchNorm running statistics), not a parameter.
+  `first_layer`: the HF layer index of the zoo's layer 0."""
   zoo: str
   hf: str
   ops: Callable[[Any], Sequence[Op]] | Sequence[Op] = ()
+  state: bool = False
+  first_layer: int = 0
 
   def ops_for(self, cfg: Any) -> Sequence[Op]:
     return self.ops(cfg) if callable(self.ops) else self.ops
@@ -297,53 +324,76 @@ def _read_through(hf: HFDir, key: str, ops: Sequence[Op], index: tuple[slice, ..
 
 # --- Import -----------------------------------------------------------------------------------
 
-def _resolve_key(hf: HFDir, family: Family, template: str, i: int | None) -> str | None:
-  name = template.format(i=i) if i is not None else template
+@dataclasses.dataclass
+class Imported:
+  """What `import_weights` read: pure-dict trees of sharded arrays, and the zoo paths left out (dont_load)."""
+  params: dict
+  model_state: dict
+  skipped: set[str]
+
+
+def _resolve_key(hf: HFDir, family: Family, template: str, index: Mapping[str, int]) -> str | None:
+  name = template.format(**index)
   for prefix in family.prefixes:
     if prefix + name in hf.files:
       return prefix + name
   return None
 
 
-def import_params(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shardings: Any,
-                  dont_load: str | None = None) -> tuple[dict, set[str]]:
-  """Builds the zoo's params tree from `hf`, each leaf born in its sharding.
+def _targets(row: Param, flat: Mapping[str, Any]) -> list[tuple[str, dict[str, int], tuple[str, ...]]]:
+  """(zoo path, fixed template indices, stacked template indices in leading-axis order) per zoo leaf."""
+  experts = ('e',) if '{e}' in row.hf else ()
+  if '{i}' not in row.zoo:
+    return [(row.zoo, {}, experts)]
+  stacked = row.zoo.replace('/{i}', '')
+  if stacked in flat:
+    return [(stacked, {}, ('i',) + experts)]
+  out = []
+  while row.zoo.format(i=len(out)) in flat:  # unrolled: the layers the model has
+    out.append((row.zoo.format(i=len(out)), {'i': len(out) + row.first_layer}, experts))
+  return out
 
-  `abstract`/`shardings`: the model's params (pure dict of ShapeDtypeStructs / NamedShardings).
+
+def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shardings: Any,
+                   state_abstract: Any = None, state_shardings: Any = None,
+                   dont_load: str | None = None) -> Imported:
+  """Builds the zoo's params and model-state trees from `hf`, each leaf born in its sharding.
+
+  `abstract`/`shardings`: the model's params (pure dict of ShapeDtypeStructs / NamedShardings);
+  `state_abstract`/`state_shardings`: its model state likewise (None: a model without state, when
+  the family's `state` rows' tensors are unused, which is an error).
   Leaves whose path matches `dont_load` are skipped (returned paths, to be initialised fresh).
-  Raises HFImportError listing zoo parameters nothing explains and HF tensors nothing uses.
+  Raises HFImportError listing zoo leaves nothing explains and HF tensors nothing uses.
   """
-  flat = {path_str(p): (p, leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(abstract)}
-  flat_sh = {path_str(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
+  kinds = {False: (abstract, shardings), True: (state_abstract or {}, state_shardings or {})}
+  flat = {state: {path_str(p): (p, leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+          for state, (tree, _) in kinds.items()}
+  flat_sh = {state: {path_str(p): s for p, s in jax.tree_util.tree_leaves_with_path(sh)}
+             for state, (_, sh) in kinds.items()}
   skip = re.compile(dont_load) if dont_load else None
-  out: dict[str, jax.Array] = {}
+  out: dict[bool, dict[str, jax.Array]] = {False: {}, True: {}}
   used: set[str] = set()
-  num_layers = model_cfg.get('num_layers', 0)
   for row in family.params:
     ops = row.ops_for(model_cfg)
-    layered = '{i}' in row.zoo
-    targets = []  # (zoo path, stacked?, layer or None)
-    if layered:
-      stacked = row.zoo.replace('/{i}', '')
-      if stacked in flat:
-        targets.append((stacked, True, None))
-      else:
-        targets += [(row.zoo.format(i=i), False, i) for i in range(num_layers)]
-    else:
-      targets.append((row.zoo, False, None))
-    for zoo, stacked, layer in targets:
-      if zoo not in flat:
+    for zoo, fixed, stack in _targets(row, flat[row.state]):
+      if zoo not in flat[row.state]:
         continue
-      layers = range(num_layers) if stacked else [layer]
-      keys = [_resolve_key(hf, family, row.hf, i) for i in layers]
+      leaf, sharding = flat[row.state][zoo][1], flat_sh[row.state][zoo]
+      sizes = tuple(leaf.shape[:len(stack)])
+      at = lambda idx: {**fixed, **{n: k + (row.first_layer if n == 'i' else 0) for n, k in zip(stack, idx)}}
+      keys = {idx: _resolve_key(hf, family, row.hf, at(idx)) for idx in itertools.product(*map(range, sizes))}
       if skip and skip.search(zoo):  # deliberately not loaded (e.g. a head for other classes): its tensors
-        used.update(k for k in keys if k is not None)  # are explained, whatever their shapes
+        used.update(k for k in keys.values() if k is not None)  # are explained, whatever their shapes
         continue
-      if None in keys:
+      if None in keys.values():
+        found = [k for k in keys.values() if k is not None]
+        if found:  # some layers or experts there, others not: a damaged or truncated checkpoint
+          absent = next(idx for idx, k in keys.items() if k is None)
+          raise HFImportError(f'{hf.path}: has {found[0]} but not {row.hf.format(**at(absent))} '
+                              f'(with any of the prefixes {list(family.prefixes)}) for zoo parameter {zoo!r}')
         continue  # reported below as unexplained if nothing else provides it
-      leaf, sharding = flat[zoo][1], flat_sh[zoo]
-      expect = tuple(leaf.shape[1:]) if stacked else tuple(leaf.shape)
-      for key in keys:
+      expect = tuple(leaf.shape[len(stack):])
+      for key in keys.values():
         got = hf.shape(key)
         for op in ops:
           got = op.shape(got)
@@ -353,12 +403,13 @@ def import_params(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shar
         if np.issubdtype(leaf.dtype, np.floating) and hf.dtype(key) not in FLOAT_TAGS:
           raise HFImportError(f'{hf.path}: {key} holds {hf.dtype(key)} values, but zoo parameter {zoo!r} is '
                               f'{np.dtype(leaf.dtype).name}: weights must be floating point ({", ".join(FLOAT_TAGS)})')
-      used.update(keys)
-      out[zoo] = _stream(hf, keys, ops, leaf, sharding, stacked)
+      used.update(keys.values())
+      out[row.state][zoo] = _stream(hf, keys, sizes, ops, leaf, sharding)
   ignored = [re.compile(r) for r in family.ignore]
   unused = sorted(k for k in hf.keys() - used if not any(r.search(k) for r in ignored))
-  skipped = {z for z in flat if skip and skip.search(z)}
-  missing = sorted(set(flat) - set(out) - skipped)
+  every = set(flat[False]) | set(flat[True])
+  skipped = {z for z in every if skip and skip.search(z)}
+  missing = sorted(every - set(out[False]) - set(out[True]) - skipped)
   if missing or unused:
     raise HFImportError(
         f'{hf.path}: cannot map the checkpoint onto the model. '
@@ -367,20 +418,34 @@ def import_params(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shar
            if missing else '')
         + (f'HF tensors the model does not use ({len(unused)}): {unused[:6]}{" ..." if len(unused) > 6 else ""}.'
            if unused else ''))
-  tree = traverse_util.unflatten_dict({tuple(_key(k) for k in flat[zoo][0]): arr for zoo, arr in out.items()})
-  return tree, skipped
+  trees = {state: traverse_util.unflatten_dict({tuple(_key(k) for k in flat[state][zoo][0]): arr
+                                                for zoo, arr in out[state].items()}) for state in (False, True)}
+  return Imported(trees[False], trees[True], skipped)
+
+
+def import_params(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shardings: Any,
+                  dont_load: str | None = None) -> tuple[dict, set[str]]:
+  """import_weights for a model without model state: (params tree, skipped paths)."""
+  got = import_weights(hf, family, model_cfg, abstract, shardings, dont_load=dont_load)
+  return got.params, got.skipped
 
 
 def _key(k):
   return getattr(k, 'key', getattr(k, 'idx', k))
 
 
-def _stream(hf: HFDir, keys: list[str], ops: Sequence[Op], leaf: Any, sharding: Any, stacked: bool) -> jax.Array:
+def _stream(hf: HFDir, keys: Mapping[tuple[int, ...], str], sizes: tuple[int, ...], ops: Sequence[Op], leaf: Any,
+            sharding: Any) -> jax.Array:
+  """The leaf, each device's slice read from the HF tensors it covers: the leading `sizes` axes are stacked
+  (layers, experts), one HF tensor per entry, read one at a time."""
+  n = len(sizes)
+
   def read(index: tuple[slice, ...]) -> np.ndarray:
-    if not stacked:
-      return _read_through(hf, keys[0], ops, index, leaf.dtype)
-    layers = range(*index[0].indices(len(keys)))
-    return np.stack([_read_through(hf, keys[i], ops, index[1:], leaf.dtype) for i in layers])
+    ranges = [range(*s.indices(size)) for s, size in zip(index[:n], sizes, strict=True)]
+    parts = [_read_through(hf, keys[idx], ops, index[n:], leaf.dtype) for idx in itertools.product(*ranges)]
+    if not n:
+      return parts[0]
+    return np.stack(parts).reshape(*map(len, ranges), *parts[0].shape)
   return jax.make_array_from_callback(tuple(leaf.shape), sharding, read)
 
 

@@ -1,5 +1,6 @@
 """Starting from pretrained weights: `config.init_from` names a checkpoint of this project (params
-only; the optimizer starts fresh) or a Hugging Face model directory (config.json + safetensors).
+only; the optimizer starts fresh) or a Hugging Face model directory (config.json + safetensors; params
+and model state such as BatchNorm running statistics).
 
 `config.dont_load` (regex over zoo parameter paths, e.g. '^classifier/') leaves matching parameters
 freshly initialised (a new head with another number of classes). Everything else must be explained:
@@ -74,34 +75,42 @@ def init_state(trainer: Trainer, families: dict[str, hf_import.Family]) -> Train
       raise ConfigError(f'config.dont_load={dont_load!r} is not a valid regex: {e}') from None
   if config.get('lora') is not None and config.lora.get('rank', 0):  # adapters start fresh (B = 0)
     dont_load = '|'.join(f'(?:{r})' for r in (dont_load, lora.LORA_PARAM.pattern) if r)
+  loaded_state = None
   if hf_import.is_hf_dir(path):
-    loaded, _ = hf_import.import_params(hf_import.HFDir(path), hf_family(config, families), config.model,
-                                        trainer.abstract.params, trainer.shardings.params, dont_load)
+    got = hf_import.import_weights(hf_import.HFDir(path), hf_family(config, families), config.model,
+                                   trainer.abstract.params, trainer.shardings.params, trainer.abstract.model_state,
+                                   trainer.shardings.model_state, dont_load)
+    loaded, loaded_state = got.params, got.model_state
   elif os.path.isdir(path):
     loaded = checkpoint.load_params(path, trainer, dont_load=dont_load)
   else:
     raise ConfigError(f'config.init_from={path!r} is neither a checkpoint directory of this project nor a '
                       'Hugging Face model directory (config.json + *.safetensors)')
-  return with_params(trainer, loaded)
+  return with_params(trainer, loaded, loaded_state)
 
 
 def _flat(tree: Any) -> dict[str, Any]:
   return {path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def with_params(trainer: Trainer, loaded: Any) -> TrainState:
+def with_params(trainer: Trainer, loaded: Any, loaded_state: Any = None) -> TrainState:
   """A fresh TrainState whose params are `loaded` where given (a partial tree) and freshly
-  initialised elsewhere; the optimizer state is initialised for the final params. One jit: the
-  random initialisation of loaded parameters is dead code that XLA removes."""
-  loaded_flat = _flat(loaded)
+  initialised elsewhere, likewise its model state (e.g. BatchNorm running statistics) from
+  `loaded_state`; the optimizer state is initialised for the final params. One jit: the random
+  initialisation of loaded leaves is dead code that XLA removes."""
+  loaded_flat, state_flat = _flat(loaded), _flat(loaded_state or {})
   param_paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(trainer.abstract.params)]
-  treedef = jax.tree.structure(trainer.abstract.params)
+  state_paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(trainer.abstract.model_state)]
+  treedef, state_treedef = jax.tree.structure(trainer.abstract.params), jax.tree.structure(trainer.abstract.model_state)
 
-  def init(loaded_flat):
+  def init(loaded_flat, state_flat):
     _, params, rest = _split(trainer.make_model(nnx.Rngs(trainer.config.seed)))
     fresh = dict(zip(param_paths, jax.tree.leaves(params), strict=True))
     merged = jax.tree.unflatten(treedef, [loaded_flat.get(p, fresh[p]) for p in param_paths])
+    fresh_state = dict(zip(state_paths, jax.tree.leaves(rest), strict=True))
+    rest = jax.tree.unflatten(state_treedef, [state_flat.get(p, fresh_state[p]) for p in state_paths])
     return TrainState(jnp.zeros((), jnp.int32), merged, trainer.tx.init(merged), rest)
-  in_shardings = {p: s for p, s in _flat(trainer.shardings.params).items() if p in loaded_flat}
-  return jax.jit(init, in_shardings=(in_shardings,), out_shardings=trainer.shardings,
-                 donate_argnums=0)(loaded_flat)
+  in_shardings = ({p: s for p, s in _flat(trainer.shardings.params).items() if p in loaded_flat},
+                  {p: s for p, s in _flat(trainer.shardings.model_state).items() if p in state_flat})
+  return jax.jit(init, in_shardings=in_shardings, out_shardings=trainer.shardings,
+                 donate_argnums=(0, 1))(loaded_flat, state_flat)
