@@ -57,6 +57,7 @@ HF_FAMILIES = {
     'llama': llama.HF,
     'bert': bert.HF,
     'vit': vit.HF,
+    'resnet': resnet.HF,
 }
 
 

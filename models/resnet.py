@@ -1,4 +1,5 @@
-"""ResNet (He et al. 2015) in torchvision's layout (v1.5: a bottleneck's stride is on its 3x3 conv).
+"""ResNet (He et al. 2015) in torchvision's layout (v1.5: a bottleneck's stride is on its 3x3 conv; with
+config.model.stride_in_1x1, v1: on its first 1x1 conv, transformers' `downsample_in_bottleneck`).
 
 image (B, H, W, C) -> logits (B, classes) float32. Stem: 7x7/2 conv, BatchNorm, ReLU, 3x3/2 max pool;
 stages of basic blocks (ResNet-18/34: two 3x3 convs) or bottlenecks (ResNet-50/101: 1x1, 3x3, 1x1 with
@@ -6,7 +7,8 @@ stages of basic blocks (ResNet-18/34: two 3x3 convs) or bottlenecks (ResNet-50/1
 where the shortcut changes shape; global average pool; linear classifier. Convs have no bias
 and torch's symmetric padding (k // 2). Parameters map onto torchvision's names: conv1/bn1 (stem),
 layer{i}.{j} = stages/{i-1}/first (j = 0) or stages/{i-1}/rest/layers/{j-1}, conv{n}/bn{n} = convs/{n-1}
-and bns/{n-1}, downsample.{0,1} = downsample_conv/downsample_bn, fc = head.
+and bns/{n-1}, downsample.{0,1} = downsample_conv/downsample_bn, fc = head; and onto transformers'
+ResNetForImageClassification, whose checkpoints the Hugging Face importer reads (`HF` at the end).
 
 BatchNorm (layers.BatchNorm): train mode normalises with the statistics of the global batch (under
 jit with the batch sharded, XLA all-reduces them) and updates the running averages, which live in
@@ -17,6 +19,7 @@ Shape suffixes: B batch, H/W rows/columns, C channels, K classes.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -25,6 +28,7 @@ import ml_collections
 from flax import nnx
 
 from errors import ConfigError
+from models import hf_import as hf
 from models.layers import BatchNorm, Conv, Dense, Stack, dtypes, max_pool, stack_options
 from partitioning import shard_logical
 
@@ -50,8 +54,9 @@ class Block(nnx.Module):
     c_out = width * BLOCKS[cfg.block]
     if cfg.block == 'basic':
       self.convs = nnx.List([_conv(cfg, c_in, width, 3, stride, rngs), _conv(cfg, width, width, 3, 1, rngs)])
-    else:
-      self.convs = nnx.List([_conv(cfg, c_in, width, 1, 1, rngs), _conv(cfg, width, width, 3, stride, rngs),
+    else:  # v1.5 strides on the 3x3 conv; v1 (stride_in_1x1) on the first 1x1
+      s1, s3 = (stride, 1) if cfg.get('stride_in_1x1', False) else (1, stride)
+      self.convs = nnx.List([_conv(cfg, c_in, width, 1, s1, rngs), _conv(cfg, width, width, 3, s3, rngs),
                              _conv(cfg, width, c_out, 1, 1, rngs)])
     self.bns = nnx.List([_bn(cfg, conv.out_features, rngs) for conv in self.convs])
     project = stride != 1 or c_in != c_out
@@ -137,3 +142,80 @@ def num_params(cfg: Any) -> int:
       n += conv_bn(1, c_in, out) if stride != 1 or c_in != out else 0
     c = out
   return n + (c + 1) * cfg.num_classes
+
+
+# --- Hugging Face import (models/hf_import.py): ResNetForImageClassification / ResNetModel -----------
+#
+# transformers' ResNet is this one by construction: stem 7x7/2 conv + BN + ReLU + 3x3/2 max pool (padding
+# 1), stages of basic or bottleneck layers (reduction 4) whose first layer strides 2 from the second stage
+# on (downsample_in_first_stage=False), the stride of a bottleneck on its 3x3 conv unless
+# downsample_in_bottleneck (then on its first 1x1: config.model.stride_in_1x1), a 1x1 conv + BN shortcut
+# where the shape changes, global average pool, linear classifier; torch's BatchNorm eps 1e-5.
+# config.json's num_labels (and id2label) is not adopted: the classifier's size follows the dataset, as
+# for ViT (a checkpoint with another number of classes needs config.dont_load='^head/').
+
+MAX_STAGES = 8  # the table has rows for stages 0..7 (rows for stages the model lacks are skipped)
+
+
+def _hf_config(c: dict) -> dict:
+  """config.json (model_type 'resnet') -> config.model's architecture fields (the inverse of to_hf_config)."""
+  def refuse(field, why):
+    return hf.HFImportError(f'config.json {field}={c.get(field)!r}: {why}')
+  for field, want, why in (('hidden_act', 'relu', "the zoo's ResNet uses ReLU"),
+                           ('downsample_in_first_stage', False, "the zoo's ResNet first stage has stride 1")):
+    if c.get(field, want) != want:
+      raise refuse(field, why)
+  block = c.get('layer_type', 'bottleneck')
+  if block not in BLOCKS:
+    raise refuse('layer_type', f'the zoo builds {sorted(BLOCKS)} blocks')
+  depths, sizes, width = list(c['depths']), list(c['hidden_sizes']), c['embedding_size']
+  if not 1 <= len(depths) <= MAX_STAGES or min(depths) < 1:
+    raise refuse('depths', f'the zoo builds 1 to {MAX_STAGES} stages of >= 1 layer')
+  want = [width * 2 ** i * BLOCKS[block] for i in range(len(depths))]
+  if sizes != want:
+    raise refuse('hidden_sizes', f'the zoo\'s stage widths double from embedding_size={width}: a {block} ResNet '
+                 f'with {len(depths)} stages has hidden_sizes {want}')
+  return dict(channels=c.get('num_channels', 3), width=width, block=block, stage_sizes=tuple(depths),
+              stride_in_1x1=block == 'bottleneck' and bool(c.get('downsample_in_bottleneck', False)), bn_eps=1e-5)
+
+
+def to_hf_config(cfg: Any) -> dict:
+  """config.model -> config.json of the same ResNetForImageClassification (the inverse of _hf_config, plus
+  num_labels = num_classes). Only bn_eps=1e-5 exists there (torch's BatchNorm2d default)."""
+  return dict(model_type='resnet', architectures=['ResNetForImageClassification'], num_channels=cfg.channels,
+              embedding_size=cfg.width, hidden_sizes=[cfg.width * 2 ** i * BLOCKS[cfg.block]
+                                                      for i in range(len(cfg.stage_sizes))],
+              depths=list(cfg.stage_sizes), layer_type=cfg.block, hidden_act='relu', downsample_in_first_stage=False,
+              downsample_in_bottleneck=bool(cfg.get('stride_in_1x1', False)), num_labels=cfg.num_classes)
+
+
+def _hf_params() -> list[hf.Param]:
+  """Torch conv weights (out, in, kh, kw) -> (kh, kw, in, out); BatchNorm weight/bias -> scale/bias and
+  running_mean/var -> the model state's mean/var. A stage's layer 0 is the zoo's `first` block, layers
+  1.. its `rest` stack (first_layer=1)."""
+  conv = [hf.T((2, 3, 1, 0))]
+
+  def conv_bn(zoo_conv, zoo_bn, theirs):
+    return [hf.Param(f'{zoo_conv}/kernel', f'{theirs}.convolution.weight', conv),
+            hf.Param(f'{zoo_bn}/scale', f'{theirs}.normalization.weight'),
+            hf.Param(f'{zoo_bn}/bias', f'{theirs}.normalization.bias'),
+            hf.Param(f'{zoo_bn}/mean', f'{theirs}.normalization.running_mean', state=True),
+            hf.Param(f'{zoo_bn}/var', f'{theirs}.normalization.running_var', state=True)]
+
+  def block(zoo, theirs):
+    rows = [r for n in range(3) for r in conv_bn(f'{zoo}/convs/{n}', f'{zoo}/bns/{n}', f'{theirs}.layer.{n}')]
+    return rows + conv_bn(f'{zoo}/downsample_conv', f'{zoo}/downsample_bn', f'{theirs}.shortcut')
+  rows = conv_bn('conv1', 'bn1', 'embedder.embedder')
+  for s in range(MAX_STAGES):
+    rows += block(f'stages/{s}/first', f'encoder.stages.{s}.layers.0')
+    rows += [dataclasses.replace(r, first_layer=1)
+             for r in block(f'stages/{s}/rest/layers/{{i}}', f'encoder.stages.{s}.layers.{{i}}')]
+  return rows + [hf.Param('head/layer/kernel', 'classifier.1.weight', [hf.T((1, 0))]),
+                 hf.Param('head/layer/bias', 'classifier.1.bias')]
+
+
+# Keys are 'resnet.'-prefixed in ResNetForImageClassification files, bare in ResNetModel ones (no
+# classifier: load it with config.dont_load='^head/'); the classifier is never prefixed. Ignored: BatchNorm's
+# num_batches_tracked counters (the zoo's running averages use a fixed momentum).
+HF = hf.Family(model_types=('resnet',), config=_hf_config, params=_hf_params(), prefixes=('resnet.', ''),
+               ignore=(r'\.num_batches_tracked$',), to_config=to_hf_config)

@@ -13,8 +13,9 @@ from configs import bert as bert_config  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
 from configs import llama as llama_config  # noqa: E402
 from configs import moe as moe_config  # noqa: E402
+from configs import resnet as resnet_config  # noqa: E402
 from configs import vit as vit_config  # noqa: E402
-from models import bert, gpt2, hf_import, layers, llama, moe, vit  # noqa: E402
+from models import bert, gpt2, hf_import, layers, llama, moe, resnet, vit  # noqa: E402
 
 LLAMA3_ROPE = (('rope_type', 'llama3'), ('factor', 32.0), ('low_freq_factor', 1.0), ('high_freq_factor', 4.0),
                ('original_max_position_embeddings', 8192))
@@ -36,6 +37,11 @@ CASES = {
     'bert_tiny_classify': (bert_config, 'tiny,classify', {}, bert, transformers.AutoModelForSequenceClassification),
     'moe': (moe_config, 'small', {}, moe, transformers.AutoModelForCausalLM),
     'moe_tiny': (moe_config, 'tiny', {}, moe, transformers.AutoModelForCausalLM),
+    'resnet50': (resnet_config, 'resnet50', {}, resnet, transformers.AutoModelForImageClassification),
+    'resnet18': (resnet_config, 'resnet18', {}, resnet, transformers.AutoModelForImageClassification),
+    'resnet_tiny': (resnet_config, 'tiny', {}, resnet, transformers.AutoModelForImageClassification),
+    'resnet_tiny_bottleneck_v1': (resnet_config, 'tiny', dict(block='bottleneck', stride_in_1x1=True), resnet,
+                                  transformers.AutoModelForImageClassification),
 }
 TINY = sorted(k for k in CASES if 'tiny' in k)
 
@@ -73,7 +79,7 @@ def test_import_mapping_reads_the_same_architecture_back(name):
 
 
 def test_families_register_the_export():
-  for family in (gpt2, llama, vit, bert):
+  for family in (gpt2, llama, vit, bert, resnet):
     assert family.HF.to_config is family.to_hf_config
   assert not hasattr(moe, 'HF')  # MoE exports config.json, but has no Hugging Face weight importer
 

@@ -1,7 +1,9 @@
-"""Hugging Face import for Llama, BERT and ViT: logits match transformers (torch, fp32, eval mode)
-with the zoo model sharded on 8 simulated devices under a model-parallel preset; scanned and
-unrolled stacks; a sharded checkpoint (model.safetensors.index.json); Llama 3 rope scaling; a ViT
-head replaced for another number of classes; unsupported config.json settings name the field."""
+"""Hugging Face import for Llama, BERT, ViT and ResNet: logits match transformers (torch, fp32, eval mode)
+with the zoo model sharded on 8 simulated devices under a model-parallel preset; scanned and unrolled
+stacks; sharded checkpoints (model.safetensors.index.json); Llama 3 rope scaling; a ViT head replaced for
+another number of classes; ResNet's running statistics imported as model state; unsupported config.json
+settings name the field."""
+import copy
 import json
 import os
 
@@ -17,6 +19,7 @@ from flax import nnx  # noqa: E402
 import models  # noqa: E402
 from configs import bert as bert_config  # noqa: E402
 from configs import llama as llama_config  # noqa: E402
+from configs import resnet as resnet_config  # noqa: E402
 from configs import vit as vit_config  # noqa: E402
 from models import hf_import, layers  # noqa: E402
 from tests.conftest import assert_hf_round_trip, build_trainer, load_exported, train_steps  # noqa: E402
@@ -25,7 +28,7 @@ from training import pretrained, tasks  # noqa: E402
 # Max |logits difference| allowed, fp32 on both sides. Measured (2-core CPU, 8 simulated devices; the
 # tests print them with -s): llama GQA untied, sharded file 1.8e-7 (logits up to 0.59); llama tied +
 # llama3 rope 6.0e-7 (1.40); BERT MLM 1.4e-6 (3.04; real positions); BERT classify 2.4e-7 (0.70);
-# ViT 6.6e-7 (2.81).
+# ViT 6.6e-7 (2.81); ResNet basic 9.5e-7 (4.34), bottleneck v1 7.2e-7 (2.06).
 PARITY_ATOL = 1e-4
 LLAMA3_ROPE = dict(rope_type='llama3', factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)
@@ -261,12 +264,73 @@ def test_vit_new_head_for_other_classes(vit_dir):
   assert err < PARITY_ATOL, err
 
 
+# --- ResNet ------------------------------------------------------------------------------------------
+
+RESNET_CASES = {  # name -> (layer_type, downsample_in_bottleneck, zoo preset, scan_layers)
+    'basic': ('basic', False, 'tp,tiny', True),
+    'bottleneck_v1': ('bottleneck', True, 'fsdp,tiny', False),  # stride on the first 1x1 conv
+}
+
+
+@pytest.fixture(scope='module', params=sorted(RESNET_CASES))
+def resnet_case(request, tmp_path_factory):
+  block, v1, arg, scan = RESNET_CASES[request.param]
+  x = 4 if block == 'bottleneck' else 1
+  hf_cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8 * x, 16 * x, 32 * x],
+                                     depths=[1, 2, 3], layer_type=block, downsample_in_bottleneck=v1, num_labels=5)
+  torch.manual_seed(0)
+  model = transformers.ResNetForImageClassification(hf_cfg)
+  gen = torch.Generator().manual_seed(0)
+  for m in model.modules():  # non-trivial BatchNorm weights and running statistics
+    if isinstance(m, torch.nn.BatchNorm2d):
+      for t, v in ((m.running_mean, torch.randn(m.num_features, generator=gen) * 0.1),
+                   (m.running_var, torch.rand(m.num_features, generator=gen) + 0.5),
+                   (m.weight.data, torch.rand(m.num_features, generator=gen) + 0.5),
+                   (m.bias.data, torch.randn(m.num_features, generator=gen) * 0.1)):
+        t.copy_(v)
+  path, model = save(model.eval(), tmp_path_factory.mktemp('hf_resnet'))
+  return request.param, path, model, arg, scan
+
+
+def test_resnet_logits_match_transformers(resnet_case):
+  name, path, hf_model, arg, scan = resnet_case
+  cfg = zoo_config(resnet_config, arg, path, dataset=dict(num_classes=5), num_classes=5, scan_layers=scan, width=16)
+  m = cfg.model
+  assert (m.width, tuple(m.stage_sizes), m.block, m.stride_in_1x1) == (8, (1, 2, 3), *RESNET_CASES[name][:2])
+  trainer, state = import_hf(cfg)
+  # Running statistics are model state, born in their shardings; num_batches_tracked is ignored.
+  rest = state.model_state['stages'][2]['rest']['layers']  # HF's stages.2.layers.2 is the rest stack's layer 1
+  mean = rest['bns'][0]['mean'][1] if scan else rest[1]['bns'][0]['mean']
+  theirs_mean = hf_model.resnet.encoder.stages[2].layers[2].layer[0].normalization.running_mean.numpy()
+  np.testing.assert_array_equal(np.asarray(mean), theirs_mean)
+  stem = state.model_state['bn1']['var']
+  assert stem.sharding == trainer.shardings.model_state['bn1']['var']
+  np.testing.assert_array_equal(np.asarray(stem), hf_model.resnet.embedder.embedder.normalization.running_var.numpy())
+  x = np.random.default_rng(0).normal(size=(4, 32, 32, 3)).astype(np.float32)
+  ours = forward(trainer, state, x)
+  pixels = torch.tensor(x.transpose(0, 3, 1, 2))
+  with torch.no_grad():
+    theirs = hf_model(pixel_values=pixels).logits.numpy()
+  err = float(np.abs(ours - theirs).max())
+  print(f'resnet {name}: max |logits diff| {err:.2e} (logits up to {np.abs(theirs).max():.2f})')
+  assert err < PARITY_ATOL, err
+  if m.stride_in_1x1:  # the case tells v1 from v1.5: the same weights striding on the 3x3 conv differ
+    v15_cfg = copy.deepcopy(hf_model.config)
+    v15_cfg.downsample_in_bottleneck = False
+    v15 = transformers.ResNetForImageClassification(v15_cfg)
+    v15.load_state_dict(hf_model.state_dict())
+    with torch.no_grad():
+      assert np.abs(v15.eval()(pixel_values=pixels).logits.numpy() - theirs).max() > 100 * PARITY_ATOL
+
+
 # --- config.json settings the zoo does not implement ------------------------------------------------
 
 def test_unsupported_settings_name_the_field(vit_dir, tmp_path):
   llama = hf_config_json(save(transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=8, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)),
       tmp_path / 'llama')[0])
+  resnet = transformers.ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512], layer_type='basic').to_dict()
+  assert models.HF_FAMILIES['resnet'].config(resnet)['stage_sizes'] == (3, 4, 6, 3)  # the defaults are supported
   cases = [
       ('llama', dict(llama, hidden_act='gelu'), r"config.json hidden_act='gelu'"),
       ('llama', dict(llama, attention_bias=True), r'config.json attention_bias=True'),
@@ -277,6 +341,11 @@ def test_unsupported_settings_name_the_field(vit_dir, tmp_path):
       ('bert', dict(hidden_act='gelu_new'), r"config.json hidden_act='gelu_new'"),
       ('bert', dict(position_embedding_type='relative_key'), r"config.json position_embedding_type='relative_key'"),
       ('vit', dict(hf_config_json(vit_dir[0]), qkv_bias=False), r'config.json qkv_bias=False'),
+      ('resnet', dict(resnet, hidden_act='gelu'), r"config.json hidden_act='gelu'"),
+      ('resnet', dict(resnet, downsample_in_first_stage=True), r'config.json downsample_in_first_stage=True'),
+      ('resnet', dict(resnet, hidden_sizes=[64, 128, 256, 256]),
+       r'config.json hidden_sizes=\[64, 128, 256, 256\]: .* has hidden_sizes \[64, 128, 256, 512\]'),
+      ('resnet', dict(resnet, layer_type='preactivation'), r"config.json layer_type='preactivation'"),
   ]
   for family, c, message in cases:
     with pytest.raises(hf_import.HFImportError, match=message):
