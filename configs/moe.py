@@ -64,9 +64,9 @@ MESHES = {
 _MOE = dict(num_experts=8, top_k=2, capacity_factor=1.25, aux_loss_weight=0.01, router_z_loss_weight=1e-3)
 SIZES = {
     # vocab_size 32000 (Mixtral's): point dataset.tokenizer at a local Mistral tokenizer directory to use it all.
-    'small': dict(vocab_size=32000, num_layers=12, embed_dim=1024, num_heads=16, num_kv_heads=4, mlp_dim=2816,
-                  group_size=512, **_MOE),
-    'tiny': dict(vocab_size=16, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, mlp_dim=64,
+    'small': dict(vocab_size=32000, num_layers=12, embed_dim=1024, num_heads=16, num_kv_heads=4, head_dim=64,
+                  mlp_dim=2816, group_size=512, **_MOE),
+    'tiny': dict(vocab_size=16, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=64,
                  group_size=64, **_MOE),
 }
 
@@ -78,8 +78,8 @@ def get_config(arg: str | None = None):
   c.mesh = common.mesh(MESHES[preset])
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(dict(
-      name='moe', **SIZES[size], rope_theta=1e6, norm_eps=1e-5, tie_embeddings=False, dtype='float32',
-      param_dtype='float32', scan_layers=True, remat='none', attention='auto', logits_dtype='float32'))
+      name='moe', **SIZES[size], rope_theta=1e6, rope_scaling=None, norm_eps=1e-5, tie_embeddings=False,
+      dtype='float32', param_dtype='float32', scan_layers=True, remat='none', attention='auto', logits_dtype='float32'))
   if size == 'small':
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
     c.model.remat = 'full'  # ep train step temporaries per device: 39 GiB without, 4.5 GiB with

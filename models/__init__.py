@@ -58,6 +58,7 @@ HF_FAMILIES = {
     'bert': bert.HF,
     'vit': vit.HF,
     'resnet': resnet.HF,
+    'moe': moe.HF,
 }
 
 

@@ -156,8 +156,9 @@ def to_hf_config(cfg: Any) -> dict:
               attention_dropout=0.0)
 
 
-def _hf_params() -> list[hf.Param]:
-  """HF Linear weights are (out, in): transpose, then split the heads out."""
+def hf_params(mlp: bool = True) -> list[hf.Param]:
+  """HF Linear weights are (out, in): transpose, then split the heads out. mlp=False: all but the MLP rows
+  (the MoE family adds its experts)."""
   def dims(cfg):  # D, H, G, K
     H = cfg.num_heads
     return cfg.embed_dim, H, cfg.get('num_kv_heads') or H, cfg.get('head_dim') or cfg.embed_dim // H
@@ -182,7 +183,7 @@ def _hf_params() -> list[hf.Param]:
       hf.Param(f'{b}/self_attn/out/layer/kernel', 'layers.{i}.self_attn.o_proj.weight', out),
   ]
   rows += [hf.Param(f'{b}/mlp/{n}/layer/kernel', f'layers.{{i}}.mlp.{n}_proj.weight', [hf.T((1, 0))])
-           for n in ('gate', 'up', 'down')]
+           for n in ('gate', 'up', 'down') if mlp]
   return rows
 
 
@@ -195,7 +196,7 @@ def _fits_positions(ours: int, theirs: int) -> str | None:
                                           'extend the context with rope_scaling, or drop the override')
 
 
-HF = hf.Family(model_types=('llama',), config=_hf_config, params=_hf_params(), prefixes=('model.', ''),
+HF = hf.Family(model_types=('llama',), config=_hf_config, params=hf_params(), prefixes=('model.', ''),
                keep={'max_len': _fits_positions},
                ignore=(r'rotary_emb\.inv_freq$', r'^lm_head\.weight$'), to_config=to_hf_config,
                unprefixed=(r'^lm_head\.',))

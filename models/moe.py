@@ -1,11 +1,12 @@
 """Mixture-of-experts decoder (Mixtral-style): Llama blocks (RMSNorm, rotary, grouped-query attention,
 no biases) whose feed-forward is a mixture of SwiGLU experts with top-k routing and a load-balancing loss.
 
-Parameters map onto Hugging Face's MixtralForCausalLM (transformers 5: model.layers.N.mlp.{gate,
-experts.gate_up_proj, experts.down_proj}; tested against it): embed_tokens, blocks.layers.N.{input_layernorm,
-self_attn.{query, key, value, out}, post_attention_layernorm, moe.{router (mlp.gate), gate and up (the
-halves of gate_up_proj), down (down_proj)}}, norm, lm_head (absent when tie_embeddings). Expert weights
-are stacked on a leading 'expert' axis: gate/up (expert, embed, mlp), down (expert, mlp, embed).
+Parameters map onto Hugging Face's MixtralForCausalLM (hub checkpoints: model.layers.N.block_sparse_moe.{gate,
+experts.J.{w1, w3, w2}}; transformers 5 in memory: model.layers.N.mlp.{gate, experts.gate_up_proj,
+experts.down_proj}; both imported by `HF` at the end, and tested): embed_tokens, blocks.layers.N.{input_layernorm,
+self_attn.{query, key, value, out}, post_attention_layernorm, moe.{router (gate), gate (w1), up (w3), down
+(w2)}}, norm, lm_head (absent when tie_embeddings). Expert weights are stacked on a leading 'expert' axis:
+gate/up (expert, embed, mlp), down (expert, mlp, embed).
 
 Tokens move to the experts, never the expert weights to the tokens (GShard/Switch dispatch):
   1. the (B, L) tokens are cut into groups of S = group_size: x (G, S, D), G sharded like 'batch';
@@ -34,6 +35,7 @@ import ml_collections
 from flax import nnx
 
 from errors import ConfigError
+from models import hf_import as hf
 from models import llama
 from models.layers import (
     NORMAL_002, Dense, Embed, RMSNorm, Stack, axes, dtypes, mask_padded_vocab, logits_dtype, stack_options)
@@ -205,24 +207,32 @@ def num_active_params(cfg: Any) -> int:
   return dense + N * cfg.top_k * expert
 
 
-# --- Hugging Face config.json (MixtralForCausalLM) --------------------------------------------------
+# --- Hugging Face import (models/hf_import.py): MixtralForCausalLM / MixtralModel ---------------------
 #
-# The architecture only: there is no weight importer for MoE (no `HF` family; the parameter layout is
-# tested against MixtralForCausalLM in tests/test_moe.py). capacity_factor and group_size have no
-# config.json counterpart (Mixtral is dropless: capacity_factor >= num_experts / top_k here).
+# capacity_factor has no config.json counterpart: Mixtral is dropless (every token reaches its top_k
+# experts), and the zoo is dropless when capacity_factor >= num_experts / top_k (then C = S: every expert
+# has a slot for every token of a group). The importer sets capacity_factor = num_experts / top_k, so an
+# imported model computes what the checkpoint's does; a value from the config or command line is
+# replaced, like every architecture field, and logged with them. The price: each expert runs over all S
+# slots of a group (E / top_k times the FLOPs of the experts a token uses; Mixtral-8x7B: 4x), as the
+# zoo's dispatch has no dropless kernel. group_size has no counterpart either and is kept (any value is
+# dropless here). Training settings are not read: router_aux_loss_coef (the zoo's aux_loss_weight),
+# output_router_logits, dropout.
 
 def _hf_config(c: dict) -> dict:
   """config.json (model_type 'mixtral') -> config.model's architecture fields (the inverse of to_hf_config)."""
   for field, want, why in (('hidden_act', 'silu', "the zoo's MoE experts are SwiGLU (silu)"),
-                           ('sliding_window', None, "the zoo's MoE attends to the whole sequence")):
-    if c.get(field, want) != want:
+                           ('sliding_window', None, "the zoo's MoE attends to the whole sequence"),
+                           ('router_jitter_noise', 0.0, "the zoo's router adds no noise to the router logits")):
+    if (c.get(field) or want) != want:
       raise llama._unsupported(c, field, c[field], why)
   H = c['num_attention_heads']
   theta, scaling = llama._hf_rope(c)
+  E, k = c['num_local_experts'], c['num_experts_per_tok']
   return dict(vocab_size=c['vocab_size'], embed_dim=c['hidden_size'], mlp_dim=c['intermediate_size'],
               num_layers=c['num_hidden_layers'], num_heads=H, num_kv_heads=c.get('num_key_value_heads') or H,
-              head_dim=c.get('head_dim') or c['hidden_size'] // H, num_experts=c['num_local_experts'],
-              top_k=c['num_experts_per_tok'], rope_theta=theta, rope_scaling=scaling,
+              head_dim=c.get('head_dim') or c['hidden_size'] // H, num_experts=E, top_k=k,
+              capacity_factor=E / k, rope_theta=theta, rope_scaling=scaling,
               norm_eps=c.get('rms_norm_eps', 1e-5), tie_embeddings=bool(c.get('tie_word_embeddings', False)))
 
 
@@ -241,3 +251,37 @@ def to_hf_config(cfg: Any) -> dict:
              router_aux_loss_coef=cfg.get('aux_loss_weight', 0.0),
              router_z_loss_coef=cfg.get('router_z_loss_weight', 0.0))
   return dict(out, max_position_embeddings=cfg.max_len) if cfg.get('max_len') else out
+
+
+def _hf_params() -> list[hf.Param]:
+  """Llama's attention and norm rows, the vocabulary rows padded to pad_vocab_to, and the experts in either
+  file layout. The hub's (what MixtralForCausalLM.save_pretrained writes): block_sparse_moe.gate (E, D) and
+  per expert w1 (gate), w3 (up): (F, D), w2 (down): (D, F), stacked onto the 'expert' axis ('{e}').
+  transformers 5's in-memory one (save_pretrained(save_original_format=False)): mlp.gate (E, D),
+  mlp.experts.gate_up_proj (E, 2F, D) holding gate | up, mlp.experts.down_proj (E, D, F)."""
+  def padded(cfg):
+    pad = cfg.get('pad_vocab_to', 1) or 1
+    return -(-cfg.vocab_size // pad) * pad
+  b, h = 'blocks/layers/{i}/moe', 'layers.{i}'
+  lin = [hf.T((1, 0))]
+  half = lambda part: lambda cfg: [hf.Slice(1, part * cfg.mlp_dim, (part + 1) * cfg.mlp_dim), hf.T((0, 2, 1))]
+  return [r for r in llama.hf_params(mlp=False) if not r.zoo.startswith(('embed_tokens/', 'lm_head/'))] + [
+      hf.Param('embed_tokens/embed/embedding', 'embed_tokens.weight', lambda cfg: [hf.Pad(0, padded(cfg))]),
+      hf.Param('lm_head/layer/kernel', 'lm_head.weight', lambda cfg: [hf.T((1, 0)), hf.Pad(1, padded(cfg))]),
+      # the hub's layout
+      hf.Param(f'{b}/router/layer/kernel', f'{h}.block_sparse_moe.gate.weight', lin),
+      hf.Param(f'{b}/gate', f'{h}.block_sparse_moe.experts.{{e}}.w1.weight', lin),
+      hf.Param(f'{b}/up', f'{h}.block_sparse_moe.experts.{{e}}.w3.weight', lin),
+      hf.Param(f'{b}/down', f'{h}.block_sparse_moe.experts.{{e}}.w2.weight', lin),
+      # transformers 5's fused experts
+      hf.Param(f'{b}/router/layer/kernel', f'{h}.mlp.gate.weight', lin),
+      hf.Param(f'{b}/gate', f'{h}.mlp.experts.gate_up_proj', half(0)),
+      hf.Param(f'{b}/up', f'{h}.mlp.experts.gate_up_proj', half(1)),
+      hf.Param(f'{b}/down', f'{h}.mlp.experts.down_proj', [hf.T((0, 2, 1))]),
+  ]
+
+
+# Keys are 'model.'-prefixed in MixtralForCausalLM files, bare in MixtralModel ones; lm_head.weight is never
+# prefixed. Ignored as for Llama: rotary inv_freq buffers, and a tied checkpoint's copy of the embedding.
+HF = hf.Family(model_types=('mixtral',), config=_hf_config, params=_hf_params(), prefixes=('model.', ''),
+               ignore=(r'rotary_emb\.inv_freq$', r'^lm_head\.weight$'), to_config=to_hf_config)

@@ -53,22 +53,19 @@ def case(name):
   return cfg, family, auto
 
 
-def import_config(family, d: dict) -> dict:
-  """The family's config.json -> config.model mapping (MoE has one, but no weight importer / HF family)."""
-  return family.HF.config(d) if hasattr(family, 'HF') else family._hf_config(d)
-
-
 @pytest.mark.parametrize('name', sorted(CASES))
 def test_import_mapping_reads_the_same_architecture_back(name):
   cfg, family, _ = case(name)
   d = json.loads(json.dumps(family.to_hf_config(cfg)))  # what a config.json file holds
-  fields = import_config(family, d)
+  fields = family.HF.config(d)
   expected = {k: cfg.get(k) for k in fields}
   if 'head_dim' in fields:  # MoE configs leave these to the defaults the model derives
     expected.update(head_dim=cfg.get('head_dim') or cfg.embed_dim // cfg.num_heads,
                     num_kv_heads=cfg.get('num_kv_heads') or cfg.num_heads)
   if 'rope_scaling' in fields:  # configs hold it as pairs or None; the importer gives the checked form
     expected['rope_scaling'] = layers.rope_scaling_params(cfg.get('rope_scaling'))
+  if family is moe:  # no config.json field: the importer makes it dropless, like Mixtral
+    expected['capacity_factor'] = cfg.num_experts / cfg.top_k
   assert fields == expected
   hf_cfg = transformers.AutoConfig.for_model(**d)
   assert hf_cfg.model_type == d['model_type'] and type(hf_cfg).__name__ != 'PretrainedConfig'
@@ -79,9 +76,8 @@ def test_import_mapping_reads_the_same_architecture_back(name):
 
 
 def test_families_register_the_export():
-  for family in (gpt2, llama, vit, bert, resnet):
+  for family in (gpt2, llama, vit, bert, moe, resnet):
     assert family.HF.to_config is family.to_hf_config
-  assert not hasattr(moe, 'HF')  # MoE exports config.json, but has no Hugging Face weight importer
 
 
 def num_hf_params(d: dict, auto) -> int:
@@ -116,4 +112,4 @@ def test_moe_config_json_the_zoo_cannot_build_names_the_field():
   d = moe.to_hf_config(case('moe_tiny')[0])
   for field, value in (('sliding_window', 4096), ('hidden_act', 'gelu')):
     with pytest.raises(hf_import.HFImportError, match=f'config.json {field}={value!r}'):
-      moe._hf_config(dict(d, **{field: value}))
+      moe.HF.config(dict(d, **{field: value}))

@@ -100,7 +100,7 @@ def test_export_errors_name_the_culprit(tmp_path):
   with pytest.raises(HFExportError, match=r'cannot write dtype complex64'):
     hf_export.write(gpt2, cfg, {}, None, str(tmp_path), dtype=np.complex64)
   with pytest.raises(ConfigError, match=r"config.model.name='cnn' has no Hugging Face layout to export to; families "
-                                        r"with one: \['bert', 'gpt2', 'llama', 'resnet', 'vit'\]"):
+                                        r"with one: \['bert', 'gpt2', 'llama', 'moe', 'resnet', 'vit'\]"):
     from configs import mnist
     c = mnist.get_config()
     export.write_hf(build_trainer(c), {}, {}, str(tmp_path), models.HF_FAMILIES)

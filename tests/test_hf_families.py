@@ -1,8 +1,9 @@
-"""Hugging Face import for Llama, BERT, ViT and ResNet: logits match transformers (torch, fp32, eval mode)
-with the zoo model sharded on 8 simulated devices under a model-parallel preset; scanned and unrolled
-stacks; sharded checkpoints (model.safetensors.index.json); Llama 3 rope scaling; a ViT head replaced for
-another number of classes; ResNet's running statistics imported as model state; unsupported config.json
-settings name the field."""
+"""Hugging Face import for Llama, BERT, ViT, ResNet and Mixtral (MoE): logits match transformers (torch,
+fp32, eval mode) with the zoo model sharded on 8 simulated devices under a model-parallel preset; scanned
+and unrolled stacks; sharded checkpoints (model.safetensors.index.json); Llama 3 rope scaling; a ViT head
+replaced for another number of classes; ResNet's running statistics imported as model state; Mixtral's
+per-expert hub layout and transformers 5's fused one, each device reading only its experts; unsupported
+config.json settings name the field."""
 import copy
 import json
 import os
@@ -15,10 +16,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import models  # noqa: E402
 from configs import bert as bert_config  # noqa: E402
 from configs import llama as llama_config  # noqa: E402
+from configs import moe as moe_config  # noqa: E402
 from configs import resnet as resnet_config  # noqa: E402
 from configs import vit as vit_config  # noqa: E402
 from models import hf_import, layers  # noqa: E402
@@ -28,7 +31,8 @@ from training import pretrained, tasks  # noqa: E402
 # Max |logits difference| allowed, fp32 on both sides. Measured (2-core CPU, 8 simulated devices; the
 # tests print them with -s): llama GQA untied, sharded file 1.8e-7 (logits up to 0.59); llama tied +
 # llama3 rope 6.0e-7 (1.40); BERT MLM 1.4e-6 (3.04; real positions); BERT classify 2.4e-7 (0.70);
-# ViT 6.6e-7 (2.81); ResNet basic 9.5e-7 (4.34), bottleneck v1 7.2e-7 (2.06).
+# ViT 6.6e-7 (2.81); ResNet basic 9.5e-7 (4.34), bottleneck v1 7.2e-7 (2.06); Mixtral hub layout 1.2e-6
+# (2.82), fused experts in a sharded file 1.7e-6 (2.82).
 PARITY_ATOL = 1e-4
 LLAMA3_ROPE = dict(rope_type='llama3', factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)
@@ -323,6 +327,78 @@ def test_resnet_logits_match_transformers(resnet_case):
       assert np.abs(v15.eval()(pixel_values=pixels).logits.numpy() - theirs).max() > 100 * PARITY_ATOL
 
 
+# --- MoE from Mixtral -------------------------------------------------------------------------------
+
+MIXTRAL_CASES = {  # name -> (save_pretrained kwargs, zoo preset, scan_layers)
+    'hub_layout': ({}, 'ep,tiny', True),  # per-expert w1/w2/w3: what save_pretrained writes, and the hub has
+    'fused_sharded_file': (dict(save_original_format=False, max_shard_size='20KB'), 'ep_tp,tiny', False),
+}
+
+
+@pytest.fixture(scope='module', params=sorted(MIXTRAL_CASES))
+def mixtral_case(request, tmp_path_factory):
+  torch.manual_seed(0)
+  hf_cfg = transformers.MixtralConfig(
+      vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5,
+      tie_word_embeddings=False, initializer_range=0.1)
+  save_kw, arg, scan = MIXTRAL_CASES[request.param]
+  path, model = save(transformers.MixtralForCausalLM(hf_cfg).eval(), tmp_path_factory.mktemp('hf_mixtral'), **save_kw)
+  return request.param, path, model, arg, scan
+
+
+def test_mixtral_logits_match_transformers(mixtral_case, monkeypatch):
+  name, path, hf_model, arg, scan = mixtral_case
+  cfg = zoo_config(moe_config, arg, path, scan_layers=scan, pad_vocab_to=64, num_experts=4, head_dim=8)
+  m = cfg.model
+  assert (m.vocab_size, m.num_experts, m.top_k, m.mlp_dim, m.head_dim, m.num_kv_heads) == (96, 8, 2, 48, 16, 2)
+  assert m.capacity_factor == 4.0  # the preset's 1.25 replaced: dropless, like Mixtral (num_experts / top_k)
+  reads = {}  # HF key -> the regions read from it
+  read = hf_import.HFDir.read
+  monkeypatch.setattr(hf_import.HFDir, 'read', lambda self, key, region: (
+      reads.setdefault(key, []).append(tuple(region)), read(self, key, region))[1])
+  trainer, state = import_hf(cfg)
+  # Each device reads only its own experts' tensors: expert e's by the devices holding it, not all 8.
+  gate = state.params['blocks']['layers']['moe']['gate'] if scan else state.params['blocks']['layers'][1]['moe']['gate']
+  e_dim = 1 if scan else 0
+  holders = [sum(idx[e_dim].start <= e < idx[e_dim].stop for idx in gate.sharding.devices_indices_map(gate.shape).values())
+             for e in range(8)]
+  assert holders == [2] * 8  # experts over expert=4: 2 of 8 per device, each on 2 devices
+  if name == 'hub_layout':
+    assert [len(reads[f'model.layers.1.block_sparse_moe.experts.{e}.w1.weight']) for e in range(8)] == holders
+  else:  # one fused tensor: each device reads the rows of its 2 experts (the gate half, then the up half)
+    regions = reads['model.layers.1.mlp.experts.gate_up_proj']
+    assert len(regions) == 2 * 8 and all(b - a == 2 for (a, b), *_ in regions), regions
+  tokens = np.random.default_rng(0).integers(0, 96, (4, 32))
+
+  def run(params, rest, x):
+    return tasks.eval_view(nnx.merge(trainer.graphdef, params, rest))(x)
+  ours, aux = jax.jit(run)(state.params, state.model_state, tokens)
+  assert float(aux['dropped_fraction']) == 0.0
+  with torch.no_grad():
+    theirs = hf_model(torch.tensor(tokens)).logits.numpy()
+  ours = np.asarray(ours)
+  assert ours.shape == (4, 32, 128) and (ours[..., 96:] < -1e8).all()  # 96 rows padded to 128, masked
+  err = float(np.abs(ours[..., :96] - theirs).max())
+  print(f'mixtral {name}: max |logits diff| {err:.2e} (logits up to {np.abs(theirs).max():.2f})')
+  assert err < PARITY_ATOL, err
+
+
+@pytest.mark.parametrize('mixtral_case', ['hub_layout'], indirect=True)
+def test_mixtral_checkpoint_missing_an_expert_names_it(mixtral_case, tmp_path):
+  _, path, _, arg, _ = mixtral_case
+  tensors = load_file(os.path.join(path, 'model.safetensors'))
+  del tensors['model.layers.1.block_sparse_moe.experts.5.w3.weight']
+  save_file(tensors, str(tmp_path / 'model.safetensors'))
+  with open(tmp_path / 'config.json', 'w') as f:
+    json.dump(hf_config_json(path), f)
+  cfg = zoo_config(moe_config, arg, str(tmp_path))
+  trainer = build_trainer(cfg)
+  with pytest.raises(hf_import.HFImportError, match=r'has model.layers.0.block_sparse_moe.experts.0.w3.weight but not '
+                                                    r"layers.1.block_sparse_moe.experts.5.w3.weight .* 'blocks/layers/moe/up'"):
+    pretrained.init_state(trainer, models.HF_FAMILIES)
+
+
 # --- config.json settings the zoo does not implement ------------------------------------------------
 
 def test_unsupported_settings_name_the_field(vit_dir, tmp_path):
@@ -330,7 +406,9 @@ def test_unsupported_settings_name_the_field(vit_dir, tmp_path):
       vocab_size=8, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)),
       tmp_path / 'llama')[0])
   resnet = transformers.ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512], layer_type='basic').to_dict()
+  mixtral = transformers.MixtralConfig().to_dict()
   assert models.HF_FAMILIES['resnet'].config(resnet)['stage_sizes'] == (3, 4, 6, 3)  # the defaults are supported
+  assert models.HF_FAMILIES['moe'].config(mixtral)['num_experts'] == 8
   cases = [
       ('llama', dict(llama, hidden_act='gelu'), r"config.json hidden_act='gelu'"),
       ('llama', dict(llama, attention_bias=True), r'config.json attention_bias=True'),
@@ -346,6 +424,9 @@ def test_unsupported_settings_name_the_field(vit_dir, tmp_path):
       ('resnet', dict(resnet, hidden_sizes=[64, 128, 256, 256]),
        r'config.json hidden_sizes=\[64, 128, 256, 256\]: .* has hidden_sizes \[64, 128, 256, 512\]'),
       ('resnet', dict(resnet, layer_type='preactivation'), r"config.json layer_type='preactivation'"),
+      ('moe', dict(mixtral, router_jitter_noise=0.1), r'config.json router_jitter_noise=0.1'),
+      ('moe', dict(mixtral, sliding_window=4096), r'config.json sliding_window=4096'),
+      ('moe', dict(mixtral, hidden_act='gelu'), r"config.json hidden_act='gelu'"),
   ]
   for family, c, message in cases:
     with pytest.raises(hf_import.HFImportError, match=message):
