@@ -5,7 +5,10 @@ by the inverse permutation, a reshape back to the row's `src` shape, a padded vo
 length, and a slice of a fused tensor (GPT-2's q|k|v) written into its place in the fused tensor. The
 first row naming a zoo parameter is its export (later rows are alternative spellings the importer also
 reads, e.g. BERT's LayerNorm gamma/beta). Keys take the family's first prefix (the head model's layout,
-e.g. 'transformer.h.0...') except the family's `unprefixed` heads ('lm_head.', 'classifier.').
+e.g. 'transformer.h.0...') except the family's `unprefixed` heads ('lm_head.', 'classifier.'). Stacked
+zoo tensors are split back into one HF tensor per layer and per expert (the importer's `{i}` with
+`first_layer`, and `{e}`); model-state rows (ResNet's running statistics) are written like parameters
+(`zoo_shapes` holds both).
 
 Streaming: the output files (one, or several with model.safetensors.index.json, split by
 huggingface_hub's planner at `max_shard_size`) are laid out first from shapes alone; then the zoo
@@ -16,6 +19,7 @@ tensor and its HF pieces at a time, never the model.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -66,15 +70,15 @@ def _inv(op: hf.Op, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-  """One zoo tensor (or layer `layer` of a stacked one) -> `region` of HF tensor `key`."""
+  """One zoo tensor (or entry `index` of its leading stacked axes: layer, expert) -> `region` of HF tensor `key`."""
   key: str
-  layer: int | None
+  index: tuple[int, ...]  # () for the whole zoo tensor
   ops: tuple[hf.Op, ...]  # the row's ops after a leading Slice
   shapes: tuple[tuple[int, ...], ...]  # the input shape of each op in `ops`
   region: tuple[slice, ...] | None  # where a sliced (fused) piece goes; None: the whole tensor
 
   def tensor(self, x: np.ndarray) -> np.ndarray:
-    x = x if self.layer is None else x[self.layer]
+    x = x[self.index]
     for op, shape in zip(reversed(self.ops), reversed(self.shapes), strict=True):
       x = _inv(op, x, shape)
     return x
@@ -87,33 +91,34 @@ class Plan:
   pieces: dict[str, list[Piece]]  # zoo path -> its pieces
 
 
-def hf_key(family: hf.Family, template: str, layer: int | None) -> str:
-  name = template.format(i=layer) if layer is not None else template
+def hf_key(family: hf.Family, template: str, index: Mapping[str, int]) -> str:
+  name = template.format(**index)
   bare = any(re.search(r, name) for r in family.unprefixed)
   return name if bare else family.prefixes[0] + name
 
 
 def plan(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int, ...]]) -> Plan:
   """Maps every zoo tensor (path -> shape; a scanned stack's tensors have the leading 'layers' axis) onto HF
-  keys. Raises HFExportError naming a zoo tensor no row exports, or a fused HF tensor left partly unwritten."""
-  num_layers = model_cfg.get('num_layers', 0)
+  keys. Raises HFExportError naming a zoo tensor no row exports, or a fused HF tensor left partly unwritten.
+  Layers and experts as the importer reads them (hf_import's docstring): a scanned stack's entry i is HF layer
+  i + row.first_layer, an unrolled one's zoo path {i} likewise, and an HF key with {e} gets one tensor per
+  entry of the zoo tensor's expert axis (after the layers axis)."""
   shapes: dict[str, tuple[int, ...]] = {}
   pieces: dict[str, list[Piece]] = {}
   slices: dict[str, list[tuple[int, hf.Slice, tuple[int, ...]]]] = {}  # fused key -> its parts
-  for row in family.params:
+  exported_by: dict[str, int] = {}  # zoo path -> the row that exports it
+  for r, row in enumerate(family.params):
     ops = tuple(row.ops_for(model_cfg))
-    targets = []  # (zoo path, layer index into the zoo tensor, HF layer)
-    if '{i}' in row.zoo and row.zoo.replace('/{i}', '') in zoo_shapes:
-      targets = [(row.zoo.replace('/{i}', ''), i, i) for i in range(num_layers)]
-    elif '{i}' in row.zoo:
-      targets = [(row.zoo.format(i=i), None, i) for i in range(num_layers)]
-    else:
-      targets = [(row.zoo, None, None)]
-    for zoo, index, layer in targets:
-      if zoo not in zoo_shapes or (zoo in pieces and any(p.layer == index for p in pieces[zoo])):
+    targets = []  # (zoo path, index into the zoo tensor's leading axes, HF key indices)
+    for zoo, fixed, stack in hf.row_targets(row, zoo_shapes):
+      if zoo not in zoo_shapes or exported_by.setdefault(zoo, r) != r:
         continue  # not in this model (e.g. an untied head), or exported by an earlier row
-      key = hf_key(family, row.hf, layer)
-      out = tuple(zoo_shapes[zoo][1:] if index is not None else zoo_shapes[zoo])
+      for idx in itertools.product(*map(range, zoo_shapes[zoo][:len(stack)])):
+        targets.append((zoo, idx, {**fixed, **{n: k + (row.first_layer if n == 'i' else 0)
+                                               for n, k in zip(stack, idx)}}))
+    for zoo, index, at in targets:
+      key = hf_key(family, row.hf, at)
+      out = tuple(zoo_shapes[zoo][len(index):])
       cut = ops[0] if ops and isinstance(ops[0], hf.Slice) else None
       rest = ops[1:] if cut else ops
       if any(isinstance(op, hf.Slice) for op in rest):

@@ -340,8 +340,11 @@ def _resolve_key(hf: HFDir, family: Family, template: str, index: Mapping[str, i
   return None
 
 
-def _targets(row: Param, flat: Mapping[str, Any]) -> list[tuple[str, dict[str, int], tuple[str, ...]]]:
-  """(zoo path, fixed template indices, stacked template indices in leading-axis order) per zoo leaf."""
+def row_targets(row: Param, flat: Mapping[str, Any]) -> list[tuple[str, dict[str, int], tuple[str, ...]]]:
+  """The zoo leaves a row fills among `flat` (zoo paths; a path not there is returned, then skipped) as
+  (zoo path, HF template indices fixed for the leaf (an unrolled layer's {i}, first_layer added), the
+  template names of its leading stacked axes in order ('i': layers, 'e': experts)). The importer and the
+  exporter (models/hf_export.py) read tables through this."""
   experts = ('e',) if '{e}' in row.hf else ()
   if '{i}' not in row.zoo:
     return [(row.zoo, {}, experts)]
@@ -375,7 +378,7 @@ def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, sha
   used: set[str] = set()
   for row in family.params:
     ops = row.ops_for(model_cfg)
-    for zoo, fixed, stack in _targets(row, flat[row.state]):
+    for zoo, fixed, stack in row_targets(row, flat[row.state]):
       if zoo not in flat[row.state]:
         continue
       leaf, sharding = flat[row.state][zoo][1], flat_sh[row.state][zoo]

@@ -259,15 +259,15 @@ def _hf_params() -> list[hf.Param]:
   per expert w1 (gate), w3 (up): (F, D), w2 (down): (D, F), stacked onto the 'expert' axis ('{e}').
   transformers 5's in-memory one (save_pretrained(save_original_format=False)): mlp.gate (E, D),
   mlp.experts.gate_up_proj (E, 2F, D) holding gate | up, mlp.experts.down_proj (E, D, F)."""
-  def padded(cfg):
+  def padded(cfg):  # the vocabulary rows: (rows, real rows)
     pad = cfg.get('pad_vocab_to', 1) or 1
-    return -(-cfg.vocab_size // pad) * pad
+    return -(-cfg.vocab_size // pad) * pad, cfg.vocab_size
   b, h = 'blocks/layers/{i}/moe', 'layers.{i}'
   lin = [hf.T((1, 0))]
   half = lambda part: lambda cfg: [hf.Slice(1, part * cfg.mlp_dim, (part + 1) * cfg.mlp_dim), hf.T((0, 2, 1))]
   return [r for r in llama.hf_params(mlp=False) if not r.zoo.startswith(('embed_tokens/', 'lm_head/'))] + [
-      hf.Param('embed_tokens/embed/embedding', 'embed_tokens.weight', lambda cfg: [hf.Pad(0, padded(cfg))]),
-      hf.Param('lm_head/layer/kernel', 'lm_head.weight', lambda cfg: [hf.T((1, 0)), hf.Pad(1, padded(cfg))]),
+      hf.Param('embed_tokens/embed/embedding', 'embed_tokens.weight', lambda cfg: [hf.Pad(0, *padded(cfg))]),
+      hf.Param('lm_head/layer/kernel', 'lm_head.weight', lambda cfg: [hf.T((1, 0)), hf.Pad(1, *padded(cfg))]),
       # the hub's layout
       hf.Param(f'{b}/router/layer/kernel', f'{h}.block_sparse_moe.gate.weight', lin),
       hf.Param(f'{b}/gate', f'{h}.block_sparse_moe.experts.{{e}}.w1.weight', lin),
@@ -284,4 +284,5 @@ def _hf_params() -> list[hf.Param]:
 # Keys are 'model.'-prefixed in MixtralForCausalLM files, bare in MixtralModel ones; lm_head.weight is never
 # prefixed. Ignored as for Llama: rotary inv_freq buffers, and a tied checkpoint's copy of the embedding.
 HF = hf.Family(model_types=('mixtral',), config=_hf_config, params=_hf_params(), prefixes=('model.', ''),
-               ignore=(r'rotary_emb\.inv_freq$', r'^lm_head\.weight$'), to_config=to_hf_config)
+               ignore=(r'rotary_emb\.inv_freq$', r'^lm_head\.weight$'), to_config=to_hf_config,
+               unprefixed=(r'^lm_head\.',))

@@ -218,4 +218,5 @@ def _hf_params() -> list[hf.Param]:
 # classifier: load it with config.dont_load='^head/'); the classifier is never prefixed. Ignored: BatchNorm's
 # num_batches_tracked counters (the zoo's running averages use a fixed momentum).
 HF = hf.Family(model_types=('resnet',), config=_hf_config, params=_hf_params(), prefixes=('resnet.', ''),
-               ignore=(r'\.num_batches_tracked$',), to_config=to_hf_config)
+               ignore=(r'\.num_batches_tracked$',), to_config=to_hf_config,
+               unprefixed=(r'^classifier\.',))

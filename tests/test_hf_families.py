@@ -296,7 +296,7 @@ def resnet_case(request, tmp_path_factory):
   return request.param, path, model, arg, scan
 
 
-def test_resnet_logits_match_transformers(resnet_case):
+def test_resnet_logits_match_transformers_and_export_back(resnet_case, tmp_path):
   name, path, hf_model, arg, scan = resnet_case
   cfg = zoo_config(resnet_config, arg, path, dataset=dict(num_classes=5), num_classes=5, scan_layers=scan, width=16)
   m = cfg.model
@@ -325,6 +325,7 @@ def test_resnet_logits_match_transformers(resnet_case):
     v15.load_state_dict(hf_model.state_dict())
     with torch.no_grad():
       assert np.abs(v15.eval()(pixel_values=pixels).logits.numpy() - theirs).max() > 100 * PARITY_ATOL
+  assert_hf_round_trip(trainer, state, path, tmp_path / 'round_trip')  # running statistics included
 
 
 # --- MoE from Mixtral -------------------------------------------------------------------------------
@@ -347,7 +348,7 @@ def mixtral_case(request, tmp_path_factory):
   return request.param, path, model, arg, scan
 
 
-def test_mixtral_logits_match_transformers(mixtral_case, monkeypatch):
+def test_mixtral_logits_match_transformers_and_export_back(mixtral_case, monkeypatch, tmp_path):
   name, path, hf_model, arg, scan = mixtral_case
   cfg = zoo_config(moe_config, arg, path, scan_layers=scan, pad_vocab_to=64, num_experts=4, head_dim=8)
   m = cfg.model
@@ -382,6 +383,9 @@ def test_mixtral_logits_match_transformers(mixtral_case, monkeypatch):
   err = float(np.abs(ours[..., :96] - theirs).max())
   print(f'mixtral {name}: max |logits diff| {err:.2e} (logits up to {np.abs(theirs).max():.2f})')
   assert err < PARITY_ATOL, err
+  if name == 'hub_layout':  # the export writes the hub's per-expert layout
+    monkeypatch.undo()
+    assert_hf_round_trip(trainer, state, path, tmp_path / 'round_trip')
 
 
 @pytest.mark.parametrize('mixtral_case', ['hub_layout'], indirect=True)
