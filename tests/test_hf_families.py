@@ -360,10 +360,10 @@ def test_mixtral_logits_match_transformers_and_export_back(mixtral_case, monkeyp
       reads.setdefault(key, []).append(tuple(region)), read(self, key, region))[1])
   trainer, state = import_hf(cfg)
   # Each device reads only its own experts' tensors: expert e's by the devices holding it, not all 8.
-  gate = state.params['blocks']['layers']['moe']['gate'] if scan else state.params['blocks']['layers'][1]['moe']['gate']
-  e_dim = 1 if scan else 0
-  holders = [sum(idx[e_dim].start <= e < idx[e_dim].stop for idx in gate.sharding.devices_indices_map(gate.shape).values())
-             for e in range(8)]
+  stack = state.params['blocks']['layers']
+  gate, e_dim = (stack['moe']['gate'], 1) if scan else (stack[1]['moe']['gate'], 0)
+  slices = [idx[e_dim] for idx in gate.sharding.devices_indices_map(gate.shape).values()]
+  holders = [sum(s.start <= e < s.stop for s in slices) for e in range(8)]
   assert holders == [2] * 8  # experts over expert=4: 2 of 8 per device, each on 2 devices
   if name == 'hub_layout':
     assert [len(reads[f'model.layers.1.block_sparse_moe.experts.{e}.w1.weight']) for e in range(8)] == holders
@@ -398,8 +398,9 @@ def test_mixtral_checkpoint_missing_an_expert_names_it(mixtral_case, tmp_path):
     json.dump(hf_config_json(path), f)
   cfg = zoo_config(moe_config, arg, str(tmp_path))
   trainer = build_trainer(cfg)
-  with pytest.raises(hf_import.HFImportError, match=r'has model.layers.0.block_sparse_moe.experts.0.w3.weight but not '
-                                                    r"layers.1.block_sparse_moe.experts.5.w3.weight .* 'blocks/layers/moe/up'"):
+  with pytest.raises(hf_import.HFImportError, match=r'has model.layers.0.block_sparse_moe.experts.0.w3.weight but '
+                                                    r'not layers.1.block_sparse_moe.experts.5.w3.weight .* '
+                                                    r"'blocks/layers/moe/up'"):
     pretrained.init_state(trainer, models.HF_FAMILIES)
 
 
