@@ -153,10 +153,10 @@ def plan(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int, 
 
 # --- Writing safetensors files ----------------------------------------------------------------------
 
-def _layout(tensors: Sequence[tuple[str, tuple[int, ...]]], dtype: np.dtype) -> tuple[bytes, dict[str, int]]:
+def _layout(tensors: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> tuple[bytes, dict[str, int]]:
   """The safetensors header (8-byte length + JSON, padded to 8 bytes) and each tensor's byte offset."""
   header, offsets, pos = {'__metadata__': {'format': 'pt'}}, {}, 0
-  for key, shape in tensors:
+  for key, shape, dtype in tensors:
     n = math.prod(shape) * dtype.itemsize
     header[key] = {'dtype': _DTYPES[dtype.name], 'shape': list(shape), 'data_offsets': [pos, pos + n]}
     offsets[key], pos = pos, pos + n
@@ -173,24 +173,35 @@ def write(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int,
   """Writes `out_dir`/model.safetensors (or model-0000k-of-0000n.safetensors + model.safetensors.index.json)
   in the family's Hugging Face layout. `fetch(zoo path)` gives one zoo tensor as a numpy array; it is called
   once per tensor, in `order` (default: zoo_shapes'), also on processes that do not write (`is_writer`
-  False: multi-host gathers are collective). Returns {'files', 'tensors', 'bytes'}."""
+  False: multi-host gathers are collective). The family's `constants` (buffers no zoo tensor holds, e.g.
+  BatchNorm's num_batches_tracked) are written as they are. Returns {'files', 'tensors', 'bytes'}."""
   dtype = np.dtype(dtype)
   if dtype.name not in _DTYPES:
     raise HFExportError(f'cannot write dtype {dtype.name} to safetensors; one of {sorted(_DTYPES)}')
   p = plan(family, model_cfg, zoo_shapes)
-  split = split_state_dict_into_shards_factory(
-      p.shapes, get_storage_size=lambda shape: math.prod(shape) * dtype.itemsize,
-      filename_pattern='model{suffix}.safetensors', max_shard_size=max_shard_size)
+  constants = {k: np.asarray(v) for k, v in (family.constants(list(p.shapes)) if family.constants else {}).items()}
+  specs = {k: (shape, dtype) for k, shape in p.shapes.items()} | {k: (v.shape, v.dtype) for k, v in constants.items()}
+  size = lambda spec: math.prod(spec[0]) * spec[1].itemsize
+  split = split_state_dict_into_shards_factory(specs, get_storage_size=size,
+                                               filename_pattern='model{suffix}.safetensors',
+                                               max_shard_size=max_shard_size)
   offsets, file_of = {}, split.tensor_to_filename
+
+  def place(key: str) -> np.memmap:
+    return np.memmap(os.path.join(out_dir, file_of[key]), dtype=specs[key][1], mode='r+', offset=offsets[key],
+                     shape=specs[key][0])
   if is_writer:
     os.makedirs(out_dir, exist_ok=True)
     for name, keys in split.filename_to_tensors.items():
-      head, offs = _layout([(k, p.shapes[k]) for k in keys], dtype)
-      path = os.path.join(out_dir, name)
-      with open(path, 'wb') as f:
+      head, offs = _layout([(k, *specs[k]) for k in keys])
+      with open(os.path.join(out_dir, name), 'wb') as f:
         f.write(head)
-        f.truncate(len(head) + sum(math.prod(p.shapes[k]) for k in keys) * dtype.itemsize)
+        f.truncate(len(head) + sum(size(specs[k]) for k in keys))
       offsets.update(offs)
+    for key, value in constants.items():
+      out = place(key)
+      out[...] = value
+      out.flush()
   for zoo in (order or zoo_shapes):
     x = fetch(zoo)
     if not is_writer:
@@ -198,19 +209,15 @@ def write(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int,
     if tuple(x.shape) != tuple(zoo_shapes[zoo]):
       raise HFExportError(f'zoo tensor {zoo!r} has shape {tuple(x.shape)}, expected {tuple(zoo_shapes[zoo])}')
     for piece in p.pieces[zoo]:
-      t = piece.tensor(x)  # views where the ops allow (transposes, cuts); the cast happens in the assignment
-      out = np.memmap(os.path.join(out_dir, file_of[piece.key]), dtype=dtype, mode='r+',
-                      offset=offsets[piece.key], shape=p.shapes[piece.key])
-      out[piece.region if piece.region is not None else ...] = t
-      out.flush()
+      out = place(piece.key)
+      out[piece.region if piece.region is not None else ...] = piece.tensor(x)  # views where the ops allow;
+      out.flush()                                                                # the cast happens here
       del out
+  total = sum(size(spec) for spec in specs.values())
   if is_writer and split.is_sharded:
-    index = {'metadata': {'total_size': sum(math.prod(s) for s in p.shapes.values()) * dtype.itemsize},
-             'weight_map': dict(sorted(file_of.items()))}
     with open(os.path.join(out_dir, 'model.safetensors.index.json'), 'w') as f:
-      json.dump(index, f, indent=2)
-  return {'files': sorted(split.filename_to_tensors), 'tensors': len(p.shapes),
-          'bytes': sum(math.prod(s) for s in p.shapes.values()) * dtype.itemsize}
+      json.dump({'metadata': {'total_size': total}, 'weight_map': dict(sorted(file_of.items()))}, f, indent=2)
+  return {'files': sorted(split.filename_to_tensors), 'tensors': len(specs), 'bytes': total}
 
 
 def config_json(family: hf.Family, model_cfg: Any, dtype: Any, base: Mapping[str, Any] | None = None) -> dict:

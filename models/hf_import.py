@@ -235,6 +235,9 @@ class Family:
   # Export (models/hf_export.py) writes every key with prefixes[0] (the head model's layout, e.g.
   # GPT2LMHeadModel's 'transformer.') except keys matching these regexes (heads: 'lm_head.', 'classifier.').
   unprefixed: tuple[str, ...] = ()
+  # Export only: HF key -> array for buffers the layout has but no zoo tensor holds, given the keys written
+  # (e.g. BatchNorm's num_batches_tracked beside each running_mean).
+  constants: Callable[[Sequence[str]], Mapping[str, Any]] | None = None
   # Fields where config.model may differ from config.json: field -> check(ours, theirs) giving None when our
   # value works with the checkpoint (it is kept), else why not. Every other field comes from config.json.
   keep: Mapping[str, Callable[[Any, Any], str | None]] = dataclasses.field(default_factory=dict)

@@ -20,11 +20,13 @@ Shape suffixes: B batch, H/W rows/columns, C channels, K classes.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from flax import nnx
 
 from errors import ConfigError
@@ -216,7 +218,14 @@ def _hf_params() -> list[hf.Param]:
 
 # Keys are 'resnet.'-prefixed in ResNetForImageClassification files, bare in ResNetModel ones (no
 # classifier: load it with config.dont_load='^head/'); the classifier is never prefixed. Ignored: BatchNorm's
-# num_batches_tracked counters (the zoo's running averages use a fixed momentum).
+# num_batches_tracked counters (the zoo's running averages use a fixed momentum). The export writes them as 0
+# beside each running_mean, so that the file has every buffer transformers expects (torch reads the counter only
+# for momentum=None, a cumulative average).
+def _batches_tracked(keys: Sequence[str]) -> dict[str, np.ndarray]:
+  return {k.removesuffix('running_mean') + 'num_batches_tracked': np.zeros((), np.int64)
+          for k in keys if k.endswith('.running_mean')}
+
+
 HF = hf.Family(model_types=('resnet',), config=_hf_config, params=_hf_params(), prefixes=('resnet.', ''),
                ignore=(r'\.num_batches_tracked$',), to_config=to_hf_config,
-               unprefixed=(r'^classifier\.',))
+               unprefixed=(r'^classifier\.',), constants=_batches_tracked)

@@ -311,13 +311,17 @@ def test_resnet_logits_match_transformers_and_export_back(resnet_case, tmp_path)
   assert stem.sharding == trainer.shardings.model_state['bn1']['var']
   np.testing.assert_array_equal(np.asarray(stem), hf_model.resnet.embedder.embedder.normalization.running_var.numpy())
   x = np.random.default_rng(0).normal(size=(4, 32, 32, 3)).astype(np.float32)
-  ours = forward(trainer, state, x)
   pixels = torch.tensor(x.transpose(0, 3, 1, 2))
-  with torch.no_grad():
-    theirs = hf_model(pixel_values=pixels).logits.numpy()
-  err = float(np.abs(ours - theirs).max())
-  print(f'resnet {name}: max |logits diff| {err:.2e} (logits up to {np.abs(theirs).max():.2f})')
-  assert err < PARITY_ATOL, err
+
+  def err(state, hf_model, what):
+    ours = forward(trainer, state, x)
+    with torch.no_grad():
+      theirs = hf_model(pixel_values=pixels).logits.numpy()
+    e = float(np.abs(ours - theirs).max())
+    print(f'resnet {name} {what}: max |logits diff| {e:.2e} (logits up to {np.abs(theirs).max():.2f})')
+    return e
+  assert err(state, hf_model, 'import') < PARITY_ATOL
+  theirs = hf_model(pixel_values=pixels).logits.detach().numpy()
   if m.stride_in_1x1:  # the case tells v1 from v1.5: the same weights striding on the 3x3 conv differ
     v15_cfg = copy.deepcopy(hf_model.config)
     v15_cfg.downsample_in_bottleneck = False
@@ -326,6 +330,11 @@ def test_resnet_logits_match_transformers_and_export_back(resnet_case, tmp_path)
     with torch.no_grad():
       assert np.abs(v15.eval()(pixel_values=pixels).logits.numpy() - theirs).max() > 100 * PARITY_ATOL
   assert_hf_round_trip(trainer, state, path, tmp_path / 'round_trip')  # running statistics included
+  # Trained (train-mode BatchNorm moves the running statistics too) -> HF -> transformers: the zoo's eval logits.
+  trained = train_steps(trainer, state)
+  assert not np.array_equal(trained.model_state['bn1']['mean'], state.model_state['bn1']['mean'])
+  exported = load_exported(trainer, trained, tmp_path / 'trained', transformers.AutoModelForImageClassification)
+  assert err(trained, exported, 'trained -> HF') < PARITY_ATOL
 
 
 # --- MoE from Mixtral -------------------------------------------------------------------------------
@@ -383,9 +392,18 @@ def test_mixtral_logits_match_transformers_and_export_back(mixtral_case, monkeyp
   err = float(np.abs(ours[..., :96] - theirs).max())
   print(f'mixtral {name}: max |logits diff| {err:.2e} (logits up to {np.abs(theirs).max():.2f})')
   assert err < PARITY_ATOL, err
+  monkeypatch.undo()
   if name == 'hub_layout':  # the export writes the hub's per-expert layout
-    monkeypatch.undo()
     assert_hf_round_trip(trainer, state, path, tmp_path / 'round_trip')
+  # Trained -> HF (the hub's layout, from either source) -> transformers: the zoo's logits (dropless).
+  trained = train_steps(trainer, state)
+  exported = load_exported(trainer, trained, tmp_path / 'trained', transformers.AutoModelForCausalLM)
+  ours, aux = jax.jit(run)(trained.params, trained.model_state, tokens)
+  with torch.no_grad():
+    theirs = exported(torch.tensor(tokens)).logits.numpy()
+  e = float(np.abs(np.asarray(ours)[..., :96] - theirs).max())
+  print(f'mixtral {name} trained -> HF: max |logits diff| {e:.2e}')
+  assert float(aux['dropped_fraction']) == 0.0 and e < PARITY_ATOL, e
 
 
 @pytest.mark.parametrize('mixtral_case', ['hub_layout'], indirect=True)
