@@ -1,5 +1,7 @@
 """Faults: a non-finite loss or gradient never reaches the parameters; the run stops naming the step and the
-parameter ('stop', the default) or skips and counts ('skip'); no checkpoint is written after a bad step."""
+parameter ('stop', the default) or skips and counts ('skip'); no checkpoint is written after a bad step. Disk
+trouble (a workdir that is not writable, a disk that fills up mid-save) stops the run with one error naming
+the directory and the OS error, and the checkpoints before it stay intact."""
 import dataclasses
 import os
 import re
@@ -14,7 +16,8 @@ import errors
 import partitioning
 import train
 import training
-from tests.conftest import build_trainer, tiny_config
+from orbax.checkpoint._src.serialization import serialization
+from tests.conftest import BACKEND_COMPILE, build_trainer, recorded_compile_events, tiny_config
 from training import checkpoint
 
 
@@ -139,3 +142,45 @@ def test_bad_policy_is_a_config_error():
     training.NonFiniteGuard(trainer, 'ignore', 3)
   with pytest.raises(errors.ConfigError, match=r'config.max_nonfinite_skips=0: must be >= 1'):
     training.NonFiniteGuard(trainer, 'skip', 0)
+
+
+def test_a_workdir_that_is_not_writable_stops_the_run_before_compiling(tmp_path):
+  (tmp_path / 'file').write_text('')  # a workdir under a file (as root, permission bits would not stop us)
+  workdir = tmp_path / 'file' / 'run'
+  with recorded_compile_events() as compiles, pytest.raises(errors.StorageError) as info:
+    train.train_and_evaluate(tiny_config('dp', checkpoint_every=2), str(workdir))
+  assert str(info.value) == f'workdir {workdir} is not writable: Not a directory [ENOTDIR, errno 20] ({workdir})'
+  assert BACKEND_COMPILE not in compiles
+
+
+def _disk_full_at(step: int):
+  """orbax's array write, failing for `step`'s checkpoint the way TensorStore fails on a full disk (its message
+  as seen on a full 2 MiB tmpfs). It runs in orbax's background thread, after save() has returned."""
+  write = serialization.async_serialize_from_host
+
+  async def write_or_fail(rslices, spec, **kwargs):
+    d, key = spec['kvstore']['base']['path'], spec['kvstore']['path']
+    if f'/{step}.orbax-checkpoint-tmp/' in d:
+      raise ValueError(f'RESOURCE_EXHAUSTED: Error writing "{key}/0" in OCDBT database at local file "{d}": Failed '
+                       f'writing: "{d}d/504f78fd3b40efc7": Failed to write 28775 bytes to file 4: No space left on '
+                       "device [os_error_code='28']")
+    return await write(rslices, spec, **kwargs)
+  return write_or_fail
+
+
+def test_a_disk_that_fills_up_mid_save_stops_the_run_and_the_rerun_resumes(tmp_path, monkeypatch):
+  cfg = tiny_config('dp', total_steps=8, log_every=2, eval_every=100, checkpoint_every=2)
+  workdir, ckpts = str(tmp_path), str(tmp_path / 'checkpoints')
+  monkeypatch.setattr(serialization, 'async_serialize_from_host', _disk_full_at(6))
+  with pytest.raises(errors.StorageError) as info:  # found when step 8 is saved
+    train.train_and_evaluate(cfg, workdir)
+  assert re.fullmatch(
+      rf"checkpoint {ckpts}/6 could not be written: No space left on device \[ENOSPC, errno 28\] \({ckpts}/6\."
+      rf"orbax-checkpoint-tmp/\S+\) \(the disk is full\); [\d.]+ MiB free of [\d.]+ MiB there; {ckpts}/4 is the "
+      r"newest intact checkpoint and a rerun resumes from it \(free space or choose another --workdir\)",
+      str(info.value)), str(info.value)
+  assert sorted(os.listdir(ckpts)) == ['2', '4', '6.orbax-checkpoint-tmp']  # nothing deleted, nothing half-done
+  monkeypatch.undo()  # space freed: the same command resumes from step 4
+  out = train.train_and_evaluate(cfg, workdir)
+  assert int(out['state'].step) == 8 and 'preempted_at' not in out
+  assert sorted(os.listdir(ckpts)) == ['6', '8']  # the tmp directory was replaced by step 6's checkpoint
