@@ -241,13 +241,16 @@ def main() -> None:
   p.add_argument('--checkpoint_every', type=int, default=25)
   p.add_argument('--faults', type=int, default=20)
   p.add_argument('--seed', type=int, default=0)
+  p.add_argument('--kill_fraction', type=float, default=0.75, help='share of SIGKILL among the faults (else SIGTERM)')
+  p.add_argument('--save_fraction', type=float, default=0.75, help='share of faults during a save (else in the loop)')
   p.add_argument('--save_delay', type=float, default=0.2, help='longest delay into a save, seconds')
   p.add_argument('--loop_delay', type=float, default=20.0, help='longest delay into the loop, seconds')
   p.add_argument('--set', nargs='*', default=[], help='more config overrides, key=value')
   a = p.parse_args()
   overrides = {'total_steps': a.steps, 'checkpoint_every': a.checkpoint_every, 'log_every': a.checkpoint_every,
                'eval_every': a.steps, 'sample_len': 0, **dict(kv.split('=', 1) for kv in a.set)}
-  faults = plan(a.faults, a.seed, save_delay=a.save_delay, loop_delay=a.loop_delay)
+  faults = plan(a.faults, a.seed, kill_fraction=a.kill_fraction, save_fraction=a.save_fraction,
+                save_delay=a.save_delay, loop_delay=a.loop_delay)
   with tempfile.TemporaryDirectory(prefix='shardzoo_soak_') as tmp:
     workdir = a.workdir or tmp
     os.makedirs(workdir, exist_ok=True)
