@@ -156,12 +156,11 @@ def read_checkpoint(step_dir: str) -> tuple[dict, dict[str, str]]:
   import jax
   import numpy as np
   import orbax.checkpoint as ocp
-  path = os.path.join(step_dir, 'state')
-  checkpointer = ocp.PyTreeCheckpointer()
-  md = checkpointer.metadata(path)
-  tree = md.item_metadata.tree if hasattr(md, 'item_metadata') else md
-  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-  state = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+  from etils import epath
+  path, handler = epath.Path(step_dir) / 'state', ocp.PyTreeCheckpointHandler()
+  md = handler.metadata(path)
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), md.tree if hasattr(md, 'tree') else md)
+  state = handler.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
   data_dir = os.path.join(step_dir, 'data')
   data = {f: open(os.path.join(data_dir, f)).read() for f in sorted(os.listdir(data_dir)) if f.endswith('.json')}
   return state, data
