@@ -16,8 +16,9 @@ import errors
 import partitioning
 import train
 import training
+from configs import default
 from orbax.checkpoint._src.serialization import serialization
-from tests.conftest import BACKEND_COMPILE, build_trainer, recorded_compile_events, tiny_config
+from tests.conftest import BACKEND_COMPILE, TINY_RUN, build_trainer, recorded_compile_events, tiny_config
 from training import checkpoint
 
 
@@ -169,18 +170,19 @@ def _disk_full_at(step: int):
 
 
 def test_a_disk_that_fills_up_mid_save_stops_the_run_and_the_rerun_resumes(tmp_path, monkeypatch):
-  cfg = tiny_config('dp', total_steps=8, log_every=2, eval_every=100, checkpoint_every=2)
+  cfg = default.get_config()  # test_soak's run: the compilations are shared
+  cfg.update_from_flattened_dict(TINY_RUN)  # checkpoints at steps 1, 4, 8 and 12
   workdir, ckpts = str(tmp_path), str(tmp_path / 'checkpoints')
-  monkeypatch.setattr(serialization, 'async_serialize_from_host', _disk_full_at(6))
-  with pytest.raises(errors.StorageError) as info:  # found when step 8 is saved
+  monkeypatch.setattr(serialization, 'async_serialize_from_host', _disk_full_at(8))
+  with pytest.raises(errors.StorageError) as info:  # found when step 12 is saved
     train.train_and_evaluate(cfg, workdir)
   assert re.fullmatch(
-      rf"checkpoint {ckpts}/6 could not be written: No space left on device \[ENOSPC, errno 28\] \({ckpts}/6\."
+      rf"checkpoint {ckpts}/8 could not be written: No space left on device \[ENOSPC, errno 28\] \({ckpts}/8\."
       rf"orbax-checkpoint-tmp/\S+\) \(the disk is full\); [\d.]+ MiB free of [\d.]+ MiB there; {ckpts}/4 is the "
       r"newest intact checkpoint and a rerun resumes from it \(free space or choose another --workdir\)",
       str(info.value)), str(info.value)
-  assert sorted(os.listdir(ckpts)) == ['2', '4', '6.orbax-checkpoint-tmp']  # nothing deleted, nothing half-done
+  assert sorted(os.listdir(ckpts)) == ['1', '4', '8.orbax-checkpoint-tmp']  # nothing deleted, nothing half-done
   monkeypatch.undo()  # space freed: the same command resumes from step 4
   out = train.train_and_evaluate(cfg, workdir)
-  assert int(out['state'].step) == 8 and 'preempted_at' not in out
-  assert sorted(os.listdir(ckpts)) == ['6', '8']  # the tmp directory was replaced by step 6's checkpoint
+  assert int(out['state'].step) == 12 and 'preempted_at' not in out
+  assert sorted(os.listdir(ckpts)) == ['12', '8']  # the tmp directory was replaced by step 8's checkpoint
