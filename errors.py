@@ -1,4 +1,4 @@
-"""The errors shardzoo raises for bad input. Each is raised before anything compiles where possible, and
+"""The errors shardzoo raises for bad input and for what stops a run (divergence, disk trouble). Each is raised before anything compiles where possible, and
 its message is one line that names the culprit (config field, parameter path, logical axis, mesh axes,
 sizes, file). train.py prints it as `shardzoo: <kind> error: <message>`, with no traceback."""
 
@@ -30,3 +30,9 @@ class HFExportError(ConfigError):
 class NonFiniteError(RuntimeError):
   """Training met a non-finite loss or gradient (config.on_nonfinite): names the step and the parameter.
   Not bad input: the parameters stayed finite, and no checkpoint was written after the bad step."""
+
+
+class StorageError(RuntimeError):
+  """The run cannot write where it must: a workdir that is not writable (found before anything compiles) or
+  a disk that fills up mid-save. Names the directory, the step and the OS error. Not bad input: the
+  checkpoints written before it are intact, and a rerun resumes from the newest."""

@@ -121,6 +121,16 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
     say(f"data: entropy floor of the eval loss {floor:.4f} nats/token "
         f"(bigram {ds.language.entropies()['bigram']:.4f}, uniform {math.log(config.dataset.vocab_size):.4f})")
 
+  # --- Workdir: checked writable before compiling; checkpoints (their directory checked too) -------
+  ckpt = None
+  if workdir:
+    checkpoint.ensure_writable(workdir)
+  if workdir and config.get('checkpoint_every', 0) > 0:
+    ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=config.checkpoint_every,
+                                   keep=config.get('keep_checkpoints', 2))
+    cleanup.callback(ckpt.close)
+    cleanup.callback(ckpt.wait)  # runs first: a save in flight completes
+
   # --- Compile once (ahead of time), then create the state directly in its shardings ------------
   t0 = time.perf_counter()
   train_step, eval_step = traced_train.lower().compile(), traced_eval.lower().compile()
@@ -133,12 +143,6 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
         f'{step_flops.palm / 1e12:.4g} T); MFU against {peak_from}')
 
   # --- State: resume this run, else start from pretrained weights, else from scratch ------------
-  ckpt = None
-  if workdir and config.get('checkpoint_every', 0) > 0:
-    ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=config.checkpoint_every,
-                                   keep=config.get('keep_checkpoints', 2))
-    cleanup.callback(ckpt.close)
-    cleanup.callback(ckpt.wait)  # runs first: a save in flight completes
   if ckpt is not None and ckpt.latest_step() is not None:  # model, optimizer and data position, new shardings
     state, damaged = ckpt.restore_latest(trainer, train_iter, fallback=config.get('resume_fallback', True))
     for w in damaged:
@@ -271,6 +275,8 @@ def main(argv) -> None:
     raise SystemExit(f'shardzoo: checkpoint error: {e}') from None
   except errors.ConfigError as e:
     raise SystemExit(f'shardzoo: config error: {e}') from None
+  except errors.StorageError as e:  # the directory and the OS error are named; earlier checkpoints are intact
+    raise SystemExit(f'shardzoo: storage error: {e}') from None
   except errors.NonFiniteError as e:  # the parameters stayed finite; the last good checkpoint is named
     raise SystemExit(f'shardzoo: training stopped: {e}') from None
 

@@ -39,6 +39,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND_COMPILE = '/jax/core/compile/backend_compile_duration'
 
 
+# The default config shrunk as tiny_config shrinks it, as flat overrides (train.py: --config.<key>=<value>;
+# in process: ConfigDict.update_from_flattened_dict). Tests that run train.py share these sizes (and compilations).
+TINY_FLAGS = {'model.num_layers': 2, 'model.embed_dim': 64, 'model.mlp_dim': 128, 'model.max_len': 16,
+              'dataset.seq_len': 16, 'dataset.num_train': 512, 'dataset.num_eval': 100, 'batch_size': 16,
+              'optim.warmup_steps': 1, 'sample_len': 0}
+# A 12-step run of it with checkpoints at steps 1, 4, 8 and 12 (test_faults' full disk, test_soak).
+TINY_RUN = {**TINY_FLAGS, 'total_steps': 12, 'checkpoint_every': 4, 'log_every': 4, 'eval_every': 12}
+
+
 def tiny_config(preset: str = 'fsdp_tp', **overrides) -> ml_collections.ConfigDict:
   """The default config shrunk so a step takes milliseconds; same rules and mesh."""
   c = default.get_config(preset)

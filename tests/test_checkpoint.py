@@ -141,3 +141,23 @@ def test_damaged_latest_checkpoint_falls_back_and_is_kept(saved, tmp_path):
       ckpt.restore_latest(trainer, _Iter())
     assert (only / '2' / 'state').is_dir() and ckpt.latest_step() == 2
     ckpt.close()
+
+
+def test_a_save_cut_short_is_never_picked_up_and_is_cleaned_up(saved, tmp_path):
+  """Orbax writes a step into <step>.orbax-checkpoint-tmp and renames it to <step> when every item is written:
+  a save killed midway (here step 6, half-written) is no step. restore_latest resumes the newest complete one
+  with no warning, and the leftover is removed once the directory is opened again (by the next save)."""
+  directory, expected = saved
+  d = tmp_path / 'run'
+  shutil.copytree(directory, d)
+  shutil.copytree(d / '2', d / '6.orbax-checkpoint-tmp')
+  CORRUPTIONS[1][1](d / '6.orbax-checkpoint-tmp' / 'state')  # its data half-written
+  (d / '6.orbax-checkpoint-tmp' / 'commit_success.txt').unlink()
+  ckpt = checkpoint.Checkpointer(str(d), every_steps=1, keep=2)
+  it = _Iter()
+  state, warnings = ckpt.restore_latest(build_trainer(tiny_config('fsdp_tp')), it)
+  _assert_equal(state, expected)
+  assert warnings == [] and it.pos == 7 and ckpt.manager.all_steps() == [2]
+  assert ckpt.save(4, state, it)
+  ckpt.close()
+  assert sorted(p.name for p in d.iterdir()) == ['2', '4']

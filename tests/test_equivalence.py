@@ -72,7 +72,7 @@ def test_arrays_carry_the_rule_shardings():
   for path, spec in EXPECTED.items():
     assert _get(state.params, path).sharding.spec == spec, path
   # Every parameter and its Adam moments carry the resolver's spec; scalars are replicated.
-  adam = state.opt_state.inner_state[1][0]
+  adam = state.opt_state[1][0]
   is_spec = lambda x: isinstance(x, P)
   for tree in (state.params, adam.mu, adam.nu):
     got = jax.tree.map(lambda a: a.sharding.spec, tree)

@@ -1,5 +1,8 @@
 """Faults: a non-finite loss or gradient never reaches the parameters; the run stops naming the step and the
-parameter ('stop', the default) or skips and counts ('skip'); no checkpoint is written after a bad step."""
+parameter ('stop', the default) or skips and counts ('skip'); no checkpoint is written after a bad step. Disk
+trouble (a workdir that is not writable, a disk that fills up mid-save) stops the run with one error naming
+the directory and the OS error, and the checkpoints before it stay intact."""
+import dataclasses
 import os
 import re
 
@@ -13,12 +16,20 @@ import errors
 import partitioning
 import train
 import training
-from tests.conftest import build_trainer, tiny_config
+from configs import default
+from orbax.checkpoint._src.serialization import serialization
+from tests.conftest import BACKEND_COMPILE, TINY_RUN, build_trainer, recorded_compile_events, tiny_config
 from training import checkpoint
 
 
 def _finite(tree) -> bool:
   return all(bool(np.isfinite(x).all()) for x in jax.tree.leaves(jax.device_get(tree)))
+
+
+def _assert_unchanged(before, after):
+  for a, b in zip(jax.tree.leaves((before.params, before.opt_state, before.model_state)),
+                  jax.tree.leaves((after.params, after.opt_state, after.model_state)), strict=True):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_a_nan_batch_changes_nothing_and_names_the_first_bad_parameter():
@@ -39,10 +50,7 @@ def test_a_nan_batch_changes_nothing_and_names_the_first_bad_parameter():
   batch['image'][3, 5, 5, 0] = np.nan
   state, metrics = step(state, partitioning.shard(batch, trainer.batch_shardings))
   after = jax.device_get(state)
-  for a, b in zip(jax.tree.leaves((good.params, good.opt_state.inner_state, good.model_state)),
-                  jax.tree.leaves((after.params, after.opt_state.inner_state, after.model_state))):
-    np.testing.assert_array_equal(a, b)
-  assert int(after.opt_state.notfinite_count) == 1 and int(after.opt_state.total_notfinite) == 1
+  _assert_unchanged(good, after)  # Adam's count included: the bad step is not counted as a step of Adam
   assert float(metrics['nonfinite']) == 1 and int(after.step) == 2
   def loss(params):  # the poisoned batch's gradients, computed apart: the first non-finite one in path order
     return trainer.task.loss(nnx.merge(trainer.graphdef, params, jax.tree.map(jnp.asarray, good.model_state)),
@@ -50,6 +58,42 @@ def test_a_nan_batch_changes_nothing_and_names_the_first_bad_parameter():
   grads = jax.grad(loss)(jax.tree.map(jnp.asarray, good.params))
   bad = [partitioning.path_str(p) for p, g in jax.tree_util.tree_leaves_with_path(grads) if not np.isfinite(g).all()]
   assert bad and trainer.trained_paths()[int(metrics[training.FIRST_NONFINITE])] == bad[0]
+
+
+class _NanLoss:
+  """A task whose loss is NaN while its gradients stay finite (the NaN reaches the loss through a
+  stop_gradient term only), e.g. a diverging auxiliary term that is logged but not trained."""
+
+  def __init__(self, task):
+    self.task = task
+
+  def __getattr__(self, name):
+    return getattr(self.task, name)
+
+  def loss(self, model, batch):
+    loss, metrics = self.task.loss(model, batch)
+    loss = loss + jax.lax.stop_gradient(jnp.float32(jnp.nan))
+    return loss, {**metrics, 'loss': loss}
+
+
+def test_a_nan_loss_with_finite_gradients_changes_nothing():
+  # The loss counts as much as the gradients: optax.apply_if_finite (gradients only) applied this update
+  # while the step reported it skipped.
+  cfg = tiny_config('dp')
+  cfg.model.num_layers = 1
+  cfg.optim.warmup_steps = 0  # the first step already moves the weights
+  trainer = build_trainer(cfg)
+  trainer = dataclasses.replace(trainer, task=_NanLoss(trainer.task))
+  step = training.compile_step(trainer, training.jit_train_step(trainer))
+  state = training.init_state(trainer)
+  before = jax.device_get(state)
+  batch = trainer.task.synthetic_batch(cfg, seed=0)
+  state, metrics = step(state, partitioning.shard(batch, trainer.batch_shardings))
+  assert np.isnan(metrics['loss']) and np.isfinite(metrics['grad_norm']) and float(metrics['grad_norm']) > 0
+  assert float(metrics['nonfinite']) == 1 and int(metrics[training.FIRST_NONFINITE]) == -1
+  after = jax.device_get(state)
+  _assert_unchanged(before, after)
+  assert int(after.step) == 1
 
 
 def test_absurd_learning_rate_stops_at_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -99,3 +143,46 @@ def test_bad_policy_is_a_config_error():
     training.NonFiniteGuard(trainer, 'ignore', 3)
   with pytest.raises(errors.ConfigError, match=r'config.max_nonfinite_skips=0: must be >= 1'):
     training.NonFiniteGuard(trainer, 'skip', 0)
+
+
+def test_a_workdir_that_is_not_writable_stops_the_run_before_compiling(tmp_path):
+  (tmp_path / 'file').write_text('')  # a workdir under a file (as root, permission bits would not stop us)
+  workdir = tmp_path / 'file' / 'run'
+  with recorded_compile_events() as compiles, pytest.raises(errors.StorageError) as info:
+    train.train_and_evaluate(tiny_config('dp', checkpoint_every=2), str(workdir))
+  assert str(info.value) == f'workdir {workdir} is not writable: Not a directory [ENOTDIR, errno 20] ({workdir})'
+  assert BACKEND_COMPILE not in compiles
+
+
+def _disk_full_at(step: int):
+  """orbax's array write, failing for `step`'s checkpoint the way TensorStore fails on a full disk (its message
+  as seen on a full 2 MiB tmpfs). It runs in orbax's background thread, after save() has returned."""
+  write = serialization.async_serialize_from_host
+
+  async def write_or_fail(rslices, spec, **kwargs):
+    d, key = spec['kvstore']['base']['path'], spec['kvstore']['path']
+    if f'/{step}.orbax-checkpoint-tmp/' in d:
+      raise ValueError(f'RESOURCE_EXHAUSTED: Error writing "{key}/0" in OCDBT database at local file "{d}": Failed '
+                       f'writing: "{d}d/504f78fd3b40efc7": Failed to write 28775 bytes to file 4: No space left on '
+                       "device [os_error_code='28']")
+    return await write(rslices, spec, **kwargs)
+  return write_or_fail
+
+
+def test_a_disk_that_fills_up_mid_save_stops_the_run_and_the_rerun_resumes(tmp_path, monkeypatch):
+  cfg = default.get_config()  # test_soak's run: the compilations are shared
+  cfg.update_from_flattened_dict(TINY_RUN)  # checkpoints at steps 1, 4, 8 and 12
+  workdir, ckpts = str(tmp_path), str(tmp_path / 'checkpoints')
+  monkeypatch.setattr(serialization, 'async_serialize_from_host', _disk_full_at(8))
+  with pytest.raises(errors.StorageError) as info:  # found when step 12 is saved
+    train.train_and_evaluate(cfg, workdir)
+  assert re.fullmatch(
+      rf"checkpoint {ckpts}/8 could not be written: No space left on device \[ENOSPC, errno 28\] \({ckpts}/8\."
+      rf"orbax-checkpoint-tmp/\S+\) \(the disk is full\); [\d.]+ MiB free of [\d.]+ MiB there; {ckpts}/4 is the "
+      r"newest intact checkpoint and a rerun resumes from it \(free space or choose another --workdir\)",
+      str(info.value)), str(info.value)
+  assert sorted(os.listdir(ckpts)) == ['1', '4', '8.orbax-checkpoint-tmp']  # nothing deleted, nothing half-done
+  monkeypatch.undo()  # space freed: the same command resumes from step 4
+  out = train.train_and_evaluate(cfg, workdir)
+  assert int(out['state'].step) == 12 and 'preempted_at' not in out
+  assert sorted(os.listdir(ckpts)) == ['12', '8']  # the tmp directory was replaced by step 8's checkpoint

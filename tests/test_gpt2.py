@@ -102,6 +102,6 @@ def test_scanned_optimizer_state_is_sharded_like_the_params():
   trainer = build_trainer(cfg)
   kernel = trainer.specs.params['blocks']['layers']['mlp']['up']['layer']['kernel']
   assert kernel == jax.sharding.PartitionSpec(None, 'fsdp', 'tensor')
-  adam = trainer.specs.opt_state.inner_state[1][0]  # apply_if_finite(clip -> adamw): ScaleByAdamState(count, mu, nu)
+  adam = trainer.specs.opt_state[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState(count, mu, nu)
   for moment in (adam.mu, adam.nu):
     assert moment == trainer.specs.params

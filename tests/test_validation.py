@@ -118,7 +118,7 @@ def test_parameter_dim_named_none_is_rejected():
 
 def test_optimizer_state_follows_params():
   trainer = build_trainer(tiny_config())
-  adam = trainer.specs.opt_state.inner_state[1][0]
+  adam = trainer.specs.opt_state[1][0]
   assert adam.mu == trainer.specs.params and adam.nu == trainer.specs.params
   assert adam.count == P()
   assert trainer.specs.step == P()

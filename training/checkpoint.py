@@ -1,17 +1,23 @@
 """Checkpoints with orbax: asynchronous saves every N steps, keep the last K, exact resumption
 (train state + each process's data-iterator position), restore onto any mesh and rules, and
 params-only initialisation for fine-tuning. A damaged newest checkpoint is moved aside and the previous
-one resumed (restore_latest). (SIGTERM handling: training/preemption.py; merged LoRA
+one resumed (restore_latest). Disk trouble (a directory that is not writable, a disk that fills up
+mid-save) is one StorageError naming the directory, the step and the OS error. (SIGTERM handling: training/preemption.py; merged LoRA
 export: training/export.py.)
 
 Layout: <workdir>/checkpoints/<step>/{state, data}. 'state' is the TrainState as a dict of
 global jax.Arrays (orbax writes each process's shards); 'data' is grain's per-process iterator
-state (one JSON file per process).
+state (one JSON file per process). Orbax writes a step into <step>.orbax-checkpoint-tmp and renames it to
+<step> once every item is written, so a save cut short (killed, disk full) never shows as a step: the
+tmp directory is ignored by every listing, and removed when the next Checkpointer opens the directory.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +27,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from errors import CheckpointError, DamagedCheckpointError
+from errors import CheckpointError, DamagedCheckpointError, StorageError
 from partitioning import path_str
 from training.trainer import Trainer, TrainState
 
@@ -60,17 +66,51 @@ def check_compatible(expected: Any, found: Any, *, what: str, source: str) -> No
                           f'{" ..." if len(extra) > 5 else ""}. Was it written by another model or config?')
 
 
+def ensure_writable(directory: str, what: str = 'workdir') -> None:
+  """Creates `directory` and writes (then removes) a small file there; StorageError naming the directory
+  and the OS error otherwise. train.py calls it before compiling."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix='.shardzoo-write-test-') as f:
+      f.write(b'0')
+      f.flush()
+  except OSError as e:
+    raise StorageError(f'{what} {os.path.abspath(directory)} is not writable: {_describe(e.errno, e.strerror, e.filename)}'
+                       ) from e
+
+
+def _describe(code: int | None, strerror: str | None, filename: str | None) -> str:
+  name = f'{errno.errorcode[code]}, ' if code in errno.errorcode else ''
+  return f'{strerror} [{name}errno {code}]' + (f' ({filename})' if filename else '')
+
+
+def os_error_of(e: BaseException) -> tuple[int, str, str | None] | None:
+  """(errno, strerror, filename) when `e` (or what caused it) is an OS error: an OSError, or TensorStore's
+  ValueError that carries os_error_code (how a failed array write reaches orbax); None otherwise."""
+  while e is not None:
+    if isinstance(e, OSError) and e.errno:
+      return e.errno, e.strerror or os.strerror(e.errno), e.filename
+    m = re.search(r"os_error_code='?(\d+)", str(e)) if isinstance(e, ValueError) else None
+    if m:
+      paths = re.findall(r'"(/[^"]+)"', str(e))
+      return int(m.group(1)), os.strerror(int(m.group(1))), paths[-1] if paths else None
+    e = e.__cause__ or e.__context__
+  return None
+
+
 class Checkpointer:
   """An orbax CheckpointManager for one run directory."""
 
   def __init__(self, directory: str, *, every_steps: int, keep: int, async_save: bool = True):
     self.directory = os.path.abspath(directory)
+    ensure_writable(self.directory, 'checkpoint directory')
     self.manager = ocp.CheckpointManager(
         self.directory, item_names=('state', 'data'),
         item_handlers={'state': ocp.StandardCheckpointHandler(), 'data': grain.checkpoint.CheckpointHandler()},
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every_steps, create=True,
-                                             enable_async_checkpointing=async_save))
+                                             enable_async_checkpointing=async_save, cleanup_tmp_directories=True))
     self._last_saved = self.manager.latest_step()
+    self._in_flight: int | None = None  # the step of the asynchronous save not yet known to be complete
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -81,14 +121,19 @@ class Checkpointer:
 
   def save(self, step: int, state: TrainState, data_iter: Any, *, force: bool = False) -> bool:
     """Starts an asynchronous save (when due or forced; once per step); training continues while
-    it writes. Orbax copies the arrays to host memory before returning, so donating them is safe."""
-    if step == self._last_saved:
+    it writes. Orbax copies the arrays to host memory before returning, so donating them is safe.
+    A failure of the previous save (found now) or of this one is a StorageError when the disk is to blame."""
+    if not self.due(step, force=force):
       return False
-    saved = self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state_dict(state)), data=grain.checkpoint.CheckpointSave(data_iter)),
-        force=force)
+    self.wait()  # orbax would wait here anyway; waiting first tells which step's save failed
+    try:
+      saved = self.manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state_dict(state)), data=grain.checkpoint.CheckpointSave(data_iter)),
+          force=force)
+    except Exception as e:
+      raise self._storage_error(step, e) or e
     if saved:
-      self._last_saved = step
+      self._last_saved, self._in_flight = step, step
     return saved
 
   def restore(self, trainer: Trainer, data_iter: Any, step: int | None = None) -> TrainState:
@@ -148,7 +193,28 @@ class Checkpointer:
     return dst
 
   def wait(self) -> None:
-    self.manager.wait_until_finished()
+    """Blocks until the save in flight is complete; a StorageError if the disk made it fail."""
+    step, self._in_flight = self._in_flight, None
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:
+      raise self._storage_error(step, e) or e
+
+  def _storage_error(self, step: int | None, e: Exception) -> StorageError | None:
+    """The StorageError for a save of `step` that failed for `e`, if an OS error is to blame (else None)."""
+    found = os_error_of(e)
+    if found is None:
+      return None
+    self.manager.reload()
+    usage = shutil.disk_usage(self.directory)
+    full = ' (the disk is full)' if found[0] in (errno.ENOSPC, errno.EDQUOT) else ''
+    newest = self.manager.latest_step()
+    kept = f'{self.directory}/{newest} is the newest intact checkpoint' if newest is not None else 'no checkpoint was written'
+    err = StorageError(f'checkpoint {self.directory}/{step} could not be written: {_describe(*found)}{full}; '
+                       f'{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB there; {kept} and a '
+                       'rerun resumes from it (free space or choose another --workdir)')
+    err.__cause__ = e
+    return err
 
   def close(self) -> None:
     self.manager.close()

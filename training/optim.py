@@ -38,9 +38,9 @@ OPTIMIZERS = ('adamw', 'sgd')
 
 def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int, labels: Any = None,
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """Gradient clipping, then the optimizer. Weight decay skips vectors (norms, biases). Wrapped in
-  optax.apply_if_finite: a step whose gradients are not all finite updates nothing, the optimizer state
-  included (train.py decides when to stop; the wrapper never lets non-finite updates through itself).
+  """Gradient clipping, then the optimizer. Weight decay skips vectors (norms, biases). A non-finite step is
+  not this chain's business: the train step (training/trainer.py) keeps the old state when the loss or a
+  trained gradient is not finite.
 
   With `labels` (see trainable_labels), frozen parameters get zero updates and no optimizer state.
   """
@@ -53,8 +53,7 @@ def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int, labels: Any
   else:
     raise ConfigError(f'config.optim.name={cfg.name!r} is not known; known: {list(OPTIMIZERS)}')
   chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
-  # Inside multi_transform: the finiteness check sees only what trains (frozen gradients stay dead code).
-  tx = optax.apply_if_finite(optax.chain(*chain, opt), max_consecutive_errors=2 ** 31 - 1)
+  tx = optax.chain(*chain, opt)
   if labels is not None and 'frozen' in jax.tree.leaves(labels):
     tx = optax.multi_transform({'train': tx, 'frozen': optax.set_to_zero()}, labels)
   return tx, schedule

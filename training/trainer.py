@@ -161,11 +161,13 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
     # The norm of what trains (the one clipping sees): frozen weights' gradients stay dead code that XLA removes.
     trained = grads if trainer.labels is None else [
         g for g, label in zip(jax.tree.leaves(grads), jax.tree.leaves(trainer.labels)) if label == 'train']
-    # A non-finite loss or gradient changes nothing: optax.apply_if_finite (optim.py) keeps the params and
-    # optimizer state, and the model state (BatchNorm averages) is kept here. train.py reads the flags.
+    # One flag: the loss and every trained gradient finite. Otherwise the step changes nothing but the step
+    # counter: params, optimizer state and model state (BatchNorm averages) stay as they were. train.py reads it.
     leaf_finite = jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(trained)])
     finite = jnp.all(leaf_finite) & jnp.isfinite(metrics['loss'])
-    model_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), model_state, state.model_state)
+    keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    params, opt_state, model_state = keep_if_bad((params, opt_state, model_state),
+                                                 (state.params, state.opt_state, state.model_state))
     first_bad = jnp.where(jnp.all(leaf_finite), -1, jnp.argmin(leaf_finite))
     metrics = {**metrics, 'grad_norm': optax.global_norm(trained), 'lr': schedule(state.step),
                'nonfinite': 1.0 - finite.astype(jnp.float32), FIRST_NONFINITE: first_bad}
