@@ -102,8 +102,6 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
     say(f'WARNING sharding: {w}')
   if dry_run:
     return {'num_params': training.num_params(trainer)}
-  if workdir:
-    export.save_run_config(config, workdir)  # what export.py rebuilds the model from
 
   # --- Input pipeline: each process reads only its rows of every global batch -------------------
   # Built before compiling, so a bad dataset, split or size fails in seconds; the task checks that the
@@ -125,6 +123,7 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
   ckpt = None
   if workdir:
     checkpoint.ensure_writable(workdir)
+    export.save_run_config(config, workdir)  # what export.py rebuilds the model from
   if workdir and config.get('checkpoint_every', 0) > 0:
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=config.checkpoint_every,
                                    keep=config.get('keep_checkpoints', 2))
