@@ -61,7 +61,7 @@ def test_cli_bad_model_name_is_one_clear_error():
   r = _cli('--dry_run', '--config.model.name=gtp')
   assert r.returncode == 1
   assert r.stderr.strip().splitlines()[-1] == (
-      f"shardzoo: config error: config.model.name='gtp' is not a known model; known: {sorted(models.MODELS)}")
+      f"shardzoo: config error: config.model.name='gtp': must be one of {sorted(models.MODELS)}")
 
 
 @pytest.mark.slow
