@@ -13,7 +13,7 @@ import os
 import time
 
 import jax
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 import errors
@@ -38,6 +38,7 @@ def main(argv) -> None:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not FLAGS.workdir or not FLAGS.out:
     raise app.UsageError('--workdir and --out are required')
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore detail at INFO
   try:
     config = FLAGS.config or export.load_run_config(FLAGS.workdir)
     schema.check(config)
