@@ -25,6 +25,7 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
 from errors import CheckpointError, DamagedCheckpointError, StorageError
@@ -273,12 +274,13 @@ def load_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, m
   abstract = {'params': _filter(full['params'], keep)}
   if model_state:
     abstract['model_state'] = full['model_state']
-  checkpointer = ocp.StandardCheckpointer()
+  # The 'state' item is read with its handler: a checkpointer would look for step metadata inside it and warn.
+  handler, item = ocp.PyTreeCheckpointHandler(), epath.Path(step_dir) / 'state'
   try:
-    md = checkpointer.metadata(os.path.join(step_dir, 'state'))
+    md = handler.metadata(item)
   except Exception as e:
     raise CheckpointError(f'{source} is missing or corrupt (cannot read its metadata: {e})') from e
-  tree = md.item_metadata.tree if hasattr(md, 'item_metadata') else md
+  tree = md.tree if hasattr(md, 'tree') else md
   found = tree.get('params') if isinstance(tree, Mapping) else None
   if found is None:
     raise CheckpointError(f'{source} holds no parameters')
@@ -288,9 +290,8 @@ def load_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, m
   abstract = {k: v for k, v in abstract.items() if v}  # orbax restores no empty subtrees
   restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
   try:
-    out = ocp.PyTreeCheckpointer().restore(
-        os.path.join(step_dir, 'state'),
-        args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True))
+    out = handler.restore(item, args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args,
+                                                            partial_restore=True))
   except (ValueError, FileNotFoundError, OSError) as e:
     raise CheckpointError(f'{source} could not be restored: {e}') from e
   return {'params': {}, 'model_state': {}, **out} if model_state else {'params': {}, **out}, step_dir
