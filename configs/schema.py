@@ -13,6 +13,7 @@ field, a misspelled preset, a value of the wrong type) reported as one line inst
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -111,44 +112,12 @@ class Field:
     return out
 
 
-def _models():
-  import models
-  return sorted(models.MODELS)
-
-
-def _tasks():
-  from training import tasks
-  return sorted(tasks.TASKS)
-
-
-def _optimizers():
-  from training import optim
-  return list(optim.OPTIMIZERS)
-
-
-def _attention():
-  from models import attention
-  return list(attention.IMPLEMENTATIONS)
-
-
-def _remat():
-  from models import layers
-  return list(layers.REMAT_POLICIES)
-
-
-def _heads():
-  from models import bert
-  return list(bert.HEADS)
-
-
-def _blocks():
-  from models import resnet
-  return sorted(resnet.BLOCKS)
-
-
-def _augment():
-  from data import vision
-  return list(vision.AUGMENTATIONS)
+def _owned(module: str, name: str, *, sort: bool = False) -> Callable[[], list[Any]]:
+  """The allowed values as their owner declares them (`module.name`), imported when first asked for."""
+  def values() -> list[Any]:
+    found = getattr(importlib.import_module(module), name)
+    return sorted(found) if sort else list(found)
+  return values
 
 
 DTYPES = lambda: ['float32', 'bfloat16', 'float16']
@@ -160,7 +129,8 @@ FRACTION = Field(float, lo=0, hi=1, hi_open=True)  # [0, 1)
 
 FIELDS: dict[str, Field] = {
     # the run
-    'task': Field(str, choices=_tasks), 'seed': COUNT, 'batch_size': POSITIVE, 'total_steps': POSITIVE,
+    'task': Field(str, choices=_owned('training.tasks', 'TASKS', sort=True)), 'seed': COUNT, 'batch_size': POSITIVE,
+    'total_steps': POSITIVE,
     'log_every': POSITIVE, 'eval_every': POSITIVE, 'checkpoint_every': COUNT, 'keep_checkpoints': POSITIVE,
     'sample_len': COUNT, 'profile_first_step': COUNT, 'profile_steps': POSITIVE,
     'on_nonfinite': Field(str, choices=lambda: ['stop', 'skip']), 'max_nonfinite_skips': COUNT,
@@ -171,13 +141,16 @@ FIELDS: dict[str, Field] = {
     'init_from': Field(str), 'dont_load': Field('regex'), 'freeze': Field('regex'), 'train_only': Field('regex'),
     'lora.rank': COUNT, 'lora.alpha': RATE, 'lora.targets': Field('regex'), 'lora.export_merged': Field(bool),
     # optimizer
-    'optim.name': Field(str, choices=_optimizers), 'optim.lr': NONNEG, 'optim.warmup_steps': COUNT,
+    'optim.name': Field(str, choices=_owned('training.optim', 'OPTIMIZERS')), 'optim.lr': NONNEG,
+    'optim.warmup_steps': COUNT,
     'optim.min_lr_ratio': Field(float, lo=0, hi=1), 'optim.weight_decay': NONNEG, 'optim.b1': FRACTION,
     'optim.b2': FRACTION, 'optim.eps': RATE, 'optim.grad_clip': NONNEG, 'optim.momentum': FRACTION,
     # model (every family's fields; a family reads the ones it has)
-    'model.name': Field(str, choices=_models), 'model.dtype': Field(str, choices=DTYPES),
+    'model.name': Field(str, choices=_owned('models', 'MODELS', sort=True)),
+    'model.dtype': Field(str, choices=DTYPES),
     'model.param_dtype': Field(str, choices=DTYPES), 'model.logits_dtype': Field(str, choices=DTYPES),
-    'model.attention': Field(str, choices=_attention), 'model.remat': Field(str, choices=_remat),
+    'model.attention': Field(str, choices=_owned('models.attention', 'IMPLEMENTATIONS')),
+    'model.remat': Field(str, choices=_owned('models.layers', 'REMAT_POLICIES')),
     'model.scan_layers': Field(bool), 'model.vocab_size': POSITIVE, 'model.pad_vocab_to': POSITIVE,
     'model.max_len': POSITIVE, 'model.num_layers': POSITIVE, 'model.num_heads': POSITIVE,
     'model.num_kv_heads': POSITIVE, 'model.head_dim': POSITIVE, 'model.embed_dim': POSITIVE,
@@ -185,9 +158,11 @@ FIELDS: dict[str, Field] = {
     'model.rope_theta': RATE, 'model.rope_scaling': Field('rope', optional=True),
     'model.num_experts': POSITIVE, 'model.top_k': POSITIVE, 'model.capacity_factor': RATE,
     'model.group_size': POSITIVE, 'model.aux_loss_weight': NONNEG, 'model.router_z_loss_weight': NONNEG,
-    'model.type_vocab_size': POSITIVE, 'model.head': Field(str, choices=_heads), 'model.num_classes': POSITIVE,
+    'model.type_vocab_size': POSITIVE, 'model.head': Field(str, choices=_owned('models.bert', 'HEADS')),
+    'model.num_classes': POSITIVE,
     'model.image_size': POSITIVE, 'model.patch_size': POSITIVE, 'model.channels': POSITIVE,
-    'model.features': Field('ints'), 'model.width': POSITIVE, 'model.block': Field(str, choices=_blocks),
+    'model.features': Field('ints'), 'model.width': POSITIVE,
+    'model.block': Field(str, choices=_owned('models.resnet', 'BLOCKS', sort=True)),
     'model.stage_sizes': Field('ints'), 'model.bn_eps': RATE, 'model.bn_momentum': FRACTION,
     'model.bn_fast_variance': Field(bool), 'model.stride_in_1x1': Field(bool),
     # data
@@ -200,7 +175,7 @@ FIELDS: dict[str, Field] = {
     'dataset.mlm_probability': Field(float, lo=0, hi=1, lo_open=True, hi_open=True),
     'dataset.noise': NONNEG, 'dataset.max_shift': COUNT, 'dataset.text_key': Field(str),
     'dataset.min_text_len': POSITIVE, 'dataset.max_text_len': POSITIVE, 'dataset.num_threads': POSITIVE,
-    'dataset.prefetch': COUNT, 'dataset.augment': Field(str, choices=_augment),
+    'dataset.prefetch': COUNT, 'dataset.augment': Field(str, choices=_owned('data.vision', 'AUGMENTATIONS')),
 }
 OPAQUE = ('mesh', 'model.rope_scaling')  # dict-valued fields checked as a whole (keys: axis names, rope settings)
 
