@@ -42,10 +42,7 @@ def main(argv) -> None:
   try:
     config = FLAGS.config or export.load_run_config(FLAGS.workdir)
     schema.check(config)
-    partitioning.simulate_cpu_devices(partitioning.devices_needed(config.mesh))
-    partitioning.check_platform()
-    partitioning.fit_mesh(config.mesh)
-    mesh = partitioning.make_mesh(config.mesh)
+    mesh, _ = partitioning.start_mesh(config.mesh)  # a mesh fitted to the accelerators writes the same files
     trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
     checkpoints = os.path.join(FLAGS.workdir, 'checkpoints')
     if FLAGS.step is not None:

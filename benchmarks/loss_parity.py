@@ -41,12 +41,9 @@ def main(argv) -> None:
   config = FLAGS.config
   task = training.tasks.get(config.task)
   batches = [task.synthetic_batch(config, seed=config.seed + i) for i in range(FLAGS.steps)]
-  partitioning.simulate_cpu_devices(partitioning.devices_needed(config.mesh))
-  partitioning.check_platform()
-  note = partitioning.fit_mesh(config.mesh)
+  mesh, note = partitioning.start_mesh(config.mesh)
   if note:
     print(note)
-  mesh = partitioning.make_mesh(config.mesh)
   reference = config.copy_and_resolve_references()
   changes = profiling.config_overrides(reference, FLAGS.reference)
   reference.update_from_flattened_dict(changes)

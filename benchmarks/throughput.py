@@ -109,12 +109,9 @@ def main(argv) -> None:
     peer = run_peer(config, batch_np, 'cuda' if on_gpu else 'cpu')
 
   # --- Our step, exactly as train.py builds it --------------------------------------------------------
-  partitioning.simulate_cpu_devices(partitioning.devices_needed(config.mesh))
-  partitioning.check_platform()
-  note = partitioning.fit_mesh(config.mesh)
+  mesh, note = partitioning.start_mesh(config.mesh)
   if note:
     print(note)
-  mesh = partitioning.make_mesh(config.mesh)
   phases, t0 = {}, time.perf_counter()
 
   def phase(name):  # seconds since the last phase ended

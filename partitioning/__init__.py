@@ -34,7 +34,8 @@ This package never imports a model: it works on trees of shapes and logical name
 """
 from partitioning.audit import audit, collective_shapes, collective_stats
 from partitioning.mesh import (
-    check_platform, devices_needed, fit_mesh, fit_mesh_shape, make_mesh, resolve_mesh_shape, simulate_cpu_devices)
+    check_platform, devices_needed, fit_mesh, fit_mesh_shape, make_mesh, resolve_mesh_shape, simulate_cpu_devices,
+    start_mesh)
 from partitioning.plan import (
     check_batch, named_shardings, nnx_logical_axes, opt_state_axes, path_str, tree_specs)
 from partitioning.rules import AxisRules, Rule, bytes_per_device
@@ -46,5 +47,5 @@ __all__ = [
     'check_platform', 'collective_shapes', 'collective_stats', 'devices_needed', 'fit_mesh', 'fit_mesh_shape',
     'fmt_bytes', 'logical_spec', 'make_mesh', 'named_shardings', 'nnx_logical_axes', 'opt_state_axes',
     'path_str', 'resolve_mesh_shape', 'shard', 'shard_logical', 'sharding_table', 'simulate_cpu_devices',
-    'tree_bytes_per_device', 'tree_specs', 'use_rules',
+    'start_mesh', 'tree_bytes_per_device', 'tree_specs', 'use_rules',
 ]

@@ -113,3 +113,14 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None 
   shape = resolve_mesh_shape(mesh_cfg, len(devices), devices[0].platform)
   return jax.make_mesh(tuple(shape.values()), tuple(shape.keys()),
                        axis_types=(jax.sharding.AxisType.Auto,) * len(shape), devices=devices)
+
+
+def start_mesh(mesh_cfg: MutableMapping[str, int]) -> tuple[Mesh, str | None]:
+  """For one-process entry points (benchmarks, export.py), before JAX has started: simulated CPU devices for
+  the mesh, the CPU-only-jaxlib-on-a-GPU check, the mesh fitted to the accelerators (config.mesh updated in
+  place) and built. Returns (mesh, the fitting note or None). train.py does the same steps across its main()
+  (devices, several processes) and train_and_evaluate()."""
+  simulate_cpu_devices(devices_needed(mesh_cfg))
+  check_platform()
+  note = fit_mesh(mesh_cfg)
+  return make_mesh(mesh_cfg), note
