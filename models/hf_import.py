@@ -456,8 +456,11 @@ def _stream(hf: HFDir, keys: Mapping[tuple[int, ...], str], sizes: tuple[int, ..
 
 
 HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*/[\w.-]+$')  # 'openai-community/gpt2', 'meta-llama/Llama-3.2-1B'
+# The files of a Hugging Face tokenizer (glob patterns): fetched with a hub id, copied by the export.
+TOKENIZER_FILES = ('tokenizer*', 'special_tokens_map.json', 'added_tokens.json', 'chat_template.jinja', 'vocab.*',
+                   'merges.txt', '*.model')
 HUB_FILES = ('config.json', '*.safetensors', 'model.safetensors.index.json', 'generation_config.json',
-             'tokenizer*', 'special_tokens_map.json', 'vocab.*', 'merges.txt', '*.model')  # no *.bin, *.h5, ...
+             *TOKENIZER_FILES)  # no *.bin, *.h5, ...
 
 
 def resolve(init_from: str, *, download: bool = True) -> str:

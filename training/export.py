@@ -6,6 +6,7 @@ A run's final config is kept beside its checkpoints (<workdir>/run_config.json, 
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -25,8 +26,6 @@ from training import checkpoint
 from training.trainer import Trainer, TrainState
 
 RUN_CONFIG = 'run_config.json'
-TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'vocab.json', 'vocab.txt',
-                   'merges.txt', 'tokenizer.model', 'added_tokens.json', 'chat_template.jinja')
 
 
 def save_run_config(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -101,17 +100,19 @@ def write_hf(trainer: Trainer, params: Any, model_state: Any, out_dir: str, fami
   source = config.get('init_from') or ''
   source = source if hf_import.is_hf_dir(source) else None
   if writer:
-    base = hf_import.HFDir(source).config if source else None
+    base = None
+    if source:  # its config.json only (HFDir would also list every tensor of its files)
+      with open(os.path.join(source, 'config.json')) as f:
+        base = json.load(f)
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
       json.dump(hf_export.config_json(family, config.model, dtype, base), f, indent=2, sort_keys=True)
     copied = []
     tok = config.get('dataset', {}).get('tokenizer')
-    for src, names in ((tok if isinstance(tok, str) and os.path.isdir(tok) else None, TOKENIZER_FILES),
-                       (source, ('generation_config.json',))):
-      for n in names if src else ():
-        if os.path.isfile(os.path.join(src, n)):
-          shutil.copy(os.path.join(src, n), out_dir)
-          copied.append(n)
+    for src, patterns in ((tok if isinstance(tok, str) and os.path.isdir(tok) else None, hf_import.TOKENIZER_FILES),
+                          (source, ('generation_config.json',))):
+      for path in sorted({p for pattern in patterns for p in glob.glob(os.path.join(src, pattern))} if src else ()):
+        shutil.copy(path, out_dir)
+        copied.append(os.path.basename(path))
     stats['copied'] = sorted(copied)
   multihost_utils.sync_global_devices('shardzoo:export_hf')
   return dict(stats, dtype=dtype.name)
