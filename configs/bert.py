@@ -50,6 +50,7 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = task
   c.mesh = common.mesh(MESHES[preset])
+  c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset] + ([('classes', None)] if head == 'classify' else [])
   c.model = common.ConfigDict(dict(
       name='bert', **SIZES[size], head=head, norm_eps=1e-12, dtype='float32',

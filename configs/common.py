@@ -85,6 +85,12 @@ def mesh(sizes: Mapping[str, int]) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(sizes), sort_keys=False)
 
 
+def dcn_mesh(mesh_cfg: Mapping[str, int]) -> ml_collections.ConfigDict:
+  """config.dcn_mesh: the number of slices (hosts, TPU slices) along each axis of config.mesh, all 1 (one slice).
+  E.g. --config.dcn_mesh.data=2 runs data parallelism across 2 slices over DCN, config.mesh inside each."""
+  return ml_collections.ConfigDict({name: 1 for name in mesh_cfg}, sort_keys=False)
+
+
 def base(preset: str, size: str) -> ml_collections.ConfigDict:
   """Fields every config has: seed, loop lengths, logging and the AdamW optimizer."""
   c = ml_collections.ConfigDict()

@@ -31,6 +31,7 @@ def get_config(arg: str | None = 'fsdp_tp'):
   c = common.base(preset, size)
   c.task = 'lm'
   c.mesh = common.mesh(MESHES[preset])  # mesh axis name -> size, outermost first; one size may be -1
+  c.dcn_mesh = common.dcn_mesh(c.mesh)  # slices over DCN per axis (hosts); 1 = one slice
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(dict(
       name='gpt2', vocab_size=16, max_len=64, num_layers=4, num_heads=4, embed_dim=128, mlp_dim=512,

@@ -29,6 +29,7 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = 'lm'
   c.mesh = common.mesh(MESHES[preset])
+  c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(dict(
       name='gpt2', **SIZES[size], norm_eps=1e-5, dtype='float32', param_dtype='float32',

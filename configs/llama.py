@@ -40,6 +40,7 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = 'lm'
   c.mesh = common.mesh(MESHES[preset])
+  c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(dict(
       name='llama', **SIZES[size], dtype='float32', param_dtype='float32', scan_layers=True, remat='none',

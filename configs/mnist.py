@@ -44,6 +44,7 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = 'classification'
   c.mesh = common.mesh(MESHES[preset])
+  c.dcn_mesh = common.dcn_mesh(c.mesh)
   m = SIZES[size]
   c.logical_axis_rules = [r for r in RULES[preset] if r[0] not in UNUSED[m['name']]]
   c.model = common.ConfigDict(dict(**m, dtype='float32', param_dtype='float32'))

@@ -76,6 +76,7 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = 'lm'
   c.mesh = common.mesh(MESHES[preset])
+  c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(dict(
       name='moe', **SIZES[size], rope_theta=1e6, rope_scaling=None, norm_eps=1e-5, tie_embeddings=False,

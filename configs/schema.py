@@ -28,7 +28,7 @@ INF = float('inf')
 
 @dataclasses.dataclass(frozen=True)
 class Field:
-  """A field's type (int, float, bool, str, 'regex', 'ints', 'mesh', 'rules', 'rope', 'info') and range."""
+  """A field's type (int, float, bool, str, 'regex', 'ints', 'mesh', 'dcn', 'rules', 'rope', 'info') and range."""
   kind: Any
   lo: float = -INF
   hi: float = INF
@@ -48,6 +48,7 @@ class Field:
     else:
       text = {bool: 'True or False', str: 'a string', 'regex': 'a regular expression (or empty)',
               'ints': 'a non-empty tuple of integers >= 1', 'mesh': 'a dict of mesh axis name -> size >= 1 (one may be -1)',
+              'dcn': 'a dict of mesh axis name -> number of slices >= 1',
               'rules': 'a list of (logical name, mesh axis | tuple of mesh axes | None) pairs',
               'rope': "None or Llama 3 scaling: (name, value) pairs of rope_type='llama3', factor, low_freq_factor, "
                       'high_freq_factor, original_max_position_embeddings', 'info': 'a string'}[self.kind]
@@ -82,6 +83,9 @@ class Field:
       return not hasattr(value, 'items') or not value or any(
           not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or not (v >= 1 or v == -1)
           for k, v in value.items()) or list(value.values()).count(-1) > 1
+    if kind == 'dcn':
+      return not hasattr(value, 'items') or any(
+          not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 1 for k, v in value.items())
     if kind == 'rules':
       axis = lambda a: a is None or isinstance(a, str) or (isinstance(a, (tuple, list)) and
                                                           all(isinstance(x, str) for x in a))
@@ -99,7 +103,7 @@ class Field:
   def bad_values(self) -> list[Any]:
     """Values this field refuses (for tests): one of the wrong type, and one out of range where a range exists."""
     wrong_type = {bool: 'yes', int: 'four', float: 'small', str: 3, 'info': 3, 'regex': '(unclosed', 'ints': 'abc',
-                  'mesh': {'data': 0}, 'rules': [('batch',)], 'rope': dict(rope_type='yarn')}[self.kind]
+                  'mesh': {'data': 0}, 'dcn': {'data': -1}, 'rules': [('batch',)], 'rope': dict(rope_type='yarn')}[self.kind]
     out = [wrong_type]
     if self.choices is not None:
       out.append('no_such_choice')
@@ -136,7 +140,7 @@ FIELDS: dict[str, Field] = {
     'on_nonfinite': Field(str, choices=lambda: ['stop', 'skip']), 'max_nonfinite_skips': COUNT,
     'resume_fallback': Field(bool),
     'preset': Field('info'), 'size': Field('info'),  # set by get_config(arg): what the file built
-    'mesh': Field('mesh'), 'logical_axis_rules': Field('rules'),
+    'mesh': Field('mesh'), 'dcn_mesh': Field('dcn'), 'logical_axis_rules': Field('rules'),
     # starting from pretrained weights, what trains
     'init_from': Field(str), 'dont_load': Field('regex'), 'freeze': Field('regex'), 'train_only': Field('regex'),
     'lora.rank': COUNT, 'lora.alpha': RATE, 'lora.targets': Field('regex'), 'lora.export_merged': Field(bool),
@@ -177,7 +181,7 @@ FIELDS: dict[str, Field] = {
     'dataset.min_text_len': POSITIVE, 'dataset.max_text_len': POSITIVE, 'dataset.num_threads': POSITIVE,
     'dataset.prefetch': COUNT, 'dataset.augment': Field(str, choices=_owned('data.vision', 'AUGMENTATIONS')),
 }
-OPAQUE = ('mesh', 'model.rope_scaling')  # dict-valued fields checked as a whole (keys: axis names, rope settings)
+OPAQUE = ('mesh', 'dcn_mesh', 'model.rope_scaling')  # dict-valued fields checked as a whole (keys: axis names, rope settings)
 
 
 def leaves(config: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:

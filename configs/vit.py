@@ -47,6 +47,7 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = 'classification'
   c.mesh = common.mesh(MESHES[preset])
+  c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
   m = SIZES[size]
   c.model = common.ConfigDict(dict(

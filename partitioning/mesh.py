@@ -1,4 +1,12 @@
-"""Device meshes from config: `config.mesh` maps mesh axis name -> size (one size may be -1)."""
+"""Device meshes from config: `config.mesh` maps mesh axis name -> size (one size may be -1).
+
+Hybrid meshes: `config.dcn_mesh` (same axis names, sizes default 1) spans slices over the slower network
+(DCN: hosts or TPU slices joined by Ethernet/InfiniBand), while `config.mesh` stays the mesh inside one
+slice (ICI / NVLink). Each mesh axis then has size mesh[a] * dcn_mesh[a], its DCN part the outer (major)
+factor, so the rules name the combined axes as before. A slice is what the devices say (TPU `slice_index`),
+else one process (one host), else, in one process (simulated CPU devices, dry runs), a contiguous block
+of devices.
+"""
 from __future__ import annotations
 
 import math
@@ -6,6 +14,8 @@ import os
 from collections.abc import Mapping, MutableMapping, Sequence
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from errors import ShardingError
@@ -26,9 +36,22 @@ def _items(mesh_cfg: Mapping[str, int]) -> list[tuple[str, int]]:
   return items
 
 
-def devices_needed(mesh_cfg: Mapping[str, int]) -> int:
+def dcn_shape(mesh_cfg: Mapping[str, int], dcn_cfg: Mapping[str, int] | None) -> dict[str, int]:
+  """The DCN size of every axis of `mesh_cfg` (1 where config.dcn_mesh says nothing), checked."""
+  dcn = dict(dcn_cfg or {})
+  for name, size in dcn.items():
+    if name not in mesh_cfg:
+      raise ShardingError(f'config.dcn_mesh.{name}: {name!r} is not an axis of config.mesh '
+                          f'({_fmt_mesh(dict(mesh_cfg))}); the DCN mesh splits the same axes across slices')
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+      raise ShardingError(f'config.dcn_mesh.{name} = {size!r}: a DCN axis size must be an int >= 1 '
+                          '(the number of slices along that axis)')
+  return {name: dcn.get(name, 1) for name in mesh_cfg}
+
+
+def devices_needed(mesh_cfg: Mapping[str, int], dcn_cfg: Mapping[str, int] | None = None) -> int:
   """Devices a mesh config asks for, counting a -1 axis as 1 (used to size simulated CPU meshes)."""
-  return math.prod(max(size, 1) for _, size in _items(mesh_cfg))
+  return math.prod(max(size, 1) for _, size in _items(mesh_cfg)) * math.prod(dcn_shape(mesh_cfg, dcn_cfg).values())
 
 
 def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, platform: str = 'device') -> dict[str, int]:
@@ -68,14 +91,18 @@ def fit_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, platform: str 
                   'to choose another layout)')
 
 
-def fit_mesh(mesh_cfg: MutableMapping[str, int]) -> str | None:
+def fit_mesh(mesh_cfg: MutableMapping[str, int], dcn_cfg: Mapping[str, int] | None = None) -> str | None:
   """On GPUs/TPUs, fits the mesh config (config.mesh, updated in place) to the devices found
-  (fit_mesh_shape) and returns the note saying so, or None when it fits already; on the CPU (simulated
-  devices, sized to the mesh) it does nothing."""
+  (fit_mesh_shape; per slice when config.dcn_mesh has several) and returns the note saying so, or None when it
+  fits already; on the CPU (simulated devices, sized to the mesh) it does nothing."""
   platform = jax.devices()[0].platform
   if platform == 'cpu':
     return None
-  fitted, note = fit_mesh_shape(mesh_cfg, jax.device_count(), platform)
+  slices = math.prod(dcn_shape(mesh_cfg, dcn_cfg).values())
+  if jax.device_count() % slices:
+    raise ShardingError(f'config.dcn_mesh ({_fmt_mesh(dict(dcn_cfg or {}))}) asks for {slices} slices, which does '
+                        f'not divide the {jax.device_count()} {platform} devices')
+  fitted, note = fit_mesh_shape(mesh_cfg, jax.device_count() // slices, platform)
   if note:
     mesh_cfg.update(fitted)
   return note
@@ -107,12 +134,73 @@ def simulate_cpu_devices(n: int) -> None:
   jax.config.update('jax_num_cpu_devices', n)
 
 
-def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds a mesh with Auto axis types (GSPMD propagation between our explicit constraints)."""
+def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None,
+              dcn_cfg: Mapping[str, int] | None = None) -> Mesh:
+  """Builds a mesh with Auto axis types (GSPMD propagation between our explicit constraints); with a
+  config.dcn_mesh of more than one slice, the hybrid ICI x DCN mesh (see the module docstring)."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = resolve_mesh_shape(mesh_cfg, len(devices), devices[0].platform)
-  return jax.make_mesh(tuple(shape.values()), tuple(shape.keys()),
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape), devices=devices)
+  dcn = dcn_shape(mesh_cfg, dcn_cfg)
+  slices = math.prod(dcn.values())
+  if slices == 1:
+    shape = resolve_mesh_shape(mesh_cfg, len(devices), devices[0].platform)
+    return jax.make_mesh(tuple(shape.values()), tuple(shape.keys()),
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(shape), devices=devices)
+  platform = devices[0].platform
+  if len(devices) % slices:
+    raise ShardingError(f'config.dcn_mesh ({_fmt_mesh(dcn)}) asks for {slices} slices, which does not divide the '
+                        f'{len(devices)} {platform} devices')
+  try:
+    ici = resolve_mesh_shape(mesh_cfg, len(devices) // slices, platform)
+  except ShardingError as e:
+    raise ShardingError(f'{e}, per slice: config.dcn_mesh ({_fmt_mesh(dcn)}) splits the {len(devices)} devices '
+                        f'into {slices} slices of {len(devices) // slices}') from None
+  grid = _hybrid_grid(tuple(ici.values()), tuple(dcn.values()), devices)
+  return Mesh(grid, tuple(ici), axis_types=(jax.sharding.AxisType.Auto,) * len(ici))
+
+
+def slice_kind(devices: Sequence[jax.Device]) -> str:
+  """What a DCN slice is among `devices`: 'slice' (TPU slice_index), 'process' (one host), or 'block'
+  (one process: contiguous blocks of devices stand for slices)."""
+  if len({getattr(d, 'slice_index', 0) for d in devices}) > 1:
+    return 'slice'
+  return 'process' if len({d.process_index for d in devices}) > 1 else 'block'
+
+
+def _hybrid_grid(ici: tuple[int, ...], dcn: tuple[int, ...], devices: Sequence[jax.Device]) -> np.ndarray:
+  kind, slices = slice_kind(devices), math.prod(dcn)
+  if kind != 'block':
+    try:
+      return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=kind == 'process')
+    except ValueError as e:  # the slices found are not the slices asked for
+      raise ShardingError(f'config.dcn_mesh asks for {slices} slices of {math.prod(ici)} devices: {e}') from None
+  # One process: block k of the devices (by id) is slice k; slice coordinates are the outer factor of each axis.
+  blocks = np.array(sorted(devices, key=lambda d: d.id), dtype=object).reshape(dcn + ici)
+  n = len(ici)
+  interleaved = blocks.transpose([i for a in range(n) for i in (a, n + a)])
+  return interleaved.reshape([d * i for d, i in zip(dcn, ici)])
+
+
+def num_slices(mesh: Mesh, dcn_cfg: Mapping[str, int] | None) -> int:
+  return math.prod(dcn_shape(dict(mesh.shape), dcn_cfg).values())
+
+
+def describe_dcn(mesh: Mesh, dcn_cfg: Mapping[str, int] | None) -> str:
+  """E.g. 'data=2 across slices x data=1 x fsdp=4 within each; a slice is one process'."""
+  dcn = dcn_shape(dict(mesh.shape), dcn_cfg)
+  ici = {a: mesh.shape[a] // dcn[a] for a in dcn}
+  kind = {'slice': 'a TPU slice', 'process': 'one process',
+          'block': 'a block of devices of this one process (simulated)'}[slice_kind(list(mesh.devices.flat))]
+  return (f"{_fmt_mesh({a: n for a, n in dcn.items() if n > 1})} across slices x {_fmt_mesh(ici)} within each; "
+          f'a slice is {kind}')
+
+
+def dcn_coordinates(mesh: Mesh, dcn_cfg: Mapping[str, int] | None) -> np.ndarray:
+  """For each device position of `mesh` (flattened, = the partition id of a program compiled on it), the
+  index of its DCN slice (0 when there is one slice)."""
+  dcn = tuple(dcn_shape(dict(mesh.shape), dcn_cfg).values())
+  ici = tuple(s // d for s, d in zip(mesh.devices.shape, dcn))
+  pos = np.indices(mesh.devices.shape).reshape(len(dcn), -1)
+  return np.ravel_multi_index([p // i for p, i in zip(pos, ici)], dcn)
 
 
 def start_mesh(mesh_cfg: MutableMapping[str, int]) -> tuple[Mesh, str | None]:
