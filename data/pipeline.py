@@ -27,6 +27,7 @@ document; packing per process would make the batches depend on the process count
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -38,7 +39,7 @@ from grain import experimental as grain_exp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
-from errors import ConfigError, ShardingError
+from errors import CheckpointError, ConfigError, ShardingError
 
 # A per-example transform: a callable or grain.transforms.Map (example -> dict of arrays), or a
 # grain.transforms.RandomMap, whose numpy Generator is seeded by (seed, index in the stream).
@@ -226,3 +227,62 @@ def to_global(local_batch: Mapping[str, np.ndarray], shardings: Mapping[str, Nam
   """Assembles per-process numpy batches into global jax.Arrays on the batch sharding."""
   return {k: jax.make_array_from_process_local_data(shardings[k], v, (global_batch,) + v.shape[1:])
           for k, v in local_batch.items()}
+
+
+class RowsIterator:
+  """This process's rows of every global batch (an iterator of a train_dataset or packed_train_dataset), with a
+  data position that any number of processes can resume.
+
+  get_state() says which rows of which global batch size it holds: {'global_batch', 'rows': [lo, hi], 'packed',
+  'state': grain's state}. set_state() takes those of every process of the run that saved them (in any
+  layout) and picks this process's rows: unpacked, the position is the number of global batches consumed,
+  the same in every process; packed, each row is a stream of its own (the packer's state per row).
+  """
+
+  def __init__(self, dataset: grain.IterDataset, rows: slice, global_batch: int, packed: bool):
+    self._it = iter(dataset)
+    self.rows, self.global_batch, self.packed = rows, global_batch, packed
+
+  def __iter__(self) -> RowsIterator:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._it)
+
+  def close(self) -> None:
+    self._it.close()
+
+  def start_prefetch(self) -> None:
+    if hasattr(self._it, 'start_prefetch'):
+      self._it.start_prefetch()
+
+  def get_state(self) -> dict[str, Any]:
+    return {'global_batch': self.global_batch, 'rows': [self.rows.start, self.rows.stop], 'packed': self.packed,
+            'state': self._it.get_state()}
+
+  def set_grain_state(self, state: Any) -> None:
+    """grain's own state of this iterator (a checkpoint written before positions named their rows)."""
+    self._it.set_state(state)
+
+  def set_state(self, saved: Sequence[Mapping[str, Any]]) -> None:
+    """`saved`: the get_state() of every process that saved (each covers some rows). CheckpointError, naming what
+    differs, when they are not one position of this dataset and global batch."""
+    for s in saved:
+      if s.get('global_batch') != self.global_batch or bool(s.get('packed')) != self.packed:
+        raise CheckpointError(f"the saved data position is for a global batch of {s.get('global_batch')} "
+                         f"({'packed' if s.get('packed') else 'unpacked'}); this run reads {self.global_batch} "
+                         f"({'packed' if self.packed else 'unpacked'}): resume with the batch size it was saved with")
+    covered = sorted((s['rows'][0], s['rows'][1]) for s in saved)
+    if [r for span in covered for r in range(*span)] != list(range(self.global_batch)):
+      raise CheckpointError(f'the saved data position covers rows {covered} of a global batch of {self.global_batch}, '
+                       'not each row once (a process file missing?)')
+    if not self.packed:  # the next global batch, the same for every process
+      positions = {json.dumps(s['state'], sort_keys=True) for s in saved}
+      if len(positions) > 1:
+        raise CheckpointError(f'the processes saved different data positions: {sorted(positions)}')
+      self._it.set_state(saved[0]['state'])
+      return
+    per_row = {}  # the packer of each row
+    for s in saved:
+      per_row.update(zip(range(*s['rows']), s['state']['parents']))
+    self._it.set_state({**saved[0]['state'], 'parents': [per_row[r] for r in range(self.rows.start, self.rows.stop)]})

@@ -6,14 +6,16 @@ mid-save) is one StorageError naming the directory, the step and the OS error. (
 export: training/export.py.)
 
 Layout: <workdir>/checkpoints/<step>/{state, data}. 'state' is the TrainState as a dict of
-global jax.Arrays (orbax writes each process's shards); 'data' is grain's per-process iterator
-state (one JSON file per process). Orbax writes a step into <step>.orbax-checkpoint-tmp and renames it to
+global jax.Arrays (orbax writes each process's shards); 'data' is each process's data position
+(one JSON file per process, naming the rows of the global batch it holds: DataPositionHandler). Orbax writes a step into <step>.orbax-checkpoint-tmp and renames it to
 <step> once every item is written, so a save cut short (killed, disk full) never shows as a step: the
 tmp directory is ignored by every listing, and removed when the next Checkpointer opens the directory.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import os
 import re
 import shutil
@@ -28,6 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from data.pipeline import RowsIterator
 from errors import CheckpointError, DamagedCheckpointError, StorageError
 from partitioning import path_str
 from training.trainer import Trainer, TrainState
@@ -99,6 +102,47 @@ def os_error_of(e: BaseException) -> tuple[int, str, str | None] | None:
   return None
 
 
+class DataPositionHandler(grain.checkpoint.CheckpointHandler):
+  """grain's handler (one JSON file per process, process_<i>-of-<n>.json) for a data.RowsIterator, whose files
+  say which rows they hold: a run resumes them with any number of processes (each reads every file and takes
+  its rows). Other iterators are saved as grain saves them (resumed with the same process count)."""
+
+  def save(self, directory: epath.Path, item: Any = None, args: Any = None) -> None:
+    item = item or args.item
+    if not isinstance(item, RowsIterator):
+      return super().save(directory, item=item)
+    (directory / f'process_{jax.process_index()}-of-{jax.process_count()}.json').write_text(
+        json.dumps(item.get_state(), indent=1))
+
+  def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
+    item = item or args.item
+    if not isinstance(item, RowsIterator):
+      return super().restore(directory, item=item)
+    saved = [json.loads(f.read_text()) for f in sorted(directory.glob('process_*-of-*.json'))]
+    if saved and 'global_batch' not in saved[0]:  # written before positions named their rows: same layout only
+      mine = directory / f'process_{jax.process_index()}-of-{jax.process_count()}.json'
+      if not mine.exists():
+        raise CheckpointError(f'the data position in {directory} was written by {len(saved)} process(es) in an older '
+                         f'format; resume it with {len(saved)} process(es)')
+      item.set_grain_state(json.loads(mine.read_text()))
+    else:
+      item.set_state(saved)
+    item.start_prefetch()
+    return item
+
+
+@ocp.args.register_with_handler(DataPositionHandler, for_save=True)
+@dataclasses.dataclass
+class DataSave(ocp.args.CheckpointArgs):
+  item: Any
+
+
+@ocp.args.register_with_handler(DataPositionHandler, for_restore=True)
+@dataclasses.dataclass
+class DataRestore(ocp.args.CheckpointArgs):
+  item: Any
+
+
 class Checkpointer:
   """An orbax CheckpointManager for one run directory."""
 
@@ -107,7 +151,7 @@ class Checkpointer:
     ensure_writable(self.directory, 'checkpoint directory')
     self.manager = ocp.CheckpointManager(
         self.directory, item_names=('state', 'data'),
-        item_handlers={'state': ocp.StandardCheckpointHandler(), 'data': grain.checkpoint.CheckpointHandler()},
+        item_handlers={'state': ocp.StandardCheckpointHandler(), 'data': DataPositionHandler()},
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every_steps, create=True,
                                              enable_async_checkpointing=async_save, cleanup_tmp_directories=True))
     self._last_saved = self.manager.latest_step()
@@ -129,7 +173,7 @@ class Checkpointer:
     self.wait()  # orbax would wait here anyway; waiting first tells which step's save failed
     try:
       saved = self.manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state_dict(state)), data=grain.checkpoint.CheckpointSave(data_iter)),
+          state=ocp.args.StandardSave(state_dict(state)), data=DataSave(data_iter)),
           force=force)
     except Exception as e:
       raise self._storage_error(step, e) or e
@@ -139,7 +183,7 @@ class Checkpointer:
 
   def restore(self, trainer: Trainer, data_iter: Any, step: int | None = None) -> TrainState:
     """Restores the train state into the trainer's shardings (any mesh, any rules) and the data
-    iterator's position (same process count), checking shapes first."""
+    iterator's position (any process count for a data.RowsIterator), checking shapes first."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f'no checkpoint in {self.directory}')
@@ -150,7 +194,9 @@ class Checkpointer:
     check_compatible(abstract['model_state'], found.get('model_state', {}), what='model state', source=source)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(data_iter)))
+          state=ocp.args.StandardRestore(abstract), data=DataRestore(data_iter)))
+    except CheckpointError:  # a data position this run cannot take (another batch size): not damage
+      raise
     except (ValueError, FileNotFoundError, OSError) as e:
       raise DamagedCheckpointError(f'{source} could not be restored: {e}') from e
     s = restored['state']
