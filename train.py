@@ -19,7 +19,6 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 from clu import metric_writers, periodic_actions
-from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 import data
@@ -29,16 +28,20 @@ import partitioning
 import training
 from configs import schema
 from models import attention, hf_import
-from training import checkpoint, export, flops, pretrained, profiling
+from training import checkpoint, cluster, export, flops, pretrained, profiling
 from training.preemption import Preemption
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/default.py[:preset].', lock_config=True)
 flags.DEFINE_string('workdir', None, 'Where metrics (TensorBoard events) are written.')
 flags.DEFINE_bool('dry_run', False, 'Build everything abstractly, print the sharding table, exit.')
-flags.DEFINE_string('coordinator_address', None, 'Multi-process: host:port of process 0 (jax.distributed).')
-flags.DEFINE_integer('num_processes', 1, 'Multi-process: how many processes take part.')
-flags.DEFINE_integer('process_id', 0, 'Multi-process: this process (0 .. num_processes-1).')
+flags.DEFINE_string('cluster', 'auto', 'Multi-process: auto (jax.distributed detects SLURM, Open MPI, Kubernetes, '
+                    'Cloud TPU), none, or one detection method by name (slurm, ompi, k8s, gke, gce).')
+flags.DEFINE_string('coordinator_address', None, 'Multi-process by hand: host:port of process 0 (jax.distributed).')
+flags.DEFINE_integer('num_processes', 1, 'Multi-process by hand: how many processes take part.')
+flags.DEFINE_integer('process_id', 0, 'Multi-process by hand: this process (0 .. num_processes-1).')
+flags.DEFINE_float('peer_timeout', 60, 'Multi-process: seconds without a heartbeat from another process before this '
+                   'one stops with an error naming it (training/cluster.py).')
 flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s per device for MFU (default: known GPUs/TPUs by device kind).')
 
 
@@ -70,12 +73,15 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
   schema.check(config)  # every field's type and range, before anything is built
   # --- Devices and mesh ------------------------------------------------------------------------
   device = jax.devices()[0]
-  note = partitioning.fit_mesh(config.mesh)  # a mesh for more (or fewer) accelerators than there are is fitted
+  dcn = config.get('dcn_mesh')  # slices over the slower network (hosts): the outer factor of each mesh axis
+  note = partitioning.fit_mesh(config.mesh, dcn)  # a mesh for more (or fewer) accelerators than there are is fitted
   if note:
     say(f'WARNING {note}')
-  mesh = partitioning.make_mesh(config.mesh)
+  mesh = partitioning.make_mesh(config.mesh, dcn_cfg=dcn)
+  slices = partitioning.num_slices(mesh, dcn)
   say(f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, '
-      f'{jax.process_count()} process(es)')
+      f'{jax.process_count()} process(es)' + (f', {slices} DCN slices ({partitioning.describe_dcn(mesh, dcn)})'
+                                               if slices > 1 else ''))
 
   # --- Model, optimizer and their shardings (validated; nothing allocated yet) ------------------
   if config.get('init_from'):  # a hub id becomes its directory in the Hugging Face cache (downloaded if need be)
@@ -110,7 +116,7 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
   trainer.task.check_data(config, ds.example_spec(), ds.vocab, ds.num_classes)
   B = config.batch_size
   rows = data.local_rows(trainer.batch_shardings['mask'], trainer.batch_abstract['mask'].shape)
-  train_iter = iter(ds.train_dataset(B, rows, config.seed))  # get_state()/set_state() resume it exactly
+  train_iter = ds.train_iterator(B, rows, config.seed)  # its position resumes exactly, with any process count
   cleanup.callback(train_iter.close)  # stops the prefetch threads
   units_per_step = math.prod(trainer.batch_abstract[trainer.task.unit_field].shape)
   say(f'data: {ds.description}')
@@ -133,8 +139,9 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
   # --- Compile once (ahead of time), then create the state directly in its shardings ------------
   t0 = time.perf_counter()
   train_step, eval_step = traced_train.lower().compile(), traced_eval.lower().compile()
+  slice_of = partitioning.dcn_coordinates(mesh, dcn) if slices > 1 else None  # which collectives cross DCN
   say(f'compiled train+eval steps in {time.perf_counter() - t0:.1f}s; train step per device: '
-      f'{partitioning.audit(train_step)}')
+      f'{partitioning.audit(train_step, slice_of)}')
   peak, peak_from = flops.describe_peak(device, peak_tflops)  # MFU where the chip's peak is known
   step_flops = flops.step_flops(trainer) if peak else None
   if step_flops:
@@ -258,16 +265,18 @@ def main(argv) -> None:
     raise app.UsageError('--workdir is required (metrics are written there)')
   try:
     schema.check(config)  # before JAX starts
+    # Several processes: by hand (flags), else what a scheduler (srun, mpirun, a Kubernetes Job) says.
+    launch = cluster.Launch(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, FLAGS.cluster)
     # Simulated CPU devices must be requested before JAX starts its backends (no effect on GPU/TPU): enough
     # per process for the mesh (a -1 axis counts as 1); make_mesh checks the real count once JAX has started.
-    partitioning.simulate_cpu_devices(-(-partitioning.devices_needed(config.mesh) // FLAGS.num_processes))
-    if FLAGS.num_processes > 1:
-      jax.distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    needed = partitioning.devices_needed(config.mesh, config.get('dcn_mesh'))
+    partitioning.simulate_cpu_devices(-(-needed // launch.num_processes))
+    launch.start(heartbeat_timeout_s=max(100, int(3 * FLAGS.peer_timeout)))  # JAX's own bound, above ours
     partitioning.check_platform()
-    train_and_evaluate(config, FLAGS.workdir, dry_run=FLAGS.dry_run, peak_tflops=FLAGS.peak_tflops)
-    if FLAGS.num_processes > 1:  # leave together: the coordinator must not shut down under a client
-      multihost_utils.sync_global_devices('shardzoo:end')
-      jax.distributed.shutdown()
+    if launch.num_processes > 1:
+      say(f'processes: {launch.how}')
+    with cluster.watched(launch, FLAGS.peer_timeout):  # a dead peer stops this process with its name, no hang
+      train_and_evaluate(config, FLAGS.workdir, dry_run=FLAGS.dry_run, peak_tflops=FLAGS.peak_tflops)
   except errors.ShardingError as e:  # bad config: one clear message, no traceback
     raise SystemExit(f'shardzoo: sharding error: {e}') from None
   except errors.CheckpointError as e:  # missing, corrupt or not this model's: not a config problem
