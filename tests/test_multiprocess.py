@@ -1,8 +1,15 @@
-"""Two processes on one machine (4 simulated CPU devices each) train exactly like one process with 8."""
+"""Several processes on one machine, launched as a scheduler would: launch/slurm.sbatch under a stand-in `srun`
+that starts 2 processes with SLURM's environment (jax.distributed detects it), on a hybrid mesh whose 2 DCN slices
+are the processes; their checkpoint resumed by 1 process, and that one's by 4 (data position exact, other
+meshes); a killed process stops its peer. The Kubernetes manifest is checked for consistency."""
+import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -11,52 +18,155 @@ from tests.conftest import ROOT, subprocess_env
 TINY = ['--config', 'configs/default.py', '--config.model.num_layers=2', '--config.model.embed_dim=64',
         '--config.model.mlp_dim=128', '--config.model.max_len=16', '--config.dataset.seq_len=16',
         '--config.dataset.num_train=512', '--config.dataset.num_eval=100', '--config.batch_size=16',
-        '--config.total_steps=6', '--config.log_every=3', '--config.eval_every=6', '--config.sample_len=4',
-        '--config.optim.warmup_steps=1']
+        '--config.log_every=3', '--config.sample_len=0', '--config.optim.warmup_steps=1']
+SLURM_PORTS = 61440  # JAX's SLURM detection puts the coordinator on port 61440 + SLURM_JOB_ID % 4096
+FAKE_SRUN = r"""#!/usr/bin/env python3
+# srun as far as launch/slurm.sbatch needs it: SLURM_NTASKS local tasks, one per "node", with srun's variables.
+import os, subprocess, sys
+cmd = sys.argv[1:]
+while cmd and cmd[0].startswith('--'):
+  cmd = cmd[1:]
+n, out = int(os.environ['SLURM_NTASKS']), os.environ['FAKE_SRUN_OUT']
+procs = [subprocess.Popen(cmd, env={**os.environ, 'SLURM_PROCID': str(i), 'SLURM_LOCALID': '0', 'SLURM_NODEID': str(i),
+                                    'SLURM_STEP_NODELIST': 'localhost', 'SLURM_STEP_NUM_NODES': str(n)},
+                          stdout=open(f'{out}/{i}.out', 'w'), stderr=open(f'{out}/{i}.err', 'w')) for i in range(n)]
+sys.exit(max(p.wait() for p in procs))
+"""
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
+def _free_port(lo: int = 0) -> int:
+  for port in ([0] if not lo else range(lo + os.getpid() % 2000, lo + 4096)):
+    with socket.socket() as s:
+      try:
+        s.bind(('127.0.0.1', port))
+      except OSError:
+        continue
+      return s.getsockname()[1]
+  raise RuntimeError('no free port')
 
 
 def _losses(stdout: str) -> list[float]:
   return [float(x) for x in re.findall(r'(?:step|eval @)\s+\d+ \| loss (\d+\.\d+)', stdout)]
 
 
-@pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
-  port = _free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, 'train.py', *TINY, '--workdir', str(tmp_path / 'multi'),
-       f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
-      cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-  outs = [p.communicate(timeout=300) for p in procs]
+def _start(args: list[str], n: int, envs: list[dict[str, str]] | None = None) -> list[subprocess.Popen]:
+  """n train.py processes: with `envs` (one each) as a scheduler starts them, else with the manual flags."""
+  if envs is None:
+    port = _free_port()
+    args = [*args, f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={n}'] if n > 1 else args
+    ids = [[f'--process_id={i}'] if n > 1 else [] for i in range(n)]
+    envs = [subprocess_env()] * n
+  else:
+    ids = [[]] * n
+  return [subprocess.Popen([sys.executable, 'train.py', *TINY, *args, *ids[i]], cwd=ROOT, env=envs[i],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
+
+
+def _run(args: list[str], n: int, envs: list[dict[str, str]] | None = None) -> list[str]:
+  """Runs n train.py processes (see _start); returns their stdouts, all having succeeded."""
+  procs = _start(args, n, envs)
+  outs = [p.communicate(timeout=400) for p in procs]
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
-  assert 'on 8 cpu devices, 2 process(es)' in outs[0][0]
-  assert _losses(outs[1][0]) == [] and 'parameter' not in outs[1][0]  # only process 0 reports
+  return [out for out, _ in outs]
 
-  single = subprocess.run([sys.executable, 'train.py', *TINY, '--workdir', str(tmp_path / 'single')],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-  assert single.returncode == 0, single.stderr[-3000:]
-  assert 'on 8 cpu devices, 1 process(es)' in single.stdout
-  multi_losses, single_losses = _losses(outs[0][0]), _losses(single.stdout)
-  assert len(multi_losses) == 3
-  assert multi_losses == pytest.approx(single_losses, abs=2e-4)
+
+def _only_steps(src, dst, keep: int) -> str:
+  """A copy of run directory `src` whose checkpoints stop at step `keep` (as if the run had stopped there)."""
+  shutil.copytree(src, dst)
+  for d in os.listdir(os.path.join(dst, 'checkpoints')):
+    if d.isdigit() and int(d) > keep:
+      shutil.rmtree(os.path.join(dst, 'checkpoints', d))
+  return str(dst)
 
 
 @pytest.mark.slow
-def test_minus_one_mesh_axis_with_two_processes():
-  """data=-1 takes 'the rest of the devices' across processes too (each simulates what it needs)."""
-  port = _free_port()
-  flags = ['--dry_run', '--config.mesh.data=-1', '--config.mesh.fsdp=1', '--config.mesh.tensor=1']
-  procs = [subprocess.Popen(
-      [sys.executable, 'train.py', *TINY, *flags, f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-       f'--process_id={i}'], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(2)]
-  outs = [p.communicate(timeout=300) for p in procs]
-  for p, (_, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-3000:]
-  assert "mesh: {'data': 2, 'fsdp': 1, 'tensor': 1} on 2 cpu devices, 2 process(es)" in outs[0][0]
+def test_slurm_launch_hybrid_mesh_and_resume_with_other_process_counts(tmp_path):
+  run = ['--config.total_steps=9', '--config.eval_every=9', '--config.checkpoint_every=3',
+         '--config.keep_checkpoints=3']
+  # launch/slurm.sbatch on 2 "nodes": srun starts one process per node, no flags, SLURM's variables (the
+  # coordinator on localhost); the script adds --config.dcn_mesh.data=2 (data parallel across the nodes).
+  bin_dir, out_dir = tmp_path / 'bin', tmp_path / 'srun'
+  bin_dir.mkdir(), out_dir.mkdir()
+  (bin_dir / 'srun').write_text(FAKE_SRUN)
+  (bin_dir / 'srun').chmod(0o755)
+  (bin_dir / 'python').symlink_to(sys.executable)
+  env = {**subprocess_env(), 'PATH': f'{bin_dir}:{os.environ["PATH"]}', 'FAKE_SRUN_OUT': str(out_dir),
+         'SLURM_JOB_ID': str(_free_port(SLURM_PORTS) - SLURM_PORTS), 'SLURM_NTASKS': '2', 'SLURM_JOB_NUM_NODES': '2',
+         'SLURM_SUBMIT_DIR': str(ROOT)}
+  sbatch = subprocess.run(['bash', 'launch/slurm.sbatch', 'configs/default.py', str(tmp_path / 'two'), *TINY[2:], *run,
+                           '--config.mesh.data=1', '--config.mesh.fsdp=4', '--config.mesh.tensor=1'],
+                          cwd=ROOT, env=env, timeout=400)
+  two = [(out_dir / f'{i}.out').read_text() for i in range(2)]
+  assert sbatch.returncode == 0, (out_dir / '0.err').read_text()[-3000:] + (out_dir / '1.err').read_text()[-3000:]
+  assert 'processes: 2 processes (slurm environment, detected by jax.distributed)' in two[0]
+  assert ('2 DCN slices (data=2 across slices x data=1 x fsdp=4 x tensor=1 within each; a slice is one process)'
+          in two[0])
+  # Data parallel over DCN, FSDP inside each slice: only gradient all-reduces cross DCN.
+  # The payload is about the gradient bytes per device (the parameters per device), its analytic minimum.
+  over_dcn = re.search(r'over DCN: (.*)', two[0])[1]
+  dcn_kib = float(re.fullmatch(r'all-reduce x\d+ \(([0-9.]+) KiB\)', over_dcn)[1])
+  grad_kib = float(re.search(r'per device on mesh [^:]*: ([0-9.]+) KiB', two[0])[1])
+  assert grad_kib <= dcn_kib <= 1.2 * grad_kib, (dcn_kib, grad_kib)
+  assert _losses(two[1]) == [] and 'parameter' not in two[1]  # only process 0 reports
+  losses = _losses(two[0])
+  assert len(losses) == 4  # steps 3, 6, 9 and the eval at 9
+
+  # 1 process, another mesh (tensor parallel too), resumes the 2-process checkpoint of step 3.
+  one_dir = _only_steps(tmp_path / 'two', tmp_path / 'one', 3)
+  one = _run([*run, '--workdir', one_dir], 1)[0]
+  assert 'on 8 cpu devices, 1 process(es)' in one and f'resumed from {one_dir}/checkpoints/3' in one
+  assert _losses(one) == pytest.approx(losses[1:], abs=2e-4)
+
+  # 4 processes of 1 device (data=-1 takes what is left), resume the 1-process checkpoint of step 6.
+  four_dir = _only_steps(one_dir, tmp_path / 'four', 6)
+  four = _run([*run, '--config.mesh.data=-1', '--config.mesh.fsdp=4', '--config.mesh.tensor=1', '--workdir', four_dir],
+              4)
+  assert "mesh: {'data': 1, 'fsdp': 4, 'tensor': 1} on 4 cpu devices, 4 process(es)" in four[0]
+  assert _losses(four[0]) == pytest.approx(losses[2:], abs=2e-4)
+
+
+@pytest.mark.slow
+def test_a_killed_process_stops_its_peer_within_the_timeout(tmp_path):
+  """kill -9 of process 1: process 0 stops within --peer_timeout (+1/5) naming it. kill -9 of process 0 (the
+  coordinator): JAX's client ends process 1 at once. Both pairs run at the same time."""
+  timeout = 8
+  pairs = []
+  for victim in (1, 0):
+    pairs.append((victim, _start(['--config.total_steps=100000', '--config.eval_every=100000',
+                                  f'--peer_timeout={timeout}', '--workdir', str(tmp_path / f'kill{victim}')], 2)))
+  for victim, procs in pairs:
+    for line in procs[0].stdout:  # training has started in both processes
+      if line.startswith('step'):
+        break
+    os.kill(procs[victim].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    survivor = procs[1 - victim]
+    _, err = survivor.communicate(timeout=120)
+    waited = time.monotonic() - t0
+    procs[victim].wait()
+    if victim == 1:
+      assert survivor.returncode == 75, err[-3000:]
+      assert 'shardzoo: process 1 of 2 stopped responding' in err
+      assert waited < timeout * 1.2 + 5, waited
+    else:
+      assert survivor.returncode != 0 and 'leader task was preempted/died' in err, err[-3000:]
+      assert waited < 10, waited
+
+
+def test_kubernetes_manifest_is_consistent():
+  """launch/k8s.yaml: an Indexed Job whose pods find pod 0 through the headless Service (JAX's Kubernetes
+  detection), may read pods and jobs, and ask for as many DCN slices as there are pods."""
+  import yaml  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(ROOT, 'launch', 'k8s.yaml')) as f:
+    docs = {d['kind']: d for d in yaml.safe_load_all(f)}
+  job, svc = docs['Job'], docs['Service']
+  assert job['spec']['completionMode'] == 'Indexed'
+  assert job['spec']['parallelism'] == job['spec']['completions']
+  pod = job['spec']['template']['spec']
+  assert pod['subdomain'] == svc['metadata']['name'] and svc['spec']['clusterIP'] == 'None'
+  assert svc['spec']['selector'] == {'job-name': job['metadata']['name']}
+  assert pod['serviceAccountName'] == docs['ServiceAccount']['metadata']['name']
+  assert {'pods'} <= set(docs['Role']['rules'][0]['resources']) and 'jobs' in docs['Role']['rules'][1]['resources']
+  cmd = pod['containers'][0]['command']
+  assert cmd[:2] == ['python', 'train.py'] and f"--config.dcn_mesh.data={job['spec']['parallelism']}" in cmd

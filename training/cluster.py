@@ -13,12 +13,18 @@ timeout (100 s by default) and then aborts the process with a C++ stack trace. P
 what happened: each process bumps a counter in the coordination service's key-value store every
 `timeout / 5` seconds and reads everyone's; a process that exits with an error first marks itself failed. A
 peer marked failed, or whose counter has not moved for `timeout` seconds, or a coordinator that cannot be
-reached for that long, makes this process print one line naming it and exit with status PEER_LOST_EXIT. The
-bound: a surviving process exits within `timeout` + `timeout / 5` seconds of a silent death, and within
-`timeout / 5` seconds of a peer's error.
+reached for that long, makes this process print one line naming it and exit with status PEER_LOST_EXIT. A
+collective that fails outright (gloo on CPUs: "Connection reset by peer") waits for that verdict. The bound: a
+surviving process exits within `timeout` + `timeout / 5` seconds of a silent death, and within `timeout / 5`
+seconds of a peer's error. When process 0 dies, the coordination service dies with it, and JAX's client aborts
+the others at once with its own message ("the leader task was preempted/died").
+
+A process that fails skips JAX's exit-time shutdown barrier, which would otherwise wait for the dead peer
+(up to 5 minutes).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -91,12 +97,29 @@ class Launch:
       jax.distributed.initialize(self.coordinator_address, self.num_processes, self.process_id,
                                  heartbeat_timeout_seconds=heartbeat_timeout_s)
     else:
-      jax.distributed.initialize(cluster_detection_method=self.env.name, heartbeat_timeout_seconds=heartbeat_timeout_s)
+      jax.distributed.initialize(cluster_detection_method=self.env.name, heartbeat_timeout_seconds=heartbeat_timeout_s,
+                                 local_device_ids=self._local_device_ids())
+
+  def _local_device_ids(self) -> list[int] | None:
+    """JAX's SLURM detection assumes one process per GPU (it shows process k of a node GPU k only). With one
+    process per node (launch/slurm.sbatch), this process takes every GPU SLURM gave the node."""
+    env = os.environ
+    if self.env.name != 'slurm' or env.get('SLURM_NTASKS') != env.get('SLURM_STEP_NUM_NODES', env.get('SLURM_NNODES')):
+      return None
+    gpus = env.get('CUDA_VISIBLE_DEVICES') or env.get('SLURM_STEP_GPUS') or env.get('SLURM_JOB_GPUS')
+    count = len(gpus.split(',')) if gpus else int(env.get('SLURM_GPUS_ON_NODE', 0) or 0)
+    return list(range(count)) or None
 
 
 def _client() -> Any:
   from jax._src import distributed  # pylint: disable=g-import-not-at-top  # the coordination service's client
   return distributed.global_state.client
+
+
+def _exit_now() -> None:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access
 
 
 def _stop(message: str) -> None:
@@ -158,6 +181,10 @@ class PeerWatch:
               f'memory or its host lost); process {self.me} stops too instead of waiting in a collective. Resume '
               'from the last checkpoint (rerun the same command).')
 
+  def await_verdict(self) -> None:
+    """Gives PeerWatch the time to find a dead peer (it then ends this process); returns if it finds none."""
+    self._stopped.wait(self.timeout_s + 2 * self.interval_s)
+
   def close(self, failed: str | None = None) -> None:
     """Stops watching; tells the others this process is done, or failed (they then stop at once)."""
     self._stopped.set()
@@ -178,7 +205,10 @@ def watched(launch: Launch, peer_timeout_s: float) -> Iterator[None]:
   try:
     yield
   except BaseException as e:
+    if isinstance(e, jax.errors.JaxRuntimeError):  # e.g. gloo's "Connection reset by peer": a peer has likely died;
+      watch.await_verdict()  # PeerWatch then stops this process naming it, within its bound
     watch.close(failed=f'{type(e).__name__}: {e}'.splitlines()[0])
+    atexit.register(_exit_now)  # runs before JAX's own exit handler, whose shutdown barrier would wait for the dead
     raise
   multihost_utils.sync_global_devices('shardzoo:end')
   watch.close()
