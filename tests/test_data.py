@@ -115,3 +115,42 @@ def test_unknown_dataset():
   cfg.dataset.name = 'nope'
   with pytest.raises(ValueError, match=r"config.dataset.name='nope' is not a known dataset"):
     data.build(cfg)
+
+
+@pytest.mark.parametrize('packed', [False, True])
+def test_a_data_position_resumes_with_another_number_of_processes(packed):
+  """Positions saved by 2 processes (rows 0-3, 4-7) resume in 1 process (rows 0-7) and in 4 (2 rows each),
+  giving exactly the batches an uninterrupted run reads next (packed: each row's packer continues mid-document);
+  another global batch is a CheckpointError naming both."""
+  from errors import CheckpointError  # pylint: disable=g-import-not-at-top
+  from data.pipeline import RowsIterator, packed_train_dataset  # pylint: disable=g-import-not-at-top
+  docs = [np.arange(i % 7 + 3) + 100 * i for i in range(200)]
+  tok = lambda d: {'inputs': d[:-1].astype(np.int32), 'targets': d[1:].astype(np.int32)}
+
+  def it(rows, global_batch=8):
+    ds = (packed_train_dataset(docs, global_batch, rows, 0, tok, 6, prefetch=0) if packed else
+          data.train_dataset(np.stack([np.resize(d, 6) for d in docs]), global_batch, rows, 0, data.lm_example,
+                             num_threads=0, prefetch=0))
+    return RowsIterator(ds, rows, global_batch, packed)
+
+  whole = it(slice(0, 8))
+  expected = [next(whole)['inputs'] for _ in range(5)][3:]
+  saved = []
+  for rows in (slice(0, 4), slice(4, 8)):
+    half = it(rows)
+    for _ in range(3):
+      next(half)
+    saved.append(half.get_state())
+  resumed = it(slice(0, 8))
+  resumed.set_state(saved)
+  for e in expected:
+    np.testing.assert_array_equal(next(resumed)['inputs'], e)
+  quarters = [it(slice(2 * q, 2 * q + 2)) for q in range(4)]
+  for q in quarters:
+    q.set_state(saved)
+  for e in expected:
+    np.testing.assert_array_equal(np.concatenate([next(q)['inputs'] for q in quarters]), e)
+  with pytest.raises(CheckpointError, match='global batch of 8 .*this run reads 16'):
+    it(slice(0, 16), 16).set_state(saved)
+  with pytest.raises(CheckpointError, match=r'covers rows \[\(0, 4\)\]'):
+    it(slice(0, 8)).set_state(saved[:1])
