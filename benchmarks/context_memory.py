@@ -8,11 +8,12 @@ For each size c of the config's 'context' mesh axis (its other axes kept, so the
 same data-parallel split), the train step is traced and compiled for 2c simulated CPU devices (fsdp=2 x
 context=c for the cp presets) and its memory_analysis printed per device: temporaries (activations, attention
 scores, gradients in flight), arguments (params, optimizer state, the batch) and outputs. On the CPU, attention
-runs on XLA (per shard in shard_map under 'auto', GSPMD's partitioning under --config.model.attention=xla); on
-a GPU, 'auto' runs cuDNN per shard, whose temporaries these figures do not show.
+runs on XLA, partitioned by GSPMD (--per_shard_xla: per shard in shard_map, the path cuDNN takes on a GPU,
+with XLA inside); cuDNN's own temporaries on a GPU are not what these figures show.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -28,6 +29,8 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/llama.py:cp', 'Config file with a context mesh axis.',
                                 lock_config=True)
 flags.DEFINE_list('contexts', ['1', '2', '4', '8'], 'Sizes of the context mesh axis to compile for.')
+flags.DEFINE_bool('per_shard_xla', False, 'Without a GPU: XLA attention per shard in shard_map (the path cuDNN '
+                  'takes on GPUs) instead of GSPMD partitioning it.')
 
 
 def main(argv) -> None:
@@ -58,7 +61,8 @@ def main(argv) -> None:
     cfg.mesh.context = c
     mesh = partitioning.make_mesh(cfg.mesh, jax.devices()[:others * c])
     trainer = training.build(cfg, mesh, lambda rngs, cfg=cfg: models.create(cfg.model, rngs))
-    mem = training.compile_step(trainer, training.jit_train_step(trainer)).memory_analysis()
+    with attention.per_shard_xla() if FLAGS.per_shard_xla else contextlib.nullcontext():
+      mem = training.compile_step(trainer, training.jit_train_step(trainer)).memory_analysis()
     first = first or mem.temp_size_in_bytes
     print(f'{c:>7} {mesh.size:>7} {B * L // mesh.size:>13,} {fmt_bytes(mem.temp_size_in_bytes):>12} '
           f'{fmt_bytes(mem.argument_size_in_bytes):>10} {fmt_bytes(mem.output_size_in_bytes):>10}'

@@ -30,8 +30,9 @@ the key-side segment ids / padding are all-gathered over the context axes, and e
 of queries against every key under one mask built from positions (causal: key position <= the query's
 global position; packed: same segment; padding: real keys). The kernel inside is cuDNN on a GPU where the
 fused conditions hold (the mask becomes cuDNN's bias: (B, 1, L/c, L) in the compute dtype instead of XLA's
-(B, H, L/c, L) float32 scores) and XLA otherwise (CPU, float32), which is how the tests cover the per-shard
-logic exactly. 'xla' keeps GSPMD's own partitioning of XLA attention (no shard_map). 'pallas' cannot run
+(B, H, L/c, L) float32 scores), else XLA in the same shard_map (CPU, float32), which is how the tests cover the per-shard
+logic exactly (under `per_shard_xla()`; otherwise XLA attention on a sharded sequence is left to GSPMD, which
+needed fewer temporaries). 'xla' always keeps GSPMD's own partitioning (no shard_map). 'pallas' cannot run
 sharded sequences: its kernel takes one segment-id array for queries and keys and aligns causality at
 position 0 of both. No causal load balancing: the masked block is computed densely, so every shard does the
 same work whatever its position (a kernel that skips masked tiles would need a striped or zigzag order).
@@ -62,6 +63,19 @@ Q_AXES, KV_AXES = ('batch', 'length', 'heads', 'kv'), ('batch', 'length', 'kv_he
 
 _decisions: dict[str, None] = {}  # every distinct choice made while tracing, in order
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar('shardzoo_attention_forced', default=None)
+_per_shard_xla: contextvars.ContextVar[bool] = contextvars.ContextVar('shardzoo_attention_per_shard_xla', default=False)
+
+
+@contextlib.contextmanager
+def per_shard_xla():
+  """Runs XLA attention on a sharded sequence per shard in shard_map, the path cuDNN takes on GPUs (tests,
+  benchmarks/context_memory.py); without it XLA attention is left to GSPMD, which needed fewer temporaries
+  (Llama 1.24B, 2 x 32k tokens, context=4: 128 GiB per device against 160 GiB per shard)."""
+  token = _per_shard_xla.set(True)
+  try:
+    yield
+  finally:
+    _per_shard_xla.reset(token)
 
 
 def decisions() -> list[str]:
@@ -196,8 +210,11 @@ def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P
   if not cudnn_why:
     _record(f'cudnn ({what}) {where}, mask as bias')
     return 'cudnn', specs
-  _record(f'xla ({what}) {where}: ' + '; '.join(cudnn_why))
-  return 'xla', specs
+  if _per_shard_xla.get():
+    _record(f'xla ({what}) {where} (per_shard_xla): ' + '; '.join(cudnn_why))
+    return 'xla', specs
+  _record(f'xla ({what}): sequence sharded over {axes!r}, partitioned by GSPMD: ' + '; '.join(cudnn_why))
+  return 'xla', None
 
 
 def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal: bool, implementation: str):

@@ -74,7 +74,8 @@ def test_context_parallel_training_equals_one_device(name):
   assert dict(trainer.mesh.shape) == {'data': 1, 'fsdp': 2, 'context': 4, 'tensor': 1, **(
       {'expert': 1} if name == 'moe' else {})}
   assert trainer.batch_shardings['inputs'].spec == jax.P(('data', 'fsdp'), 'context')
-  losses, params = _train(trainer, jax.device_put(start, trainer.shardings), batches)
+  with attention.per_shard_xla():  # the shard_map path cuDNN takes on GPUs, with XLA inside
+    losses, params = _train(trainer, jax.device_put(start, trainer.shardings), batches)
   losses_1, params_1 = _train(trainer_1, jax.device_put(start, trainer_1.shardings), batches)
   np.testing.assert_allclose(losses, losses_1, rtol=TOL, atol=TOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL), params, params_1)
@@ -106,10 +107,15 @@ def test_per_shard_attention_equals_unsharded():
   rules = partitioning.AxisRules([('batch', 'fsdp'), ('length', 'context'), ('heads', None), ('kv_heads', None),
                                   ('kv', None)])
   with partitioning.use_rules(rules, mesh):
-    assert attention.choose('auto', q, k, causal=True, packed=True, padded=True)[0] == 'xla'
-    got = jax.jit(jax.value_and_grad(f, (0, 1, 2), has_aux=True))(q, k, v)
+    assert attention.choose('auto', q, k, causal=True, packed=True, padded=True) == ('xla', None)  # GSPMD
+    with attention.per_shard_xla():
+      assert attention.choose('auto', q, k, causal=True, packed=True, padded=True)[1] is not None
+      got = jax.jit(jax.value_and_grad(f, (0, 1, 2), has_aux=True))(q, k, v)
   assert any(d.startswith('xla (causal, packed, padding, float32, L=32, head_dim 8) per shard over '
-                          "'context': shard_map, keys/values all-gathered: cpu backend") for d in attention.decisions())
+                          "'context': shard_map, keys/values all-gathered (per_shard_xla): cpu backend")
+             for d in attention.decisions())
+  assert any(d.startswith('xla (causal, packed, padding, float32, L=32, head_dim 8): sequence sharded over '
+                          "'context', partitioned by GSPMD: cpu backend") for d in attention.decisions())
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
     np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
 
