@@ -58,6 +58,18 @@ TRANSFORMER_RULES = {
         ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
         ('layers', None), ('length', None), ('embed', None), ('kv', None), ('norm', None),
     ],
+    # Context (sequence) parallelism: every row split into `context` chunks along 'length' (activations, logits,
+    # attention's q/k/v; attention all-gathers keys and values per shard, models/attention.py), batch over fsdp.
+    # Parameters are sharded over fsdp x context (FSDP over all 8 devices), so the context axis does not hold
+    # replicated weights. The one parameter with a 'length' axis, GPT-2's position table (max_len, embed), is
+    # stored as P('context', 'fsdp') like any FSDP weight and gathered whole where it is used.
+    'cp': [
+        ('batch', ('data', 'fsdp')),
+        ('length', 'context'),
+        ('embed', ('fsdp', 'context')), ('embed', 'fsdp'), ('embed', None),
+        ('layers', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('kv', None), ('vocab', None),
+        ('norm', None),
+    ],
     'fsdp_tp': [
         ('batch', ('data', 'fsdp')),
         ('embed', 'fsdp'), ('embed', None),
@@ -69,15 +81,21 @@ TRANSFORMER_MESHES = {
     'dp': dict(data=8, fsdp=1, tensor=1),
     'fsdp': dict(data=1, fsdp=8, tensor=1),
     'tp': dict(data=2, fsdp=1, tensor=4),
+    'cp': dict(data=1, fsdp=2, context=4, tensor=1),
     'fsdp_tp': dict(data=1, fsdp=4, tensor=2),
 }
+CONTEXT_PRESETS = ('cp',)  # presets for decoder LMs only (transformer_presets(context=True))
 
 
-def transformer_presets(extra: Sequence[tuple] = (), drop: Sequence[str] = ()) -> tuple[dict, dict]:
+def transformer_presets(extra: Sequence[tuple] = (), drop: Sequence[str] = (),
+                        context: bool = False) -> tuple[dict, dict]:
   """Copies of (TRANSFORMER_RULES, TRANSFORMER_MESHES) for one config file: `extra` rules appended to every
-  preset (e.g. ('token_types', None)), rules for the logical names in `drop` left out."""
-  rules = {k: [r for r in v if r[0] not in drop] + list(extra) for k, v in TRANSFORMER_RULES.items()}
-  return rules, copy.deepcopy(TRANSFORMER_MESHES)
+  preset (e.g. ('token_types', None)), rules for the logical names in `drop` left out; the context-parallel
+  preset ('cp') only with `context` (decoder LMs). The last preset stays fsdp_tp (tests/test_configs.py trains
+  each file's last preset)."""
+  keep = [k for k in TRANSFORMER_RULES if context or k not in CONTEXT_PRESETS]
+  rules = {k: [r for r in TRANSFORMER_RULES[k] if r[0] not in drop] + list(extra) for k in keep}
+  return rules, copy.deepcopy({k: TRANSFORMER_MESHES[k] for k in keep})
 
 
 def mesh(sizes: Mapping[str, int]) -> ml_collections.ConfigDict:

@@ -8,6 +8,7 @@ Presets (one word switches the strategy; rules and meshes below stay editable):
   :dp       data parallel            mesh data=8
   :fsdp     fully sharded (default)  mesh data=1, fsdp=8
   :tp       tensor parallel + data   mesh data=2, tensor=4
+  :cp       context parallel         mesh fsdp=2, context=4 (each row split in 4 along the sequence)
   :fsdp_tp  FSDP + tensor            mesh data=1, fsdp=4, tensor=2
 Sizes: real (GPT-2 small, 124M: 12 layers, 12 heads, d=768), tiny (2 layers, d=64, on the offline
 Markov language). Combine with a comma: configs/gpt2.py:tp,tiny.
@@ -15,7 +16,7 @@ Markov language). Combine with a comma: configs/gpt2.py:tp,tiny.
 from configs import common
 
 # The transformer presets (configs/common.py), copied here to edit for this family, e.g. RULES['tp'] = [...].
-RULES, MESHES = common.transformer_presets()
+RULES, MESHES = common.transformer_presets(context=True)
 SIZES = {
     # pad_vocab_to: 50257 rows padded to 50304 so 'vocab' divides any mesh axis up to 128 (padded logits masked).
     'real': dict(vocab_size=50257, pad_vocab_to=128, max_len=1024, num_layers=12, num_heads=12, embed_dim=768,

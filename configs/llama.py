@@ -2,6 +2,7 @@ r"""Llama (1.24B at real size, Llama-3.2-1B layout): RMSNorm, rotary, grouped-qu
 
   python train.py --config configs/llama.py:tiny --workdir /tmp/llama_tiny          # seconds on CPU
   python train.py --config configs/llama.py:fsdp --workdir /tmp/llama --dry_run     # per-device memory
+  python train.py --config configs/llama.py:cp --workdir /tmp/llama_32k --dry_run   # 32k tokens, context parallel
   python train.py --config configs/llama.py --workdir /tmp/llama \
       --config.dataset.tokenizer=/path/to/llama_tokenizer                           # 1.24B on packed C4
 
@@ -9,6 +10,9 @@ Presets (one word switches the strategy; rules and meshes below stay editable):
   :dp       data parallel            mesh data=8 (1.24B replicated: 13.8 GiB of params + Adam per device)
   :fsdp     fully sharded (default)  mesh data=1, fsdp=8
   :tp       tensor parallel + data   mesh data=2, tensor=4 (heads, kv_heads, mlp, vocab on 'tensor')
+  :cp       context parallel         mesh fsdp=2, context=4: each row split in 4 along the sequence. At real
+            size this is the long-context run: 2 rows of 32,768 tokens (Llama 3.2's rope scaling, as its
+            config.json has it), 8,192 tokens of each row per device (benchmarks/context_memory.py)
   :fsdp_tp  FSDP + tensor            mesh data=1, fsdp=4, tensor=2
 Sizes: real (vocab 128256, d=2048, 16 layers, 32 heads, 8 kv heads, mlp 8192, rope_theta 5e5, tied
 embeddings), tiny (2 layers, d=64, 8 heads, 4 kv heads, on the offline Markov language).
@@ -23,7 +27,7 @@ directory holding the Llama 3 tokenizer, saved on a machine with access by
 from configs import common
 
 # The transformer presets (configs/common.py), copied here to edit for this family, e.g. RULES['tp'] = [...].
-RULES, MESHES = common.transformer_presets()
+RULES, MESHES = common.transformer_presets(context=True)
 SIZES = {
     # Llama-3.2-1B: 1,235,814,400 parameters (HF config: hidden_size 2048, intermediate_size 8192,
     # num_key_value_heads 8, rms_norm_eps 1e-5, tie_word_embeddings True). head_dim = 2048 / 32 = 64.
@@ -32,6 +36,10 @@ SIZES = {
     'tiny': dict(vocab_size=16, embed_dim=64, mlp_dim=128, num_layers=2, num_heads=8, num_kv_heads=4,
                  head_dim=8, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=True, max_len=64),
 }
+LONG_CONTEXT = 32768  # the cp preset's rows at real size
+# Llama-3.2-1B's config.json rope_scaling (trained to 128k positions from 8k): what the long-context preset uses.
+LLAMA32_ROPE_SCALING = (('rope_type', 'llama3'), ('factor', 32.0), ('low_freq_factor', 1.0),
+                        ('high_freq_factor', 4.0), ('original_max_position_embeddings', 8192))
 TOKENIZER = '/path/to/llama_tokenizer'  # placeholder: a local directory with a saved HF tokenizer
 
 
@@ -58,6 +66,10 @@ def get_config(arg: str | None = None):
     c.total_steps = 100_000
     c.optim.update(lr=3e-4, warmup_steps=2000, weight_decay=0.1)
     c.eval_every = 5000
+    if preset == 'cp':  # long context: rows of 32k tokens split over the context axis
+      c.model.update(max_len=LONG_CONTEXT, rope_scaling=LLAMA32_ROPE_SCALING)
+      c.dataset.seq_len = LONG_CONTEXT
+      c.batch_size = 2  # 65k tokens per step: one row per fsdp group
   else:
     c.dataset = common.ConfigDict(dict(
         name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64,

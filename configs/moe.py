@@ -11,6 +11,8 @@ Presets (one word switches the strategy; rules and meshes below stay editable):
             tokens go to their experts by all-to-all; batch on data x expert, dense layers replicated
   :fsdp_ep  FSDP + experts (default)   mesh fsdp=2, expert=4; as ep, and every weight is also sharded
             on embed (dense weights 8 ways over fsdp x expert, expert weights on fsdp)
+  :cp       context parallel           mesh fsdp=2, context=4; as fsdp, each row split in 4 along the sequence
+            (the routing groups of group_size tokens are split too: dispatch sums over the context axis)
   :ep_tp    experts + tensor           mesh expert=4, tensor=2; batch on expert, mlp/heads/vocab on tensor
 Under expert parallelism, 'batch' and 'expert' share the mesh axis 'expert': the dense layers are
 data parallel over it, the experts are split over it, and the dispatched tokens (expert, batch, ...)
@@ -46,6 +48,13 @@ RULES = {
         ('mlp', None), ('heads', None), ('kv_heads', None), ('vocab', None),
         *_REST,
     ],
+    'cp': [  # as fsdp, and each row split along the sequence over 'context' (configs/common.py: 'cp')
+        ('batch', ('data', 'fsdp')),
+        ('length', 'context'),
+        ('embed', ('fsdp', 'context')), ('embed', 'fsdp'), ('embed', None),
+        ('expert', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('vocab', None),
+        ('layers', None), ('kv', None), ('norm', None),
+    ],
     'ep_tp': [
         ('batch', ('data', 'expert')), ('batch', 'data'),
         ('expert', 'expert'), ('expert', None),
@@ -59,6 +68,7 @@ MESHES = {
     'fsdp': dict(data=1, fsdp=8, expert=1, tensor=1),
     'ep': dict(data=2, fsdp=1, expert=4, tensor=1),
     'fsdp_ep': dict(data=1, fsdp=2, expert=4, tensor=1),
+    'cp': dict(data=1, fsdp=2, context=4, expert=1, tensor=1),
     'ep_tp': dict(data=1, fsdp=1, expert=4, tensor=2),
 }
 _MOE = dict(num_experts=8, top_k=2, capacity_factor=1.25, aux_loss_weight=0.01, router_z_loss_weight=1e-3)

@@ -6,7 +6,7 @@ its model uses, and a name without a rule is an error, never a silent replicatio
 | name       | meaning                                                        | typical rule            |
 |------------|----------------------------------------------------------------|-------------------------|
 | batch      | examples in a batch (activations, batch fields)                | ('data', 'fsdp')        |
-| length     | sequence positions (activations; position-table rows)          | None (or 'sequence')    |
+| length     | sequence positions (activations; position-table rows)          | None (or 'context')     |
 | embed      | model width d_model (params and activations)                   | 'fsdp', fallback None   |
 | mlp        | feed-forward hidden width                                      | 'tensor'                |
 | heads      | query attention heads                                          | 'tensor'                |

@@ -22,8 +22,20 @@ capability >= 8.0, with power-of-two head_dim and the length a multiple of PALLA
 packed documents, which cuDNN does not take (benchmarks/attention_parity.py compares the kernels).
 (tokamax 0.0.12's kernels failed on
 jax 0.11.2: its Mosaic GPU kernel passes a removed Mesh argument, its Triton kernel calls the removed pl.dot.)
-Under a mesh, cuDNN and Pallas run per shard inside `jax.shard_map` (batch and heads may be sharded; sequence
-sharding falls back to XLA).
+Under a mesh, cuDNN and Pallas run per shard inside `jax.shard_map` (batch and heads may be sharded).
+
+Context (sequence) parallelism: when the queries' 'length' is sharded (a rule such as ('length', 'context')),
+'auto' and 'cudnn' run attention per shard inside `jax.shard_map` (`_per_shard_context`): keys, values and
+the key-side segment ids / padding are all-gathered over the context axes, and each shard attends its chunk
+of queries against every key under one mask built from positions (causal: key position <= the query's
+global position; packed: same segment; padding: real keys). The kernel inside is cuDNN on a GPU where the
+fused conditions hold (the mask becomes cuDNN's bias: (B, 1, L/c, L) in the compute dtype instead of XLA's
+(B, H, L/c, L) float32 scores), else XLA in the same shard_map (CPU, float32), which is how the tests cover the per-shard
+logic exactly (under `per_shard_xla()`; otherwise XLA attention on a sharded sequence is left to GSPMD, which
+needed fewer temporaries). 'xla' always keeps GSPMD's own partitioning (no shard_map). 'pallas' cannot run
+sharded sequences: its kernel takes one segment-id array for queries and keys and aligns causality at
+position 0 of both. No causal load balancing: the masked block is computed densely, so every shard does the
+same work whatever its position (a kernel that skips masked tiles would need a striped or zigzag order).
 
 Shape suffixes: B batch, L length, H query heads, G kv heads, K head dim.
 """
@@ -32,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from typing import Any
 
 import jax
@@ -50,6 +63,19 @@ Q_AXES, KV_AXES = ('batch', 'length', 'heads', 'kv'), ('batch', 'length', 'kv_he
 
 _decisions: dict[str, None] = {}  # every distinct choice made while tracing, in order
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar('shardzoo_attention_forced', default=None)
+_per_shard_xla: contextvars.ContextVar[bool] = contextvars.ContextVar('shardzoo_attention_per_shard_xla', default=False)
+
+
+@contextlib.contextmanager
+def per_shard_xla():
+  """Runs XLA attention on a sharded sequence per shard in shard_map, the path cuDNN takes on GPUs (tests,
+  benchmarks/context_memory.py); without it XLA attention is left to GSPMD, which needed fewer temporaries
+  (Llama 1.24B, 2 x 32k tokens, context=4: 128 GiB per device against 160 GiB per shard)."""
+  token = _per_shard_xla.set(True)
+  try:
+    yield
+  finally:
+    _per_shard_xla.reset(token)
 
 
 def decisions() -> list[str]:
@@ -78,17 +104,18 @@ def _platform() -> str:
 
 
 def _local_specs(q_BLHK, k_BLGK) -> tuple[P, P, P] | str:
-  """PartitionSpecs (q, kv, (batch, length)) for running cuDNN per shard, or why it cannot."""
+  """PartitionSpecs (q, kv, (batch, length)) for running a kernel per shard, or why it cannot. A sharded
+  length (context parallelism) shows in q_spec[1]; keys and values then arrive split like the queries."""
   q_spec, kv_spec = logical_spec(Q_AXES, q_BLHK.shape), logical_spec(KV_AXES, k_BLGK.shape)
   q_spec, kv_spec = (tuple(s) + (None,) * (4 - len(s)) for s in (q_spec, kv_spec))
-  if q_spec[1] is not None:
-    return f'the sequence is sharded over {q_spec[1]!r} (context parallelism runs on XLA attention)'
+  if q_spec[1] != kv_spec[1]:
+    return f'queries and keys are sharded differently along the sequence ({q_spec[1]!r} vs {kv_spec[1]!r})'
   if q_spec[3] is not None or kv_spec[3] is not None:
     return 'the head dim (kv) is sharded'
   if q_spec[0] != kv_spec[0] or q_spec[2] != kv_spec[2]:
     return (f'queries and keys are sharded differently (heads {q_spec[2]!r} vs kv_heads {kv_spec[2]!r}): '
             'shard kv_heads like heads')
-  return P(*q_spec), P(*kv_spec), P(q_spec[0], None)
+  return P(*q_spec), P(*kv_spec), P(q_spec[0], q_spec[1])
 
 
 def _device() -> Any:
@@ -127,6 +154,10 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
   K = q_BLHK.shape[-1]
   if K % 8 or K > 256:
     fused.append(f'head_dim {K} (fused kernels take a multiple of 8, at most 256)')
+  mesh = active_mesh()
+  specs = _local_specs(q_BLHK, k_BLGK) if mesh is not None and mesh.size > 1 else None
+  if isinstance(specs, tuple) and specs[0][1] is not None:  # the sequence is sharded: context parallelism
+    return _choose_context(impl, what, fused, specs, q_BLHK.shape[1])
   cudnn_why, pallas_why = list(fused), list(fused)
   if padded and impl == 'auto':
     cudnn_why.append('a per-token padding mask (cuDNN takes lengths; '
@@ -147,20 +178,64 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
     why = cudnn_why if impl == 'cudnn' else pallas_why
     if why:
       raise ConfigError(f'config.model.attention={impl} cannot run this attention ({what}): {"; ".join(why)}')
-  specs = None
-  if choice is not None and active_mesh() is not None and active_mesh().size > 1:
-    specs = _local_specs(q_BLHK, k_BLGK)
-    if isinstance(specs, str):
-      if impl != 'auto':
-        raise ConfigError(f'config.model.attention={impl} cannot run this attention ({what}): {specs}')
-      cudnn_why.append(specs)
-      choice = None
+  if choice is not None and isinstance(specs, str):  # a layout the per-shard kernels cannot take
+    if impl != 'auto':
+      raise ConfigError(f'config.model.attention={impl} cannot run this attention ({what}): {specs}')
+    cudnn_why.append(specs)
+    choice = None
   if choice is None:
     _record(f'xla ({what}): ' + '; '.join(cudnn_why + (['Pallas: ' + '; '.join(pallas_why)] if packed else [])))
     return 'xla', None
   _record(f'{choice} ({what})' + (' per shard (shard_map)' if specs else ''))
   return choice, specs
 
+
+def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P], L: int) -> tuple[str, Any]:
+  """The kernel for attention whose sequence is sharded (context parallelism): it runs per shard in shard_map
+  (`_per_shard_context`) on cuDNN where the fused conditions hold, else on XLA; Pallas cannot (module doc)."""
+  axes = specs[0][1]
+  names = axes if isinstance(axes, tuple) else (axes,)
+  shards = math.prod(active_mesh().shape[a] for a in names)
+  where = f'per shard over {axes!r}: shard_map, keys/values all-gathered'
+  if impl == 'pallas':
+    raise ConfigError(f'config.model.attention=pallas cannot run this attention ({what}): the sequence is sharded '
+                      f'over {axes!r} and the Pallas kernel cannot offset causality to a shard of the queries; '
+                      "use 'cudnn' or 'auto'")
+  cudnn_why = list(fused)
+  if (L // shards) % CUDNN_LENGTH_MULTIPLE:
+    cudnn_why.append(f'{L // shards} queries per shard (cuDNN takes a multiple of {CUDNN_LENGTH_MULTIPLE})')
+  if impl == 'cudnn' and cudnn_why:
+    raise ConfigError(f'config.model.attention=cudnn cannot run this attention ({what}, {where}): '
+                      + '; '.join(cudnn_why))
+  if not cudnn_why:
+    _record(f'cudnn ({what}) {where}, mask as bias')
+    return 'cudnn', specs
+  if _per_shard_xla.get():
+    _record(f'xla ({what}) {where} (per_shard_xla): ' + '; '.join(cudnn_why))
+    return 'xla', specs
+  _record(f'xla ({what}): sequence sharded over {axes!r}, partitioned by GSPMD: ' + '; '.join(cudnn_why))
+  return 'xla', None
+
+
+def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal: bool, implementation: str):
+  """One shard of context-parallel attention (inside shard_map): this shard's C queries against all S keys.
+  Keys, values and the key-side rows are all-gathered over `axes`; one mask from positions holds causality
+  (the shard's queries start at axis_index * C), packed documents and padding."""
+  C = q_BCHK.shape[1]
+  gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
+  k_BSGK, v_BSGK = gather(k_BCGK), gather(v_BCGK)
+  S = k_BSGK.shape[1]
+  mask = None
+  if causal:
+    q_pos_C = jax.lax.axis_index(axes) * C + jnp.arange(C)
+    mask = (q_pos_C[:, None] >= jnp.arange(S)[None, :])[None, None]
+  if (seg_BC := rows.get('segment_ids_BL')) is not None:
+    same = seg_BC[:, None, :, None] == gather(seg_BC)[:, None, None, :]
+    mask = same if mask is None else mask & same
+  if (valid_BC := rows.get('valid_BL')) is not None:
+    keys = gather(valid_BC).astype(bool)[:, None, None, :]
+    mask = keys if mask is None else mask & keys
+  return jax.nn.dot_product_attention(q_BCHK, k_BSGK, v_BSGK, mask=mask, implementation=implementation)
 
 def _pallas(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, interpret: bool = False):
   """JAX's Pallas flash attention. Padding becomes segment 0 (real queries never see padded keys; padded
@@ -222,7 +297,10 @@ def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, causal: b
     else:
       q_spec, kv_spec, bl_spec = specs
       rows = {k: x for k, x in (('segment_ids_BL', segment_ids_BL), ('valid_BL', valid_BL)) if x is not None}
-      local = lambda q, k, v, rows: kernel(q, k, v, rows.get('segment_ids_BL'), rows.get('valid_BL'))
+      if q_spec[1] is not None:  # context parallelism
+        local = functools.partial(_per_shard_context, axes=q_spec[1], causal=causal, implementation=kind)
+      else:
+        local = lambda q, k, v, rows: kernel(q, k, v, rows.get('segment_ids_BL'), rows.get('valid_BL'))
       o_BLHK = jax.shard_map(local, mesh=active_mesh(), in_specs=(q_spec, kv_spec, kv_spec, {k: bl_spec for k in rows}),
                              out_specs=q_spec, check_vma=False)(q_BLHK, k_BLGK, v_BLGK, rows)
   return checkpoint_name(o_BLHK, 'attn_out')

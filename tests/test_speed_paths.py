@@ -84,7 +84,7 @@ def test_pallas_kernel_equals_xla_for_packed_padded_grouped_heads():
     np.testing.assert_allclose(g, r, atol=2e-5)
 
 
-def test_cudnn_would_run_per_shard_and_sequence_sharding_falls_back():
+def test_cudnn_would_run_per_shard_also_with_the_sequence_sharded():
   cfg = tiny_config('fsdp_tp')
   trainer = build_trainer(cfg)
   q, k, v = _qkv(B=16, L=16, H=4, G=4, K=16)
@@ -94,8 +94,10 @@ def test_cudnn_would_run_per_shard_and_sequence_sharding_falls_back():
   assert row_spec == jax.P(('data', 'fsdp'), None)
   rules = partitioning.AxisRules([('batch', ('data', 'fsdp')), ('length', 'tensor'), ('heads', None),
                                   ('kv_heads', None), ('kv', None)])
-  with partitioning.use_rules(rules, trainer.mesh):
-    assert 'the sequence is sharded' in attention._local_specs(q, k)
+  with partitioning.use_rules(rules, trainer.mesh):  # context parallelism: per shard too (tests/test_context.py)
+    q_spec, kv_spec, row_spec = attention._local_specs(q, k)
+  assert q_spec == jax.P(('data', 'fsdp'), 'tensor', None, None) == kv_spec
+  assert row_spec == jax.P(('data', 'fsdp'), 'tensor')
 
 
 def test_unrolled_stack_initialises_as_the_scanned_one():
