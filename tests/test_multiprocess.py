@@ -128,30 +128,22 @@ def test_slurm_launch_hybrid_mesh_and_resume_with_other_process_counts(tmp_path)
 
 @pytest.mark.slow
 def test_a_killed_process_stops_its_peer_within_the_timeout(tmp_path):
-  """kill -9 of process 1: process 0 stops within --peer_timeout (+1/5) naming it. kill -9 of process 0 (the
-  coordinator): JAX's client ends process 1 at once. Both pairs run at the same time."""
+  """kill -9 of process 1 while training: process 0 stops within --peer_timeout (x 1.2), naming it, with status
+  75. (kill -9 of process 0, the coordinator, makes JAX's client abort process 1 within a second: README.)"""
   timeout = 8
-  pairs = []
-  for victim in (1, 0):
-    pairs.append((victim, _start(['--config.total_steps=100000', '--config.eval_every=100000',
-                                  f'--peer_timeout={timeout}', '--workdir', str(tmp_path / f'kill{victim}')], 2)))
-  for victim, procs in pairs:
-    for line in procs[0].stdout:  # training has started in both processes
-      if line.startswith('step'):
-        break
-    os.kill(procs[victim].pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    survivor = procs[1 - victim]
-    _, err = survivor.communicate(timeout=120)
-    waited = time.monotonic() - t0
-    procs[victim].wait()
-    if victim == 1:
-      assert survivor.returncode == 75, err[-3000:]
-      assert 'shardzoo: process 1 of 2 stopped responding' in err
-      assert waited < timeout * 1.2 + 5, waited
-    else:
-      assert survivor.returncode != 0 and 'leader task was preempted/died' in err, err[-3000:]
-      assert waited < 10, waited
+  procs = _start(['--config.total_steps=100000', '--config.eval_every=100000', f'--peer_timeout={timeout}',
+                  '--workdir', str(tmp_path / 'kill')], 2)
+  for line in procs[0].stdout:  # training has started
+    if line.startswith('step'):
+      break
+  os.kill(procs[1].pid, signal.SIGKILL)
+  t0 = time.monotonic()
+  _, err = procs[0].communicate(timeout=120)
+  waited = time.monotonic() - t0
+  procs[1].wait()
+  assert procs[0].returncode == 75, err[-3000:]
+  assert 'shardzoo: process 1 of 2 stopped responding' in err
+  assert waited < timeout * 1.2 + 5, waited
 
 
 def test_kubernetes_manifest_is_consistent():
