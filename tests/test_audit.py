@@ -36,3 +36,22 @@ def test_data_parallel_gathers_no_parameters_and_fsdp_does():
   assert line.startswith('arguments ') and 'collectives: all-reduce x' in line
   fsdp, _ = _stats('fsdp')
   assert fsdp['all-gather'][0] > 0  # parameters sharded on 'embed' are gathered for use
+
+
+def test_replica_groups_in_every_hlo_form_and_what_crosses_dcn():
+  """Explicit, iota and mesh-form replica groups (jax 0.10's XLA prints the last) and permute pairs become groups
+  of partition ids; with the slice of each, only the collectives whose groups span slices count as DCN."""
+  groups = partitioning.replica_groups
+  assert groups('{{0,4},{1,5}}', 8) == [[0, 4], [1, 5]] and groups('{}', 4) == [[0, 1, 2, 3]]
+  assert groups('[2,4]<=[8]', 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert groups('[2,4]<=[4,2]T(1,0)', 8) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+  mesh_form = "mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {%s}"
+  assert groups(mesh_form % "'axis_0'", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert groups(mesh_form % "'axis_2'", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  hlo = ('  %a = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add\n'
+         '  %b = f32[4]{0} all-reduce(%p), channel_id=2, replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add\n'
+         '  %c = f32[2]{0} collective-permute(%p), channel_id=3, source_target_pairs={{0,1},{1,0}}\n'
+         '  %d = f32[16]{0} collective-permute(%p), channel_id=4, source_target_pairs={{1,2},{3,0}}\n')
+  slice_of = [0, 0, 1, 1]  # devices 0-1 and 2-3 are two slices
+  assert partitioning.collective_stats(hlo, slice_of) == {'all-reduce': (1, 16), 'collective-permute': (1, 64)}
+  assert partitioning.collective_stats(hlo)['all-reduce'] == (2, 48)
