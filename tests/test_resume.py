@@ -52,19 +52,6 @@ def test_sigterm_saves_and_resume_is_bitwise_equal(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed['state']), jax.device_get(full))
 
 
-def test_resume_under_other_rules(tmp_path):
-  # (Other device counts: tests/test_checkpoint.py restores onto 4 and 1 devices.)
-  workdir = str(tmp_path / 'run')
-  train.train_and_evaluate(_config(total_steps=8), workdir)
-  cfg = gpt2_config.get_config('dp,tiny')
-  cfg.update(total_steps=12, log_every=4, eval_every=12, checkpoint_every=4)
-  cfg.dataset.update(num_train=1024, num_eval=64)
-  out = train.train_and_evaluate(cfg, workdir)  # data parallel, from the fsdp_tp checkpoint
-  assert int(out['state'].step) == 12
-  kernel = out['state'].params['blocks']['layers']['mlp']['up']['layer']['kernel']
-  assert kernel.sharding.spec == jax.sharding.PartitionSpec()  # replicated under dp
-
-
 @pytest.fixture(scope='module')
 def hf_gpt2(tmp_path_factory):
   import torch
