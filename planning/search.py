@@ -118,6 +118,7 @@ def apply(config: ml_collections.ConfigDict, cand: Candidate) -> ml_collections.
   with c.unlocked():
     c.mesh = ml_collections.ConfigDict(dict(cand.mesh), sort_keys=False)
     c.logical_axis_rules = [tuple(r) for r in cand.rules]
+    c.preset = cand.rules_name
     if cand.remat is not None:
       c.model.remat = cand.remat
   return c
@@ -185,7 +186,7 @@ class Search:
         eff = lambda specs: tuple(effective(s, shape) for s in jax.tree.leaves(
             specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
         fps.append((eff(tr.specs), eff({k: v.spec for k, v in tr.batch_shardings.items()}),
-                    tuple(sorted((n, sh, effective(s, shape)) for n, sh, s in log))))
+                    tuple(sorted(((n, sh, effective(s, shape)) for n, sh, s in log), key=repr))))
     except ShardingError as e:
       raise Pruned(reason_of(e), str(e)) from None
     mesh_eff = tuple((a, s) for a, s in cand.mesh if s > 1)
