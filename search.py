@@ -11,7 +11,6 @@ plans -> the table -> --measure: real steps of the top K -> --out: the winner as
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 
@@ -35,34 +34,13 @@ flags.DEFINE_integer('measure_steps', 3, 'Timed steps per measured plan (after o
 flags.DEFINE_string('out', None, 'Write the winning plan here as a config file train.py --config accepts.')
 flags.DEFINE_string('remat', 'staged', "'staged': the config's remat first, every policy on the best --stage2 plans; "
                     "'config': the config's only; or a comma-separated list of policies.")
-flags.DEFINE_integer('stage2', 3, "With --remat=staged: how many of stage 1's best plans try every remat policy.")
+flags.DEFINE_integer('stage2', 3, "How many of stage 1's best plans (presets only) try their presets' variants "
+                     "and, with --remat=staged, every remat policy.")
 flags.DEFINE_integer('workers', 2, 'Compilations run in parallel.')
 
 
 def say(msg: str) -> None:
   print(msg, flush=True)
-
-
-def load_module(config_file: str):
-  spec = importlib.util.spec_from_file_location('searched_config', config_file)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def presets_of(config_file: str, arg: str, config) -> dict[str, list]:
-  """The config file's rule presets (its RULES dict, each preset built by its own get_config), plus the config's
-  own rules when they are none of them (edited on the command line)."""
-  module = load_module(config_file)
-  size = config.get('size')
-  out = {}
-  for name in getattr(module, 'RULES', {}):
-    words = [name] + ([size] if size else [])
-    out[name] = list(module.get_config(','.join(words)).logical_axis_rules)
-  own = [tuple(r) for r in config.logical_axis_rules]
-  if own not in [[tuple(r) for r in v] for v in out.values()]:
-    out['config'] = own
-  return out
 
 
 def main(argv) -> None:
@@ -86,7 +64,7 @@ def main(argv) -> None:
       plan_file.check_out_path(FLAGS.out)
     config_path, _, config_arg = config_flags.get_config_filename(FLAGS['config']).partition(':')
     config_arg = config_arg or None
-    rules = candidates.rule_variants(presets_of(config_path, config_arg, config))
+    rules = candidates.rule_variants(candidates.presets_of(config_path, config_arg, config))
     axes = candidates.mesh_axes_of(rules, list(config.mesh))
     has_remat = 'model' in config and 'remat' in config.model
     own_remat = config.model.remat if has_remat else None
@@ -111,14 +89,15 @@ def main(argv) -> None:
     search = search_lib.Search(config, lambda m, r: models.create(m, r, config.get('lora')), chip, n, hosts,
                                devices, workers=FLAGS.workers)
 
-    # --- Stage 1: every mesh x rule set, the config's remat (or the given ones) ---------------------------
-    result = search.run(candidates.generate(n, axes, rules, first, hosts))
+    # --- Stage 1: every mesh x preset, the config's remat (or the given ones) ------------------------------
+    presets = {k: v for k, v in rules.items() if '-' not in k}
+    result = search.run(candidates.generate(n, axes, presets, first, hosts))
     say(f'stage 1: {result.compiled} plans compiled in {result.wall_s:.0f} s')
-    # --- Stage 2: the other remat policies on the best plans --------------------------------------------
-    if FLAGS.remat == 'staged' and has_remat and result.ranked:
-      best = result.ranked[:FLAGS.stage2]
-      more = [c.__class__(c.mesh, c.rules_name, c.rules, r) for c in (s.candidate for s in best)
-              for r in choices if r != own_remat]
+    # --- Stage 2: the best plans' meshes with their presets' variants and every remat policy -------------
+    if result.ranked and FLAGS.stage2:
+      remats = choices if FLAGS.remat == 'staged' else first
+      more = [candidates.Candidate(c.mesh, name, r, remat) for c in (s.candidate for s in result.ranked[:FLAGS.stage2])
+              for name, r in rules.items() if name.split('-')[0] == c.rules_name for remat in remats]
       extra = search.run(more)
       say(f'stage 2: {extra.compiled} plans compiled in {extra.wall_s:.0f} s')
       result.ranked = sorted(result.ranked + extra.ranked, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
@@ -156,7 +135,7 @@ def main(argv) -> None:
         f'{win.prediction.memory_gib:.1f} GiB per device. Search took {wall:.0f} s.')
     if FLAGS.out:
       plan = search_lib.apply(config, win.candidate)
-      base_config = load_module(config_path).get_config(config_arg)
+      base_config = candidates.load_module(config_path).get_config(config_arg)
       command = f'python train.py --config {FLAGS.out} --workdir /tmp/plan'
       header = (f'Plan chosen by search.py on {time.strftime("%Y-%m-%d")} for {n} x {chip.name}'
                 + (f' over {hosts} hosts' if hosts > 1 else '') + f':\n  {win.candidate.label()}\n'

@@ -9,9 +9,11 @@ searched. Nothing here imports JAX or a model.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from errors import ConfigError
 
@@ -49,19 +51,23 @@ def _hosts_along(sizes: Sequence[int], axis: int, per_host: int) -> int:
 
 def axis_orders(sizes: Mapping[str, int], hosts: int) -> list[tuple[tuple[str, int], ...]]:
   """Orders of the mesh axes that put different axes across hosts, one per distinct placement (each axis's
-  hosts spanned); with one host, the given order only."""
+  hosts spanned). Where some order puts the host boundary between axes (the leading axes span exactly the
+  hosts: those axes run on DCN, the rest on ICI), only such orders; else (an axis must be split over hosts
+  and within them) every distinct placement. With one host, the given order only."""
   base = tuple(sizes.items())
   if hosts <= 1:
     return [base]
   n = math.prod(sizes.values())
-  seen, out = set(), []
+  seen, clean, other = set(), [], []
   for perm in itertools.permutations(base):
     order = [s for _, s in perm]
     sig = tuple(sorted((a, s, _hosts_along(order, i, n // hosts)) for i, (a, s) in enumerate(perm) if s > 1))
-    if sig not in seen:
-      seen.add(sig)
-      out.append(perm)
-  return out
+    if sig in seen:
+      continue
+    seen.add(sig)
+    prefixes = [math.prod(order[:k]) for k in range(len(order) + 1)]
+    (clean if hosts in prefixes else other).append(perm)
+  return clean or other
 
 
 def rule_variants(presets: Mapping[str, Sequence[tuple]]) -> dict[str, Rules]:
@@ -102,3 +108,26 @@ def generate(num_devices: int, axes: Sequence[str], rules_by_name: Mapping[str, 
     for mesh in axis_orders(dict(zip(axes, sizes)), hosts):
       for (name, rules), remat in itertools.product(rules_by_name.items(), remats):
         yield Candidate(mesh, name, rules, remat)
+
+
+def load_module(config_file: str):
+  """A config file as a module (its RULES, MESHES, SIZES, get_config)."""
+  spec = importlib.util.spec_from_file_location('searched_config', config_file)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def presets_of(config_file: str, arg: str | None, config: Any) -> dict[str, list]:
+  """The config file's rule presets (its RULES dict, each preset built by its own get_config), plus the config's
+  own rules when they are none of them (edited on the command line)."""
+  module = load_module(config_file)
+  size = config.get('size')
+  out = {}
+  for name in getattr(module, 'RULES', {}):
+    words = [name] + ([size] if size else [])
+    out[name] = list(module.get_config(','.join(words)).logical_axis_rules)
+  own = [tuple(r) for r in config.logical_axis_rules]
+  if own not in [[tuple(r) for r in v] for v in out.values()]:
+    out['config'] = own
+  return out
