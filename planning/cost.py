@@ -64,11 +64,18 @@ class Prediction:
   collective_s: float
   by_axes: dict[str, float]  # 'fsdp', 'data+fsdp', ... (DCN ones marked) -> seconds
   fits: bool
-  memory_gib: float
+  memory_gib: float  # arguments + outputs - aliases + temporaries
+  state_gib: float  # arguments + outputs - aliases (parameters, optimizer state, batch)
 
 
-def predict(profile: Profile, chip: Any, num_devices: int, memory_headroom: float = 0.9) -> Prediction:
-  """The predicted step time of a profile on `num_devices` of `chip` (a training.flops.Chip)."""
+def predict(profile: Profile, chip: Any, num_devices: int, memory_headroom: float = 0.9,
+            temporaries_known: bool = True) -> Prediction:
+  """The predicted step time of a profile on `num_devices` of `chip` (a training.flops.Chip).
+
+  Fits: memory <= headroom x the chip's. `temporaries_known=False` (a GPU/TPU target compiled on CPU: XLA's
+  attention there materialises the L x L scores that the GPU's flash kernels never hold, so the CPU's
+  temporaries are an upper bound, 5x the GPU's for Llama 1.24B) checks the state alone, with temporaries
+  capped at half the chip's memory."""
   share = num_devices if chip.shared else 1
   compute = max(profile.flops / (chip.peak_tflops * 1e12 * chip.compute_eff),
                 profile.bytes_accessed / (chip.hbm_gbps * 1e9)) * share
@@ -82,8 +89,10 @@ def predict(profile: Profile, chip: Any, num_devices: int, memory_headroom: floa
     by_axes[name] = by_axes.get(name, 0.0) + t
   collective = sum(by_axes.values())
   gib = profile.memory / 2**30
-  return Prediction(compute + collective, compute, collective, by_axes,
-                    gib <= chip.memory_gib * memory_headroom, gib)
+  state = (profile.memory - profile.temp_bytes) / 2**30
+  need = gib if temporaries_known else state + min(profile.temp_bytes / 2**30, chip.memory_gib / 2)
+  return Prediction(compute + collective, compute, collective, by_axes, need <= chip.memory_gib * memory_headroom,
+                    gib, state)
 
 
 def mfu(model_flops: float, step_s: float, num_devices: int, chip: Any) -> float:

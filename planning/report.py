@@ -31,12 +31,12 @@ def _what(s: Scored) -> str:
 
 def table(plans: Sequence[Scored], chip: Any) -> str:
   rows = [('#', 'plan (mesh | rules | remat)', 'step ms', 'MFU', 'compute', 'collect.', 'costliest groups (ms)',
-           'bytes moved/dev', 'mem GiB', 'measured')]
+           'collective bytes/dev', 'mem GiB (state)', 'measured')]
   for i, s in enumerate(plans, 1):
     p = s.prediction
     rows.append((str(i), s.candidate.label(), _ms(p.step_s), '-' if s.mfu is None else f'{100 * s.mfu:.1f}%',
                  _ms(p.compute_s), _ms(p.collective_s), _where(s), _what(s),
-                 f'{p.memory_gib:.1f}' + ('' if p.fits else ' OVER'), _ms(s.measured_s)))
+                 f'{p.memory_gib:.1f} ({p.state_gib:.1f})' + ('' if p.fits else ' OVER'), _ms(s.measured_s)))
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
   return '\n'.join('  '.join(c.ljust(w) if j in (1, 6, 7) else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
                    for r in rows)

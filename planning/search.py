@@ -143,6 +143,8 @@ class Search:
       raise ShardingError(f'the search needs {num_devices} devices to compile for; JAX has {len(self.devices)} '
                           '(simulated CPU devices: partitioning.simulate_cpu_devices before JAX starts)')
     self.num_devices = num_devices
+    # compiled on CPU for a GPU/TPU: XLA attention's L x L temporaries make the memory an upper bound
+    self.temporaries_known = chip.shared or self.devices[0].platform != 'cpu'
     self.per_host = num_devices // hosts
     self.layers = config.model.get('num_layers') if 'model' in config else None
     self.workers = workers
@@ -258,15 +260,15 @@ class Search:
       scored = []
       for cand, fut in pending:
         profile, secs = fut.result()
-        pred = cost.predict(profile, self.chip, self.num_devices)
+        pred = cost.predict(profile, self.chip, self.num_devices, temporaries_known=self.temporaries_known)
         m = cost.mfu(self.model_flops, pred.step_s, self.num_devices, self.chip) if self.model_flops else None
         scored.append(Scored(cand, profile, pred, m, secs))
         self.log(f'  {cand.label()}: {1e3 * pred.step_s:.1f} ms predicted ({secs:.1f} s to compile)')
     for s in scored:
       if not s.prediction.fits:
         pruned['over device memory (compiled)'] += 1
-        examples.setdefault('over device memory (compiled)',
-                            f'{s.candidate.label()}: {s.prediction.memory_gib:.1f} GiB')
+        examples.setdefault('over device memory (compiled)', f'{s.candidate.label()}: {s.prediction.memory_gib:.1f} '
+                            f'GiB ({s.prediction.state_gib:.1f} GiB of state)')
     ranked = sorted(scored, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
     return Result(ranked, pruned, examples, considered, len(pending), time.perf_counter() - t0, self.model_flops)
 
