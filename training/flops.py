@@ -135,7 +135,8 @@ class Chip:
 # Llama 1.24B step reached 36-40% MFU (model FLOPs) on one H100 (README "On GPUs", 2026-11-22), about 0.45 of
 # peak once remat's recomputed FLOPs are counted; not re-measured by the plan search (no GPU in its session).
 # cpu: this project's 2-core test machine, whose simulated devices share both cores (160 GFLOP/s fp32 matmul,
-# shared/NOTES.md); its efficiencies and latencies are fitted by benchmarks/search_accuracy.py (README "Plan search").
+# shared/NOTES.md); its efficiencies and latency are fitted by benchmarks/search_accuracy.py (README "Plan search"):
+# a step of a tiny model there is dominated by per-op and per-collective overheads, not by FLOPs.
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip('h100', 989.0, 3350.0, 80.0, 450.0, 50.0, compute_eff=0.45),
     Chip('h200', 989.0, 4800.0, 141.0, 450.0, 50.0, compute_eff=0.45),
@@ -145,8 +146,10 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip('tpu_v5e', 197.0, 819.0, 16.0, 200.0, 12.5, compute_eff=0.55),
     Chip('tpu_v5p', 459.0, 2765.0, 95.0, 600.0, 12.5, compute_eff=0.55),
     Chip('tpu_v6e', 918.0, 1640.0, 32.0, 448.0, 12.5, compute_eff=0.55),
-    Chip('cpu', 0.16, 10.0, 16.0, 5.0, 5.0, shared=True, compute_eff=1.0, link_eff=1.0, latency_us=200.0,
-         dcn_latency_us=200.0),
+    # cpu: compute_eff, link_eff and latency fitted on Llama tiny's 20 plans (benchmarks/search_accuracy.py --fit,
+    # 2026-11-23: 0.145, 0.511, 576 us); GPT-2 and ViT are reported against these constants, not fitted.
+    Chip('cpu', 0.16, 10.0, 16.0, 5.0, 5.0, shared=True, compute_eff=0.145, link_eff=0.51, latency_us=576.0,
+         dcn_latency_us=576.0),
 )}
 
 
