@@ -1,6 +1,7 @@
 """The cost model: a compiled step's per-device figures -> a predicted step time on a chip.
 
-    compute    = max(FLOPs / (peak x compute_eff), bytes accessed / HBM bandwidth)
+    compute    = max(FLOPs / (peak x compute_eff), bytes accessed / HBM bandwidth)   (FLOPs alone for a GPU/TPU
+                 target compiled on CPU: see `predict`)
     collective = sum over collectives of runs x (latency + bytes moved / (link bandwidth x link_eff))
     step       = compute + collective            (no overlap assumed: a plan that hides its collectives
                                                   behind compute does better than predicted)
@@ -77,8 +78,11 @@ def predict(profile: Profile, chip: Any, num_devices: int, memory_headroom: floa
   temporaries are an upper bound, 5x the GPU's for Llama 1.24B) checks the state alone, with temporaries
   capped at half the chip's memory."""
   share = num_devices if chip.shared else 1
-  compute = max(profile.flops / (chip.peak_tflops * 1e12 * chip.compute_eff),
-                profile.bytes_accessed / (chip.hbm_gbps * 1e9)) * share
+  flop_s = profile.flops / (chip.peak_tflops * 1e12 * chip.compute_eff)
+  # compiled on CPU for a GPU/TPU: CPU fusion and XLA attention's L x L scores make the bytes accessed
+  # unrepresentative (Llama 1.24B: 2.5x the FLOP time), so the FLOPs alone set the compute term
+  byte_s = profile.bytes_accessed / (chip.hbm_gbps * 1e9) if temporaries_known else 0.0
+  compute = max(flop_s, byte_s) * share
   by_axes: dict[str, float] = {}
   for key, (runs, nbytes) in profile.collectives.items():
     dcn = key.hosts > 1
