@@ -174,7 +174,7 @@ def test_compiled_scores(searched):
   assert not any(k.op == 'all-gather' for k in dp.profile.collectives)
   assert {k.axes for k in dp.profile.collectives} == {('data',)}
   assert fsdp.profile.argument_bytes < dp.profile.argument_bytes  # parameters and Adam state sharded 8 ways
-  assert all(s.prediction.step_s > 0 and s.mfu is None or s.mfu > 0 for s in result.ranked)
+  assert all(s.prediction.step_s > 0 and s.mfu > 0 and s.prediction.fits for s in result.ranked)
 
 
 def test_plan_file_round_trips_through_train_py(searched, tmp_path):
