@@ -131,16 +131,18 @@ def main(argv) -> None:
           f'({1e3 * fastest.measured_s:.1f} ms); predicted winner {1e3 * win.measured_s:.1f} ms')
     wall = time.perf_counter() - t_start
     mfu = f', predicted MFU {100 * win.mfu:.1f}%' if win.mfu else ''
+    mem = (f'{win.prediction.memory_gib:.1f} GiB per device' if search.temporaries_known else
+           f'{win.prediction.state_gib:.1f} GiB of state per device (temporaries compiled on CPU, an upper bound: '
+           f'{win.prediction.memory_gib:.1f} GiB)')
     say(f'\nchoice: {win.candidate.label()}: {1e3 * win.prediction.step_s:.1f} ms/step predicted{mfu}, '
-        f'{win.prediction.memory_gib:.1f} GiB per device. Search took {wall:.0f} s.')
+        f'{mem}. Search took {wall:.0f} s.')
     if FLAGS.out:
       plan = search_lib.apply(config, win.candidate)
       base_config = candidates.load_module(config_path).get_config(config_arg)
       command = f'python train.py --config {FLAGS.out} --workdir /tmp/plan'
       header = (f'Plan chosen by search.py on {time.strftime("%Y-%m-%d")} for {n} x {chip.name}'
                 + (f' over {hosts} hosts' if hosts > 1 else '') + f':\n  {win.candidate.label()}\n'
-                f'  predicted {1e3 * win.prediction.step_s:.1f} ms/step{mfu}, {win.prediction.memory_gib:.1f} GiB '
-                f'per device.\n\n  {command}\n\nSearched from {config_path}'
+                f'  predicted {1e3 * win.prediction.step_s:.1f} ms/step{mfu},\n  {mem}.\n\n  {command}\n\nSearched from {config_path}'
                 + (f':{config_arg}' if config_arg else '') + '; fields below differ from that config.')
       plan_file.write(FLAGS.out, plan_file.render(config_path, config_arg, base_config, plan, header))
       say(f'wrote {FLAGS.out}; run it with:\n  {command}')
