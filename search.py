@@ -96,6 +96,11 @@ def main(argv) -> None:
     # --- Stage 2: the best plans' meshes with their presets' variants and every remat policy -------------
     if result.ranked and FLAGS.stage2:
       remats = choices if FLAGS.remat == 'staged' else first
+      if FLAGS.remat == 'staged' and not search.temporaries_known:
+        remats = first
+        say(f"stage 2 keeps remat={own_remat!r}: compiled on CPU for {chip.name}, the temporaries (what remat trades "
+            "against time) are not the target's (XLA attention's L x L scores); give --remat=none,dots,... to rank "
+            "policies anyway")
       more = [candidates.Candidate(c.mesh, name, r, remat) for c in (s.candidate for s in result.ranked[:FLAGS.stage2])
               for name, r in rules.items() if name.split('-')[0] == c.rules_name for remat in remats]
       extra = search.run(more)
