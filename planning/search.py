@@ -275,7 +275,13 @@ class Search:
   # --- measuring (real steps) --------------------------------------------------------------------
   def measure(self, plans: Sequence[Scored], steps: int = 3, rounds: int = 1, warmup: int = 1) -> None:
     """Runs each plan's real train step on the devices present: `rounds` rounds of `steps` steps each,
-    round-robin over the plans (load changes hit all alike); sets measured_s to the median step time."""
+    round-robin over the plans (load changes hit all alike); sets measured_s to the median step time.
+    With one round the plans run one after another, each state freed before the next is made (accelerator
+    memory holds one model at a time); with more, every plan's state is alive at once."""
+    if rounds == 1 and len(plans) > 1:
+      for s in plans:
+        self.measure([s], steps, 1, warmup)
+      return
     runs = []
     for s in plans:
       config = apply(self.config, s.candidate)
