@@ -33,6 +33,10 @@ SIZES = {
     # num_key_value_heads 8, rms_norm_eps 1e-5, tie_word_embeddings True). head_dim = 2048 / 32 = 64.
     'real': dict(vocab_size=128256, embed_dim=2048, mlp_dim=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                  head_dim=64, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=True, max_len=2048),
+    # Llama-3-8B-sized, for the plan search's dry runs (README "Plan search"); untied, head_dim 128. This size takes
+    # the tiny branch of get_config: set dtype, scan_layers, remat, batch and seq_len with --config.* flags.
+    'llama3_8b': dict(vocab_size=128256, embed_dim=4096, mlp_dim=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                      head_dim=128, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=False, max_len=8192),
     'tiny': dict(vocab_size=16, embed_dim=64, mlp_dim=128, num_layers=2, num_heads=8, num_kv_heads=4,
                  head_dim=8, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=True, max_len=64),
 }

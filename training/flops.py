@@ -20,6 +20,7 @@ import jax
 from jax.extend import core as jcore
 from flax import nnx
 
+from errors import ConfigError
 from models import attention
 
 # Dense bf16 peak TFLOP/s per chip (no sparsity), matched against jax's device_kind in order.
@@ -105,3 +106,56 @@ def describe_peak(device: Any, override: float | None = None) -> tuple[float | N
     return None, f'no known peak for {device.device_kind!r}'
   return peak, f'{peak:g} TFLOP/s dense bf16 ({device.device_kind})'
 
+
+
+# --- Chips, for the plan search's cost model (planning/cost.py) ------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One device kind's figures, per device. Bandwidths in GB/s, one direction. `shared`: the figures are
+  the whole host's, shared by all its devices (simulated CPU devices run on the same cores).
+  The last four fields are the cost model's calibration (planning/cost.py says how each is used)."""
+  name: str
+  peak_tflops: float  # dense bf16 (cpu: fp32) FLOP/s
+  hbm_gbps: float  # memory bandwidth
+  memory_gib: float  # device memory a step may use
+  ici_gbps: float  # NVLink / ICI bandwidth within a host or slice
+  dcn_gbps: float  # bandwidth across hosts / slices (the network card's share per device)
+  shared: bool = False
+  compute_eff: float = 0.5  # fraction of peak FLOP/s a step's FLOPs run at
+  link_eff: float = 0.7  # fraction of link bandwidth a collective reaches
+  latency_us: float = 10.0  # fixed cost of one collective within a host
+  dcn_latency_us: float = 30.0  # fixed cost of one collective that crosses hosts
+
+
+# Spec sheets: NVIDIA H100 / H200 / A100 / B200 datasheets (SXM: dense bf16 without sparsity, HBM bandwidth,
+# NVLink 900 / 600 / 1800 GB/s bidirectional, halved here for one direction); DCN: one 400 Gb/s (A100: 200 Gb/s)
+# ConnectX NIC per GPU (DGX H100 / A100 system specs), i.e. 50 (25) GB/s. TPUs: cloud.google.com/tpu/docs
+# system-architecture pages (v4, v5e, v5p, v6e: peak bf16, HBM capacity and bandwidth, ICI bandwidth per chip);
+# their DCN share per chip is a rough 12.5 GB/s (no public per-chip figure). compute_eff 0.45 on GPUs: our
+# Llama 1.24B step reached 36-40% MFU (model FLOPs) on one H100 (README "On GPUs", 2026-11-22), about 0.45 of
+# peak once remat's recomputed FLOPs are counted; not re-measured by the plan search (no GPU in its session).
+# cpu: this project's 2-core test machine, whose simulated devices share both cores (160 GFLOP/s fp32 matmul,
+# shared/NOTES.md); its efficiencies and latency are fitted by benchmarks/search_accuracy.py (README "Plan search"):
+# a step of a tiny model there is dominated by per-op and per-collective overheads, not by FLOPs.
+CHIPS: dict[str, Chip] = {c.name: c for c in (
+    Chip('h100', 989.0, 3350.0, 80.0, 450.0, 50.0, compute_eff=0.45),
+    Chip('h200', 989.0, 4800.0, 141.0, 450.0, 50.0, compute_eff=0.45),
+    Chip('a100', 312.0, 2039.0, 80.0, 300.0, 25.0, compute_eff=0.5),
+    Chip('b200', 2250.0, 8000.0, 180.0, 900.0, 50.0, compute_eff=0.45),
+    Chip('tpu_v4', 275.0, 1200.0, 32.0, 300.0, 12.5, compute_eff=0.55),
+    Chip('tpu_v5e', 197.0, 819.0, 16.0, 200.0, 12.5, compute_eff=0.55),
+    Chip('tpu_v5p', 459.0, 2765.0, 95.0, 600.0, 12.5, compute_eff=0.55),
+    Chip('tpu_v6e', 918.0, 1640.0, 32.0, 448.0, 12.5, compute_eff=0.55),
+    # cpu: compute_eff, link_eff and latency fitted on Llama tiny's 20 plans (benchmarks/search_accuracy.py --fit,
+    # 2026-11-23: 0.145, 0.511, 576 us); GPT-2 and ViT are reported against these constants, not fitted.
+    Chip('cpu', 0.16, 10.0, 16.0, 5.0, 5.0, shared=True, compute_eff=0.145, link_eff=0.51, latency_us=576.0,
+         dcn_latency_us=576.0),
+)}
+
+
+def chip(name: str) -> Chip:
+  """A device kind of CHIPS by name ('h100', 'tpu_v5p', 'cpu', ...); ConfigError names the known ones."""
+  found = CHIPS.get(name.lower().replace('-', '_').replace(' ', '_'))
+  if found is None:
+    raise ConfigError(f'unknown device kind {name!r}; known: {sorted(CHIPS)} (add one to training/flops.py CHIPS)')
+  return found

@@ -1,0 +1,223 @@
+"""Collectives of a compiled (SPMD-partitioned) HLO module: which devices each one groups, how often it runs.
+
+XLA prints a collective's groups in three forms; `replica_groups` reads them all into lists of partition ids:
+  explicit   replica_groups={{0,1},{2,3}}                 (also source_target_pairs={{0,1},{1,0}})
+  iota       replica_groups=[2,4]<=[8]  or  [2,4]<=[4,2]T(1,0): iota(8) reshaped to the dims after `<=`,
+             transposed by T(...), flattened, then cut into 2 groups of 4
+  mesh axes  replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, optionally with
+             `, device_ids=([2,4]T(1,0))` after the mesh: the ids (iota, or iota reshaped and transposed)
+             laid out row-major on the mesh; a group is the devices that differ only along the braced axes.
+             A sub-axis 'a':(pre)size is the middle factor of axis a split major-to-minor as [pre, size, rest].
+Partition i of an SPMD program runs on `mesh.devices.flat[i]`, so `mesh_axes` maps a group onto the mesh's
+device grid (np.unravel_index) and names the mesh axes along which its members differ; `hosts_spanned` says how
+many hosts (slices) a group reaches, the DCN question.
+
+Counts: `collectives` multiplies each op by the trip counts of the while loops around it (XLA's
+known_trip_count), so a scanned stack's per-layer all-gather counts once per layer.
+This module reads text only: it imports no JAX, no model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from partitioning.audit import _ITEMSIZE, COLLECTIVES
+
+Groups = tuple[tuple[int, ...], ...]
+
+_INSTR = re.compile(r'^\s*(?:ROOT\s+)?%(?P<name>\S+)\s*=\s*(?P<shape>.+?)\s+(?P<op>' + '|'.join(COLLECTIVES) +
+                    r')(?P<start>-start)?\((?P<rest>.*)$', re.M)
+_ARRAY = re.compile(r'\b([a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn)?)?)\[([0-9,]*)\]')
+_COMP_HEAD = re.compile(r'^(?:ENTRY\s+)?%(?P<name>[^\s(]+)\s.*\{\s*$')
+_CALLS = re.compile(r'\b(?P<kind>body|condition|calls|to_apply|true_computation|false_computation)=%(?P<c>[\w.\-]+)'
+                    r'|branch_computations=\{(?P<branches>[^}]*)\}')
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def _iota(dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  return (ids.transpose(perm) if perm else ids).reshape(-1)
+
+
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(',') if x.strip()]
+
+
+def _iota_spec(text: str) -> np.ndarray:
+  """'[4,2]T(1,0)' or '[8]' -> the flattened ids."""
+  m = re.fullmatch(r'\[([0-9,]*)\](?:T\(([0-9,]*)\))?', text.strip())
+  if not m:
+    raise ValueError(f'cannot read iota device list {text!r}')
+  return _iota(_ints(m[1]), _ints(m[2]) if m[2] else None)
+
+
+def _mesh_groups(text: str) -> list[list[int]]:
+  m = re.fullmatch(r"mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<grouped>[^}]*)\}",
+                   text.strip())
+  if not m:
+    raise ValueError(f'cannot read mesh-axes replica groups {text!r}')
+  names, sizes = [], []
+  for name, size in re.findall(r"'([^']+)'\s*=\s*(\d+)", m['axes']):
+    names.append(name)
+    sizes.append(int(size))
+  n = math.prod(sizes)
+  ids = np.arange(n) if not m['ids'] else (
+      _iota_spec(m['ids']) if m['ids'].lstrip().startswith('[') else np.array(_ints(m['ids'])))
+  # Split every axis at the breakpoints its grouped sub-axes name (major to minor); group along the chosen factors.
+  refs = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m['grouped'])
+  cuts = {a: {1, s} for a, s in enumerate(sizes)}
+  for name, pre, size in refs:
+    if pre:
+      cuts[names.index(name)] |= {int(pre), int(pre) * int(size)}
+  factors = [[b / a for a, b in zip(sorted(c), sorted(c)[1:])] or [1] for c in cuts.values()]
+  factors = [[int(f) for f in fs] for fs in factors]
+  chosen = []  # (axis, factor index)
+  for name, pre, size in refs:
+    a = names.index(name)
+    if pre:
+      chosen.append((a, sorted(cuts[a]).index(int(pre))))
+    else:
+      chosen.extend((a, i) for i in range(len(factors[a])))
+  flat_dims = [f for fs in factors for f in fs]
+  offset = np.cumsum([0] + [len(fs) for fs in factors])
+  grouped = sorted({int(offset[a] + i) for a, i in chosen})
+  rest = [d for d in range(len(flat_dims)) if d not in grouped]
+  grid = ids.reshape(flat_dims).transpose(rest + grouped)
+  return grid.reshape(-1, math.prod(flat_dims[d] for d in grouped) if grouped else 1).tolist()
+
+
+def replica_groups(text: str, num_devices: int | None = None) -> list[list[int]]:
+  """The groups of partition ids one `replica_groups=` value names (any of the three forms). An empty
+  list `{}` means every device in one group (needs `num_devices`)."""
+  text = text.strip()
+  if text.startswith('mesh['):
+    return _mesh_groups(text)
+  m = re.fullmatch(r'\[(\d+),(\d+)\]<=(\[[0-9,]*\](?:T\([0-9,]*\))?)', text)
+  if m:
+    return _iota_spec(m[3]).reshape(int(m[1]), int(m[2])).tolist()
+  if text.startswith('{'):
+    groups = [_ints(g) for g in re.findall(r'\{([0-9,\s]*)\}', text[1:-1])]
+    if not groups:
+      if num_devices is None:
+        raise ValueError('replica_groups={} means all devices: give num_devices')
+      return [list(range(num_devices))]
+    return groups
+  raise ValueError(f'cannot read replica groups {text!r}')
+
+
+def _attr(rest: str, key: str) -> str | None:
+  """The value of `key=` in an instruction's attribute text, up to the next comma outside brackets."""
+  i = rest.find(f'{key}=')
+  if i < 0:
+    return None
+  j, depth = i + len(key) + 1, 0
+  for k in range(j, len(rest)):
+    c = rest[k]
+    if c in '[{(':
+      depth += 1
+    elif c in ']})':
+      depth -= 1
+    elif c == ',' and depth == 0:
+      return rest[j:k].strip()
+  return rest[j:].strip()
+
+
+def _mesh_value(rest: str) -> str | None:
+  m = re.search(r"replica_groups=(mesh\[[^\]]*\](?:,\s*device_ids=\([^)]*\)?\))?\s*\{[^}]*\})", rest)
+  return m[1] if m else None
+
+
+def computation_counts(hlo_text: str) -> dict[str, int]:
+  """How many times each computation of a module runs per execution of its entry: while bodies times their
+  known trip count (1 where XLA does not know it), called computations as often as their caller."""
+  calls: dict[str, list[tuple[str, int]]] = {}  # caller -> [(callee, times per caller run)]
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    head = _COMP_HEAD.match(line)
+    if head and not line.startswith(' '):
+      current = head['name']
+      calls.setdefault(current, [])
+      if line.startswith('ENTRY'):
+        entry = current
+      continue
+    if current is None or '=' not in line:
+      continue
+    trip = _TRIP.search(line)
+    for m in _CALLS.finditer(line):
+      if m['branches']:
+        for b in re.findall(r'%([\w.\-]+)', m['branches']):
+          calls[current].append((b, 1))
+      else:
+        times = int(trip[1]) if trip and m['kind'] in ('body', 'condition') else 1
+        calls[current].append((m['c'], times))
+  counts: dict[str, int] = {}
+
+  def visit(comp: str, times: int, depth: int = 0) -> None:
+    if depth > 64:
+      return
+    counts[comp] = counts.get(comp, 0) + times
+    for callee, k in calls.get(comp, []):
+      visit(callee, times * k, depth + 1)
+  if entry is not None:
+    visit(entry, 1)
+  return counts
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  op: str  # 'all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute'
+  bytes: int  # result bytes per device, as partitioning.audit.collective_stats counts them
+  groups: Groups  # partition ids of each group (collective-permute: each source -> target pair)
+  times: int  # runs per step (trip counts of the loops around it)
+  name: str
+
+  @property
+  def group_size(self) -> int:
+    return len(self.groups[0]) if self.groups else 1
+
+
+def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+  """Every collective of a compiled module's text, with its groups and its runs per step."""
+  counts = computation_counts(hlo_text)
+  out, current = [], None
+  for line in hlo_text.splitlines():
+    head = _COMP_HEAD.match(line)
+    if head and not line.startswith(' '):
+      current = head['name']
+      continue
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    arrays = [(dt, [int(d) for d in dims.split(',') if d]) for dt, dims in _ARRAY.findall(m['shape'])
+              if dt in _ITEMSIZE]
+    if m['start'] and len(arrays) > 1:
+      arrays = arrays[1:2]  # an async start's shape is (operand, result[, ...])
+    nbytes = sum(math.prod(dims) * _ITEMSIZE[dt] for dt, dims in arrays)
+    rest = m['rest']
+    if m['op'] == 'collective-permute':
+      pairs = _attr(rest, 'source_target_pairs')
+      groups = tuple(tuple(g) for g in replica_groups(pairs or '{}', num_devices)) if pairs else ()
+    else:
+      value = _mesh_value(rest) or _attr(rest, 'replica_groups') or '{}'
+      groups = tuple(tuple(g) for g in replica_groups(value, num_devices))
+    out.append(Collective(m['op'], nbytes, groups, counts.get(current, 1), m['name']))
+  return out
+
+
+def mesh_axes(groups: Groups, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
+  """The mesh axes along which the members of the groups differ (partition i sits at flat position i)."""
+  names, sizes = list(mesh_shape), list(mesh_shape.values())
+  varies = [False] * len(names)
+  for g in groups:
+    coords = np.array(np.unravel_index(np.asarray(g), sizes)).T  # (members, axes)
+    varies = [v or bool((coords[:, a] != coords[0, a]).any()) for a, v in enumerate(varies)]
+  return tuple(n for n, v in zip(names, varies) if v)
+
+
+def hosts_spanned(groups: Groups, host_of: Callable[[int], int]) -> int:
+  """The most hosts (or slices) one group reaches: 1 means the collective stays on ICI / NVLink."""
+  return max((len({host_of(i) for i in g}) for g in groups), default=1)

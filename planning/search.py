@@ -1,0 +1,327 @@
+"""The plan search: validate every candidate for free, compile the survivors abstractly, score, rank.
+
+    search = Search(config, create_fn, chip, num_devices, hosts)
+    result = search.run(candidates)          # Result: ranked Scored plans, pruned reasons counted
+    search.measure(result.ranked[:3])        # optional: real steps on the devices present
+
+Per candidate, cheapest check first: (1) a mesh axis of size > 1 that no rule names (every device would
+repeat the same work); (2) training.build on the full config: every parameter, optimizer leaf and batch
+field validated against the rules (indivisible, conflicting, unknown axes: the ShardingError's kind is the
+pruning reason); (3) parameters + optimizer state alone over the device memory; (4) the step traced on a
+one-layer proxy: every activation constraint validated, and the resolved shardings recorded; a plan whose
+shardings (size-1 axes dropped) equal an earlier one's is a duplicate. Survivors are compiled abstractly
+(nothing allocated) for `num_devices` devices as two proxies, 1 and 2 unrolled layers, and their figures
+extrapolated to the config's layer count: X(L) = X1 + (L - 1)(X2 - X1) (exact for FLOPs, bytes and
+collectives of identical layers; memory approximately). On CPU the proxies compile with LLVM optimisation
+off (same partitioned HLO, memory and cost analysis; 3 s instead of 10-50 s). Compilations are cached by
+that fingerprint and run on a thread pool. Plans over the chip's memory are kept in the result, marked.
+
+This module imports no model: the caller passes `create_fn(model_config, rngs)`.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import copy
+import dataclasses
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+from jax.sharding import PartitionSpec
+
+import partitioning
+import training
+from errors import ShardingError
+from partitioning import AxisRules
+from planning import cost, hlo
+from planning.candidates import Candidate
+from training import flops
+
+# Pruning reasons, from a ShardingError's message (partitioning/rules.py, plan.py, mesh.py wordings).
+_REASONS = (
+    ('global batch size', 'batch not divisible by its mesh axes'),
+    ('not divisible by mesh axes', 'dimension not divisible by its mesh axes'),
+    ('already taken', 'conflicting rules (no free mesh axis)'),
+    ('has no rule', 'logical name without a rule'),
+    ('which is not in the mesh', 'rule names an axis not in the mesh'),
+    ('mirrors no parameter', 'optimizer state the rules cannot place'),
+)
+FAST_CPU_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive_passes': True}
+
+
+def reason_of(err: Exception) -> str:
+  text = str(err)
+  return next((r for key, r in _REASONS if key in text), f'other sharding error: {text[:60]}')
+
+
+class Pruned(Exception):
+  def __init__(self, reason: str, detail: str = ''):
+    super().__init__(reason)
+    self.reason, self.detail = reason, detail
+
+
+class _RecordingRules(AxisRules):
+  """AxisRules that remember every activation resolution made while a step is traced."""
+
+  def __init__(self, rules: Sequence[Any], log: set):
+    super().__init__(rules)
+    self.log = log
+
+  def spec(self, logical_axes, shape=None, mesh_shape=None, *, what='array') -> PartitionSpec:
+    s = super().spec(logical_axes, shape, mesh_shape, what=what)
+    self.log.add((tuple(logical_axes), tuple(shape or ()), s))
+    return s
+
+
+def effective(spec: PartitionSpec, mesh_shape) -> tuple:
+  """A spec with its size-1 mesh axes dropped (what the devices see)."""
+  out = []
+  for e in spec:
+    axes = () if e is None else (e if isinstance(e, tuple) else (e,))
+    out.append(tuple(a for a in axes if mesh_shape[a] > 1))
+  while out and not out[-1]:
+    out.pop()
+  return tuple(out)
+
+
+@dataclasses.dataclass
+class Scored:
+  candidate: Candidate
+  profile: cost.Profile
+  prediction: cost.Prediction
+  mfu: float | None
+  compile_s: float
+  measured_s: float | None = None
+  measured_times: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Result:
+  ranked: list[Scored]  # fitting plans by predicted step time, then the ones over memory
+  pruned: collections.Counter  # reason -> count
+  examples: dict[str, str]  # reason -> one candidate and message
+  considered: int
+  compiled: int
+  wall_s: float
+  model_flops: float | None
+
+
+def apply(config: ml_collections.ConfigDict, cand: Candidate) -> ml_collections.ConfigDict:
+  """A copy of the config with the candidate's mesh, rules and remat."""
+  c = copy.deepcopy(config)
+  with c.unlocked():
+    c.mesh = ml_collections.ConfigDict(dict(cand.mesh), sort_keys=False)
+    c.logical_axis_rules = [tuple(r) for r in cand.rules]
+    c.preset = cand.rules_name
+    if cand.remat is not None:
+      c.model.remat = cand.remat
+  return c
+
+
+def _proxy(config: ml_collections.ConfigDict, layers: int) -> ml_collections.ConfigDict:
+  c = copy.deepcopy(config)
+  with c.unlocked():
+    c.model.num_layers = layers
+    if 'scan_layers' in c.model:
+      c.model.scan_layers = False
+  return c
+
+
+class Search:
+  def __init__(self, config: ml_collections.ConfigDict, create_fn: Callable[[Any, Any], Any], chip: Any,
+               num_devices: int, hosts: int = 1, devices: Sequence[Any] | None = None, workers: int = 2,
+               log: Callable[[str], None] = lambda s: None):
+    self.config, self.create_fn, self.chip, self.hosts, self.log = config, create_fn, chip, hosts, log
+    self.devices = list(jax.devices() if devices is None else devices)[:num_devices]
+    if len(self.devices) != num_devices:
+      raise ShardingError(f'the search needs {num_devices} devices to compile for; JAX has {len(self.devices)} '
+                          '(simulated CPU devices: partitioning.simulate_cpu_devices before JAX starts)')
+    self.num_devices = num_devices
+    # compiled on CPU for a GPU/TPU: XLA attention's L x L temporaries make the memory an upper bound
+    self.temporaries_known = chip.shared or self.devices[0].platform != 'cpu'
+    self.per_host = num_devices // hosts
+    self.layers = config.model.get('num_layers') if 'model' in config else None
+    self.workers = workers
+    self._cache: dict[Any, Any] = {}  # fingerprint -> Future of (Profile, compile seconds)
+    self._lock = threading.Lock()
+    self.model_flops: float | None = None
+
+  # --- validation (free) -------------------------------------------------------------------------
+  def _trainer(self, config, cand: Candidate):
+    mesh = partitioning.make_mesh(dict(cand.mesh), self.devices)
+    return training.build(config, mesh, lambda rngs: self.create_fn(config.model, rngs))
+
+  def validate(self, cand: Candidate) -> tuple[Any, Any]:
+    """(fingerprint, traced proxies) or Pruned."""
+    used = {a for _, t in cand.rules for a in ((t,) if isinstance(t, str) else (t or ()))}
+    idle = [f'{a}={s}' for a, s in cand.mesh if s > 1 and a not in used]
+    if idle:
+      raise Pruned('mesh axis of size > 1 that no rule uses (repeated work)', ', '.join(idle))
+    config = apply(self.config, cand)
+    try:
+      full = self._trainer(config, cand)
+      state_bytes = (partitioning.tree_bytes_per_device(full.abstract.params, full.specs.params, full.mesh.shape)
+                     + partitioning.tree_bytes_per_device(full.abstract.opt_state, full.specs.opt_state,
+                                                          full.mesh.shape))
+      if state_bytes > self.chip.memory_gib * 2**30 * 0.9:
+        raise Pruned('parameters + optimizer state over device memory',
+                     f'{state_bytes / 2**30:.1f} GiB > 0.9 x {self.chip.memory_gib:g} GiB')
+      if self.model_flops is None:
+        self.model_flops = flops.step_flops(full).causal
+      traced, fps = [], []
+      for layers in self._proxy_layers():
+        pc = _proxy(config, layers) if layers else config
+        tr = self._trainer(pc, cand)
+        log: set = set()
+        tr.rules = _RecordingRules(pc.logical_axis_rules, log)
+        traced.append(training.trace(tr, training.jit_train_step(tr)))
+        idle = [w for w in tr.warnings() if w.startswith('mesh axis')]
+        if idle:
+          raise Pruned('mesh axis of size > 1 that no rule uses (repeated work)', idle[0])
+        shape = tr.mesh.shape
+        eff = lambda specs: tuple(effective(s, shape) for s in jax.tree.leaves(
+            specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
+        fps.append((eff(tr.specs), eff({k: v.spec for k, v in tr.batch_shardings.items()}),
+                    tuple(sorted(((n, sh, effective(s, shape)) for n, sh, s in log), key=repr))))
+    except ShardingError as e:
+      raise Pruned(reason_of(e), str(e)) from None
+    mesh_eff = tuple((a, s) for a, s in cand.mesh if s > 1)
+    return (mesh_eff, self._order_sig(cand), cand.remat, tuple(fps)), traced
+
+  def _order_sig(self, cand: Candidate) -> tuple:
+    if self.hosts <= 1:
+      return ()
+    return tuple(a for a, s in cand.mesh if s > 1)
+
+  def _proxy_layers(self) -> list[int | None]:
+    if not self.layers:
+      return [None]
+    return [1] if self.layers == 1 else [1, 2]
+
+  def _host_of(self, partition: int) -> int:
+    return partition // self.per_host
+
+  # --- scoring (compiles) ------------------------------------------------------------------------
+  def _profile_of(self, compiled, mesh_shape) -> cost.Profile:
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    mem = compiled.memory_analysis()
+    coll: dict[cost.CollectiveKey, list[float]] = {}
+    for c in hlo.collectives(compiled.as_text(), self.num_devices):
+      key = cost.CollectiveKey(c.op, hlo.mesh_axes(c.groups, mesh_shape), c.group_size,
+                               hlo.hosts_spanned(c.groups, self._host_of))
+      v = coll.setdefault(key, [0.0, 0.0])
+      v[0] += c.times
+      v[1] += c.times * c.bytes
+    return cost.Profile(float(ca.get('flops', 0.0)), float(ca.get('bytes accessed', 0.0)),
+                        float(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                              + mem.temp_size_in_bytes),
+                        float(mem.argument_size_in_bytes), float(mem.temp_size_in_bytes),
+                        {k: (v[0], v[1]) for k, v in coll.items()})
+
+  def _compile(self, traced: list, mesh_shape) -> tuple[cost.Profile, float]:
+    t0 = time.perf_counter()
+    options = FAST_CPU_COMPILE if self.devices[0].platform == 'cpu' else None
+    profiles = [self._profile_of(t.lower().compile(compiler_options=options), mesh_shape) for t in traced]
+    if len(profiles) == 2:  # X(L) = X1 + (L - 1)(X2 - X1)
+      profile = profiles[0].combine(profiles[1], 2 - self.layers, self.layers - 1)
+    else:
+      profile = profiles[0]
+    return profile, time.perf_counter() - t0
+
+  def run(self, candidates: Iterable[Candidate]) -> Result:
+    t0 = time.perf_counter()
+    pruned: collections.Counter = collections.Counter()
+    examples: dict[str, str] = {}
+    pending: list[tuple[Candidate, Any]] = []
+    considered = 0
+    with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
+      for cand in candidates:
+        considered += 1
+        try:
+          fp, traced = self.validate(cand)
+        except Pruned as p:
+          pruned[p.reason] += 1
+          examples.setdefault(p.reason, f'{cand.label()}: {p.detail}'[:300])
+          continue
+        if fp in self._cache:
+          pruned['same shardings as an earlier plan (compiled once)'] += 1
+          examples.setdefault('same shardings as an earlier plan (compiled once)', cand.label())
+          continue
+        mesh_shape = dict(cand.mesh)
+        self._cache[fp] = pool.submit(self._compile, traced, mesh_shape)
+        pending.append((cand, self._cache[fp]))
+      scored = []
+      for cand, fut in pending:
+        profile, secs = fut.result()
+        pred = cost.predict(profile, self.chip, self.num_devices, temporaries_known=self.temporaries_known)
+        m = cost.mfu(self.model_flops, pred.step_s, self.num_devices, self.chip) if self.model_flops else None
+        scored.append(Scored(cand, profile, pred, m, secs))
+        self.log(f'  {cand.label()}: {1e3 * pred.step_s:.1f} ms predicted ({secs:.1f} s to compile)')
+    for s in scored:
+      if not s.prediction.fits:
+        pruned['over device memory (compiled)'] += 1
+        examples.setdefault('over device memory (compiled)', f'{s.candidate.label()}: {s.prediction.memory_gib:.1f} '
+                            f'GiB ({s.prediction.state_gib:.1f} GiB of state)')
+    ranked = sorted(scored, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
+    return Result(ranked, pruned, examples, considered, len(pending), time.perf_counter() - t0, self.model_flops)
+
+  # --- measuring (real steps) --------------------------------------------------------------------
+  def measure(self, plans: Sequence[Scored], steps: int = 3, rounds: int = 1, warmup: int = 1) -> None:
+    """Runs each plan's real train step on the devices present: `rounds` rounds of `steps` steps each,
+    round-robin over the plans (load changes hit all alike); sets measured_s to the median step time.
+    With one round the plans run one after another, each state freed before the next is made (accelerator
+    memory holds one model at a time); with more, every plan's state is alive at once."""
+    if rounds == 1 and len(plans) > 1:
+      for s in plans:
+        self.measure([s], steps, 1, warmup)
+      return
+    runs = []
+    for s in plans:
+      config = apply(self.config, s.candidate)
+      tr = self._trainer(config, s.candidate)
+      step = training.compile_step(tr, training.jit_train_step(tr))
+      state = training.init_state(tr)
+      batch = partitioning.shard(tr.task.synthetic_batch(config, seed=config.seed), tr.batch_shardings)
+      for _ in range(warmup):
+        state, _ = step(state, batch)
+      jax.block_until_ready(state)
+      runs.append([s, step, state, batch])
+    for _ in range(rounds):
+      for run in runs:
+        s, step, state, batch = run
+        for _ in range(steps):
+          t = time.perf_counter()
+          state, _ = step(state, batch)
+          jax.block_until_ready(state)
+          s.measured_times.append(time.perf_counter() - t)
+        run[2] = state
+    for s, *_ in runs:
+      s.measured_s = statistics.median(s.measured_times)
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+  """Spearman's rank correlation (average ranks for ties)."""
+  def ranks(v):
+    order = sorted(range(len(v)), key=lambda i: v[i])
+    r = [0.0] * len(v)
+    i = 0
+    while i < len(order):
+      j = i
+      while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+        j += 1
+      for k in range(i, j + 1):
+        r[order[k]] = (i + j) / 2
+      i = j + 1
+    return r
+  rx, ry = ranks(xs), ranks(ys)
+  mx, my = statistics.fmean(rx), statistics.fmean(ry)
+  cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+  den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+  return cov / den if den else float('nan')

@@ -1,0 +1,162 @@
+r"""Searches meshes x logical-axis rules x remat policies for a config, ranks them by predicted step time.
+
+  python search.py --config configs/llama.py --devices 8 --device_kind h100 --out /tmp/plan.py
+  python search.py --config configs/llama.py:llama3_8b --devices 64 --hosts 8 --device_kind h100
+  python search.py --config configs/gpt2.py:tiny --devices 8 --device_kind cpu --measure 3
+
+Sections: check the input -> candidates (the config file's presets and variants of them, every mesh
+factorisation, axis orders over hosts) -> stage 1: prune by validation, compile the survivors abstractly for
+--devices simulated CPU devices, predict (planning/cost.py) -> stage 2: the other remat policies on the best
+plans -> the table -> --measure: real steps of the top K -> --out: the winner as a config file.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+import errors
+import partitioning
+from configs import schema
+from planning import candidates, plan_file, report
+from training import flops
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/llama.py[:preset,size].', lock_config=True)
+flags.DEFINE_integer('devices', None, 'Devices to plan for (compiled on as many simulated CPU devices).')
+flags.DEFINE_string('device_kind', None, f'The target chip: one of {sorted(flops.CHIPS)}.')
+flags.DEFINE_integer('hosts', 1, 'Hosts (or slices) the devices are spread over: collectives across them use DCN.')
+flags.DEFINE_integer('top', 10, 'Rows of the ranked table.')
+flags.DEFINE_integer('measure', 0, 'Run the top K plans for real (needs --devices devices) and print measured times.')
+flags.DEFINE_integer('measure_steps', 3, 'Timed steps per measured plan (after one warm-up step).')
+flags.DEFINE_string('out', None, 'Write the winning plan here as a config file train.py --config accepts.')
+flags.DEFINE_string('remat', 'staged', "'staged': the config's remat first, every policy on the best --stage2 plans; "
+                    "'config': the config's only; or a comma-separated list of policies.")
+flags.DEFINE_integer('stage2', 3, "How many of stage 1's best plans (presets only) try their presets' variants "
+                     "and, with --remat=staged, every remat policy.")
+flags.DEFINE_integer('workers', 2, 'Compilations run in parallel.')
+
+
+def say(msg: str) -> None:
+  print(msg, flush=True)
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  config = FLAGS.config
+  if config is None or FLAGS.devices is None or FLAGS.device_kind is None:
+    raise app.UsageError('--config, --devices and --device_kind are required, e.g. --config configs/llama.py '
+                         '--devices 8 --device_kind h100')
+  logging.set_verbosity(logging.WARNING)
+  t_start = time.perf_counter()
+  try:
+    # --- Check the input (before JAX starts) ---------------------------------------------------------------
+    schema.check(config)
+    chip = flops.chip(FLAGS.device_kind)
+    n, hosts = FLAGS.devices, FLAGS.hosts
+    if n < 1 or hosts < 1 or n % hosts:
+      raise errors.ConfigError(f'--devices {n} --hosts {hosts}: the device count must be a positive multiple of '
+                               'the host count')
+    if FLAGS.out:
+      plan_file.check_out_path(FLAGS.out)
+    config_path, _, config_arg = config_flags.get_config_filename(FLAGS['config']).partition(':')
+    config_arg = config_arg or None
+    rules = candidates.rule_variants(candidates.presets_of(config_path, config_arg, config))
+    axes = candidates.mesh_axes_of(rules, list(config.mesh))
+    has_remat = 'model' in config and 'remat' in config.model
+    own_remat = config.model.remat if has_remat else None
+    choices = list(schema.FIELDS['model.remat'].choices()) if has_remat else [None]
+    if FLAGS.remat in ('staged', 'config'):
+      first = [own_remat]
+    else:
+      first = [r.strip() for r in FLAGS.remat.split(',') if r.strip()]
+      bad = [r for r in first if r not in choices]
+      if bad:
+        raise errors.ConfigError(f'--remat {FLAGS.remat!r}: {bad} not remat policies; choose from {choices}')
+
+    # --- Devices: the real ones when there are --devices of them, else simulated CPU devices -------------
+    partitioning.simulate_cpu_devices(n)
+    import jax
+    import models
+    from planning import search as search_lib
+    devices = jax.devices() if jax.device_count() == n and jax.default_backend() != 'cpu' else jax.devices('cpu')
+    say(f'plan search: {config_path}{":" + config_arg if config_arg else ""} for {n} x {chip.name}'
+        + (f' over {hosts} hosts' if hosts > 1 else '') + f' (compiling on {len(devices)} {devices[0].platform} '
+        f'devices); mesh axes {axes}; rule sets {list(rules)}')
+    search = search_lib.Search(config, lambda m, r: models.create(m, r, config.get('lora')), chip, n, hosts,
+                               devices, workers=FLAGS.workers)
+
+    # --- Stage 1: every mesh x preset, the config's remat (or the given ones) ------------------------------
+    presets = {k: v for k, v in rules.items() if '-' not in k}
+    result = search.run(candidates.generate(n, axes, presets, first, hosts))
+    say(f'stage 1: {result.compiled} plans compiled in {result.wall_s:.0f} s')
+    # --- Stage 2: the best plans' meshes with their presets' variants and every remat policy -------------
+    if result.ranked and FLAGS.stage2:
+      remats = choices if FLAGS.remat == 'staged' else first
+      if FLAGS.remat == 'staged' and not search.temporaries_known:
+        remats = first
+        say(f"stage 2 keeps remat={own_remat!r}: compiled on CPU for {chip.name}, the temporaries (what remat trades "
+            "against time) are not the target's (XLA attention's L x L scores); give --remat=none,dots,... to rank "
+            "policies anyway")
+      more = [candidates.Candidate(c.mesh, name, r, remat) for c in (s.candidate for s in result.ranked[:FLAGS.stage2])
+              for name, r in rules.items() if name.split('-')[0] == c.rules_name for remat in remats]
+      extra = search.run(more)
+      say(f'stage 2: {extra.compiled} plans compiled in {extra.wall_s:.0f} s')
+      result.ranked = sorted(result.ranked + extra.ranked, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
+      result.pruned.update(extra.pruned)
+      for k, v in extra.examples.items():
+        result.examples.setdefault(k, v)
+      result.considered += extra.considered
+      result.compiled += extra.compiled
+    fitting = [s for s in result.ranked if s.prediction.fits]
+    if not fitting:
+      raise errors.ShardingError(f'no plan for {n} x {chip.name} survived: ' + '; '.join(
+          f'{k} ({v}), e.g. {result.examples.get(k, "")[:200]}' for k, v in result.pruned.most_common(3)))
+
+    # --- Measure the top K for real -----------------------------------------------------------------------
+    if FLAGS.measure:
+      if jax.device_count() < n:
+        raise errors.ConfigError(f'--measure needs {n} devices; this machine has {jax.device_count()}')
+      say(f'measuring the top {FLAGS.measure} plans ({FLAGS.measure_steps} steps each) ...')
+      search.measure(fitting[:FLAGS.measure], steps=FLAGS.measure_steps)
+
+    # --- The table, the winner ----------------------------------------------------------------------------
+    say('')
+    say(report.table(result.ranked[:FLAGS.top], chip))
+    say('')
+    say(report.pruning(result))
+    win = fitting[0]
+    if FLAGS.measure:
+      measured = [s for s in fitting if s.measured_s is not None]
+      fastest = min(measured, key=lambda s: s.measured_s)
+      say(f'measured: the fastest of the top {len(measured)} is {fastest.candidate.label()} '
+          f'({1e3 * fastest.measured_s:.1f} ms); predicted winner {1e3 * win.measured_s:.1f} ms')
+    wall = time.perf_counter() - t_start
+    mfu = f', predicted MFU {100 * win.mfu:.1f}%' if win.mfu else ''
+    mem = (f'{win.prediction.memory_gib:.1f} GiB per device' if search.temporaries_known else
+           f'{win.prediction.state_gib:.1f} GiB of state per device (temporaries compiled on CPU, an upper bound: '
+           f'{win.prediction.memory_gib:.1f} GiB)')
+    say(f'\nchoice: {win.candidate.label()}: {1e3 * win.prediction.step_s:.1f} ms/step predicted{mfu}, '
+        f'{mem}. Search took {wall:.0f} s.')
+    if FLAGS.out:
+      plan = search_lib.apply(config, win.candidate)
+      base_config = candidates.load_module(config_path).get_config(config_arg)
+      command = f'python train.py --config {FLAGS.out} --workdir /tmp/plan'
+      header = (f'Plan chosen by search.py on {time.strftime("%Y-%m-%d")} for {n} x {chip.name}'
+                + (f' over {hosts} hosts' if hosts > 1 else '') + f':\n  {win.candidate.label()}\n'
+                f'  predicted {1e3 * win.prediction.step_s:.1f} ms/step{mfu},\n  {mem}.\n\n  {command}\n\nSearched from {config_path}'
+                + (f':{config_arg}' if config_arg else '') + '; fields below differ from that config.')
+      plan_file.write(FLAGS.out, plan_file.render(config_path, config_arg, base_config, plan, header))
+      say(f'wrote {FLAGS.out}; run it with:\n  {command}')
+  except errors.ShardingError as e:
+    raise SystemExit(f'shardzoo: sharding error: {e}') from None
+  except errors.ConfigError as e:
+    raise SystemExit(f'shardzoo: config error: {e}') from None
+
+
+if __name__ == '__main__':
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  app.run(main, flags_parser=schema.parse_flags)

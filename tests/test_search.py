@@ -1,0 +1,197 @@
+"""The plan search (planning/, search.py): candidates, pruning, the HLO parser, the cost model, the plan file."""
+import os
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+import models
+import training
+from configs import llama
+from errors import ConfigError
+from planning import candidates, cost, hlo, plan_file
+from planning import search as search_lib
+from tests.conftest import ROOT
+from training import flops
+
+LLAMA = os.path.join(ROOT, 'configs', 'llama.py')
+
+
+# --- Candidates -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('family', ['llama', 'gpt2', 'moe', 'vit', 'bert'])
+def test_candidates_cover_every_preset(family):
+  path = os.path.join(ROOT, 'configs', f'{family}.py')
+  module = candidates.load_module(path)
+  config = module.get_config(None)
+  rules = candidates.rule_variants(candidates.presets_of(path, None, config))
+  axes = candidates.mesh_axes_of(rules, list(config.mesh))
+  cands = {(c.mesh, c.rules) for c in candidates.generate(8, axes, rules, [None])}
+  for preset, mesh in module.MESHES.items():
+    want = tuple((a, mesh.get(a, 1)) for a in axes)
+    assert (want, rules[preset]) in cands, (family, preset)
+
+
+def test_factorisations_and_host_orders():
+  assert len(candidates.factorisations(64, 3)) == 28
+  assert sorted(candidates.factorisations(8, 2)) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+  orders = candidates.axis_orders({'data': 8, 'fsdp': 8, 'tensor': 1}, hosts=8)
+  # data across hosts (fsdp on NVLink), or fsdp across hosts (data on NVLink)
+  assert {o[0][0] for o in orders} == {'data', 'fsdp'} and len(orders) == 2
+  with pytest.raises(ConfigError, match='multiple of the host count'):
+    list(candidates.generate(12, ['data'], {'dp': ()}, [None], hosts=8))
+
+
+def test_bad_input_names_the_culprit(tmp_path):
+  with pytest.raises(ConfigError, match="unknown device kind 'h1000'"):
+    flops.chip('h1000')
+  assert flops.chip('H100').name == 'h100'
+  (tmp_path / 'dir.py').mkdir()
+  with pytest.raises(ConfigError, match='is a directory'):
+    plan_file.check_out_path(str(tmp_path / 'dir.py'))
+  with pytest.raises(ConfigError, match='ending in .py'):
+    plan_file.check_out_path(str(tmp_path / 'plan.txt'))
+  with pytest.raises(ConfigError, match='does not exist'):
+    plan_file.check_out_path(str(tmp_path / 'missing' / 'plan.py'))
+
+
+# --- The HLO replica-group parser -------------------------------------------------------------------------------
+
+def test_replica_group_forms():
+  assert hlo.replica_groups('{{0,1},{2,3}}') == [[0, 1], [2, 3]]
+  assert hlo.replica_groups('{}', 4) == [[0, 1, 2, 3]]
+  assert hlo.replica_groups('[2,4]<=[8]') == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert hlo.replica_groups('[2,4]<=[4,2]T(1,0)') == [[0, 2, 4, 6], [1, 3, 5, 7]]
+  assert hlo.replica_groups("mesh['a'=2,'b'=4] {'b'}") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert hlo.replica_groups("mesh['a'=2,'b'=4] {'a'}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert hlo.replica_groups("mesh['x'=8] {'x':(2)2}") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+  # ids laid out by an iota: mesh position (i, j) holds id 2j + i
+  assert hlo.replica_groups("mesh['a'=2,'b'=2], device_ids=([2,2]T(1,0)) {'b'}") == [[0, 2], [1, 3]]
+
+
+def test_groups_map_onto_mesh_axes_and_hosts():
+  shape = {'data': 2, 'fsdp': 2, 'tensor': 2}  # partition i at np.unravel_index(i, (2, 2, 2))
+  assert hlo.mesh_axes(((0, 1), (2, 3), (4, 5), (6, 7)), shape) == ('tensor',)
+  assert hlo.mesh_axes(((0, 4), (1, 5), (2, 6), (3, 7)), shape) == ('data',)
+  assert hlo.mesh_axes(((0, 2, 4, 6), (1, 3, 5, 7)), shape) == ('data', 'fsdp')
+  host = lambda i: i // 4
+  assert hlo.hosts_spanned(((0, 1), (2, 3)), host) == 1
+  assert hlo.hosts_spanned(((0, 4), (1, 5)), host) == 2
+
+
+HLO = """HloModule m, num_partitions=8
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %ag = f32[64]{0} all-gather(%x), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true
+  %ar = f32[8]{0} all-reduce(%x), channel_id=2, replica_groups=mesh['a'=2,'b'=4] {'a'}, use_global_device_ids=true, to_apply=%add
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %ar)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
+  %rs = bf16[2]{0} reduce-scatter(%a), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+  %cp = f32[8]{0} collective-permute(%a), channel_id=4, source_target_pairs={{0,4},{4,0}}
+  ROOT %r = f32[8]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_collectives_count_loop_trips_and_groups():
+  got = {c.name: c for c in hlo.collectives(HLO, 8)}
+  assert (got['ag'].op, got['ag'].times, got['ag'].bytes, got['ag'].group_size) == ('all-gather', 12, 256, 8)
+  assert got['ar'].times == 12 and got['ar'].groups[0] == (0, 4)
+  assert (got['rs'].times, got['rs'].bytes, got['rs'].group_size) == (1, 4, 4)
+  assert got['cp'].groups == ((0, 4), (4, 0))
+  assert hlo.mesh_axes(got['ar'].groups, {'data': 2, 'fsdp': 4}) == ('data',)
+
+
+# --- The cost model ---------------------------------------------------------------------------------------------
+
+def test_cost_model_ranks_a_bad_plan_below_a_good_one():
+  h100 = flops.chip('h100')
+  key = lambda op, axes, hosts=1: cost.CollectiveKey(op, axes, 8, hosts)
+  good = cost.Profile(1e14, 1e11, 20 * 2**30, 10 * 2**30, 10 * 2**30, {key('all-gather', ('fsdp',)): (32, 4e9)})
+  # the same FLOPs, twice the bytes and every collective across hosts
+  bad = cost.Profile(1e14, 1e11, 20 * 2**30, 10 * 2**30, 10 * 2**30, {key('all-gather', ('fsdp',), 8): (64, 8e9)})
+  over = cost.Profile(1e14, 1e11, 90 * 2**30, 10 * 2**30, 80 * 2**30, {})
+  g, b, o = (cost.predict(p, h100, 64) for p in (good, bad, over))
+  assert g.step_s < b.step_s and b.by_axes['fsdp (DCN)'] > 10 * g.by_axes['fsdp']
+  assert g.fits and not o.fits and o.memory_gib == 90
+  # the extrapolation over layers: X1 + (L - 1)(X2 - X1)
+  two = good.combine(good, 2, -1)
+  assert two.flops == good.flops and two.collectives == good.collectives
+  assert search_lib.spearman([1, 2, 3], [10, 30, 20]) == pytest.approx(0.5)
+
+
+# --- A search on 8 simulated devices: pruning reasons, compiled scores, the plan file ----------------------------
+
+def _tiny_llama():
+  c = llama.get_config('fsdp,tiny')
+  c.model.num_layers = 1  # one proxy compile per plan
+  return c
+
+
+@pytest.fixture(scope='module')
+def searched():
+  config = _tiny_llama()
+  rules = candidates.rule_variants(llama.RULES)
+  cpu = flops.chip('cpu')
+  s = search_lib.Search(config, lambda m, r: models.create(m, r), cpu, 8)
+  mesh = lambda **kw: tuple((a, kw.get(a, 1)) for a in ('data', 'fsdp', 'tensor'))
+  conflict = (('batch', 'data'), ('length', 'data'), ('embed', None), ('mlp', None), ('heads', None),
+              ('kv_heads', None), ('kv', None), ('vocab', None), ('norm', None), ('layers', None))
+  cands = [
+      candidates.Candidate(mesh(fsdp=8), 'fsdp', rules['fsdp'], 'none'),
+      candidates.Candidate(mesh(data=8), 'dp', rules['dp'], 'none'),
+      candidates.Candidate(mesh(data=8), 'fsdp', rules['fsdp'], 'none'),  # same shardings as dp
+      candidates.Candidate(mesh(tensor=8), 'dp', rules['dp'], 'none'),  # tensor unused
+      candidates.Candidate(mesh(tensor=8), 'tp', rules['tp'], 'none'),  # 4 kv heads over 8
+      candidates.Candidate(mesh(data=8), 'conflict', conflict, 'none'),  # 'length' finds 'data' taken
+  ]
+  return s, s.run(cands)
+
+
+def test_pruning_reasons_are_counted_and_named(searched):
+  _, result = searched
+  assert result.considered == 6 and result.compiled == 2
+  assert result.pruned == {
+      'same shardings as an earlier plan (compiled once)': 1,
+      'mesh axis of size > 1 that no rule uses (repeated work)': 1,
+      'dimension not divisible by its mesh axes': 1,
+      'conflicting rules (no free mesh axis)': 1}
+  assert 'kv_heads' in result.examples['dimension not divisible by its mesh axes']
+
+
+def test_compiled_scores(searched):
+  _, result = searched
+  by = {s.candidate.rules_name: s for s in result.ranked}
+  fsdp, dp = by['fsdp'], by['dp']
+  # FSDP gathers parameters over 'fsdp'; data parallelism only all-reduces gradients over 'data'
+  assert any(k.op == 'all-gather' and k.axes == ('fsdp',) for k in fsdp.profile.collectives)
+  assert not any(k.op == 'all-gather' for k in dp.profile.collectives)
+  assert {k.axes for k in dp.profile.collectives} == {('data',)}
+  assert fsdp.profile.argument_bytes < dp.profile.argument_bytes  # parameters and Adam state sharded 8 ways
+  assert all(s.prediction.step_s > 0 and s.mfu > 0 and s.prediction.fits for s in result.ranked)
+
+
+def test_plan_file_round_trips_through_train_py(searched, tmp_path):
+  s, result = searched
+  win = result.ranked[0]
+  plan = search_lib.apply(s.config, win.candidate)
+  base = llama.get_config('tiny')
+  out = str(tmp_path / 'plan.py')
+  plan_file.write(out, plan_file.render(LLAMA, 'tiny', base, plan, 'test plan'))
+  fv = flags.FlagValues()  # the way train.py reads --config
+  config_flags.DEFINE_config_file('config', None, '', flag_values=fv, lock_config=True)
+  fv(['train.py', f'--config={out}'])
+  loaded = fv.config
+  assert loaded.to_dict() == plan.to_dict()
+  import train
+  assert train.train_and_evaluate(loaded, None, dry_run=True)['num_params'] > 0
+  mesh = training.build(loaded, s._trainer(loaded, win.candidate).mesh, lambda r: models.create(loaded.model, r))
+  ours = s._trainer(plan, win.candidate)
+  assert dict(mesh.mesh.shape) == dict(win.candidate.mesh)
+  assert mesh.specs == ours.specs
