@@ -32,7 +32,8 @@ Rules whose logical name nothing uses are reported as warnings.
 
 This package never imports a model: it works on trees of shapes and logical names.
 """
-from partitioning.audit import audit, collective_shapes, collective_stats, replica_groups
+from partitioning.audit import audit, collective_shapes, collective_stats
+from partitioning.hlo import replica_groups
 from partitioning.mesh import (
     check_platform, dcn_coordinates, dcn_shape, describe_dcn, devices_needed, fit_mesh, fit_mesh_shape, make_mesh,
     num_slices, resolve_mesh_shape, simulate_cpu_devices, start_mesh)

@@ -39,7 +39,8 @@ import partitioning
 import training
 from errors import ShardingError
 from partitioning import AxisRules
-from planning import cost, hlo
+from partitioning import hlo
+from planning import cost
 from planning.candidates import Candidate
 from training import flops
 

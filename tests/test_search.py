@@ -9,7 +9,8 @@ import models
 import training
 from configs import llama
 from errors import ConfigError
-from planning import candidates, cost, hlo, plan_file
+from partitioning import hlo
+from planning import candidates, cost, plan_file
 from planning import search as search_lib
 from tests.conftest import ROOT
 from training import flops

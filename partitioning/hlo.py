@@ -25,13 +25,15 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from partitioning.audit import _ITEMSIZE, COLLECTIVES
 
+COLLECTIVES = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
+ITEMSIZE = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'bf16': 2, 'f16': 2, 's16': 2, 'u16': 2,
+            'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8, 'c64': 8, 'c128': 16}
 Groups = tuple[tuple[int, ...], ...]
 
-_INSTR = re.compile(r'^\s*(?:ROOT\s+)?%(?P<name>\S+)\s*=\s*(?P<shape>.+?)\s+(?P<op>' + '|'.join(COLLECTIVES) +
+INSTR = re.compile(r'^\s*(?:ROOT\s+)?%(?P<name>\S+)\s*=\s*(?P<shape>.+?)\s+(?P<op>' + '|'.join(COLLECTIVES) +
                     r')(?P<start>-start)?\((?P<rest>.*)$', re.M)
-_ARRAY = re.compile(r'\b([a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn)?)?)\[([0-9,]*)\]')
+ARRAY = re.compile(r'\b([a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn)?)?)\[([0-9,]*)\]')
 _COMP_HEAD = re.compile(r'^(?:ENTRY\s+)?%(?P<name>[^\s(]+)\s.*\{\s*$')
 _CALLS = re.compile(r'\b(?P<kind>body|condition|calls|to_apply|true_computation|false_computation)=%(?P<c>[\w.\-]+)'
                     r'|branch_computations=\{(?P<branches>[^}]*)\}')
@@ -170,7 +172,7 @@ def computation_counts(hlo_text: str) -> dict[str, int]:
 @dataclasses.dataclass(frozen=True)
 class Collective:
   op: str  # 'all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute'
-  bytes: int  # result bytes per device, as partitioning.audit.collective_stats counts them
+  bytes: int  # result bytes per device, as audit.collective_stats counts them
   groups: Groups  # partition ids of each group (collective-permute: each source -> target pair)
   times: int  # runs per step (trip counts of the loops around it)
   name: str
@@ -189,14 +191,14 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
     if head and not line.startswith(' '):
       current = head['name']
       continue
-    m = _INSTR.match(line)
+    m = INSTR.match(line)
     if not m:
       continue
-    arrays = [(dt, [int(d) for d in dims.split(',') if d]) for dt, dims in _ARRAY.findall(m['shape'])
-              if dt in _ITEMSIZE]
+    arrays = [(dt, [int(d) for d in dims.split(',') if d]) for dt, dims in ARRAY.findall(m['shape'])
+              if dt in ITEMSIZE]
     if m['start'] and len(arrays) > 1:
       arrays = arrays[1:2]  # an async start's shape is (operand, result[, ...])
-    nbytes = sum(math.prod(dims) * _ITEMSIZE[dt] for dt, dims in arrays)
+    nbytes = sum(math.prod(dims) * ITEMSIZE[dt] for dt, dims in arrays)
     rest = m['rest']
     if m['op'] == 'collective-permute':
       pairs = _attr(rest, 'source_target_pairs')
