@@ -119,8 +119,8 @@ def test_unknown_dataset():
 
 @pytest.mark.parametrize('packed', [False, True])
 def test_a_data_position_resumes_with_another_number_of_processes(packed):
-  """Positions saved by 2 processes (rows 0-3, 4-7) resume in 1 process (rows 0-7) and in 4 (2 rows each),
-  giving exactly the batches an uninterrupted run reads next (packed: each row's packer continues mid-document);
+  """Positions saved by 2 processes (rows 0-3, 4-7) resume in 1 process (rows 0-7) and in 4 (2 rows each), and
+  those of the 4 in 2, giving exactly the batches an uninterrupted run reads next (packed: each row's packer continues mid-document);
   another global batch is a CheckpointError naming both."""
   from errors import CheckpointError  # pylint: disable=g-import-not-at-top
   from data.pipeline import RowsIterator, packed_train_dataset  # pylint: disable=g-import-not-at-top
@@ -150,6 +150,14 @@ def test_a_data_position_resumes_with_another_number_of_processes(packed):
     q.set_state(saved)
   for e in expected:
     np.testing.assert_array_equal(np.concatenate([next(q)['inputs'] for q in quarters]), e)
+  for _ in range(2):  # and the reverse: 4 processes' positions resume in 2
+    for q in quarters:
+      next(q)
+  halves = [it(slice(0, 4)), it(slice(4, 8))]
+  for h in halves:
+    h.set_state([q.get_state() for q in quarters])
+  following = [next(whole)['inputs'] for _ in range(3)][2]
+  np.testing.assert_array_equal(np.concatenate([next(h)['inputs'] for h in halves]), following)
   with pytest.raises(CheckpointError, match='global batch of 8 .*this run reads 16'):
     it(slice(0, 16), 16).set_state(saved)
   with pytest.raises(CheckpointError, match=r'covers rows \[\(0, 4\)\]'):

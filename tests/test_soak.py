@@ -23,10 +23,9 @@ def test_sigkill_during_saves_and_sigterm_resume_bitwise(tmp_path):
   train.train_and_evaluate(cfg, str(tmp_path / 'reference'))
   rng = random.Random(12)  # a save of this model takes ~0.1-0.3 s here: the kills land inside or just after one
   faults = [soak.Fault('SIGKILL', 'save', rng.uniform(0, 0.05), nth=1),
-            soak.Fault('SIGKILL', 'save', rng.uniform(0, 0.05), nth=2),
             soak.Fault('SIGTERM', 'loop', rng.uniform(0, 0.5))]
   env = soak.environment(jax.config.jax_compilation_cache_dir, subprocess_env())
   report = soak.soak('configs/default.py', TINY_RUN, str(tmp_path), faults, env=env,
                      reference=str(tmp_path / 'reference' / 'checkpoints' / '12'), timeout=120)
-  assert report['sigkill'] == 2 and report['sigterm'] == 1 and report['runs'] == 4, report
+  assert report['sigkill'] == 1 and report['sigterm'] == 1 and report['runs'] == 3, report
   assert report['interrupted_saves'] >= 1, report  # at least one kill left a half-written save behind

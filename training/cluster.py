@@ -13,8 +13,9 @@ timeout (100 s by default) and then aborts the process with a C++ stack trace. P
 what happened: each process bumps a counter in the coordination service's key-value store every
 `timeout / 5` seconds and reads everyone's; a process that exits with an error first marks itself failed. A
 peer marked failed, or whose counter has not moved for `timeout` seconds, or a coordinator that cannot be
-reached for that long, makes this process print one line naming it and exit with status PEER_LOST_EXIT. A
-collective that fails outright (gloo on CPUs: "Connection reset by peer") waits for that verdict. The bound: a
+reached for that long, makes this process print one line naming it and exit with status PEER_LOST_EXIT. An
+error that is not one of ours (a collective that fails outright, e.g. gloo's "Connection reset by peer" on
+CPUs) waits for that verdict before it is reported as this process's own. The bound: a
 surviving process exits within `timeout` + `timeout / 5` seconds of a silent death, and within `timeout / 5`
 seconds of a peer's error. When process 0 dies, the coordination service dies with it, and JAX's client aborts
 the others at once with its own message ("the leader task was preempted/died").
@@ -36,8 +37,9 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from errors import ConfigError
+from errors import ConfigError, NonFiniteError, StorageError
 
+_OWN_ERRORS = (ConfigError, StorageError, NonFiniteError, KeyboardInterrupt, SystemExit)  # not about peers
 PEER_LOST_EXIT = 75  # EX_TEMPFAIL: the run can be resumed from its last checkpoint
 _KEY = 'shardzoo/peers/'
 _DONE, _FAILED = 'done', 'failed'
@@ -205,8 +207,8 @@ def watched(launch: Launch, peer_timeout_s: float) -> Iterator[None]:
   try:
     yield
   except BaseException as e:
-    if isinstance(e, jax.errors.JaxRuntimeError):  # e.g. gloo's "Connection reset by peer": a peer has likely died;
-      watch.await_verdict()  # PeerWatch then stops this process naming it, within its bound
+    if not isinstance(e, _OWN_ERRORS):  # e.g. gloo's "Connection reset by peer": a peer may have died; if so,
+      watch.await_verdict()  # PeerWatch stops this process naming it, within its bound
     watch.close(failed=f'{type(e).__name__}: {e}'.splitlines()[0])
     atexit.register(_exit_now)  # runs before JAX's own exit handler, whose shutdown barrier would wait for the dead
     raise
