@@ -36,7 +36,7 @@ config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/defau
 flags.DEFINE_string('workdir', None, 'Where metrics (TensorBoard events) are written.')
 flags.DEFINE_bool('dry_run', False, 'Build everything abstractly, print the sharding table, exit.')
 flags.DEFINE_string('cluster', 'auto', 'Multi-process: auto (jax.distributed detects SLURM, Open MPI, Kubernetes, '
-                    'Cloud TPU), none, or one detection method by name (slurm, ompi, k8s, gke, gce).')
+                    'Cloud TPU), none, or one detection method by name (slurm, ompi, mpi4py, tpu, gcetpu, gketpu).')
 flags.DEFINE_string('coordinator_address', None, 'Multi-process by hand: host:port of process 0 (jax.distributed).')
 flags.DEFINE_integer('num_processes', 1, 'Multi-process by hand: how many processes take part.')
 flags.DEFINE_integer('process_id', 0, 'Multi-process by hand: this process (0 .. num_processes-1).')

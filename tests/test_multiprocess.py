@@ -160,6 +160,29 @@ def test_a_killed_process_stops_its_peer_within_the_timeout():
   assert waited < timeout * 1.2 + 3, waited
 
 
+def test_bad_launches_are_one_error_each(monkeypatch):
+  """Before JAX starts: manual flags that do not add up, an unknown detection method, and a scheduler whose
+  environment cannot be read are one ConfigError naming the flag or variable to change."""
+  from errors import ConfigError  # pylint: disable=g-import-not-at-top
+  from training import cluster  # pylint: disable=g-import-not-at-top
+  assert cluster.Launch(None, 1, 0).how == 'one process'
+  with pytest.raises(ConfigError, match=r'--coordinator_address=h:1 needs --num_processes >= 2'):
+    cluster.Launch('h:1', 1, 0)
+  with pytest.raises(ConfigError, match=r'--process_id=2 is not in 0..1'):
+    cluster.Launch('h:1', 2, 2)
+  with pytest.raises(ConfigError, match=r"--cluster='bogus' is not a cluster JAX detects; choose auto, none or one of"):
+    cluster.Launch(None, 1, 0, 'bogus')
+  with pytest.raises(ConfigError, match=r'--cluster=slurm: this process does not run in a slurm environment'):
+    cluster.Launch(None, 1, 0, 'slurm')
+  for k, v in dict(SLURM_JOB_ID='5', SLURM_STEP_NODELIST='n1', SLURM_NTASKS='x', SLURM_PROCID='0',
+                   SLURM_LOCALID='0').items():
+    monkeypatch.setenv(k, v)
+  with pytest.raises(ConfigError, match=r'detected a slurm environment but could not read its process count .* '
+                                        r'--cluster=none'):
+    cluster.Launch(None, 1, 0)
+  assert cluster.Launch(None, 1, 0, 'none').num_processes == 1
+
+
 def test_kubernetes_manifest_is_consistent():
   """launch/k8s.yaml: an Indexed Job whose pods find pod 0 through the headless Service (JAX's Kubernetes
   detection), may read pods and jobs, and ask for as many DCN slices as there are pods."""

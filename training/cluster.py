@@ -80,7 +80,12 @@ class Launch:
       self.num_processes = num_processes
     else:
       self.env = scheduler() if cluster == 'auto' else _method(cluster)
-      self.num_processes = self.env.get_process_count() if self.env is not None else 1
+      try:
+        self.num_processes = self.env.get_process_count() if self.env is not None else 1
+      except Exception as e:  # e.g. a Kubernetes pod that is not part of a Job
+        raise ConfigError(f'jax.distributed detected a {self.env.name} environment but could not read its process '
+                          f'count ({type(e).__name__}: {str(e).splitlines()[0][:200]}); run with --cluster=none for '
+                          'one process, or give --coordinator_address/--num_processes/--process_id') from e
 
   @property
   def how(self) -> str:
