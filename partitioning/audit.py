@@ -7,19 +7,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from partitioning import hlo
-from partitioning.hlo import ARRAY, INSTR, ITEMSIZE
+from partitioning.hlo import INSTR, ITEMSIZE
 from partitioning.table import fmt_bytes
 
 
 def _collectives(hlo_text: str):
-  """(op, [(dtype, dims), ...] of its result) for every collective of an HLO module's text. An async start's
-  shape is (operand, result[, ...]): its result is taken."""
+  """(op, [(dtype, dims), ...] of its result) for every collective of an HLO module's text."""
   for m in INSTR.finditer(hlo_text):
-    arrays = [(dt, tuple(int(d) for d in dims.split(',') if d)) for dt, dims in ARRAY.findall(m['shape'])
-              if dt in ITEMSIZE]
-    if m['start'] and len(arrays) > 1:
-      arrays = arrays[1:2]
-    yield m['op'], arrays
+    yield m['op'], hlo.result_arrays(m)
 
 
 def collective_shapes(hlo_text: str, op: str) -> list[tuple[int, ...]]:

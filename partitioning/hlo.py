@@ -40,6 +40,14 @@ _CALLS = re.compile(r'\b(?P<kind>body|condition|calls|to_apply|true_computation|
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
+def result_arrays(m: re.Match) -> list[tuple[str, tuple[int, ...]]]:
+  """(dtype, dims) of each array a collective instruction (an INSTR match) returns, per device. An async
+  start's shape is (operand, result[, ...]): its result is taken."""
+  arrays = [(dt, tuple(int(d) for d in dims.split(',') if d)) for dt, dims in ARRAY.findall(m['shape'])
+            if dt in ITEMSIZE]
+  return arrays[1:2] if m['start'] and len(arrays) > 1 else arrays
+
+
 def _iota(dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:
   ids = np.arange(math.prod(dims)).reshape(dims)
   return (ids.transpose(perm) if perm else ids).reshape(-1)
@@ -194,11 +202,7 @@ def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
     m = INSTR.match(line)
     if not m:
       continue
-    arrays = [(dt, [int(d) for d in dims.split(',') if d]) for dt, dims in ARRAY.findall(m['shape'])
-              if dt in ITEMSIZE]
-    if m['start'] and len(arrays) > 1:
-      arrays = arrays[1:2]  # an async start's shape is (operand, result[, ...])
-    nbytes = sum(math.prod(dims) * ITEMSIZE[dt] for dt, dims in arrays)
+    nbytes = sum(math.prod(dims) * ITEMSIZE[dt] for dt, dims in result_arrays(m))
     rest = m['rest']
     if m['op'] == 'collective-permute':
       pairs = _attr(rest, 'source_target_pairs')

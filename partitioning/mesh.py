@@ -98,11 +98,8 @@ def fit_mesh(mesh_cfg: MutableMapping[str, int], dcn_cfg: Mapping[str, int] | No
   platform = jax.devices()[0].platform
   if platform == 'cpu':
     return None
-  slices = math.prod(dcn_shape(mesh_cfg, dcn_cfg).values())
-  if jax.device_count() % slices:
-    raise ShardingError(f'config.dcn_mesh ({_fmt_mesh(dict(dcn_cfg or {}))}) asks for {slices} slices, which does '
-                        f'not divide the {jax.device_count()} {platform} devices')
-  fitted, note = fit_mesh_shape(mesh_cfg, jax.device_count() // slices, platform)
+  per_slice = _devices_per_slice(dcn_shape(mesh_cfg, dcn_cfg), jax.device_count(), platform)
+  fitted, note = fit_mesh_shape(mesh_cfg, per_slice, platform)
   if note:
     mesh_cfg.update(fitted)
   return note
@@ -146,16 +143,22 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None 
     return jax.make_mesh(tuple(shape.values()), tuple(shape.keys()),
                          axis_types=(jax.sharding.AxisType.Auto,) * len(shape), devices=devices)
   platform = devices[0].platform
-  if len(devices) % slices:
-    raise ShardingError(f'config.dcn_mesh ({_fmt_mesh(dcn)}) asks for {slices} slices, which does not divide the '
-                        f'{len(devices)} {platform} devices')
+  per_slice = _devices_per_slice(dcn, len(devices), platform)
   try:
-    ici = resolve_mesh_shape(mesh_cfg, len(devices) // slices, platform)
+    ici = resolve_mesh_shape(mesh_cfg, per_slice, platform)
   except ShardingError as e:
     raise ShardingError(f'{e}, per slice: config.dcn_mesh ({_fmt_mesh(dcn)}) splits the {len(devices)} devices '
-                        f'into {slices} slices of {len(devices) // slices}') from None
+                        f'into {slices} slices of {per_slice}') from None
   grid = _hybrid_grid(tuple(ici.values()), tuple(dcn.values()), devices)
   return Mesh(grid, tuple(ici), axis_types=(jax.sharding.AxisType.Auto,) * len(ici))
+
+
+def _devices_per_slice(dcn: Mapping[str, int], num_devices: int, platform: str) -> int:
+  slices = math.prod(dcn.values())
+  if num_devices % slices:
+    raise ShardingError(f'config.dcn_mesh ({_fmt_mesh(dcn)}) asks for {slices} slices, which does not divide the '
+                        f'{num_devices} {platform} devices')
+  return num_devices // slices
 
 
 def slice_kind(devices: Sequence[jax.Device]) -> str:

@@ -66,7 +66,8 @@ def _method(cluster: str) -> Any:
 
 
 class Launch:
-  """How this run's processes were started: `plan()` before JAX starts, `start()` to join the others."""
+  """How this run's processes are started: built before JAX starts (num_processes sizes simulated devices),
+  `start()` to join the others."""
 
   def __init__(self, coordinator_address: str | None, num_processes: int, process_id: int, cluster: str = 'auto'):
     self.manual = coordinator_address is not None or num_processes > 1
