@@ -2,14 +2,18 @@ r"""The fused attention kernels (cuDNN, Pallas) vs the XLA path, on a GPU: outpu
 
   python benchmarks/attention_parity.py
 
+  python benchmarks/attention_parity.py --cases context        # only the cases whose name has 'context'
+
 For each case the zoo runs (causal GPT-2 / Llama with grouped kv heads, packed documents, ViT's 197
-tokens padded for cuDNN, right-padded BERT rows), compares models/attention.py's fused kernels ('cudnn';
+tokens padded for cuDNN, right-padded BERT rows, and context parallelism's per-shard kernel with its mask
+as a bias, run here in shard_map over a 1-device 'context' axis), compares models/attention.py's fused kernels ('cudnn';
 JAX's Pallas kernel, which alone takes packed documents) with its 'xla' kernel on the same bf16 inputs,
 both against a float32 XLA reference: relative error
 ||out - ref|| / ||ref|| of the output and of dq, dk, dv. Then times forward + backward of each.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -19,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from models import attention  # noqa: E402
 
@@ -29,6 +34,7 @@ CASES = {  # name -> (B, L, H, G, K, causal, packed, padded)
     'llama packed GQA': (2, 2048, 32, 8, 64, True, True, False),
     'vit L=197': (64, 197, 12, 12, 64, False, False, False),
     'bert right-padded': (16, 128, 12, 12, 64, False, False, True),
+    'llama packed GQA, context shard': (2, 2048, 32, 8, 64, True, True, False),
 }
 
 
@@ -47,11 +53,24 @@ def inputs(B, L, H, G, K, packed, padded, seed=0):
   return q, k, v, seg, valid
 
 
-def run(impl, q, k, v, seg, valid, causal, dtype):
+def context_shard(impl, q, k, v, seg, causal):
+  """models/attention.py's per-shard context-parallel kernel (all-gathers, causal offset, mask from positions)
+  in shard_map over a 'context' axis of one device: the program a GPU shard runs, at one shard."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('context',))
+  spec, rows = P(None, 'context'), {} if seg is None else {'segment_ids_BL': seg}
+  local = functools.partial(attention._per_shard_context, axes='context', causal=causal, implementation=impl)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, {k: spec for k in rows}), out_specs=spec,
+                       check_vma=False)(q, k, v, rows)
+
+
+def run(impl, q, k, v, seg, valid, causal, dtype, context=False):
   def loss(q, k, v, ct):
-    with attention.forced(impl):
-      o = attention.attend(q.astype(dtype), k.astype(dtype), v.astype(dtype), causal=causal, segment_ids_BL=seg,
-                           valid_BL=valid)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    if context:
+      o = context_shard(impl, q, k, v, seg, causal)
+    else:
+      with attention.forced(impl):
+        o = attention.attend(q, k, v, causal=causal, segment_ids_BL=seg, valid_BL=valid)
     return (o.astype(jnp.float32) * ct).sum(), o
   ct = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
   if valid is not None:  # padded queries' outputs are not compared (nothing uses them)
@@ -76,20 +95,24 @@ def rel(a, b):
 
 
 def main():
+  cases = sys.argv[sys.argv.index('--cases') + 1] if '--cases' in sys.argv else ''
   print(f'{jax.devices()[0].device_kind}; jax {jax.__version__}')
-  print(f'{"case":22s} {"impl":18s} {"out":>9s} {"dq":>9s} {"dk":>9s} {"dv":>9s} {"fwd+bwd ms":>11s}')
+  print(f'{"case":32s} {"impl":8s} {"out":>9s} {"dq":>9s} {"dk":>9s} {"dv":>9s} {"fwd+bwd ms":>11s}')
   for name, (B, L, H, G, K, causal, packed, padded) in CASES.items():
+    if cases not in name:
+      continue
+    context = 'context' in name
     q, k, v, seg, valid = inputs(B, L, H, G, K, packed, padded)
     ref, _ = run('xla', q, k, v, seg, valid, causal, jnp.float32)
-    fused = ('pallas',) if packed else ('cudnn', 'pallas')
+    fused = ('cudnn',) if context else ('pallas',) if packed else ('cudnn', 'pallas')
     for impl in ('xla',) + fused:
       try:
-        got, t = run(impl, q, k, v, seg, valid, causal, jnp.bfloat16)
+        got, t = run(impl, q, k, v, seg, valid, causal, jnp.bfloat16, context=context)
         errs = [rel(a, b) for a, b in zip(got, ref)]
         bad = ' NaN!' if any(np.isnan(e) for e in errs) else ''
-        print(f'{name:22s} {impl:18s} ' + ' '.join(f'{e:9.2e}' for e in errs) + f' {1e3 * t:11.2f}{bad}', flush=True)
+        print(f'{name:32s} {impl:8s} ' + ' '.join(f'{e:9.2e}' for e in errs) + f' {1e3 * t:11.2f}{bad}', flush=True)
       except Exception as e:  # noqa: BLE001  (a probe: report and go on)
-        print(f'{name:22s} {impl:18s} FAILED: {type(e).__name__}: {str(e)[:300]}', flush=True)
+        print(f'{name:32s} {impl:8s} FAILED: {type(e).__name__}: {str(e)[:300]}', flush=True)
 
 if __name__ == '__main__':
   main()

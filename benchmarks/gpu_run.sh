@@ -3,9 +3,10 @@
 #   bash benchmarks/gpu_run.sh NAME:SECONDS:ARGS... (ARGS for benchmarks/throughput.py, 'parity', or a
 #   script and its args, e.g. benchmarks/loss_parity.py --config ...; ARGS may
 #   begin with VAR=VALUE words, set for that run alone, e.g. XLA_FLAGS=--xla_dump_to=/tmp/d)
-# Logs go to $OUT (or /tmp/shardzoo_bench). Wheels in .whl/ (e.g. ml_collections) are installed first if present.
+# Logs (and each throughput run's JSON) go to /tmp/shardzoo_bench, packed into $OUT/all.tgz at the end when $OUT is
+# set (the device tool returns at most 8 files). Wheels in .whl/ (e.g. ml_collections) are installed first if present.
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
-OUT=${OUT:-/tmp/shardzoo_bench}; mkdir -p "$OUT"
+LOGS=/tmp/shardzoo_bench; mkdir -p "$LOGS"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
@@ -16,9 +17,10 @@ for run in "$@"; do
   echo "=== $name ($secs s): $args"
   envs=(); set -f; words=($args); set +f
   while [ ${#words[@]} -gt 0 ] && [[ ${words[0]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
-  if [ "${words[0]}" = parity ]; then cmd=(python3 benchmarks/attention_parity.py)
+  if [ "${words[0]}" = parity ]; then cmd=(python3 benchmarks/attention_parity.py "${words[@]:1}")
   elif [[ ${words[0]} == *.py ]]; then cmd=(python3 "${words[@]}")
-  else cmd=(python3 benchmarks/throughput.py "${words[@]}" --out "$OUT/$name.json"); fi
-  env "${envs[@]}" timeout "$secs" "${cmd[@]}" > "$OUT/$name.log" 2>&1; echo "exit $?" >> "$OUT/$name.log"
-  grep -v -E "^[IW][0-9]{4} |Warning|warnings.warn|^  warnings|UserWarning" "$OUT/$name.log" | tail -${TAIL:-16}
+  else cmd=(python3 benchmarks/throughput.py "${words[@]}" --out "$LOGS/$name.json"); fi
+  env "${envs[@]}" timeout "$secs" "${cmd[@]}" > "$LOGS/$name.log" 2>&1; echo "exit $?" >> "$LOGS/$name.log"
+  grep -v -E "^[IW][0-9]{4} |Warning|warnings.warn|^  warnings|UserWarning" "$LOGS/$name.log" | tail -${TAIL:-16}
 done
+if [ -n "$OUT" ]; then tar czf "$OUT/all.tgz" -C "$LOGS" .; fi

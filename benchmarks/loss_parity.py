@@ -7,7 +7,7 @@ r"""Loss parity of the fast paths: N train steps of a config as it is and with i
 
 Both runs start from the same initial state (unrolled and scanned stacks initialise identically) and see
 the same synthetic batches (the task's, one seed per step). The reference defaults to the previous path:
-XLA attention, scanned layers, no remat, float32 logits, two-pass BatchNorm variance. Prints the two loss
+XLA attention, scanned layers, no remat, float32 logits, flax's two-pass BatchNorm. Prints the two loss
 curves' largest difference relative to the reference loss, and where it happened.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/gpt2.py[:preset].', lock_config=True)
 flags.DEFINE_integer('steps', 50, 'Train steps of each run.')
 flags.DEFINE_string('reference', 'model.attention=xla,model.scan_layers=True,model.remat=none,'
-                    'model.logits_dtype=float32,model.bn_fast_variance=False',
+                    'model.logits_dtype=float32,model.bn_fast_variance=False,model.bn_fused=False',
                     'Comma-separated key=value overrides that make the reference run (keys the config lacks '
                     'are skipped).')
 

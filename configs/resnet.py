@@ -48,7 +48,7 @@ def get_config(arg: str | None = None):
   c.logical_axis_rules = RULES[preset]
   m = SIZES[size]
   c.model = common.ConfigDict(dict(
-      name='resnet', **m, bn_momentum=0.9, bn_eps=1e-5, bn_fast_variance=False, dtype='float32', param_dtype='float32',
+      name='resnet', **m, bn_momentum=0.9, bn_eps=1e-5, bn_fast_variance=False, bn_fused=True, dtype='float32', param_dtype='float32',
       scan_layers=True, remat='none',
       stride_in_1x1=False))  # a bottleneck strides on its 3x3 conv (v1.5); True: on its first 1x1 (v1)
   c.optim = common.ConfigDict(dict(name='sgd', lr=0.1, momentum=0.9, warmup_steps=100, min_lr_ratio=0.0,

@@ -168,7 +168,7 @@ FIELDS: dict[str, Field] = {
     'model.features': Field('ints'), 'model.width': POSITIVE,
     'model.block': Field(str, choices=_owned('models.resnet', 'BLOCKS', sort=True)),
     'model.stage_sizes': Field('ints'), 'model.bn_eps': RATE, 'model.bn_momentum': FRACTION,
-    'model.bn_fast_variance': Field(bool), 'model.stride_in_1x1': Field(bool),
+    'model.bn_fast_variance': Field(bool), 'model.bn_fused': Field(bool), 'model.stride_in_1x1': Field(bool),
     # data
     'dataset.name': Field(str), 'dataset.seq_len': POSITIVE, 'dataset.vocab_size': POSITIVE,
     'dataset.branching': POSITIVE, 'dataset.smoothing': Field(float, lo=0, hi=1), 'dataset.seed': COUNT,

@@ -46,7 +46,7 @@ def _conv(cfg: Any, c_in: int, c_out: int, k: int, stride: int, rngs: nnx.Rngs, 
 
 def _bn(cfg: Any, c: int, rngs: nnx.Rngs) -> BatchNorm:
   return BatchNorm(c, momentum=cfg.bn_momentum, eps=cfg.bn_eps, fast_variance=cfg.get('bn_fast_variance', False),
-                   rngs=rngs, **dtypes(cfg))
+                   fused=cfg.get('bn_fused', False), rngs=rngs, **dtypes(cfg))
 
 
 class Block(nnx.Module):

@@ -155,6 +155,23 @@ def test_remat_policies_change_memory_not_results():
   assert layers.remat_policy(True) == 'full' and layers.remat_policy(False) == 'none'
 
 
+def test_dots_policy_keeps_cudnn_attention_instead_of_rerunning_it(monkeypatch):
+  """Traced only (CPU has no cuDNN; its version check is patched): under remat='dots' the gradient of a
+  block with cuDNN attention runs the forward kernel once, and twice under 'full'. Fails if JAX renames the
+  kernel's primitive (layers.CUDNN_ATTENTION_FORWARD)."""
+  from jax._src.cudnn import fused_attention_stablehlo
+  monkeypatch.setattr(fused_attention_stablehlo, 'check_cudnn_version', lambda *a, **k: 91000)
+  q, k, v = _qkv(B=2, L=128, H=4, G=4, K=64, dtype=jnp.bfloat16)
+
+  def forward_kernels(policy):
+    block = jax.checkpoint(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation='cudnn').astype(jnp.float32).sum(), policy=policy)
+    jaxpr = jax.make_jaxpr(jax.grad(block, argnums=(0, 1, 2)))(q, k, v)
+    return sum(e.primitive.name == layers.CUDNN_ATTENTION_FORWARD for e in _all_eqns(jaxpr.jaxpr))
+  assert forward_kernels(layers.REMAT_POLICIES['dots']) == 1
+  assert forward_kernels(layers.REMAT_POLICIES['full']) == 2
+
+
 def test_bf16_logits_keep_the_loss():
   ref, _ = _loss_and_grads(_gpt2_tiny())
   loss, _ = _loss_and_grads(_gpt2_tiny(logits_dtype='bfloat16'))
@@ -252,6 +269,65 @@ def test_one_pass_batchnorm_variance_matches_two_pass():
   x = jnp.asarray(np.random.default_rng(0).normal(0.5, 2.0, (8, 4, 4, 16)), jnp.float32)
   out = {fast: layers.BatchNorm(16, fast_variance=fast, rngs=nnx.Rngs(0))(x) for fast in (False, True)}
   np.testing.assert_allclose(out[True], out[False], atol=1e-5)
+
+
+@pytest.mark.parametrize('fast', [False, True])
+def test_fused_batchnorm_equals_flax_values_statistics_and_gradients(fast):
+  """layers.batch_norm_train's written-out VJP against autodiff of flax's BatchNorm: outputs, running
+  averages, and the gradients of x, scale and bias (float32, 1e-5); bf16 inputs give bf16 outputs."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(0.5, 2.0, (4, 5, 3, 16)), jnp.float32)
+  ct = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  scale, results = jnp.asarray(rng.uniform(0.5, 1.5, 16), jnp.float32), {}
+  for fused in (False, True):
+    bn = layers.BatchNorm(16, fast_variance=fast, fused=fused, momentum=0.8, rngs=nnx.Rngs(0))
+    bn.scale[...], bn.bias[...] = scale, jnp.linspace(-1, 1, 16)
+    graphdef, params, rest = nnx.split(bn, nnx.Param, ...)
+    params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+    def loss(params, x, rest):
+      y = nnx.merge(graphdef, params, rest)(x)
+      return (y * ct).sum(), y
+    (_, y), (g_params, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x, rest)
+    bn(x)  # eager: updates the running averages
+    results[fused] = (y, g_x, g_params, bn.mean[...], bn.var[...])
+  for name, a, b in zip(('y', 'dx', 'dparams', 'mean', 'var'), results[True], results[False]):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name), a, b)
+  y, mean, var = layers.batch_norm_train(x.astype(jnp.bfloat16), jnp.ones(16), jnp.zeros(16), eps=1e-5,
+                                         fast_variance=fast, out_dtype=jnp.bfloat16)
+  assert y.dtype == jnp.bfloat16 and mean.dtype == var.dtype == jnp.float32
+
+
+def _all_eqns(jaxpr):
+  yield from jaxpr.eqns
+  for sub in jax.extend.core.subjaxprs(jaxpr):
+    yield from _all_eqns(sub)
+
+
+def test_wide_output_heads_run_their_backward_in_the_compute_dtype():
+  """A bf16 head with float32 logits (preferred_element_type): the forward matmul returns float32, and no
+  matmul of the backward pass takes a float32 operand (XLA would run those as float32/TF32 GEMMs); the
+  gradients equal autodiff's with the cotangent rounded to bf16."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((2, 8, 16)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((16, 40)), jnp.bfloat16)
+  ct = jnp.asarray(rng.standard_normal((2, 8, 40)), jnp.float32)
+  f = lambda x, w: (layers.wide_einsum('bld,dv->blv', x, w, preferred_element_type=jnp.float32) * ct).sum()
+  jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w)
+  dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == 'dot_general']
+  assert len(dots) >= 3, jaxpr
+  forward = [d for d in dots if d.outvars[0].aval.dtype == jnp.float32]
+  assert forward and all(v.aval.dtype == jnp.bfloat16 for d in dots for v in d.invars), jaxpr
+  ours = jax.grad(f, argnums=(0, 1))(x, w)
+  _, vjp = jax.vjp(lambda x, w: jnp.einsum('bld,dv->blv', x, w), x, w)
+  for a, b in zip(ours, vjp(ct.astype(jnp.bfloat16))):
+    assert a.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  # float32 compute keeps plain autodiff
+  x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+  g32 = jax.grad(f, argnums=(0, 1))(x32, w32)
+  ref = jax.grad(lambda x, w: (jnp.einsum('bld,dv->blv', x, w) * ct).sum(), argnums=(0, 1))(x32, w32)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), g32, ref)
 
 
 @pytest.mark.slow
