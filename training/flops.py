@@ -131,15 +131,19 @@ class Chip:
 # NVLink 900 / 600 / 1800 GB/s bidirectional, halved here for one direction); DCN: one 400 Gb/s (A100: 200 Gb/s)
 # ConnectX NIC per GPU (DGX H100 / A100 system specs), i.e. 50 (25) GB/s. TPUs: cloud.google.com/tpu/docs
 # system-architecture pages (v4, v5e, v5p, v6e: peak bf16, HBM capacity and bandwidth, ICI bandwidth per chip);
-# their DCN share per chip is a rough 12.5 GB/s (no public per-chip figure). compute_eff 0.45 on GPUs: our
-# Llama 1.24B step reached 36-40% MFU (model FLOPs) on one H100 (README "On GPUs", 2026-11-22), about 0.45 of
-# peak once remat's recomputed FLOPs are counted; not re-measured by the plan search (no GPU in its session).
+# their DCN share per chip is a rough 12.5 GB/s (no public per-chip figure). compute_eff on H100/H200: calibrated
+# on one H100 (2026-11-23): the search's compute term for Llama 1.24B (configs/llama.py, 8 x 2048 tokens, one
+# device; the FLOPs of the step as compiled on CPU, remat recomputation included) against benchmarks/throughput.py's
+# measured 261.2 ms: 0.45 x 314.3 / 261.2 = 0.54. Held out, the same constant predicts GPT-2 (16 x 1024) and
+# ViT-B/16 (256 images) 1.64x and ResNet-50 (256 images) 4.3x faster than measured: their non-matmul work
+# (norms, softmax, BatchNorm) is a larger share, which a FLOPs-only term does not see (README "Plan search").
+# H200: the H100's compute (same die), not measured. Others: 0.45-0.55 by analogy, not measured.
 # cpu: this project's 2-core test machine, whose simulated devices share both cores (160 GFLOP/s fp32 matmul,
 # shared/NOTES.md); its efficiencies and latency are fitted by benchmarks/search_accuracy.py (README "Plan search"):
 # a step of a tiny model there is dominated by per-op and per-collective overheads, not by FLOPs.
 CHIPS: dict[str, Chip] = {c.name: c for c in (
-    Chip('h100', 989.0, 3350.0, 80.0, 450.0, 50.0, compute_eff=0.45),
-    Chip('h200', 989.0, 4800.0, 141.0, 450.0, 50.0, compute_eff=0.45),
+    Chip('h100', 989.0, 3350.0, 80.0, 450.0, 50.0, compute_eff=0.54),
+    Chip('h200', 989.0, 4800.0, 141.0, 450.0, 50.0, compute_eff=0.54),
     Chip('a100', 312.0, 2039.0, 80.0, 300.0, 25.0, compute_eff=0.5),
     Chip('b200', 2250.0, 8000.0, 180.0, 900.0, 50.0, compute_eff=0.45),
     Chip('tpu_v4', 275.0, 1200.0, 32.0, 300.0, 12.5, compute_eff=0.55),
