@@ -142,7 +142,7 @@ def main(argv) -> None:
     say(f'\nchoice: {win.candidate.label()}: {1e3 * win.prediction.step_s:.1f} ms/step predicted{mfu}, '
         f'{mem}. Search took {wall:.0f} s.')
     if FLAGS.out:
-      plan = search_lib.apply(config, win.candidate)
+      plan = search_lib.apply(config, win.candidate, hosts)
       base_config = candidates.load_module(config_path).get_config(config_arg)
       command = f'python train.py --config {FLAGS.out} --workdir /tmp/plan'
       header = (f'Plan chosen by search.py on {time.strftime("%Y-%m-%d")} for {n} x {chip.name}'

@@ -70,6 +70,20 @@ def axis_orders(sizes: Mapping[str, int], hosts: int) -> list[tuple[tuple[str, i
   return clean or other
 
 
+def split_over_hosts(mesh: Sequence[tuple[str, int]], hosts: int) -> tuple[dict[str, int], dict[str, int]]:
+  """A plan's ordered mesh over `hosts` hosts as (config.mesh, config.dcn_mesh): walking the axes outermost
+  first, each takes as much of the remaining host count as its size shares with it (its outer part crosses
+  hosts, on DCN; the rest stays inside a host). E.g. data=8 x fsdp=8 over 8 hosts -> mesh data=1 fsdp=8,
+  dcn_mesh data=8 fsdp=1; fsdp=16 x tensor=4 over 8 -> mesh fsdp=2 tensor=4, dcn_mesh fsdp=8 tensor=1."""
+  ici, dcn, left = {}, {}, hosts
+  for axis, size in mesh:
+    d = math.gcd(size, left)
+    ici[axis], dcn[axis], left = size // d, d, left // d
+  if left != 1:
+    raise ConfigError(f'mesh {dict(mesh)} cannot be split over {hosts} hosts with its leading axes crossing them')
+  return ici, dcn
+
+
 def rule_variants(presets: Mapping[str, Sequence[tuple]]) -> dict[str, Rules]:
   """The presets, and variants of them: 'vocab' replicated where a preset shards it (the output head's
   gather and logits collectives against its memory), 'kv_heads' replicated where a preset shards it

@@ -48,8 +48,8 @@ def render(config_file: str, arg: str | None, base: ml_collections.ConfigDict, p
   lines = []
   for path, value in ours.items():
     if path in ('mesh', 'logical_axis_rules') or path not in theirs or theirs[path] != value:
-      if path == 'mesh':
-        lines.append(f'  c.mesh = common.mesh({dict(value.items())!r})')
+      if path in ('mesh', 'dcn_mesh'):
+        lines.append(f'  c.{path} = common.mesh({dict(value.items())!r})')
       else:
         lines.append(f'  c.{path} = {_value(value)}')
   if module:

@@ -41,7 +41,7 @@ from errors import ShardingError
 from partitioning import AxisRules
 from partitioning import hlo
 from planning import cost
-from planning.candidates import Candidate
+from planning.candidates import Candidate, split_over_hosts
 from training import flops
 
 # Pruning reasons, from a ShardingError's message (partitioning/rules.py, plan.py, mesh.py wordings).
@@ -113,11 +113,18 @@ class Result:
   model_flops: float | None
 
 
-def apply(config: ml_collections.ConfigDict, cand: Candidate) -> ml_collections.ConfigDict:
-  """A copy of the config with the candidate's mesh, rules and remat."""
+def apply(config: ml_collections.ConfigDict, cand: Candidate, hosts: int = 1) -> ml_collections.ConfigDict:
+  """A copy of the config with the candidate's mesh, rules and remat. Over several hosts the mesh is written
+  as config.mesh (each host's part) x config.dcn_mesh (across hosts: split_over_hosts), which
+  train.py builds as a hybrid mesh; with one host config.mesh alone, in the candidate's order."""
   c = copy.deepcopy(config)
   with c.unlocked():
-    c.mesh = ml_collections.ConfigDict(dict(cand.mesh), sort_keys=False)
+    if hosts > 1:
+      ici, dcn = split_over_hosts(cand.mesh, hosts)
+      c.mesh = ml_collections.ConfigDict(ici, sort_keys=False)
+      c.dcn_mesh = ml_collections.ConfigDict(dcn, sort_keys=False)
+    else:
+      c.mesh = ml_collections.ConfigDict(dict(cand.mesh), sort_keys=False)
     c.logical_axis_rules = [tuple(r) for r in cand.rules]
     c.preset = cand.rules_name
     if cand.remat is not None:

@@ -1,11 +1,13 @@
 """The plan search (planning/, search.py): candidates, pruning, the HLO parser, the cost model, the plan file."""
 import os
 
+import jax
 import pytest
 from absl import flags
 from ml_collections import config_flags
 
 import models
+import partitioning
 import training
 from configs import llama
 from errors import ConfigError
@@ -41,6 +43,14 @@ def test_factorisations_and_host_orders():
   assert {o[0][0] for o in orders} == {'data', 'fsdp'} and len(orders) == 2
   with pytest.raises(ConfigError, match='multiple of the host count'):
     list(candidates.generate(12, ['data'], {'dp': ()}, [None], hosts=8))
+  # a plan over hosts as config.mesh (inside a host) x config.dcn_mesh (across them)
+  split = candidates.split_over_hosts
+  assert split((('data', 8), ('fsdp', 8), ('tensor', 1)), 8) == ({'data': 1, 'fsdp': 8, 'tensor': 1},
+                                                                 {'data': 8, 'fsdp': 1, 'tensor': 1})
+  assert split((('fsdp', 16), ('tensor', 4)), 8) == ({'fsdp': 2, 'tensor': 4}, {'fsdp': 8, 'tensor': 1})
+  assert split((('data', 2), ('fsdp', 32)), 8) == ({'data': 1, 'fsdp': 8}, {'data': 2, 'fsdp': 4})
+  with pytest.raises(ConfigError, match='cannot be split over 4 hosts'):
+    split((('data', 2), ('tensor', 3)), 4)
 
 
 def test_bad_input_names_the_culprit(tmp_path):
@@ -196,3 +206,15 @@ def test_plan_file_round_trips_through_train_py(searched, tmp_path):
   ours = s._trainer(plan, win.candidate)
   assert dict(mesh.mesh.shape) == dict(win.candidate.mesh)
   assert mesh.specs == ours.specs
+  # Over 2 hosts the same plan is written as a hybrid mesh: its leading axis across hosts (config.dcn_mesh),
+  # which train.py builds with the same axis sizes and shardings.
+  hybrid = search_lib.apply(s.config, win.candidate, hosts=2)
+  lead, size = next((a, n) for a, n in win.candidate.mesh if n > 1)
+  assert hybrid.dcn_mesh[lead] == 2 and hybrid.mesh[lead] == size // 2
+  plan_file.write(out, plan_file.render(LLAMA, 'tiny', base, hybrid, 'test plan'))
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file('config', None, '', flag_values=fv, lock_config=True)
+  fv(['train.py', f'--config={out}'])
+  assert fv.config.to_dict() == hybrid.to_dict()
+  hybrid_mesh = partitioning.make_mesh(fv.config.mesh, jax.devices()[:8], fv.config.dcn_mesh)
+  assert dict(hybrid_mesh.shape) == dict(win.candidate.mesh)
