@@ -6,7 +6,6 @@ temporaries smaller by more than the logits' size; a chunk count the length does
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
