@@ -16,9 +16,14 @@ import training
 from configs import common, schema
 from errors import ConfigError
 from tests.conftest import build_trainer
-from tests.test_speed_paths import _all_eqns
 
 B, L, V, CHUNKS = 4, 16, 40, 4  # V: a vocabulary no other dimension of the tiny models shares
+
+
+def _all_eqns(jaxpr):
+  yield from jaxpr.eqns
+  for sub in jax.extend.core.subjaxprs(jaxpr):
+    yield from _all_eqns(sub)
 
 
 def _tiny(name, preset='dp', **model):
