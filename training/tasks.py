@@ -153,7 +153,7 @@ def chunked_softmax_xent(head: Any, x_BLD: jax.Array, targets_BL: jax.Array,
   Chunk c holds the positions c, c + chunks, c + 2 chunks, ... of every row (a strided cut): a length sharded
   over mesh axes (context parallelism: contiguous blocks of L/n positions per device) leaves every chunk
   sharded the same way, L/(chunks n) positions per device, so the loop runs on every device at once. The batch
-  keeps its sharding, and the head its own ('vocab' sharded as the rules say)."""
+  keeps its sharding, and the head its own ('vocab' sharded as the rules say). Suffixes: C chunks, l = L / C."""
   B, L, D = x_BLD.shape
   Lc = check_loss_chunks(chunks, L)
   spec = logical_spec(('batch', 'length'), (B, L))  # None outside partitioning.use_rules
