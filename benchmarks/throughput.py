@@ -150,7 +150,9 @@ def main(argv) -> None:
         f'{config.batch_size}, {units_per_step:,} {unit}/step, mesh {dict(mesh.shape)} on {n} {device.device_kind}')
   print(f'model: dtype {m.get("dtype", "float32")}, params {m.get("param_dtype", "float32")}, '
         f'scan_layers={m.get("scan_layers", False)}, remat={m.get("remat", "none")}, '
-        f'logits {m.get("logits_dtype", "float32")}; optimizer {config.optim.name}')
+        f'logits {m.get("logits_dtype", "float32")}'
+        + (f', loss in {m.loss_chunks} chunks' if (m.get('loss_chunks') or 0) > 1 else '')
+        + f'; optimizer {config.optim.name}')
   for d in attention.decisions():
     print(f'attention: {d}')
   print('seconds: ' + ', '.join(f'{k} {v:.1f}' for k, v in phases.items()))

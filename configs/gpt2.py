@@ -34,7 +34,8 @@ def get_config(arg: str | None = None):
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(dict(
       name='gpt2', **SIZES[size], norm_eps=1e-5, dtype='float32', param_dtype='float32',
-      scan_layers=True, remat='none', attention='auto', logits_dtype='float32'))
+      scan_layers=True, remat='none', attention='auto', logits_dtype='float32',
+      loss_chunks=0))  # > 1: the LM loss in that many chunks along the length (README, model options)
   if size == 'real':
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
     c.dataset = common.ConfigDict(dict(

@@ -56,7 +56,7 @@ def get_config(arg: str | None = None):
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(dict(
       name='llama', **SIZES[size], dtype='float32', param_dtype='float32', scan_layers=True, remat='none',
-      attention='auto', logits_dtype='float32',
+      attention='auto', logits_dtype='float32', loss_chunks=0,  # > 1: the LM loss in chunks (README, model options)
       rope_scaling=None))  # None, or Llama 3 scaling as (key, value) pairs (models/layers.rope_scaling_params)
   if size == 'real':
     # bf16 compute, f32 params and optimizer state. remat='dots' keeps the weight matmuls' outputs: on one H100

@@ -153,6 +153,7 @@ FIELDS: dict[str, Field] = {
     'model.name': Field(str, choices=_owned('models', 'MODELS', sort=True)),
     'model.dtype': Field(str, choices=DTYPES),
     'model.param_dtype': Field(str, choices=DTYPES), 'model.logits_dtype': Field(str, choices=DTYPES),
+    'model.loss_chunks': COUNT,  # the LM loss in that many chunks along the length; 0 or 1: off
     'model.attention': Field(str, choices=_owned('models.attention', 'IMPLEMENTATIONS')),
     'model.remat': Field(str, choices=_owned('models.layers', 'REMAT_POLICIES')),
     'model.scan_layers': Field(bool), 'model.vocab_size': POSITIVE, 'model.pad_vocab_to': POSITIVE,

@@ -14,7 +14,8 @@ from flax import nnx
 
 from errors import ConfigError
 from models import hf_import as hf
-from models.layers import MLP, Attention, Embed, LayerNorm, Stack, axes, dtypes, logits_dtype, stack_options
+from models.layers import (
+    MLP, Attention, Embed, LayerNorm, Stack, axes, dtypes, logits_dtype, loss_chunks, stack_options)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -38,7 +39,8 @@ class Block(nnx.Module):
 
 
 class GPT2(nnx.Module):
-  """tokens (B, L) int32 -> logits (B, L, V) float32. Packed rows: pass positions and segment_ids."""
+  """tokens (B, L) int32 -> logits (B, L, V) float32. Packed rows: pass positions and segment_ids.
+  `hidden_states` and `head` are the two halves of `__call__` (the chunked LM loss runs the head per chunk)."""
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
@@ -50,9 +52,15 @@ class GPT2(nnx.Module):
     self.ln_f = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw, rngs=rngs)
     self.max_len = cfg.max_len
     self.dtype = kw['dtype']
+    self.loss_chunks = loss_chunks(cfg)
 
   def __call__(self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    return self.head(self.hidden_states(tokens_BL, positions_BL=positions_BL, segment_ids_BL=segment_ids_BL))
+
+  def hidden_states(self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None,
+                    segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    """The last block's output after the final LayerNorm, (B, L, D)."""
     L = tokens_BL.shape[1]
     if L > self.max_len:
       raise ConfigError(f'sequence length {L} exceeds the model max_len {self.max_len}')
@@ -60,8 +68,11 @@ class GPT2(nnx.Module):
     pos_BLD = pos_LD[:L][None] if positions_BL is None else jnp.take(pos_LD, positions_BL, axis=0)
     x_BLD = shard_logical(self.tok(tokens_BL) + pos_BLD.astype(self.dtype), ACT)
     x_BLD, _ = self.blocks(x_BLD, segment_ids_BL)
-    logits_BLV = self.tok.attend(self.ln_f(x_BLD))
-    return shard_logical(logits_BLV, ('batch', 'length', 'vocab'))
+    return self.ln_f(x_BLD)
+
+  def head(self, x_BLD: jax.Array) -> jax.Array:
+    """Hidden states (B, L, D) -> logits (B, L, V): the tied embedding, padded rows masked."""
+    return shard_logical(self.tok.attend(x_BLD), ('batch', 'length', 'vocab'))
 
 
 def num_params(cfg: Any) -> int:

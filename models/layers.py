@@ -497,3 +497,9 @@ def dtypes(cfg: Any) -> dict[str, Any]:
 def logits_dtype(cfg: Any) -> Any:
   """The dtype of a language model's logits (config.model.logits_dtype; float32 unless set)."""
   return jnp.dtype(cfg.get('logits_dtype', 'float32'))
+
+
+def loss_chunks(cfg: Any) -> int:
+  """config.model.loss_chunks of a language model: the LM loss computed in that many chunks along the length,
+  each chunk's logits recomputed in the backward pass (training/tasks.py); 0 or 1: the whole (B, L, V) at once."""
+  return int(cfg.get('loss_chunks', 0) or 0)

@@ -20,7 +20,8 @@ from flax import nnx
 from errors import ConfigError
 from models import hf_import as hf
 from models.layers import (
-    Attention, Dense, Embed, GatedMLP, RMSNorm, Stack, dtypes, rope_scaling_params, logits_dtype, stack_options)
+    Attention, Dense, Embed, GatedMLP, RMSNorm, Stack, dtypes, rope_scaling_params, logits_dtype, loss_chunks,
+    stack_options)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -56,7 +57,8 @@ class Block(nnx.Module):
 
 class Llama(nnx.Module):
   """tokens (B, L) int32 -> logits (B, L, V) float32. Packed rows: pass positions and segment_ids
-  (rotary angles come from the positions, so each document starts at position 0)."""
+  (rotary angles come from the positions, so each document starts at position 0). `hidden_states` and
+  `head` are the two halves of `__call__` (the chunked LM loss runs the head per chunk)."""
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
@@ -68,12 +70,21 @@ class Llama(nnx.Module):
     if not self.tied:
       self.lm_head = Dense('bld,dv->blv', (D, V), ('embed', 'vocab'), preferred_element_type=logits_dtype(cfg),
                            **kw, rngs=rngs)
+    self.loss_chunks = loss_chunks(cfg)
 
   def __call__(self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    return self.head(self.hidden_states(tokens_BL, positions_BL=positions_BL, segment_ids_BL=segment_ids_BL))
+
+  def hidden_states(self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None,
+                    segment_ids_BL: jax.Array | None = None) -> jax.Array:
+    """The last block's output after the final RMSNorm, (B, L, D)."""
     x_BLD = shard_logical(self.embed_tokens(tokens_BL), ACT)
     x_BLD, _ = self.blocks(x_BLD, positions_BL, segment_ids_BL)
-    x_BLD = self.norm(x_BLD)
+    return self.norm(x_BLD)
+
+  def head(self, x_BLD: jax.Array) -> jax.Array:
+    """Hidden states (B, L, D) -> logits (B, L, V): the tied embedding or lm_head."""
     logits_BLV = self.embed_tokens.attend(x_BLD) if self.tied else self.lm_head(x_BLD)
     return shard_logical(logits_BLV, ('batch', 'length', 'vocab'))
 

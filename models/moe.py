@@ -38,7 +38,8 @@ from errors import ConfigError
 from models import hf_import as hf
 from models import llama
 from models.layers import (
-    NORMAL_002, Dense, Embed, RMSNorm, Stack, axes, dtypes, mask_padded_vocab, logits_dtype, stack_options)
+    NORMAL_002, Dense, Embed, RMSNorm, Stack, axes, dtypes, mask_padded_vocab, logits_dtype, loss_chunks,
+    stack_options)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -155,7 +156,9 @@ class Block(llama.Block):
 
 class MoE(nnx.Module):
   """tokens (B, L) int32 -> (logits (B, L, V) float32, aux). aux['aux_loss'] is the weighted sum over
-  layers (the lm task adds it to the loss); the other aux entries are unweighted means over layers."""
+  layers (the lm task adds it to the loss); the other aux entries are unweighted means over layers.
+  `hidden_states` (-> (x, aux)) and `head` are the two halves of `__call__` (the chunked LM loss runs the
+  head per chunk)."""
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
@@ -169,18 +172,28 @@ class MoE(nnx.Module):
       self.lm_head = Dense('bld,dv->blv', (D, rows), ('embed', 'vocab'), preferred_element_type=logits_dtype(cfg),
                            **kw, rngs=rngs)
     self.vocab_size, self.num_layers = V, cfg.num_layers
+    self.loss_chunks = loss_chunks(cfg)
 
   def __call__(self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None,
                segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    x_BLD, aux = self.hidden_states(tokens_BL, positions_BL=positions_BL, segment_ids_BL=segment_ids_BL)
+    return self.head(x_BLD), aux
+
+  def hidden_states(self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None,
+                    segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The last block's output after the final RMSNorm, (B, L, D), and aux (the class docstring)."""
     x_BLD = shard_logical(self.embed_tokens(tokens_BL), ACT)
     x_BLD, totals = self.blocks(x_BLD, positions_BL, segment_ids_BL)
-    x_BLD = self.norm(x_BLD)
+    aux = {k: v if k == 'aux_loss' else v / self.num_layers for k, v in totals.items()}
+    return self.norm(x_BLD), aux
+
+  def head(self, x_BLD: jax.Array) -> jax.Array:
+    """Hidden states (B, L, D) -> logits (B, L, V): the tied embedding or lm_head, padded rows masked."""
     if self.tied:
       logits_BLV = self.embed_tokens.attend(x_BLD)
     else:
       logits_BLV = mask_padded_vocab(self.lm_head(x_BLD), self.vocab_size)
-    aux = {k: v if k == 'aux_loss' else v / self.num_layers for k, v in totals.items()}
-    return shard_logical(logits_BLV, ('batch', 'length', 'vocab')), aux
+    return shard_logical(logits_BLV, ('batch', 'length', 'vocab'))
 
 
 def _counts(cfg: Any) -> tuple[int, int, int]:

@@ -7,10 +7,16 @@ and dtypes (`example_shapes`), and whether a dataset's token ids and labels fit 
 
 A model returns logits, or (logits, aux) where aux is a dict of scalars; `aux['aux_loss']` (e.g. an
 MoE load-balancing loss, already weighted) is added to the training loss, every aux entry is logged.
+
+Language models with `config.model.loss_chunks` > 1 (`model.loss_chunks`) are scored in chunks along the
+length (`chunked_softmax_xent`): the model gives its final hidden states (`model.hidden_states`, the same
+(x, aux) convention) and its output head as a function of them (`model.head`), so the (B, L, V) logits
+never exist in full, in the forward pass or the backward.
 """
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -20,6 +26,7 @@ import optax
 from flax import nnx
 
 from errors import ConfigError
+from partitioning import active_mesh, logical_spec, shard_logical
 
 Metrics = dict[str, jax.Array]
 FieldSpec = dict[str, tuple[tuple[int, ...], Any]]
@@ -104,9 +111,7 @@ class Task:
   def metric_sums(self, model: Any, batch: dict[str, jax.Array]) -> Metrics:
     """Sums over the batch (so eval over many batches is exact): loss, correct, weight (+ aux)."""
     logits, aux = self.forward(model, batch)
-    loss, correct, weight = self.per_example(logits.astype(jnp.float32), batch)
-    return {'loss_sum': (loss * weight).sum(), 'correct_sum': (correct * weight).sum(),
-            'weight': weight.sum(), **{f'aux/{k}': v for k, v in aux.items()}}
+    return _sums(*self.per_example(logits.astype(jnp.float32), batch), aux)
 
   def loss(self, model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
     m = self.metric_sums(model, batch)
@@ -119,10 +124,58 @@ class Task:
     return loss, {**metrics, **aux}
 
 
+def _sums(loss: jax.Array, correct: jax.Array, weight: jax.Array, aux: dict[str, jax.Array]) -> Metrics:
+  return {'loss_sum': (loss * weight).sum(), 'correct_sum': (correct * weight).sum(),
+          'weight': weight.sum(), **{f'aux/{k}': v for k, v in aux.items()}}
+
+
 def _softmax_xent(logits: jax.Array, targets: jax.Array, mask: jax.Array):
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
   correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
   return loss, correct, mask
+
+
+def check_loss_chunks(chunks: int, L: int) -> int:
+  """The tokens of a row in one loss chunk, L / chunks; a length the chunks do not divide is a ConfigError."""
+  if L % chunks:
+    raise ConfigError(f'config.model.loss_chunks={chunks} does not divide the sequence length {L} '
+                      f'(config.dataset.seq_len): {L} tokens per row cannot be cut into {chunks} equal chunks; use a '
+                      f'divisor of {L}, or 0 (no chunking)')
+  return L // chunks
+
+
+def chunked_softmax_xent(head: Any, x_BLD: jax.Array, targets_BL: jax.Array,
+                         chunks: int) -> tuple[jax.Array, jax.Array]:
+  """Per-token float32 softmax cross-entropy and argmax hit (both (B, L)) of logits `head(x_BLD)`, computed
+  `chunks` chunks at a time: a jax.lax.map over chunks of B x L/chunks tokens, each under jax.checkpoint, so
+  only one chunk's (B, L/chunks, V) logits exist at once and the backward pass recomputes them per chunk.
+
+  Chunk c holds the positions c, c + chunks, c + 2 chunks, ... of every row (a strided cut): a length sharded
+  over mesh axes (context parallelism: contiguous blocks of L/n positions per device) leaves every chunk
+  sharded the same way, L/(chunks n) positions per device, so the loop runs on every device at once. The batch
+  keeps its sharding, and the head its own ('vocab' sharded as the rules say). Suffixes: C chunks, l = L / C."""
+  B, L, D = x_BLD.shape
+  Lc = check_loss_chunks(chunks, L)
+  spec = logical_spec(('batch', 'length'), (B, L))  # None outside partitioning.use_rules
+  length_axes = jax.tree.leaves(spec[1]) if spec is not None and len(spec) > 1 else []  # trailing Nones dropped
+  n = math.prod(active_mesh().shape[a] for a in length_axes)
+  if Lc % n:
+    raise ConfigError(f'config.model.loss_chunks={chunks}: a chunk holds {Lc} positions of each row, which the '
+                      f'{n} shards of the sequence (\'length\' over mesh axes {", ".join(length_axes)}) do not divide; '
+                      f'use a loss_chunks that divides {L // n} (the positions per shard)')
+  act = (None, 'batch', 'length', 'embed')
+  x_CBlD = shard_logical(x_BLD.reshape(B, Lc, chunks, D).transpose(2, 0, 1, 3), act)
+  t_CBl = shard_logical(targets_BL.reshape(B, Lc, chunks).transpose(2, 0, 1), act[:3])
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a loop CSE cannot undo the recomputation
+  def chunk(args):
+    x_BlD, t_Bl = args
+    logits_BlV = head(shard_logical(x_BlD, act[1:])).astype(jnp.float32)
+    loss_Bl, correct_Bl, _ = _softmax_xent(logits_BlV, t_Bl, None)
+    return shard_logical(loss_Bl, act[1:3]), shard_logical(correct_Bl, act[1:3])
+  loss_CBl, correct_CBl = jax.lax.map(chunk, (x_CBlD, t_CBl))
+  unchunk = lambda y_CBl: y_CBl.transpose(1, 2, 0).reshape(B, L)
+  return unchunk(loss_CBl), unchunk(correct_CBl)
 
 
 def _check_length(config: Any) -> int:
@@ -147,12 +200,27 @@ class LanguageModeling(Task):
 
   def example_shapes(self, config: Any) -> FieldSpec:
     L = _check_length(config)
+    chunks = config.model.get('loss_chunks') or 0
+    if chunks > 1:
+      check_loss_chunks(chunks, L)
     return {k: ((L,), jnp.float32 if k == 'mask' else jnp.int32) for k in self.fields(config)}
 
   @staticmethod
   def forward(model: Any, batch: dict[str, jax.Array]):
-    packed = {f'{k}_BL': batch[k] for k in ('positions', 'segment_ids') if k in batch}
-    return _split_output(model(batch['inputs'], **packed))
+    return _split_output(model(batch['inputs'], **LanguageModeling._packed(batch)))
+
+  @staticmethod
+  def _packed(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {f'{k}_BL': batch[k] for k in ('positions', 'segment_ids') if k in batch}
+
+  def metric_sums(self, model: Any, batch: dict[str, jax.Array]) -> Metrics:
+    """As Task's; with model.loss_chunks > 1 the head and the loss run chunk by chunk (chunked_softmax_xent)."""
+    chunks = getattr(model, 'loss_chunks', 0)
+    if chunks <= 1:
+      return super().metric_sums(model, batch)
+    x_BLD, aux = _split_output(model.hidden_states(batch['inputs'], **self._packed(batch)))
+    loss_BL, correct_BL = chunked_softmax_xent(model.head, x_BLD, batch['targets'], chunks)
+    return _sums(loss_BL, correct_BL, batch['mask'], aux)
 
   @staticmethod
   def per_example(logits, batch):
