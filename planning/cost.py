@@ -3,8 +3,9 @@
     compute    = max(FLOPs / (peak x compute_eff), bytes accessed / HBM bandwidth)   (FLOPs alone for a GPU/TPU
                  target compiled on CPU: see `predict`)
     collective = sum over collectives of runs x (latency + bytes moved / (link bandwidth x link_eff))
-    step       = compute + collective            (no overlap assumed: a plan that hides its collectives
-                                                  behind compute does better than predicted)
+    step       = overhead + compute + collective (no overlap assumed: a plan that hides its collectives
+                                                  behind compute does better than predicted; overhead: the
+                                                  chip's fixed cost per step, 0 except where fitted)
 Bytes moved per device, ring algorithms over a group of n (R = the result bytes per device):
     all-gather R (n-1)/n,  reduce-scatter R (n-1),  all-reduce 2 R (n-1)/n,  all-to-all R (n-1)/n,
     collective-permute R.
@@ -95,7 +96,8 @@ def predict(profile: Profile, chip: Any, num_devices: int, memory_headroom: floa
   gib = profile.memory / 2**30
   state = (profile.memory - profile.temp_bytes) / 2**30
   need = gib if temporaries_known else state + min(profile.temp_bytes / 2**30, chip.memory_gib / 2)
-  return Prediction(compute + collective, compute, collective, by_axes, need <= chip.memory_gib * memory_headroom,
+  step = chip.step_overhead_us * 1e-6 + compute + collective
+  return Prediction(step, compute, collective, by_axes, need <= chip.memory_gib * memory_headroom,
                     gib, state)
 
 
