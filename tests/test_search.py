@@ -218,3 +218,33 @@ def test_plan_file_round_trips_through_train_py(searched, tmp_path):
   assert fv.config.to_dict() == hybrid.to_dict()
   hybrid_mesh = partitioning.make_mesh(fv.config.mesh, jax.devices()[:8], fv.config.dcn_mesh)
   assert dict(hybrid_mesh.shape) == dict(win.candidate.mesh)
+
+
+def test_accuracy_fit_recovers_a_known_ranking_and_overhead(tmp_path):
+  """benchmarks/search_accuracy.py --fit on plans whose times come from a known 'cpu' chip plus a fixed
+  overhead: the fitted constants rank them exactly and the overhead comes back."""
+  import dataclasses
+  import json
+  import subprocess
+  import sys
+  true = dataclasses.replace(flops.chip('cpu'), compute_eff=0.3, latency_us=400.0, dcn_latency_us=400.0,
+                             link_eff=0.5, step_overhead_us=20000.0)
+  plans = []
+  for i in range(8):
+    key = cost.CollectiveKey('all-reduce' if i % 2 else 'all-gather', ('data',), 8, 1)
+    profile = cost.Profile(2e8 * (1 + i % 3), 1e6, 1e9, 5e8, 5e8, {key: (float(4 + 3 * i), 1e6 * (8 - i))})
+    plans.append(dict(plan=f'plan {i}', predicted_s=0.0, measured_s=cost.predict(profile, true, 8).step_s,
+                      times=[], profile=dict(flops=profile.flops, bytes_accessed=profile.bytes_accessed,
+                                             memory=profile.memory, argument_bytes=profile.argument_bytes,
+                                             temp_bytes=profile.temp_bytes,
+                                             collectives=[[dataclasses.asdict(key), list(v)]
+                                                          for key, v in profile.collectives.items()])))
+  path = tmp_path / 'synthetic.json'
+  path.write_text(json.dumps(dict(config='synthetic', devices=8, search_s=0.0, plans=plans)))
+  out = subprocess.run([sys.executable, 'benchmarks/search_accuracy.py', '--fit', str(path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  fitted = out.stdout.split('fitted on')[1]
+  assert 'Spearman 1.000' in fitted and '(+0.0%)' in fitted, out.stdout
+  overhead = float(fitted.split('step overhead ')[1].split(' us')[0])
+  assert 15000 < overhead < 25000, out.stdout
