@@ -225,17 +225,27 @@ def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal:
   gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
   k_BSGK, v_BSGK = gather(k_BCGK), gather(v_BCGK)
   S = k_BSGK.shape[1]
-  mask = None
+  seg_BC, valid_BC = rows.get('segment_ids_BL'), rows.get('valid_BL')
+  mask = _document_mask(seg_BC, None if seg_BC is None else gather(seg_BC),
+                        None if valid_BC is None else gather(valid_BC))
   if causal:
     q_pos_C = jax.lax.axis_index(axes) * C + jnp.arange(C)
-    mask = (q_pos_C[:, None] >= jnp.arange(S)[None, :])[None, None]
-  if (seg_BC := rows.get('segment_ids_BL')) is not None:
-    same = seg_BC[:, None, :, None] == gather(seg_BC)[:, None, None, :]
-    mask = same if mask is None else mask & same
-  if (valid_BC := rows.get('valid_BL')) is not None:
-    keys = gather(valid_BC).astype(bool)[:, None, None, :]
-    mask = keys if mask is None else mask & keys
+    later = (q_pos_C[:, None] >= jnp.arange(S)[None, :])[None, None]
+    mask = later if mask is None else mask & later
   return jax.nn.dot_product_attention(q_BCHK, k_BSGK, v_BSGK, mask=mask, implementation=implementation)
+
+
+def _document_mask(seg_q_BL, seg_k_BS, valid_k_BS) -> jax.Array | None:
+  """(B, 1, L, S) bool: query and key in the same packed document, and the key real (not padding); None
+  when there are neither segment ids nor padding."""
+  mask = None
+  if seg_q_BL is not None:
+    mask = seg_q_BL[:, None, :, None] == seg_k_BS[:, None, None, :]
+  if valid_k_BS is not None:
+    keys = valid_k_BS.astype(bool)[:, None, None, :]
+    mask = keys if mask is None else mask & keys
+  return mask
+
 
 def _pallas(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, interpret: bool = False):
   """JAX's Pallas flash attention. Padding becomes segment 0 (real queries never see padded keys; padded
@@ -272,12 +282,7 @@ def _cudnn(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) ->
 
 def _xla(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
   """jax.nn.dot_product_attention (softmax in float32, grouped kv heads); causality via is_causal."""
-  mask = None
-  if segment_ids_BL is not None:
-    mask = segment_ids_BL[:, None, :, None] == segment_ids_BL[:, None, None, :]
-  if valid_BL is not None:
-    keys = valid_BL.astype(bool)[:, None, None, :]
-    mask = keys if mask is None else mask & keys
+  mask = _document_mask(segment_ids_BL, segment_ids_BL, valid_BL)
   return jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask, is_causal=causal, implementation='xla')
 
 
