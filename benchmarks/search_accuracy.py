@@ -68,6 +68,11 @@ def run(config) -> None:
   report([FLAGS.out], chip, 'table constants')
 
 
+def _rows(data: dict) -> list[tuple[cost.Profile, int, float]]:
+  """A result file's plans as (compiled profile, devices, measured seconds)."""
+  return [(_profile(r['profile']), data['devices'], r['measured_s']) for r in data['plans']]
+
+
 def _predictions(rows: list[tuple[cost.Profile, int, float]], chip: flops.Chip):
   import numpy as np
   return np.array([cost.predict(p, chip, n).step_s for p, n, _ in rows])
@@ -81,10 +86,7 @@ def fit(files: list[str], base: flops.Chip) -> flops.Chip:
   relative error). Least squares alone fitted the times' scale and ranked worse (Llama 0.46 against 0.84)."""
   import numpy as np
   from planning.search import spearman
-  per_file = []
-  for path in files:
-    data = json.load(open(path))
-    per_file.append([(_profile(r['profile']), data['devices'], r['measured_s']) for r in data['plans']])
+  per_file = [_rows(json.load(open(path))) for path in files]
   rows = [r for f in per_file for r in f]
   meas = np.array([t for _, _, t in rows])
 
@@ -96,8 +98,9 @@ def fit(files: list[str], base: flops.Chip) -> flops.Chip:
     for lat in np.geomspace(50.0, 10000.0, 16):
       for le in np.geomspace(0.02, 2.0, 12):
         chip = shaped(ce, lat, le)
-        rho = np.mean([spearman(list(_predictions(f, chip)), [t for _, _, t in f]) for f in per_file])
-        err = float(np.mean((_predictions(rows, chip) / meas - 1) ** 2))
+        preds = [_predictions(f, chip) for f in per_file]
+        rho = np.mean([spearman(list(p), [t for _, _, t in f]) for p, f in zip(preds, per_file)])
+        err = float(np.mean((np.concatenate(preds) / meas - 1) ** 2))
         if best is None or (round(rho, 3), -err) > best[0]:
           best = ((round(rho, 3), -err), chip)
   chip = best[1]
@@ -118,8 +121,8 @@ def report(files: list[str], chip: flops.Chip, what: str) -> None:
         f'link_eff {chip.link_eff:.3g}, step overhead {chip.step_overhead_us:.3g} us')
   for path in files:
     data = json.load(open(path))
-    pred = [cost.predict(_profile(r['profile']), chip, data['devices']).step_s for r in data['plans']]
-    meas = [r['measured_s'] for r in data['plans']]
+    rows = _rows(data)
+    pred, meas = list(_predictions(rows, chip)), [t for _, _, t in rows]
     win = min(range(len(pred)), key=pred.__getitem__)
     gap = meas[win] / min(meas) - 1
     print(f'  {data["config"]}: {len(meas)} plans, Spearman {spearman(pred, meas):.3f}, chosen {data["plans"][win]["plan"]} '
