@@ -105,6 +105,13 @@ def train_on_random_batches(trainer: training.Trainer, steps: int) -> tuple[trai
   return start, state
 
 
+def all_eqns(jaxpr):
+  """Every equation of a jaxpr and of the jaxprs nested in it (custom_vjp, remat, scan, shard_map bodies)."""
+  yield from jaxpr.eqns
+  for sub in jax.extend.core.subjaxprs(jaxpr):
+    yield from all_eqns(sub)
+
+
 def subprocess_env() -> dict[str, str]:
   """Environment for running train.py in a child process: CPU only, no inherited device flags."""
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'TF_CPP_MIN_LOG_LEVEL': '2'}

@@ -15,15 +15,9 @@ import partitioning
 import training
 from configs import common, schema
 from errors import ConfigError
-from tests.conftest import build_trainer
+from tests.conftest import all_eqns, build_trainer
 
 B, L, V, CHUNKS = 4, 16, 40, 4  # V: a vocabulary no other dimension of the tiny models shares
-
-
-def _all_eqns(jaxpr):
-  yield from jaxpr.eqns
-  for sub in jax.extend.core.subjaxprs(jaxpr):
-    yield from _all_eqns(sub)
 
 
 def _tiny(name, preset='dp', **model):
@@ -88,7 +82,7 @@ def test_chunked_loss_equals_whole_logits(name):
   graphdef, _, rest = _abstract(cfg)
   def shapes(chunks):
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: _loss_fn(graphdef, rest, batch, chunks)(p)[0]))(params)
-    return {tuple(v.aval.shape) for e in _all_eqns(jaxpr.jaxpr) for v in e.outvars}
+    return {tuple(v.aval.shape) for e in all_eqns(jaxpr.jaxpr) for v in e.outvars}
   assert (B, L, V) in shapes(0) and (B, L, V) not in shapes(CHUNKS)
   assert (B, L // CHUNKS, V) in shapes(CHUNKS)
 

@@ -18,7 +18,7 @@ import partitioning
 import train
 import training
 from models import attention, layers
-from tests.conftest import ROOT, build_trainer, subprocess_env, tiny_config
+from tests.conftest import ROOT, all_eqns, build_trainer, subprocess_env, tiny_config
 from training import flops, profiling
 
 
@@ -167,7 +167,7 @@ def test_dots_policy_keeps_cudnn_attention_instead_of_rerunning_it(monkeypatch):
     block = jax.checkpoint(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation='cudnn').astype(jnp.float32).sum(), policy=policy)
     jaxpr = jax.make_jaxpr(jax.grad(block, argnums=(0, 1, 2)))(q, k, v)
-    return sum(e.primitive.name == layers.CUDNN_ATTENTION_FORWARD for e in _all_eqns(jaxpr.jaxpr))
+    return sum(e.primitive.name == layers.CUDNN_ATTENTION_FORWARD for e in all_eqns(jaxpr.jaxpr))
   assert forward_kernels(layers.REMAT_POLICIES['dots']) == 1
   assert forward_kernels(layers.REMAT_POLICIES['full']) == 2
 
@@ -298,12 +298,6 @@ def test_fused_batchnorm_equals_flax_values_statistics_and_gradients(fast):
   assert y.dtype == jnp.bfloat16 and mean.dtype == var.dtype == jnp.float32
 
 
-def _all_eqns(jaxpr):
-  yield from jaxpr.eqns
-  for sub in jax.extend.core.subjaxprs(jaxpr):
-    yield from _all_eqns(sub)
-
-
 def test_wide_output_heads_run_their_backward_in_the_compute_dtype():
   """A bf16 head with float32 logits (preferred_element_type): the forward matmul returns float32, and no
   matmul of the backward pass takes a float32 operand (XLA would run those as float32/TF32 GEMMs); the
@@ -314,7 +308,7 @@ def test_wide_output_heads_run_their_backward_in_the_compute_dtype():
   ct = jnp.asarray(rng.standard_normal((2, 8, 40)), jnp.float32)
   f = lambda x, w: (layers.wide_einsum('bld,dv->blv', x, w, preferred_element_type=jnp.float32) * ct).sum()
   jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w)
-  dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == 'dot_general']
+  dots = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == 'dot_general']
   assert len(dots) >= 3, jaxpr
   forward = [d for d in dots if d.outvars[0].aval.dtype == jnp.float32]
   assert forward and all(v.aval.dtype == jnp.bfloat16 for d in dots for v in d.invars), jaxpr
