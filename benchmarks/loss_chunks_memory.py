@@ -42,7 +42,7 @@ def main(argv) -> None:
   if config.task != 'lm':
     raise app.UsageError(f'config.task={config.task!r}: loss_chunks is for language models (task lm)')
   m, B, L = config.model, config.batch_size, config.dataset.seq_len
-  V = -(-m.vocab_size // (m.get('pad_vocab_to') or 1)) * (m.get('pad_vocab_to') or 1)
+  V = layers.padded_vocab(m)
   logits = B * L * V * layers.logits_dtype(m).itemsize
   print(f'{m.name}, batch {B} x {L} tokens, vocab {V}, 1 {jax.devices()[0].platform} device; dtype={m.dtype}, '
         f'remat={m.get("remat")}, scan_layers={m.get("scan_layers")}; whole logits {fmt_bytes(logits)} '

@@ -22,7 +22,7 @@ from flax import nnx
 
 from errors import ConfigError
 from models import hf_import as hf
-from models.layers import MLP, Attention, Dense, Embed, LayerNorm, Stack, axes, dtypes, stack_options
+from models.layers import MLP, Attention, Dense, Embed, LayerNorm, Stack, axes, dtypes, padded_vocab, stack_options
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -100,8 +100,7 @@ class Bert(nnx.Module):
 def num_params(cfg: Any) -> int:
   """Closed-form parameter count (checked against the built model in tests)."""
   D, F, N, T = cfg.embed_dim, cfg.mlp_dim, cfg.num_layers, getattr(cfg, 'type_vocab_size', 2)
-  pad = getattr(cfg, 'pad_vocab_to', 1) or 1
-  V = -(-cfg.vocab_size // pad) * pad
+  V = padded_vocab(cfg)
   embeddings = (V + cfg.max_len + T) * D + 2 * D
   block = 4 * (D * D + D) + (D * F + F) + (F * D + D) + 2 * 2 * D
   if getattr(cfg, 'head', 'mlm') == 'mlm':
@@ -159,8 +158,7 @@ def _hf_params() -> list[hf.Param]:
   (word embeddings, MLM decoder bias) are zero-padded to config.model.pad_vocab_to."""
   def dims(cfg):  # D, H, K
     return cfg.embed_dim, cfg.num_heads, cfg.embed_dim // cfg.num_heads
-  pad = lambda cfg: [hf.Pad(0, -(-cfg.vocab_size // (cfg.get('pad_vocab_to') or 1)) * (cfg.get('pad_vocab_to') or 1),
-                            cfg.vocab_size)]
+  pad = lambda cfg: [hf.Pad(0, padded_vocab(cfg), cfg.vocab_size)]
   qkv = lambda cfg: [hf.T((1, 0)), hf.R(dims(cfg), (cfg.embed_dim,) * 2)]
   qkv_bias = lambda cfg: [hf.R(dims(cfg)[1:], (cfg.embed_dim,))]
   out = lambda cfg: [hf.T((1, 0)), hf.R((*dims(cfg)[1:], dims(cfg)[0]), (cfg.embed_dim,) * 2)]

@@ -15,7 +15,7 @@ from flax import nnx
 from errors import ConfigError
 from models import hf_import as hf
 from models.layers import (
-    MLP, Attention, Embed, LayerNorm, Stack, axes, dtypes, logits_dtype, loss_chunks, stack_options)
+    MLP, Attention, Embed, LayerNorm, Stack, axes, dtypes, logits_dtype, loss_chunks, padded_vocab, stack_options)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -78,8 +78,7 @@ class GPT2(nnx.Module):
 def num_params(cfg: Any) -> int:
   """Closed-form parameter count (checked against the built model in tests)."""
   D, F, L, N = cfg.embed_dim, cfg.mlp_dim, cfg.max_len, cfg.num_layers
-  pad = getattr(cfg, 'pad_vocab_to', 1) or 1
-  V = -(-cfg.vocab_size // pad) * pad
+  V = padded_vocab(cfg)
   block = 2 * 2 * D + 4 * (D * D + D) + (D * F + F) + (F * D + D)
   return V * D + L * D + N * block + 2 * D
 
@@ -113,8 +112,7 @@ def _hf_params() -> list[hf.Param]:
     return ops
   rows = [
       hf.Param('tok/embed/embedding', 'wte.weight',
-               lambda cfg: [hf.Pad(0, -(-cfg.vocab_size // cfg.get('pad_vocab_to', 1)) * cfg.get('pad_vocab_to', 1),
-                                   cfg.vocab_size)]),
+               lambda cfg: [hf.Pad(0, padded_vocab(cfg), cfg.vocab_size)]),
       hf.Param('pos', 'wpe.weight'),
       hf.Param('ln_f/scale', 'ln_f.weight'), hf.Param('ln_f/bias', 'ln_f.bias'),
       hf.Param('blocks/layers/{i}/attn/out/layer/kernel', 'h.{i}.attn.c_proj.weight',

@@ -499,6 +499,12 @@ def logits_dtype(cfg: Any) -> Any:
   return jnp.dtype(cfg.get('logits_dtype', 'float32'))
 
 
+def padded_vocab(cfg: Any) -> int:
+  """A language model's vocabulary rows: config.model.vocab_size rounded up to pad_vocab_to (Embed's `pad_to`)."""
+  pad = getattr(cfg, 'pad_vocab_to', 1) or 1  # a ConfigDict, or any object with the fields (num_params)
+  return -(-cfg.vocab_size // pad) * pad
+
+
 def loss_chunks(cfg: Any) -> int:
   """config.model.loss_chunks of a language model: the LM loss computed in that many chunks along the length,
   each chunk's logits recomputed in the backward pass (training/tasks.py); 0 or 1: the whole (B, L, V) at once."""

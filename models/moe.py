@@ -39,7 +39,7 @@ from models import hf_import as hf
 from models import llama
 from models.layers import (
     NORMAL_002, Dense, Embed, RMSNorm, Stack, axes, dtypes, mask_padded_vocab, logits_dtype, loss_chunks,
-    stack_options)
+    padded_vocab, stack_options)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -201,8 +201,7 @@ def _counts(cfg: Any) -> tuple[int, int, int]:
   D, F, N, H, E = cfg.embed_dim, cfg.mlp_dim, cfg.num_layers, cfg.num_heads, cfg.num_experts
   G = getattr(cfg, 'num_kv_heads', None) or H
   K = getattr(cfg, 'head_dim', None) or D // H
-  pad = getattr(cfg, 'pad_vocab_to', 1) or 1
-  V = -(-cfg.vocab_size // pad) * pad
+  V = padded_vocab(cfg)
   block = 2 * D + 2 * D * H * K + 2 * D * G * K + D * E  # 2 RMSNorms, q+o, k+v, router
   heads = 1 if getattr(cfg, 'tie_embeddings', False) else 2
   return heads * V * D + N * block + D, 3 * D * F, N
@@ -273,8 +272,7 @@ def _hf_params() -> list[hf.Param]:
   transformers 5's in-memory one (save_pretrained(save_original_format=False)): mlp.gate (E, D),
   mlp.experts.gate_up_proj (E, 2F, D) holding gate | up, mlp.experts.down_proj (E, D, F)."""
   def padded(cfg):  # the vocabulary rows: (rows, real rows)
-    pad = cfg.get('pad_vocab_to', 1) or 1
-    return -(-cfg.vocab_size // pad) * pad, cfg.vocab_size
+    return padded_vocab(cfg), cfg.vocab_size
   b, h = 'blocks/layers/{i}/moe', 'layers.{i}'
   lin = [hf.T((1, 0))]
   half = lambda part: lambda cfg: [hf.Slice(1, part * cfg.mlp_dim, (part + 1) * cfg.mlp_dim), hf.T((0, 2, 1))]
