@@ -151,7 +151,7 @@ def main(argv) -> None:
   print(f'model: dtype {m.get("dtype", "float32")}, params {m.get("param_dtype", "float32")}, '
         f'scan_layers={m.get("scan_layers", False)}, remat={m.get("remat", "none")}, '
         f'logits {m.get("logits_dtype", "float32")}'
-        + (f', loss in {m.loss_chunks} chunks' if (m.get('loss_chunks') or 0) > 1 else '')
+        + (f', loss in {layers.loss_chunks(m)} chunks' if layers.loss_chunks(m) > 1 else '')
         + f'; optimizer {config.optim.name}')
   for d in attention.decisions():
     print(f'attention: {d}')
