@@ -53,7 +53,12 @@ _REASONS = (
     ('which is not in the mesh', 'rule names an axis not in the mesh'),
     ('mirrors no parameter', 'optimizer state the rules cannot place'),
 )
-FAST_CPU_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive_passes': True}
+# The search reads a compiled step's partitioned HLO, buffer assignment and cost analysis, never runs it: on CPU
+# the code generation behind them is done cheaply. LLVM optimisation off and the older (loop) fusion emitters
+# instead of the MLIR ones: the same collectives, memory and FLOPs, one Llama-3-8B proxy on 64 devices in
+# 0.8 s instead of 2.5 s (10-50 s with the defaults).
+FAST_CPU_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive_passes': True,
+                    'xla_cpu_use_fusion_emitters': False}
 
 
 def reason_of(err: Exception) -> str:
