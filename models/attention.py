@@ -5,7 +5,11 @@
           logged once per distinct decision (`decisions()`; train.py and the benchmark print them);
   'xla'   always XLA (`jax.nn.dot_product_attention(implementation='xla')`: materialises the L x L scores);
   'cudnn' always cuDNN; a condition that fails is a ConfigError naming it;
-  'pallas' always JAX's Pallas (Triton) flash attention (jax.experimental.pallas.ops.gpu.attention); likewise.
+  'pallas' always JAX's Pallas (Triton) flash attention (jax.experimental.pallas.ops.gpu.attention); likewise;
+  'blockwise' flash attention written in JAX (`_blockwise`: keys in blocks under an online softmax, its own
+          VJP keeping only the output and the log-sum-exp), on any backend and dtype: O(L x block) temporaries
+          where XLA's are O(L x L), at XLA matmul speed (not fused). For long sequences off GPUs; the plan
+          search also traces it in place of the GPU kernels when it compiles for a GPU on CPU (`gpu_stand_in`).
 
 cuDNN (flash attention: O(L) memory, no L x L scores or mask) applies on a GPU, with bfloat16/float16
 compute and head_dim a multiple of 8 (<= 256). It covers:
@@ -56,7 +60,7 @@ from jax.sharding import PartitionSpec as P
 from errors import ConfigError
 from partitioning import active_mesh, logical_spec
 
-IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'pallas')
+IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'pallas', 'blockwise')
 PALLAS_BLOCK = 128  # the Pallas kernel's query/key block: lengths must be a multiple
 CUDNN_LENGTH_MULTIPLE = 8  # non-causal lengths that are not a multiple are padded (masked keys); 197 failed on an H100
 Q_AXES, KV_AXES = ('batch', 'length', 'heads', 'kv'), ('batch', 'length', 'kv_heads', 'kv')
@@ -64,6 +68,7 @@ Q_AXES, KV_AXES = ('batch', 'length', 'heads', 'kv'), ('batch', 'length', 'kv_he
 _decisions: dict[str, None] = {}  # every distinct choice made while tracing, in order
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar('shardzoo_attention_forced', default=None)
 _per_shard_xla: contextvars.ContextVar[bool] = contextvars.ContextVar('shardzoo_attention_per_shard_xla', default=False)
+_gpu_stand_in: contextvars.ContextVar[bool] = contextvars.ContextVar('shardzoo_attention_gpu_stand_in', default=False)
 
 
 @contextlib.contextmanager
@@ -76,6 +81,19 @@ def per_shard_xla():
     yield
   finally:
     _per_shard_xla.reset(token)
+
+
+@contextlib.contextmanager
+def gpu_stand_in():
+  """Traces attention as it would run on a GPU, on whatever device is here: the choice is made as on a GPU,
+  and where it would pick a fused kernel (cuDNN, Pallas), 'blockwise' runs in its place, with the same
+  sharding and a fused kernel's memory (no L x S scores; the output and log-sum-exp kept for the backward).
+  The plan search compiles so for GPU targets on CPU (planning/search.py)."""
+  token = _gpu_stand_in.set(True)
+  try:
+    yield
+  finally:
+    _gpu_stand_in.reset(token)
 
 
 def decisions() -> list[str]:
@@ -100,7 +118,7 @@ def _record(decision: str) -> None:
 
 
 def _platform() -> str:
-  return _device().platform
+  return 'gpu' if _gpu_stand_in.get() else _device().platform
 
 
 def _local_specs(q_BLHK, k_BLGK) -> tuple[P, P, P] | str:
@@ -125,6 +143,8 @@ def _device() -> Any:
 
 def pallas_support() -> str:
   """'' where JAX's Pallas (Triton) kernels can run on this device, else why not."""
+  if _gpu_stand_in.get():
+    return ''
   capability = getattr(_device(), 'compute_capability', None)
   try:
     major = int(str(capability).split('.')[0])
@@ -146,6 +166,16 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
   if impl == 'xla':
     _record(f'xla ({what}): config.model.attention=xla')
     return 'xla', None
+  mesh = active_mesh()
+  specs = _local_specs(q_BLHK, k_BLGK) if mesh is not None and mesh.size > 1 else None
+  if impl == 'blockwise':  # any backend and dtype; per shard (shard_map) only for a sharded sequence
+    if isinstance(specs, tuple) and specs[0][1] is not None:
+      _record(f'blockwise ({what}) per shard over {specs[0][1]!r}: shard_map, keys/values all-gathered')
+      return 'blockwise', specs
+    if isinstance(specs, str) and 'along the sequence' in specs:
+      raise ConfigError(f'config.model.attention=blockwise cannot run this attention ({what}): {specs}')
+    _record(f'blockwise ({what}): config.model.attention=blockwise')
+    return 'blockwise', None
   fused = []  # what rules out every fused kernel
   if _platform() != 'gpu':
     fused.append(f'{_platform()} backend (cuDNN and Pallas run on GPUs)')
@@ -154,8 +184,6 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
   K = q_BLHK.shape[-1]
   if K % 8 or K > 256:
     fused.append(f'head_dim {K} (fused kernels take a multiple of 8, at most 256)')
-  mesh = active_mesh()
-  specs = _local_specs(q_BLHK, k_BLGK) if mesh is not None and mesh.size > 1 else None
   if isinstance(specs, tuple) and specs[0][1] is not None:  # the sequence is sharded: context parallelism
     return _choose_context(impl, what, fused, specs, q_BLHK.shape[1])
   cudnn_why, pallas_why = list(fused), list(fused)
@@ -187,7 +215,15 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
     _record(f'xla ({what}): ' + '; '.join(cudnn_why + (['Pallas: ' + '; '.join(pallas_why)] if packed else [])))
     return 'xla', None
   _record(f'{choice} ({what})' + (' per shard (shard_map)' if specs else ''))
-  return choice, specs
+  return _stand_in(choice, what), specs
+
+
+def _stand_in(choice: str, what: str) -> str:
+  """Under gpu_stand_in, 'blockwise' in place of a fused GPU kernel."""
+  if not (_gpu_stand_in.get() and choice in ('cudnn', 'pallas')):
+    return choice
+  _record(f'blockwise ({what}) standing in for {choice} (gpu_stand_in)')
+  return 'blockwise'
 
 
 def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P], L: int) -> tuple[str, Any]:
@@ -209,7 +245,7 @@ def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P
                       + '; '.join(cudnn_why))
   if not cudnn_why:
     _record(f'cudnn ({what}) {where}, mask as bias')
-    return 'cudnn', specs
+    return _stand_in('cudnn', what), specs
   if _per_shard_xla.get():
     _record(f'xla ({what}) {where} (per_shard_xla): ' + '; '.join(cudnn_why))
     return 'xla', specs
@@ -226,6 +262,9 @@ def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal:
   k_BSGK, v_BSGK = gather(k_BCGK), gather(v_BCGK)
   S = k_BSGK.shape[1]
   seg_BC, valid_BC = rows.get('segment_ids_BL'), rows.get('valid_BL')
+  if implementation == 'blockwise':
+    return _blockwise(q_BCHK, k_BSGK, v_BSGK, seg_BC, None if valid_BC is None else gather(valid_BC), causal=causal,
+                      q_start=jax.lax.axis_index(axes) * C, seg_k_BS=None if seg_BC is None else gather(seg_BC))
   mask = _document_mask(seg_BC, None if seg_BC is None else gather(seg_BC),
                         None if valid_BC is None else gather(valid_BC))
   if causal:
@@ -280,6 +319,116 @@ def _cudnn(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) ->
   return o_BLHK[:, :L]
 
 
+# --- 'blockwise': flash attention written in JAX ----------------------------------------------------------------
+BLOCKWISE_KEYS = 512  # keys per block: the scores held at once are (B, H, L, BLOCKWISE_KEYS) float32
+# What its forward saves for the backward (the output and the softmax's log-sum-exp, as a fused kernel does);
+# remat 'dots' keeps them by these names (models/layers.REMAT_POLICIES).
+BLOCKWISE_FORWARD = ('attn_flash_out', 'attn_flash_lse')
+
+
+def _block_mask(q_pos_L, seg_q_BL, key_pos_S, seg_k_BS, valid_k_BS, S: int, causal: bool):
+  """(B|1, 1, 1, L, S') bool for one block of keys: real (inside the row, not padding), causal, same document."""
+  mask = (key_pos_S < S)[None, :]
+  if causal:
+    mask = mask & (q_pos_L[:, None] >= key_pos_S[None, :])
+  mask = mask[None]
+  if valid_k_BS is not None:
+    mask = mask & valid_k_BS.astype(bool)[:, None, :]
+  if seg_q_BL is not None:
+    mask = mask & (seg_q_BL[:, :, None] == seg_k_BS[:, None, :])
+  return mask[:, None, None]
+
+
+def _key_blocks(block: int, S: int, *arrays):
+  """Each (B, S, ...) array (or None) padded to whole blocks and cut into (blocks, B, block, ...) for lax.scan."""
+  n = -(-S // block)
+  def cut(x):
+    if x is None:
+      return None
+    x = jnp.pad(x, [(0, 0), (0, n * block - S)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
+  return jnp.arange(n * block).reshape(n, block), [cut(x) for x in arrays]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _flash(q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, causal: bool, block: int):
+  return _flash_fwd(q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, causal, block)[0]
+
+
+def _flash_fwd(q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, causal, block):
+  B, L, H, K = q_BLHK.shape
+  S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+  q = q_BLHK.reshape(B, L, G, H // G, K)
+  pos_NS, (k_N, v_N, seg_N, valid_N) = _key_blocks(block, S, k_BSGK, v_BSGK, seg_k_BS, valid_k_BS)
+
+  def step(carry, xs):  # online softmax over one block of keys
+    m, l, acc = carry  # running max and sum (B, G, R, L); unnormalised output (B, G, R, L, K), float32
+    pos, k, v, seg, valid = xs
+    s = jnp.einsum('blgrk,bsgk->bgrls', q, k, preferred_element_type=jnp.float32) * K ** -0.5
+    s = jnp.where(_block_mask(q_pos_L, seg_q_BL, pos, seg, valid, S, causal), s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(-1))
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with no key yet
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(m - m_safe)
+    acc = acc * corr[..., None] + jnp.einsum('bgrls,bsgk->bgrlk', p.astype(v.dtype), v,
+                                             preferred_element_type=jnp.float32)
+    return (m_new, l * corr + p.sum(-1), acc), None
+
+  R = H // G
+  init = (jnp.full((B, G, R, L), -jnp.inf, jnp.float32), jnp.zeros((B, G, R, L), jnp.float32),
+          jnp.zeros((B, G, R, L, K), jnp.float32))
+  (m, l, acc), _ = jax.lax.scan(step, init, (pos_NS, k_N, v_N, seg_N, valid_N))
+  seen = l > 0  # a row whose every key is masked (a padded query) gives 0
+  o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+  o_BLHK = jnp.moveaxis(o, 3, 1).reshape(B, L, H, K).astype(q_BLHK.dtype)
+  lse = jnp.where(seen, jnp.where(jnp.isneginf(m), 0.0, m) + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+  o_BLHK = checkpoint_name(o_BLHK, BLOCKWISE_FORWARD[0])
+  lse = checkpoint_name(lse, BLOCKWISE_FORWARD[1])
+  return o_BLHK, (q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, o_BLHK, lse)
+
+
+def _flash_bwd(causal, block, res, do_BLHK):
+  q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, o_BLHK, lse = res
+  B, L, H, K = q_BLHK.shape
+  S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+  R, dtype = H // G, q_BLHK.dtype
+  q, do = (x.reshape(B, L, G, R, K) for x in (q_BLHK, do_BLHK.astype(dtype)))
+  delta = jnp.einsum('blgrk,blgrk->bgrl', do.astype(jnp.float32), o_BLHK.reshape(B, L, G, R, K).astype(jnp.float32))
+  pos_NS, (k_N, v_N, seg_N, valid_N) = _key_blocks(block, S, k_BSGK, v_BSGK, seg_k_BS, valid_k_BS)
+
+  def step(dq, xs):  # one block of keys: its dk, dv whole; its share of dq
+    pos, k, v, seg, valid = xs
+    s = jnp.einsum('blgrk,bsgk->bgrls', q, k, preferred_element_type=jnp.float32) * K ** -0.5
+    mask = _block_mask(q_pos_L, seg_q_BL, pos, seg, valid, S, causal)
+    p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
+    dv = jnp.einsum('bgrls,blgrk->bsgk', p.astype(dtype), do, preferred_element_type=jnp.float32)
+    dp = jnp.einsum('blgrk,bsgk->bgrls', do, v, preferred_element_type=jnp.float32)
+    ds = (p * (dp - delta[..., None]) * K ** -0.5).astype(dtype)
+    dq = dq + jnp.einsum('bgrls,bsgk->blgrk', ds, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum('bgrls,blgrk->bsgk', ds, q, preferred_element_type=jnp.float32)
+    return dq, (dk, dv)
+
+  dq, (dk_N, dv_N) = jax.lax.scan(step, jnp.zeros((B, L, G, R, K), jnp.float32), (pos_NS, k_N, v_N, seg_N, valid_N))
+  whole = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, -1, G, K)[:, :S].astype(dtype)
+  return dq.reshape(B, L, H, K).astype(dtype), whole(dk_N), whole(dv_N), None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _blockwise(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, q_start: Any = 0,
+               seg_k_BS=None) -> jax.Array:
+  """Flash attention in JAX (any backend): keys in blocks of BLOCKWISE_KEYS under an online softmax, with a
+  custom VJP whose forward keeps only the output and the log-sum-exp, like a fused kernel. Temporaries are
+  O(L x block), not O(L x S); p and ds enter their matmuls in the compute dtype, as flash kernels do.
+  `q_start`: the global position of the first query (a context shard); `seg_k_BS`: key-side segment ids
+  when they are not the queries' (context shards; valid_BL is then key-side too)."""
+  L, S = q_BLHK.shape[1], k_BLGK.shape[1]
+  seg_k = segment_ids_BL if seg_k_BS is None else seg_k_BS
+  return _flash(q_BLHK, k_BLGK, v_BLGK, q_start + jnp.arange(L), segment_ids_BL, seg_k, valid_BL, causal,
+                min(BLOCKWISE_KEYS, S))
+
+
 def _xla(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
   """jax.nn.dot_product_attention (softmax in float32, grouped kv heads); causality via is_causal."""
   mask = _document_mask(segment_ids_BL, segment_ids_BL, valid_BL)
@@ -294,7 +443,8 @@ def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, causal: b
                        padded=valid_BL is not None)
   q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(x, n) for x, n in ((q_BLHK, 'attn_q'), (k_BLGK, 'attn_k'),
                                                                 (v_BLGK, 'attn_v')))
-  kernel = functools.partial({'cudnn': _cudnn, 'pallas': _pallas, 'xla': _xla}[kind], causal=causal)
+  kernel = functools.partial({'cudnn': _cudnn, 'pallas': _pallas, 'xla': _xla, 'blockwise': _blockwise}[kind],
+                             causal=causal)
   # Named so FLOP counting (training/flops.py) can tell causal attention's matmuls from the rest.
   with jax.named_scope('causal_attention' if causal else 'attention'):
     if specs is None:

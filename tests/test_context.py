@@ -2,6 +2,8 @@
 trains as on 1 device, for GPT-2, Llama (grouped-query attention, packed documents) and MoE; attention run per
 shard in shard_map (models/attention.py) equals unsharded attention; a length the context axis does not divide
 is one error before anything compiles."""
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,9 +100,9 @@ def test_per_shard_attention_equals_unsharded():
   valid = jnp.asarray([[1] * 32, [1] * 20 + [0] * 12])
   weights = jnp.cos(jnp.arange(q.size).reshape(q.shape))
 
-  def f(q, k, v):
-    causal = attention.attend(q, k, v, causal=True, segment_ids_BL=seg, valid_BL=valid)
-    full = attention.attend(q, k, v, causal=False, valid_BL=valid)
+  def f(q, k, v, impl='auto'):
+    causal = attention.attend(q, k, v, causal=True, impl=impl, segment_ids_BL=seg, valid_BL=valid)
+    full = attention.attend(q, k, v, causal=False, impl=impl, valid_BL=valid)
     return ((causal + 2 * full) * weights).sum(), (causal, full)
   ref = jax.value_and_grad(f, (0, 1, 2), has_aux=True)(q, k, v)
   mesh = partitioning.make_mesh({'fsdp': 2, 'context': 4})
@@ -116,6 +118,19 @@ def test_per_shard_attention_equals_unsharded():
              for d in attention.decisions())
   assert any(d.startswith('xla (causal, packed, padding, float32, L=32, head_dim 8): sequence sharded over '
                           "'context', partitioned by GSPMD: cpu backend") for d in attention.decisions())
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
+  # 'blockwise' per shard (queries offset to their global positions, keys in blocks of 8), on real queries only:
+  # a padded query gets 0 from it and a mean of the keys from XLA
+  real = (valid * (seg > 0))[:, :, None, None]
+  def g(q, k, v, impl):
+    (causal, full) = f(q, k, v, impl)[1]
+    return ((causal * real + 2 * full * valid[:, :, None, None]) * weights).sum()
+  ref = jax.value_and_grad(g, (0, 1, 2))(q, k, v, 'xla')
+  with partitioning.use_rules(rules, mesh), mock.patch.object(attention, 'BLOCKWISE_KEYS', 8):
+    got = jax.jit(jax.value_and_grad(g, (0, 1, 2)), static_argnums=3)(q, k, v, 'blockwise')
+  assert any(d.startswith("blockwise (causal, packed, padding, float32, L=32, head_dim 8) per shard over 'context'")
+             for d in attention.decisions())
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
     np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
 

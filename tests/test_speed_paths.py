@@ -84,6 +84,44 @@ def test_pallas_kernel_equals_xla_for_packed_padded_grouped_heads():
     np.testing.assert_allclose(g, r, atol=2e-5)
 
 
+def test_blockwise_attention_equals_xla(monkeypatch):
+  """'blockwise' (flash attention in JAX, any backend) against XLA: causal with packed documents and padded
+  keys plus full attention with padding, grouped kv heads, 21 keys in blocks of 8 (the last one partial); the
+  outputs of real queries and all gradients (its own VJP) within 2e-5 in float32."""
+  monkeypatch.setattr(attention, 'BLOCKWISE_KEYS', 8)
+  q, k, v = _qkv(L=21)
+  seg = jnp.asarray([[1] * 6 + [2] * 12 + [0] * 3, [1] * 21])
+  valid = jnp.asarray([[1] * 21, [1] * 15 + [0] * 6])
+  real = (valid * (seg > 0))[:, :, None, None]
+
+  def loss(impl, q, k, v):
+    o = (attention.attend(q, k, v, causal=True, impl=impl, segment_ids_BL=seg, valid_BL=valid)
+         + 2 * attention.attend(q, k, v, causal=False, impl=impl, valid_BL=valid))
+    return (o * real * jnp.cos(jnp.arange(o.size).reshape(o.shape))).sum(), o
+  both = jax.jit(lambda q, k, v: [jax.value_and_grad(functools.partial(loss, impl), (0, 1, 2), has_aux=True)(q, k, v)
+                                  for impl in ('blockwise', 'xla')])
+  ((_, out), grads), ((_, ref), ref_grads) = both(q, k, v)
+  assert 'blockwise (causal, packed, padding, float32, L=21, head_dim 8): config.model.attention=blockwise' \
+      in attention.decisions()
+  np.testing.assert_allclose(out * real, ref * real, atol=2e-5)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, atol=2e-5)
+
+
+def test_gpu_stand_in_traces_attention_as_on_a_gpu():
+  """The plan search compiles GPU targets on CPU under gpu_stand_in: where a GPU would run cuDNN or Pallas,
+  'blockwise' runs instead (and says so); where a GPU would fall back to XLA (float32), XLA."""
+  q, k, v = _qkv(L=128, K=64, dtype=jnp.bfloat16)
+  with attention.gpu_stand_in():
+    assert attention.choose('auto', q, k, causal=True, packed=False, padded=False) == ('blockwise', None)
+    assert attention.choose('auto', q, k, causal=True, packed=True, padded=False) == ('blockwise', None)
+    assert attention.choose('auto', *_qkv(L=128, K=64)[:2], causal=True, packed=False, padded=False)[0] == 'xla'
+  assert attention.choose('auto', q, k, causal=True, packed=False, padded=False) == ('xla', None)
+  assert {'blockwise (causal, bfloat16, L=128, head_dim 64) standing in for cudnn (gpu_stand_in)',
+          'blockwise (causal, packed, bfloat16, L=128, head_dim 64) standing in for pallas (gpu_stand_in)'} \
+      <= set(attention.decisions())
+
+
 def test_cudnn_would_run_per_shard_also_with_the_sequence_sharded():
   cfg = tiny_config('fsdp_tp')
   trainer = build_trainer(cfg)
@@ -155,10 +193,10 @@ def test_remat_policies_change_memory_not_results():
   assert layers.remat_policy(True) == 'full' and layers.remat_policy(False) == 'none'
 
 
-def test_dots_policy_keeps_cudnn_attention_instead_of_rerunning_it(monkeypatch):
+def test_dots_policy_keeps_fused_attention_instead_of_rerunning_it(monkeypatch):
   """Traced only (CPU has no cuDNN; its version check is patched): under remat='dots' the gradient of a
   block with cuDNN attention runs the forward kernel once, and twice under 'full'. Fails if JAX renames the
-  kernel's primitive (layers.CUDNN_ATTENTION_FORWARD)."""
+  kernel's primitive (layers.CUDNN_ATTENTION_FORWARD). Likewise for 'blockwise'."""
   from jax._src.cudnn import fused_attention_stablehlo
   monkeypatch.setattr(fused_attention_stablehlo, 'check_cudnn_version', lambda *a, **k: 91000)
   q, k, v = _qkv(B=2, L=128, H=4, G=4, K=64, dtype=jnp.bfloat16)
@@ -170,6 +208,17 @@ def test_dots_policy_keeps_cudnn_attention_instead_of_rerunning_it(monkeypatch):
     return sum(e.primitive.name == layers.CUDNN_ATTENTION_FORWARD for e in all_eqns(jaxpr.jaxpr))
   assert forward_kernels(layers.REMAT_POLICIES['dots']) == 1
   assert forward_kernels(layers.REMAT_POLICIES['full']) == 2
+
+  # 'blockwise' (the GPU stand-in): its forward loop over key blocks runs once under 'dots' (its output and
+  # log-sum-exp kept by name), twice under 'full' and under a policy that keeps weight matmuls only
+  def blockwise_loops(policy):
+    block = jax.checkpoint(lambda q, k, v: attention._blockwise(q, k, v, None, None, causal=True).astype(
+        jnp.float32).sum(), policy=policy)
+    jaxpr = jax.make_jaxpr(jax.grad(block, argnums=(0, 1, 2)))(q, k, v)
+    return sum(e.primitive.name == 'scan' for e in all_eqns(jaxpr.jaxpr))  # forward loops + the backward's one
+  assert blockwise_loops(layers.REMAT_POLICIES['dots']) == 2
+  assert blockwise_loops(layers.REMAT_POLICIES['full']) == 3
+  assert blockwise_loops(jax.checkpoint_policies.dots_with_no_batch_dims_saveable) == 3
 
 
 def test_bf16_logits_keep_the_loss():
