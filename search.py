@@ -86,8 +86,11 @@ def main(argv) -> None:
     say(f'plan search: {config_path}{":" + config_arg if config_arg else ""} for {n} x {chip.name}'
         + (f' over {hosts} hosts' if hosts > 1 else '') + f' (compiling on {len(devices)} {devices[0].platform} '
         f'devices); mesh axes {axes}; rule sets {list(rules)}')
+    from models import attention
+    # compiled on CPU for a GPU: attention traced as on the GPU, its fused kernels stood in for by 'blockwise'
+    stand_in = attention.gpu_stand_in if chip.platform == 'gpu' else None
     search = search_lib.Search(config, lambda m, r: models.create(m, r, config.get('lora')), chip, n, hosts,
-                               devices, workers=FLAGS.workers)
+                               devices, workers=FLAGS.workers, stand_in=stand_in)
 
     # --- Stage 1: every mesh x preset, the config's remat (or the given ones) ------------------------------
     presets = {k: v for k, v in rules.items() if '-' not in k}
@@ -99,8 +102,8 @@ def main(argv) -> None:
       if FLAGS.remat == 'staged' and not search.temporaries_known:
         remats = first
         say(f"stage 2 keeps remat={own_remat!r}: compiled on CPU for {chip.name}, the temporaries (what remat trades "
-            "against time) are not the target's (XLA attention's L x L scores); give --remat=none,dots,... to rank "
-            "policies anyway")
+            "against time) are not the target's (XLA attention's L x L scores, CPU fusion); give --remat=none,dots,... "
+            "to rank policies anyway")
       more = [candidates.Candidate(c.mesh, name, r, remat) for c in (s.candidate for s in result.ranked[:FLAGS.stage2])
               for name, r in rules.items() if name.split('-')[0] == c.rules_name for remat in remats]
       extra = search.run(more)

@@ -13,7 +13,8 @@ device grid (np.unravel_index) and names the mesh axes along which its members d
 many hosts (slices) a group reaches, the DCN question.
 
 Counts: `collectives` multiplies each op by the trip counts of the while loops around it (XLA's
-known_trip_count), so a scanned stack's per-layer all-gather counts once per layer.
+known_trip_count), so a scanned stack's per-layer all-gather counts once per layer. XLA's cost analysis counts a
+loop's body once: `loop_dot_flops` gives the matmul FLOPs of the other runs, to add.
 This module reads text only: it imports no JAX, no model.
 """
 from __future__ import annotations
@@ -227,3 +228,36 @@ def mesh_axes(groups: Groups, mesh_shape: Mapping[str, int]) -> tuple[str, ...]:
 def hosts_spanned(groups: Groups, host_of: Callable[[int], int]) -> int:
   """The most hosts (or slices) one group reaches: 1 means the collective stays on ICI / NVLink."""
   return max((len({host_of(i) for i in g}) for g in groups), default=1)
+
+
+_DEFINE = re.compile(r'^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<type>[a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn)?)?)'
+                     r'\[(?P<dims>[0-9,]*)\]\S*\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$')
+
+
+def loop_dot_flops(hlo_text: str) -> float:
+  """The FLOPs of the dots that run more than once per step (inside while loops with a known trip count),
+  counted for every run after the first: what XLA's cost analysis, which counts a loop's body once, leaves
+  out. A dot's FLOPs: 2 x its result's elements x the product of the left operand's contracting dims."""
+  counts = computation_counts(hlo_text)
+  dims: dict[str, list[int]] = {}
+  dots: list[tuple[str, list[int], str, str]] = []  # (computation, result dims, lhs name, attributes)
+  current = None
+  for line in hlo_text.splitlines():
+    head = _COMP_HEAD.match(line)
+    if head and not line.startswith(' '):
+      current = head['name']
+      continue
+    m = _DEFINE.match(line)
+    if not m:
+      continue
+    shape = _ints(m['dims'])
+    dims[m['name']] = shape
+    if m['op'] == 'dot' and counts.get(current, 1) > 1:
+      lhs = m['args'].split(',')[0].strip().lstrip('%')
+      dots.append((current, shape, lhs, m['rest']))
+  total = 0.0
+  for comp, out, lhs, rest in dots:
+    contracting = re.search(r'lhs_contracting_dims=\{([0-9,]*)\}', rest)
+    k = math.prod(dims[lhs][d] for d in _ints(contracting[1])) if contracting and lhs in dims else 1
+    total += (counts[comp] - 1) * 2.0 * math.prod(out) * k
+  return total

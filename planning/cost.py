@@ -71,18 +71,18 @@ class Prediction:
 
 
 def predict(profile: Profile, chip: Any, num_devices: int, memory_headroom: float = 0.9,
-            temporaries_known: bool = True) -> Prediction:
+            temporaries_known: bool = True, bytes_known: bool = True) -> Prediction:
   """The predicted step time of a profile on `num_devices` of `chip` (a training.flops.Chip).
 
-  Fits: memory <= headroom x the chip's. `temporaries_known=False` (a GPU/TPU target compiled on CPU: XLA's
-  attention there materialises the L x L scores that the GPU's flash kernels never hold, so the CPU's
-  temporaries are an upper bound, 5x the GPU's for Llama 1.24B) checks the state alone, with temporaries
-  capped at half the chip's memory."""
+  Fits: memory <= headroom x the chip's. `temporaries_known=False` (a GPU/TPU target compiled on CPU: the
+  CPU's temporaries are an upper bound, 2-3x a GPU's and blind to remat, even with attention traced as on the
+  GPU, models/attention.gpu_stand_in) checks the state alone, with temporaries capped at half the chip's
+  memory. `bytes_known=False` (likewise): the compute term is the FLOPs alone."""
   share = num_devices if chip.shared else 1
   flop_s = profile.flops / (chip.peak_tflops * 1e12 * chip.compute_eff)
   # compiled on CPU for a GPU/TPU: CPU fusion and XLA attention's L x L scores make the bytes accessed
   # unrepresentative (Llama 1.24B: 2.5x the FLOP time), so the FLOPs alone set the compute term
-  byte_s = profile.bytes_accessed / (chip.hbm_gbps * 1e9) if temporaries_known else 0.0
+  byte_s = profile.bytes_accessed / (chip.hbm_gbps * 1e9) if bytes_known else 0.0
   compute = max(flop_s, byte_s) * share
   by_axes: dict[str, float] = {}
   for key, (runs, nbytes) in profile.collectives.items():

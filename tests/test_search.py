@@ -119,6 +119,25 @@ def test_collectives_count_loop_trips_and_groups():
   assert hlo.mesh_axes(got['ar'].groups, {'data': 2, 'fsdp': 4}) == ('data',)
 
 
+def test_loop_flops_are_counted_once_per_trip():
+  """XLA's cost analysis counts a while loop's body once; loop_dot_flops adds the other trips' matmuls, so a
+  scanned chain of matmuls counts as the unrolled one does."""
+  x, w = jax.numpy.ones((16, 32)), jax.numpy.ones((32, 32))
+  scanned = lambda x, w: jax.lax.scan(lambda c, _: (jax.numpy.tanh(c @ w), None), x, None, length=6)[0]
+  def unrolled(x, w):
+    for _ in range(6):
+      x = jax.numpy.tanh(x @ w)
+    return x
+  def flops_of(f):
+    compiled = jax.jit(f).lower(x, w).compile(compiler_options=search_lib.FAST_CPU_COMPILE)
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+    return ca['flops'], hlo.loop_dot_flops(compiled.as_text())
+  (body_once, extra), (ref, none) = flops_of(scanned), flops_of(unrolled)
+  assert none == 0 and extra == 5 * 2 * 16 * 32 * 32
+  assert body_once + extra == pytest.approx(ref, rel=1e-3)
+
+
 # --- The cost model ---------------------------------------------------------------------------------------------
 
 def test_cost_model_ranks_a_bad_plan_below_a_good_one():
@@ -186,6 +205,27 @@ def test_compiled_scores(searched):
   assert {k.axes for k in dp.profile.collectives} == {('data',)}
   assert fsdp.profile.argument_bytes < dp.profile.argument_bytes  # parameters and Adam state sharded 8 ways
   assert all(s.prediction.step_s > 0 and s.mfu > 0 and s.prediction.fits for s in result.ranked)
+
+
+def test_gpu_target_compiled_on_cpu_traces_attention_as_on_the_gpu(monkeypatch):
+  """For a GPU target the search traces the step under attention.gpu_stand_in: 'blockwise' runs (per shard)
+  where the GPU would run cuDNN, without XLA's L x L scores: fewer temporaries, the same FLOPs. They stay an
+  upper bound (not the GPU's), and the bytes term stays off."""
+  from models import attention
+  monkeypatch.setattr(attention, 'BLOCKWISE_KEYS', 32)  # 8 blocks of keys
+  config = _tiny_llama()
+  config.model.update(dtype='bfloat16', max_len=256)
+  config.dataset.seq_len = 256
+  mesh = (('data', 8), ('fsdp', 1), ('tensor', 1))
+  plan = [candidates.Candidate(mesh, 'dp', tuple(llama.RULES['dp']), 'none')]
+  profiles = {}
+  for stand_in in (None, attention.gpu_stand_in):
+    s = search_lib.Search(config, lambda m, r: models.create(m, r), flops.chip('h100'), 8, stand_in=stand_in)
+    assert not s.temporaries_known and not s.bytes_known
+    profiles[stand_in] = s.run(plan).ranked[0].profile
+  xla, blockwise = profiles.values()
+  assert blockwise.temp_bytes < 0.5 * xla.temp_bytes and blockwise.flops == pytest.approx(xla.flops, rel=0.05)
+  assert 'blockwise (causal, bfloat16, L=256, head_dim 8) standing in for cudnn (gpu_stand_in)' in attention.decisions()
 
 
 def test_plan_file_round_trips_through_train_py(searched, tmp_path):

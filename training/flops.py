@@ -127,6 +127,11 @@ class Chip:
   dcn_latency_us: float = 30.0  # fixed cost of one collective that crosses hosts
   step_overhead_us: float = 0.0  # fixed cost of a step whatever the plan (dispatch, host work): fitted for 'cpu'
 
+  @property
+  def platform(self) -> str:
+    """'cpu', 'tpu' or 'gpu': the JAX platform this chip is."""
+    return 'cpu' if self.shared else 'tpu' if self.name.startswith('tpu') else 'gpu'
+
 
 # Spec sheets: NVIDIA H100 / H200 / A100 / B200 datasheets (SXM: dense bf16 without sparsity, HBM bandwidth,
 # NVLink 900 / 600 / 1800 GB/s bidirectional, halved here for one direction); DCN: one 400 Gb/s (A100: 200 Gb/s)
