@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -191,15 +191,23 @@ class Collective:
     return len(self.groups[0]) if self.groups else 1
 
 
-def collectives(hlo_text: str, num_devices: int) -> list[Collective]:
-  """Every collective of a compiled module's text, with its groups and its runs per step."""
-  counts = computation_counts(hlo_text)
-  out, current = [], None
+def _lines(hlo_text: str) -> Iterator[tuple[str | None, str]]:
+  """(the computation it belongs to, line) for every line of a module's text but the computations' heads."""
+  current = None
   for line in hlo_text.splitlines():
     head = _COMP_HEAD.match(line)
     if head and not line.startswith(' '):
       current = head['name']
       continue
+    yield current, line
+
+
+def collectives(hlo_text: str, num_devices: int, counts: Mapping[str, int] | None = None) -> list[Collective]:
+  """Every collective of a compiled module's text, with its groups and its runs per step (`counts`: the
+  module's computation_counts, when the caller has them)."""
+  counts = computation_counts(hlo_text) if counts is None else counts
+  out = []
+  for current, line in _lines(hlo_text):
     m = INSTR.match(line)
     if not m:
       continue
@@ -234,19 +242,14 @@ _DEFINE = re.compile(r'^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<type>[a-z]+[
                      r'\[(?P<dims>[0-9,]*)\]\S*\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$')
 
 
-def loop_dot_flops(hlo_text: str) -> float:
+def loop_dot_flops(hlo_text: str, counts: Mapping[str, int] | None = None) -> float:
   """The FLOPs of the dots that run more than once per step (inside while loops with a known trip count),
   counted for every run after the first: what XLA's cost analysis, which counts a loop's body once, leaves
   out. A dot's FLOPs: 2 x its result's elements x the product of the left operand's contracting dims."""
-  counts = computation_counts(hlo_text)
+  counts = computation_counts(hlo_text) if counts is None else counts
   dims: dict[str, list[int]] = {}
   dots: list[tuple[str, list[int], str, str]] = []  # (computation, result dims, lhs name, attributes)
-  current = None
-  for line in hlo_text.splitlines():
-    head = _COMP_HEAD.match(line)
-    if head and not line.startswith(' '):
-      current = head['name']
-      continue
+  for current, line in _lines(hlo_text):
     m = _DEFINE.match(line)
     if not m:
       continue

@@ -235,15 +235,16 @@ class Search:
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     mem = compiled.memory_analysis()
     text = compiled.as_text()
+    counts = hlo.computation_counts(text)  # runs per step of each computation (loop trips), read once
     coll: dict[cost.CollectiveKey, list[float]] = {}
-    for c in hlo.collectives(text, self.num_devices):
+    for c in hlo.collectives(text, self.num_devices, counts):
       key = cost.CollectiveKey(c.op, hlo.mesh_axes(c.groups, mesh_shape), c.group_size,
                                hlo.hosts_spanned(c.groups, self._host_of))
       v = coll.setdefault(key, [0.0, 0.0])
       v[0] += c.times
       v[1] += c.times * c.bytes
     # loops (blockwise attention's key blocks, a chunked loss) count once in the cost analysis: add the rest
-    return cost.Profile(float(ca.get('flops', 0.0)) + hlo.loop_dot_flops(text), float(ca.get('bytes accessed', 0.0)),
+    return cost.Profile(float(ca.get('flops', 0.0)) + hlo.loop_dot_flops(text, counts), float(ca.get('bytes accessed', 0.0)),
                         float(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
                               + mem.temp_size_in_bytes),
                         float(mem.argument_size_in_bytes), float(mem.temp_size_in_bytes),
