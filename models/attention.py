@@ -381,7 +381,7 @@ def _flash_fwd(q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, 
   seen = l > 0  # a row whose every key is masked (a padded query) gives 0
   o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
   o_BLHK = jnp.moveaxis(o, 3, 1).reshape(B, L, H, K).astype(q_BLHK.dtype)
-  lse = jnp.where(seen, jnp.where(jnp.isneginf(m), 0.0, m) + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+  lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)  # a row with a key has a finite max
   o_BLHK = checkpoint_name(o_BLHK, BLOCKWISE_FORWARD[0])
   lse = checkpoint_name(lse, BLOCKWISE_FORWARD[1])
   return o_BLHK, (q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, o_BLHK, lse)
