@@ -144,15 +144,22 @@ def init_state(trainer: Trainer, seed: int | None = None) -> TrainState:
   return jit_init(trainer, seed)()
 
 
+def loss_of(trainer: Trainer, model_state: Any, batch: dict) -> Callable[[Any], tuple[Any, tuple[dict, Any]]]:
+  """params -> (loss, (metrics, new model state)): what the train step differentiates (trace it under
+  partitioning.use_rules)."""
+  def loss_fn(params):
+    model = nnx.merge(trainer.graphdef, params, model_state)
+    loss, metrics = trainer.task.loss(model, batch)
+    return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
+  return loss_fn
+
+
 def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  graphdef, task, tx, schedule = trainer.graphdef, trainer.task, trainer.tx, trainer.schedule
+  tx, schedule = trainer.tx, trainer.schedule
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     with partitioning.use_rules(trainer.rules, trainer.mesh, seen=trainer.seen):
-      def loss_fn(params):
-        model = nnx.merge(graphdef, params, state.model_state)
-        loss, metrics = task.loss(model, batch)
-        return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
+      loss_fn = loss_of(trainer, state.model_state, batch)
       (_, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
       # Gradients live where their parameters live (lets XLA reduce-scatter them under FSDP).
       grads = partitioning.shard(grads, trainer.shardings.params)
