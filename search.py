@@ -99,11 +99,6 @@ def main(argv) -> None:
     # --- Stage 2: the best plans' meshes with their presets' variants and every remat policy -------------
     if result.ranked and FLAGS.stage2:
       remats = choices if FLAGS.remat == 'staged' else first
-      if FLAGS.remat == 'staged' and not search.temporaries_known:
-        remats = first
-        say(f"stage 2 keeps remat={own_remat!r}: compiled on CPU for {chip.name}, the temporaries (what remat trades "
-            "against time) are not the target's (XLA attention's L x L scores, CPU fusion); give --remat=none,dots,... "
-            "to rank policies anyway")
       more = [candidates.Candidate(c.mesh, name, r, remat) for c in (s.candidate for s in result.ranked[:FLAGS.stage2])
               for name, r in rules.items() if name.split('-')[0] == c.rules_name for remat in remats]
       extra = search.run(more)
@@ -139,9 +134,10 @@ def main(argv) -> None:
           f'({1e3 * fastest.measured_s:.1f} ms); predicted winner {1e3 * win.measured_s:.1f} ms')
     wall = time.perf_counter() - t_start
     mfu = f', predicted MFU {100 * win.mfu:.1f}%' if win.mfu else ''
-    mem = (f'{win.prediction.memory_gib:.1f} GiB per device' if search.temporaries_known else
-           f'{win.prediction.state_gib:.1f} GiB of state per device (temporaries compiled on CPU, an upper bound: '
-           f'{win.prediction.memory_gib:.1f} GiB)')
+    mem = f'{win.prediction.memory_gib:.1f} GiB per device'
+    if win.prediction.memory_range:
+      mem += (' (modelled from what the backward keeps, {:.1f}-{:.1f}; {:.1f} of it state)'
+              .format(*win.prediction.memory_range, win.prediction.state_gib))
     say(f'\nchoice: {win.candidate.label()}: {1e3 * win.prediction.step_s:.1f} ms/step predicted{mfu}, '
         f'{mem}. Search took {wall:.0f} s.')
     if FLAGS.out:

@@ -47,6 +47,11 @@ class Profile:
   argument_bytes: float
   temp_bytes: float
   collectives: dict[CollectiveKey, tuple[float, float]]  # key -> (runs, result bytes over all runs)
+  # what the backward keeps, from JAX's residuals (planning/residuals.py), for targets the compile is not on;
+  # 0 where not modelled
+  kept_fused: float = 0.0
+  kept_written: float = 0.0
+  kept_largest: float = 0.0
 
   def combine(self, other: 'Profile', a: float, b: float) -> 'Profile':
     """a x self + b x other, figure by figure (the layer extrapolation: P1 + (L-1)(P2 - P1)), clamped at 0."""
@@ -56,7 +61,9 @@ class Profile:
                 mix(self.collectives.get(k, (0, 0))[1], other.collectives.get(k, (0, 0))[1])) for k in keys}
     return Profile(mix(self.flops, other.flops), mix(self.bytes_accessed, other.bytes_accessed),
                    mix(self.memory, other.memory), mix(self.argument_bytes, other.argument_bytes),
-                   mix(self.temp_bytes, other.temp_bytes), {k: v for k, v in coll.items() if v[0] > 0})
+                   mix(self.temp_bytes, other.temp_bytes), {k: v for k, v in coll.items() if v[0] > 0},
+                   mix(self.kept_fused, other.kept_fused), mix(self.kept_written, other.kept_written),
+                   mix(self.kept_largest, other.kept_largest))
 
 
 @dataclasses.dataclass
@@ -66,8 +73,9 @@ class Prediction:
   collective_s: float
   by_axes: dict[str, float]  # 'fsdp', 'data+fsdp', ... (DCN ones marked) -> seconds
   fits: bool
-  memory_gib: float  # arguments + outputs - aliases + temporaries
+  memory_gib: float  # arguments + outputs - aliases + temporaries (or the residual model's estimate)
   state_gib: float  # arguments + outputs - aliases (parameters, optimizer state, batch)
+  memory_range: tuple[float, float] | None = None  # the residual model's bounds, GiB
 
 
 def predict(profile: Profile, chip: Any, num_devices: int, memory_headroom: float = 0.9,
@@ -75,9 +83,11 @@ def predict(profile: Profile, chip: Any, num_devices: int, memory_headroom: floa
   """The predicted step time of a profile on `num_devices` of `chip` (a training.flops.Chip).
 
   Fits: memory <= headroom x the chip's. `temporaries_known=False` (a GPU/TPU target compiled on CPU: the
-  CPU's temporaries are an upper bound, 2-3x a GPU's and blind to remat, even with attention traced as on the
-  GPU, models/attention.gpu_stand_in) checks the state alone, with temporaries capped at half the chip's
-  memory. `bytes_known=False` (likewise): the compute term is the FLOPs alone."""
+  CPU's temporaries are 2-3x a GPU's and blind to remat, even with attention traced as on the GPU,
+  models/attention.gpu_stand_in): the memory is modelled from what the backward keeps (the profile's kept_*,
+  planning/residuals.py): state + (fused + written) / 2 + largest, the range from fused to written; without
+  those figures the state alone is checked, with temporaries capped at half the chip's memory.
+  `bytes_known=False` (likewise): the compute term is the FLOPs alone."""
   share = num_devices if chip.shared else 1
   flop_s = profile.flops / (chip.peak_tflops * 1e12 * chip.compute_eff)
   # compiled on CPU for a GPU/TPU: CPU fusion and XLA attention's L x L scores make the bytes accessed
@@ -95,10 +105,18 @@ def predict(profile: Profile, chip: Any, num_devices: int, memory_headroom: floa
   collective = sum(by_axes.values())
   gib = profile.memory / 2**30
   state = (profile.memory - profile.temp_bytes) / 2**30
-  need = gib if temporaries_known else state + min(profile.temp_bytes / 2**30, chip.memory_gib / 2)
+  bounds = None
+  if temporaries_known:
+    need = gib
+  elif profile.kept_written > 0:
+    low, high = (state + (k + profile.kept_largest) / 2**30 for k in (profile.kept_fused, profile.kept_written))
+    need = gib = (low + high) / 2
+    bounds = (low, high)
+  else:
+    need = state + min(profile.temp_bytes / 2**30, chip.memory_gib / 2)
   step = chip.step_overhead_us * 1e-6 + compute + collective
   return Prediction(step, compute, collective, by_axes, need <= chip.memory_gib * memory_headroom,
-                    gib, state)
+                    gib, state, bounds)
 
 
 def mfu(model_flops: float, step_s: float, num_devices: int, chip: Any) -> float:

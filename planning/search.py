@@ -41,7 +41,7 @@ import training
 from errors import ShardingError
 from partitioning import AxisRules
 from partitioning import hlo
-from planning import cost
+from planning import cost, residuals
 from planning.candidates import Candidate, split_over_hosts
 from training import flops
 
@@ -162,9 +162,10 @@ class Search:
     self.num_devices = num_devices
     on_target = chip.shared or self.devices[0].platform != 'cpu'
     self.stand_in = None if on_target else stand_in
-    # Compiled on CPU for a GPU/TPU, the temporaries are an upper bound: 2-3x a GPU's even with attention's
-    # stand-in, and blind to remat (Llama 1.24B's per-layer temporaries: none 3.74, dots 3.81, full 3.77 GiB on
-    # CPU; the GPU measured 50.4 vs 42.6 GiB in all for none vs dots). The bytes accessed are the CPU's fusion's.
+    # Compiled on CPU for a GPU/TPU, the temporaries are no guide: 2-3x a GPU's even with attention's stand-in,
+    # and blind to remat (Llama 1.24B's per-layer temporaries: none 3.74, dots 3.81, full 3.77 GiB on CPU; the
+    # GPU measured 50.4 vs 42.6 GiB in all for none vs dots). The memory is then modelled from what JAX's
+    # backward keeps (planning/residuals.py). The bytes accessed are the CPU's fusion's.
     self.temporaries_known = self.bytes_known = on_target
     self.per_host = num_devices // hosts
     self.layers = config.model.get('num_layers') if 'model' in config else None
@@ -216,6 +217,15 @@ class Search:
     mesh_eff = tuple((a, s) for a, s in cand.mesh if s > 1)
     return (mesh_eff, self._order_sig(cand), cand.remat, tuple(fps)), traced
 
+  def _trace_kept(self, cand: Candidate) -> list:
+    """Per proxy, the traced residual model (planning/residuals.py): traced here, where the stand-in is set."""
+    config = apply(self.config, cand)
+    out = []
+    for layers in self._proxy_layers():
+      tr = self._trainer(_proxy(config, layers) if layers else config, cand)
+      out.append(residuals.trace(tr, self.stand_in))
+    return out
+
   def _order_sig(self, cand: Candidate) -> tuple:
     if self.hosts <= 1:
       return ()
@@ -250,10 +260,14 @@ class Search:
                         float(mem.argument_size_in_bytes), float(mem.temp_size_in_bytes),
                         {k: (v[0], v[1]) for k, v in coll.items()})
 
-  def _compile(self, traced: list, mesh_shape) -> tuple[cost.Profile, float]:
+  def _compile(self, traced: list, kept: list, mesh_shape) -> tuple[cost.Profile, float]:
     t0 = time.perf_counter()
     options = FAST_CPU_COMPILE if self.devices[0].platform == 'cpu' else None
     profiles = [self._profile_of(t.lower().compile(compiler_options=options), mesh_shape) for t in traced]
+    for i, (fn, num_fused) in enumerate(kept):  # the residual model (targets not compiled on)
+      est = residuals.from_compiled(fn.lower().compile(compiler_options=options), num_fused)
+      profiles[i] = dataclasses.replace(profiles[i], kept_fused=est.fused, kept_written=est.written,
+                                        kept_largest=est.largest)
     if len(profiles) == 2:  # X(L) = X1 + (L - 1)(X2 - X1)
       profile = profiles[0].combine(profiles[1], 2 - self.layers, self.layers - 1)
     else:
@@ -280,7 +294,8 @@ class Search:
           examples.setdefault('same shardings as an earlier plan (compiled once)', cand.label())
           continue
         mesh_shape = dict(cand.mesh)
-        self._cache[fp] = pool.submit(self._compile, traced, mesh_shape)
+        kept = [] if self.temporaries_known else self._trace_kept(cand)
+        self._cache[fp] = pool.submit(self._compile, traced, kept, mesh_shape)
         pending.append((cand, self._cache[fp]))
       scored = []
       for cand, fut in pending:

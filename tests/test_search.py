@@ -1,4 +1,5 @@
 """The plan search (planning/, search.py): candidates, pruning, the HLO parser, the cost model, the plan file."""
+import dataclasses
 import os
 
 import jax
@@ -12,7 +13,7 @@ import training
 from configs import llama
 from errors import ConfigError
 from partitioning import hlo
-from planning import candidates, cost, plan_file
+from planning import candidates, cost, plan_file, residuals
 from planning import search as search_lib
 from tests.conftest import ROOT
 from training import flops
@@ -225,7 +226,60 @@ def test_gpu_target_compiled_on_cpu_traces_attention_as_on_the_gpu(monkeypatch):
     profiles[stand_in] = s.run(plan).ranked[0].profile
   xla, blockwise = profiles.values()
   assert blockwise.temp_bytes < 0.5 * xla.temp_bytes and blockwise.flops == pytest.approx(xla.flops, rel=0.05)
+  # the memory is modelled from what the backward keeps, not from the CPU's temporaries
+  assert 0 < blockwise.kept_fused < blockwise.kept_written < xla.kept_written
   assert 'blockwise (causal, bfloat16, L=256, head_dim 8) standing in for cudnn (gpu_stand_in)' in attention.decisions()
+
+
+# --- The GPU memory model: what the backward keeps (planning/residuals.py) ----------------------------------------
+
+def test_residual_walk_keeps_what_fusion_cannot_recompute():
+  """exp is recomputed inside the backward's fusion from tanh's output, which is kept (XLA's GPU fusion will not
+  duplicate tanh); the scaled input a matmul read from memory is kept as written; inputs are never counted."""
+  import jax.numpy as jnp
+
+  def kept(w, x):
+    def loss(w):
+      h = x * 2.0  # read by the matmul: written
+      return jnp.sum(jnp.exp(jnp.tanh(h @ w)))
+    return jax.tree.leaves(jax.vjp(loss, w)[1])
+
+  w, x = jax.ShapeDtypeStruct((8, 16), 'float32'), jax.ShapeDtypeStruct((4, 8), 'float32')
+  closed = jax.make_jaxpr(kept)(w, x)
+  made_by = {v: e.primitive.name for e in closed.jaxpr.eqns for v in e.outvars}
+  fused, written = residuals._kept_values(closed)
+  assert [(made_by[v], v.aval.shape) for v in fused] == [('tanh', (4, 16))]  # not the matmul's output behind it
+  assert [(made_by[v], v.aval.shape) for v in written] == [('mul', (4, 8))]  # x * 2
+
+
+def _llama_kept(remat, mesh_shape, batch=16, **model):
+  config = _tiny_llama()
+  config.model.update(dtype='bfloat16', remat=remat, vocab_size=512, num_layers=2, **model)
+  config.batch_size = batch
+  mesh = partitioning.make_mesh(dict(mesh_shape), jax.devices()[:8 if any(s > 1 for _, s in mesh_shape) else 1])
+  tr = training.build(config, mesh, lambda rngs: models.create(config.model, rngs))
+  return residuals.estimate(tr, compiler_options=search_lib.FAST_CPU_COMPILE)
+
+
+def test_residual_model_sees_remat_and_sharding():
+  """What the CPU compile cannot show: remat policies keep less in that order, per device under FSDP an
+  eighth, and the working set is the float32 logits (16 x 64 x 512 x 4 bytes on one device)."""
+  one = (('data', 1), ('fsdp', 1), ('tensor', 1))
+  est = {r: _llama_kept(r, one) for r in ('none', 'dots', 'full')}
+  assert est['none'].fused > est['dots'].fused > est['full'].fused > 0
+  assert est['none'].written > est['dots'].written > est['full'].written
+  assert est['none'].largest == 16 * 64 * 512 * 4
+  fsdp = _llama_kept('dots', (('data', 1), ('fsdp', 8), ('tensor', 1)))
+  assert fsdp.kept == pytest.approx(est['dots'].kept / 8, rel=0.05)
+  assert fsdp.largest == est['dots'].largest / 8
+  # the model's estimate: state + (fused + written) / 2 + largest, the range from fused to written
+  gib = 2**30
+  p = cost.Profile(1e12, 1e9, 30 * gib, 10 * gib, 20 * gib, {}, kept_fused=20 * gib, kept_written=40 * gib,
+                   kept_largest=8 * gib)
+  pred = cost.predict(p, flops.chip('h100'), 8, temporaries_known=False, bytes_known=False)
+  assert pred.memory_gib == 10 + 30 + 8 and pred.memory_range == (38, 58) and pred.fits
+  assert not cost.predict(dataclasses.replace(p, kept_written=100 * gib), flops.chip('h100'), 8,
+                          temporaries_known=False).fits  # 10 + 60 + 8 > 0.9 x 80
 
 
 def test_plan_file_round_trips_through_train_py(searched, tmp_path):

@@ -1,0 +1,136 @@
+"""What a train step keeps for its backward pass, per device, read from JAX's autodiff instead of a compiler.
+
+The plan search's memory model for a GPU/TPU target compiled on CPU. There the CPU's buffer assignment is no
+guide: it reports 2-3.4x the temporaries an H100 measured, and it does not see remat (Llama 1.24B per layer:
+3.74 GiB with `none`, 3.81 with `dots`, 3.77 with `full`; the H100 measured 50.4 vs 42.6 GiB in all for none
+vs dots). What the backward needs is decided by JAX, not by the backend: `jax.vjp`'s residuals, which the
+remat policies choose. So:
+
+    est = residuals.estimate(trainer, stand_in=attention.gpu_stand_in, compiler_options=...)
+    est.fused, est.written, est.largest        # bytes per device
+
+1. The loss's forward is traced under `jax.vjp` (nested jits inlined). Its residuals are walked back through
+   the operations XLA fuses into their consumers (`FUSED`: cheap elementwise arithmetic, broadcasts,
+   converts, reshapes, transposes, sharding constraints, checkpoint names) to values it cannot recompute that
+   way: outputs of matmuls, convolutions, custom kernels (fused attention), reductions, gathers, loops, and
+   of the elementwise functions XLA's GPU fusion counts as expensive (tanh, erf, logistic, log, ...).
+   Those are kept until the backward reads them: `fused`, the least a step keeps.
+2. A value that a matmul, convolution or custom kernel read from memory in the forward (a library call reads
+   its operands from memory, so the forward wrote it) is kept too when the backward needs it, since XLA
+   reuses a written buffer rather than recompute it: `written` adds those (a LayerNorm's output, a bf16 copy
+   of a weight). The truth lies between, depending on what the target's compiler fuses into its GEMMs.
+3. `largest`: the largest kept value once more, in float32: the backward's working set at its peak (for a
+   language model, the float32 gradient of the logits, made while the logits are still held).
+4. Bytes per device: a function returning exactly those values is compiled on the plan's mesh (XLA's sharding
+   propagation, as for the step itself; nothing runs) and each output's shard shape read.
+
+Device memory of a step ~ its arguments (parameters, optimizer state, batch) + (fused + written) / 2 + largest.
+Against the peaks measured on one H100 on 2026-11-23 (benchmarks/memory_model.py prints the table: the
+configs' defaults at the benchmark batches) the error was -24%..+20%, the median 1%: GPT-2 16/32/64 x 1024
++1/+3/+2%, Llama 1.24B remat dots 0% (bf16 logits 0%), remat none +20%, ViT-B/16 -24%, ResNet-50 +8%. The
+CPU compile's figures were +100% to +240%. It ranks remat policies as the H100 did (Llama: none above dots).
+
+This module imports no model: it works on a training.Trainer.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+import partitioning
+import training
+
+# Primitives XLA fuses into whatever consumes them: a backward that needs their output can recompute it
+# from their inputs inside its own fusion. Not here: what XLA's GPU fusion counts as expensive and will not
+# duplicate into a second consumer (tanh, erf, log, logistic, sin, pow, ...): their outputs are kept.
+FUSED = frozenset('''
+  abs add and broadcast_in_dim convert_element_type copy copy_p div eq exp exp2 expand_dims ge gt integer_pow
+  iota is_finite le lt max min mul name ne neg not or reshape rsqrt select_n sharding_constraint sign sqrt
+  square squeeze sub transpose xor
+'''.split())
+# Primitives that read their operands from memory (library calls, custom kernels): the forward wrote those.
+READS_MEMORY = frozenset(('dot_general', 'conv_general_dilated', 'custom_vjp_call', 'custom_vjp_call_jaxpr',
+                          'custom_jvp_call', 'ragged_dot_general'))
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+  fused: float  # bytes per device of what the backward needs that fusion cannot recompute
+  written: float  # fused + what the forward wrote to memory for a matmul/convolution/kernel and the backward reads
+  largest: float  # the largest kept value, in float32 bytes per device (the backward's working set)
+  values: int  # how many values are kept (written)
+
+  @property
+  def kept(self) -> float:
+    """The estimate: the midpoint of fused and written."""
+    return 0.5 * (self.fused + self.written)
+
+
+def _kept_values(closed: jcore.ClosedJaxpr) -> tuple[list[Any], list[Any]]:
+  """(fused, written-only) variables of a jaxpr whose outputs are the residuals."""
+  jaxpr = closed.jaxpr
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  read = {v for e in jaxpr.eqns if e.primitive.name in READS_MEMORY for v in e.invars
+          if not isinstance(v, jcore.Literal)}
+  fused, written, seen = [], [], set()
+  stack = [v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)]
+  while stack:
+    v = stack.pop()
+    if v in seen:
+      continue
+    seen.add(v)
+    eqn = producer.get(v)
+    if eqn is None:  # a parameter or batch field: already in the step's arguments
+      continue
+    if eqn.primitive.name not in FUSED:
+      fused.append(v)
+      continue
+    if v in read:
+      written.append(v)  # kept as written: the backward reads it, not what it was made from
+      continue
+    stack.extend(x for x in eqn.invars if not isinstance(x, jcore.Literal))
+  return fused, written
+
+
+def trace(trainer: training.Trainer, stand_in: Callable[[], contextlib.AbstractContextManager] | None = None):
+  """The traced (not compiled) function returning the values the backward keeps, and how many are fused-only.
+  Trace in the caller's thread (attention's stand-in is a context variable); compile anywhere."""
+  def residuals(params, model_state, batch):
+    with partitioning.use_rules(trainer.rules, trainer.mesh):
+      _, vjp = jax.vjp(lambda p: training.loss_of(trainer, model_state, batch)(p)[0], params)
+    return jax.tree.leaves(vjp)
+
+  args = (trainer.abstract.params, trainer.abstract.model_state, trainer.batch_abstract)
+  with stand_in() if stand_in else contextlib.nullcontext(), jax.disable_jit():  # nested jits inlined
+    closed = jax.make_jaxpr(residuals)(*args)
+  fused, written = _kept_values(closed)
+  jaxpr = closed.jaxpr.replace(outvars=fused + written, debug_info=None)
+  fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(jaxpr, closed.consts))
+  shardings = jax.tree.leaves((trainer.shardings.params, trainer.shardings.model_state, trainer.batch_shardings))
+  traced = jax.jit(fn, in_shardings=tuple(shardings)).trace(*jax.tree.leaves(args))
+  return traced, len(fused)
+
+
+def from_compiled(compiled: Any, num_fused: int) -> Estimate:
+  """Bytes per device of each output of the compiled residual function (its shard shapes)."""
+  avals = compiled.out_info if isinstance(compiled.out_info, (list, tuple)) else jax.tree.leaves(compiled.out_info)
+  sizes = []
+  for aval, sharding in zip(avals, compiled.output_shardings):
+    shape = sharding.shard_shape(aval.shape)
+    sizes.append((math.prod(shape), np.dtype(aval.dtype).itemsize))
+  fused = float(sum(n * b for n, b in sizes[:num_fused]))
+  written = fused + float(sum(n * b for n, b in sizes[num_fused:]))
+  largest = float(max((n * 4 for n, _ in sizes), default=0))
+  return Estimate(fused, written, largest, len(sizes))
+
+
+def estimate(trainer: training.Trainer, stand_in=None, compiler_options: dict | None = None) -> Estimate:
+  traced, num_fused = trace(trainer, stand_in)
+  return from_compiled(traced.lower().compile(compiler_options=compiler_options), num_fused)
