@@ -1,6 +1,7 @@
 """The config matrix: every config file in configs/ is built and trained for 2 steps on 8 simulated
-CPU devices under its last preset (all with `pytest --all-presets`; the first is dry-run), at its tiny size,
-so a new config file is covered automatically.
+CPU devices under its last preset (all with `pytest --all-presets`; the first is dry-run), at its tiny size
+(configs/default.py, which has none, shrunk as tests/conftest.py shrinks it), so a new config file is covered
+automatically.
 
 A config file is any configs/*.py with a get_config(arg); it must define RULES (its presets) and,
 when it has real sizes, SIZES with a 'tiny' entry that the matrix uses.
@@ -20,6 +21,8 @@ import partitioning
 import train
 import training
 from training import export
+from configs import default
+from tests import conftest
 from tests.conftest import ROOT, assert_every_leaf_named
 
 MAX_TINY_PARAMS = 2_000_000  # keeps the matrix inside the CI budget; shrink a config's 'tiny' size instead
@@ -39,6 +42,8 @@ MODULES = config_modules()
 
 
 def tiny_config(module, preset):
+  if module is default:  # no sizes: shrunk as the other tests shrink it (its own size learns in test_train.py)
+    return conftest.tiny_config(preset)
   arg = f'{preset},tiny' if hasattr(module, 'SIZES') else preset
   return module.get_config(arg)
 

@@ -1,6 +1,7 @@
 """Several processes on one machine, launched as a scheduler would: launch/slurm.sbatch under a stand-in `srun`
 that starts 2 processes with SLURM's environment (jax.distributed detects it), on a hybrid mesh whose 2 DCN slices
-are the processes; their checkpoint resumed by 1 process and by 4 (data position exact, other meshes); a killed
+are the processes; their checkpoint resumed by 1 process of 8 devices and by 2 of 2 (data position exact, other
+meshes); a killed
 process stops its peer. The Kubernetes manifest is checked for consistency."""
 import os
 import re
@@ -68,7 +69,7 @@ def _only_steps(src, dst, keep: int) -> str:
 
 
 @pytest.mark.slow
-def test_slurm_launch_hybrid_mesh_and_resume_with_1_and_4_processes(tmp_path):
+def test_slurm_launch_hybrid_mesh_and_resume_on_other_process_and_device_counts(tmp_path):
   run = ['--config.total_steps=9', '--config.eval_every=9', '--config.checkpoint_every=3',
          '--config.keep_checkpoints=3']
   # launch/slurm.sbatch on 2 "nodes": srun starts one process per node, no flags, SLURM's variables (the
@@ -99,23 +100,24 @@ def test_slurm_launch_hybrid_mesh_and_resume_with_1_and_4_processes(tmp_path):
   losses = _losses(two[0])
   assert len(losses) == 4  # steps 3, 6, 9 and the eval at 9
 
-  # At the same time: 1 process on another mesh (tensor parallel too) resumes the 2-process checkpoint of step 3,
-  # and 4 processes of 1 device (data=-1 takes what is left) resume its step 6. (Saving with 1 or 4 processes
-  # and resuming with 2: the data positions' test in tests/test_data.py; orbax's arrays do not care.)
+  # At the same time: 1 process of 8 devices on another mesh (tensor parallel too) resumes the 2-process checkpoint
+  # of step 3, and 2 processes of 2 devices (4 in all, where the checkpoint was written by 8; data=-1 takes what
+  # is left) resume its step 6. (Saving with 1 or 4 processes and resuming with 2: the data positions' test in
+  # tests/test_data.py; orbax's arrays do not care.)
   one_dir = _only_steps(tmp_path / 'two', tmp_path / 'one', 3)
-  four_dir = _only_steps(tmp_path / 'two', tmp_path / 'four', 6)
+  pair_dir = _only_steps(tmp_path / 'two', tmp_path / 'pair', 6)
   one = _start([*run, '--workdir', one_dir], 1)
-  four = _start([*run, '--config.mesh.data=-1', '--config.mesh.fsdp=4', '--config.mesh.tensor=1', '--workdir',
-                 four_dir], 4)
-  outs = [p.communicate(timeout=400) for p in one + four]
-  for p, (_, err) in zip(one + four, outs):
+  pair = _start([*run, '--config.mesh.data=-1', '--config.mesh.fsdp=4', '--config.mesh.tensor=1', '--workdir',
+                 pair_dir], 2)
+  outs = [p.communicate(timeout=400) for p in one + pair]
+  for p, (_, err) in zip(one + pair, outs):
     assert p.returncode == 0, err[-3000:]
-  one, four = outs[0][0], outs[1][0]
+  one, pair = outs[0][0], outs[1][0]
   assert 'on 8 cpu devices, 1 process(es)' in one and f'resumed from {one_dir}/checkpoints/3' in one
   assert _losses(one) == pytest.approx(losses[1:], abs=2e-4)
-  assert "mesh: {'data': 1, 'fsdp': 4, 'tensor': 1} on 4 cpu devices, 4 process(es)" in four
-  assert f'resumed from {four_dir}/checkpoints/6' in four
-  assert _losses(four) == pytest.approx(losses[2:], abs=2e-4)
+  assert "mesh: {'data': 1, 'fsdp': 4, 'tensor': 1} on 4 cpu devices, 2 process(es)" in pair
+  assert f'resumed from {pair_dir}/checkpoints/6' in pair
+  assert _losses(pair) == pytest.approx(losses[2:], abs=2e-4)
 
 
 PEER = r"""
