@@ -57,13 +57,7 @@ def main(argv) -> None:
   for name in FLAGS.cases:
     path, overrides, measured = CASES[name]
     config = candidates.load_module(path).get_config(None)
-    with config.unlocked():
-      for key, value in overrides.items():
-        *head, last = key.split('.')
-        node = config
-        for h in head:
-          node = node[h]
-        node[last] = value
+    config.update_from_flattened_dict(overrides)
     t0 = time.perf_counter()
     mesh = partitioning.make_mesh({a: 1 for a in config.mesh}, jax.devices()[:1])
     tr = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))

@@ -65,7 +65,6 @@ class Estimate:
   fused: float  # bytes per device of what the backward needs that fusion cannot recompute
   written: float  # fused + what the forward wrote to memory for a matmul/convolution/kernel and the backward reads
   largest: float  # the largest kept value, in float32 bytes per device (the backward's working set)
-  values: int  # how many values are kept (written)
 
   @property
   def kept(self) -> float:
@@ -120,15 +119,14 @@ def trace(trainer: training.Trainer, stand_in: Callable[[], contextlib.AbstractC
 
 def from_compiled(compiled: Any, num_fused: int) -> Estimate:
   """Bytes per device of each output of the compiled residual function (its shard shapes)."""
-  avals = compiled.out_info if isinstance(compiled.out_info, (list, tuple)) else jax.tree.leaves(compiled.out_info)
   sizes = []
-  for aval, sharding in zip(avals, compiled.output_shardings):
+  for aval, sharding in zip(jax.tree.leaves(compiled.out_info), compiled.output_shardings):
     shape = sharding.shard_shape(aval.shape)
     sizes.append((math.prod(shape), np.dtype(aval.dtype).itemsize))
   fused = float(sum(n * b for n, b in sizes[:num_fused]))
   written = fused + float(sum(n * b for n, b in sizes[num_fused:]))
   largest = float(max((n * 4 for n, _ in sizes), default=0))
-  return Estimate(fused, written, largest, len(sizes))
+  return Estimate(fused, written, largest)
 
 
 def estimate(trainer: training.Trainer, stand_in=None, compiler_options: dict | None = None) -> Estimate:

@@ -179,8 +179,8 @@ class Search:
     mesh = partitioning.make_mesh(dict(cand.mesh), self.devices)
     return training.build(config, mesh, lambda rngs: self.create_fn(config.model, rngs))
 
-  def validate(self, cand: Candidate) -> tuple[Any, Any]:
-    """(fingerprint, traced proxies) or Pruned."""
+  def validate(self, cand: Candidate) -> tuple[Any, list, list]:
+    """(fingerprint, traced proxy steps, the proxies' trainers) or Pruned."""
     used = {a for _, t in cand.rules for a in ((t,) if isinstance(t, str) else (t or ()))}
     idle = [f'{a}={s}' for a, s in cand.mesh if s > 1 and a not in used]
     if idle:
@@ -196,7 +196,7 @@ class Search:
                      f'{state_bytes / 2**30:.1f} GiB > 0.9 x {self.chip.memory_gib:g} GiB')
       if self.model_flops is None:
         self.model_flops = flops.step_flops(full).causal
-      traced, fps = [], []
+      traced, trainers, fps = [], [], []
       for layers in self._proxy_layers():
         pc = _proxy(config, layers) if layers else config
         tr = self._trainer(pc, cand)
@@ -204,6 +204,7 @@ class Search:
         tr.rules = _RecordingRules(pc.logical_axis_rules, log)
         with self.stand_in() if self.stand_in else contextlib.nullcontext():
           traced.append(training.trace(tr, training.jit_train_step(tr)))
+        trainers.append(tr)
         idle = [w for w in tr.warnings() if w.startswith('mesh axis')]
         if idle:
           raise Pruned('mesh axis of size > 1 that no rule uses (repeated work)', idle[0])
@@ -215,16 +216,7 @@ class Search:
     except ShardingError as e:
       raise Pruned(reason_of(e), str(e)) from None
     mesh_eff = tuple((a, s) for a, s in cand.mesh if s > 1)
-    return (mesh_eff, self._order_sig(cand), cand.remat, tuple(fps)), traced
-
-  def _trace_kept(self, cand: Candidate) -> list:
-    """Per proxy, the traced residual model (planning/residuals.py): traced here, where the stand-in is set."""
-    config = apply(self.config, cand)
-    out = []
-    for layers in self._proxy_layers():
-      tr = self._trainer(_proxy(config, layers) if layers else config, cand)
-      out.append(residuals.trace(tr, self.stand_in))
-    return out
+    return (mesh_eff, self._order_sig(cand), cand.remat, tuple(fps)), traced, trainers
 
   def _order_sig(self, cand: Candidate) -> tuple:
     if self.hosts <= 1:
@@ -284,7 +276,7 @@ class Search:
       for cand in candidates:
         considered += 1
         try:
-          fp, traced = self.validate(cand)
+          fp, traced, trainers = self.validate(cand)
         except Pruned as p:
           pruned[p.reason] += 1
           examples.setdefault(p.reason, f'{cand.label()}: {p.detail}'[:300])
@@ -294,7 +286,8 @@ class Search:
           examples.setdefault('same shardings as an earlier plan (compiled once)', cand.label())
           continue
         mesh_shape = dict(cand.mesh)
-        kept = [] if self.temporaries_known else self._trace_kept(cand)
+        # the residual model (targets not compiled on), per proxy: traced here, where the stand-in is set
+        kept = [] if self.temporaries_known else [residuals.trace(tr, self.stand_in) for tr in trainers]
         self._cache[fp] = pool.submit(self._compile, traced, kept, mesh_shape)
         pending.append((cand, self._cache[fp]))
       scored = []
