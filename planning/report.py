@@ -43,7 +43,8 @@ def table(plans: Sequence[Scored], chip: Any) -> str:
 
 
 def pruning(result: Result) -> str:
-  lines = [f'{result.considered} candidates: {result.compiled} compiled, '
+  lines = [f'{result.considered} candidates: {len(result.ranked)} scored from {result.compiled} compiled programs '
+           '(the orders of one mesh over hosts share one), '
            f'{sum(result.pruned.values())} pruned or dropped:']
   for reason, n in result.pruned.most_common():
     lines.append(f'  {n:5d}  {reason}   e.g. {result.examples.get(reason, "")[:160]}')

@@ -9,7 +9,10 @@ repeat the same work); (2) training.build on the full config: every parameter, o
 field validated against the rules (indivisible, conflicting, unknown axes: the ShardingError's kind is the
 pruning reason); (3) parameters + optimizer state alone over the device memory; (4) the step traced on a
 one-layer proxy: every activation constraint validated, and the resolved shardings recorded; a plan whose
-shardings (size-1 axes dropped) equal an earlier one's is a duplicate. Survivors are compiled abstractly
+shardings (size-1 axes dropped) equal an earlier one's is a duplicate. Orders of one mesh's axes over
+hosts differ only in which devices sit on which host, not in what each device computes: one of them is
+validated and compiled for all, and each order's collectives are placed on hosts from the compiled
+program's groups (`_on_hosts`). Survivors are compiled abstractly
 (nothing allocated) for `num_devices` devices as two proxies, 1 and 2 unrolled layers, and their figures
 extrapolated to the config's layer count: X(L) = X1 + (L - 1)(X2 - X1) (exact for FLOPs, bytes and
 collectives of identical layers; memory approximately). On CPU the proxies compile with LLVM optimisation
@@ -34,6 +37,7 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 from jax.sharding import PartitionSpec
 
 import partitioning
@@ -98,6 +102,17 @@ def effective(spec: PartitionSpec, mesh_shape) -> tuple:
 
 
 @dataclasses.dataclass
+class _Compiled:
+  """One plan's compiled proxies, before its devices are placed on hosts: each proxy's figures (collectives
+  left out) and its collectives as (op, runs per step, result bytes per device, the mesh axes its groups vary
+  along, the groups as partition ids).
+  `mesh`: the order of mesh axes it was compiled with (partition i at that mesh's flat position i)."""
+  profiles: list[cost.Profile]
+  collectives: list[list[tuple[str, int, int, tuple[str, ...], Any]]]
+  mesh: tuple[tuple[str, int], ...]
+
+
+@dataclasses.dataclass
 class Scored:
   candidate: Candidate
   profile: cost.Profile
@@ -114,7 +129,7 @@ class Result:
   pruned: collections.Counter  # reason -> count
   examples: dict[str, str]  # reason -> one candidate and message
   considered: int
-  compiled: int
+  compiled: int  # programs compiled (a mesh's orders over hosts share one)
   wall_s: float
   model_flops: float | None
 
@@ -170,7 +185,9 @@ class Search:
     self.per_host = num_devices // hosts
     self.layers = config.model.get('num_layers') if 'model' in config else None
     self.workers = workers
-    self._cache: dict[Any, Any] = {}  # fingerprint -> Future of (Profile, compile seconds)
+    self._cache: dict[Any, Any] = {}  # fingerprint -> Future of (_Compiled, compile seconds)
+    self._validated: dict[Any, Any] = {}  # (mesh sizes, rules, remat) -> fingerprint, or Pruned
+    self._placed: set = set()  # (fingerprint, axis order over hosts) scored
     self._lock = threading.Lock()
     self.model_flops: float | None = None
 
@@ -215,84 +232,107 @@ class Search:
                     tuple(sorted(((n, sh, effective(s, shape)) for n, sh, s in log), key=repr))))
     except ShardingError as e:
       raise Pruned(reason_of(e), str(e)) from None
-    mesh_eff = tuple((a, s) for a, s in cand.mesh if s > 1)
-    return (mesh_eff, self._order_sig(cand), cand.remat, tuple(fps)), traced, trainers
-
-  def _order_sig(self, cand: Candidate) -> tuple:
-    if self.hosts <= 1:
-      return ()
-    return tuple(a for a, s in cand.mesh if s > 1)
+    mesh_eff = tuple(sorted((a, s) for a, s in cand.mesh if s > 1))  # any order: placed on hosts later
+    return (mesh_eff, cand.remat, tuple(fps)), traced, trainers
 
   def _proxy_layers(self) -> list[int | None]:
     if not self.layers:
       return [None]
     return [1] if self.layers == 1 else [1, 2]
 
-  def _host_of(self, partition: int) -> int:
-    return partition // self.per_host
-
   # --- scoring (compiles) ------------------------------------------------------------------------
-  def _profile_of(self, compiled, mesh_shape) -> cost.Profile:
+  def _read(self, compiled) -> tuple[cost.Profile, list[tuple[str, int, int, Any]]]:
+    """A compiled proxy's figures (collectives apart, their groups as partition ids)."""
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     mem = compiled.memory_analysis()
     text = compiled.as_text()
     counts = hlo.computation_counts(text)  # runs per step of each computation (loop trips), read once
-    coll: dict[cost.CollectiveKey, list[float]] = {}
-    for c in hlo.collectives(text, self.num_devices, counts):
-      key = cost.CollectiveKey(c.op, hlo.mesh_axes(c.groups, mesh_shape), c.group_size,
-                               hlo.hosts_spanned(c.groups, self._host_of))
-      v = coll.setdefault(key, [0.0, 0.0])
-      v[0] += c.times
-      v[1] += c.times * c.bytes
+    colls = [(c.op, c.times, c.bytes, c.groups) for c in hlo.collectives(text, self.num_devices, counts)]
     # loops (blockwise attention's key blocks, a chunked loss) count once in the cost analysis: add the rest
-    return cost.Profile(float(ca.get('flops', 0.0)) + hlo.loop_dot_flops(text, counts), float(ca.get('bytes accessed', 0.0)),
-                        float(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-                              + mem.temp_size_in_bytes),
-                        float(mem.argument_size_in_bytes), float(mem.temp_size_in_bytes),
-                        {k: (v[0], v[1]) for k, v in coll.items()})
+    profile = cost.Profile(float(ca.get('flops', 0.0)) + hlo.loop_dot_flops(text, counts),
+                           float(ca.get('bytes accessed', 0.0)),
+                           float(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                                 + mem.temp_size_in_bytes),
+                           float(mem.argument_size_in_bytes), float(mem.temp_size_in_bytes), {})
+    return profile, colls
 
-  def _compile(self, traced: list, kept: list, mesh_shape) -> tuple[cost.Profile, float]:
+  def _on_hosts(self, compiled: _Compiled, mesh: Sequence[tuple[str, int]]) -> cost.Profile:
+    """The plan's profile with the devices laid out as `mesh` orders its axes (the same axes and sizes as
+    the compiled order): each collective keyed by the mesh axes its groups vary along and the hosts one
+    group reaches, devices being host-major (device d on host d // per_host) and the mesh row-major."""
+    names, sizes = [a for a, _ in compiled.mesh], [s for _, s in compiled.mesh]
+    coords = np.unravel_index(np.arange(self.num_devices), sizes)  # partition -> compiled mesh coordinates
+    flat = np.ravel_multi_index([coords[names.index(a)] for a, _ in mesh], [s for _, s in mesh])
+    host_of = flat // self.per_host  # partition -> host, in this order
+    rank = {a: i for i, (a, _) in enumerate(mesh)}
+    profiles = []
+    for base, colls in zip(compiled.profiles, compiled.collectives):
+      coll: dict[cost.CollectiveKey, list[float]] = {}
+      for op, times, nbytes, axes, groups in colls:
+        axes = tuple(sorted(axes, key=rank.get))
+        key = cost.CollectiveKey(op, axes, len(groups[0]) if groups else 1,
+                                 hlo.hosts_spanned(groups, host_of.__getitem__))
+        v = coll.setdefault(key, [0.0, 0.0])
+        v[0] += times
+        v[1] += times * nbytes
+      profiles.append(dataclasses.replace(base, collectives={k: (v[0], v[1]) for k, v in coll.items()}))
+    if len(profiles) == 2:  # X(L) = X1 + (L - 1)(X2 - X1)
+      return profiles[0].combine(profiles[1], 2 - self.layers, self.layers - 1)
+    return profiles[0]
+
+  def _compile(self, traced: list, kept: list, mesh) -> tuple[_Compiled, float]:
     t0 = time.perf_counter()
     options = FAST_CPU_COMPILE if self.devices[0].platform == 'cpu' else None
-    profiles = [self._profile_of(t.lower().compile(compiler_options=options), mesh_shape) for t in traced]
+    read = [self._read(t.lower().compile(compiler_options=options)) for t in traced]
+    profiles = [p for p, _ in read]
+    colls = [[(op, times, nbytes, hlo.mesh_axes(groups, dict(mesh)), groups) for op, times, nbytes, groups in c]
+             for _, c in read]
     for i, (fn, num_fused) in enumerate(kept):  # the residual model (targets not compiled on)
       est = residuals.from_compiled(fn.lower().compile(compiler_options=options), num_fused)
       profiles[i] = dataclasses.replace(profiles[i], kept_fused=est.fused, kept_written=est.written,
                                         kept_largest=est.largest)
-    if len(profiles) == 2:  # X(L) = X1 + (L - 1)(X2 - X1)
-      profile = profiles[0].combine(profiles[1], 2 - self.layers, self.layers - 1)
-    else:
-      profile = profiles[0]
-    return profile, time.perf_counter() - t0
+    return _Compiled(profiles, colls, tuple(mesh)), time.perf_counter() - t0
 
   def run(self, candidates: Iterable[Candidate]) -> Result:
     t0 = time.perf_counter()
     pruned: collections.Counter = collections.Counter()
     examples: dict[str, str] = {}
     pending: list[tuple[Candidate, Any]] = []
-    considered = 0
+    considered, compiled = 0, 0
+    dup = 'same shardings as an earlier plan (compiled once)'
     with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
       for cand in candidates:
         considered += 1
-        try:
-          fp, traced, trainers = self.validate(cand)
-        except Pruned as p:
-          pruned[p.reason] += 1
-          examples.setdefault(p.reason, f'{cand.label()}: {p.detail}'[:300])
+        # another order of a mesh already validated: the same devices' work, on other hosts
+        group = (tuple(sorted(cand.mesh)), cand.rules, cand.remat)
+        if group not in self._validated:
+          try:
+            fp, traced, trainers = self.validate(cand)
+            self._validated[group] = fp
+            if fp not in self._cache:
+              # the residual model (targets not compiled on), per proxy: traced here, where the stand-in is set
+              kept = [] if self.temporaries_known else [residuals.trace(tr, self.stand_in) for tr in trainers]
+              self._cache[fp] = pool.submit(self._compile, traced, kept, cand.mesh)
+              compiled += 1
+          except Pruned as p:
+            self._validated[group] = p
+        fp = self._validated[group]
+        if isinstance(fp, Pruned):
+          pruned[fp.reason] += 1
+          examples.setdefault(fp.reason, f'{cand.label()}: {fp.detail}'[:300])
           continue
-        if fp in self._cache:
-          pruned['same shardings as an earlier plan (compiled once)'] += 1
-          examples.setdefault('same shardings as an earlier plan (compiled once)', cand.label())
+        placed = (fp, tuple(a for a, n in cand.mesh if n > 1) if self.hosts > 1 else ())
+        if placed in self._placed:
+          pruned[dup] += 1
+          examples.setdefault(dup, cand.label())
           continue
-        mesh_shape = dict(cand.mesh)
-        # the residual model (targets not compiled on), per proxy: traced here, where the stand-in is set
-        kept = [] if self.temporaries_known else [residuals.trace(tr, self.stand_in) for tr in trainers]
-        self._cache[fp] = pool.submit(self._compile, traced, kept, mesh_shape)
+        self._placed.add(placed)
         pending.append((cand, self._cache[fp]))
       scored = []
       for cand, fut in pending:
-        profile, secs = fut.result()
+        out, secs = fut.result()
+        profile = self._on_hosts(out, cand.mesh)
         pred = cost.predict(profile, self.chip, self.num_devices, temporaries_known=self.temporaries_known,
                             bytes_known=self.bytes_known)
         m = cost.mfu(self.model_flops, pred.step_s, self.num_devices, self.chip) if self.model_flops else None
@@ -304,7 +344,7 @@ class Search:
         examples.setdefault('over device memory (compiled)', f'{s.candidate.label()}: {s.prediction.memory_gib:.1f} '
                             f'GiB ({s.prediction.state_gib:.1f} GiB of state)')
     ranked = sorted(scored, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
-    return Result(ranked, pruned, examples, considered, len(pending), time.perf_counter() - t0, self.model_flops)
+    return Result(ranked, pruned, examples, considered, compiled, time.perf_counter() - t0, self.model_flops)
 
   # --- measuring (real steps) --------------------------------------------------------------------
   def measure(self, plans: Sequence[Scored], steps: int = 3, rounds: int = 1, warmup: int = 1) -> None:

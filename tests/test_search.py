@@ -208,6 +208,26 @@ def test_compiled_scores(searched):
   assert all(s.prediction.step_s > 0 and s.mfu > 0 and s.prediction.fits for s in result.ranked)
 
 
+def test_orders_over_hosts_share_one_compile():
+  """data=2 x fsdp=4 over 2 hosts, in its two axis orders: one is compiled, and the other order's collectives,
+  placed on hosts from the same program's groups, equal the ones its own compile gives (data across hosts:
+  the gradient all-reduce on DCN; fsdp across hosts: the gathers on DCN)."""
+  config = _tiny_llama()
+  rules = tuple(llama.RULES['fsdp'])
+  outer_data = candidates.Candidate((('data', 2), ('fsdp', 4), ('tensor', 1)), 'fsdp', rules, 'none')
+  outer_fsdp = candidates.Candidate((('fsdp', 4), ('data', 2), ('tensor', 1)), 'fsdp', rules, 'none')
+  s = search_lib.Search(config, lambda m, r: models.create(m, r), flops.chip('cpu'), 8, hosts=2)
+  result = s.run([outer_data, outer_fsdp])
+  assert result.compiled == 1 and len(result.ranked) == 2 and not result.pruned
+  shared = {sc.candidate.mesh: sc.profile for sc in result.ranked}
+  for cand in (outer_fsdp, outer_data):  # each order compiled on its own
+    own = search_lib.Search(config, lambda m, r: models.create(m, r), flops.chip('cpu'), 8, hosts=2)
+    assert own.run([cand]).ranked[0].profile == shared[cand.mesh]
+  dcn = lambda p: {k.axes for k in p.collectives if k.hosts > 1}
+  assert ('data',) in dcn(shared[outer_data.mesh]) and ('fsdp',) not in dcn(shared[outer_data.mesh])
+  assert ('fsdp',) in dcn(shared[outer_fsdp.mesh]) and ('data',) not in dcn(shared[outer_fsdp.mesh])
+
+
 def test_gpu_target_compiled_on_cpu_traces_attention_as_on_the_gpu(monkeypatch):
   """For a GPU target the search traces the step under attention.gpu_stand_in: 'blockwise' runs (per shard)
   where the GPU would run cuDNN, without XLA's L x L scores: fewer temporaries, the same FLOPs. They stay an
