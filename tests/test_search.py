@@ -220,9 +220,9 @@ def test_orders_over_hosts_share_one_compile():
   result = s.run([outer_data, outer_fsdp])
   assert result.compiled == 1 and len(result.ranked) == 2 and not result.pruned
   shared = {sc.candidate.mesh: sc.profile for sc in result.ranked}
-  for cand in (outer_fsdp, outer_data):  # each order compiled on its own
-    own = search_lib.Search(config, lambda m, r: models.create(m, r), flops.chip('cpu'), 8, hosts=2)
-    assert own.run([cand]).ranked[0].profile == shared[cand.mesh]
+  # the order that was not compiled, compiled on its own
+  own = search_lib.Search(config, lambda m, r: models.create(m, r), flops.chip('cpu'), 8, hosts=2)
+  assert own.run([outer_fsdp]).ranked[0].profile == shared[outer_fsdp.mesh]
   dcn = lambda p: {k.axes for k in p.collectives if k.hosts > 1}
   assert ('data',) in dcn(shared[outer_data.mesh]) and ('fsdp',) not in dcn(shared[outer_data.mesh])
   assert ('fsdp',) in dcn(shared[outer_fsdp.mesh]) and ('data',) not in dcn(shared[outer_fsdp.mesh])
