@@ -40,7 +40,7 @@ from partitioning.mesh import (
 from partitioning.plan import (
     check_batch, named_shardings, nnx_logical_axes, opt_state_axes, path_str, tree_specs)
 from partitioning.rules import AxisRules, Rule, bytes_per_device
-from partitioning.shard import active_mesh, logical_spec, shard, shard_logical, use_rules
+from partitioning.shard import active_mesh, logical_spec, shard, shard_logical, suspend_rules, use_rules
 from partitioning.table import fmt_bytes, sharding_table, tree_bytes_per_device
 
 __all__ = [
@@ -48,5 +48,5 @@ __all__ = [
     'check_platform', 'collective_shapes', 'collective_stats', 'dcn_coordinates', 'dcn_shape', 'describe_dcn',
     'devices_needed', 'fit_mesh', 'fit_mesh_shape', 'fmt_bytes', 'logical_spec', 'make_mesh', 'named_shardings',
     'nnx_logical_axes', 'num_slices', 'opt_state_axes', 'path_str', 'replica_groups', 'resolve_mesh_shape', 'shard', 'shard_logical', 'sharding_table', 'simulate_cpu_devices',
-    'start_mesh', 'tree_bytes_per_device', 'tree_specs', 'use_rules',
+    'start_mesh', 'suspend_rules', 'tree_bytes_per_device', 'tree_specs', 'use_rules',
 ]

@@ -58,6 +58,17 @@ def use_rules(rules: AxisRules, mesh: Mesh, seen: set[str] | None = None) -> Ite
     _CTX.reset(token)
 
 
+@contextlib.contextmanager
+def suspend_rules() -> Iterator[None]:
+  """`shard_logical` does nothing inside (sharding comes from propagation): for model code run under a vmap
+  whose mapped dimension carries mesh axes the rules would give an inner dimension (training.tasks)."""
+  token = _CTX.set(None)
+  try:
+    yield
+  finally:
+    _CTX.reset(token)
+
+
 def active_mesh() -> Mesh | None:
   """The mesh of the enclosing `use_rules`, or None outside it."""
   ctx = _CTX.get()

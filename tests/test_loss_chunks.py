@@ -111,6 +111,32 @@ def test_sharded_chunked_loss_equals_one_device():
   _assert_equal(step(params, batch), whole)
 
 
+def test_data_parallel_chunks_all_reduce_the_head_gradient_once():
+  """GPT-2 on data=4 x tensor=2 ('tp' rules: batch over data, vocab, heads and mlp over tensor): the head's
+  weights are broadcast over 'data' and each device group accumulates its own partial gradient through the
+  chunk loop, so the gradient all-reduces over 'data' move the same bytes as the whole-logits step's (not
+  once per chunk); loss, accuracy and gradients equal the 1-device whole-logits path."""
+  from partitioning import hlo
+  cfg, params, batch, (whole, _) = _one_device('gpt2')
+  cfg = cfg.copy_and_resolve_references()
+  cfg.mesh = common.mesh(dict(data=4, tensor=2))
+  cfg.logical_axis_rules = common.TRANSFORMER_RULES['tp']
+  trainer = build_trainer(cfg)
+  graphdef, _, rest = _abstract(cfg)
+  data_bytes = {}
+  for chunks in (0, CHUNKS):
+    def loss_and_grads(params, batch, chunks=chunks):
+      with partitioning.use_rules(trainer.rules, trainer.mesh):
+        return jax.value_and_grad(_loss_fn(graphdef, rest, batch, chunks), has_aux=True)(params)
+    step = jax.jit(loss_and_grads, in_shardings=(trainer.shardings.params, trainer.batch_shardings))
+    if chunks:
+      _assert_equal(step(params, batch), whole)
+    text = step.lower(params, batch).compile().as_text()
+    data_bytes[chunks] = sum(c.times * c.bytes for c in hlo.collectives(text, 8, hlo.computation_counts(text))
+                             if hlo.mesh_axes(c.groups, trainer.mesh.shape) == ('data',))
+  assert data_bytes[CHUNKS] == data_bytes[0] > 0, data_bytes
+
+
 def test_chunks_shrink_the_compiled_temporaries():
   """Loss and gradients of a 1-layer GPT-2 whose logits dominate (8 x 512 tokens x 8192 vocabulary: 128 MiB
   float32), compiled abstractly on 1 device: 8 chunks need less temporary memory than the whole logits by

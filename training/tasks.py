@@ -24,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from errors import ConfigError
-from partitioning import active_mesh, logical_spec, shard_logical
+from partitioning import active_mesh, logical_spec, shard_logical, suspend_rules
 
 Metrics = dict[str, jax.Array]
 FieldSpec = dict[str, tuple[tuple[int, ...], Any]]
@@ -144,16 +145,24 @@ def check_loss_chunks(chunks: int, L: int) -> int:
   return L // chunks
 
 
-def chunked_softmax_xent(head: Any, x_BLD: jax.Array, targets_BL: jax.Array,
+def chunked_softmax_xent(model: Any, x_BLD: jax.Array, targets_BL: jax.Array,
                          chunks: int) -> tuple[jax.Array, jax.Array]:
-  """Per-token float32 softmax cross-entropy and argmax hit (both (B, L)) of logits `head(x_BLD)`, computed
-  `chunks` chunks at a time: a jax.lax.map over chunks of B x L/chunks tokens, each under jax.checkpoint, so
-  only one chunk's (B, L/chunks, V) logits exist at once and the backward pass recomputes them per chunk.
+  """Per-token float32 softmax cross-entropy and argmax hit (both (B, L)) of logits `model.head(x_BLD)`,
+  computed `chunks` chunks at a time: a jax.lax.map over chunks of B x L/chunks tokens, each under
+  jax.checkpoint, so only one chunk's (B, L/chunks, V) logits exist at once and the backward pass recomputes
+  them per chunk.
 
   Chunk c holds the positions c, c + chunks, c + 2 chunks, ... of every row (a strided cut): a length sharded
   over mesh axes (context parallelism: contiguous blocks of L/n positions per device) leaves every chunk
   sharded the same way, L/(chunks n) positions per device, so the loop runs on every device at once. The batch
-  keeps its sharding, and the head its own ('vocab' sharded as the rules say). Suffixes: C chunks, l = L / C."""
+  keeps its sharding, and the head its own ('vocab' sharded as the rules say).
+
+  The head's weight gradient is a sum over the batch. Where the batch is split over mesh axes the head's
+  weights are not split over (data parallelism), each chunk's sum would be all-reduced inside the loop, once
+  per chunk: the head's weights are instead broadcast along those axes (`_HeadGroups`: a leading dimension,
+  one slice per device group, no copy across devices) and the head is vmapped over groups of the batch, so
+  each device accumulates its own partial gradient through the loop and the sum over groups, one all-reduce,
+  comes after it. Suffixes: C chunks, l = L / C, G groups."""
   B, L, D = x_BLD.shape
   Lc = check_loss_chunks(chunks, L)
   spec = logical_spec(('batch', 'length'), (B, L))  # None outside partitioning.use_rules
@@ -166,16 +175,77 @@ def chunked_softmax_xent(head: Any, x_BLD: jax.Array, targets_BL: jax.Array,
   act = (None, 'batch', 'length', 'embed')
   x_CBlD = shard_logical(x_BLD.reshape(B, Lc, chunks, D).transpose(2, 0, 1, 3), act)
   t_CBl = shard_logical(targets_BL.reshape(B, Lc, chunks).transpose(2, 0, 1), act[:3])
+  groups = _HeadGroups.of(model, B, jax.ShapeDtypeStruct((B, Lc, D), x_BLD.dtype))
 
   @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a loop CSE cannot undo the recomputation
   def chunk(args):
     x_BlD, t_Bl = args
-    logits_BlV = head(shard_logical(x_BlD, act[1:])).astype(jnp.float32)
+    x_BlD = shard_logical(x_BlD, act[1:])
+    logits_BlV = (model.head(x_BlD) if groups is None else groups.head(x_BlD)).astype(jnp.float32)
     loss_Bl, correct_Bl, _ = _softmax_xent(logits_BlV, t_Bl, None)
     return shard_logical(loss_Bl, act[1:3]), shard_logical(correct_Bl, act[1:3])
   loss_CBl, correct_CBl = jax.lax.map(chunk, (x_CBlD, t_CBl))
   unchunk = lambda y_CBl: y_CBl.transpose(1, 2, 0).reshape(B, L)
   return unchunk(loss_CBl), unchunk(correct_CBl)
+
+
+class _HeadGroups:
+  """A model's output head run over G groups of the batch with its weights broadcast to G, one group per device
+  group along the leading batch mesh axes that shard none of the head's weights (`chunked_softmax_xent`).
+
+  The head's parameters are found by tracing it once (the ones its jaxpr reads); their broadcast copies
+  (G, *shape) are sharded over those axes first, then as the rules shard the weight, so each device holds its
+  usual slice of each weight. Inside the vmap the rules are suspended (the mapped dimension carries the batch's
+  leading axes, which the rules would give the inner batch dimension); the logits are constrained after it."""
+
+  def __init__(self, graphdef, leaves, treedef, rest, used, weights, axes, size):
+    self.graphdef, self.leaves, self.treedef, self.rest = graphdef, leaves, treedef, rest
+    self.used, self.weights, self.axes, self.size = used, weights, axes, size
+
+  @classmethod
+  def of(cls, model: Any, B: int, x_BlD: jax.ShapeDtypeStruct) -> '_HeadGroups | None':
+    """None outside a mesh, or where no leading batch axis is free of the head's weights."""
+    mesh = active_mesh()
+    spec = logical_spec(('batch',), (B,))
+    batch_axes = jax.tree.leaves(spec[0]) if spec is not None and len(spec) else []
+    if not batch_axes:
+      return None
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    variables = jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    leaves, treedef = jax.tree.flatten(params)
+    apply = lambda ls, x: nnx.merge(graphdef, jax.tree.unflatten(treedef, ls), rest).head(x)
+    jaxpr = jax.make_jaxpr(apply)([jax.ShapeDtypeStruct(l.shape, l.dtype) for l in leaves], x_BlD).jaxpr
+    read = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
+    used = [i for i, v in enumerate(jaxpr.invars[:len(leaves)]) if id(v) in read]
+    specs = [logical_spec(variables[i].get_metadata().get('out_sharding') or (None,) * leaves[i].ndim,
+                          leaves[i].shape) for i in used]
+    taken = {a for s in specs for a in jax.tree.leaves(tuple(s))}
+    axes = []
+    for a in batch_axes:  # the leading batch axes no head weight is split over
+      if a in taken:
+        break
+      axes.append(a)
+    size = math.prod(mesh.shape[a] for a in axes)
+    if size == 1:
+      return None
+    group = tuple(axes) if len(axes) > 1 else axes[0]
+    weights = [jax.lax.with_sharding_constraint(
+        jnp.broadcast_to(leaves[i], (size, *leaves[i].shape)), NamedSharding(mesh, P(group, *s)))
+        for i, s in zip(used, specs)]
+    return cls(graphdef, leaves, treedef, rest, used, weights, group, size)
+
+  def head(self, x_BlD: jax.Array) -> jax.Array:
+    B, l, D = x_BlD.shape
+    x_GblD = x_BlD.reshape(self.size, B // self.size, l, D)
+
+    def one(weights, x_blD):
+      leaves = list(self.leaves)
+      for i, w in zip(self.used, weights):
+        leaves[i] = w
+      with suspend_rules():
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves), self.rest).head(x_blD)
+    logits_GblV = jax.vmap(one)(self.weights, x_GblD)
+    return shard_logical(logits_GblV.reshape(B, l, -1), ('batch', 'length', 'vocab'))
 
 
 def _check_length(config: Any) -> int:
@@ -219,7 +289,7 @@ class LanguageModeling(Task):
     if chunks <= 1:
       return super().metric_sums(model, batch)
     x_BLD, aux = _split_output(model.hidden_states(batch['inputs'], **self._packed(batch)))
-    loss_BL, correct_BL = chunked_softmax_xent(model.head, x_BLD, batch['targets'], chunks)
+    loss_BL, correct_BL = chunked_softmax_xent(model, x_BLD, batch['targets'], chunks)
     return _sums(loss_BL, correct_BL, batch['mask'], aux)
 
   @staticmethod
