@@ -15,6 +15,7 @@ never exist in full, in the forward pass or the backward.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -189,6 +190,7 @@ def chunked_softmax_xent(model: Any, x_BLD: jax.Array, targets_BL: jax.Array,
   return unchunk(loss_CBl), unchunk(correct_CBl)
 
 
+@dataclasses.dataclass
 class _HeadGroups:
   """A model's output head run over G groups of the batch with its weights broadcast to G, one group per device
   group along the leading batch mesh axes that shard none of the head's weights (`chunked_softmax_xent`).
@@ -198,9 +200,13 @@ class _HeadGroups:
   usual slice of each weight. Inside the vmap the rules are suspended (the mapped dimension carries the batch's
   leading axes, which the rules would give the inner batch dimension); the logits are constrained after it."""
 
-  def __init__(self, graphdef, leaves, treedef, rest, used, weights, axes, size):
-    self.graphdef, self.leaves, self.treedef, self.rest = graphdef, leaves, treedef, rest
-    self.used, self.weights, self.axes, self.size = used, weights, axes, size
+  graphdef: Any
+  leaves: list[jax.Array]  # the model's parameters, flattened
+  treedef: Any
+  rest: Any  # the model's other state
+  used: list[int]  # the leaves the head reads
+  weights: list[jax.Array]  # those leaves broadcast to (size, *shape)
+  size: int  # G
 
   @classmethod
   def of(cls, model: Any, B: int, x_BlD: jax.ShapeDtypeStruct) -> '_HeadGroups | None':
@@ -213,6 +219,7 @@ class _HeadGroups:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     variables = jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))
     leaves, treedef = jax.tree.flatten(params)
+    assert len(variables) == len(leaves), 'a parameter Variable that is not one array'
     apply = lambda ls, x: nnx.merge(graphdef, jax.tree.unflatten(treedef, ls), rest).head(x)
     jaxpr = jax.make_jaxpr(apply)([jax.ShapeDtypeStruct(l.shape, l.dtype) for l in leaves], x_BlD).jaxpr
     read = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
@@ -232,7 +239,7 @@ class _HeadGroups:
     weights = [jax.lax.with_sharding_constraint(
         jnp.broadcast_to(leaves[i], (size, *leaves[i].shape)), NamedSharding(mesh, P(group, *s)))
         for i, s in zip(used, specs)]
-    return cls(graphdef, leaves, treedef, rest, used, weights, group, size)
+    return cls(graphdef, leaves, treedef, rest, used, weights, size)
 
   def head(self, x_BlD: jax.Array) -> jax.Array:
     B, l, D = x_BlD.shape
