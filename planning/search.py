@@ -104,11 +104,10 @@ def effective(spec: PartitionSpec, mesh_shape) -> tuple:
 @dataclasses.dataclass
 class _Compiled:
   """One plan's compiled proxies, before its devices are placed on hosts: each proxy's figures (collectives
-  left out) and its collectives as (op, runs per step, result bytes per device, the mesh axes its groups vary
-  along, the groups as partition ids).
+  left out) and its collectives (groups as partition ids), each with the mesh axes its groups vary along.
   `mesh`: the order of mesh axes it was compiled with (partition i at that mesh's flat position i)."""
   profiles: list[cost.Profile]
-  collectives: list[list[tuple[str, int, int, tuple[str, ...], Any]]]
+  collectives: list[list[tuple[hlo.Collective, tuple[str, ...]]]]
   mesh: tuple[tuple[str, int], ...]
 
 
@@ -241,14 +240,14 @@ class Search:
     return [1] if self.layers == 1 else [1, 2]
 
   # --- scoring (compiles) ------------------------------------------------------------------------
-  def _read(self, compiled) -> tuple[cost.Profile, list[tuple[str, int, int, Any]]]:
+  def _read(self, compiled) -> tuple[cost.Profile, list[hlo.Collective]]:
     """A compiled proxy's figures (collectives apart, their groups as partition ids)."""
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     mem = compiled.memory_analysis()
     text = compiled.as_text()
     counts = hlo.computation_counts(text)  # runs per step of each computation (loop trips), read once
-    colls = [(c.op, c.times, c.bytes, c.groups) for c in hlo.collectives(text, self.num_devices, counts)]
+    colls = hlo.collectives(text, self.num_devices, counts)
     # loops (blockwise attention's key blocks, a chunked loss) count once in the cost analysis: add the rest
     profile = cost.Profile(float(ca.get('flops', 0.0)) + hlo.loop_dot_flops(text, counts),
                            float(ca.get('bytes accessed', 0.0)),
@@ -269,13 +268,12 @@ class Search:
     profiles = []
     for base, colls in zip(compiled.profiles, compiled.collectives):
       coll: dict[cost.CollectiveKey, list[float]] = {}
-      for op, times, nbytes, axes, groups in colls:
-        axes = tuple(sorted(axes, key=rank.get))
-        key = cost.CollectiveKey(op, axes, len(groups[0]) if groups else 1,
-                                 hlo.hosts_spanned(groups, host_of.__getitem__))
+      for c, axes in colls:
+        key = cost.CollectiveKey(c.op, tuple(sorted(axes, key=rank.get)), c.group_size,
+                                 hlo.hosts_spanned(c.groups, host_of.__getitem__))
         v = coll.setdefault(key, [0.0, 0.0])
-        v[0] += times
-        v[1] += times * nbytes
+        v[0] += c.times
+        v[1] += c.times * c.bytes
       profiles.append(dataclasses.replace(base, collectives={k: (v[0], v[1]) for k, v in coll.items()}))
     if len(profiles) == 2:  # X(L) = X1 + (L - 1)(X2 - X1)
       return profiles[0].combine(profiles[1], 2 - self.layers, self.layers - 1)
@@ -286,8 +284,7 @@ class Search:
     options = FAST_CPU_COMPILE if self.devices[0].platform == 'cpu' else None
     read = [self._read(t.lower().compile(compiler_options=options)) for t in traced]
     profiles = [p for p, _ in read]
-    colls = [[(op, times, nbytes, hlo.mesh_axes(groups, dict(mesh)), groups) for op, times, nbytes, groups in c]
-             for _, c in read]
+    colls = [[(c, hlo.mesh_axes(c.groups, dict(mesh))) for c in cs] for _, cs in read]
     for i, (fn, num_fused) in enumerate(kept):  # the residual model (targets not compiled on)
       est = residuals.from_compiled(fn.lower().compile(compiler_options=options), num_fused)
       profiles[i] = dataclasses.replace(profiles[i], kept_fused=est.fused, kept_written=est.written,
