@@ -1,8 +1,9 @@
 """config.model.loss_chunks: a language model's head, float32 softmax cross-entropy and argmax accuracy computed
-chunk by chunk along the length (training/tasks.chunked_softmax_xent), each chunk's logits recomputed in the
-backward pass. Against the whole-logits path: equal loss, accuracy, MoE aux losses and gradients (1 device, and
-sharded over batch, length and vocab on 8 devices), no (B, L, V) array in the chunked program, and compiled
-temporaries smaller by more than the logits' size; a chunk count the length does not divide is one error."""
+chunk by chunk along the length (training/tasks.chunked_softmax_xent), each chunk's gradients made as it is
+scored. Against the whole-logits path: equal loss, accuracy, MoE aux losses and gradients (1 device, and
+sharded over batch, length and vocab on 8 devices), no (B, L, V) array in the chunked program, the same matmul
+FLOPs (nothing recomputed), and compiled temporaries smaller by more than the logits' size; a chunk count the
+length does not divide is one error."""
 import functools
 
 import jax
@@ -135,6 +136,20 @@ def test_data_parallel_chunks_all_reduce_the_head_gradient_once():
     data_bytes[chunks] = sum(c.times * c.bytes for c in hlo.collectives(text, 8)
                              if hlo.mesh_axes(c.groups, trainer.mesh.shape) == ('data',))
   assert data_bytes[CHUNKS] == data_bytes[0] > 0, data_bytes
+
+
+@pytest.mark.parametrize('name', ['gpt2', 'llama'])
+def test_chunks_recompute_nothing(name):
+  """The gradient program of the chunked loss runs the same matmul FLOPs as the whole-logits one: the head
+  once forward, once backward (chunks checkpointed and recomputed in the backward pass would add a forward)."""
+  from training import flops
+  cfg = _tiny(name)
+  graphdef, params, rest = _abstract(cfg)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in training.tasks.get('lm').synthetic_batch(cfg).items()}
+  count = lambda chunks: flops._count(jax.make_jaxpr(jax.grad(
+      lambda p, b: _loss_fn(graphdef, rest, b, chunks)(p)[0]))(params, batch).jaxpr)[0]
+  whole, chunked = count(0), count(CHUNKS)
+  assert chunked == whole > 0, (whole, chunked)
 
 
 def test_chunks_shrink_the_compiled_temporaries():

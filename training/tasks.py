@@ -146,12 +146,16 @@ def check_loss_chunks(chunks: int, L: int) -> int:
   return L // chunks
 
 
-def chunked_softmax_xent(model: Any, x_BLD: jax.Array, targets_BL: jax.Array,
-                         chunks: int) -> tuple[jax.Array, jax.Array]:
-  """Per-token float32 softmax cross-entropy and argmax hit (both (B, L)) of logits `model.head(x_BLD)`,
-  computed `chunks` chunks at a time: a jax.lax.map over chunks of B x L/chunks tokens, each under
-  jax.checkpoint, so only one chunk's (B, L/chunks, V) logits exist at once and the backward pass recomputes
-  them per chunk.
+def chunked_softmax_xent(model: Any, x_BLD: jax.Array, targets_BL: jax.Array, weight_BL: jax.Array,
+                         chunks: int, weight_sum: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """(sum of weight x float32 softmax cross-entropy, sum of weight x argmax hit) of logits `model.head(x_BLD)`,
+  computed `chunks` chunks of B x L/chunks tokens at a time, so only one chunk's (B, L/chunks, V) logits exist
+  at once.
+
+  Under differentiation each chunk's gradients are made in the forward pass (`_fused_xent`): the head's
+  vjp is applied to the chunk's logit gradient right away, the head's weight gradient summed over chunks and
+  the hidden states' gradient kept, both scaled by the loss's cotangent in the backward pass. The head runs
+  once forward and once backward, as on the whole-logits path; nothing is recomputed.
 
   Chunk c holds the positions c, c + chunks, c + 2 chunks, ... of every row (a strided cut): a length sharded
   over mesh axes (context parallelism: contiguous blocks of L/n positions per device) leaves every chunk
@@ -160,10 +164,10 @@ def chunked_softmax_xent(model: Any, x_BLD: jax.Array, targets_BL: jax.Array,
 
   The head's weight gradient is a sum over the batch. Where the batch is split over mesh axes the head's
   weights are not split over (data parallelism), each chunk's sum would be all-reduced inside the loop, once
-  per chunk: the head's weights are instead broadcast along those axes (`_HeadGroups`: a leading dimension,
-  one slice per device group, no copy across devices) and the head is vmapped over groups of the batch, so
-  each device accumulates its own partial gradient through the loop and the sum over groups, one all-reduce,
-  comes after it. Suffixes: C chunks, l = L / C, G groups."""
+  per chunk: the head's weights are instead broadcast along those axes (`_Head`: a leading dimension, one
+  slice per device group, no copy across devices) and the head is vmapped over groups of the batch, so each
+  device accumulates its own partial gradient through the loop and the sum over groups, one all-reduce, comes
+  after it. Suffixes: C chunks, l = L / C, G groups."""
   B, L, D = x_BLD.shape
   Lc = check_loss_chunks(chunks, L)
   spec = logical_spec(('batch', 'length'), (B, L))  # None outside partitioning.use_rules
@@ -174,84 +178,149 @@ def chunked_softmax_xent(model: Any, x_BLD: jax.Array, targets_BL: jax.Array,
                       f'{n} shards of the sequence (\'length\' over mesh axes {", ".join(length_axes)}) do not divide; '
                       f'use a loss_chunks that divides {L // n} (the positions per shard)')
   act = (None, 'batch', 'length', 'embed')
+  cut = lambda y_BL: shard_logical(y_BL.reshape(B, Lc, chunks).transpose(2, 0, 1), act[:3])
   x_CBlD = shard_logical(x_BLD.reshape(B, Lc, chunks, D).transpose(2, 0, 1, 3), act)
-  t_CBl = shard_logical(targets_BL.reshape(B, Lc, chunks).transpose(2, 0, 1), act[:3])
-  groups = _HeadGroups.of(model, B, jax.ShapeDtypeStruct((B, Lc, D), x_BLD.dtype))
-
-  @functools.partial(jax.checkpoint, prevent_cse=False)  # inside a loop CSE cannot undo the recomputation
-  def chunk(args):
-    x_BlD, t_Bl = args
-    x_BlD = shard_logical(x_BlD, act[1:])
-    logits_BlV = (model.head(x_BlD) if groups is None else groups.head(x_BlD)).astype(jnp.float32)
-    loss_Bl, correct_Bl, _ = _softmax_xent(logits_BlV, t_Bl, None)
-    return shard_logical(loss_Bl, act[1:3]), shard_logical(correct_Bl, act[1:3])
-  loss_CBl, correct_CBl = jax.lax.map(chunk, (x_CBlD, t_CBl))
-  unchunk = lambda y_CBl: y_CBl.transpose(1, 2, 0).reshape(B, L)
-  return unchunk(loss_CBl), unchunk(correct_CBl)
+  head = _Head.of(model, B, jax.ShapeDtypeStruct((B, Lc, D), x_BLD.dtype))
+  w_BL = weight_BL.astype(jnp.float32)
+  total = w_BL.sum() if weight_sum is None else weight_sum  # the caller's: one all-reduce of it
+  return _fused_xent(head, head.weights, x_CBlD, cut(targets_BL), cut(w_BL), total)
 
 
-@dataclasses.dataclass
-class _HeadGroups:
-  """A model's output head run over G groups of the batch with its weights broadcast to G, one group per device
-  group along the leading batch mesh axes that shard none of the head's weights (`chunked_softmax_xent`).
+def _chunk_xent(head: '_Head', weights: list[jax.Array], x_BlD: jax.Array, t_Bl: jax.Array):
+  """One chunk: (logits' float32 log-softmax, per-token loss, argmax hit), and the head's vjp."""
+  x_BlD = shard_logical(x_BlD, ('batch', 'length', 'embed'))
+  logits_BlV, vjp = jax.vjp(head.apply, weights, x_BlD)
+  logp_BlV = jax.nn.log_softmax(logits_BlV.astype(jnp.float32), axis=-1)
+  loss_Bl = -jnp.take_along_axis(logp_BlV, t_Bl[..., None], axis=-1)[..., 0]
+  correct_Bl = (jnp.argmax(logits_BlV, -1) == t_Bl).astype(jnp.float32)
+  return logits_BlV.dtype, logp_BlV, loss_Bl, correct_Bl, vjp
 
-  The head's parameters are found by tracing it once (the ones its jaxpr reads); their broadcast copies
-  (G, *shape) are sharded over those axes first, then as the rules shard the weight, so each device holds its
-  usual slice of each weight. Inside the vmap the rules are suspended (the mapped dimension carries the batch's
-  leading axes, which the rules would give the inner batch dimension); the logits are constrained after it."""
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_xent(head, weights, x_CBlD, t_CBl, w_CBl, total):
+  """(sum of w x loss, sum of w x hit) over chunks: the forward pass alone (evaluation, no gradients)."""
+  def body(_, xs):
+    x_BlD, t_Bl, w_Bl = xs
+    _, _, loss_Bl, correct_Bl, _ = _chunk_xent(head, weights, x_BlD, t_Bl)
+    return None, (loss_Bl * w_Bl, correct_Bl * w_Bl)
+  return _summed(jax.lax.scan(body, None, (x_CBlD, t_CBl, w_CBl))[1])
+
+
+def _summed(per_token: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+  """The per-token sums after the chunk loop, so a sharded batch reduces them once, not once per chunk."""
+  return tuple(shard_logical(y_CBl, (None, 'batch', 'length')).sum() for y_CBl in per_token)
+
+
+def _fused_xent_fwd(head, weights, x_CBlD, t_CBl, w_CBl, total):
+  """The sums, with each chunk's gradients of the loss sum made as the chunk is scored: the logits' gradient
+  w (softmax - one_hot(target)) through the head's vjp. They are scaled by 1 / sum(w) here and by the
+  cotangent x sum(w) in the backward pass, so for the usual mean loss (cotangent 1 / sum(w)) the gradients are
+  rounded as on the whole-logits path."""
+  scale = 1.0 / jnp.maximum(total, 1.0)  # total: sum(w)
+
+  def body(dweights, xs):
+    x_BlD, t_Bl, w_Bl = xs
+    dtype, logp_BlV, loss_Bl, correct_Bl, vjp = _chunk_xent(head, weights, x_BlD, t_Bl)
+    g_Bl = w_Bl * scale
+    dlogits_BlV = (jnp.exp(logp_BlV) - jax.nn.one_hot(t_Bl, logp_BlV.shape[-1], dtype=jnp.float32)) * g_Bl[..., None]
+    dw, dx_BlD = vjp(dlogits_BlV.astype(dtype))
+    dweights = head.constrain([a + b.astype(jnp.float32) for a, b in zip(dweights, dw)])
+    return dweights, (loss_Bl * w_Bl, correct_Bl * w_Bl, dx_BlD)
+  zeros = head.constrain([jnp.zeros(w.shape, jnp.float32) for w in weights])
+  dweights, (loss_CBl, correct_CBl, dx_CBlD) = jax.lax.scan(body, zeros, (x_CBlD, t_CBl, w_CBl))
+  return _summed((loss_CBl, correct_CBl)), (dweights, dx_CBlD, scale)
+
+
+def _fused_xent_bwd(head, residuals, cotangents):
+  dweights, dx_CBlD, scale = residuals
+  g = cotangents[0] / scale  # the accuracy sum has no gradient
+  return ([(g * d).astype(t) for d, t in zip(dweights, head.dtypes)], (g * dx_CBlD.astype(jnp.float32)).astype(dx_CBlD.dtype),
+          None, None, None)
+
+
+_fused_xent.defvjp(_fused_xent_fwd, _fused_xent_bwd)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Head:
+  """A model's output head as a function of the parameters it reads (`apply(weights, x)`), for
+  `chunked_softmax_xent`. The parameters are found by tracing the head once (the ones its jaxpr reads); the
+  model's other parameters and state enter as constants (stop_gradient: the head does not read them).
+
+  With G > 1 groups the weights are broadcast to (G, *shape), one group per device group along the leading batch
+  mesh axes that shard none of the head's weights, sharded over those axes first and then as the rules shard
+  the weight, so each device holds its usual slice; the head is vmapped over groups with the rules suspended
+  (the mapped dimension carries the batch's leading axes, which the rules would give the inner batch
+  dimension) and the logits constrained after it."""
 
   graphdef: Any
-  leaves: list[jax.Array]  # the model's parameters, flattened
+  leaves: tuple[jax.Array, ...]  # the model's parameters, flattened (constants)
   treedef: Any
   rest: Any  # the model's other state
-  used: list[int]  # the leaves the head reads
-  weights: list[jax.Array]  # those leaves broadcast to (size, *shape)
+  used: tuple[int, ...]  # the leaves the head reads
+  weights: list[jax.Array]  # those leaves, broadcast to (G, *shape) where G > 1
+  shardings: tuple[Any, ...] | None  # of the weights, None outside a mesh
   size: int  # G
 
+  @property
+  def dtypes(self) -> list[Any]:
+    return [self.leaves[i].dtype for i in self.used]
+
   @classmethod
-  def of(cls, model: Any, B: int, x_BlD: jax.ShapeDtypeStruct) -> '_HeadGroups | None':
-    """None outside a mesh, or where no leading batch axis is free of the head's weights."""
-    mesh = active_mesh()
-    spec = logical_spec(('batch',), (B,))
-    batch_axes = jax.tree.leaves(spec[0]) if spec is not None and len(spec) else []
-    if not batch_axes:
-      return None
+  def of(cls, model: Any, B: int, x_BlD: jax.ShapeDtypeStruct) -> '_Head':
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     variables = jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))
     leaves, treedef = jax.tree.flatten(params)
     assert len(variables) == len(leaves), 'a parameter Variable that is not one array'
+    rest = jax.tree.map(jax.lax.stop_gradient, rest)
     apply = lambda ls, x: nnx.merge(graphdef, jax.tree.unflatten(treedef, ls), rest).head(x)
     jaxpr = jax.make_jaxpr(apply)([jax.ShapeDtypeStruct(l.shape, l.dtype) for l in leaves], x_BlD).jaxpr
     read = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
-    used = [i for i, v in enumerate(jaxpr.invars[:len(leaves)]) if id(v) in read]
+    used = tuple(i for i, v in enumerate(jaxpr.invars[:len(leaves)]) if id(v) in read)
+    constants = tuple(jax.lax.stop_gradient(l) for l in leaves)
+    mesh = active_mesh()
+    spec = logical_spec(('batch',), (B,))
+    if spec is None:  # no rules: one device, or sharding left to the compiler
+      return cls(graphdef, constants, treedef, rest, used, [leaves[i] for i in used], None, 1)
     specs = [logical_spec(variables[i].get_metadata().get('out_sharding') or (None,) * leaves[i].ndim,
                           leaves[i].shape) for i in used]
     taken = {a for s in specs for a in jax.tree.leaves(tuple(s))}
     axes = []
-    for a in batch_axes:  # the leading batch axes no head weight is split over
+    for a in (jax.tree.leaves(spec[0]) if len(spec) else []):  # the leading batch axes no head weight is split over
       if a in taken:
         break
       axes.append(a)
     size = math.prod(mesh.shape[a] for a in axes)
     if size == 1:
-      return None
+      shardings = tuple(NamedSharding(mesh, s) for s in specs)
+      return cls(graphdef, constants, treedef, rest, used, [leaves[i] for i in used], shardings, 1)
     group = tuple(axes) if len(axes) > 1 else axes[0]
-    weights = [jax.lax.with_sharding_constraint(
-        jnp.broadcast_to(leaves[i], (size, *leaves[i].shape)), NamedSharding(mesh, P(group, *s)))
-        for i, s in zip(used, specs)]
-    return cls(graphdef, leaves, treedef, rest, used, weights, size)
+    shardings = tuple(NamedSharding(mesh, P(group, *s)) for s in specs)
+    weights = [jax.lax.with_sharding_constraint(jnp.broadcast_to(leaves[i], (size, *leaves[i].shape)), sh)
+               for i, sh in zip(used, shardings)]
+    return cls(graphdef, constants, treedef, rest, used, weights, shardings, size)
 
-  def head(self, x_BlD: jax.Array) -> jax.Array:
+  def constrain(self, arrays: list[jax.Array]) -> list[jax.Array]:
+    """Arrays shaped like the weights (their gradient sums), sharded like them."""
+    if self.shardings is None:
+      return arrays
+    return [jax.lax.with_sharding_constraint(a, s) for a, s in zip(arrays, self.shardings)]
+
+  def _one(self, weights: list[jax.Array], x_blD: jax.Array) -> jax.Array:
+    leaves = list(self.leaves)
+    for i, w in zip(self.used, weights):
+      leaves[i] = w
+    return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves), self.rest).head(x_blD)
+
+  def apply(self, weights: list[jax.Array], x_BlD: jax.Array) -> jax.Array:
+    if self.size == 1:
+      return self._one(weights, x_BlD)
     B, l, D = x_BlD.shape
-    x_GblD = x_BlD.reshape(self.size, B // self.size, l, D)
 
     def one(weights, x_blD):
-      leaves = list(self.leaves)
-      for i, w in zip(self.used, weights):
-        leaves[i] = w
       with suspend_rules():
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, leaves), self.rest).head(x_blD)
-    logits_GblV = jax.vmap(one)(self.weights, x_GblD)
+        return self._one(weights, x_blD)
+    logits_GblV = jax.vmap(one)(weights, x_BlD.reshape(self.size, B // self.size, l, D))
     return shard_logical(logits_GblV.reshape(B, l, -1), ('batch', 'length', 'vocab'))
 
 
@@ -296,8 +365,10 @@ class LanguageModeling(Task):
     if chunks <= 1:
       return super().metric_sums(model, batch)
     x_BLD, aux = _split_output(model.hidden_states(batch['inputs'], **self._packed(batch)))
-    loss_BL, correct_BL = chunked_softmax_xent(model, x_BLD, batch['targets'], chunks)
-    return _sums(loss_BL, correct_BL, batch['mask'], aux)
+    weight = batch['mask'].sum()
+    loss_sum, correct_sum = chunked_softmax_xent(model, x_BLD, batch['targets'], batch['mask'], chunks, weight)
+    return {'loss_sum': loss_sum, 'correct_sum': correct_sum, 'weight': weight,
+            **{f'aux/{k}': v for k, v in aux.items()}}
 
   @staticmethod
   def per_example(logits, batch):
