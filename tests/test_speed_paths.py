@@ -221,6 +221,55 @@ def test_dots_policy_keeps_fused_attention_instead_of_rerunning_it(monkeypatch):
   assert blockwise_loops(jax.checkpoint_policies.dots_with_no_batch_dims_saveable) == 3
 
 
+@pytest.mark.parametrize('gated', [False, True])
+def test_mlp_keeps_only_its_pre_activations(gated):
+  """An MLP's backward pass keeps the pre-activations alone and recomputes the activation (layers.activation_then):
+  one (B, L, F) residual for the exact-GELU MLP (plain autodiff keeps three: the output, erfc and the scaled
+  input), two for SwiGLU (gate and up), the same gradients as plain autodiff, and no matmul run twice."""
+  B, L, D, F = 2, 4, 8, 32
+  kw = dict(rngs=nnx.Rngs(0))
+  mlp = (layers.GatedMLP(D, F, **kw) if gated else
+         layers.MLP(D, F, activation=functools.partial(jax.nn.gelu, approximate=False), **kw))
+  graphdef, params = nnx.split(mlp)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((B, L, D)), jnp.float32)
+  run = lambda p, x: nnx.merge(graphdef, p)(x).sum()
+
+  def plain(p, x):  # the same block written without activation_then
+    m = nnx.merge(graphdef, p)
+    h = m.activation(m.gate(x)) * m.up(x) if gated else m.activation(m.up(x))
+    return m.down(h).sum()
+  wide = lambda f: [r.shape for r in jax.tree.leaves(jax.vjp(f, params, x)[1]) if r.shape == (B, L, F)]  # residuals
+  assert len(wide(run)) == (2 if gated else 1), wide(run)
+  assert len(wide(plain)) > len(wide(run))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               jax.grad(run, argnums=(0, 1))(params, x), jax.grad(plain, argnums=(0, 1))(params, x))
+  dots = lambda f: sum(e.primitive.name == 'dot_general' for e in all_eqns(
+      jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(params, x).jaxpr))
+  assert dots(run) == dots(plain)
+
+
+def test_compiling_for_a_gpu_without_one():
+  """training/targets: with JAX's CUDA plugin installed, a sharded step compiles for 2 H100s on this machine
+  (cuDNN's attention chosen as on the GPU); without it (as in CI), one ConfigError naming the install. An unknown
+  target names the known ones."""
+  from training import targets
+  with pytest.raises(ConfigError, match=r"GPU target 'b300' is neither one of \['h100_sxm'\]"):
+    targets.gpu_devices('b300')
+  try:
+    import jax_plugins.xla_cuda13  # noqa: F401
+  except ImportError:
+    with pytest.raises(ConfigError, match=r'h100_sxm.* needs JAX\'s CUDA plugin .*pip install "jax\[cuda13\]=='):
+      targets.gpu_devices('h100_sxm')
+    return
+  devices = targets.gpu_devices('h100_sxm', 2)
+  assert [d.platform for d in devices] == ['gpu', 'gpu'] and 'H100' in devices[0].device_kind
+  cfg = _gpt2_tiny(dtype='bfloat16')
+  mesh = partitioning.make_mesh(dict(data=2), devices)
+  trainer = training.build(cfg, mesh, lambda rngs: models.create(cfg.model, rngs))
+  compiled = training.compile_step(trainer, training.jit_train_step(trainer))
+  assert profiling.compiled_memory(compiled) > 0 and 'all-reduce' in compiled.as_text()
+
+
 def test_bf16_logits_keep_the_loss():
   ref, _ = _loss_and_grads(_gpt2_tiny())
   loss, _ = _loss_and_grads(_gpt2_tiny(logits_dtype='bfloat16'))

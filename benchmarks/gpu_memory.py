@@ -1,0 +1,108 @@
+r"""Per-device GPU memory of the train step train.py compiles, on a machine without a GPU.
+
+  python benchmarks/gpu_memory.py --config configs/gpt2.py --config.batch_size=16 --config.dataset.pack=False
+  python benchmarks/gpu_memory.py --config configs/llama.py --gpus 8      # the config's mesh over 8 H100s
+  python benchmarks/gpu_memory.py --cases                                # the README's table: ours vs the torch peer
+
+The step is built as train.py builds it and compiled for compile-only devices of a GPU (`--target`, default
+an H100 SXM 80GB: training/targets.py); attention makes the choice it makes on that GPU (cuDNN, Pallas).
+Printed per case: the peak (arguments + temporaries + outputs not aliased to donated inputs: what XLA's buffer
+assignment reserves), the arguments (parameters, optimizer state, batch), the temporaries, the attention
+kernels chosen and the compile time. With --gpus 1 (the default for --cases) every mesh axis is 1; otherwise
+the config's mesh runs over that many GPUs, 8 to a host.
+
+--cases compiles the batches of the issue-9 benchmark (README "On GPUs") and prints them beside the peak the
+torch peer measured on an H100 on 2026-11-23 (`benchmarks/throughput.py --peer torch`; constants here) and
+the peak our step measured there that day, before the changes since (training/targets.py's validation).
+
+Needs JAX's CUDA plugin (`pip install "jax[cuda13]==0.10.2"`, no GPU needed); JAX_PLATFORMS=cpu is set here.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+
+from absl import app, flags  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+# name -> (config file, overrides, torch peer's peak GiB, our step's peak GiB; both measured on one H100 80GB on
+# 2026-11-23 with benchmarks/throughput.py, ours before the changes since; None: not measured)
+CASES = {
+    'gpt2-16': ('configs/gpt2.py', {'batch_size': 16, 'dataset.pack': False}, 9.97, 13.45),
+    'gpt2-32': ('configs/gpt2.py', {'batch_size': 32, 'dataset.pack': False}, None, 24.7),
+    'llama-8': ('configs/llama.py', {'batch_size': 8, 'dataset.pack': False}, 20.9, 42.6),
+    'vit-256': ('configs/vit.py', {'batch_size': 256}, 22.8, 23.45),
+    'resnet-256': ('configs/resnet.py', {'batch_size': 256}, 10.6, 10.86),
+}
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file('config', None, 'A config file (configs/*.py[:arg]).', lock_config=False)
+flags.DEFINE_boolean('cases', False, f'Compile the benchmark batches {list(CASES)} instead of --config.')
+flags.DEFINE_string('target', 'h100_sxm', 'GPU to compile for: a name from training/gpu_targets or a .txtpb file.')
+flags.DEFINE_integer('gpus', None, 'GPUs to compile for (default: as many as the mesh asks; 1 with --cases).')
+
+GiB = 2**30
+
+
+def compile_for_gpu(config, target: str, gpus: int | None) -> dict:
+  """The train step of `config` compiled for `gpus` GPUs of `target`: per-device bytes and what was chosen."""
+  import jax
+  import models
+  import partitioning
+  import training
+  from models import attention
+  from training import targets
+  n = partitioning.devices_needed(config.mesh) if gpus is None else gpus
+  devices = targets.gpu_devices(target, n)
+  mesh_cfg = {a: 1 for a in config.mesh} if n == 1 else config.mesh
+  t0 = time.perf_counter()
+  mesh = partitioning.make_mesh(mesh_cfg, devices)
+  trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+  compiled = training.compile_step(trainer, training.jit_train_step(trainer))
+  m = compiled.memory_analysis()
+  batch = partitioning.tree_bytes_per_device(trainer.batch_abstract,
+                                             {k: v.spec for k, v in trainer.batch_shardings.items()}, mesh.shape)
+  return dict(peak=m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes,
+              state=m.argument_size_in_bytes - batch, batch=batch, temp=m.temp_size_in_bytes,
+              mesh=dict(mesh.shape), device=devices[0].device_kind, attention=attention.decisions(),
+              seconds=time.perf_counter() - t0)
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if FLAGS.cases == (FLAGS.config is not None):
+    raise app.UsageError('give one of --config or --cases')
+  from errors import ConfigError
+  from planning import candidates
+  if FLAGS.config is not None:
+    runs = [(config_flags.get_config_filename(FLAGS['config']), FLAGS.config, None, None)]
+  else:
+    runs = []
+    for name, (path, overrides, _, _) in CASES.items():
+      config = candidates.load_module(path).get_config(None)
+      config.update_from_flattened_dict(overrides)
+      runs.append((name, config, *CASES[name][2:]))
+  rows = [('case', 'mesh', 'peak', 'state', 'batch', 'temporaries', 'torch peer (H100)', 'ours then (H100)', 's')]
+  for name, config, torch_peak, then in runs:
+    try:
+      r = compile_for_gpu(config, FLAGS.target, FLAGS.gpus if FLAGS.config is not None else (FLAGS.gpus or 1))
+    except ConfigError as e:
+      sys.exit(f'gpu_memory: {e}')
+    gib = lambda b: f'{b / GiB:.2f} GiB'
+    rows.append((name, 'x'.join(f'{k}={v}' for k, v in r['mesh'].items() if v > 1) or '1 device', gib(r['peak']),
+                 gib(r['state']), gib(r['batch']), gib(r['temp']), '-' if torch_peak is None else f'{torch_peak:.2f} GiB',
+                 '-' if then is None else f'{then:.2f} GiB', f'{r["seconds"]:.0f}'))
+    print(' | '.join(rows[-1]), flush=True)
+  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+  print(f'\nper device, compiled for {r["device"]} ({FLAGS.target}), nothing run:')
+  print('\n'.join('  '.join(c.rjust(w) for c, w in zip(row, widths)) for row in rows))
+  for d in r['attention']:
+    print(f'attention: {d}')
+
+
+if __name__ == '__main__':
+  app.run(main)
