@@ -270,6 +270,24 @@ def test_compiling_for_a_gpu_without_one():
   assert profiling.compiled_memory(compiled) > 0 and 'all-reduce' in compiled.as_text()
 
 
+def test_softmax_xent_gradient_scatters_nothing():
+  """tasks.softmax_xent: loss and gradient equal optax's in float32, and the gradient program has no scatter
+  (autodiff of optax's scatters the targets' gradient into a zero array of the logits' shape: an extra pass
+  over the largest activation of a language model)."""
+  import optax
+  from training import tasks
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(3 * rng.standard_normal((4, 6, 40)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 40, (4, 6)), jnp.int32)
+  w = jnp.asarray(rng.random((4, 6)), jnp.float32)
+  ours = lambda l: (tasks.softmax_xent(l, targets) * w).sum()
+  ref = lambda l: (optax.softmax_cross_entropy_with_integer_labels(l, targets) * w).sum()
+  np.testing.assert_allclose(ours(logits), ref(logits), rtol=1e-6)
+  np.testing.assert_allclose(jax.grad(ours)(logits), jax.grad(ref)(logits), rtol=1e-5, atol=1e-7)
+  scatters = lambda f: sum('scatter' in e.primitive.name for e in all_eqns(jax.make_jaxpr(jax.grad(f))(logits).jaxpr))
+  assert scatters(ours) == 0 < scatters(ref)
+
+
 def test_bf16_logits_keep_the_loss():
   ref, _ = _loss_and_grads(_gpt2_tiny())
   loss, _ = _loss_and_grads(_gpt2_tiny(logits_dtype='bfloat16'))

@@ -132,9 +132,34 @@ def _sums(loss: jax.Array, correct: jax.Array, weight: jax.Array, aux: dict[str,
 
 
 def _softmax_xent(logits: jax.Array, targets: jax.Array, mask: jax.Array):
-  loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  loss = softmax_xent(logits, targets)
   correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
   return loss, correct, mask
+
+
+@jax.custom_vjp
+def softmax_xent(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Softmax cross-entropy of integer targets over the last axis, as optax's, with its gradient written out:
+  g (softmax - one_hot(targets)) in one elementwise pass over the logits. Autodiff of optax's scatters the
+  target's gradient into a zero array of the logits' shape first: for GPT-2 (16k tokens x 50k vocabulary,
+  float32) one more 6.6 GB pass over memory per step, compiled for an H100."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
+def _softmax_xent_fwd(logits, targets):
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  loss = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  return loss, (logits, targets, lse)
+
+
+def _softmax_xent_bwd(residuals, g):
+  logits, targets, lse = residuals
+  hit = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1) == targets[..., None]
+  dlogits = g[..., None] * (jnp.exp(logits - lse[..., None]) - hit)
+  return dlogits.astype(logits.dtype), None
+
+
+softmax_xent.defvjp(_softmax_xent_fwd, _softmax_xent_bwd)
 
 
 def check_loss_chunks(chunks: int, L: int) -> int:
