@@ -9,6 +9,9 @@ arguments (parameters, optimizer state, batch), the kept residuals (fused: what 
 written: with the values the forward wrote for a matmul/convolution/kernel), the largest of them in float32,
 and the estimate args + (fused + written) / 2 + largest beside the H100's peak (`benchmarks/throughput.py`,
 2026-11-23, jax 0.11.2; README "On GPUs"). The measured figures are constants here: this script cannot see a GPU.
+They were measured before the MLPs kept only their pre-activations and the softmax cross-entropy got its own
+gradient (both later that day), which lowered GPT-2's and ViT's peaks: benchmarks/gpu_memory.py compiles the
+current step for an H100 and gives its exact figure.
 """
 from __future__ import annotations
 
