@@ -49,7 +49,6 @@ GiB = 2**30
 
 def compile_for_gpu(config, target: str, gpus: int | None) -> dict:
   """The train step of `config` compiled for `gpus` GPUs of `target`: per-device bytes and what was chosen."""
-  import jax
   import models
   import partitioning
   import training
