@@ -53,7 +53,7 @@ def compile_for_gpu(config, target: str, gpus: int | None) -> dict:
   import partitioning
   import training
   from models import attention
-  from training import targets
+  from training import profiling, targets
   n = partitioning.devices_needed(config.mesh) if gpus is None else gpus
   devices = targets.gpu_devices(target, n)
   mesh_cfg = {a: 1 for a in config.mesh} if n == 1 else config.mesh
@@ -64,9 +64,8 @@ def compile_for_gpu(config, target: str, gpus: int | None) -> dict:
   m = compiled.memory_analysis()
   batch = partitioning.tree_bytes_per_device(trainer.batch_abstract,
                                              {k: v.spec for k, v in trainer.batch_shardings.items()}, mesh.shape)
-  return dict(peak=m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes,
-              state=m.argument_size_in_bytes - batch, batch=batch, temp=m.temp_size_in_bytes,
-              mesh=dict(mesh.shape), device=devices[0].device_kind, attention=attention.decisions(),
+  return dict(peak=profiling.compiled_memory(compiled), state=m.argument_size_in_bytes - batch, batch=batch,
+              temp=m.temp_size_in_bytes, mesh=dict(mesh.shape), device=devices[0].device_kind, attention=attention.decisions(),
               seconds=time.perf_counter() - t0)
 
 
@@ -93,8 +92,9 @@ def main(argv) -> None:
       sys.exit(f'gpu_memory: {e}')
     gib = lambda b: f'{b / GiB:.2f} GiB'
     rows.append((name, 'x'.join(f'{k}={v}' for k, v in r['mesh'].items() if v > 1) or '1 device', gib(r['peak']),
-                 gib(r['state']), gib(r['batch']), gib(r['temp']), '-' if torch_peak is None else f'{torch_peak:.2f} GiB',
-                 '-' if then is None else f'{then:.2f} GiB', f'{r["seconds"]:.0f}'))
+                 gib(r['state']), gib(r['batch']), gib(r['temp']),
+                 '-' if torch_peak is None else f'{torch_peak:.2f} GiB', '-' if then is None else f'{then:.2f} GiB',
+                 f'{r["seconds"]:.0f}'))
     print(' | '.join(rows[-1]), flush=True)
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
   print(f'\nper device, compiled for {r["device"]} ({FLAGS.target}), nothing run:')

@@ -127,14 +127,20 @@ class Task:
 
 
 def _sums(loss: jax.Array, correct: jax.Array, weight: jax.Array, aux: dict[str, jax.Array]) -> Metrics:
-  return {'loss_sum': (loss * weight).sum(), 'correct_sum': (correct * weight).sum(),
-          'weight': weight.sum(), **{f'aux/{k}': v for k, v in aux.items()}}
+  return _metrics((loss * weight).sum(), (correct * weight).sum(), weight.sum(), aux)
+
+
+def _metrics(loss_sum: jax.Array, correct_sum: jax.Array, weight: jax.Array, aux: dict[str, jax.Array]) -> Metrics:
+  return {'loss_sum': loss_sum, 'correct_sum': correct_sum, 'weight': weight,
+          **{f'aux/{k}': v for k, v in aux.items()}}
 
 
 def _softmax_xent(logits: jax.Array, targets: jax.Array, mask: jax.Array):
-  loss = softmax_xent(logits, targets)
-  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
-  return loss, correct, mask
+  return softmax_xent(logits, targets), _hits(logits, targets), mask
+
+
+def _hits(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  return (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
 
 
 @jax.custom_vjp
@@ -172,10 +178,10 @@ def check_loss_chunks(chunks: int, L: int) -> int:
 
 
 def chunked_softmax_xent(model: Any, x_BLD: jax.Array, targets_BL: jax.Array, weight_BL: jax.Array,
-                         chunks: int, weight_sum: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                         weight_sum: jax.Array, chunks: int) -> tuple[jax.Array, jax.Array]:
   """(sum of weight x float32 softmax cross-entropy, sum of weight x argmax hit) of logits `model.head(x_BLD)`,
   computed `chunks` chunks of B x L/chunks tokens at a time, so only one chunk's (B, L/chunks, V) logits exist
-  at once.
+  at once. `weight_sum` is the caller's sum of `weight_BL` (one reduction of it serves both).
 
   Under differentiation each chunk's gradients are made in the forward pass (`_fused_xent`): the head's
   vjp is applied to the chunk's logit gradient right away, the head's weight gradient summed over chunks and
@@ -206,19 +212,12 @@ def chunked_softmax_xent(model: Any, x_BLD: jax.Array, targets_BL: jax.Array, we
   cut = lambda y_BL: shard_logical(y_BL.reshape(B, Lc, chunks).transpose(2, 0, 1), act[:3])
   x_CBlD = shard_logical(x_BLD.reshape(B, Lc, chunks, D).transpose(2, 0, 1, 3), act)
   head = _Head.of(model, B, jax.ShapeDtypeStruct((B, Lc, D), x_BLD.dtype))
-  w_BL = weight_BL.astype(jnp.float32)
-  total = w_BL.sum() if weight_sum is None else weight_sum  # the caller's: one all-reduce of it
-  return _fused_xent(head, head.weights, x_CBlD, cut(targets_BL), cut(w_BL), total)
+  return _fused_xent(head, head.weights, x_CBlD, cut(targets_BL), cut(weight_BL.astype(jnp.float32)), weight_sum)
 
 
-def _chunk_xent(head: '_Head', weights: list[jax.Array], x_BlD: jax.Array, t_Bl: jax.Array):
-  """One chunk: (logits' float32 log-softmax, per-token loss, argmax hit), and the head's vjp."""
-  x_BlD = shard_logical(x_BlD, ('batch', 'length', 'embed'))
-  logits_BlV, vjp = jax.vjp(head.apply, weights, x_BlD)
-  logp_BlV = jax.nn.log_softmax(logits_BlV.astype(jnp.float32), axis=-1)
-  loss_Bl = -jnp.take_along_axis(logp_BlV, t_Bl[..., None], axis=-1)[..., 0]
-  correct_Bl = (jnp.argmax(logits_BlV, -1) == t_Bl).astype(jnp.float32)
-  return logits_BlV.dtype, logp_BlV, loss_Bl, correct_Bl, vjp
+def _chunk_logits(head: '_Head', weights: list[jax.Array], x_BlD: jax.Array) -> jax.Array:
+  """One chunk's float32 logits."""
+  return head.apply(weights, shard_logical(x_BlD, ('batch', 'length', 'embed'))).astype(jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -226,7 +225,7 @@ def _fused_xent(head, weights, x_CBlD, t_CBl, w_CBl, total):
   """(sum of w x loss, sum of w x hit) over chunks: the forward pass alone (evaluation, no gradients)."""
   def body(_, xs):
     x_BlD, t_Bl, w_Bl = xs
-    _, _, loss_Bl, correct_Bl, _ = _chunk_xent(head, weights, x_BlD, t_Bl)
+    loss_Bl, correct_Bl, _ = _softmax_xent(_chunk_logits(head, weights, x_BlD), t_Bl, None)
     return None, (loss_Bl * w_Bl, correct_Bl * w_Bl)
   return _summed(jax.lax.scan(body, None, (x_CBlD, t_CBl, w_CBl))[1])
 
@@ -237,20 +236,20 @@ def _summed(per_token: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Arra
 
 
 def _fused_xent_fwd(head, weights, x_CBlD, t_CBl, w_CBl, total):
-  """The sums, with each chunk's gradients of the loss sum made as the chunk is scored: the logits' gradient
-  w (softmax - one_hot(target)) through the head's vjp. They are scaled by 1 / sum(w) here and by the
+  """The sums, with each chunk's gradients of the loss sum made as the chunk is scored: softmax_xent's logit
+  gradient w (softmax - one_hot(target)) through the head's vjp. They are scaled by 1 / sum(w) here and by the
   cotangent x sum(w) in the backward pass, so for the usual mean loss (cotangent 1 / sum(w)) the gradients are
   rounded as on the whole-logits path."""
   scale = 1.0 / jnp.maximum(total, 1.0)  # total: sum(w)
 
   def body(dweights, xs):
     x_BlD, t_Bl, w_Bl = xs
-    dtype, logp_BlV, loss_Bl, correct_Bl, vjp = _chunk_xent(head, weights, x_BlD, t_Bl)
-    g_Bl = w_Bl * scale
-    dlogits_BlV = (jnp.exp(logp_BlV) - jax.nn.one_hot(t_Bl, logp_BlV.shape[-1], dtype=jnp.float32)) * g_Bl[..., None]
-    dw, dx_BlD = vjp(dlogits_BlV.astype(dtype))
+    logits_BlV, vjp = jax.vjp(functools.partial(_chunk_logits, head), weights, x_BlD)
+    loss_Bl, softmax_residuals = _softmax_xent_fwd(logits_BlV, t_Bl)
+    dlogits_BlV, _ = _softmax_xent_bwd(softmax_residuals, w_Bl * scale)
+    dw, dx_BlD = vjp(dlogits_BlV)
     dweights = head.constrain([a + b.astype(jnp.float32) for a, b in zip(dweights, dw)])
-    return dweights, (loss_Bl * w_Bl, correct_Bl * w_Bl, dx_BlD)
+    return dweights, (loss_Bl * w_Bl, _hits(logits_BlV, t_Bl) * w_Bl, dx_BlD)
   zeros = head.constrain([jnp.zeros(w.shape, jnp.float32) for w in weights])
   dweights, (loss_CBl, correct_CBl, dx_CBlD) = jax.lax.scan(body, zeros, (x_CBlD, t_CBl, w_CBl))
   return _summed((loss_CBl, correct_CBl)), (dweights, dx_CBlD, scale)
@@ -259,8 +258,8 @@ def _fused_xent_fwd(head, weights, x_CBlD, t_CBl, w_CBl, total):
 def _fused_xent_bwd(head, residuals, cotangents):
   dweights, dx_CBlD, scale = residuals
   g = cotangents[0] / scale  # the accuracy sum has no gradient
-  return ([(g * d).astype(t) for d, t in zip(dweights, head.dtypes)], (g * dx_CBlD.astype(jnp.float32)).astype(dx_CBlD.dtype),
-          None, None, None)
+  dx_CBlD = (g * dx_CBlD.astype(jnp.float32)).astype(dx_CBlD.dtype)
+  return [(g * d).astype(t) for d, t in zip(dweights, head.dtypes)], dx_CBlD, None, None, None
 
 
 _fused_xent.defvjp(_fused_xent_fwd, _fused_xent_bwd)
@@ -391,9 +390,8 @@ class LanguageModeling(Task):
       return super().metric_sums(model, batch)
     x_BLD, aux = _split_output(model.hidden_states(batch['inputs'], **self._packed(batch)))
     weight = batch['mask'].sum()
-    loss_sum, correct_sum = chunked_softmax_xent(model, x_BLD, batch['targets'], batch['mask'], chunks, weight)
-    return {'loss_sum': loss_sum, 'correct_sum': correct_sum, 'weight': weight,
-            **{f'aux/{k}': v for k, v in aux.items()}}
+    loss_sum, correct_sum = chunked_softmax_xent(model, x_BLD, batch['targets'], batch['mask'], weight, chunks)
+    return _metrics(loss_sum, correct_sum, weight, aux)
 
   @staticmethod
   def per_example(logits, batch):
