@@ -115,24 +115,32 @@ class BatchNorm(nnx.BatchNorm):
       stat.set_metadata(**axes('norm'))
     self.fused = fused
 
-  def __call__(self, x: jax.Array, use_running_average: bool | None = None, *, mask: Any = None) -> jax.Array:
+  def __call__(self, x: jax.Array, use_running_average: bool | None = None, *, mask: Any = None,
+               then: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    """`then` (elementwise or pooling, e.g. ReLU and a max pool) is applied to the normalised output; fused, its
+    input is not kept for the backward pass but recomputed from x (batch_norm_train)."""
     use_average = self.use_running_average if use_running_average is None else use_running_average
     if use_average or not self.fused or mask is not None or self.scale is None or self.bias is None:
-      return super().__call__(x, use_running_average=use_running_average, mask=mask)
+      y = super().__call__(x, use_running_average=use_running_average, mask=mask)
+      return y if then is None else then(y)
     y, mean, var = batch_norm_train(x, self.scale[...], self.bias[...], eps=self.epsilon,
-                                    fast_variance=self.use_fast_variance, out_dtype=self.dtype or x.dtype)
+                                    fast_variance=self.use_fast_variance, out_dtype=self.dtype or x.dtype, then=then)
     m = self.momentum
     self.mean[...] = jax.lax.stop_gradient(m * self.mean[...] + (1 - m) * mean)
     self.var[...] = jax.lax.stop_gradient(m * self.var[...] + (1 - m) * var)
     return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _batch_norm_train(x, scale, bias, eps, fast_variance, out_dtype):
-  return _batch_norm_train_fwd(x, scale, bias, eps, fast_variance, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _batch_norm_train(x, scale, bias, eps, fast_variance, out_dtype, then):
+  return _batch_norm_train_fwd(x, scale, bias, eps, fast_variance, out_dtype, then)[0]
 
 
-def _batch_norm_train_fwd(x, scale, bias, eps, fast_variance, out_dtype):
+def _normalise(x, mean, inv, scale, bias, out_dtype):
+  return ((x.astype(jnp.float32) - mean) * (inv * scale.astype(jnp.float32)) + bias.astype(jnp.float32)).astype(out_dtype)
+
+
+def _batch_norm_train_fwd(x, scale, bias, eps, fast_variance, out_dtype, then):
   axes_ = tuple(range(x.ndim - 1))
   x32 = x.astype(jnp.float32)
   mean = x32.mean(axes_)
@@ -141,16 +149,22 @@ def _batch_norm_train_fwd(x, scale, bias, eps, fast_variance, out_dtype):
   else:
     var = jnp.square(x32 - mean).mean(axes_)
   inv = jax.lax.rsqrt(var + eps)
-  y = ((x32 - mean) * (inv * scale.astype(jnp.float32)) + bias.astype(jnp.float32)).astype(out_dtype)
-  return (y, mean, var), (x, mean, inv, scale, bias)
+  y = _normalise(x, mean, inv, scale, bias, out_dtype)
+  return (y if then is None else then(y), mean, var), (x, mean, inv, scale, bias)
 
 
-def _batch_norm_train_bwd(eps, fast_variance, out_dtype, residuals, cotangents):
+def _batch_norm_train_bwd(eps, fast_variance, out_dtype, then, residuals, cotangents):
   """d/dx of (x - mean) * inv * scale + bias with the batch's mean and inv: with xhat = (x - mean) * inv and
   N rows, dx = scale * inv * (dy - (sum(dy) + xhat * sum(dy * xhat)) / N); both sums in one read of (x, dy).
+  With `then`, dy is then's vjp at the normalised output, recomputed from x; an optimization barrier ties the
+  recomputation to the cotangent, or XLA merges it into the forward pass (and keeps what it was to spare).
   The statistics outputs feed only the running averages (stop_gradient): their cotangents are zero."""
   x, mean, inv, scale, bias = residuals
-  dy = cotangents[0].astype(jnp.float32)
+  dy = cotangents[0]
+  if then is not None:
+    (x_, mean_, inv_), dy = jax.lax.optimization_barrier(((x, mean, inv), dy))
+    dy = jax.vjp(then, _normalise(x_, mean_, inv_, scale, bias, out_dtype))[1](dy)[0]
+  dy = dy.astype(jnp.float32)
   axes_ = tuple(range(x.ndim - 1))
   n = x.size // x.shape[-1]
   xhat = (x.astype(jnp.float32) - mean) * inv
@@ -163,26 +177,67 @@ _batch_norm_train.defvjp(_batch_norm_train_fwd, _batch_norm_train_bwd)
 
 
 def batch_norm_train(x: jax.Array, scale: jax.Array, bias: jax.Array, *, eps: float, fast_variance: bool,
-                     out_dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     out_dtype: Any, then: Callable[[jax.Array], jax.Array] | None = None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Train-mode BatchNorm over every axis but the last: (y in out_dtype, batch mean, batch variance), the
-  statistics in float32. Its VJP is written out (BatchNorm's docstring); the statistics carry no gradient."""
-  return _batch_norm_train(x, scale, bias, float(eps), bool(fast_variance), jnp.dtype(out_dtype))
+  statistics in float32. Its VJP is written out (BatchNorm's docstring); the statistics carry no gradient.
+
+  `then(y)` is returned instead of y when given, and only x and the statistics are kept for the backward
+  pass, which recomputes y: for ResNet's stem (ReLU then max pool), whose normalised output at full resolution
+  is otherwise kept for the pool's gradient alone (ResNet-50, 256 images: 392 MiB)."""
+  return _batch_norm_train(x, scale, bias, float(eps), bool(fast_variance), jnp.dtype(out_dtype), then)
 
 
 def max_pool(x_BHWC: jax.Array, window: int, stride: int, pad: int) -> jax.Array:
   """Max pooling as the maximum of window**2 strided slices of the (-inf) padded input, equal to
-  nnx.max_pool's values. Its gradient is elementwise selects that XLA fuses, where reduce_window's is a
-  select_and_scatter (slow on GPUs). Ties split the gradient (reduce_window gives it to one element): after a
-  ReLU ties are zeros, whose gradient the ReLU drops either way."""
+  nnx.max_pool's values. Its gradient is written out from the input and the output alone: each window's
+  output gradient goes to the inputs equal to its maximum, split evenly between ties, all in one elementwise
+  pass that XLA fuses. reduce_window's gradient is a select_and_scatter (slow on GPUs), and autodiff of the
+  slices' running maximum keeps every partial maximum and makes two masks per slice (ResNet-50's stem at 256
+  images: 784 MiB of masks written and read back). After a ReLU, ties are zeros, whose gradient the ReLU
+  drops either way."""
+  return _max_pool(x_BHWC, int(window), int(stride), int(pad))
+
+
+def _pool_slices(x_BHWC, window, stride, pad, H, W):
   x = jnp.pad(x_BHWC, ((0, 0), (pad, pad), (pad, pad), (0, 0)), constant_values=-jnp.inf)
-  H = (x.shape[1] - window) // stride + 1
-  W = (x.shape[2] - window) // stride + 1
-  out = None
-  for i in range(window):
-    for j in range(window):
-      s = x[:, i:i + stride * (H - 1) + 1:stride, j:j + stride * (W - 1) + 1:stride]
-      out = s if out is None else jnp.maximum(out, s)
+  return x.shape, [((i, j), x[:, i:i + stride * (H - 1) + 1:stride, j:j + stride * (W - 1) + 1:stride])
+                   for i in range(window) for j in range(window)]
+
+
+def _pool_size(x_BHWC, window, stride, pad):
+  return ((x_BHWC.shape[1] + 2 * pad - window) // stride + 1, (x_BHWC.shape[2] + 2 * pad - window) // stride + 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _max_pool(x_BHWC, window, stride, pad):
+  _, slices = _pool_slices(x_BHWC, window, stride, pad, *_pool_size(x_BHWC, window, stride, pad))
+  out = slices[0][1]
+  for _, s in slices[1:]:
+    out = jnp.maximum(out, s)
   return out
+
+
+def _max_pool_fwd(x_BHWC, window, stride, pad):
+  out = _max_pool(x_BHWC, window, stride, pad)
+  return out, (x_BHWC, out)
+
+
+def _max_pool_bwd(window, stride, pad, residuals, g_BHWC):
+  x_BHWC, out = residuals
+  H, W = out.shape[1:3]
+  shape, slices = _pool_slices(x_BHWC, window, stride, pad, H, W)
+  hits = [(at, s == out) for at, s in slices]
+  g = g_BHWC.astype(jnp.float32) / sum(hit.astype(jnp.float32) for _, hit in hits)
+  zero = jnp.zeros((), jnp.float32)
+  dx = sum(jax.lax.pad(jnp.where(hit, g, zero), zero,
+                       ((0, 0, 0), (i, shape[1] - i - stride * (H - 1) - 1, stride - 1),
+                        (j, shape[2] - j - stride * (W - 1) - 1, stride - 1), (0, 0, 0)))
+           for (i, j), hit in hits)
+  return (dx[:, pad:shape[1] - pad, pad:shape[2] - pad].astype(x_BHWC.dtype),)
+
+
+_max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
 
 
 class Conv(nnx.Conv):

@@ -91,6 +91,12 @@ class Stage(nnx.Module):
     return x_BHWC if self.rest is None else self.rest(x_BHWC)[0]
 
 
+def _relu_max_pool(x_BHWC: jax.Array) -> jax.Array:
+  """The stem after its BatchNorm: ReLU, 3x3/2 max pool. Under the fused BatchNorm its full-resolution input is
+  recomputed in the backward pass instead of kept (layers.batch_norm_train's `then`)."""
+  return max_pool(jax.nn.relu(x_BHWC), 3, stride=2, pad=1)
+
+
 def _check(cfg: Any) -> None:
   if cfg.block not in BLOCKS:
     raise ConfigError(f'config.model.block={cfg.block!r} is not a ResNet block; choose one of {sorted(BLOCKS)}')
@@ -115,8 +121,7 @@ class ResNet(nnx.Module):
     self.dtype = dtypes(cfg)['dtype']
 
   def __call__(self, image_BHWC: jax.Array) -> jax.Array:
-    x_BHWC = jax.nn.relu(self.bn1(self.conv1(image_BHWC.astype(self.dtype))))
-    x_BHWC = max_pool(x_BHWC, 3, stride=2, pad=1)
+    x_BHWC = self.bn1(self.conv1(image_BHWC.astype(self.dtype)), then=_relu_max_pool)
     x_BHWC = shard_logical(x_BHWC, ACT)
     for stage in self.stages:
       x_BHWC = stage(x_BHWC)

@@ -17,7 +17,8 @@ import models
 import partitioning
 import train
 import training
-from models import attention, layers
+from configs import resnet as resnet_config
+from models import attention, layers, resnet
 from tests.conftest import ROOT, all_eqns, build_trainer, subprocess_env, tiny_config
 from training import flops, profiling
 
@@ -416,6 +417,36 @@ def test_fused_batchnorm_equals_flax_values_statistics_and_gradients(fast):
   y, mean, var = layers.batch_norm_train(x.astype(jnp.bfloat16), jnp.ones(16), jnp.zeros(16), eps=1e-5,
                                          fast_variance=fast, out_dtype=jnp.bfloat16)
   assert y.dtype == jnp.bfloat16 and mean.dtype == var.dtype == jnp.float32
+
+
+def test_batchnorm_then_keeps_only_its_input_for_the_stem_pool():
+  """ResNet's stem, BatchNorm -> ReLU -> 3x3/2 max pool, with `then`: the same values and gradients as applying
+  them after the BatchNorm, and only x and per-channel statistics kept for the backward pass, where plain
+  autodiff keeps the normalised full-resolution output as well (ResNet-50 at 256 images: 392 MiB). The recomputation is tied to the cotangent by an optimization barrier,
+  without which XLA merges it back into the forward pass (as it did: compiled for an H100, no change)."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(0.3, 2.0, (4, 12, 12, 8)), jnp.float32)
+  scale, bias = jnp.asarray(rng.uniform(0.5, 1.5, 8), jnp.float32), jnp.linspace(-1, 1, 8)
+  ct = jnp.asarray(rng.standard_normal((4, 6, 6, 8)), jnp.float32)
+  bn = functools.partial(layers.batch_norm_train, eps=1e-5, fast_variance=False, out_dtype=jnp.float32)
+  fused = lambda x, s, b: bn(x, s, b, then=resnet._relu_max_pool)[0]
+  after = lambda x, s, b: resnet._relu_max_pool(bn(x, s, b)[0])
+  np.testing.assert_allclose(fused(x, scale, bias), after(x, scale, bias), rtol=1e-6)
+  grads = lambda f: jax.grad(lambda *a: (f(*a) * ct).sum(), argnums=(0, 1, 2))(x, scale, bias)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads(fused), grads(after))
+  kept = lambda f: sorted(r.shape for r in jax.tree.leaves(jax.vjp(f, x, scale, bias)[1]) if r.ndim == 4)
+  assert kept(fused) == [x.shape], kept(fused)
+  assert kept(after).count(x.shape) >= 2, kept(after)  # x and the normalised output (or ReLU's)
+  backward = jax.make_jaxpr(lambda *a: jax.vjp(fused, *a)[1](ct))(x, scale, bias).jaxpr
+  assert any(e.primitive.name == 'optimization_barrier' for e in all_eqns(backward))
+  # ResNet's stem uses it: of its full-resolution (H/2) arrays, only the conv's output is kept
+  cfg = resnet_config.get_config('tiny').model
+  graphdef, params, rest = nnx.split(resnet.ResNet(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+  params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+  image = jnp.asarray(rng.standard_normal((2, 16, 16, cfg.channels)), jnp.float32)
+  _, residuals = jax.vjp(lambda p: nnx.merge(graphdef, p, rest)(image), params)
+  stem = [r for r in jax.tree.leaves(residuals) if r.shape == (2, 8, 8, cfg.width)]
+  assert len(stem) == 1, [r.shape for r in jax.tree.leaves(residuals)]
 
 
 def test_wide_output_heads_run_their_backward_in_the_compute_dtype():
