@@ -6,7 +6,8 @@ r"""Searches meshes x logical-axis rules x remat policies for a config, ranks th
 
 Sections: check the input -> candidates (the config file's presets and variants of them, every mesh
 factorisation, axis orders over hosts) -> stage 1: prune by validation, compile the survivors abstractly for
---devices simulated CPU devices, predict (planning/cost.py) -> stage 2: the other remat policies on the best
+--devices simulated CPU devices (for an H100 with JAX's CUDA plugin installed, their memory for compile-only
+H100s too: --gpu_target), predict (planning/cost.py) -> stage 2: the other remat policies on the best
 plans -> the table -> --measure: real steps of the top K -> --out: the winner as a config file.
 """
 from __future__ import annotations
@@ -37,6 +38,9 @@ flags.DEFINE_string('remat', 'staged', "'staged': the config's remat first, ever
 flags.DEFINE_integer('stage2', 3, "How many of stage 1's best plans (presets only) try their presets' variants "
                      "and, with --remat=staged, every remat policy.")
 flags.DEFINE_integer('workers', 2, 'Compilations run in parallel.')
+flags.DEFINE_string('gpu_target', 'auto', "Compiled on CPU for a GPU chip, each plan's memory: 'auto' compiles for "
+                    "the chip's GPU target (training/gpu_targets) where JAX's CUDA plugin is installed, exactly; "
+                    "'none' models it from what the backward keeps; or a target name or .txtpb file.")
 
 
 def say(msg: str) -> None:
@@ -87,10 +91,20 @@ def main(argv) -> None:
         + (f' over {hosts} hosts' if hosts > 1 else '') + f' (compiling on {len(devices)} {devices[0].platform} '
         f'devices); mesh axes {axes}; rule sets {list(rules)}')
     from models import attention
+    from training import targets
     # compiled on CPU for a GPU: attention traced as on the GPU, its fused kernels stood in for by 'blockwise'
     stand_in = attention.gpu_stand_in if chip.platform == 'gpu' else None
+    # ... and its memory compiled for the GPU itself where JAX's CUDA plugin can (training/targets.py)
+    memory_devices = None
+    if devices[0].platform == 'cpu' and chip.platform == 'gpu':
+      target, why = targets.memory_target(chip.name, FLAGS.gpu_target)
+      if target:
+        memory_devices = targets.gpu_devices(target, n)
+        say(f'memory: compiled for {n} x {target}, the GPU\'s own ({why})')
+      else:
+        say(f'memory: modelled from what the backward keeps (planning/residuals.py): {why}')
     search = search_lib.Search(config, lambda m, r: models.create(m, r, config.get('lora')), chip, n, hosts,
-                               devices, workers=FLAGS.workers, stand_in=stand_in)
+                               devices, workers=FLAGS.workers, stand_in=stand_in, memory_devices=memory_devices)
 
     # --- Stage 1: every mesh x preset, the config's remat (or the given ones) ------------------------------
     presets = {k: v for k, v in rules.items() if '-' not in k}
@@ -135,7 +149,9 @@ def main(argv) -> None:
     wall = time.perf_counter() - t_start
     mfu = f', predicted MFU {100 * win.mfu:.1f}%' if win.mfu else ''
     mem = f'{win.prediction.memory_gib:.1f} GiB per device'
-    if win.prediction.memory_range:
+    if memory_devices:
+      mem += f' (compiled for {target})'
+    elif win.prediction.memory_range:
       mem += (' (modelled from what the backward keeps, {:.1f}-{:.1f}; {:.1f} of it state)'
               .format(*win.prediction.memory_range, win.prediction.state_gib))
     say(f'\nchoice: {win.candidate.label()}: {1e3 * win.prediction.step_s:.1f} ms/step predicted{mfu}, '

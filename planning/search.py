@@ -165,9 +165,14 @@ class Search:
   def __init__(self, config: ml_collections.ConfigDict, create_fn: Callable[[Any, Any], Any], chip: Any,
                num_devices: int, hosts: int = 1, devices: Sequence[Any] | None = None, workers: int = 2,
                log: Callable[[str], None] = lambda s: None,
-               stand_in: Callable[[], contextlib.AbstractContextManager] | None = None):
+               stand_in: Callable[[], contextlib.AbstractContextManager] | None = None,
+               memory_devices: Sequence[Any] | None = None):
     """`stand_in`: a context the steps are traced in when the devices here are not the target's, making them
-    trace closer to the target (models/attention.gpu_stand_in for a GPU compiled on CPU: no L x L scores)."""
+    trace closer to the target (models/attention.gpu_stand_in for a GPU compiled on CPU: no L x L scores).
+    `memory_devices`: `num_devices` compile-only devices of the target GPU (training/targets.py): each plan's
+    proxies are compiled for them as well, and their memory is the GPU's own (exact, where the CPU's
+    temporaries are not and the residual model is an estimate); FLOPs, bytes and collectives are still read
+    from the CPU compile (a compile-only GPU executable has no cost analysis)."""
     self.config, self.create_fn, self.chip, self.hosts, self.log = config, create_fn, chip, hosts, log
     self.devices = list(jax.devices() if devices is None else devices)[:num_devices]
     if len(self.devices) != num_devices:
@@ -181,6 +186,13 @@ class Search:
     # GPU measured 50.4 vs 42.6 GiB in all for none vs dots). The memory is then modelled from what JAX's
     # backward keeps (planning/residuals.py). The bytes accessed are the CPU's fusion's.
     self.temporaries_known = self.bytes_known = on_target
+    self.memory_devices = None
+    if memory_devices is not None and not on_target:
+      self.memory_devices = list(memory_devices)[:num_devices]
+      if len(self.memory_devices) != num_devices:
+        raise ShardingError(f'{len(self.memory_devices)} GPU devices to compile the memory for; the plan has '
+                            f'{num_devices}')
+      self.temporaries_known = True
     self.per_host = num_devices // hosts
     self.layers = config.model.get('num_layers') if 'model' in config else None
     self.workers = workers
@@ -191,9 +203,14 @@ class Search:
     self.model_flops: float | None = None
 
   # --- validation (free) -------------------------------------------------------------------------
-  def _trainer(self, config, cand: Candidate):
-    mesh = partitioning.make_mesh(dict(cand.mesh), self.devices)
+  def _trainer(self, config, cand: Candidate, devices: Sequence[Any] | None = None):
+    mesh = partitioning.make_mesh(dict(cand.mesh), devices or self.devices)
     return training.build(config, mesh, lambda rngs: self.create_fn(config.model, rngs))
+
+  def _memory_steps(self, trainers: list, cand: Candidate) -> list:
+    """The proxies' steps traced over the target GPU's compile-only devices (their attention chosen as there)."""
+    return [('gpu', training.trace(t, training.jit_train_step(t)))
+            for t in (self._trainer(tr.config, cand, self.memory_devices) for tr in trainers)]
 
   def validate(self, cand: Candidate) -> tuple[Any, list, list]:
     """(fingerprint, traced proxy steps, the proxies' trainers) or Pruned."""
@@ -285,10 +302,17 @@ class Search:
     read = [self._read(t.lower().compile(compiler_options=options)) for t in traced]
     profiles = [p for p, _ in read]
     colls = [[(c, hlo.mesh_axes(c.groups, dict(mesh))) for c in cs] for _, cs in read]
-    for i, (fn, num_fused) in enumerate(kept):  # the residual model (targets not compiled on)
-      est = residuals.from_compiled(fn.lower().compile(compiler_options=options), num_fused)
-      profiles[i] = dataclasses.replace(profiles[i], kept_fused=est.fused, kept_written=est.written,
-                                        kept_largest=est.largest)
+    for i, (fn, arg) in enumerate(kept):
+      if isinstance(fn, str):  # 'gpu': compiled for the target GPU, its memory
+        mem = arg.lower().compile().memory_analysis()
+        profiles[i] = dataclasses.replace(
+            profiles[i], memory=float(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                      - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
+            argument_bytes=float(mem.argument_size_in_bytes), temp_bytes=float(mem.temp_size_in_bytes))
+      else:  # the residual model (targets not compiled on)
+        est = residuals.from_compiled(fn.lower().compile(compiler_options=options), arg)
+        profiles[i] = dataclasses.replace(profiles[i], kept_fused=est.fused, kept_written=est.written,
+                                          kept_largest=est.largest)
     return _Compiled(profiles, colls, tuple(mesh)), time.perf_counter() - t0
 
   def run(self, candidates: Iterable[Candidate]) -> Result:
@@ -308,8 +332,12 @@ class Search:
             fp, traced, trainers = self.validate(cand)
             self._validated[group] = fp
             if fp not in self._cache:
-              # the residual model (targets not compiled on), per proxy: traced here, where the stand-in is set
-              kept = [] if self.temporaries_known else [residuals.trace(tr, self.stand_in) for tr in trainers]
+              # the memory, per proxy: compiled for the target GPU, or (no such devices) the residual model;
+              # traced here, where the stand-in is set
+              if self.memory_devices:
+                kept = self._memory_steps(trainers, cand)
+              else:
+                kept = [] if self.temporaries_known else [residuals.trace(tr, self.stand_in) for tr in trainers]
               self._cache[fp] = pool.submit(self._compile, traced, kept, cand.mesh)
               compiled += 1
           except Pruned as p:

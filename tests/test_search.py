@@ -251,6 +251,45 @@ def test_gpu_target_compiled_on_cpu_traces_attention_as_on_the_gpu(monkeypatch):
   assert 'blockwise (causal, bfloat16, L=256, head_dim 8) standing in for cudnn (gpu_stand_in)' in attention.decisions()
 
 
+def test_memory_compiled_for_the_target_devices_replaces_the_model():
+  """With `memory_devices` (search.py passes the target GPU's compile-only devices, training/targets.py, where
+  JAX's CUDA plugin is installed) each plan's memory is its step compiled over those devices, exactly, instead
+  of the residual model; FLOPs and collectives still come from the CPU compile. Here 8 other CPU devices stand
+  in for the GPU's: the memory equals the step compiled over them directly."""
+  config = _tiny_llama()
+  mesh = (('data', 2), ('fsdp', 4), ('tensor', 1))
+  plan = candidates.Candidate(mesh, 'fsdp', tuple(llama.RULES['fsdp']), 'none')
+  other = jax.devices()[::-1]
+  s = search_lib.Search(config, lambda m, r: models.create(m, r), flops.chip('h100'), 8, memory_devices=other)
+  assert s.temporaries_known and not s.bytes_known
+  built = []
+  trainer = s._trainer
+  s._trainer = lambda *a: built.append(a[2] if len(a) > 2 else None) or trainer(*a)
+  scored = s.run([plan]).ranked[0]
+  assert built.count(other) == 1  # the proxy (1 layer: the config itself) traced over the memory devices
+  direct = s._trainer(search_lib.apply(config, plan), plan, other)
+  mem = training.trace(direct, training.jit_train_step(direct)).lower().compile().memory_analysis()
+  want = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+  assert scored.profile.memory == want and scored.profile.temp_bytes == mem.temp_size_in_bytes
+  assert scored.profile.kept_written == 0 and scored.prediction.memory_range is None
+  assert scored.prediction.memory_gib == pytest.approx(want / 2**30)
+  assert any(k.axes == ('fsdp',) for k in scored.profile.collectives)  # from the CPU compile, as before
+
+
+def test_which_gpu_target_the_memory_is_compiled_for():
+  from training import targets
+  assert targets.memory_target('h100', 'none') == (None, '--gpu_target=none')
+  assert targets.memory_target('h100', 'h100_sxm')[0] == 'h100_sxm'
+  assert targets.memory_target('a100')[0] is None and 'no GPU target for a100' in targets.memory_target('a100')[1]
+  with pytest.raises(ConfigError, match=r"GPU target 'b300' is neither one of \['h100_sxm'\]"):
+    targets.memory_target('h100', 'b300')
+  target, why = targets.memory_target('h100')
+  if targets.plugin_installed():
+    assert target == 'h100_sxm'
+  else:  # CI: one line saying what to install
+    assert target is None and 'pip install "jax[cuda13]==' in why
+
+
 # --- The GPU memory model: what the backward keeps (planning/residuals.py) ----------------------------------------
 
 def test_residual_walk_keeps_what_fusion_cannot_recompute():

@@ -256,12 +256,7 @@ def test_compiling_for_a_gpu_without_one():
   from training import targets
   with pytest.raises(ConfigError, match=r"GPU target 'b300' is neither one of \['h100_sxm'\]"):
     targets.gpu_devices('b300')
-  import importlib.util
-  try:
-    plugin = importlib.util.find_spec('jax_plugins.xla_cuda13') is not None
-  except ModuleNotFoundError:  # no jax_plugins package at all
-    plugin = False
-  if not plugin:
+  if not targets.plugin_installed():
     with pytest.raises(ConfigError, match=r'h100_sxm.* needs JAX\'s CUDA plugin .*pip install "jax\[cuda13\]=='):
       targets.gpu_devices('h100_sxm')
     return

@@ -25,6 +25,38 @@ TARGETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'gpu_targ
 DEVICES_PER_HOST = 8
 
 
+# training/flops.py chip name -> the target description it compiles with
+CHIP_TARGETS = {'h100': 'h100_sxm'}
+PLUGINS = ('jax_plugins.xla_cuda13', 'jax_plugins.xla_cuda12')
+
+
+def plugin_installed() -> bool:
+  """Whether JAX's CUDA plugin is installed (found without importing it)."""
+  import importlib.util
+  for name in PLUGINS:
+    try:
+      if importlib.util.find_spec(name) is not None:
+        return True
+    except ModuleNotFoundError:  # no jax_plugins package at all
+      return False
+  return False
+
+
+def memory_target(chip: str, choice: str = 'auto') -> tuple[str | None, str]:
+  """The GPU target to compile a plan's memory for, for a chip (training/flops.py name) planned on CPU, and why:
+  `choice` 'auto' (the chip's target where the CUDA plugin is installed), 'none', or a target (name or file)."""
+  if choice == 'none':
+    return None, '--gpu_target=none'
+  if choice != 'auto':
+    target_config(choice)  # a known target, or one ConfigError naming the known ones
+    return choice, f'--gpu_target={choice}'
+  if chip not in CHIP_TARGETS:
+    return None, f'no GPU target for {chip} in training/gpu_targets'
+  if not plugin_installed():
+    return None, f'JAX\'s CUDA plugin is not installed (pip install "jax[cuda13]=={jax.__version__}"; no GPU needed)'
+  return CHIP_TARGETS[chip], f'{chip} compiles as {CHIP_TARGETS[chip]}'
+
+
 def known_targets() -> list[str]:
   return sorted(os.path.basename(p)[:-len('.txtpb')] for p in glob.glob(os.path.join(TARGETS_DIR, '*.txtpb')))
 
