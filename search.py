@@ -99,7 +99,13 @@ def main(argv) -> None:
     if devices[0].platform == 'cpu' and chip.platform == 'gpu':
       target, why = targets.memory_target(chip.name, FLAGS.gpu_target)
       if target:
-        memory_devices = targets.gpu_devices(target, n)
+        try:
+          memory_devices = targets.gpu_devices(target, n)
+        except errors.ConfigError as e:  # e.g. 12 GPUs: not whole hosts of 8. Asked for by name: the error stands
+          if FLAGS.gpu_target != 'auto':
+            raise
+          target, why = None, str(e)
+      if target:
         say(f'memory: compiled for {n} x {target}, the GPU\'s own ({why})')
       else:
         say(f'memory: modelled from what the backward keeps (planning/residuals.py): {why}')
