@@ -10,8 +10,9 @@ written: with the values the forward wrote for a matmul/convolution/kernel), the
 and the estimate args + (fused + written) / 2 + largest beside the H100's peak (`benchmarks/throughput.py`,
 2026-11-23, jax 0.11.2; README "On GPUs"). The measured figures are constants here: this script cannot see a GPU.
 They were measured before the MLPs kept only their pre-activations and the softmax cross-entropy got its own
-gradient (both later that day), which lowered GPT-2's and ViT's peaks: benchmarks/gpu_memory.py compiles the
-current step for an H100 and gives its exact figure.
+gradient (both later that day), which lowered GPT-2's and ViT's peaks. So where JAX's CUDA plugin is installed
+(training/targets.py) each case is also compiled for one H100, the current step's own peak (exact to ~1% against
+those measurements, benchmarks/gpu_memory.py), and the model's error is given against that too.
 """
 from __future__ import annotations
 
@@ -55,8 +56,11 @@ def main(argv) -> None:
   from models import attention
   from planning import candidates, residuals
   from planning.search import FAST_CPU_COMPILE
+  from training import profiling, targets
   GiB = 2**30
-  rows = [('case', 'args', 'fused', 'written', 'largest f32', 'estimate (range)', 'H100 peak', 'error', 's')]
+  h100 = targets.gpu_devices('h100_sxm', 1) if targets.plugin_installed() else None
+  rows = [('case', 'args', 'fused', 'written', 'largest f32', 'estimate (range)', 'H100 peak', 'error')
+          + (('compiled for H100 now', 'error') if h100 else ()) + ('s',)]
   for name in FLAGS.cases:
     path, overrides, measured = CASES[name]
     config = candidates.load_module(path).get_config(None)
@@ -71,9 +75,15 @@ def main(argv) -> None:
     est = residuals.estimate(tr, attention.gpu_stand_in, FAST_CPU_COMPILE)
     lo, hi = (args + est.fused + est.largest) / GiB, (args + est.written + est.largest) / GiB
     mid = (args + est.kept + est.largest) / GiB
+    now = ()
+    if h100:
+      gpu = training.build(config, partitioning.make_mesh({a: 1 for a in config.mesh}, h100),
+                           lambda rngs: models.create(config.model, rngs, config.get('lora')))
+      peak = profiling.compiled_memory(training.compile_step(gpu, training.jit_train_step(gpu))) / GiB
+      now = (f'{peak:.2f}', f'{100 * (mid / peak - 1):+.0f}%')
     rows.append((name, f'{args / GiB:.2f}', f'{est.fused / GiB:.2f}', f'{est.written / GiB:.2f}',
                  f'{est.largest / GiB:.2f}', f'{mid:.1f} ({lo:.1f}-{hi:.1f})', f'{measured:.2f}',
-                 f'{100 * (mid / measured - 1):+.0f}%', f'{time.perf_counter() - t0:.0f}'))
+                 f'{100 * (mid / measured - 1):+.0f}%') + now + (f'{time.perf_counter() - t0:.0f}',))
     print(' | '.join(rows[-1]), flush=True)
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
   print('\n' + '\n'.join('  '.join(c.rjust(w) for c, w in zip(r, widths)) for r in rows))
