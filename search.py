@@ -97,15 +97,9 @@ def main(argv) -> None:
     # ... and its memory compiled for the GPU itself where JAX's CUDA plugin can (training/targets.py)
     memory_devices = None
     if devices[0].platform == 'cpu' and chip.platform == 'gpu':
-      target, why = targets.memory_target(chip.name, FLAGS.gpu_target)
+      target, why = targets.memory_target(chip.name, n, FLAGS.gpu_target)
       if target:
-        try:
-          memory_devices = targets.gpu_devices(target, n)
-        except errors.ConfigError as e:  # e.g. 12 GPUs: not whole hosts of 8. Asked for by name: the error stands
-          if FLAGS.gpu_target != 'auto':
-            raise
-          target, why = None, str(e)
-      if target:
+        memory_devices = targets.gpu_devices(target, n)
         say(f'memory: compiled for {n} x {target}, the GPU\'s own ({why})')
       else:
         say(f'memory: modelled from what the backward keeps (planning/residuals.py): {why}')

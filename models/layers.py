@@ -199,19 +199,18 @@ def max_pool(x_BHWC: jax.Array, window: int, stride: int, pad: int) -> jax.Array
   return _max_pool(x_BHWC, int(window), int(stride), int(pad))
 
 
-def _pool_slices(x_BHWC, window, stride, pad, H, W):
+def _pool_slices(x_BHWC, window, stride, pad):
+  """(the padded input's shape, [((i, j), the window**2 strided slices of the padded input)])."""
   x = jnp.pad(x_BHWC, ((0, 0), (pad, pad), (pad, pad), (0, 0)), constant_values=-jnp.inf)
+  H = (x.shape[1] - window) // stride + 1
+  W = (x.shape[2] - window) // stride + 1
   return x.shape, [((i, j), x[:, i:i + stride * (H - 1) + 1:stride, j:j + stride * (W - 1) + 1:stride])
                    for i in range(window) for j in range(window)]
 
 
-def _pool_size(x_BHWC, window, stride, pad):
-  return ((x_BHWC.shape[1] + 2 * pad - window) // stride + 1, (x_BHWC.shape[2] + 2 * pad - window) // stride + 1)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _max_pool(x_BHWC, window, stride, pad):
-  _, slices = _pool_slices(x_BHWC, window, stride, pad, *_pool_size(x_BHWC, window, stride, pad))
+  _, slices = _pool_slices(x_BHWC, window, stride, pad)
   out = slices[0][1]
   for _, s in slices[1:]:
     out = jnp.maximum(out, s)
@@ -226,7 +225,7 @@ def _max_pool_fwd(x_BHWC, window, stride, pad):
 def _max_pool_bwd(window, stride, pad, residuals, g_BHWC):
   x_BHWC, out = residuals
   H, W = out.shape[1:3]
-  shape, slices = _pool_slices(x_BHWC, window, stride, pad, H, W)
+  shape, slices = _pool_slices(x_BHWC, window, stride, pad)
   hits = [(at, s == out) for at, s in slices]
   g = g_BHWC.astype(jnp.float32) / sum(hit.astype(jnp.float32) for _, hit in hits)
   zero = jnp.zeros((), jnp.float32)

@@ -47,7 +47,7 @@ from partitioning import AxisRules
 from partitioning import hlo
 from planning import cost, residuals
 from planning.candidates import Candidate, split_over_hosts
-from training import flops
+from training import flops, profiling
 
 # Pruning reasons, from a ShardingError's message (partitioning/rules.py, plan.py, mesh.py wordings).
 _REASONS = (
@@ -209,7 +209,7 @@ class Search:
 
   def _memory_steps(self, trainers: list, cand: Candidate) -> list:
     """The proxies' steps traced over the target GPU's compile-only devices (their attention chosen as there)."""
-    return [('gpu', training.trace(t, training.jit_train_step(t)))
+    return [training.trace(t, training.jit_train_step(t))
             for t in (self._trainer(tr.config, cand, self.memory_devices) for tr in trainers)]
 
   def validate(self, cand: Candidate) -> tuple[Any, list, list]:
@@ -267,9 +267,7 @@ class Search:
     colls = hlo.collectives(text, self.num_devices, counts)
     # loops (blockwise attention's key blocks, a chunked loss) count once in the cost analysis: add the rest
     profile = cost.Profile(float(ca.get('flops', 0.0)) + hlo.loop_dot_flops(text, counts),
-                           float(ca.get('bytes accessed', 0.0)),
-                           float(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-                                 + mem.temp_size_in_bytes),
+                           float(ca.get('bytes accessed', 0.0)), float(profiling.compiled_memory(compiled)),
                            float(mem.argument_size_in_bytes), float(mem.temp_size_in_bytes), {})
     return profile, colls
 
@@ -296,23 +294,24 @@ class Search:
       return profiles[0].combine(profiles[1], 2 - self.layers, self.layers - 1)
     return profiles[0]
 
-  def _compile(self, traced: list, kept: list, mesh) -> tuple[_Compiled, float]:
+  def _compile(self, traced: list, kept: list, on_gpu: list, mesh) -> tuple[_Compiled, float]:
+    """`kept`: per proxy, the residual model's function (targets not compiled on); `on_gpu`: per proxy, the step
+    traced over the target GPU's devices, whose memory replaces the CPU compile's. At most one is given."""
     t0 = time.perf_counter()
     options = FAST_CPU_COMPILE if self.devices[0].platform == 'cpu' else None
     read = [self._read(t.lower().compile(compiler_options=options)) for t in traced]
     profiles = [p for p, _ in read]
     colls = [[(c, hlo.mesh_axes(c.groups, dict(mesh))) for c in cs] for _, cs in read]
-    for i, (fn, arg) in enumerate(kept):
-      if isinstance(fn, str):  # 'gpu': compiled for the target GPU, its memory
-        mem = arg.lower().compile().memory_analysis()
-        profiles[i] = dataclasses.replace(
-            profiles[i], memory=float(mem.argument_size_in_bytes + mem.output_size_in_bytes
-                                      - mem.alias_size_in_bytes + mem.temp_size_in_bytes),
-            argument_bytes=float(mem.argument_size_in_bytes), temp_bytes=float(mem.temp_size_in_bytes))
-      else:  # the residual model (targets not compiled on)
-        est = residuals.from_compiled(fn.lower().compile(compiler_options=options), arg)
-        profiles[i] = dataclasses.replace(profiles[i], kept_fused=est.fused, kept_written=est.written,
-                                          kept_largest=est.largest)
+    for i, (fn, num_fused) in enumerate(kept):
+      est = residuals.from_compiled(fn.lower().compile(compiler_options=options), num_fused)
+      profiles[i] = dataclasses.replace(profiles[i], kept_fused=est.fused, kept_written=est.written,
+                                        kept_largest=est.largest)
+    for i, step in enumerate(on_gpu):
+      compiled = step.lower().compile()
+      mem = compiled.memory_analysis()
+      profiles[i] = dataclasses.replace(profiles[i], memory=float(profiling.compiled_memory(compiled)),
+                                        argument_bytes=float(mem.argument_size_in_bytes),
+                                        temp_bytes=float(mem.temp_size_in_bytes))
     return _Compiled(profiles, colls, tuple(mesh)), time.perf_counter() - t0
 
   def run(self, candidates: Iterable[Candidate]) -> Result:
@@ -334,11 +333,9 @@ class Search:
             if fp not in self._cache:
               # the memory, per proxy: compiled for the target GPU, or (no such devices) the residual model;
               # traced here, where the stand-in is set
-              if self.memory_devices:
-                kept = self._memory_steps(trainers, cand)
-              else:
-                kept = [] if self.temporaries_known else [residuals.trace(tr, self.stand_in) for tr in trainers]
-              self._cache[fp] = pool.submit(self._compile, traced, kept, cand.mesh)
+              on_gpu = self._memory_steps(trainers, cand) if self.memory_devices else []
+              kept = [] if self.temporaries_known else [residuals.trace(tr, self.stand_in) for tr in trainers]
+              self._cache[fp] = pool.submit(self._compile, traced, kept, on_gpu, cand.mesh)
               compiled += 1
           except Pruned as p:
             self._validated[group] = p

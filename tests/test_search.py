@@ -278,14 +278,17 @@ def test_memory_compiled_for_the_target_devices_replaces_the_model():
 
 def test_which_gpu_target_the_memory_is_compiled_for():
   from training import targets
-  assert targets.memory_target('h100', 'none') == (None, '--gpu_target=none')
-  assert targets.memory_target('h100', 'h100_sxm')[0] == 'h100_sxm'
-  assert targets.memory_target('a100')[0] is None and 'no GPU target for a100' in targets.memory_target('a100')[1]
+  assert targets.memory_target('h100', 8, 'none') == (None, '--gpu_target=none')
+  assert targets.memory_target('h100', 8, 'h100_sxm')[0] == 'h100_sxm'
+  assert targets.memory_target('a100', 8)[0] is None and 'no GPU target for a100' in targets.memory_target('a100', 8)[1]
   with pytest.raises(ConfigError, match=r"GPU target 'b300' is neither one of \['h100_sxm'\]"):
-    targets.memory_target('h100', 'b300')
-  target, why = targets.memory_target('h100')
+    targets.memory_target('h100', 8, 'b300')
+  target, why = targets.memory_target('h100', 8)
   if targets.plugin_installed():
     assert target == 'h100_sxm'
+    # 9 GPUs do not lay out over hosts of 8: 'auto' falls back to the model and says why
+    assert targets.memory_target('h100', 9) == (None, '9 GPUs do not fill 2 hosts of 8: ask for a multiple of 8, '
+                                                      'or at most 8')
   else:  # CI: one line saying what to install
     assert target is None and 'pip install "jax[cuda13]==' in why
 

@@ -42,9 +42,10 @@ def plugin_installed() -> bool:
   return False
 
 
-def memory_target(chip: str, choice: str = 'auto') -> tuple[str | None, str]:
-  """The GPU target to compile a plan's memory for, for a chip (training/flops.py name) planned on CPU, and why:
-  `choice` 'auto' (the chip's target where the CUDA plugin is installed), 'none', or a target (name or file)."""
+def memory_target(chip: str, count: int, choice: str = 'auto') -> tuple[str | None, str]:
+  """The GPU target to compile a plan's memory for, for `count` of a chip (training/flops.py name) planned on
+  CPU, and why: `choice` 'auto' (the chip's target where the CUDA plugin is installed and the count lays out
+  over hosts), 'none', or a target (name or file; gpu_devices then refuses a count it cannot lay out)."""
   if choice == 'none':
     return None, '--gpu_target=none'
   if choice != 'auto':
@@ -54,7 +55,22 @@ def memory_target(chip: str, choice: str = 'auto') -> tuple[str | None, str]:
     return None, f'no GPU target for {chip} in training/gpu_targets'
   if not plugin_installed():
     return None, f'JAX\'s CUDA plugin is not installed (pip install "jax[cuda13]=={jax.__version__}"; no GPU needed)'
+  try:
+    _hosts(count)
+  except ConfigError as e:
+    return None, str(e)
   return CHIP_TARGETS[chip], f'{chip} compiles as {CHIP_TARGETS[chip]}'
+
+
+def _hosts(count: int) -> int:
+  """Hosts of DEVICES_PER_HOST GPUs that `count` GPUs fill; ConfigError where they do not."""
+  if count < 1:
+    raise ConfigError(f'{count} GPUs asked for: compile for at least 1')
+  hosts = math.ceil(count / DEVICES_PER_HOST)
+  if count % hosts:
+    raise ConfigError(f'{count} GPUs do not fill {hosts} hosts of {DEVICES_PER_HOST}: ask for a multiple of '
+                      f'{DEVICES_PER_HOST}, or at most {DEVICES_PER_HOST}')
+  return hosts
 
 
 def known_targets() -> list[str]:
@@ -75,12 +91,7 @@ def gpu_devices(target: str, count: int = 1) -> list[jax.Device]:
   """`count` compile-only devices of GPU `target`, DEVICES_PER_HOST to a host (a mesh over them compiles for
   that many GPUs). ConfigError naming the install where JAX's CUDA plugin is missing."""
   text = target_config(target)
-  if count < 1:
-    raise ConfigError(f'{count} GPUs asked for: compile for at least 1')
-  hosts = math.ceil(count / DEVICES_PER_HOST)
-  if count % hosts:
-    raise ConfigError(f'{count} GPUs do not fill {hosts} hosts of {DEVICES_PER_HOST}: ask for a multiple of '
-                      f'{DEVICES_PER_HOST}, or at most {DEVICES_PER_HOST}')
+  hosts = _hosts(count)
   from jax.experimental import topologies
   try:
     topology = topologies.get_topology_desc('', 'cuda', target_config=text, topology=f'1x{hosts}x{count // hosts}')

@@ -297,7 +297,7 @@ class _Head:
   weights: list[jax.Array]  # those leaves, broadcast to (G, *shape) where G > 1
   shardings: tuple[Any, ...] | None  # of the weights, None outside a mesh
   size: int  # G
-  narrow: tuple[Any, ...] = ()  # per weight, the dtype the head only ever converts it to (None: used as it is)
+  narrow: tuple[Any, ...]  # per weight, the dtype the head only ever converts it to (None: used as it is)
 
   @property
   def dtypes(self) -> list[Any]:
@@ -316,26 +316,26 @@ class _Head:
     used = tuple(i for i, v in enumerate(jaxpr.invars[:len(leaves)]) if id(v) in read)
     narrow = tuple(_only_cast_to(jaxpr, jaxpr.invars[i]) for i in used)
     constants = tuple(jax.lax.stop_gradient(l) for l in leaves)
-    mesh = active_mesh()
+    weights, shardings, size = [leaves[i] for i in used], None, 1
     spec = logical_spec(('batch',), (B,))
-    if spec is None:  # no rules: one device, or sharding left to the compiler
-      return cls(graphdef, constants, treedef, rest, used, [leaves[i] for i in used], None, 1, narrow)
-    specs = [logical_spec(variables[i].get_metadata().get('out_sharding') or (None,) * leaves[i].ndim,
-                          leaves[i].shape) for i in used]
-    taken = {a for s in specs for a in jax.tree.leaves(tuple(s))}
-    axes = []
-    for a in (jax.tree.leaves(spec[0]) if len(spec) else []):  # the leading batch axes no head weight is split over
-      if a in taken:
-        break
-      axes.append(a)
-    size = math.prod(mesh.shape[a] for a in axes)
-    if size == 1:
-      shardings = tuple(NamedSharding(mesh, s) for s in specs)
-      return cls(graphdef, constants, treedef, rest, used, [leaves[i] for i in used], shardings, 1, narrow)
-    group = tuple(axes) if len(axes) > 1 else axes[0]
-    shardings = tuple(NamedSharding(mesh, P(group, *s)) for s in specs)
-    weights = [jax.lax.with_sharding_constraint(jnp.broadcast_to(leaves[i], (size, *leaves[i].shape)), sh)
-               for i, sh in zip(used, shardings)]
+    if spec is not None:  # else no rules: one device, or sharding left to the compiler
+      mesh = active_mesh()
+      specs = [logical_spec(variables[i].get_metadata().get('out_sharding') or (None,) * leaves[i].ndim,
+                            leaves[i].shape) for i in used]
+      taken = {a for s in specs for a in jax.tree.leaves(tuple(s))}
+      axes = []
+      for a in (jax.tree.leaves(spec[0]) if len(spec) else []):  # the leading batch axes no head weight is split over
+        if a in taken:
+          break
+        axes.append(a)
+      size = math.prod(mesh.shape[a] for a in axes)
+      if size == 1:
+        shardings = tuple(NamedSharding(mesh, s) for s in specs)
+      else:
+        group = tuple(axes) if len(axes) > 1 else axes[0]
+        shardings = tuple(NamedSharding(mesh, P(group, *s)) for s in specs)
+        weights = [jax.lax.with_sharding_constraint(jnp.broadcast_to(w, (size, *w.shape)), sh)
+                   for w, sh in zip(weights, shardings)]
     return cls(graphdef, constants, treedef, rest, used, weights, shardings, size, narrow)
 
   def cast(self, weights: list[jax.Array]) -> list[jax.Array]:
