@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -152,8 +153,41 @@ def softmax_xent(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
+_logged: set[str] = set()  # the choices logged once per process
+
+
+def logsumexp_one_pass(x: jax.Array) -> jax.Array:
+  """log(sum(exp(x))) over the last axis in float32, reading x once: one reduction carries the running maximum
+  and the sum of exp(x - maximum), rescaled when the maximum grows (flash attention's online softmax).
+  jax.nn.logsumexp reads x twice, the maximum first: for GPT-2's 16k x 50k float32 logits one more 3.3 GB
+  pass, counted in the step compiled for an H100. On CPU, where XLA reduces a row sequentially, it is less
+  accurate than two passes (2e-6 relative for 50k standard-normal logits x 5, against 5e-8), so softmax_xent
+  uses it on GPUs only."""
+  x = x.astype(jnp.float32)
+
+  def combine(a, b):
+    (m1, s1), (m2, s2) = a, b
+    hi = jnp.maximum(m1, m2)
+    scale = jnp.exp(jnp.where(m1 == m2, 0.0, jnp.minimum(m1, m2) - hi))  # m1 == m2 == -inf: 1, not exp(nan)
+    return hi, jnp.where(m1 >= m2, s1 + s2 * scale, s1 * scale + s2)
+  init = (np.float32(-np.inf), np.float32(0.0))
+  hi, total = jax.lax.reduce((x, jnp.ones_like(x)), init, combine, (x.ndim - 1,))
+  return hi + jnp.log(total)
+
+
+def _logsumexp(logits: jax.Array) -> jax.Array:
+  """One pass over the logits on GPUs (`logsumexp_one_pass`), jax.nn.logsumexp's two elsewhere; decided when
+  the step is lowered for its platform."""
+  if 'loss: log-sum-exp' not in _logged:
+    _logged.add('loss: log-sum-exp')
+    logging.info('loss: log-sum-exp of the logits in one pass on GPUs (running maximum and sum), two passes '
+                 '(maximum, then sum) on other platforms')
+  return jax.lax.platform_dependent(logits, cuda=logsumexp_one_pass, rocm=logsumexp_one_pass,
+                                    default=lambda x: jax.nn.logsumexp(x, axis=-1))
+
+
 def _softmax_xent_fwd(logits, targets):
-  lse = jax.nn.logsumexp(logits, axis=-1)
+  lse = _logsumexp(logits)
   loss = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   return loss, (logits, targets, lse)
 
