@@ -177,13 +177,18 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
         g for g, label in zip(jax.tree.leaves(grads), jax.tree.leaves(trainer.labels)) if label == 'train']
     # One flag: the loss and every trained gradient finite. Otherwise the step changes nothing but the step
     # counter: params, optimizer state and model state (BatchNorm averages) stay as they were. train.py reads it.
-    leaf_finite = jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(trained)])
+    # A gradient is finite where its sum of squares is: the sums the norm (and clipping) reduce anyway, so the
+    # check reads no gradient again (separate isfinite reductions, compiled for an H100: 98 more kernels for
+    # GPT-2's 148 gradients, 194 and 2 GB more traffic for Llama 1.24B's). A finite gradient whose squares
+    # overflow float32 (an entry over ~1e19) counts as non-finite: its norm is inf, clipping by it would zero it.
+    squares = [jnp.sum(jnp.square(g)) for g in jax.tree.leaves(trained)]
+    leaf_finite = jnp.isfinite(jnp.stack(squares))
     finite = jnp.all(leaf_finite) & jnp.isfinite(metrics['loss'])
     keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     params, opt_state, model_state = keep_if_bad((params, opt_state, model_state),
                                                  (state.params, state.opt_state, state.model_state))
     first_bad = jnp.where(jnp.all(leaf_finite), -1, jnp.argmin(leaf_finite))
-    metrics = {**metrics, 'grad_norm': optax.global_norm(trained), 'lr': schedule(state.step),
+    metrics = {**metrics, 'grad_norm': jnp.sqrt(sum(squares)), 'lr': schedule(state.step),
                'nonfinite': 1.0 - finite.astype(jnp.float32), FIRST_NONFINITE: first_bad}
     return TrainState(state.step + 1, params, opt_state, model_state), metrics
   return step
