@@ -310,6 +310,10 @@ def test_logsumexp_reads_the_logits_once_on_gpus():
     return [l for l in text.splitlines() if 'stablehlo.reduce' in l and 'tensor<2x3000xf32>' in l]
   on_gpu, on_cpu = reductions_over_logits('cuda'), reductions_over_logits('cpu')
   assert len(on_gpu) == 2 and len(on_cpu) == 3, (on_gpu, on_cpu)  # (+ the argmax) vs maximum, sum (+ argmax)
+  with tasks.logsumexp_passes(1):  # forced (benchmarks/throughput.py --logsumexp)
+    assert len(reductions_over_logits('cpu')) == 2
+  with tasks.logsumexp_passes(2):
+    assert len(reductions_over_logits('cuda')) == 3
 
 
 def test_bf16_logits_keep_the_loss():
@@ -497,10 +501,11 @@ def test_wide_output_heads_run_their_backward_in_the_compute_dtype():
 @pytest.mark.slow
 def test_benchmark_smoke_with_torch_peer():
   r = subprocess.run([sys.executable, 'benchmarks/throughput.py', '--config', 'configs/gpt2.py:tiny', '--steps', '2',
-                      '--warmup', '1', '--peer', 'torch', '--peer_compile=false', '--peak_tflops', '1'],
+                      '--warmup', '1', '--peer', 'torch', '--peer_compile=false', '--peak_tflops', '1', '--logsumexp', 'one'],
                      cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert 'FLOPs/step:' in r.stdout and 'peak: 1 TFLOP/s (given)' in r.stdout
   rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith(('shardzoo', 'torch'))}
   assert set(rows) == {'shardzoo', 'torch'} and '%' in rows['shardzoo'], r.stdout
   assert 'ratio shardzoo / torch:' in r.stdout
+  assert 'loss: log-sum-exp in one pass (forced)' in r.stdout and 'in one pass (forced)' in r.stderr  # and logged

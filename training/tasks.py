@@ -15,6 +15,8 @@ never exist in full, in the forward pass or the backward.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -154,6 +156,7 @@ def softmax_xent(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 _logged: set[str] = set()  # the choices logged once per process
+_lse_passes: contextvars.ContextVar[int | None] = contextvars.ContextVar('shardzoo_logsumexp_passes', default=None)
 
 
 def logsumexp_one_pass(x: jax.Array) -> jax.Array:
@@ -175,15 +178,32 @@ def logsumexp_one_pass(x: jax.Array) -> jax.Array:
   return hi + jnp.log(total)
 
 
+@contextlib.contextmanager
+def logsumexp_passes(passes: int):
+  """Traces the cross-entropy's log-sum-exp with 1 or 2 passes over the logits on every platform, whatever
+  softmax_xent would pick (benchmarks/throughput.py --logsumexp compares the two on a GPU)."""
+  if passes not in (1, 2):
+    raise ValueError(f'logsumexp_passes({passes!r}): 1 or 2')
+  token = _lse_passes.set(passes)
+  try:
+    yield
+  finally:
+    _lse_passes.reset(token)
+
+
 def _logsumexp(logits: jax.Array) -> jax.Array:
-  """One pass over the logits on GPUs (`logsumexp_one_pass`), jax.nn.logsumexp's two elsewhere; decided when
-  the step is lowered for its platform."""
-  if 'loss: log-sum-exp' not in _logged:
-    _logged.add('loss: log-sum-exp')
-    logging.info('loss: log-sum-exp of the logits in one pass on GPUs (running maximum and sum), two passes '
-                 '(maximum, then sum) on other platforms')
-  return jax.lax.platform_dependent(logits, cuda=logsumexp_one_pass, rocm=logsumexp_one_pass,
-                                    default=lambda x: jax.nn.logsumexp(x, axis=-1))
+  """One pass over the logits on GPUs (`logsumexp_one_pass`), jax.nn.logsumexp's two elsewhere, decided when
+  the step is lowered for its platform; `logsumexp_passes` forces either."""
+  two_pass = lambda x: jax.nn.logsumexp(x, axis=-1)
+  forced = _lse_passes.get()
+  choice = ('in one pass on GPUs (running maximum and sum), two passes (maximum, then sum) on other platforms'
+            if forced is None else f'in {"one pass" if forced == 1 else "two passes"} (forced)')
+  if choice not in _logged:
+    _logged.add(choice)
+    logging.info('loss: log-sum-exp of the logits %s', choice)
+  if forced is not None:
+    return logsumexp_one_pass(logits) if forced == 1 else two_pass(logits)
+  return jax.lax.platform_dependent(logits, cuda=logsumexp_one_pass, rocm=logsumexp_one_pass, default=two_pass)
 
 
 def _softmax_xent_fwd(logits, targets):
