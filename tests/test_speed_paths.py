@@ -288,30 +288,34 @@ def test_softmax_xent_gradient_scatters_nothing():
   assert scatters(ours) == 0 < scatters(ref)
 
 
-def test_logsumexp_reads_the_logits_once_on_gpus():
-  """tasks.logsumexp_one_pass equals jax.nn.logsumexp (also on -inf, inf, nan and masked rows), and the loss
-  lowered for a GPU reduces over the logits once (maximum and sum together, beside the accuracy's argmax) where
-  the CPU lowering keeps jax.nn.logsumexp's two passes."""
+def test_logsumexp_and_argmax_read_the_logits_once_on_gpus():
+  """tasks.logsumexp_argmax_one_pass equals jax.nn.logsumexp and jnp.argmax (also on -inf, inf, nan, masked rows
+  and ties), and the loss lowered for a GPU reduces over the logits once (maximum, sum and the accuracy's argmax
+  together) where the CPU lowering keeps jax.nn.logsumexp's two passes and jnp.argmax's."""
   from training import tasks
   rng = np.random.default_rng(0)
-  x = 5 * rng.standard_normal((6, 3000)).astype(np.float32)
+  x = 5 * rng.standard_normal((7, 3000)).astype(np.float32)
   x[0], x[1, :7], x[2, 5], x[3] = -np.inf, np.inf, np.nan, -1e9
   x[4, 100:] = -1e9  # a padded vocabulary
-  got, ref = np.asarray(tasks.logsumexp_one_pass(jnp.asarray(x))), np.asarray(jax.nn.logsumexp(jnp.asarray(x), -1))
-  np.testing.assert_array_equal(got[:4], ref[:4])
+  x[6, [10, 2000]] = 40.0  # a tie: the first index wins, as jnp.argmax's
+  lse, argmax = (np.asarray(a) for a in tasks.logsumexp_argmax_one_pass(jnp.asarray(x)))
+  ref = np.asarray(jax.nn.logsumexp(jnp.asarray(x), -1))
+  np.testing.assert_array_equal(lse[:4], ref[:4])
   exact = np.log(np.exp(x[4:].astype(np.float64) - x[4:].max(-1, keepdims=True)).sum(-1)) + x[4:].max(-1)
-  np.testing.assert_allclose(got[4:], exact, rtol=2e-6)
+  np.testing.assert_allclose(lse[4:], exact, rtol=2e-6)
+  np.testing.assert_array_equal(np.delete(argmax, 2), np.delete(np.asarray(jnp.argmax(jnp.asarray(x), -1)), 2))
+  assert argmax[6] == 10
   logits = jnp.asarray(x[4:])
-  targets = jnp.asarray([3, 2999], jnp.int32)
-  np.testing.assert_allclose(tasks.softmax_xent(logits, targets), ref[4:] - x[[4, 5], [3, 2999]], rtol=1e-6)
-  loss = lambda l: tasks._softmax_xent(l, targets, None)[0].sum() + tasks._hits(l, targets).sum()
+  targets = jnp.asarray([3, 2999, 10], jnp.int32)
+  np.testing.assert_allclose(tasks.softmax_xent(logits, targets), ref[4:] - x[[4, 5, 6], [3, 2999, 10]], rtol=1e-6)
+  loss = lambda l: sum(y.sum() for y in tasks._softmax_xent(l, targets, None)[:2])  # loss and hits
   def reductions_over_logits(platform):
     text = jax.export.export(jax.jit(jax.value_and_grad(loss)), platforms=[platform])(logits).mlir_module()
-    return [l for l in text.splitlines() if 'stablehlo.reduce' in l and 'tensor<2x3000xf32>' in l]
+    return [l for l in text.splitlines() if 'stablehlo.reduce' in l and 'tensor<3x3000xf32>' in l]
   on_gpu, on_cpu = reductions_over_logits('cuda'), reductions_over_logits('cpu')
-  assert len(on_gpu) == 2 and len(on_cpu) == 3, (on_gpu, on_cpu)  # (+ the argmax) vs maximum, sum (+ argmax)
+  assert len(on_gpu) == 1 and len(on_cpu) == 3, (on_gpu, on_cpu)  # one vs maximum, sum, argmax
   with tasks.logsumexp_passes(1):  # forced (benchmarks/throughput.py --logsumexp)
-    assert len(reductions_over_logits('cpu')) == 2
+    assert len(reductions_over_logits('cpu')) == 1
   with tasks.logsumexp_passes(2):
     assert len(reductions_over_logits('cuda')) == 3
 

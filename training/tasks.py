@@ -139,49 +139,55 @@ def _metrics(loss_sum: jax.Array, correct_sum: jax.Array, weight: jax.Array, aux
 
 
 def _softmax_xent(logits: jax.Array, targets: jax.Array, mask: jax.Array):
-  return softmax_xent(logits, targets), _hits(logits, targets), mask
+  loss, argmax = _xent_and_argmax(logits, targets)
+  return loss, (argmax == targets).astype(jnp.float32), mask
 
 
-def _hits(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  return (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
-
-
-@jax.custom_vjp
 def softmax_xent(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """Softmax cross-entropy of integer targets over the last axis, as optax's, with its gradient written out:
   g (softmax - one_hot(targets)) in one elementwise pass over the logits. Autodiff of optax's scatters the
   target's gradient into a zero array of the logits' shape first: for GPT-2 (16k tokens x 50k vocabulary,
   float32) one more 6.6 GB pass over memory per step, compiled for an H100."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  return _xent_and_argmax(logits, targets)[0]
+
+
+@jax.custom_vjp
+def _xent_and_argmax(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(softmax_xent, argmax over the last axis): the accuracy's argmax comes from the loss's reduction."""
+  return _softmax_xent_fwd(logits, targets)[0]
 
 
 _logged: set[str] = set()  # the choices logged once per process
 _lse_passes: contextvars.ContextVar[int | None] = contextvars.ContextVar('shardzoo_logsumexp_passes', default=None)
 
 
-def logsumexp_one_pass(x: jax.Array) -> jax.Array:
-  """log(sum(exp(x))) over the last axis in float32, reading x once: one reduction carries the running maximum
-  and the sum of exp(x - maximum), rescaled when the maximum grows (flash attention's online softmax).
-  jax.nn.logsumexp reads x twice, the maximum first: for GPT-2's 16k x 50k float32 logits one more 3.3 GB
-  pass, counted in the step compiled for an H100. On CPU, where XLA reduces a row sequentially, it is less
-  accurate than two passes (2e-6 relative for 50k standard-normal logits x 5, against 5e-8), so softmax_xent
-  uses it on GPUs only."""
+def logsumexp_argmax_one_pass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(log(sum(exp(x))) in float32, argmax) over the last axis, reading x once: one reduction carries the running
+  maximum, the sum of exp(x - maximum), rescaled when the maximum grows (flash attention's online softmax), and
+  the maximum's first index. jax.nn.logsumexp reads x twice, the maximum first, and jnp.argmax once more: for
+  GPT-2's 16k x 50k float32 logits 3.3 GB per extra pass, counted in the step compiled for an H100 (XLA merged
+  the argmax into the sum's pass on the whole logits, not in the loss_chunks loop). On CPU, where XLA reduces a
+  row sequentially, the sum is less accurate than in two passes (2e-6 relative for 50k standard-normal logits
+  x 5, against 5e-8), so softmax_xent uses it on GPUs only."""
   x = x.astype(jnp.float32)
 
   def combine(a, b):
-    (m1, s1), (m2, s2) = a, b
+    (m1, s1, i1), (m2, s2, i2) = a, b
     hi = jnp.maximum(m1, m2)
     scale = jnp.exp(jnp.where(m1 == m2, 0.0, jnp.minimum(m1, m2) - hi))  # m1 == m2 == -inf: 1, not exp(nan)
-    return hi, jnp.where(m1 >= m2, s1 + s2 * scale, s1 * scale + s2)
-  init = (np.float32(-np.inf), np.float32(0.0))
-  hi, total = jax.lax.reduce((x, jnp.ones_like(x)), init, combine, (x.ndim - 1,))
-  return hi + jnp.log(total)
+    total = jnp.where(m1 >= m2, s1 + s2 * scale, s1 * scale + s2)
+    return hi, total, jnp.where(m1 > m2, i1, jnp.where(m2 > m1, i2, jnp.minimum(i1, i2)))  # ties: the first
+  axis = x.ndim - 1
+  index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+  init = (np.float32(-np.inf), np.float32(0.0), np.int32(np.iinfo(np.int32).max))
+  hi, total, argmax = jax.lax.reduce((x, jnp.ones_like(x), index), init, combine, (axis,))
+  return hi + jnp.log(total), argmax
 
 
 @contextlib.contextmanager
 def logsumexp_passes(passes: int):
-  """Traces the cross-entropy's log-sum-exp with 1 or 2 passes over the logits on every platform, whatever
-  softmax_xent would pick (benchmarks/throughput.py --logsumexp compares the two on a GPU)."""
+  """Traces the cross-entropy's log-sum-exp (and the accuracy's argmax) with 1 or 2 passes over the logits on
+  every platform, whatever softmax_xent would pick (benchmarks/throughput.py --logsumexp compares them on a GPU)."""
   if passes not in (1, 2):
     raise ValueError(f'logsumexp_passes({passes!r}): 1 or 2')
   token = _lse_passes.set(passes)
@@ -191,10 +197,13 @@ def logsumexp_passes(passes: int):
     _lse_passes.reset(token)
 
 
-def _logsumexp(logits: jax.Array) -> jax.Array:
-  """One pass over the logits on GPUs (`logsumexp_one_pass`), jax.nn.logsumexp's two elsewhere, decided when
-  the step is lowered for its platform; `logsumexp_passes` forces either."""
-  two_pass = lambda x: jax.nn.logsumexp(x, axis=-1)
+def _two_passes(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return jax.nn.logsumexp(x, axis=-1), jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+def _logsumexp_argmax(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One pass over the logits on GPUs (`logsumexp_argmax_one_pass`), jax.nn.logsumexp's two and jnp.argmax
+  elsewhere, decided when the step is lowered for its platform; `logsumexp_passes` forces either."""
   forced = _lse_passes.get()
   choice = ('in one pass on GPUs (running maximum and sum), two passes (maximum, then sum) on other platforms'
             if forced is None else f'in {"one pass" if forced == 1 else "two passes"} (forced)')
@@ -202,24 +211,26 @@ def _logsumexp(logits: jax.Array) -> jax.Array:
     _logged.add(choice)
     logging.info('loss: log-sum-exp of the logits %s', choice)
   if forced is not None:
-    return logsumexp_one_pass(logits) if forced == 1 else two_pass(logits)
-  return jax.lax.platform_dependent(logits, cuda=logsumexp_one_pass, rocm=logsumexp_one_pass, default=two_pass)
+    return logsumexp_argmax_one_pass(logits) if forced == 1 else _two_passes(logits)
+  return jax.lax.platform_dependent(logits, cuda=logsumexp_argmax_one_pass, rocm=logsumexp_argmax_one_pass,
+                                    default=_two_passes)
 
 
 def _softmax_xent_fwd(logits, targets):
-  lse = _logsumexp(logits)
+  lse, argmax = _logsumexp_argmax(logits)
   loss = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  return loss, (logits, targets, lse)
+  return (loss, argmax), (logits, targets, lse)
 
 
 def _softmax_xent_bwd(residuals, g):
   logits, targets, lse = residuals
+  g = g[0]  # the argmax has no gradient
   hit = jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1) == targets[..., None]
   dlogits = g[..., None] * (jnp.exp(logits - lse[..., None]) - hit)
   return dlogits.astype(logits.dtype), None
 
 
-softmax_xent.defvjp(_softmax_xent_fwd, _softmax_xent_bwd)
+_xent_and_argmax.defvjp(_softmax_xent_fwd, _softmax_xent_bwd)
 
 
 def check_loss_chunks(chunks: int, L: int) -> int:
@@ -302,11 +313,11 @@ def _fused_xent_fwd(head, weights, x_CBlD, t_CBl, w_CBl, total):
   def body(dweights, xs):
     x_BlD, t_Bl, w_Bl = xs
     logits_BlV, vjp = jax.vjp(functools.partial(_chunk_logits, head), narrow, x_BlD)
-    loss_Bl, softmax_residuals = _softmax_xent_fwd(logits_BlV, t_Bl)
-    dlogits_BlV, _ = _softmax_xent_bwd(softmax_residuals, w_Bl * scale)
+    (loss_Bl, argmax_Bl), softmax_residuals = _softmax_xent_fwd(logits_BlV, t_Bl)
+    dlogits_BlV, _ = _softmax_xent_bwd(softmax_residuals, (w_Bl * scale, None))
     dw, dx_BlD = vjp(dlogits_BlV)
     dweights = head.constrain([a + b.astype(jnp.float32) for a, b in zip(dweights, dw)])
-    return dweights, (loss_Bl * w_Bl, _hits(logits_BlV, t_Bl) * w_Bl, dx_BlD)
+    return dweights, (loss_Bl * w_Bl, (argmax_Bl == t_Bl).astype(jnp.float32) * w_Bl, dx_BlD)
   zeros = head.constrain([jnp.zeros(w.shape, jnp.float32) for w in weights])
   dweights, (loss_CBl, correct_CBl, dx_CBlD) = jax.lax.scan(body, zeros, (x_CBlD, t_CBl, w_CBl))
   return _summed((loss_CBl, correct_CBl)), (dweights, dx_CBlD, scale)
