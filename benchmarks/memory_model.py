@@ -6,9 +6,9 @@ r"""The plan search's GPU memory model (planning/residuals.py) against device me
 For each case the config (one device, every mesh axis 1) is built as train.py builds it, attention traced as on
 a GPU (models.attention.gpu_stand_in), and the residual model compiled on one CPU device (nothing allocated):
 arguments (parameters, optimizer state, batch), the kept residuals (fused: what fusion cannot recompute;
-written: with the values the forward wrote for a matmul/convolution/kernel), the largest of them in float32,
-and the estimate args + (fused + written) / 2 + largest beside the H100's peak (`benchmarks/throughput.py`,
-2026-11-23, jax 0.11.2; README "On GPUs"). The measured figures are constants here: this script cannot see a GPU.
+written: with the values the forward wrote for a matmul/convolution/kernel), the backward's largest new
+array (planning/residuals.py), and the estimate args + (fused + written) / 2 + largest beside the H100's peak
+(`benchmarks/throughput.py`, 2026-11-23, jax 0.11.2; README "On GPUs"). The measured figures are constants here: this script cannot see a GPU.
 They were measured before the MLPs kept only their pre-activations and the softmax cross-entropy got its own
 gradient (both later that day), which lowered GPT-2's and ViT's peaks. So where JAX's CUDA plugin is installed
 (training/targets.py) each case is also compiled for one H100, the current step's own peak (exact to ~1% against
@@ -59,7 +59,7 @@ def main(argv) -> None:
   from training import profiling, targets
   GiB = 2**30
   h100 = targets.gpu_devices('h100_sxm', 1) if targets.plugin_installed() else None
-  rows = [('case', 'args', 'fused', 'written', 'largest f32', 'estimate (range)', 'H100 peak', 'error')
+  rows = [('case', 'args', 'fused', 'written', 'largest', 'estimate (range)', 'H100 peak', 'error')
           + (('compiled for H100 now', 'error') if h100 else ()) + ('s',)]
   for name in FLAGS.cases:
     path, overrides, measured = CASES[name]

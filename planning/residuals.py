@@ -19,16 +19,19 @@ remat policies choose. So:
    its operands from memory, so the forward wrote it) is kept too when the backward needs it, since XLA
    reuses a written buffer rather than recompute it: `written` adds those (a LayerNorm's output, a bf16 copy
    of a weight). The truth lies between, depending on what the target's compiler fuses into its GEMMs.
-3. `largest`: the largest kept value once more, in float32: the backward's working set at its peak (for a
-   language model, the float32 gradient of the logits, made while the logits are still held).
+3. `largest`: the backward's largest new array beside the kept values: the gradient of the largest kept value
+   wider than the compute dtype (the narrowest float kept), in the compute dtype (a language model's float32
+   logits: the head's backward runs in bf16), and nothing for a kept value already in the compute dtype (bf16
+   logits: the compiled programs write the gradient over them).
 4. Bytes per device: a function returning exactly those values is compiled on the plan's mesh (XLA's sharding
    propagation, as for the step itself; nothing runs) and each output's shard shape read.
 
 Device memory of a step ~ its arguments (parameters, optimizer state, batch) + (fused + written) / 2 + largest.
-Against the peaks measured on one H100 on 2026-11-23 (benchmarks/memory_model.py prints the table: the
-configs' defaults at the benchmark batches) the error was -24%..+20%, the median 1%: GPT-2 16/32/64 x 1024
-+1/+3/+2%, Llama 1.24B remat dots 0% (bf16 logits 0%), remat none +20%, ViT-B/16 -24%, ResNet-50 +8%. The
-CPU compile's figures were +100% to +240%. It ranks remat policies as the H100 did (Llama: none above dots).
+Against the current step compiled for one H100 (benchmarks/memory_model.py prints the table where JAX's CUDA
+plugin is installed: the configs' defaults at the benchmark batches, 2026-11-23) the error is -8%..+20%, the
+median +7%: GPT-2 16/32/64 x 1024 +7/+8/+9% (bf16 logits +10%), Llama 1.24B remat dots 0% (bf16 logits 0%),
+remat none +20%, ViT-B/16 -8%, ResNet-50 -2%. The CPU compile's figures were +100% to +240%. It ranks remat
+policies as the compiled programs do (Llama: none above dots).
 
 This module imports no model: it works on a training.Trainer.
 """
@@ -41,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
@@ -64,7 +68,7 @@ READS_MEMORY = frozenset(('dot_general', 'conv_general_dilated', 'custom_vjp_cal
 class Estimate:
   fused: float  # bytes per device of what the backward needs that fusion cannot recompute
   written: float  # fused + what the forward wrote to memory for a matmul/convolution/kernel and the backward reads
-  largest: float  # the largest kept value, in float32 bytes per device (the backward's working set)
+  largest: float  # bytes per device of the backward's largest new array beside the kept values (see `from_compiled`)
 
   @property
   def kept(self) -> float:
@@ -122,10 +126,12 @@ def from_compiled(compiled: Any, num_fused: int) -> Estimate:
   sizes = []
   for aval, sharding in zip(jax.tree.leaves(compiled.out_info), compiled.output_shardings):
     shape = sharding.shard_shape(aval.shape)
-    sizes.append((math.prod(shape), np.dtype(aval.dtype).itemsize))
-  fused = float(sum(n * b for n, b in sizes[:num_fused]))
-  written = fused + float(sum(n * b for n, b in sizes[num_fused:]))
-  largest = float(max((n * 4 for n, _ in sizes), default=0))
+    dtype = np.dtype(aval.dtype)
+    sizes.append((math.prod(shape), dtype.itemsize, jnp.issubdtype(dtype, jnp.floating)))
+  fused = float(sum(n * b for n, b, _ in sizes[:num_fused]))
+  written = fused + float(sum(n * b for n, b, _ in sizes[num_fused:]))
+  narrow = min((b for _, b, f in sizes if f), default=4)  # the compute dtype's bytes
+  largest = float(max((n * narrow for n, b, f in sizes if f and b > narrow), default=0))
   return Estimate(fused, written, largest)
 
 

@@ -325,12 +325,14 @@ def _llama_kept(remat, mesh_shape, batch=16, **model):
 
 def test_residual_model_sees_remat_and_sharding():
   """What the CPU compile cannot show: remat policies keep less in that order, per device under FSDP an
-  eighth, and the working set is the float32 logits (16 x 64 x 512 x 4 bytes on one device)."""
+  eighth, and the working set is the float32 logits' gradient in bf16 (16 x 64 x 512 x 2 bytes on one device);
+  bf16 logits get theirs written over them."""
   one = (('data', 1), ('fsdp', 1), ('tensor', 1))
   est = {r: _llama_kept(r, one) for r in ('none', 'dots', 'full')}
   assert est['none'].fused > est['dots'].fused > est['full'].fused > 0
   assert est['none'].written > est['dots'].written > est['full'].written
-  assert est['none'].largest == 16 * 64 * 512 * 4
+  assert est['none'].largest == 16 * 64 * 512 * 2
+  assert _llama_kept('dots', one, logits_dtype='bfloat16').largest < 16 * 64 * 512 * 2 / 4  # no logits-sized array
   fsdp = _llama_kept('dots', (('data', 1), ('fsdp', 8), ('tensor', 1)))
   assert fsdp.kept == pytest.approx(est['dots'].kept / 8, rel=0.05)
   assert fsdp.largest == est['dots'].largest / 8
