@@ -123,7 +123,7 @@ def main(argv) -> None:
   trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
   phase('build')
   with (contextlib.nullcontext() if FLAGS.logsumexp == 'auto' else
-        training.tasks.logsumexp_passes(1 if FLAGS.logsumexp == 'one' else 2)):
+        training.xent.logsumexp_passes(1 if FLAGS.logsumexp == 'one' else 2)):
     step = training.compile_step(trainer, training.jit_train_step(trainer))
   phase('compile step')
   compile_s = phases['compile step']

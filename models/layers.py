@@ -575,5 +575,5 @@ def padded_vocab(cfg: Any) -> int:
 
 def loss_chunks(cfg: Any) -> int:
   """config.model.loss_chunks of a language model: the LM loss computed in that many chunks along the length,
-  each chunk's logits recomputed in the backward pass (training/tasks.py); 0 or 1: the whole (B, L, V) at once."""
+  each chunk's gradients made as it is scored (training/xent.py); 0 or 1: the whole (B, L, V) at once."""
   return int(cfg.get('loss_chunks', 0) or 0)

@@ -1,5 +1,5 @@
 """config.model.loss_chunks: a language model's head, float32 softmax cross-entropy and argmax accuracy computed
-chunk by chunk along the length (training/tasks.chunked_softmax_xent), each chunk's gradients made as it is
+chunk by chunk along the length (training/xent.chunked_softmax_xent), each chunk's gradients made as it is
 scored. Against the whole-logits path: equal loss, accuracy, MoE aux losses and gradients (1 device, and
 sharded over batch, length and vocab on 8 devices), no (B, L, V) array in the chunked program, the same matmul
 FLOPs (nothing recomputed), and compiled temporaries smaller by more than the logits' size; a chunk count the
@@ -169,7 +169,7 @@ def test_chunk_loop_converts_the_head_table_once(name, monkeypatch):
   assert not in_loop, in_loop
   concrete = jax.tree.map(lambda a: jnp.asarray(np.random.default_rng(0).normal(0, 0.02, a.shape), a.dtype), params)
   ours = jax.jit(step)(concrete)
-  monkeypatch.setattr(training.tasks, '_only_cast_to', lambda jaxpr, var: None)  # converted inside the loop
+  monkeypatch.setattr(training.xent, '_only_cast_to', lambda jaxpr, var: None)  # converted inside the loop
   inside = jax.jit(step)(concrete)
   jax.tree.map(np.testing.assert_array_equal, ours, inside)
 

@@ -271,16 +271,16 @@ def test_compiling_for_a_gpu_without_one():
 
 
 def test_softmax_xent_gradient_scatters_nothing():
-  """tasks.softmax_xent: loss and gradient equal optax's in float32, and the gradient program has no scatter
+  """xent.softmax_xent: loss and gradient equal optax's in float32, and the gradient program has no scatter
   (autodiff of optax's scatters the targets' gradient into a zero array of the logits' shape: an extra pass
   over the largest activation of a language model)."""
   import optax
-  from training import tasks
+  from training import xent
   rng = np.random.default_rng(0)
   logits = jnp.asarray(3 * rng.standard_normal((4, 6, 40)), jnp.float32)
   targets = jnp.asarray(rng.integers(0, 40, (4, 6)), jnp.int32)
   w = jnp.asarray(rng.random((4, 6)), jnp.float32)
-  ours = lambda l: (tasks.softmax_xent(l, targets) * w).sum()
+  ours = lambda l: (xent.softmax_xent(l, targets) * w).sum()
   ref = lambda l: (optax.softmax_cross_entropy_with_integer_labels(l, targets) * w).sum()
   np.testing.assert_allclose(ours(logits), ref(logits), rtol=1e-6)
   np.testing.assert_allclose(jax.grad(ours)(logits), jax.grad(ref)(logits), rtol=1e-5, atol=1e-7)
@@ -289,16 +289,16 @@ def test_softmax_xent_gradient_scatters_nothing():
 
 
 def test_logsumexp_and_argmax_read_the_logits_once_on_gpus():
-  """tasks.logsumexp_argmax_one_pass equals jax.nn.logsumexp and jnp.argmax (also on -inf, inf, nan, masked rows
+  """xent.logsumexp_argmax_one_pass equals jax.nn.logsumexp and jnp.argmax (also on -inf, inf, nan, masked rows
   and ties), and the loss lowered for a GPU reduces over the logits once (maximum, sum and the accuracy's argmax
   together) where the CPU lowering keeps jax.nn.logsumexp's two passes and jnp.argmax's."""
-  from training import tasks
+  from training import xent
   rng = np.random.default_rng(0)
   x = 5 * rng.standard_normal((7, 3000)).astype(np.float32)
   x[0], x[1, :7], x[2, 5], x[3] = -np.inf, np.inf, np.nan, -1e9
   x[4, 100:] = -1e9  # a padded vocabulary
   x[6, [10, 2000]] = 40.0  # a tie: the first index wins, as jnp.argmax's
-  lse, argmax = (np.asarray(a) for a in tasks.logsumexp_argmax_one_pass(jnp.asarray(x)))
+  lse, argmax = (np.asarray(a) for a in xent.logsumexp_argmax_one_pass(jnp.asarray(x)))
   ref = np.asarray(jax.nn.logsumexp(jnp.asarray(x), -1))
   np.testing.assert_array_equal(lse[:4], ref[:4])
   exact = np.log(np.exp(x[4:].astype(np.float64) - x[4:].max(-1, keepdims=True)).sum(-1)) + x[4:].max(-1)
@@ -307,16 +307,16 @@ def test_logsumexp_and_argmax_read_the_logits_once_on_gpus():
   assert argmax[6] == 10
   logits = jnp.asarray(x[4:])
   targets = jnp.asarray([3, 2999, 10], jnp.int32)
-  np.testing.assert_allclose(tasks.softmax_xent(logits, targets), ref[4:] - x[[4, 5, 6], [3, 2999, 10]], rtol=1e-6)
-  loss = lambda l: sum(y.sum() for y in tasks._softmax_xent(l, targets, None)[:2])  # loss and hits
+  np.testing.assert_allclose(xent.softmax_xent(logits, targets), ref[4:] - x[[4, 5, 6], [3, 2999, 10]], rtol=1e-6)
+  loss = lambda l: sum(y.sum() for y in xent.loss_and_hits(l, targets, None)[:2])  # loss and hits
   def reductions_over_logits(platform):
     text = jax.export.export(jax.jit(jax.value_and_grad(loss)), platforms=[platform])(logits).mlir_module()
     return [l for l in text.splitlines() if 'stablehlo.reduce' in l and 'tensor<3x3000xf32>' in l]
   on_gpu, on_cpu = reductions_over_logits('cuda'), reductions_over_logits('cpu')
   assert len(on_gpu) == 1 and len(on_cpu) == 3, (on_gpu, on_cpu)  # one vs maximum, sum, argmax
-  with tasks.logsumexp_passes(1):  # forced (benchmarks/throughput.py --logsumexp)
+  with xent.logsumexp_passes(1):  # forced (benchmarks/throughput.py --logsumexp)
     assert len(reductions_over_logits('cpu')) == 1
-  with tasks.logsumexp_passes(2):
+  with xent.logsumexp_passes(2):
     assert len(reductions_over_logits('cuda')) == 3
 
 
