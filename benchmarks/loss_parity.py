@@ -4,6 +4,8 @@ r"""Loss parity of the fast paths: N train steps of a config as it is and with i
   python benchmarks/loss_parity.py --config configs/resnet.py --config.batch_size=64 \
       --reference model.scan_layers=True,model.bn_fast_variance=False
   python benchmarks/loss_parity.py --config configs/gpt2.py:tiny --steps 5            # CPU smoke test
+  python benchmarks/loss_parity.py --config configs/gpt2.py --config.batch_size=16 --reference= \
+      --reference_logsumexp two                 # on a GPU: the one-pass log-sum-exp against two passes
 
 Both runs start from the same initial state (unrolled and scanned stacks initialise identically) and see
 the same synthetic batches (the task's, one seed per step). The reference defaults to the previous path:
@@ -12,6 +14,7 @@ curves' largest difference relative to the reference loss, and where it happened
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -24,7 +27,7 @@ from ml_collections import config_flags  # noqa: E402
 
 import partitioning  # noqa: E402
 import training  # noqa: E402
-from training import profiling  # noqa: E402
+from training import profiling, xent  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/gpt2.py[:preset].', lock_config=True)
@@ -33,6 +36,13 @@ flags.DEFINE_string('reference', 'model.attention=xla,model.scan_layers=True,mod
                     'model.logits_dtype=float32,model.bn_fast_variance=False,model.bn_fused=False',
                     'Comma-separated key=value overrides that make the reference run (keys the config lacks '
                     'are skipped).')
+flags.DEFINE_enum('logsumexp', 'auto', ['auto', 'one', 'two'], "The loss's log-sum-exp in this run: auto (one "
+                  'pass over the logits on GPUs, two elsewhere), or one / two passes on any device.')
+flags.DEFINE_enum('reference_logsumexp', 'auto', ['auto', 'one', 'two'], 'The same for the reference run.')
+
+
+def _passes(choice: str):
+  return contextlib.nullcontext() if choice == 'auto' else xent.logsumexp_passes(1 if choice == 'one' else 2)
 
 
 def main(argv) -> None:
@@ -47,14 +57,18 @@ def main(argv) -> None:
   reference = config.copy_and_resolve_references()
   changes = profiling.config_overrides(reference, FLAGS.reference)
   reference.update_from_flattened_dict(changes)
-  ours = profiling.train_losses(config, mesh, batches)
-  ref = profiling.train_losses(reference, mesh, batches)
+  with _passes(FLAGS.logsumexp):
+    ours = profiling.train_losses(config, mesh, batches)
+  with _passes(FLAGS.reference_logsumexp):
+    ref = profiling.train_losses(reference, mesh, batches)
   rel = np.abs(ours - ref) / np.abs(ref)
   worst = int(np.argmax(rel))
   m = config.model
   print(f'\n{m.name}, batch {config.batch_size}, {FLAGS.steps} steps on {jax.device_count()} '
         f'{jax.devices()[0].device_kind}; dtype {m.get("dtype", "float32")}')
-  print('reference: ' + ', '.join(f'{k}={v}' for k, v in changes.items()))
+  print('reference: ' + ', '.join([f'{k}={v}' for k, v in changes.items()] + (
+      [f'log-sum-exp {FLAGS.reference_logsumexp} vs {FLAGS.logsumexp}'] if FLAGS.logsumexp != FLAGS.reference_logsumexp
+      else [])))
   print(f'loss: step 1 {ours[0]:.5f} vs {ref[0]:.5f}; step {FLAGS.steps} {ours[-1]:.5f} vs {ref[-1]:.5f}')
   print(f'largest relative difference: {rel[worst]:.2e} at step {worst + 1}; median {np.median(rel):.2e}')
 
