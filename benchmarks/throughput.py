@@ -200,6 +200,9 @@ def main(argv) -> None:
     print('by kind:')
     for kind, ms, count in profiling.op_kinds(ops):
       print(f'  {ms / 3:9.2f} ms/step  x{count / 3:<5g} {kind}')
+    t = ours['device_time'] = profiling.device_time(FLAGS.profile)
+    print(f'device busy {t["busy"] / 3:.2f} of {t["span"] / 3:.2f} ms/step (idle {t["idle"] / 3:.2f}: gaps between '
+          f'ops, host work); {t["ops"] / 3:g} ops/step, {t["short"] / 3:g} shorter than 5 us ({t["short_ms"] / 3:.2f} ms)')
   if FLAGS.out:
     with open(FLAGS.out, 'w') as f:
       json.dump(dict(config=config.to_json(), ours=ours, peer=peer, flops=vars(step_flops),

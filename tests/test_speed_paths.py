@@ -395,6 +395,24 @@ def test_train_reports_mfu_and_captures_a_profile(tmp_path, capsys):
   assert f'profile of steps 2-3 in {tmp_path}' in out
   assert glob.glob(str(tmp_path / '**' / '*perfetto_trace.json.gz'), recursive=True)
   assert 'attention: xla (causal, float32, L=16, head_dim 16): cpu backend' in out
+  t = profiling.device_time(str(tmp_path))
+  assert t['ops'] > 0 and 0 < t['busy'] <= t['span'] and profiling.top_ops(str(tmp_path))
+
+
+def test_device_time_merges_streams_and_counts_short_ops(tmp_path):
+  """profiling.device_time on a made-up trace: two GPU streams overlap (busy counts their union), a host event
+  is left out, and 3 us ops count as short."""
+  import gzip
+  import json
+  meta = lambda pid, name: {'ph': 'M', 'name': 'process_name', 'pid': pid, 'args': {'name': name}}
+  op = lambda pid, ts, dur, name='k': {'ph': 'X', 'pid': pid, 'ts': ts, 'dur': dur, 'name': name}
+  events = [meta(1, '/device:GPU:0 stream 7'), meta(2, '/device:GPU:0 stream 9'), meta(3, '/host:CPU'),
+            op(1, 0, 100), op(2, 50, 100), op(1, 200, 3), op(1, 210, 3, 'small'), op(3, 0, 1000), op(2, 300, 50)]
+  with gzip.open(tmp_path / 'x.perfetto_trace.json.gz', 'wt') as f:
+    json.dump({'traceEvents': events}, f)
+  t = profiling.device_time(str(tmp_path))
+  assert t == dict(span=0.35, busy=0.206, idle=0.144, ops=5, short=2, short_ms=0.006), t
+  assert profiling.top_ops(str(tmp_path), k=1) == [('k', 0.253, 4)]
 
 
 def test_loss_parity_fp32_on_cpu():

@@ -74,9 +74,9 @@ class StepProfiler:
       self.active = False
 
 
-def top_ops(logdir: str, k: int | None = 15) -> list[tuple[str, float, int]]:
-  """(name, total ms, count) of the k (None: all) costliest device ops in the newest perfetto trace under
-  `logdir` (device streams only when the trace has them, e.g. GPU kernels; every op otherwise)."""
+def _device_events(logdir: str) -> list[dict]:
+  """The complete ('X') events of device ops in the newest perfetto trace under `logdir` (device streams only
+  when the trace has them, e.g. GPU kernels; every op otherwise)."""
   files = sorted(glob.glob(os.path.join(logdir, '**', '*perfetto_trace.json.gz'), recursive=True),
                  key=os.path.getmtime)
   if not files:
@@ -87,14 +87,38 @@ def top_ops(logdir: str, k: int | None = 15) -> list[tuple[str, float, int]]:
   names = {e['pid']: e.get('args', {}).get('name', '') for e in events
            if e.get('ph') == 'M' and e.get('name') == 'process_name'}
   device_pids = {pid for pid, name in names.items() if '/device:' in name and 'CPU' not in name.upper()}
+  return [e for e in events if e.get('ph') == 'X' and (not device_pids or e.get('pid') in device_pids)]
+
+
+def top_ops(logdir: str, k: int | None = 15) -> list[tuple[str, float, int]]:
+  """(name, total ms, count) of the k (None: all) costliest device ops in the newest perfetto trace under
+  `logdir` (device streams only when the trace has them, e.g. GPU kernels; every op otherwise)."""
   totals: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-  for e in events:
-    if e.get('ph') == 'X' and (not device_pids or e.get('pid') in device_pids):
-      t = totals[e.get('name', '?')]
-      t[0] += e.get('dur', 0) / 1e3
-      t[1] += 1
+  for e in _device_events(logdir):
+    t = totals[e.get('name', '?')]
+    t[0] += e.get('dur', 0) / 1e3
+    t[1] += 1
   ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:k]
   return [(name, ms, int(n)) for name, (ms, n) in ranked]
+
+
+def device_time(logdir: str, short_us: float = 5.0) -> dict[str, float]:
+  """Where a profile's device time went, in ms over the whole trace: `span` (first op's start to last op's end),
+  `busy` (the union of the ops' intervals over every stream, so overlapping streams count once), `idle` (span -
+  busy: gaps between kernels, host work, launches), and `ops` / `short` / `short_ms`: how many ops ran, how many
+  were shorter than `short_us` and their time. Many short ops with much idle time between them point at launch
+  overhead rather than at the kernels."""
+  spans = sorted((e.get('ts', 0.0), e.get('ts', 0.0) + e.get('dur', 0.0)) for e in _device_events(logdir))
+  busy, end = 0.0, None
+  for start, stop in spans:
+    if end is None or start > end:
+      busy, end = busy + stop - start, stop
+    elif stop > end:
+      busy, end = busy + stop - end, stop
+  span = (max(b for _, b in spans) - spans[0][0]) if spans else 0.0
+  short = [b - a for a, b in spans if b - a < short_us]
+  return dict(span=span / 1e3, busy=busy / 1e3, idle=(span - busy) / 1e3, ops=len(spans), short=len(short),
+              short_ms=sum(short) / 1e3)
 
 
 OP_KINDS = (  # (kind, name fragments), first match wins; names as GPU traces show kernels
