@@ -14,7 +14,6 @@ curves' largest difference relative to the reference loss, and where it happened
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
@@ -36,13 +35,9 @@ flags.DEFINE_string('reference', 'model.attention=xla,model.scan_layers=True,mod
                     'model.logits_dtype=float32,model.bn_fast_variance=False,model.bn_fused=False',
                     'Comma-separated key=value overrides that make the reference run (keys the config lacks '
                     'are skipped).')
-flags.DEFINE_enum('logsumexp', 'auto', ['auto', 'one', 'two'], "The loss's log-sum-exp in this run: auto (one "
-                  'pass over the logits on GPUs, two elsewhere), or one / two passes on any device.')
-flags.DEFINE_enum('reference_logsumexp', 'auto', ['auto', 'one', 'two'], 'The same for the reference run.')
-
-
-def _passes(choice: str):
-  return contextlib.nullcontext() if choice == 'auto' else xent.logsumexp_passes(1 if choice == 'one' else 2)
+flags.DEFINE_enum('logsumexp', 'auto', xent.LOGSUMEXP_CHOICES, "The loss's log-sum-exp in this run: auto "
+                  '(one pass over the logits on GPUs, two elsewhere), or one / two passes on any device.')
+flags.DEFINE_enum('reference_logsumexp', 'auto', xent.LOGSUMEXP_CHOICES, 'The same for the reference run.')
 
 
 def main(argv) -> None:
@@ -57,9 +52,9 @@ def main(argv) -> None:
   reference = config.copy_and_resolve_references()
   changes = profiling.config_overrides(reference, FLAGS.reference)
   reference.update_from_flattened_dict(changes)
-  with _passes(FLAGS.logsumexp):
+  with xent.logsumexp_passes(FLAGS.logsumexp):
     ours = profiling.train_losses(config, mesh, batches)
-  with _passes(FLAGS.reference_logsumexp):
+  with xent.logsumexp_passes(FLAGS.reference_logsumexp):
     ref = profiling.train_losses(reference, mesh, batches)
   rel = np.abs(ours - ref) / np.abs(ref)
   worst = int(np.argmax(rel))

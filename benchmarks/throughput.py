@@ -19,7 +19,6 @@ before JAX takes the GPU, and prints the ratio; where torch is missing it says s
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
@@ -50,8 +49,8 @@ flags.DEFINE_bool('peer_compile', True, 'torch.compile the peer (off: eager, for
 flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s per device for MFU (default: from the device kind).')
 flags.DEFINE_string('profile', None, 'Capture a profile of 3 steps into this directory and list the top ops.')
 flags.DEFINE_string('out', None, 'Also write the results as JSON here.')
-flags.DEFINE_enum('logsumexp', 'auto', ['auto', 'one', 'two'], "The loss's log-sum-exp: auto (one pass over the "
-                  'logits on GPUs, two elsewhere), or one / two passes on any device.')
+flags.DEFINE_enum('logsumexp', 'auto', training.xent.LOGSUMEXP_CHOICES, "The loss's log-sum-exp: auto (one pass over "
+                  'the logits on GPUs, two elsewhere), or one / two passes on any device.')
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'torch_peer.py')
 
 
@@ -122,8 +121,7 @@ def main(argv) -> None:
     phases[name], t0 = time.perf_counter() - t0, time.perf_counter()
   trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
   phase('build')
-  with (contextlib.nullcontext() if FLAGS.logsumexp == 'auto' else
-        training.xent.logsumexp_passes(1 if FLAGS.logsumexp == 'one' else 2)):
+  with training.xent.logsumexp_passes(FLAGS.logsumexp):
     step = training.compile_step(trainer, training.jit_train_step(trainer))
   phase('compile step')
   compile_s = phases['compile step']
@@ -161,8 +159,7 @@ def main(argv) -> None:
   for d in attention.decisions():
     print(f'attention: {d}')
   if task.unit == 'tokens' or FLAGS.logsumexp != 'auto':
-    print('loss: log-sum-exp ' + {'auto': 'in one pass on GPUs, two elsewhere', 'one': 'in one pass (forced)',
-                                  'two': 'in two passes (forced)'}[FLAGS.logsumexp])
+    print('loss: log-sum-exp ' + training.xent.LOGSUMEXP_SAID[FLAGS.logsumexp])
   print('seconds: ' + ', '.join(f'{k} {v:.1f}' for k, v in phases.items()))
   print(f'FLOPs/step: {step_flops.causal / 1e12:.3f} T causal-correct, {step_flops.palm / 1e12:.3f} T PaLM count; '
         f'peak: {peak_from}')
@@ -202,7 +199,8 @@ def main(argv) -> None:
       print(f'  {ms / 3:9.2f} ms/step  x{count / 3:<5g} {kind}')
     t = ours['device_time'] = profiling.device_time(FLAGS.profile)
     print(f'device busy {t["busy"] / 3:.2f} of {t["span"] / 3:.2f} ms/step (idle {t["idle"] / 3:.2f}: gaps between '
-          f'ops, host work); {t["ops"] / 3:g} ops/step, {t["short"] / 3:g} shorter than 5 us ({t["short_ms"] / 3:.2f} ms)')
+          f'ops, host work); {t["ops"] / 3:g} ops/step, {t["short"] / 3:g} shorter than 5 us '
+          f'({t["short_ms"] / 3:.2f} ms)')
   if FLAGS.out:
     with open(FLAGS.out, 'w') as f:
       json.dump(dict(config=config.to_json(), ours=ours, peer=peer, flops=vars(step_flops),

@@ -43,7 +43,7 @@ def _xent_and_argmax(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, 
 
 
 _logged: set[str] = set()  # the choices logged once per process
-_lse_passes: contextvars.ContextVar[int | None] = contextvars.ContextVar('shardzoo_logsumexp_passes', default=None)
+_lse_passes: contextvars.ContextVar[str] = contextvars.ContextVar('shardzoo_logsumexp_passes', default='auto')
 
 
 def logsumexp_argmax_one_pass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -69,13 +69,19 @@ def logsumexp_argmax_one_pass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return hi + jnp.log(total), argmax
 
 
+LOGSUMEXP_CHOICES = ('auto', 'one', 'two')
+LOGSUMEXP_SAID = {'auto': 'in one pass on GPUs (running maximum and sum), two passes (maximum, then sum) on other '
+                          'platforms', 'one': 'in one pass (forced)', 'two': 'in two passes (forced)'}  # logged
+
+
 @contextlib.contextmanager
-def logsumexp_passes(passes: int):
-  """Traces the cross-entropy's log-sum-exp (and the accuracy's argmax) with 1 or 2 passes over the logits on
-  every platform, whatever softmax_xent would pick (benchmarks/throughput.py --logsumexp compares them on a GPU)."""
-  if passes not in (1, 2):
-    raise ValueError(f'logsumexp_passes({passes!r}): 1 or 2')
-  token = _lse_passes.set(passes)
+def logsumexp_passes(choice: str):
+  """Traces the cross-entropy's log-sum-exp (and the accuracy's argmax) with 'one' or 'two' passes over the
+  logits on every platform, whatever softmax_xent would pick; 'auto' leaves the choice to it (the benchmarks'
+  --logsumexp flag: throughput.py and loss_parity.py compare them on a GPU)."""
+  if choice not in LOGSUMEXP_CHOICES:
+    raise ValueError(f'logsumexp_passes({choice!r}): one of {LOGSUMEXP_CHOICES}')
+  token = _lse_passes.set(choice)
   try:
     yield
   finally:
@@ -90,13 +96,12 @@ def _logsumexp_argmax(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
   """One pass over the logits on GPUs (`logsumexp_argmax_one_pass`), jax.nn.logsumexp's two and jnp.argmax
   elsewhere, decided when the step is lowered for its platform; `logsumexp_passes` forces either."""
   forced = _lse_passes.get()
-  choice = ('in one pass on GPUs (running maximum and sum), two passes (maximum, then sum) on other platforms'
-            if forced is None else f'in {"one pass" if forced == 1 else "two passes"} (forced)')
-  if choice not in _logged:
-    _logged.add(choice)
-    logging.info('loss: log-sum-exp of the logits %s', choice)
-  if forced is not None:
-    return logsumexp_argmax_one_pass(logits) if forced == 1 else _two_passes(logits)
+  said = LOGSUMEXP_SAID[forced]
+  if said not in _logged:
+    _logged.add(said)
+    logging.info('loss: log-sum-exp of the logits %s', said)
+  if forced != 'auto':
+    return logsumexp_argmax_one_pass(logits) if forced == 'one' else _two_passes(logits)
   return jax.lax.platform_dependent(logits, cuda=logsumexp_argmax_one_pass, rocm=logsumexp_argmax_one_pass,
                                     default=_two_passes)
 
