@@ -12,7 +12,6 @@ imported by renaming (HF Linear weights are (out, in); ours are (in, ...) with h
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -22,12 +21,12 @@ from flax import nnx
 
 from errors import ConfigError
 from models import hf_import as hf
-from models.layers import MLP, Attention, Dense, Embed, LayerNorm, Stack, axes, dtypes, padded_vocab, stack_options
+from models.layers import (
+    MLP, Attention, Dense, Embed, LayerNorm, Stack, axes, dtypes, gelu_erf, padded_vocab, stack_options)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
 HEADS = ('mlm', 'classify')
-gelu = functools.partial(jax.nn.gelu, approximate=False)  # BERT's exact erf GELU
 
 
 class Block(nnx.Module):
@@ -38,7 +37,7 @@ class Block(nnx.Module):
     D = cfg.embed_dim
     self.attention = Attention(D, cfg.num_heads, impl=cfg.get('attention', 'auto'), **kw)
     self.attention_ln = LayerNorm(D, eps=cfg.norm_eps, **kw)
-    self.mlp = MLP(D, cfg.mlp_dim, activation=gelu, **kw)
+    self.mlp = MLP(D, cfg.mlp_dim, activation=gelu_erf, **kw)  # BERT's exact erf GELU
     self.output_ln = LayerNorm(D, eps=cfg.norm_eps, **kw)
 
   def __call__(self, x_BLD: jax.Array, valid_BL: jax.Array | None) -> jax.Array:
@@ -90,7 +89,7 @@ class Bert(nnx.Module):
     x_BLD = shard_logical(self.embeddings_ln(x_BLD), ACT)
     x_BLD, _ = self.encoder(x_BLD, valid_BL)
     if self.head == 'mlm':
-      h_BLD = self.transform_ln(gelu(self.transform(x_BLD)))
+      h_BLD = self.transform_ln(gelu_erf(self.transform(x_BLD)))
       logits_BLV = self.word_embeddings.attend(h_BLD) + self.decoder_bias[...].astype(jnp.float32)
       return shard_logical(logits_BLV, ('batch', 'length', 'vocab'))
     pooled_BD = jnp.tanh(self.pooler(x_BLD[:, 0]))  # the [CLS] position

@@ -15,7 +15,8 @@ from flax import nnx
 from errors import ConfigError
 from models import hf_import as hf
 from models.layers import (
-    MLP, Attention, Embed, LayerNorm, Stack, axes, dtypes, logits_dtype, loss_chunks, padded_vocab, stack_options)
+    MLP, Attention, Embed, LayerNorm, Stack, axes, dtypes, gelu_tanh, logits_dtype, loss_chunks, padded_vocab,
+    stack_options)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -29,8 +30,8 @@ class Block(nnx.Module):
     self.attn = Attention(cfg.embed_dim, cfg.num_heads, out_init_scale=scale, impl=cfg.get('attention', 'auto'),
                           **kw)
     self.ln2 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
-    # HF's "gelu_new" is the tanh approximation, jax.nn.gelu's default.
-    self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=jax.nn.gelu, out_init_scale=scale, **kw)
+    # HF's "gelu_new" is the tanh approximation.
+    self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=gelu_tanh, out_init_scale=scale, **kw)
 
   def __call__(self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None) -> jax.Array:
     h_BLD = self.attn(self.ln1(x_BLD), causal=True, segment_ids_BL=segment_ids_BL)

@@ -5,6 +5,7 @@ Shape suffixes: B batch, L length, D embed, H heads, K head dim (kv), F mlp, V v
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -407,6 +408,52 @@ def activation_then(down: Callable[..., jax.Array], *pre: jax.Array) -> jax.Arra
   6.9 of 23.2 GiB on an H100); for SwiGLU, silu(gate) and the product beside gate and up. The second matmul is
   not recomputed (its output is not needed for the gradients), so this costs elementwise work only."""
   return jax.checkpoint(down, policy=jax.checkpoint_policies.nothing_saveable)(*pre)
+
+
+def with_derivative(f: Callable[[jax.Array], jax.Array], df: Callable[[jax.Array], jax.Array],
+                    name: str) -> Callable[[jax.Array], jax.Array]:
+  """The elementwise `f` whose backward keeps only its input x and returns cotangent * df(x), with df written
+  out as one expression, evaluated in at least float32 and cast back to x's dtype.
+
+  What autodiff makes of jax.nn.gelu's derivative shares subexpressions (tanh(...) for the tanh form; erf and
+  exp for the exact one) with the forward that `activation_then` recomputes in the backward, and XLA's GPU
+  fusion writes those shared arrays out rather than compute them twice: per GPT-2 layer at 16 x 1024 an extra
+  (B, L, F) kernel and 0.3 GB of traffic. With the derivative written out, the recomputed activation, its
+  derivative and the bias gradient are one pass over the pre-activation and the incoming gradient. Compiled for
+  one H100: GPT-2 16 x 1024 68.1 -> 64.5 GB and 12 fewer kernels per step, ViT-B/16 at 256 147.1 -> 136.0 GB
+  (README, On GPUs). Gradients equal autodiff's in float32 and are closer to exact in bf16
+  (tests/test_speed_paths.py)."""
+  @jax.custom_vjp
+  def g(x):
+    return f(x)
+
+  def fwd(x):
+    return f(x), x
+
+  def bwd(x, ct):
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    return ((ct.astype(wide) * df(x.astype(wide))).astype(x.dtype),)
+
+  g.defvjp(fwd, bwd)
+  g.__name__ = g.__qualname__ = name
+  return g
+
+
+_SQRT_2_OVER_PI, _GELU_CUBIC = math.sqrt(2 / math.pi), 0.044715
+
+
+def _gelu_tanh_derivative(x: jax.Array) -> jax.Array:
+  t = jnp.tanh(_SQRT_2_OVER_PI * (x + _GELU_CUBIC * x * x * x))
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _GELU_CUBIC * x * x)
+
+
+def _gelu_erf_derivative(x: jax.Array) -> jax.Array:  # Phi(x) + x phi(x)
+  return 0.5 * (1 + jax.lax.erf(x * (1 / math.sqrt(2)))) + x * jnp.exp(-0.5 * x * x) * (1 / math.sqrt(2 * math.pi))
+
+
+# GPT-2's "gelu_new" (tanh approximation) and BERT's / ViT's exact "gelu", as jax.nn.gelu computes them.
+gelu_tanh = with_derivative(functools.partial(jax.nn.gelu, approximate=True), _gelu_tanh_derivative, 'gelu_tanh')
+gelu_erf = with_derivative(functools.partial(jax.nn.gelu, approximate=False), _gelu_erf_derivative, 'gelu_erf')
 
 
 def _scaled(init: Initializer, scale: float) -> Initializer:

@@ -15,7 +15,6 @@ L tokens (N + 1), D embed, K classes.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -25,11 +24,11 @@ from flax import nnx
 
 from errors import ConfigError
 from models import hf_import as hf
-from models.layers import MLP, NORMAL_002, Attention, Conv, Dense, LayerNorm, Stack, axes, dtypes, stack_options
+from models.layers import (
+    MLP, NORMAL_002, Attention, Conv, Dense, LayerNorm, Stack, axes, dtypes, gelu_erf, stack_options)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
-GELU_ERF = functools.partial(jax.nn.gelu, approximate=False)  # HF's "gelu"
 
 
 class Block(nnx.Module):
@@ -38,7 +37,7 @@ class Block(nnx.Module):
     self.ln1 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
     self.attn = Attention(cfg.embed_dim, cfg.num_heads, use_bias=True, impl=cfg.get('attention', 'auto'), **kw)
     self.ln2 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
-    self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=GELU_ERF, **kw)
+    self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=gelu_erf, **kw)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     x_BLD = shard_logical(x_BLD + self.attn(self.ln1(x_BLD), causal=False), ACT)

@@ -249,6 +249,33 @@ def test_mlp_keeps_only_its_pre_activations(gated):
   assert dots(run) == dots(plain)
 
 
+@pytest.mark.parametrize('approximate', [True, False])
+def test_gelu_with_written_out_derivative_equals_autodiff(approximate):
+  """layers.gelu_tanh / gelu_erf: the values of jax.nn.gelu; gradients equal to autodiff's in float32 (also where
+  autodiff gives 0, 1 or NaN: huge, infinite and NaN inputs) and, in bfloat16, closer to autodiff's float32
+  gradient than autodiff's bfloat16 one; the backward keeps only the input (autodiff of jax.nn.gelu keeps more);
+  and the zoo's GELU models use them."""
+  from models import bert, gpt2, vit
+  ours = layers.gelu_tanh if approximate else layers.gelu_erf
+  ref = functools.partial(jax.nn.gelu, approximate=approximate)
+  x = np.concatenate([np.linspace(-12, 12, 4001), [0, 1e19, -1e19, 1e30, -1e30, np.inf, -np.inf, np.nan]])
+  grad = lambda f, x: jax.vmap(jax.grad(f))(x)
+  x32 = jnp.asarray(x, jnp.float32)
+  np.testing.assert_array_equal(ours(x32), ref(x32))
+  # atol: both lose digits to 1 - tanh^2 where the gradient is ~1e-5 (about x = -4.7)
+  np.testing.assert_allclose(grad(ours, x32), grad(ref, x32), rtol=2e-6, atol=5e-6)  # NaN where autodiff's is
+  grad32 = np.asarray(grad(ref, jnp.asarray(x[:4001], jnp.float32)), np.float64)
+  xb = jnp.asarray(x[:4001], jnp.bfloat16)
+  err = lambda f: np.abs(np.asarray(grad(f, xb), np.float64) - grad32).max()
+  assert err(ours) <= err(ref) and err(ours) < 8e-3, (err(ours), err(ref))
+  residuals = lambda f: jax.tree.leaves(jax.vjp(f, x32)[1])
+  assert len(residuals(ours)) == 1 < len(residuals(ref))
+  import ml_collections
+  cfg = ml_collections.ConfigDict(dict(num_layers=1, embed_dim=8, mlp_dim=16, num_heads=2, norm_eps=1e-5))
+  block = lambda family: family.Block(cfg, rngs=nnx.Rngs(0)).mlp.activation
+  assert block(gpt2) is layers.gelu_tanh and block(vit) is block(bert) is layers.gelu_erf
+
+
 def test_compiling_for_a_gpu_without_one():
   """training/targets: with JAX's CUDA plugin installed, a sharded step compiles for 2 H100s on this machine
   (cuDNN's attention chosen as on the GPU); without it (as in CI), one ConfigError naming the install. An unknown
