@@ -15,7 +15,8 @@ cuDNN (flash attention: O(L) memory, no L x L scores or mask) applies on a GPU, 
 compute and head_dim a multiple of 8 (<= 256). It covers:
   * causal or full attention (`is_causal`, no materialised mask);
   * sequence lengths it does not take (e.g. ViT's 197 tokens): padded to a multiple of
-    CUDNN_LENGTH_MULTIPLE with the padded keys masked by length, the padded queries dropped;
+    CUDNN_LENGTH_MULTIPLE with the padded keys masked by length, the padded queries dropped. A model can pad
+    once instead of every layer doing it (`length_multiple`, then `attend(kv_length=...)`; ViT does);
   * not packed documents (segment ids): JAX's cuDNN packed layout allocates as if each segment were a
     full row (130 GiB for 2 rows of 2048 tokens on an H100). Those run on Pallas (below);
   * padding masks (BERT) only when asked for ('cudnn'): the mask becomes key lengths, exact for right-padded
@@ -154,15 +155,17 @@ def pallas_support() -> str:
 
 
 def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, packed: bool, padded: bool,
-           ) -> tuple[str, Any]:
-  """(kernel, local specs or None): kernel 'cudnn', 'pallas' or 'xla'; records the decision and why."""
+           kv_length: int | None = None) -> tuple[str, Any]:
+  """(kernel, local specs or None): kernel 'cudnn', 'pallas' or 'xla'; records the decision and why.
+  `padded`: a per-token padding mask; `kv_length`: only the first kv_length keys of every row are real."""
   forced_impl = _forced.get()
   if forced_impl is not None:
     return forced_impl, None
   if impl not in IMPLEMENTATIONS:
     raise ConfigError(f'config.model.attention={impl!r} is not known; choose one of {list(IMPLEMENTATIONS)}')
   what = ', '.join(['causal' if causal else 'full'] + (['packed'] if packed else []) + (['padding'] if padded else [])
-                   + [f'{jnp.dtype(q_BLHK.dtype).name}', f'L={q_BLHK.shape[1]}', f'head_dim {q_BLHK.shape[-1]}'])
+                   + [f'{jnp.dtype(q_BLHK.dtype).name}', f'L={q_BLHK.shape[1]}']
+                   + ([f'{kv_length} real keys'] if kv_length is not None else []) + [f'head_dim {q_BLHK.shape[-1]}'])
   if impl == 'xla':
     _record(f'xla ({what}): config.model.attention=xla')
     return 'xla', None
@@ -435,12 +438,35 @@ def _xla(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> j
   return jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask, is_causal=causal, implementation='xla')
 
 
+def length_multiple(impl: str, dtype: Any, head_dim: int) -> int:
+  """The multiple a model should pad a non-causal sequence to, with `kv_length` naming its real keys, so the
+  kernel `impl` would choose here runs on it unpadded: CUDNN_LENGTH_MULTIPLE where that is cuDNN (a GPU, or
+  `gpu_stand_in`; bf16/fp16; head_dim a multiple of 8), else 1. `_cudnn` pads shorter lengths itself, but per
+  layer: ViT-B/16's 197 tokens cost a pad of q, k and v and a slice of the output in every layer, forward and
+  backward (11 GB of a 136 GB step compiled for an H100); padded once by the model, none."""
+  if (_forced.get() is not None or impl not in ('auto', 'cudnn') or _platform() != 'gpu'
+      or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or head_dim % 8 or head_dim > 256):
+    return 1
+  return CUDNN_LENGTH_MULTIPLE
+
+
 def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, causal: bool, impl: str = 'auto',
-           segment_ids_BL: jax.Array | None = None, valid_BL: jax.Array | None = None) -> jax.Array:
+           segment_ids_BL: jax.Array | None = None, valid_BL: jax.Array | None = None,
+           kv_length: int | None = None) -> jax.Array:
   """softmax(q k^T / sqrt(K) [+ masks]) v for every head; grouped-query when G < H. Masks: causal, packed
-  documents (attend within the same segment id), padding (valid_BL: 1 = real key)."""
+  documents (attend within the same segment id), padding (valid_BL: 1 = real key), and `kv_length` (a Python
+  int): every row's keys from that position on are padding the model appended (`length_multiple`). Unlike a
+  valid_BL mask, which 'auto' keeps off cuDNN (it cannot know the mask is right-padding), that is cuDNN's
+  key lengths exactly."""
+  B, L = q_BLHK.shape[:2]
+  masked = valid_BL is not None
+  if kv_length is not None:
+    if not 0 < kv_length <= L or k_BLGK.shape[1] != L:
+      raise ValueError(f'kv_length={kv_length} for {L} queries and {k_BLGK.shape[1]} keys')
+    real_BL = jnp.broadcast_to(jnp.arange(L) < kv_length, (B, L))
+    valid_BL = real_BL if valid_BL is None else real_BL & valid_BL.astype(bool)
   kind, specs = choose(impl, q_BLHK, k_BLGK, causal=causal, packed=segment_ids_BL is not None,
-                       padded=valid_BL is not None)
+                       padded=masked, kv_length=kv_length)
   q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(x, n) for x, n in ((q_BLHK, 'attn_q'), (k_BLGK, 'attn_k'),
                                                                 (v_BLGK, 'attn_v')))
   kernel = functools.partial({'cudnn': _cudnn, 'pallas': _pallas, 'xla': _xla, 'blockwise': _blockwise}[kind],

@@ -384,7 +384,8 @@ class Attention(nnx.Module):
     self.impl = impl  # 'auto' | 'xla' | 'cudnn' (models/attention.py)
 
   def __call__(self, x_BLD: jax.Array, *, causal: bool, positions_BL: jax.Array | None = None,
-               segment_ids_BL: jax.Array | None = None, valid_BL: jax.Array | None = None) -> jax.Array:
+               segment_ids_BL: jax.Array | None = None, valid_BL: jax.Array | None = None,
+               kv_length: int | None = None) -> jax.Array:
     q_BLHK = shard_logical(self.query(x_BLD), ('batch', 'length', 'heads', 'kv'))
     k_BLGK = shard_logical(self.key(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
     v_BLGK = shard_logical(self.value(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
@@ -394,7 +395,7 @@ class Attention(nnx.Module):
       q_BLHK = rope(q_BLHK, positions_BL, self.rope_theta, self.rope_scaling)
       k_BLGK = rope(k_BLGK, positions_BL, self.rope_theta, self.rope_scaling)
     o_BLHK = attention.attend(q_BLHK, k_BLGK, v_BLGK, causal=causal, impl=self.impl, segment_ids_BL=segment_ids_BL,
-                              valid_BL=valid_BL)
+                              valid_BL=valid_BL, kv_length=kv_length)
     o_BLHK = shard_logical(o_BLHK, ('batch', 'length', 'heads', 'kv'))
     return self.out(o_BLHK)
 

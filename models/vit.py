@@ -23,6 +23,7 @@ import ml_collections
 from flax import nnx
 
 from errors import ConfigError
+from models import attention
 from models import hf_import as hf
 from models.layers import (
     MLP, NORMAL_002, Attention, Conv, Dense, LayerNorm, Stack, axes, dtypes, gelu_erf, stack_options)
@@ -32,7 +33,10 @@ ACT = ('batch', 'length', 'embed')
 
 
 class Block(nnx.Module):
-  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
+  """Pre-LN encoder block. `tokens`: the real tokens of a row; longer inputs are padded (keys masked)."""
+
+  def __init__(self, cfg: ml_collections.ConfigDict, *, tokens: int | None = None, rngs: nnx.Rngs):
+    self.tokens = tokens
     kw = dict(**dtypes(cfg), rngs=rngs)
     self.ln1 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
     self.attn = Attention(cfg.embed_dim, cfg.num_heads, use_bias=True, impl=cfg.get('attention', 'auto'), **kw)
@@ -40,7 +44,8 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=gelu_erf, **kw)
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
-    x_BLD = shard_logical(x_BLD + self.attn(self.ln1(x_BLD), causal=False), ACT)
+    kv_length = self.tokens if self.tokens is not None and x_BLD.shape[1] > self.tokens else None
+    x_BLD = shard_logical(x_BLD + self.attn(self.ln1(x_BLD), causal=False, kv_length=kv_length), ACT)
     return shard_logical(x_BLD + self.mlp(self.ln2(x_BLD)), ACT)
 
 
@@ -59,11 +64,12 @@ class ViT(nnx.Module):
                       kernel_init=NORMAL_002, rngs=rngs, **kw)
     self.cls = nnx.Param(NORMAL_002(rngs.params(), (D,), kw['param_dtype']), **axes('embed'))
     self.pos = nnx.Param(NORMAL_002(rngs.params(), (N + 1, D), kw['param_dtype']), **axes('length', 'embed'))
-    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg), rngs=rngs)
+    self.blocks = Stack(lambda r: Block(cfg, tokens=N + 1, rngs=r), cfg.num_layers, **stack_options(cfg), rngs=rngs)
     self.ln = LayerNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
     self.head = Dense('bd,dk->bk', (D, cfg.num_classes), ('embed', 'classes'), bias_axes=('classes',),
                       preferred_element_type=jnp.float32, rngs=rngs, **kw)
     self.image_size, self.dtype = cfg.image_size, kw['dtype']
+    self.attention_impl, self.head_dim = cfg.get('attention', 'auto'), D // cfg.num_heads
 
   def __call__(self, image_BHWC: jax.Array) -> jax.Array:
     B, H, W, _ = image_BHWC.shape
@@ -73,6 +79,11 @@ class ViT(nnx.Module):
     x_BND = x_BHWD.reshape(B, -1, x_BHWD.shape[-1])
     cls_B1D = jnp.broadcast_to(self.cls[...].astype(self.dtype), (B, 1, x_BND.shape[-1]))
     x_BLD = jnp.concatenate([cls_B1D, x_BND], axis=1) + self.pos[...].astype(self.dtype)
+    # Where the attention kernel wants another length (cuDNN: a multiple of 8; ViT-B/16 has 197 tokens), the
+    # rows are padded here once, not in every layer; the padded keys are masked, the padded queries unused.
+    pad = -x_BLD.shape[1] % attention.length_multiple(self.attention_impl, self.dtype, self.head_dim)
+    if pad:
+      x_BLD = jnp.pad(x_BLD, ((0, 0), (0, pad), (0, 0)))
     x_BLD, _ = self.blocks(shard_logical(x_BLD, ACT))
     logits_BK = self.head(self.ln(x_BLD[:, 0]))
     return shard_logical(logits_BK, ('batch', 'classes'))

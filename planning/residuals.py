@@ -28,9 +28,9 @@ remat policies choose. So:
 
 Device memory of a step ~ its arguments (parameters, optimizer state, batch) + (fused + written) / 2 + largest.
 Against the current step compiled for one H100 (benchmarks/memory_model.py prints the table where JAX's CUDA
-plugin is installed: the configs' defaults at the benchmark batches, 2026-11-23) the error is -8%..+20%, the
+plugin is installed: the configs' defaults at the benchmark batches, 2026-11-24) the error is -2%..+20%, the
 median +7%: GPT-2 16/32/64 x 1024 +7/+8/+9% (bf16 logits +10%), Llama 1.24B remat dots 0% (bf16 logits 0%),
-remat none +20%, ViT-B/16 -8%, ResNet-50 -2%. The CPU compile's figures were +100% to +240%. It ranks remat
+remat none +20%, ViT-B/16 -2%, ResNet-50 -2%. The CPU compile's figures were +100% to +240%. It ranks remat
 policies as the compiled programs do (Llama: none above dots).
 
 This module imports no model: it works on a training.Trainer.

@@ -123,6 +123,32 @@ def test_gpu_stand_in_traces_attention_as_on_a_gpu():
       <= set(attention.decisions())
 
 
+def test_keys_padded_by_the_model_are_masked_and_keep_fused_attention():
+  """attend(kv_length=n) on rows padded after n tokens: the real queries' outputs equal attention over the
+  unpadded rows (XLA and blockwise, float32), and on a GPU 'auto' keeps the fused kernel for it where a valid_BL
+  mask keeps XLA (it could be any mask). length_multiple asks a model to pad only where that kernel would be
+  cuDNN. A kv_length that does not fit is one error naming it."""
+  q, k, v = _qkv(L=13)
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 3), (0, 0), (0, 0)))
+  ref = attention.attend(q, k, v, causal=False, impl='xla')
+  for impl in ('xla', 'blockwise'):
+    out = attention.attend(pad(q), pad(k), pad(v), causal=False, impl=impl, kv_length=13)
+    np.testing.assert_allclose(out[:, :13], ref, rtol=1e-5, atol=1e-6)
+  qb, kb, _ = _qkv(L=128, K=64, dtype=jnp.bfloat16)
+  with attention.gpu_stand_in():
+    assert attention.choose('auto', qb, kb, causal=False, packed=False, padded=False, kv_length=125)[0] == 'blockwise'
+    assert attention.choose('auto', qb, kb, causal=False, packed=False, padded=True)[0] == 'xla'
+    assert attention.length_multiple('auto', jnp.bfloat16, 64) == attention.CUDNN_LENGTH_MULTIPLE == 8
+    assert attention.length_multiple('auto', jnp.float32, 64) == attention.length_multiple('xla', jnp.bfloat16, 64) == 1
+    with attention.forced('xla'):  # FLOP counting: the model's own length
+      assert attention.length_multiple('auto', jnp.bfloat16, 64) == 1
+  assert attention.length_multiple('auto', jnp.bfloat16, 64) == 1  # CPU
+  assert 'blockwise (full, bfloat16, L=128, 125 real keys, head_dim 64) standing in for cudnn (gpu_stand_in)' \
+      in attention.decisions()
+  with pytest.raises(ValueError, match='kv_length=17 for 13 queries'):
+    attention.attend(q, k, v, causal=False, kv_length=17)
+
+
 def test_cudnn_would_run_per_shard_also_with_the_sequence_sharded():
   cfg = tiny_config('fsdp_tp')
   trainer = build_trainer(cfg)

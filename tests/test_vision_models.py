@@ -21,7 +21,7 @@ import training
 from configs import mnist
 from configs import resnet as resnet_config
 from configs import vit as vit_config
-from models import resnet, simple, vit
+from models import attention, resnet, simple, vit
 from tests.conftest import stack_layers, unstack_layers
 from tests.conftest import assert_every_leaf_named, build_trainer
 from training import tasks
@@ -220,6 +220,22 @@ def test_bf16_compute_gives_float32_logits(name):
   assert logits.dtype == jnp.float32
   err = float(jnp.abs(logits - logits_f32).max())
   assert 0 < err < 0.05 * float(jnp.abs(logits_f32).max()) + 0.05, err  # bf16 rounding, not garbage
+
+
+def test_vit_pads_its_tokens_once_where_fused_attention_wants_it(monkeypatch):
+  """Where the attention kernel wants lengths in multiples of 8 (cuDNN on a GPU: attention.length_multiple),
+  ViT pads its 17 tokens to 24 before the blocks, the padded keys masked (kv_length): the logits and every
+  parameter's gradient equal the unpadded model's (float32, XLA attention on the CPU)."""
+  params, state, image, _, _ = single_device('vit')
+  cfg = tiny('vit')
+  w = jax.random.normal(jax.random.key(1), (8, cfg.model.num_classes))
+  run = lambda p: (build(cfg.model, p, state)(image) * w).sum()
+  ref_loss, ref_grads = jax.value_and_grad(run)(params)
+  monkeypatch.setattr(attention, 'length_multiple', lambda *a: 8)
+  loss, grads = jax.value_and_grad(run)(params)
+  assert any('L=24, 17 real keys' in d for d in attention.decisions()), attention.decisions()
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_close_tree(grads, ref_grads, rtol=1e-4, atol=1e-6)
 
 
 def test_vit_matches_hugging_face_layout():
