@@ -443,7 +443,8 @@ def length_multiple(impl: str, dtype: Any, head_dim: int) -> int:
   kernel `impl` would choose here runs on it unpadded: CUDNN_LENGTH_MULTIPLE where that is cuDNN (a GPU, or
   `gpu_stand_in`; bf16/fp16; head_dim a multiple of 8), else 1. `_cudnn` pads shorter lengths itself, but per
   layer: ViT-B/16's 197 tokens cost a pad of q, k and v and a slice of the output in every layer, forward and
-  backward (11 GB of a 136 GB step compiled for an H100); padded once by the model, none."""
+  backward. Padded once by the model: 136.0 -> 130.9 GB of memory traffic per step at 256 images, compiled for
+  an H100."""
   if (_forced.get() is not None or impl not in ('auto', 'cudnn') or _platform() != 'gpu'
       or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or head_dim % 8 or head_dim > 256):
     return 1
