@@ -154,6 +154,19 @@ def pallas_support() -> str:
   return '' if major >= 8 else f'compute capability {capability} (Pallas/Triton needs >= 8.0)'
 
 
+def _fused_blockers(dtype: Any, head_dim: int) -> list[str]:
+  """What rules out every fused kernel (cuDNN and Pallas) here, whatever the sequence: the platform, the compute
+  dtype, the head dim. Empty where they may run."""
+  why = []
+  if _platform() != 'gpu':
+    why.append(f'{_platform()} backend (cuDNN and Pallas run on GPUs)')
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    why.append(f'{jnp.dtype(dtype).name} compute (fused kernels take bfloat16/float16: config.model.dtype)')
+  if head_dim % 8 or head_dim > 256:
+    why.append(f'head_dim {head_dim} (fused kernels take a multiple of 8, at most 256)')
+  return why
+
+
 def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, packed: bool, padded: bool,
            kv_length: int | None = None) -> tuple[str, Any]:
   """(kernel, local specs or None): kernel 'cudnn', 'pallas' or 'xla'; records the decision and why.
@@ -179,14 +192,8 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
       raise ConfigError(f'config.model.attention=blockwise cannot run this attention ({what}): {specs}')
     _record(f'blockwise ({what}): config.model.attention=blockwise')
     return 'blockwise', None
-  fused = []  # what rules out every fused kernel
-  if _platform() != 'gpu':
-    fused.append(f'{_platform()} backend (cuDNN and Pallas run on GPUs)')
-  if jnp.dtype(q_BLHK.dtype) not in (jnp.bfloat16, jnp.float16):
-    fused.append(f'{jnp.dtype(q_BLHK.dtype).name} compute (fused kernels take bfloat16/float16: config.model.dtype)')
+  fused = _fused_blockers(q_BLHK.dtype, q_BLHK.shape[-1])  # what rules out every fused kernel
   K = q_BLHK.shape[-1]
-  if K % 8 or K > 256:
-    fused.append(f'head_dim {K} (fused kernels take a multiple of 8, at most 256)')
   if isinstance(specs, tuple) and specs[0][1] is not None:  # the sequence is sharded: context parallelism
     return _choose_context(impl, what, fused, specs, q_BLHK.shape[1])
   cudnn_why, pallas_why = list(fused), list(fused)
@@ -445,8 +452,7 @@ def length_multiple(impl: str, dtype: Any, head_dim: int) -> int:
   layer: ViT-B/16's 197 tokens cost a pad of q, k and v and a slice of the output in every layer, forward and
   backward. Padded once by the model: 136.0 -> 130.9 GB of memory traffic per step at 256 images, compiled for
   an H100."""
-  if (_forced.get() is not None or impl not in ('auto', 'cudnn') or _platform() != 'gpu'
-      or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or head_dim % 8 or head_dim > 256):
+  if _forced.get() is not None or impl not in ('auto', 'cudnn') or _fused_blockers(dtype, head_dim):
     return 1
   return CUDNN_LENGTH_MULTIPLE
 
