@@ -105,3 +105,20 @@ def test_scanned_optimizer_state_is_sharded_like_the_params():
   adam = trainer.specs.opt_state[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState(count, mu, nu)
   for moment in (adam.mu, adam.nu):
     assert moment == trainer.specs.params
+
+
+def test_sampling_runs_on_scanned_and_unrolled_layers_alike():
+  # train.py samples after training; a scanned stack (nnx.scan) once refused the Params merged outside the
+  # sampling loop ("Cannot extract graph node from different trace level").
+  from training import tasks
+  out = {}
+  for scan in (True, False):
+    model = models.create(tiny(scan_layers=scan), nnx.Rngs(0))
+    if not scan:  # the same weights as the scanned model
+      nnx.update(model, unstack_layers(nnx.to_pure_dict(nnx.state(scanned, nnx.Param)), 2))
+    scanned = model
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    prompt = np.array([[1, 2], [3, 4]], np.int32)
+    out[scan] = np.asarray(tasks.LanguageModeling.generate(graphdef, params, rest, prompt, 6, seed=0))
+    assert out[scan].shape == (2, 8) and (out[scan][:, :2] == prompt).all()
+  np.testing.assert_array_equal(out[True], out[False])

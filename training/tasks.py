@@ -188,12 +188,14 @@ class LanguageModeling(Task):
 
     @functools.partial(jax.jit, out_shardings=out_sharding)
     def run(params, model_state, prompt_BP, key):
-      model = eval_view(nnx.merge(graphdef, params, model_state))
       tokens_BL = jnp.zeros((prompt_BP.shape[0], P + length), jnp.int32).at[:, :P].set(prompt_BP)
 
       def body(i, carry):
         tokens_BL, key = carry
         key, sub = jax.random.split(key)
+        # Merged inside the loop body: NNX transforms in the model (a scanned Stack's nnx.scan) refuse
+        # Variables created at the outer trace level.
+        model = eval_view(nnx.merge(graphdef, params, model_state, copy=True))
         logits_BLV, _ = _split_output(model(tokens_BL))
         nxt_B = jax.random.categorical(sub, logits_BLV[:, i - 1].astype(jnp.float32))
         return tokens_BL.at[:, i].set(nxt_B), key
