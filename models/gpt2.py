@@ -88,6 +88,9 @@ def _hf_config(c: dict) -> dict:
   if c.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
     raise ConfigError(f"config.json activation_function={c['activation_function']!r}: the zoo's GPT-2 uses the "
                       "tanh-approximated GELU (gelu_new)")
+  if not c.get('tie_word_embeddings', True):
+    raise ConfigError("config.json tie_word_embeddings=False: the zoo's GPT-2 ties its head to the token embedding "
+                      '(wte); an untied lm_head cannot be imported')
   return dict(vocab_size=c['vocab_size'], max_len=c['n_positions'], num_layers=c['n_layer'],
               num_heads=c['n_head'], embed_dim=c['n_embd'], mlp_dim=c.get('n_inner') or 4 * c['n_embd'],
               norm_eps=c['layer_norm_epsilon'])
@@ -133,6 +136,7 @@ def _hf_params() -> list[hf.Param]:
   return rows
 
 
+# Ignored: the causal-mask buffers. A file's lm_head.weight (GPT2LMHeadModel leaves it out) must be a copy of wte.
 HF = hf.Family(model_types=('gpt2',), config=_hf_config, params=_hf_params(), prefixes=('transformer.', ''),
-               ignore=(r'\.attn\.(masked_)?bias$', r'^lm_head\.weight$'),  # causal-mask buffers; tied head
+               ignore=(r'\.attn\.(masked_)?bias$',), tied=(('lm_head.weight', 'wte.weight'),),
                to_config=to_hf_config)

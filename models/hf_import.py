@@ -22,7 +22,8 @@ a table (what an exporter inverts):
   Rows naming a zoo path the model does not have (an untied head on a tied model, a fifth ResNet
   stage) are skipped.
 * `Family.prefixes` are tried in front of every HF key; `Family.ignore` lists HF keys that are not
-  weights of the model (buffers, other heads).
+  weights of the model (buffers, other heads); `Family.tied` names a head the model may tie to its
+  embedding (a file's copy of it is read once and must equal the embedding).
 
 Rules: every zoo parameter and model-state leaf is explained by a row (or excluded by `dont_load`:
 left to fresh initialisation), every HF tensor is used or ignored, and a shape mismatch names the
@@ -84,13 +85,16 @@ class T:
 @dataclasses.dataclass(frozen=True)
 class R:
   """Reshape to `to` (may contain one -1). `src`, the Hugging Face side's shape (may contain one -1), is
-  what the exporter reshapes back to (a reshape cannot be inverted from its output alone)."""
+  what the exporter reshapes back to (a reshape cannot be inverted from its output alone). `shape` refuses
+  (ValueError) an input whose element count `to` does not hold (or that a -1 does not divide)."""
   to: tuple[int, ...]
   src: tuple[int, ...] | None = None
 
   def shape(self, s):
     n = math.prod(s)
     known = math.prod(d for d in self.to if d != -1)
+    if not (n % known == 0 if -1 in self.to and known else n == known and -1 not in self.to):
+      raise ValueError(f'cannot reshape {tuple(s)} to {tuple(self.to)}')
     return tuple(n // known if d == -1 else d for d in self.to)
 
   def _groups(self, s):
@@ -184,12 +188,19 @@ class Slice:
 @dataclasses.dataclass(frozen=True)
 class Pad:
   """Zero rows appended along `axis` up to `size` (a padded vocabulary); `src` is the real length there
-  (the exporter drops the padding rows)."""
+  (the exporter drops the padding rows). `shape` refuses (ValueError) an input of another length there
+  (without `src`: a longer one), which would be padded or cut silently."""
   axis: int
   size: int
   src: int | None = None
 
   def shape(self, s):
+    got = s[self.axis]
+    if self.src is None and got > self.size:
+      raise ValueError(f'holds {got} entries along axis {self.axis}, more than the {self.size} it is padded to')
+    if self.src is not None and got != self.src:
+      raise ValueError(f'holds {got} entries along axis {self.axis}, not {self.src}'
+                       + (f' (padded to {self.size})' if self.src != self.size else ''))
     return tuple(self.size if d == self.axis else n for d, n in enumerate(s))
 
   def back(self, region, s):
@@ -241,6 +252,11 @@ class Family:
   # Fields where config.model may differ from config.json: field -> check(ours, theirs) giving None when our
   # value works with the checkpoint (it is kept), else why not. Every other field comes from config.json.
   keep: Mapping[str, Callable[[Any, Any], str | None]] = dataclasses.field(default_factory=dict)
+  # Tied heads: (head HF key, embedding HF key) pairs, unprefixed (GPT-2: ('lm_head.weight', 'wte.weight')). A
+  # file may hold the head even when the model ties it to the embedding (no row fills it): that tensor is
+  # accepted only when it equals the embedding (a tied checkpoint's copy); else it is an HFImportError (an
+  # untied head, which the model would drop).
+  tied: tuple[tuple[str, str], ...] = ()
 
 
 # --- Reading a directory ----------------------------------------------------------------------
@@ -379,6 +395,7 @@ def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, sha
   skip = re.compile(dont_load) if dont_load else None
   out: dict[bool, dict[str, jax.Array]] = {False: {}, True: {}}
   used: set[str] = set()
+  dropped: set[str] = set()  # the HF keys of zoo leaves not loaded (dont_load)
   for row in family.params:
     ops = row.ops_for(model_cfg)
     for zoo, fixed, stack in row_targets(row, flat[row.state]):
@@ -390,6 +407,7 @@ def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, sha
       keys = {idx: _resolve_key(hf, family, row.hf, at(idx)) for idx in itertools.product(*map(range, sizes))}
       if skip and skip.search(zoo):  # deliberately not loaded (e.g. a head for other classes): its tensors
         used.update(k for k in keys.values() if k is not None)  # are explained, whatever their shapes
+        dropped.update(k for k in keys.values() if k is not None)
         continue
       if None in keys.values():
         found = [k for k in keys.values() if k is not None]
@@ -401,8 +419,12 @@ def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, sha
       expect = tuple(leaf.shape[len(stack):])
       for key in keys.values():
         got = hf.shape(key)
-        for op in ops:
-          got = op.shape(got)
+        try:
+          for op in ops:
+            got = op.shape(got)
+        except ValueError as e:  # an op refuses the HF tensor (R: element counts, Pad: its real length)
+          raise HFImportError(f'{hf.path}: {key} {hf.shape(key)}: {e}, for zoo parameter {zoo!r}, which expects '
+                              f'{expect}; does config.json match the model config?') from None
         if tuple(got) != expect:
           raise HFImportError(f'{hf.path}: {key} {hf.shape(key)} gives shape {tuple(got)} for zoo parameter '
                               f'{zoo!r}, which expects {expect}; does config.json match the model config?')
@@ -411,6 +433,16 @@ def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, sha
                               f'{np.dtype(leaf.dtype).name}: weights must be floating point ({", ".join(FLOAT_TAGS)})')
       used.update(keys.values())
       out[row.state][zoo] = _stream(hf, keys, sizes, ops, leaf, sharding)
+  for head, embedding in family.tied:  # a tied model's head: the file's copy must be the embedding
+    h, e = _resolve_key(hf, family, head, {}), _resolve_key(hf, family, embedding, {})
+    if h is None or h in used or e is None:
+      continue  # no copy, an untied model's own head, or no embedding (reported below)
+    if e not in dropped and not _equal(hf, h, e):
+      tie = hf.config.get('tie_word_embeddings')
+      raise HFImportError(f'{hf.path}: {h} {hf.shape(h)} is not a copy of the embedding {e} {hf.shape(e)}, but the '
+                          f'model ties its head to the embedding (config.json tie_word_embeddings='
+                          f'{"unset" if tie is None else tie}): the checkpoint\'s own head would be dropped')
+    used.add(h)
   ignored = [re.compile(r) for r in family.ignore]
   unused = sorted(k for k in hf.keys() - used if not any(r.search(k) for r in ignored))
   every = set(flat[False]) | set(flat[True])
@@ -427,6 +459,21 @@ def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, sha
   trees = {state: traverse_util.unflatten_dict({tuple(_key(k) for k in flat[state][zoo][0]): arr
                                                 for zoo, arr in out[state].items()}) for state in (False, True)}
   return Imported(trees[False], trees[True], skipped)
+
+
+def _equal(hf: HFDir, a: str, b: str) -> bool:
+  """Whether HF tensors a and b hold the same values (read a block of rows at a time, not whole)."""
+  shape = hf.shape(a)
+  if shape != hf.shape(b):
+    return False
+  if not shape:
+    return bool(np.array_equal(hf.read(a, []), hf.read(b, [])))
+  rows = max(1, 2**22 // max(1, math.prod(shape[1:])))
+  for start in range(0, shape[0], rows):
+    region = [(start, min(start + rows, shape[0]))] + [(0, n) for n in shape[1:]]
+    if not np.array_equal(hf.read(a, region), hf.read(b, region)):
+      return False
+  return True
 
 
 def import_params(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shardings: Any,

@@ -199,8 +199,8 @@ def hf_params(mlp: bool = True) -> list[hf.Param]:
 
 
 # Keys are 'model.'-prefixed in LlamaForCausalLM files, bare in LlamaModel ones; lm_head.weight is never
-# prefixed. Ignored: rotary inv_freq buffers (older files), and a tied checkpoint's copy of the embedding
-# saved as lm_head.weight (tie_embeddings follows config.json, so an untied model always uses it).
+# prefixed. Ignored: rotary inv_freq buffers (older files). A tied model (tie_embeddings follows config.json;
+# an untied one always reads lm_head.weight) accepts a file's lm_head.weight only as a copy of the embedding.
 def _fits_positions(ours: int, theirs: int) -> str | None:
   """max_len: rotary positions have no table, so a shorter (or equal) length works with any checkpoint."""
   return None if 0 < ours <= theirs else (f'longer than the {theirs} positions the checkpoint was trained for; '
@@ -209,5 +209,5 @@ def _fits_positions(ours: int, theirs: int) -> str | None:
 
 HF = hf.Family(model_types=('llama',), config=_hf_config, params=hf_params(), prefixes=('model.', ''),
                keep={'max_len': _fits_positions},
-               ignore=(r'rotary_emb\.inv_freq$', r'^lm_head\.weight$'), to_config=to_hf_config,
-               unprefixed=(r'^lm_head\.',))
+               ignore=(r'rotary_emb\.inv_freq$',), tied=(('lm_head.weight', 'embed_tokens.weight'),),
+               to_config=to_hf_config, unprefixed=(r'^lm_head\.',))

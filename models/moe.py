@@ -293,7 +293,8 @@ def _hf_params() -> list[hf.Param]:
 
 
 # Keys are 'model.'-prefixed in MixtralForCausalLM files, bare in MixtralModel ones; lm_head.weight is never
-# prefixed. Ignored as for Llama: rotary inv_freq buffers, and a tied checkpoint's copy of the embedding.
+# prefixed. As for Llama: rotary inv_freq buffers are ignored; a tied model accepts a file's lm_head.weight only
+# as a copy of the embedding.
 HF = hf.Family(model_types=('mixtral',), config=_hf_config, params=_hf_params(), prefixes=('model.', ''),
-               ignore=(r'rotary_emb\.inv_freq$', r'^lm_head\.weight$'), to_config=to_hf_config,
-               unprefixed=(r'^lm_head\.',))
+               ignore=(r'rotary_emb\.inv_freq$',), tied=(('lm_head.weight', 'embed_tokens.weight'),),
+               to_config=to_hf_config, unprefixed=(r'^lm_head\.',))

@@ -3,12 +3,14 @@ that transformers' Auto classes load, giving the zoo's logits; errors that name 
 round trips: tests/test_hf_import.py and tests/test_hf_families.py; LoRA exported merged: tests/test_finetune.py.)"""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 os.environ['HF_HUB_OFFLINE'] = '1'
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
@@ -20,9 +22,9 @@ import train  # noqa: E402
 from configs import gpt2_finetune  # noqa: E402
 from errors import ConfigError, HFExportError  # noqa: E402
 from models import hf_export, hf_import  # noqa: E402
-from tests.conftest import ROOT, build_trainer, subprocess_env  # noqa: E402
-from tests.test_hf_import import forward  # noqa: E402
-from training import export  # noqa: E402
+from tests.conftest import ROOT, build_trainer, export_hf, subprocess_env  # noqa: E402
+from tests.test_hf_import import forward, gpt2_dir, zoo_config  # noqa: E402,F401  (gpt2_dir: a fixture)
+from training import export, pretrained  # noqa: E402
 
 PARITY_ATOL = 1e-4
 
@@ -108,3 +110,100 @@ def test_export_errors_name_the_culprit(tmp_path):
                                         'with --config'):
     export.load_run_config(str(tmp_path))
   shutil.rmtree(tmp_path)
+
+
+def imported_gpt2(hf_dir):
+  """(trainer, state) of the tiny GPT-2 in hf_dir, imported (no train step: nothing compiles)."""
+  from configs import gpt2 as gpt2_config
+  trainer = build_trainer(zoo_config(gpt2_config, 'fsdp,tiny', hf_dir))
+  return trainer, pretrained.init_state(trainer, models.HF_FAMILIES)
+
+
+def test_export_into_a_non_empty_directory_needs_overwrite_which_removes_only_export_files(gpt2_dir, tmp_path):
+  """A single-file export, then a sharded one into the same directory: refused without overwrite (before, the
+  old model.safetensors stayed beside the new index and transformers loaded the old weights); with it, the
+  files of the earlier export go first (listed), other files stay, and transformers reads the new shards."""
+  trainer, state = imported_gpt2(gpt2_dir[0])
+  out = tmp_path / 'hf'
+  assert export_hf(trainer, state, out)['removed'] == []
+  (out / 'notes.txt').write_text('not ours')
+  (out / 'tokenizer.json').write_text('{}')  # e.g. left by an export of a run with another tokenizer
+  with pytest.raises(ConfigError, match=(
+      rf"^export directory '{out}' is not empty \(config.json, generation_config.json, model.safetensors, notes.txt, "
+      r"...\): pass --overwrite \(overwrite=True\)")):
+    export_hf(trainer, state, out, max_shard_size='50KB')
+  trained = state.replace(params=jax.tree.map(lambda x: x + 1, state.params))
+  stats = export_hf(trainer, trained, out, max_shard_size='50KB', overwrite=True)
+  assert stats['removed'] == ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json']
+  assert sorted(os.listdir(out)) == sorted(stats['files'] + stats['copied'] + [
+      'config.json', 'model.safetensors.index.json', 'notes.txt']) and len(stats['files']) > 1
+  model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+  np.testing.assert_array_equal(model.transformer.wte.weight.detach().numpy(),
+                                np.asarray(trained.params['tok']['embed']['embedding'])[:100])
+  with pytest.raises(ConfigError, match=rf"^export directory '{out}/notes.txt' is an existing file, not a directory"):
+    export_hf(trainer, state, out / 'notes.txt', overwrite=True)
+
+
+def test_export_refuses_to_write_into_what_it_reads(gpt2_dir, tmp_path):
+  """An export directory that is the run's init_from (its weights were overwritten, then shutil.SameFileError),
+  its tokenizer directory, or its checkpoint directory (or inside it): one error before anything is written or
+  restored, overwrite or not, also through a symlink."""
+  src = tmp_path / 'src'
+  shutil.copytree(gpt2_dir[0], src)
+  trainer, state = imported_gpt2(str(src))
+  tok = tmp_path / 'tok'
+  tok.mkdir()
+  (tok / 'tokenizer.json').write_text('{}')
+  trainer.config.dataset.tokenizer = str(tok)
+  (tmp_path / 'link').symlink_to(src)
+  before = {f: (src / f).read_bytes() for f in os.listdir(src)}
+  for out, field, source in ((src, 'config.init_from', src), (tok, 'config.dataset.tokenizer', tok),
+                             (tmp_path / 'link', 'config.init_from', src)):
+    for overwrite in (False, True):
+      with pytest.raises(ConfigError, match=re.escape(f"export directory '{out}' is the run's {field} ({source}), "
+                                                      'which the export reads')):
+        export_hf(trainer, state, out, overwrite=overwrite)
+  assert {f: (src / f).read_bytes() for f in os.listdir(src)} == before
+  checkpoints = tmp_path / 'run' / 'checkpoints'
+  (checkpoints / '3' / 'state').mkdir(parents=True)  # not a readable checkpoint: the out check comes first
+  root = os.path.realpath(checkpoints)
+  for out in (checkpoints, checkpoints / '3', checkpoints / '3' / 'hf'):
+    for step in (checkpoints, checkpoints / '3'):
+      with pytest.raises(ConfigError, match=re.escape(f"export directory '{out}' is ") + '(inside )?' +
+                         re.escape(f'the checkpoint directory {root}, which the export reads')):
+        export.export_hf(trainer, str(step), str(out), models.HF_FAMILIES, overwrite=True)
+  assert sorted(os.listdir(checkpoints / '3')) == ['state']
+
+
+def test_export_py_checks_dtype_and_max_shard_size_before_anything_else(tmp_path):
+  """Bad --dtype / --max_shard_size values were a TypeError / ValueError traceback mid-export: one line naming the
+  flag and what it accepts, before the workdir is read."""
+  with pytest.raises(ConfigError, match=r"^--dtype='bf16': one of float32, bfloat16, float16, float64"):
+    export.check_options('bf16', '5GB')
+  for bad in ('5XB', '0GB', '5', 'GB', '-1MB', '1e3MB'):
+    with pytest.raises(ConfigError, match=rf"^--max_shard_size='{bad}': a positive number with a unit KB, MB, GB or "
+                                          r'TB, e.g. 5GB or 500MB$'):
+      export.check_options(None, bad)
+  for dtype, size in ((None, '5GB'), ('bfloat16', '500MB'), ('float16', '0.05mb'), ('float32', '1.5 GB')):
+    export.check_options(dtype, size)
+  run = subprocess.run([sys.executable, 'export.py', '--workdir', str(tmp_path / 'none'), '--out', str(tmp_path / 'hf'),
+                        '--max_shard_size=5XB'], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                       timeout=120)
+  assert run.returncode == 1 and 'Traceback' not in run.stderr, run.stderr[-3000:]
+  assert run.stderr.strip().splitlines()[-1] == ("shardzoo: export error: --max_shard_size='5XB': a positive number "
+                                                 'with a unit KB, MB, GB or TB, e.g. 5GB or 500MB'), run.stderr[-3000:]
+  assert not os.path.exists(tmp_path / 'hf')
+
+
+def test_export_py_refuses_a_non_empty_out_before_building_the_model(tmp_path):
+  from configs import gpt2 as gpt2_config
+  export.save_run_config(gpt2_config.get_config('fsdp,tiny'), str(tmp_path / 'run'))
+  (tmp_path / 'hf').mkdir()
+  (tmp_path / 'hf' / 'model.safetensors').write_text('an earlier export')
+  run = subprocess.run([sys.executable, 'export.py', '--workdir', str(tmp_path / 'run'), '--out', str(tmp_path / 'hf')],
+                       cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+  assert run.returncode == 1 and 'Traceback' not in run.stderr, run.stderr[-3000:]
+  assert run.stderr.strip().splitlines()[-1] == (f"shardzoo: export error: export directory '{tmp_path}/hf' is not "
+                                                 'empty (model.safetensors): pass --overwrite (overwrite=True) to '
+                                                 'replace the files of an earlier export there, or give an empty '
+                                                 'directory'), run.stderr[-3000:]

@@ -1,6 +1,7 @@
 """Hugging Face import: logits match transformers (torch, fp32) with the model sharded on 8 devices;
 each device reads only its slice; unexplained tensors and bad directories are clear errors."""
 import itertools
+import json
 import os
 import shutil
 
@@ -182,3 +183,94 @@ def test_hub_ids_resolve_through_the_cache_and_a_missing_one_says_how_to_fetch_i
       r"and not downloadable \(.*\); fetch "
       r"it where the hub can be reached with `hf download tiny-org/missing --include 'config.json' '\*.safetensors'")):
     hf_import.resolve('tiny-org/missing')
+
+
+# --- config.json that disagrees with the weights; tied heads ------------------------------------------
+
+def variant(src, dst, config=None, tensors=None):
+  """A copy of the single-file HF directory src at dst, with config.json fields and tensors replaced."""
+  from safetensors.numpy import load_file, save_file
+  shutil.copytree(src, dst)
+  c = json.loads((dst / 'config.json').read_text())
+  (dst / 'config.json').write_text(json.dumps({**c, **(config or {})}))
+  save_file({**load_file(str(dst / 'model.safetensors')), **(tensors or {})}, str(dst / 'model.safetensors'))
+  return str(dst)
+
+
+def test_ops_refuse_an_input_they_do_not_fit():
+  """Pad and R check their input (a padded vocabulary of another length was padded or cut silently; a reshape
+  of another element count failed with an IndexError)."""
+  with pytest.raises(ValueError, match=r'^holds 100 entries along axis 0, not 120 \(padded to 128\)$'):
+    Pad(0, 128, 120).shape((100, 64))
+  with pytest.raises(ValueError, match=r'^holds 100 entries along axis 0, not 90$'):
+    Pad(0, 90, 90).shape((100, 64))
+  with pytest.raises(ValueError, match=r'^holds 20 entries along axis 0, more than the 16 it is padded to$'):
+    Pad(0, 16).shape((20, 4))
+  assert Pad(0, 50304, 50257).shape((50257, 8)) == (50304, 8) and Pad(0, 16).shape((10, 4)) == (16, 4)
+  with pytest.raises(ValueError, match=r'^cannot reshape \(64, 32\) to \(64, 4, 16\)$'):
+    R((64, 4, 16)).shape((64, 32))
+  with pytest.raises(ValueError, match=r'^cannot reshape \(4, 4\) to \(-1, 3\)$'):
+    R((-1, 3)).shape((4, 4))
+  assert R((-1, 4)).shape((4, 8)) == (8, 4) and R((2, 8)).shape((4, 4)) == (2, 8)
+
+
+def test_gpt2_vocab_size_that_disagrees_with_wte_is_refused(gpt2_dir, tmp_path):
+  """config.json vocab_size 120 or 90 with 100 rows in wte (transformers refuses both): one error naming the key
+  and shapes, not zero-padded or truncated rows."""
+  for vocab, pad in ((120, 8), (90, 1)):
+    path = variant(gpt2_dir[0], tmp_path / str(vocab), config=dict(vocab_size=vocab))
+    cfg = zoo_config(gpt2_config, 'fsdp,tiny', path, pad_vocab_to=pad)
+    with pytest.raises(hf_import.HFImportError, match=(
+        rf"{path}: transformer.wte.weight \(100, 64\): holds 100 entries along axis 0, not {vocab}.*, for zoo "
+        rf"parameter 'tok/embed/embedding', which expects \({-(-vocab // pad) * pad}, 64\); does config.json match")):
+      pretrained.init_state(build_trainer(cfg), models.HF_FAMILIES)
+
+
+def test_gpt2_head_in_the_file_must_be_a_copy_of_wte(gpt2_dir, tmp_path):
+  """The zoo's GPT-2 is tied: a file's lm_head.weight equal to wte (a tied checkpoint's copy) is accepted, another
+  one (an untied checkpoint: its logits would silently differ) is one error, and so is tie_word_embeddings=false."""
+  from safetensors.numpy import load_file
+  wte = load_file(os.path.join(gpt2_dir[0], 'model.safetensors'))['transformer.wte.weight']
+  cfg = zoo_config(gpt2_config, 'fsdp,tiny', variant(gpt2_dir[0], tmp_path / 'copy', tensors={'lm_head.weight': wte}))
+  trainer = build_trainer(cfg)
+  state = pretrained.init_state(trainer, models.HF_FAMILIES)
+  np.testing.assert_array_equal(np.asarray(state.params['tok']['embed']['embedding'])[:100], wte)
+  cfg.init_from = variant(gpt2_dir[0], tmp_path / 'untied', tensors={'lm_head.weight': wte + 1})
+  with pytest.raises(hf_import.HFImportError, match=(
+      rf"^{cfg.init_from}: lm_head.weight \(100, 64\) is not a copy of the embedding transformer.wte.weight "
+      r"\(100, 64\), but the model ties its head to the embedding \(config.json tie_word_embeddings=")):
+    pretrained.init_state(trainer, models.HF_FAMILIES)
+  cfg.dont_load = '^tok/'  # a fresh embedding: the tied head is fresh too, the file's head is not wanted
+  pretrained.init_state(trainer, models.HF_FAMILIES)
+  with pytest.raises(ValueError, match=r"config.json tie_word_embeddings=False: the zoo's GPT-2 ties its head"):
+    zoo_config(gpt2_config, 'fsdp,tiny', variant(gpt2_dir[0], tmp_path / 'cfg', config=dict(tie_word_embeddings=False)))
+
+
+def test_llama_config_json_that_disagrees_with_the_weights_is_refused(tmp_path):
+  """Tied in config.json but a different lm_head.weight in the file; kv heads, heads or head_dim that do not
+  divide the projections (an IndexError from the reshape before): each one error naming the HF key."""
+  from configs import llama as llama_config
+  torch.manual_seed(0)
+  hf_cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+  src = str(tmp_path / 'src')
+  transformers.LlamaForCausalLM(hf_cfg).save_pretrained(src)
+  from safetensors.numpy import load_file
+  emb = load_file(os.path.join(src, 'model.safetensors'))['model.embed_tokens.weight']
+  cfg = zoo_config(llama_config, 'fsdp,tiny', variant(src, tmp_path / 'copy', tensors={'lm_head.weight': emb}))
+  assert cfg.model.tie_embeddings
+  trainer = build_trainer(cfg)
+  pretrained.init_state(trainer, models.HF_FAMILIES)  # a tied checkpoint's copy of the embedding
+  cfg.init_from = variant(src, tmp_path / 'untied', tensors={'lm_head.weight': emb * 2})
+  with pytest.raises(hf_import.HFImportError, match=(
+      r"lm_head.weight \(96, 64\) is not a copy of the embedding model.embed_tokens.weight \(96, 64\), but the model "
+      r"ties its head to the embedding \(config.json tie_word_embeddings=True\)")):
+    pretrained.init_state(trainer, models.HF_FAMILIES)
+  for name, edit, key, shapes in (
+      ('kv', dict(num_key_value_heads=4), 'k_proj', r'\(32, 64\): cannot reshape \(64, 32\) to \(64, 4, 16\)'),
+      ('heads', dict(num_attention_heads=2), 'q_proj', r'\(64, 64\): cannot reshape \(64, 64\) to \(64, 2, 16\)'),
+      ('head_dim', dict(head_dim=32), 'q_proj', r'\(64, 64\): cannot reshape \(64, 64\) to \(64, 4, 32\)')):
+    cfg = zoo_config(llama_config, 'fsdp,tiny', variant(src, tmp_path / name, config=edit))
+    with pytest.raises(hf_import.HFImportError, match=rf"model.layers.0.self_attn.{key}.weight {shapes}, for zoo "
+                                                      r"parameter .* does config.json match the model config\?"):
+      pretrained.init_state(build_trainer(cfg), models.HF_FAMILIES)
