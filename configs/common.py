@@ -18,17 +18,20 @@ import ml_collections
 
 def parse_arg(arg: str | None, presets: Sequence[str], sizes: Sequence[str], *, default_preset: str,
               default_size: str, file: str) -> tuple[str, str]:
-  """'fsdp,tiny' -> ('fsdp', 'tiny'); unknown words raise naming the choices."""
-  preset, size = default_preset, default_size
+  """'fsdp,tiny' -> ('fsdp', 'tiny'); unknown words, and two presets or two sizes, raise naming them."""
+  given = {}  # 'preset' / 'size' -> the word that chose it
   for word in (w.strip() for w in (arg or '').split(',') if w.strip()):
     if word in presets:
-      preset = word
+      kind = 'preset'
     elif word in sizes:
-      size = word
+      kind = 'size'
     else:
       raise ValueError(f'{file}: unknown config argument {word!r}; presets: {sorted(presets)}, '
                        f'sizes: {sorted(sizes)}')
-  return preset, size
+    if given.get(kind, word) != word:
+      raise ValueError(f'{file}: two {kind}s {given[kind]!r} and {word!r} in {arg!r}; give one preset and/or one size')
+    given[kind] = word
+  return given.get('preset', default_preset), given.get('size', default_size)
 
 
 # The four parallelism presets of the transformer families (gpt2, llama, bert): logical-axis rules (first free

@@ -35,7 +35,9 @@ def get_config(arg: str | None = 'fsdp_tp'):
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(dict(
       name='gpt2', vocab_size=16, max_len=64, num_layers=4, num_heads=4, embed_dim=128, mlp_dim=512,
-      norm_eps=1e-5, dtype='float32', param_dtype='float32', attention='auto'))
+      norm_eps=1e-5, dtype='float32', param_dtype='float32', attention='auto',
+      # the speed and memory options of README's model options table, at the values the model takes without them
+      scan_layers=False, remat='none', logits_dtype='float32', loss_chunks=0))
   c.dataset = common.ConfigDict(dict(
       name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64,
       num_train=65536, num_eval=2000))

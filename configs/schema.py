@@ -7,12 +7,14 @@ field adds it here: tests/test_validation.py goes over every field of every conf
 need the whole config (rules against the mesh, heads dividing the width, a dataset's fields) stay where they
 are, still before compiling.
 
-`parse_flags` is absl's command-line parsing for train.py and export.py, with a bad --config (an unknown
-field, a misspelled preset, a value of the wrong type) reported as one line instead of a traceback.
+`parse_flags` is absl's command-line parsing for train.py, export.py and search.py, with a bad --config (a missing
+or broken file, an unknown field, a misspelled preset, a value of the wrong type) reported as one line instead
+of a traceback.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import importlib
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -20,15 +22,18 @@ from typing import Any
 
 import ml_collections
 from absl import flags
+from ml_collections import config_flags
 
 from errors import ConfigError
 
 INF = float('inf')
+RULE = '(logical name, mesh axis | tuple of mesh axes | None) pair'  # one of config.logical_axis_rules
 
 
 @dataclasses.dataclass(frozen=True)
 class Field:
-  """A field's type (int, float, bool, str, 'regex', 'ints', 'mesh', 'dcn', 'rules', 'rope', 'info') and range."""
+  """A field's type (int, float, bool, str, 'regex', 'ints', 'mesh', 'dcn', 'rules', 'rope', 'remat', 'info') and
+  range."""
   kind: Any
   lo: float = -INF
   hi: float = INF
@@ -40,6 +45,8 @@ class Field:
   def allowed(self) -> str:
     if self.choices is not None:
       text = f'one of {list(self.choices())}'
+      if self.kind == 'remat':  # layers.remat_policy still maps older configs' booleans
+        text += ' (or, in a config file, True/False for full/none)'
     elif self.kind in (int, float):
       name = 'an integer' if self.kind is int else 'a number'
       bounds = [f'{">" if self.lo_open else ">="} {self.lo:g}'] if self.lo > -INF else []
@@ -49,7 +56,7 @@ class Field:
       text = {bool: 'True or False', str: 'a string', 'regex': 'a regular expression (or empty)',
               'ints': 'a non-empty tuple of integers >= 1', 'mesh': 'a dict of mesh axis name -> size >= 1 (one may be -1)',
               'dcn': 'a dict of mesh axis name -> number of slices >= 1',
-              'rules': 'a list of (logical name, mesh axis | tuple of mesh axes | None) pairs',
+              'rules': f'a list of {RULE}s',
               'rope': "None or Llama 3 scaling: (name, value) pairs of rope_type='llama3', factor, low_freq_factor, "
                       'high_freq_factor, original_max_position_embeddings', 'info': 'a string'}[self.kind]
     return text + (' (or None)' if self.optional else '')
@@ -66,7 +73,9 @@ class Field:
         return True
       return (value < self.lo or value > self.hi or (self.lo_open and value == self.lo)
               or (self.hi_open and value == self.hi))
-    if kind in (str, 'info'):
+    if kind in (str, 'info', 'remat'):
+      if kind == 'remat' and isinstance(value, bool):  # older configs: True/False mean full/none
+        return False
       return not isinstance(value, str) or (self.choices is not None and value not in self.choices())
     if kind == 'regex':
       if not isinstance(value, str):
@@ -87,10 +96,7 @@ class Field:
       return not hasattr(value, 'items') or any(
           not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 1 for k, v in value.items())
     if kind == 'rules':
-      axis = lambda a: a is None or isinstance(a, str) or (isinstance(a, (tuple, list)) and
-                                                          all(isinstance(x, str) for x in a))
-      return not isinstance(value, (tuple, list)) or any(
-          not isinstance(r, (tuple, list)) or len(r) != 2 or not isinstance(r[0], str) or not axis(r[1]) for r in value)
+      return not isinstance(value, (tuple, list)) or any(_rule_problem(r) for r in value)
     if kind == 'rope':
       from models import layers
       try:
@@ -102,8 +108,9 @@ class Field:
 
   def bad_values(self) -> list[Any]:
     """Values this field refuses (for tests): one of the wrong type, and one out of range where a range exists."""
-    wrong_type = {bool: 'yes', int: 'four', float: 'small', str: 3, 'info': 3, 'regex': '(unclosed', 'ints': 'abc',
-                  'mesh': {'data': 0}, 'dcn': {'data': -1}, 'rules': [('batch',)], 'rope': dict(rope_type='yarn')}[self.kind]
+    wrong_type = {bool: 'yes', int: 'four', float: 'small', str: 3, 'info': 3, 'remat': 3, 'regex': '(unclosed',
+                  'ints': 'abc', 'mesh': {'data': 0}, 'dcn': {'data': -1}, 'rules': [('batch',)],
+                  'rope': dict(rope_type='yarn')}[self.kind]
     out = [wrong_type]
     if self.choices is not None:
       out.append('no_such_choice')
@@ -114,6 +121,29 @@ class Field:
     if self.kind == 'ints':
       out.append((0,))
     return out
+
+  def message(self, path: str, value: Any) -> str:
+    """The one-line error for a value `problem` refuses: a bad rule of a list of rules is named by its index."""
+    if self.kind == 'rules' and isinstance(value, (tuple, list)):
+      i, why = next((i, _rule_problem(r)) for i, r in enumerate(value) if _rule_problem(r))
+      return f'config.{path}[{i}]={value[i]!r}: must be a {RULE} ({why})'
+    shown = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+    return f'config.{path}={shown!r}: must be {self.allowed()}'
+
+
+def _rule_problem(rule: Any) -> str:
+  """What is wrong with one logical-axis rule ('' if nothing): partitioning/rules.py's AxisRules then parses it."""
+  if not isinstance(rule, (tuple, list)):
+    return f'not a pair but a {type(rule).__name__}'
+  if len(rule) != 2:
+    return f'{len(rule)} items, not 2'
+  name, target = rule
+  if not isinstance(name, str):
+    return f'the logical name {name!r} is not a string'
+  if not (target is None or isinstance(target, str) or (isinstance(target, (tuple, list)) and
+                                                        all(isinstance(a, str) for a in target))):
+    return f'the target {target!r} is not a mesh axis name, a tuple of them or None'
+  return ''
 
 
 def _owned(module: str, name: str, *, sort: bool = False) -> Callable[[], list[Any]]:
@@ -155,7 +185,7 @@ FIELDS: dict[str, Field] = {
     'model.param_dtype': Field(str, choices=DTYPES), 'model.logits_dtype': Field(str, choices=DTYPES),
     'model.loss_chunks': COUNT,  # the LM loss in that many chunks along the length; 0 or 1: off
     'model.attention': Field(str, choices=_owned('models.attention', 'IMPLEMENTATIONS')),
-    'model.remat': Field(str, choices=_owned('models.layers', 'REMAT_POLICIES')),
+    'model.remat': Field('remat', choices=_owned('models.layers', 'REMAT_POLICIES')),  # True/False: full/none
     'model.scan_layers': Field(bool), 'model.vocab_size': POSITIVE, 'model.pad_vocab_to': POSITIVE,
     'model.max_len': POSITIVE, 'model.num_layers': POSITIVE, 'model.num_heads': POSITIVE,
     'model.num_kv_heads': POSITIVE, 'model.head_dim': POSITIVE, 'model.embed_dim': POSITIVE,
@@ -205,16 +235,20 @@ def check(config: ml_collections.ConfigDict) -> None:
       raise ConfigError(f'config.{path} is not a field shardzoo knows; a new field is described in '
                         'configs/schema.py FIELDS (its type and allowed values)')
     if field.problem(value):
-      shown = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
-      raise ConfigError(f'config.{path}={shown!r}: must be {field.allowed()}')
+      raise ConfigError(field.message(path, value))
 
 
 def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) -> list[str]:
   """absl's flag parsing (app.run's flags_parser) with one line for a bad --config instead of a traceback:
-  an unknown field (with ml_collections' suggestion), a misspelled preset or size, a value that does not parse."""
+  a config file that is missing or does not compile, an unknown field (with ml_collections' suggestion, or
+  naming a field this config file does not declare), a misspelled preset or size, a value that does not parse."""
   flag_values = flags.FLAGS if flag_values is None else flag_values
   try:
-    return flag_values(argv)
+    rest = flag_values(argv)
+    for name in _config_flags(flag_values):  # ml_collections defers a config file that failed to load until read
+      if flag_values[name].value is not None:
+        hasattr(flag_values[name].value, 'keys')
+    return rest
   except flags.Error as e:  # a value of the wrong type, or the config file's get_config(arg) refused its argument
     text = str(e)
     cause = [line.strip() for line in text.splitlines() if re.match(r'\s*\w+(Error|Exception): ', line)]
@@ -225,11 +259,41 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) ->
       if re.search(pattern, text):
         message += f' (must be {kind})'
         break
+  except (OSError, SyntaxError) as e:  # the config file is missing, unreadable or not Python
+    message = _load_error(argv, flag_values, e)
   except (AttributeError, KeyError) as e:  # --config.<field> naming no field
     text = str(e.args[0] if e.args else e)
     bad = re.search(r'instead of "([^"]+)"', text) or re.search(r'(\w+)', text)
     name = bad.group(1) if bad else text
     flag = next((a for a in argv if re.match(rf'--config\.([\w.]*\.)?{re.escape(name)}(=|$)', a)), f'--config.{name}')
+    path = flag.split('=', 1)[0][len('--config.'):]
     hint = re.search(r'Did you mean "([^"]+)"', text)
-    message = f'{flag}: the config has no field {name!r}' + (f'; did you mean {hint.group(1)!r}?' if hint else '')
+    if path in FIELDS:  # a field of other config files: a did-you-mean would point at the wrong field
+      message = f'{flag}: this config file does not declare config.{path}'
+    else:
+      message = f'{flag}: the config has no field {name!r}' + (f'; did you mean {hint.group(1)!r}?' if hint else '')
   raise SystemExit(f'shardzoo: config error: {message}')
+
+
+def _config_flags(flag_values: flags.FlagValues) -> list[str]:
+  return [name for name in flag_values if config_flags.config_flags.is_config_flag(flag_values[name])]
+
+
+def _load_error(argv: list[str], flag_values: flags.FlagValues, error: OSError | SyntaxError) -> str:
+  """'--config=<file>[:arg]: no such file' (or the OS error, or the syntax error's file:line and message)."""
+  names = _config_flags(flag_values) or ['config']
+  flag, file = f'--{names[0]}', ''
+  for i, arg in enumerate(argv):
+    given = re.match(rf'--?({"|".join(map(re.escape, names))})(=|$)', arg)
+    if given:
+      value = arg[given.end():] if given.group(2) else (argv[i + 1] if i + 1 < len(argv) else '')
+      flag, file = f'--{given.group(1)}={value}', value.split(':', 1)[0]
+      break
+  if isinstance(error, SyntaxError):
+    return f'{flag}: syntax error at {error.filename}:{error.lineno}: {error.msg}'
+  # ml_collections keeps only the text: '[Errno 2] No such file or directory: <the file>'
+  os_error = re.search(r"\[Errno (\d+)\] ([^:\n]+)(?:: '([^'\n]*)')?", str(error))
+  if os_error and int(os_error.group(1)) == errno.ENOENT:
+    missing = os_error.group(3) or file  # the config file, or a file its get_config reads
+    return f'{flag}: no such file' + (f' {missing!r}' if not flag.endswith(f'={missing}') else '')
+  return f'{flag}: cannot be read ({os_error.group(2) if os_error else str(error).splitlines()[0]})'

@@ -48,8 +48,10 @@ def test_every_field_of_every_config_refuses_bad_values_in_one_line():
         with pytest.raises(errors.ConfigError) as e:
           schema.check(with_value(cfg, path, bad))
         message = str(e.value)
-        assert message.startswith(f'config.{path}={bad!r}: must be ' if path not in schema.OPAQUE else
-                                  f'config.{path}='), (name, message)
+        start = (f'config.{path}=' if path in schema.OPAQUE else  # a list of rules names its first bad rule
+                 f'config.{path}[0]={bad[0]!r}: must be ' if schema.FIELDS[path].kind == 'rules' else
+                 f'config.{path}={bad!r}: must be ')
+        assert message.startswith(start), (name, message)
         assert '\n' not in message, message
         clear += 1
   print(f'config fields: {cases} bad values over {len(list(configs()))} configs, {clear} one-line errors')
@@ -96,6 +98,114 @@ def test_command_line_unknown_field_misspelled_preset_and_wrong_type(name):
       parse(['train.py', f'--config={path}', *extra])
   _, fv = parse(['train.py', f'--config={path}', f'--config.{field}=7'])
   assert schema.leaves(fv.config)[field] == 7
+
+
+def test_missing_or_broken_config_file_is_one_line(tmp_path):
+  missing, broken = str(tmp_path / 'gpt3.py'), tmp_path / 'broken.py'
+  broken.write_text('from configs import common\n\ndef get_config(:\n')
+  for extra in ([], ['--config.seed=3']):  # with overrides ml_collections fails while parsing, else when first read
+    with pytest.raises(SystemExit, match=rf'^shardzoo: config error: --config={missing}: no such file$'):
+      parse(['train.py', f'--config={missing}', *extra])
+    with pytest.raises(SystemExit, match=rf'^shardzoo: config error: --config={broken}:tiny: syntax error at '
+                                         rf'{broken}:3: invalid syntax$'):
+      parse(['train.py', '--config', f'{broken}:tiny', *extra])
+
+
+def test_bad_logical_axis_rule_is_named_by_its_index():
+  cfg = FAMILIES['gpt2'].get_config('fsdp_tp,tiny')
+  rules = [tuple(r) for r in cfg.logical_axis_rules]
+  pair = r'must be a \(logical name, mesh axis \| tuple of mesh axes \| None\) pair'
+  cases = {
+      ('append', ('embed', 'fsdp', 'x')): rf"^config.logical_axis_rules\[{len(rules)}\]=\('embed', 'fsdp', 'x'\): "
+                                          rf'{pair} \(3 items, not 2\)$',
+      ('insert', (None, 'fsdp')): rf"^config.logical_axis_rules\[0\]=\(None, 'fsdp'\): {pair} \(the logical name "
+                                  r'None is not a string\)$',
+      ('insert', ('embed', 3)): rf"^config.logical_axis_rules\[0\]=\('embed', 3\): {pair} \(the target 3 is not",
+  }
+  for (where, rule), message in cases.items():
+    bad = rules + [rule] if where == 'append' else [rule] + rules
+    with pytest.raises(errors.ConfigError, match=message):
+      schema.check(with_value(cfg, 'logical_axis_rules', bad))
+
+
+def test_launch_flags_that_would_be_ignored_or_crash_are_one_error_each():
+  from training import cluster
+  cases = {
+      (None, 2, 0): r'^--num_processes=2 needs --coordinator_address=host:port',
+      (None, 1, 3): r'^--process_id=3 is not in 0..0 \(--num_processes=1\); to start processes by hand',
+      (None, 1, -1): r'^--process_id=-1 is not in 0..0',
+      (None, 0, 0): r'^--num_processes=0 must be >= 1$',
+  }
+  for args, message in cases.items():
+    with pytest.raises(errors.ConfigError, match=message):
+      cluster.Launch(*args, cluster='none')
+  assert cluster.Launch(None, 1, 0, 'none').num_processes == 1
+
+
+def test_default_config_declares_the_documented_model_options():
+  """The README's model options are settable on the Quickstart config, at the values the model took without them."""
+  from models import layers
+  from configs import default
+  model = default.get_config().model
+  assert {'attention', 'remat', 'logits_dtype', 'loss_chunks', 'scan_layers'} <= set(model)
+  bare = ml_collections.ConfigDict({k: v for k, v in model.items() if k not in ('remat', 'logits_dtype', 'loss_chunks',
+                                                                                  'scan_layers')})
+  for read in (layers.stack_options, layers.logits_dtype, layers.loss_chunks):
+    assert read(model) == read(bare), read
+  _, fv = parse(['train.py', f'--config={ROOT}/configs/default.py', '--config.model.scan_layers=True'])
+  assert fv.config.model.scan_layers is True
+
+
+def test_field_of_other_config_files_is_not_declared_here_not_misspelled():
+  with pytest.raises(SystemExit, match=r'^shardzoo: config error: --config.model.remat=full: this config file does '
+                                       r'not declare config.model.remat$'):
+    parse(['train.py', f'--config={ROOT}/configs/mnist.py', '--config.model.remat=full'])
+
+
+def test_remat_booleans_mean_full_and_none_as_documented():
+  from models import layers
+  cfg = FAMILIES['gpt2'].get_config('tiny')
+  for value, policy in ((True, 'full'), (False, 'none')):
+    schema.check(with_value(cfg, 'model.remat', value))
+    assert layers.remat_policy(value) == policy
+  with pytest.raises(errors.ConfigError, match=r"^config.model.remat='True': must be one of \['none', 'full', 'dots', "
+                                               r"'attention'\] \(or, in a config file, True/False for full/none\)$"):
+    schema.check(with_value(cfg, 'model.remat', 'True'))  # what --config.model.remat=True gives a str field
+
+
+def test_two_presets_or_two_sizes_are_refused():
+  gpt2 = FAMILIES['gpt2']
+  with pytest.raises(ValueError, match=r"^gpt2.py: two presets 'tp' and 'dp' in 'tp,dp,tiny'; give one preset"):
+    gpt2.get_config('tp,dp,tiny')
+  with pytest.raises(ValueError, match=r"^gpt2.py: two sizes 'tiny' and 'real' in 'tiny,fsdp,real'"):
+    gpt2.get_config('tiny,fsdp,real')
+  assert (gpt2.get_config('tp,tiny,tp').preset, gpt2.get_config('tp,tiny,tp').size) == ('tp', 'tiny')
+  with pytest.raises(SystemExit, match=r"^shardzoo: config error: flag --config=.*gpt2.py:tp,dp: Error whilst parsing "
+                                       r"config file: gpt2.py: two presets 'tp' and 'dp'"):
+    parse(['train.py', f'--config={ROOT}/configs/gpt2.py:tp,dp'])
+
+
+def test_freeze_or_dont_load_matching_no_parameter_is_an_error():
+  import types
+
+  import jax
+  import jax.numpy as jnp
+
+  from training import optim, pretrained
+  leaf = jax.ShapeDtypeStruct((4,), jnp.float32)
+  params = {'tok': {'embedding': leaf}, 'blocks': {str(i): {'w': leaf} for i in range(6)}, 'ln_f': {'scale': leaf}}
+  with pytest.raises(errors.ConfigError, match=r"^config.freeze='\^nothing_here/' matches no parameter path \(it would "
+                                               r"freeze nothing\); paths are e.g. 'blocks/0/w', .*'tok/embedding' "
+                                               r'\(4 of 8\)$'):
+    optim.trainable_labels(params, '^nothing_here/', None)
+  assert optim.trainable_labels(params, '^tok/', None)['tok']['embedding'] == 'frozen'
+  config = ml_collections.ConfigDict(dict(init_from='/no/such/dir', dont_load='^nothing_here/'))
+  trainer = types.SimpleNamespace(config=config, abstract=types.SimpleNamespace(params=params, model_state={}))
+  with pytest.raises(errors.ConfigError, match=r"^config.dont_load='\^nothing_here/' matches no parameter path "
+                                               r"\(everything would be loaded\); paths are e.g. 'blocks/0/w'"):
+    pretrained.init_state(trainer, {})  # before anything is read
+  config.dont_load = '^ln_f/'
+  pretrained.check_dont_load(trainer)
 
 
 # --- Hugging Face directories ------------------------------------------------------------------------

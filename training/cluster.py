@@ -71,10 +71,18 @@ class Launch:
 
   def __init__(self, coordinator_address: str | None, num_processes: int, process_id: int, cluster: str = 'auto'):
     self.manual = coordinator_address is not None or num_processes > 1
+    if num_processes < 1:
+      raise ConfigError(f'--num_processes={num_processes} must be >= 1')
     if self.manual and num_processes < 2:
       raise ConfigError(f'--coordinator_address={coordinator_address} needs --num_processes >= 2 (got {num_processes})')
-    if self.manual and not 0 <= process_id < num_processes:
-      raise ConfigError(f'--process_id={process_id} is not in 0..{num_processes - 1} (--num_processes={num_processes})')
+    if self.manual and coordinator_address is None:
+      raise ConfigError(f'--num_processes={num_processes} needs --coordinator_address=host:port (process 0\'s address; '
+                        'and --process_id on each process); under a scheduler (SLURM, Open MPI, Kubernetes, Cloud TPU) '
+                        'leave out both: the scheduler gives them')
+    if not 0 <= process_id < num_processes:
+      raise ConfigError(f'--process_id={process_id} is not in 0..{num_processes - 1} (--num_processes={num_processes})'
+                        + ('' if self.manual else '; to start processes by hand give --num_processes and '
+                                                  '--coordinator_address too'))
     self.coordinator_address, self.process_id, self.cluster = coordinator_address, process_id, cluster
     self.env = None
     if self.manual or cluster == 'none':

@@ -27,10 +27,20 @@ def trainable_labels(params: Any, freeze: str | None, train_only: str | None) ->
     p = path_str(path)
     frozen = bool(freeze and re.search(freeze, p)) or bool(train_only and not re.search(train_only, p))
     return 'frozen' if frozen else 'train'
+  paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+  if freeze and not any(re.search(freeze, p) for p in paths):
+    raise ConfigError(f'config.freeze={freeze!r} matches no parameter path (it would freeze nothing); paths are '
+                      f'e.g. {example_paths(paths)}')
   labels = jax.tree_util.tree_map_with_path(label, params)
   if 'train' not in jax.tree.leaves(labels):
     raise ConfigError(f'config.freeze={freeze!r} / train_only={train_only!r} freeze every parameter: nothing to train')
   return labels
+
+
+def example_paths(paths: list[str], n: int = 4) -> str:
+  """A few of `paths`, spread over the list, for an error message about a regex over them."""
+  picked = [paths[i * (len(paths) - 1) // (n - 1)] for i in range(n)] if len(paths) > n else paths
+  return ', '.join(map(repr, picked)) + (f' ({n} of {len(paths)})' if len(paths) > n else '')
 
 
 OPTIMIZERS = ('adamw', 'sgd')

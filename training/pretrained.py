@@ -20,7 +20,7 @@ from flax import nnx
 from errors import ConfigError
 from models import hf_import, lora
 from partitioning import path_str
-from training import checkpoint
+from training import checkpoint, optim
 from training.trainer import Trainer, TrainState, _split
 
 
@@ -63,18 +63,51 @@ def adopt_hf_config(config: ml_collections.ConfigDict, families: dict[str, hf_im
   return fields, kept
 
 
+def check_dont_load(trainer: Trainer) -> None:
+  """config.dont_load must be a regex that matches some parameter (or model state) path: one that matches none
+  would load everything, silently. Cheap (abstract shapes): train.py can call it before compiling."""
+  dont_load = trainer.config.get('dont_load') or None
+  if not dont_load:
+    return
+  try:
+    pattern = re.compile(dont_load)
+  except re.error as e:
+    raise ConfigError(f'config.dont_load={dont_load!r} is not a valid regex: {e}') from None
+  paths = list(_flat(trainer.abstract.params)) + list(_flat(trainer.abstract.model_state))
+  if not any(pattern.search(p) for p in paths):
+    raise ConfigError(f'config.dont_load={dont_load!r} matches no parameter path (everything would be loaded); paths '
+                      f'are e.g. {optim.example_paths(paths)}')
+
+
+def _not_loaded(config: ml_collections.ConfigDict) -> str | None:
+  """The regex of the parameters left to fresh initialisation: config.dont_load, and LoRA's adapters (B = 0)."""
+  dont_load = config.get('dont_load') or None
+  if config.get('lora') is not None and config.lora.get('rank', 0):
+    dont_load = '|'.join(f'(?:{r})' for r in (dont_load, lora.LORA_PARAM.pattern) if r)
+  return dont_load
+
+
+def check_source(trainer: Trainer) -> None:
+  """config.init_from's checks that read no weights (train.py runs them before compiling): dont_load matches a
+  parameter; the path is a Hugging Face directory (its config.json was adopted by adopt_hf_config; tensor
+  shapes are checked as they stream) or a checkpoint of this project whose parameter shapes, read from its
+  metadata, are the model's. ConfigError / CheckpointError naming the culprit."""
+  check_dont_load(trainer)
+  path = trainer.config.init_from
+  if hf_import.is_hf_dir(path):
+    return
+  if not os.path.isdir(path):
+    raise ConfigError(f'config.init_from={path!r} is neither a checkpoint directory of this project nor a '
+                      'Hugging Face model directory (config.json + *.safetensors)')
+  checkpoint.check_weights(path, trainer, dont_load=_not_loaded(trainer.config))
+
+
 def init_state(trainer: Trainer, families: dict[str, hf_import.Family]) -> TrainState:
   """The train state with pretrained params (born in their shardings), fresh optimizer state,
   and fresh initialisation for parameters matching config.dont_load."""
   config = trainer.config
-  path, dont_load = config.init_from, config.get('dont_load') or None
-  if dont_load:
-    try:
-      re.compile(dont_load)
-    except re.error as e:
-      raise ConfigError(f'config.dont_load={dont_load!r} is not a valid regex: {e}') from None
-  if config.get('lora') is not None and config.lora.get('rank', 0):  # adapters start fresh (B = 0)
-    dont_load = '|'.join(f'(?:{r})' for r in (dont_load, lora.LORA_PARAM.pattern) if r)
+  path, dont_load = config.init_from, _not_loaded(config)
+  check_dont_load(trainer)
   loaded_state = None
   if hf_import.is_hf_dir(path):
     got = hf_import.import_weights(hf_import.HFDir(path), hf_family(config, families), config.model,

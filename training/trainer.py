@@ -105,7 +105,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
 
   # Batches: check the global batch against the 'batch' rule first, for the clearest message.
   B = config.batch_size
-  partitioning.check_batch(B, rules.spec(('batch',), what="logical axis 'batch'"), mesh.shape)
+  partitioning.check_batch(B, rules.spec(('batch',), what='the global batch'), mesh.shape)
   batch_abstract = {k: jax.ShapeDtypeStruct((B,) + tuple(shape), dtype)
                     for k, (shape, dtype) in task.example_shapes(config).items()}
   batch_axes = task.fields(config)
