@@ -114,6 +114,11 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
   # dataset makes its fields (shapes, dtypes) and fits the model's vocabulary and classes.
   ds = data.build(config)
   trainer.task.check_data(config, ds.example_spec(), ds.vocab, ds.num_classes)
+  max_len = config.model.get('max_len')
+  if ds.language is not None and config.get('sample_len') and max_len and 2 + config.sample_len > max_len:
+    raise errors.ConfigError(f'config.sample_len={config.sample_len}: the sample after training (2 prompt tokens '
+                             f'+ sample_len) would be {2 + config.sample_len} tokens, over config.model.max_len='
+                             f'{max_len}')
   B = config.batch_size
   rows = data.local_rows(trainer.batch_shardings['mask'], trainer.batch_abstract['mask'].shape)
   train_iter = ds.train_iterator(B, rows, config.seed)  # its position resumes exactly, with any process count
@@ -129,12 +134,22 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
   ckpt = None
   if workdir:
     checkpoint.ensure_writable(workdir)
-    export.save_run_config(config, workdir)  # what export.py rebuilds the model from
   if workdir and config.get('checkpoint_every', 0) > 0:
     ckpt = checkpoint.Checkpointer(os.path.join(workdir, 'checkpoints'), every_steps=config.checkpoint_every,
                                    keep=config.get('keep_checkpoints', 2))
     cleanup.callback(ckpt.close)
     cleanup.callback(ckpt.wait)  # runs first: a save in flight completes
+  elif workdir and checkpoint.steps_in(os.path.join(workdir, 'checkpoints')):  # never a silent fresh start
+    steps = checkpoint.steps_in(os.path.join(workdir, 'checkpoints'))
+    raise errors.ConfigError(f"config.checkpoint_every={config.get('checkpoint_every', 0)}, but {workdir}/checkpoints "
+                             f'holds checkpoints (steps {steps}): set config.checkpoint_every to resume from them, '
+                             'or give another --workdir')
+  # What the state comes from, checked against the model from metadata before compiling (damage: see below).
+  if ckpt is not None and ckpt.latest_step() is not None:
+    with contextlib.suppress(errors.DamagedCheckpointError):
+      ckpt.check(trainer)
+  elif config.get('init_from'):
+    pretrained.check_source(trainer)
 
   # --- Compile once (ahead of time), then create the state directly in its shardings ------------
   t0 = time.perf_counter()
@@ -155,11 +170,16 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
       logging.warning('checkpoint: %s', w)
       say(f'WARNING checkpoint: {w}')
     say(f'resumed from {ckpt.directory}/{int(state.step)}')
+    if int(state.step) >= config.total_steps:  # a finished run rerun (or total_steps lowered): no eval, no sample
+      say(f'checkpoint step {int(state.step)} >= config.total_steps={config.total_steps}: nothing to train')
+      return {'state': state, 'nonfinite_skipped': []}
   elif config.get('init_from'):
     state = pretrained.init_state(trainer, models.HF_FAMILIES)
     say(f'initialised from {config.init_from}' + (f' except {config.dont_load!r}' if config.get('dont_load') else ''))
   else:
     state = training.init_state(trainer)
+  if workdir:  # what export.py rebuilds the model from; written once the run has started (a failed resume keeps it)
+    export.save_run_config(config, workdir)
   guard = training.NonFiniteGuard(trainer, config.get('on_nonfinite', 'stop'), config.get('max_nonfinite_skips', 10))
   last_good = lambda: 'none' if ckpt is None or ckpt.latest_step() is None else f'{ckpt.directory}/{ckpt.latest_step()}'
   preemption = Preemption(sync_every=config.log_every)
@@ -173,7 +193,7 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
   writer.write_hparams({k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str))})
   progress = periodic_actions.ReportProgress(num_train_steps=config.total_steps, writer=writer,
                                              every_steps=config.log_every, every_secs=None)
-  pending, wait_s, t_last, step_last, result = [], 0.0, time.perf_counter(), 0, {}
+  pending, wait_s, t_last, step_last, result = [], 0.0, time.perf_counter(), int(state.step), {}
   for step in range(int(state.step) + 1, config.total_steps + 1):
     # Input wait = time the device sat idle for the next batch: next() is timed only when the previous
     # step had already finished (with asynchronous dispatch, time spent in next() while the device is
@@ -188,7 +208,8 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
     progress(step)
     if profiler.after(step, state):
       say(f'profile of steps {profiler.first}-{step} in {workdir} (TensorBoard profile tab; perfetto_trace.json.gz)')
-    if step % config.log_every == 0 or step == config.total_steps:
+    stop = preemption.requested(step)  # SIGTERM: log the pending steps, save and stop
+    if step % config.log_every == 0 or step == config.total_steps or stop:
       guard.check(last_good())  # a non-finite step stops the run here ('stop'), or is counted ('skip')
       logged = {k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0]
                 if k != training.FIRST_NONFINITE}
@@ -216,7 +237,7 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
     if ckpt is not None and ckpt.due(step, force=step == config.total_steps):
       guard.check(last_good())  # no checkpoint is written after a non-finite step under 'stop'
       ckpt.save(step, state, train_iter, force=step == config.total_steps)  # asynchronous: training goes on
-    if preemption.requested(step):
+    if stop:
       if ckpt is not None:
         guard.check(last_good())
         ckpt.save(step, state, train_iter, force=True)
@@ -261,7 +282,7 @@ def main(argv) -> None:
   config = FLAGS.config
   if config is None:
     raise app.UsageError('--config is required, e.g. --config configs/default.py')
-  if FLAGS.workdir is None and not FLAGS.dry_run:
+  if not FLAGS.workdir and not FLAGS.dry_run:  # also --workdir= (an unset $WORKDIR in a script)
     raise app.UsageError('--workdir is required (metrics are written there)')
   try:
     schema.check(config)  # before JAX starts

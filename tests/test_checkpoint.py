@@ -1,5 +1,6 @@
 """Checkpoints: restore exactly, onto other meshes and rules, params only; clear errors for bad input."""
 import json
+import os
 import re
 import shutil
 
@@ -7,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+import data
 from tests.conftest import build_trainer, tiny_config, train_on_random_batches
 from training import checkpoint
 
@@ -131,6 +133,10 @@ def test_damaged_latest_checkpoint_falls_back_and_is_kept(saved, tmp_path):
     assert len(warnings) == 1 and re.match(rf'checkpoint {d}/4 (is missing or corrupt|could not be restored).*; '
                                            rf'moved aside to {d}/4.damaged \(not deleted\); resumed from step 2$', warnings[0]), warnings
     assert (d / '4.damaged' / 'state').is_dir() and not (d / '4').exists()
+    # Step 4 is free again: the next save there (here the final one, forced) is written, not skipped.
+    assert ckpt.due(4, force=True) and ckpt.save(4, state, it, force=True), name
+    ckpt.wait()
+    assert sorted(p.name for p in d.iterdir()) == ['2', '4', '4.damaged'], name
     ckpt.close()
     # The only checkpoint damaged: an error, and nothing moved (a rerun must not start afresh silently).
     only = tmp_path / f'{name}_only'
@@ -141,6 +147,66 @@ def test_damaged_latest_checkpoint_falls_back_and_is_kept(saved, tmp_path):
       ckpt.restore_latest(trainer, _Iter())
     assert (only / '2' / 'state').is_dir() and ckpt.latest_step() == 2
     ckpt.close()
+
+
+@pytest.mark.parametrize('override,first', [({'optim.name': 'sgd'}, '1/0/trace/blocks/layers/0/attn/key/layer/bias'),
+                                            ({'freeze': 'embed'}, 'inner_states/train/inner_state/1/0/count')])
+def test_checkpoint_of_another_optimizer_is_a_config_error_not_damage(saved, override, first):
+  """Another optimizer or freeze (same parameters): one CheckpointError naming the first optimizer state and the
+  config fields to compare, before orbax reads anything; not damage, so nothing is moved aside."""
+  directory, _ = saved
+  cfg = tiny_config('fsdp_tp')
+  cfg.update_from_flattened_dict(override)
+  ckpt = checkpoint.Checkpointer(directory, every_steps=1, keep=2)
+  with pytest.raises(checkpoint.CheckpointError) as info:
+    ckpt.restore_latest(build_trainer(cfg), _Iter())
+  ckpt.close()
+  assert not isinstance(info.value, checkpoint.DamagedCheckpointError)
+  assert re.fullmatch(rf"checkpoint {directory}/2: optimizer state 'opt_state/{first}' \(shape \([\d, ]*\)\) is "
+                      r"missing from the checkpoint; the checkpoint has instead e.g. \['opt_state/1/0/count', .*\]\. Was it "
+                      r'written with another optimizer\? Compare config.optim.name, config.freeze, config.train_only '
+                      r'and the optimizer settings .*', str(info.value)), str(info.value)
+  assert sorted(os.listdir(directory)) == ['2']
+
+
+def test_a_missing_data_position_is_damage_and_another_batch_size_names_the_checkpoint(saved, tmp_path):
+  """A data.RowsIterator's position (one JSON file per process): none there is damage naming <step>/data, so
+  the previous checkpoint is resumed (at its position). A position this run cannot take (another batch size)
+  is a CheckpointError naming the checkpoint, and nothing is moved aside."""
+  directory, _ = saved
+  cfg = tiny_config('fsdp_tp')
+  ds = data.build(cfg)
+  rows_iter = lambda batch: ds.train_iterator(batch, slice(0, batch), cfg.seed)
+  source = rows_iter(16)
+  batches = [next(source) for _ in range(4)]
+  d = tmp_path / 'run'
+  for step in (2, 4):  # a RowsIterator's position after 3 batches; step 4's then lost
+    shutil.copytree(f'{directory}/2', d / str(step))
+  source = rows_iter(16)
+  [next(source) for _ in range(3)]
+  (d / '2' / 'data' / 'process_0-of-1.json').write_text(json.dumps(source.get_state()))
+  (d / '4' / 'data' / 'process_0-of-1.json').unlink()
+  source.close()
+  trainer = build_trainer(cfg)
+  ckpt = checkpoint.Checkpointer(str(d), every_steps=1, keep=2)
+  wide = rows_iter(32)
+  with pytest.raises(checkpoint.CheckpointError) as info:
+    ckpt.restore_latest(trainer, wide)
+  wide.close()
+  assert not isinstance(info.value, checkpoint.DamagedCheckpointError)
+  assert str(info.value) == (f'checkpoint {d}/2: the saved data position is for a global batch of 16 (unpacked); '
+                             'this run reads 32 (unpacked): resume with the batch size it was saved with')
+  missing = f'checkpoint {d}/4 is missing or corrupt: the data position in {d}/4/data is missing'
+  it = rows_iter(16)
+  with pytest.raises(checkpoint.DamagedCheckpointError, match=rf'^{missing} .*\(config.resume_fallback=True'):
+    ckpt.restore_latest(trainer, it, fallback=False)
+  assert sorted(p.name for p in d.iterdir()) == ['2', '4']
+  state, warnings = ckpt.restore_latest(trainer, it)
+  assert int(state.step) == 2 and len(warnings) == 1 and warnings[0].startswith(missing), warnings
+  assert warnings[0].endswith(f'moved aside to {d}/4.damaged (not deleted); resumed from step 2'), warnings
+  jax.tree.map(np.testing.assert_array_equal, next(it), batches[3])
+  it.close()
+  ckpt.close()
 
 
 def test_a_save_cut_short_is_never_picked_up_and_is_cleaned_up(saved, tmp_path):

@@ -1,6 +1,7 @@
 """train.py end to end with checkpoints: SIGTERM saves and stops; rerunning resumes and ends bitwise
 equal to an uninterrupted run; fine-tuning from a Hugging Face directory and from our own checkpoint."""
 import os
+import re
 import signal
 import threading
 import time
@@ -11,6 +12,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import errors  # noqa: E402
 import train  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
 
@@ -36,20 +38,47 @@ def _sigterm_when(path, min_step):
   return thread
 
 
-def test_sigterm_saves_and_resume_is_bitwise_equal(tmp_path):
+def test_sigterm_saves_and_resume_is_bitwise_equal(tmp_path, capsys):
   full = train.train_and_evaluate(_config(), str(tmp_path / 'full'))['state']
 
   workdir = str(tmp_path / 'interrupted')
-  watcher = _sigterm_when(os.path.join(workdir, 'checkpoints'), 8)
+  ckpts, run_config = os.path.join(workdir, 'checkpoints'), os.path.join(workdir, 'run_config.json')
+  watcher = _sigterm_when(ckpts, 8)
+  capsys.readouterr()
   first = train.train_and_evaluate(_config(), workdir)
   watcher.join(timeout=5)
   stopped = first['preempted_at']
   assert 8 <= stopped < 24, stopped
-  assert str(stopped) in os.listdir(os.path.join(workdir, 'checkpoints'))  # saved at the SIGTERM step
+  assert str(stopped) in os.listdir(ckpts)  # saved at the SIGTERM step
+  # The steps since the last log line are logged before stopping (log_every=4).
+  assert re.search(rf'^step {stopped:5d} \|.*\nSIGTERM: stopped at step {stopped},', capsys.readouterr().out, re.M)
 
   resumed = train.train_and_evaluate(_config(), workdir)  # the same command again
   assert 'preempted_at' not in resumed
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed['state']), jax.device_get(full))
+
+  # Rerunning the finished run: one line says so; nothing is trained or evaluated.
+  kept = sorted(os.listdir(ckpts))  # [16 or the SIGTERM step, 24]
+  capsys.readouterr()
+  again = train.train_and_evaluate(_config(), workdir)
+  assert 'checkpoint step 24 >= config.total_steps=24: nothing to train\n' in capsys.readouterr().out
+  assert int(again['state'].step) == 24 and 'eval' not in again and sorted(os.listdir(ckpts)) == kept
+
+  # A resume that fails leaves run_config.json (what export.py rebuilds the model from) as it was, here with
+  # step 24's data position lost and config.resume_fallback=False, which run_config.json would otherwise record.
+  with open(run_config) as f:
+    written = f.read()
+  os.remove(os.path.join(ckpts, '24', 'data', 'process_0-of-1.json'))
+  with pytest.raises(errors.DamagedCheckpointError, match=rf'^checkpoint {ckpts}/24 is missing or corrupt: the data '
+                                                          rf'position in {ckpts}/24/data is missing'):
+    train.train_and_evaluate(_config(resume_fallback=False), workdir)
+  with open(run_config) as f:
+    assert f.read() == written
+
+  # The fallback (the default): 24 moved aside, the one before resumed, and step 24 is saved again at the end.
+  again = train.train_and_evaluate(_config(), workdir)
+  assert sorted(os.listdir(ckpts)) == [*kept, '24.damaged']
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(again['state']), jax.device_get(full))
 
 
 @pytest.fixture(scope='module')

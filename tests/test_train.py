@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import data
+import errors
 import models
 import train
 from tests.conftest import BACKEND_COMPILE, ROOT, recorded_compile_events, subprocess_env, tiny_config
@@ -94,6 +95,29 @@ def test_an_exception_in_the_loop_releases_everything_and_a_corrupt_checkpoint_s
   assert signal.getsignal(signal.SIGTERM) is handler
   state_dir = tmp_path / 'checkpoints' / '1' / 'state'
   assert (state_dir / '_METADATA').is_file()  # step 1's asynchronous save finished before the error surfaced
+  # Another model, another optimizer, or checkpointing off in this workdir: one error before compiling.
+  for overrides, error in (
+      ({'model.mlp_dim': 256}, r"parameter 'blocks/layers/0/mlp/down/layer/kernel': the model expects shape "
+                               r'\(256, 64\), the checkpoint has \(128, 64\)'),
+      ({'optim.name': 'sgd'}, r"optimizer state '.*' .*Was it written with another optimizer"),
+      ({'checkpoint_every': 0}, rf'config.checkpoint_every=0, but {tmp_path}/checkpoints holds checkpoints '
+                                r'\(steps \[1\]\): set config.checkpoint_every to resume from them')):
+    other = tiny_config('fsdp_tp', checkpoint_every=1, total_steps=3)
+    other.update_from_flattened_dict(overrides)
+    with recorded_compile_events() as compiles, pytest.raises(errors.ConfigError, match=error):
+      train.train_and_evaluate(other, str(tmp_path))
+    assert compiles.count(BACKEND_COMPILE) == 0, (overrides, compiles)
+  # Likewise starting another run from it (init_from): a missing path, a workdir for its checkpoints, another model.
+  for init_from, mlp_dim, error in (
+      (tmp_path / 'nowhere', 128, r'is neither a checkpoint directory of this project nor a Hugging Face model'),
+      (tmp_path, 128, rf"no checkpoint there .*; a run's checkpoints are in its workdir's checkpoints/: "
+                      rf'{tmp_path}/checkpoints$'),
+      (tmp_path / 'checkpoints', 256, r"parameter 'blocks/layers/0/mlp/down/layer/kernel': the model expects shape")):
+    other = tiny_config('fsdp_tp', init_from=str(init_from), total_steps=3)
+    other.model.mlp_dim = mlp_dim
+    with recorded_compile_events() as compiles, pytest.raises(errors.ConfigError, match=error):
+      train.train_and_evaluate(other, str(tmp_path / 'finetune'))
+    assert compiles.count(BACKEND_COMPILE) == 0, (init_from, compiles)
   (state_dir / '_METADATA').write_text('{not json')
   flags = ['--config.model.num_layers=2', '--config.model.embed_dim=64', '--config.model.mlp_dim=128',
            '--config.model.max_len=16', '--config.dataset.seq_len=16', '--config.dataset.num_train=512',
@@ -102,3 +126,18 @@ def test_an_exception_in_the_loop_releases_everything_and_a_corrupt_checkpoint_s
   r = _cli('--workdir', str(tmp_path), *flags)
   assert r.returncode == 1, r.stderr[-2000:]
   assert r.stderr.strip().splitlines()[-1].startswith('shardzoo: checkpoint error: checkpoint ') and 'corrupt' in r.stderr
+
+
+def test_a_sample_longer_than_the_model_is_refused_before_compiling(tmp_path):
+  cfg = tiny_config(sample_len=15)  # 2 prompt tokens + 15 > max_len 16
+  with recorded_compile_events() as compiles, pytest.raises(errors.ConfigError, match=(
+      r'^config.sample_len=15: the sample after training \(2 prompt tokens \+ sample_len\) would be 17 tokens, '
+      r'over config.model.max_len=16$')):
+    train.train_and_evaluate(cfg, str(tmp_path))
+  assert compiles.count(BACKEND_COMPILE) == 0, compiles
+
+
+@pytest.mark.slow
+def test_cli_empty_workdir_is_a_usage_error():
+  r = _cli('--workdir=', '--config.total_steps=1')  # e.g. an unset $WORKDIR: once ran with no checkpoints
+  assert r.returncode != 0 and '--workdir is required' in r.stderr, r.stderr[-2000:]

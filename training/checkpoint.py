@@ -52,22 +52,28 @@ def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
   return {path_str(p): (tuple(x.shape), str(np.dtype(x.dtype))) for p, x in leaves}
 
 
-def check_compatible(expected: Any, found: Any, *, what: str, source: str) -> None:
-  """Raises CheckpointError naming the first parameter whose path, shape or dtype differs."""
+ANOTHER_MODEL = 'Was it written by another model or config?'
+ANOTHER_OPTIMIZER = ('Was it written with another optimizer? Compare config.optim.name, config.freeze, '
+                     'config.train_only and the optimizer settings (config.optim.*, e.g. grad_clip) with the run '
+                     'that wrote it')
+
+
+def check_compatible(expected: Any, found: Any, *, what: str, source: str, hint: str = ANOTHER_MODEL) -> None:
+  """Raises CheckpointError naming the first parameter (or optimizer state) whose path or shape differs."""
   exp, got = _shapes(expected), _shapes(found)
   for path, (shape, dtype) in exp.items():
     if path not in got:
       extra = sorted(set(got) - set(exp))
-      hint = f'; the checkpoint has instead e.g. {extra[:3]}' if extra else ''
-      raise CheckpointError(f'{source}: {what} {path!r} (shape {shape}) is missing from the checkpoint{hint}. '
-                            'Was it written by another model or config?')
+      instead = f'; the checkpoint has instead e.g. {extra[:3]}' if extra else ''
+      raise CheckpointError(f'{source}: {what} {path!r} (shape {shape}) is missing from the checkpoint{instead}. '
+                            f'{hint}')
     if got[path][0] != shape:
       raise CheckpointError(f'{source}: {what} {path!r}: the model expects shape {shape}, the checkpoint has '
-                            f'{got[path][0]}. Was it written by another model or config?')
+                            f'{got[path][0]}. {hint}')
   extra = sorted(set(got) - set(exp))
   if extra:
     raise CheckpointError(f'{source}: the checkpoint has {what}s the model does not: {extra[:5]}'
-                          f'{" ..." if len(extra) > 5 else ""}. Was it written by another model or config?')
+                          f'{" ..." if len(extra) > 5 else ""}. {hint}')
 
 
 def ensure_writable(directory: str, what: str = 'workdir') -> None:
@@ -118,8 +124,13 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
     item = item or args.item
     if not isinstance(item, RowsIterator):
       return super().restore(directory, item=item)
-    saved = [json.loads(f.read_text()) for f in sorted(directory.glob('process_*-of-*.json'))]
-    if saved and 'global_batch' not in saved[0]:  # written before positions named their rows: same layout only
+    try:  # missing or unreadable: damage (restore_latest falls back); other mismatches are CheckpointErrors
+      saved = [json.loads(f.read_text()) for f in sorted(directory.glob('process_*-of-*.json'))]
+    except (OSError, ValueError) as e:
+      raise DamagedCheckpointError(f'the data position in {directory} cannot be read ({e})') from e
+    if not saved:
+      raise DamagedCheckpointError(f'the data position in {directory} is missing (no process_*-of-*.json there)')
+    if 'global_batch' not in saved[0]:  # written before positions named their rows: same layout only
       mine = directory / f'process_{jax.process_index()}-of-{jax.process_count()}.json'
       if not mine.exists():
         raise CheckpointError(f'the data position in {directory} was written by {len(saved)} process(es) in an older '
@@ -181,6 +192,20 @@ class Checkpointer:
       self._last_saved, self._in_flight = step, step
     return saved
 
+  def check(self, trainer: Trainer, step: int | None = None) -> Any:
+    """Checks a checkpoint's shapes against the trainer's from its metadata alone (train.py: before compiling):
+    CheckpointError naming the first parameter, model state or optimizer state that differs;
+    DamagedCheckpointError if the metadata cannot be read. Returns the abstract train state to restore."""
+    step = self.latest_step() if step is None else step
+    source = f'checkpoint {self.directory}/{step}'
+    abstract = _abstract(trainer)
+    found = _read_metadata(self.manager, step, source)  # DamagedCheckpointError if unreadable
+    check_compatible(abstract['params'], found['params'], what='parameter', source=source)
+    check_compatible(abstract['model_state'], found.get('model_state', {}), what='model state', source=source)
+    check_compatible({'opt_state': abstract['opt_state']}, {'opt_state': found.get('opt_state', {})},
+                     what='optimizer state', source=source, hint=ANOTHER_OPTIMIZER)  # not damage either
+    return abstract
+
   def restore(self, trainer: Trainer, data_iter: Any, step: int | None = None) -> TrainState:
     """Restores the train state into the trainer's shardings (any mesh, any rules) and the data
     iterator's position (any process count for a data.RowsIterator), checking shapes first."""
@@ -188,16 +213,18 @@ class Checkpointer:
     if step is None:
       raise CheckpointError(f'no checkpoint in {self.directory}')
     source = f'checkpoint {self.directory}/{step}'
-    abstract = _abstract(trainer)
-    found = _read_metadata(self.manager, step, source)  # DamagedCheckpointError if unreadable
-    check_compatible(abstract['params'], found['params'], what='parameter', source=source)
-    check_compatible(abstract['model_state'], found.get('model_state', {}), what='model state', source=source)
+    abstract = self.check(trainer, step)
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract), data=DataRestore(data_iter)))
-    except CheckpointError:  # a data position this run cannot take (another batch size): not damage
-      raise
+    except DamagedCheckpointError as e:  # the data position missing or unreadable
+      raise DamagedCheckpointError(f'{source} is missing or corrupt: {e}') from e
+    except CheckpointError as e:  # a data position this run cannot take (another batch size): not damage
+      raise CheckpointError(f'{source}: {e}') from e
     except (ValueError, FileNotFoundError, OSError) as e:
+      if 'tree structures do not match' in str(e):  # readable, but (empty) optimizer states differ: not damage
+        raise CheckpointError(f"{source}: the train state's structure differs from this run's "
+                              f"({' '.join(str(e).split('If this mismatch')[0].split())}). {ANOTHER_OPTIMIZER}") from e
       raise DamagedCheckpointError(f'{source} could not be restored: {e}') from e
     s = restored['state']
     return TrainState(s['step'], s['params'], s['opt_state'], s['model_state'])
@@ -205,11 +232,11 @@ class Checkpointer:
   def restore_latest(self, trainer: Trainer, data_iter: Any, *, fallback: bool = True,
                      ) -> tuple[TrainState, list[str]]:
     """Restores the newest checkpoint that can be read: (state, warnings). Damaged newer ones (unreadable
-    metadata or data) are then moved aside to <step>.damaged (kept, never deleted; their step numbers are
-    free for the next saves), each with a warning naming it. With fallback=False (config.resume_fallback), a
-    damaged newest checkpoint is an error; so is one with no readable checkpoint before it (nothing is
-    moved then: a rerun must not silently start afresh). A checkpoint of another model is an error either
-    way (a config problem, not damage)."""
+    metadata, array data or data position) are then moved aside to <step>.damaged (kept, never deleted; their
+    step numbers are free for the next saves), each with a warning naming it. With fallback=False
+    (config.resume_fallback), a damaged newest checkpoint is an error; so is one with no readable checkpoint
+    before it (nothing is moved then: a rerun must not silently start afresh). A checkpoint of another model
+    or optimizer is an error either way (a config problem, not damage: nothing is moved)."""
     damaged: list[tuple[int, DamagedCheckpointError]] = []
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
@@ -237,6 +264,7 @@ class Checkpointer:
       os.rename(src, dst)
     multihost_utils.sync_global_devices(f'shardzoo:checkpoint_aside:{step}')
     self.manager.reload()
+    self._last_saved = self.manager.latest_step()  # its step number is free again: the next save there happens
     return dst
 
   def wait(self) -> None:
@@ -297,22 +325,28 @@ def load_params(path: str, trainer: Trainer, dont_load: str | None = None) -> An
   return load_weights(path, trainer, dont_load=dont_load)[0]['params']
 
 
+def steps_in(directory: str) -> list[int]:
+  """The checkpoint steps in a Checkpointer's directory (none if it does not exist)."""
+  return sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
+
+
 def step_directory(path: str) -> str:
   """A run's checkpoint directory -> its latest step's directory; a step's directory as it is."""
   path = os.path.abspath(path)
   if os.path.isdir(os.path.join(path, 'state')):
     return path
-  steps = sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
+  steps = steps_in(path)
   if not steps:
-    raise CheckpointError(f'{path!r}: no checkpoint there (expected <dir>/<step>/state)')
+    run = os.path.join(path, 'checkpoints')  # a run's workdir given for its checkpoint directory
+    hint = f'; a run\'s checkpoints are in its workdir\'s checkpoints/: {run}' if os.path.isdir(run) else ''
+    raise CheckpointError(f'{path!r}: no checkpoint there (expected <dir>/<step>/state){hint}')
   return os.path.join(path, str(steps[-1]))
 
 
-def load_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, model_state: bool = False,
-                 ) -> tuple[dict[str, Any], str]:
-  """({'params': ..., ['model_state': ...]}, the step directory read) from a checkpoint of this project,
-  without the optimizer state: see load_params. model_state=True also reads the non-parameter variables
-  (BatchNorm statistics), for export."""
+def check_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, model_state: bool = False,
+                  ) -> tuple[str, dict[str, Any]]:
+  """load_weights' checks, from the checkpoint's metadata alone (train.py runs them before compiling): (the step
+  directory, the abstract tree to restore); CheckpointError naming the first parameter that differs."""
   step_dir = step_directory(path)
   source = f'checkpoint {step_dir}'
   keep = (lambda p: not re.search(dont_load, p)) if dont_load else (lambda p: True)
@@ -321,9 +355,8 @@ def load_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, m
   if model_state:
     abstract['model_state'] = full['model_state']
   # The 'state' item is read with its handler: a checkpointer would look for step metadata inside it and warn.
-  handler, item = ocp.PyTreeCheckpointHandler(), epath.Path(step_dir) / 'state'
   try:
-    md = handler.metadata(item)
+    md = ocp.PyTreeCheckpointHandler().metadata(epath.Path(step_dir) / 'state')
   except Exception as e:
     raise CheckpointError(f'{source} is missing or corrupt (cannot read its metadata: {e})') from e
   tree = md.tree if hasattr(md, 'tree') else md
@@ -333,6 +366,17 @@ def load_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, m
   check_compatible(abstract['params'], _filter(dict(found), keep), what='parameter', source=source)
   if model_state:
     check_compatible(abstract['model_state'], tree.get('model_state') or {}, what='model state', source=source)
+  return step_dir, abstract
+
+
+def load_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, model_state: bool = False,
+                 ) -> tuple[dict[str, Any], str]:
+  """({'params': ..., ['model_state': ...]}, the step directory read) from a checkpoint of this project,
+  without the optimizer state: see load_params. model_state=True also reads the non-parameter variables
+  (BatchNorm statistics), for export."""
+  step_dir, abstract = check_weights(path, trainer, dont_load=dont_load, model_state=model_state)
+  source = f'checkpoint {step_dir}'
+  handler, item = ocp.PyTreeCheckpointHandler(), epath.Path(step_dir) / 'state'
   abstract = {k: v for k, v in abstract.items() if v}  # orbax restores no empty subtrees
   restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
   try:
