@@ -40,7 +40,10 @@ TOKENIZER = '/path/to/bert_tokenizer'  # placeholder: a local directory with a s
 
 def get_config(arg: str | None = None):
   words = [w.strip() for w in (arg or '').split(',') if w.strip()]
-  word = ([w for w in words if w in TASKS] or ['mlm'])[-1]
+  tasks = sorted({w for w in words if w in TASKS})
+  if len(tasks) > 1:
+    raise ValueError(f'bert.py: two tasks {tasks[0]!r} and {tasks[1]!r} in {arg!r}; give one task')
+  word = tasks[0] if tasks else 'mlm'
   rest = ','.join(w for w in words if w not in TASKS)
   try:
     preset, size = common.parse_arg(rest, RULES, SIZES, default_preset='fsdp', default_size='base', file='bert.py')

@@ -180,6 +180,9 @@ def test_two_presets_or_two_sizes_are_refused():
   with pytest.raises(ValueError, match=r"^gpt2.py: two sizes 'tiny' and 'real' in 'tiny,fsdp,real'"):
     gpt2.get_config('tiny,fsdp,real')
   assert (gpt2.get_config('tp,tiny,tp').preset, gpt2.get_config('tp,tiny,tp').size) == ('tp', 'tiny')
+  with pytest.raises(ValueError, match=r"^bert.py: two tasks 'classify' and 'mlm' in 'mlm,tiny,classify'; give one"):
+    FAMILIES['bert'].get_config('mlm,tiny,classify')  # the last task word won
+  assert FAMILIES['bert'].get_config('classify,tiny,classify').task == 'text_classification'
   with pytest.raises(SystemExit, match=r"^shardzoo: config error: flag --config=.*gpt2.py:tp,dp: Error whilst parsing "
                                        r"config file: gpt2.py: two presets 'tp' and 'dp'"):
     parse(['train.py', f'--config={ROOT}/configs/gpt2.py:tp,dp'])
