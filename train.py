@@ -139,8 +139,7 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
                                    keep=config.get('keep_checkpoints', 2))
     cleanup.callback(ckpt.close)
     cleanup.callback(ckpt.wait)  # runs first: a save in flight completes
-  elif workdir and checkpoint.steps_in(os.path.join(workdir, 'checkpoints')):  # never a silent fresh start
-    steps = checkpoint.steps_in(os.path.join(workdir, 'checkpoints'))
+  elif workdir and (steps := checkpoint.steps_in(os.path.join(workdir, 'checkpoints'))):  # never a silent fresh start
     raise errors.ConfigError(f"config.checkpoint_every={config.get('checkpoint_every', 0)}, but {workdir}/checkpoints "
                              f'holds checkpoints (steps {steps}): set config.checkpoint_every to resume from them, '
                              'or give another --workdir')

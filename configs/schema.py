@@ -125,7 +125,7 @@ class Field:
   def message(self, path: str, value: Any) -> str:
     """The one-line error for a value `problem` refuses: a bad rule of a list of rules is named by its index."""
     if self.kind == 'rules' and isinstance(value, (tuple, list)):
-      i, why = next((i, _rule_problem(r)) for i, r in enumerate(value) if _rule_problem(r))
+      i, why = next((i, why) for i, r in enumerate(value) if (why := _rule_problem(r)))
       return f'config.{path}[{i}]={value[i]!r}: must be a {RULE} ({why})'
     shown = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
     return f'config.{path}={shown!r}: must be {self.allowed()}'

@@ -94,12 +94,19 @@ def check_source(trainer: Trainer) -> None:
   metadata, are the model's. ConfigError / CheckpointError naming the culprit."""
   check_dont_load(trainer)
   path = trainer.config.init_from
+  if not _is_hf_dir(path):
+    checkpoint.check_weights(path, trainer, dont_load=_not_loaded(trainer.config))
+
+
+def _is_hf_dir(path: str) -> bool:
+  """Whether init_from is a Hugging Face directory (else a checkpoint directory of this project); ConfigError
+  for a path that is neither."""
   if hf_import.is_hf_dir(path):
-    return
+    return True
   if not os.path.isdir(path):
     raise ConfigError(f'config.init_from={path!r} is neither a checkpoint directory of this project nor a '
                       'Hugging Face model directory (config.json + *.safetensors)')
-  checkpoint.check_weights(path, trainer, dont_load=_not_loaded(trainer.config))
+  return False
 
 
 def init_state(trainer: Trainer, families: dict[str, hf_import.Family]) -> TrainState:
@@ -109,16 +116,13 @@ def init_state(trainer: Trainer, families: dict[str, hf_import.Family]) -> Train
   path, dont_load = config.init_from, _not_loaded(config)
   check_dont_load(trainer)
   loaded_state = None
-  if hf_import.is_hf_dir(path):
+  if _is_hf_dir(path):
     got = hf_import.import_weights(hf_import.HFDir(path), hf_family(config, families), config.model,
                                    trainer.abstract.params, trainer.shardings.params, trainer.abstract.model_state,
                                    trainer.shardings.model_state, dont_load)
     loaded, loaded_state = got.params, got.model_state
-  elif os.path.isdir(path):
-    loaded = checkpoint.load_params(path, trainer, dont_load=dont_load)
   else:
-    raise ConfigError(f'config.init_from={path!r} is neither a checkpoint directory of this project nor a '
-                      'Hugging Face model directory (config.json + *.safetensors)')
+    loaded = checkpoint.load_params(path, trainer, dont_load=dont_load)
   return with_params(trainer, loaded, loaded_state)
 
 
