@@ -35,6 +35,13 @@ def pytest_addoption(parser):
   parser.addoption('--all-presets', action='store_true', help='config matrix: every preset of every config file')
 
 
+# pytest.ini runs the suite in xdist workers (-n auto --dist loadfile): one per core, at most 4 (each holds a
+# JAX runtime of 8 simulated devices and starts train.py children), each file's tests in one worker, so its
+# module fixtures and compiled programs are built once. `pytest -n 0` runs everything in this process.
+def pytest_xdist_auto_num_workers(config):
+  return max(1, min(4, os.cpu_count() or 1))
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND_COMPILE = '/jax/core/compile/backend_compile_duration'
 
