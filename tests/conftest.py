@@ -39,7 +39,7 @@ def pytest_addoption(parser):
 # JAX runtime of 8 simulated devices and starts train.py children), each file's tests in one worker, so its
 # module fixtures and compiled programs are built once. `pytest -n 0` runs everything in this process.
 def pytest_xdist_auto_num_workers(config):
-  return max(1, min(4, os.cpu_count() or 1))
+  return min(4, os.cpu_count() or 1)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
