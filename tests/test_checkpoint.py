@@ -227,3 +227,24 @@ def test_a_save_cut_short_is_never_picked_up_and_is_cleaned_up(saved, tmp_path):
   assert ckpt.save(4, state, it)
   ckpt.close()
   assert sorted(p.name for p in d.iterdir()) == ['2', '4']
+
+
+def test_small_replicated_arrays_are_written_by_one_replica_and_big_ones_by_all(tmp_path, caplog):
+  """Orbax cuts a replicated array into one slice per replica, each by an eager slice compiled per (shape,
+  device). Under checkpoint.MIN_REPLICA_SLICE_BYTES per slice an array is written whole (nothing compiled);
+  above it every replica writes its slice (8 slice programs here). Both restore exactly."""
+  import orbax.checkpoint as ocp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  replicated = NamedSharding(jax.make_mesh((8,), ('data',)), P())
+  n_big = 8 * (checkpoint.MIN_REPLICA_SLICE_BYTES // 4 + 3)  # shapes no other test slices
+  tree = {'small': jax.device_put(np.arange(8 * 37, dtype=np.float32), replicated),
+          'big': jax.device_put(np.arange(n_big, dtype=np.float32), replicated)}
+  with jax.log_compiles(True), caplog.at_level('WARNING'), ocp.StandardCheckpointer() as saver:
+    saver.save(tmp_path / 'c', tree)
+    saver.wait_until_finished()
+    restored = saver.restore(tmp_path / 'c', jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree))
+  sliced = re.findall(r'Compiling jit\(slice\) with global shapes and types \(ShapedArray\(float32\[(\d+)\]\)',
+                      caplog.text)
+  assert sliced == [str(n_big)] * 8, sliced
+  _assert_equal(restored, jax.device_get(tree))
