@@ -30,7 +30,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from orbax.checkpoint._src.metadata import array_metadata_store  # what orbax's own default jax.Array handler uses
+# orbax's own pieces for its default jax.Array handler (no public path): the array-metadata store it keeps, and
+# the registry's add() that replaces a handler without logging a warning on every start.
+from orbax.checkpoint._src.metadata import array_metadata_store
+from orbax.checkpoint._src.serialization import type_handler_registry
 
 from data.pipeline import RowsIterator
 from errors import CheckpointError, DamagedCheckpointError, StorageError
@@ -43,9 +46,9 @@ from training.trainer import Trainer, TrainState
 # about 7 s, for the tiny ResNet on 8 CPU devices. Arrays whose slice per replica would be under this size are
 # written whole by one replica; bigger ones (a replicated embedding table under data parallelism) stay parallel.
 MIN_REPLICA_SLICE_BYTES = 1 << 20
-ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(jax.Array, ocp.type_handlers.ArrayHandler(
     array_metadata_store=array_metadata_store.Store(), min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
-    override=True)
+    override=True, ignore_warnings=True)
 
 
 def state_dict(state: TrainState) -> dict[str, Any]:
