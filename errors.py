@@ -1,6 +1,8 @@
 """The errors shardzoo raises for bad input and for what stops a run (divergence, disk trouble). Each is raised before anything compiles where possible, and
 its message is one line that names the culprit (config field, parameter path, logical axis, mesh axes,
-sizes, file). train.py prints it as `shardzoo: <kind> error: <message>`, with no traceback."""
+sizes, file). train.py and the other entry points print it as `shardzoo: <kind> error: <message>`, with no
+traceback (`one_line`)."""
+import contextlib
 
 
 class ConfigError(ValueError):
@@ -36,3 +38,21 @@ class StorageError(RuntimeError):
   """The run cannot write where it must: a workdir that is not writable (found before anything compiles) or
   a disk that fills up mid-save. Names the directory, the step and the OS error. Not bad input: the
   checkpoints written before it are intact, and a rerun resumes from the newest."""
+
+
+@contextlib.contextmanager
+def one_line():
+  """For entry points (train.py, search.py, benchmarks/): these errors end the program with their one line,
+  `shardzoo: <kind> error: <message>` (`training stopped: ...` for a NonFiniteError), and no traceback."""
+  try:
+    yield
+  except ShardingError as e:  # bad rules, mesh or sizes
+    raise SystemExit(f'shardzoo: sharding error: {e}') from None
+  except CheckpointError as e:  # missing, corrupt or not this model's: not a config problem
+    raise SystemExit(f'shardzoo: checkpoint error: {e}') from None
+  except ConfigError as e:
+    raise SystemExit(f'shardzoo: config error: {e}') from None
+  except StorageError as e:  # the directory and the OS error are named; earlier checkpoints are intact
+    raise SystemExit(f'shardzoo: storage error: {e}') from None
+  except NonFiniteError as e:  # the parameters stayed finite; the last good checkpoint is named
+    raise SystemExit(f'shardzoo: training stopped: {e}') from None

@@ -56,7 +56,7 @@ def main(argv) -> None:
                          '--devices 8 --device_kind h100')
   logging.set_verbosity(logging.WARNING)
   t_start = time.perf_counter()
-  try:
+  with errors.one_line():  # bad input: one line, no traceback
     # --- Check the input (before JAX starts) ---------------------------------------------------------------
     schema.check(config)
     chip = flops.chip(FLAGS.device_kind)
@@ -166,10 +166,6 @@ def main(argv) -> None:
                 + (f':{config_arg}' if config_arg else '') + '; fields below differ from that config.')
       plan_file.write(FLAGS.out, plan_file.render(config_path, config_arg, base_config, plan, header))
       say(f'wrote {FLAGS.out}; run it with:\n  {command}')
-  except errors.ShardingError as e:
-    raise SystemExit(f'shardzoo: sharding error: {e}') from None
-  except errors.ConfigError as e:
-    raise SystemExit(f'shardzoo: config error: {e}') from None
 
 
 if __name__ == '__main__':

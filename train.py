@@ -283,7 +283,7 @@ def main(argv) -> None:
     raise app.UsageError('--config is required, e.g. --config configs/default.py')
   if not FLAGS.workdir and not FLAGS.dry_run:  # also --workdir= (an unset $WORKDIR in a script)
     raise app.UsageError('--workdir is required (metrics are written there)')
-  try:
+  with errors.one_line():  # bad input, disk trouble, divergence: one line, no traceback
     schema.check(config)  # before JAX starts
     # Several processes: by hand (flags), else what a scheduler (srun, mpirun, a Kubernetes Job) says.
     launch = cluster.Launch(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, FLAGS.cluster)
@@ -297,16 +297,6 @@ def main(argv) -> None:
       say(f'processes: {launch.how}')
     with cluster.watched(launch, FLAGS.peer_timeout):  # a dead peer stops this process with its name, no hang
       train_and_evaluate(config, FLAGS.workdir, dry_run=FLAGS.dry_run, peak_tflops=FLAGS.peak_tflops)
-  except errors.ShardingError as e:  # bad config: one clear message, no traceback
-    raise SystemExit(f'shardzoo: sharding error: {e}') from None
-  except errors.CheckpointError as e:  # missing, corrupt or not this model's: not a config problem
-    raise SystemExit(f'shardzoo: checkpoint error: {e}') from None
-  except errors.ConfigError as e:
-    raise SystemExit(f'shardzoo: config error: {e}') from None
-  except errors.StorageError as e:  # the directory and the OS error are named; earlier checkpoints are intact
-    raise SystemExit(f'shardzoo: storage error: {e}') from None
-  except errors.NonFiniteError as e:  # the parameters stayed finite; the last good checkpoint is named
-    raise SystemExit(f'shardzoo: training stopped: {e}') from None
 
 
 if __name__ == '__main__':

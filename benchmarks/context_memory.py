@@ -23,6 +23,9 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+import errors  # noqa: E402
+from configs import schema  # noqa: E402
+
 import partitioning  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -33,6 +36,7 @@ flags.DEFINE_bool('per_shard_xla', False, 'Without a GPU: XLA attention per shar
                   'takes on GPUs) instead of GSPMD partitioning it.')
 
 
+@errors.one_line()  # bad input: one line, no traceback
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -47,7 +51,6 @@ def main(argv) -> None:
   import jax
   import models
   import training
-  from configs import schema
   from models import attention
   from partitioning import fmt_bytes
   schema.check(config)
@@ -72,4 +75,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too

@@ -29,6 +29,9 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+import errors  # noqa: E402
+from configs import schema  # noqa: E402
+
 # name -> (config file, overrides, torch peer's peak GiB, our step's peak GiB; both measured on one H100 80GB on
 # 2026-11-23 with benchmarks/throughput.py, ours before the changes since; None: not measured)
 CASES = {
@@ -72,6 +75,7 @@ def compile_for_gpu(config, target: str, gpus: int | None) -> dict:
               seconds=time.perf_counter() - t0)
 
 
+@errors.one_line()  # bad input: one line, no traceback
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -107,4 +111,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too

@@ -22,11 +22,15 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+import errors  # noqa: E402
+from configs import schema  # noqa: E402
+
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/gpt2.py', 'A language-model config file.', lock_config=True)
 flags.DEFINE_list('chunks', ['0', '4', '8'], 'Values of config.model.loss_chunks to compile for.')
 
 
+@errors.one_line()  # bad input: one line, no traceback
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -34,7 +38,6 @@ def main(argv) -> None:
   import models
   import partitioning
   import training
-  from configs import schema
   from models import layers
   from partitioning import fmt_bytes
   config = FLAGS.config
@@ -64,4 +67,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too

@@ -24,6 +24,9 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+import errors  # noqa: E402
+from configs import schema  # noqa: E402
+
 import partitioning  # noqa: E402
 import training  # noqa: E402
 from training import profiling, xent  # noqa: E402
@@ -40,10 +43,14 @@ flags.DEFINE_enum('logsumexp', 'auto', xent.LOGSUMEXP_CHOICES, "The loss's log-s
 flags.DEFINE_enum('reference_logsumexp', 'auto', xent.LOGSUMEXP_CHOICES, 'The same for the reference run.')
 
 
+@errors.one_line()  # bad input: one line, no traceback
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   config = FLAGS.config
+  if config is None:
+    raise app.UsageError('--config is required, e.g. --config configs/gpt2.py')
+  schema.check(config)  # every field's type and range, before anything is built
   task = training.tasks.get(config.task)
   batches = [task.synthetic_batch(config, seed=config.seed + i) for i in range(FLAGS.steps)]
   mesh, note = partitioning.start_mesh(config.mesh)
@@ -69,4 +76,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too

@@ -23,6 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+import errors  # noqa: E402
+from configs import schema  # noqa: E402
+
 import partitioning  # noqa: E402
 from planning import candidates, cost  # noqa: E402
 from training import flops  # noqa: E402
@@ -136,6 +139,7 @@ def report(files: list[str], chip: flops.Chip, what: str) -> None:
           f'{data["search_s"]:.0f} s')
 
 
+@errors.one_line()  # bad input: one line, no traceback
 def main(argv) -> None:
   if FLAGS.fit:
     base = flops.chip('cpu')
@@ -146,4 +150,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too

@@ -34,6 +34,9 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+import errors  # noqa: E402
+from configs import schema  # noqa: E402
+
 import models  # noqa: E402
 import partitioning  # noqa: E402
 import training  # noqa: E402
@@ -92,12 +95,14 @@ def fmt_bytes(b: int | None) -> str:
   return '-' if b is None else partitioning.fmt_bytes(b)
 
 
+@errors.one_line()  # bad input: one line, no traceback
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   config = FLAGS.config
   if config is None:
     raise app.UsageError('--config is required, e.g. --config configs/gpt2.py')
+  schema.check(config)  # every field's type and range, before anything is built
   task = training.tasks.get(config.task)
   batch_np = task.synthetic_batch(config, seed=config.seed)  # numpy: JAX has not touched a device yet
   unit = task.unit
@@ -209,4 +214,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too

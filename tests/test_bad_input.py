@@ -3,6 +3,8 @@ and values out of range, an unknown field and a misspelled preset on the command
 Hugging Face directories. Each gives one ConfigError line naming the culprit and what is allowed, before
 anything compiles."""
 import os
+import subprocess
+import sys
 
 import ml_collections
 import pytest
@@ -12,7 +14,7 @@ from ml_collections import config_flags
 import errors
 import train
 from configs import schema
-from tests.conftest import ROOT
+from tests.conftest import ROOT, subprocess_env
 from tests.test_configs import MODULES, tiny_config
 
 FAMILIES = dict(MODULES)
@@ -317,3 +319,26 @@ def test_bad_data_is_one_line_each():
   with pytest.raises(errors.ConfigError, match=r'^the byte tokenizer has 260 ids but config.model.vocab_size=16: set '
                                                r'config.model.vocab_size >= 260 \(token ids would fall outside'):
     check(text, data.build(text))
+
+
+ENTRY_POINTS = sorted(['train.py', 'search.py', 'export.py'] + [
+    os.path.join('benchmarks', f) for f in os.listdir(os.path.join(ROOT, 'benchmarks')) if f.endswith('.py')])
+
+
+def test_every_entry_point_taking_a_config_parses_and_reports_it_as_train_py_does():
+  """Scripts with a --config read it with schema.parse_flags (a bad file, field or flag value is one line) and
+  end on bad input with one line (errors.one_line; export.py words its own); benchmarks/throughput.py, run
+  here, also checks every field before it builds anything."""
+  with_config = []
+  for path in ENTRY_POINTS:
+    source = open(os.path.join(ROOT, path)).read()
+    if 'DEFINE_config_file' in source:
+      with_config.append(path)
+      assert 'app.run(main, flags_parser=schema.parse_flags)' in source, path
+      assert 'errors.one_line()' in source or "SystemExit(f'shardzoo: export error" in source, path
+  assert {'train.py', 'benchmarks/throughput.py', 'benchmarks/loss_parity.py'} <= set(with_config)
+  r = subprocess.run([sys.executable, 'benchmarks/throughput.py', '--config', 'configs/gpt2.py:tiny',
+                      '--config.optim.lr=-1'], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                     timeout=120)
+  assert r.returncode == 1 and r.stderr.strip() == 'shardzoo: config error: config.optim.lr=-1.0: must be a number >= 0'
+  assert r.stdout == '', r.stdout
