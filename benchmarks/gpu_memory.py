@@ -81,7 +81,6 @@ def main(argv) -> None:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if FLAGS.cases == (FLAGS.config is not None):
     raise app.UsageError('give one of --config or --cases')
-  from errors import ConfigError
   from planning import candidates
   if FLAGS.config is not None:
     runs = [(config_flags.get_config_filename(FLAGS['config']), FLAGS.config, None, None)]
@@ -93,10 +92,8 @@ def main(argv) -> None:
       runs.append((name, config, *CASES[name][2:]))
   rows = [('case', 'mesh', 'peak', 'state', 'batch', 'temporaries', 'torch peer (H100)', 'ours then (H100)', 's')]
   for name, config, torch_peak, then in runs:
-    try:
-      r = compile_for_gpu(config, FLAGS.target, FLAGS.gpus if FLAGS.config is not None else (FLAGS.gpus or 1))
-    except ConfigError as e:
-      sys.exit(f'gpu_memory: {e}')
+    schema.check(config)  # before compiling
+    r = compile_for_gpu(config, FLAGS.target, FLAGS.gpus if FLAGS.config is not None else (FLAGS.gpus or 1))
     gib = lambda b: f'{b / GiB:.2f} GiB'
     rows.append((name, 'x'.join(f'{k}={v}' for k, v in r['mesh'].items() if v > 1) or '1 device', gib(r['peak']),
                  gib(r['state']), gib(r['batch']), gib(r['temp']),

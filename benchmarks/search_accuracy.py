@@ -146,6 +146,7 @@ def main(argv) -> None:
     report(FLAGS.fit + FLAGS.report, base, 'table constants (training/flops.py)')
     report(FLAGS.fit + FLAGS.report, fit(FLAGS.fit, base), f'fitted on {FLAGS.fit}')
   else:
+    schema.check(FLAGS.config)  # before anything is built
     run(FLAGS.config)
 
 
