@@ -4,7 +4,10 @@
 #   script and its args, e.g. benchmarks/loss_parity.py --config ...; ARGS may
 #   begin with VAR=VALUE words, set for that run alone, e.g. XLA_FLAGS=--xla_dump_to=/tmp/d)
 # Logs (and each throughput run's JSON) go to /tmp/shardzoo_bench, packed into $OUT/all.tgz at the end when $OUT is
-# set (the device tool returns at most 8 files). Wheels in .whl/ (e.g. ml_collections) are installed first if present.
+# set (the device tool returns at most 8 files). Wheels in .whl/ (e.g. ml_collections) are installed first if present:
+# the GPU image lacks ml_collections and reaches no registry, so before the first call run, here,
+#   pip download ml_collections==1.1.0 --no-deps -d .whl
+# (.whl/ is git-ignored) and name .whl in the device tool's carry.
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 LOGS=/tmp/shardzoo_bench; mkdir -p "$LOGS"
 if ls .whl/*.whl >/dev/null 2>&1; then
