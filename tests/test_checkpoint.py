@@ -54,7 +54,8 @@ def test_restore_is_exact_and_restores_the_data_position(saved):
   directory, expected = saved
   trainer = build_trainer(tiny_config('fsdp_tp'))
   it = _Iter()
-  state = checkpoint.Checkpointer(directory, every_steps=1, keep=2).restore(trainer, it)
+  with checkpoint.Checkpointer(directory, every_steps=1, keep=2) as ckpt:
+    state = ckpt.restore(trainer, it)
   _assert_equal(state, expected)
   assert it.pos == 7 and int(state.step) == 2
   jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(str(x.sharding)),
@@ -68,7 +69,8 @@ def test_restore_onto_other_mesh_and_rules(saved, preset, num_devices):
   cfg.mesh = {'dp': dict(data=num_devices, fsdp=1, tensor=1), 'tp': dict(data=2, fsdp=1, tensor=4),
               'fsdp': dict(data=1, fsdp=4, tensor=1)}[preset] if num_devices != 8 or preset != 'dp' else cfg.mesh
   trainer = build_trainer(cfg, jax.devices()[:num_devices])
-  state = checkpoint.Checkpointer(directory, every_steps=1, keep=2).restore(trainer, _Iter())
+  with checkpoint.Checkpointer(directory, every_steps=1, keep=2) as ckpt:
+    state = ckpt.restore(trainer, _Iter())
   _assert_equal(state, expected)
   kernel = state.params['blocks']['layers'][0]['mlp']['up']['layer']['kernel']
   assert kernel.sharding.mesh.size == num_devices
@@ -89,8 +91,9 @@ def test_checkpoint_of_another_model_names_the_first_mismatch(saved):
   trainer = build_trainer(cfg)
   msg = (r"parameter 'blocks/layers/0/mlp/down/layer/kernel': the model expects shape \(256, 64\), "
          r"the checkpoint has \(128, 64\)")
-  with pytest.raises(checkpoint.CheckpointError, match=msg):
-    checkpoint.Checkpointer(directory, every_steps=1, keep=2).restore(trainer, _Iter())
+  with checkpoint.Checkpointer(directory, every_steps=1, keep=2) as ckpt, pytest.raises(checkpoint.CheckpointError,
+                                                                                       match=msg):
+    ckpt.restore(trainer, _Iter())
   with pytest.raises(checkpoint.CheckpointError, match=msg):
     checkpoint.load_params(directory, trainer)
 
@@ -98,8 +101,9 @@ def test_checkpoint_of_another_model_names_the_first_mismatch(saved):
 def test_missing_and_corrupt_checkpoints_are_clear_errors(saved, tmp_path):
   directory, _ = saved
   trainer = build_trainer(tiny_config('fsdp_tp'))
-  with pytest.raises(checkpoint.CheckpointError, match='no checkpoint in'):
-    checkpoint.Checkpointer(str(tmp_path / 'empty'), every_steps=1, keep=2).restore(trainer, _Iter())
+  with checkpoint.Checkpointer(str(tmp_path / 'empty'), every_steps=1, keep=2) as ckpt, pytest.raises(
+      checkpoint.CheckpointError, match='no checkpoint in'):
+    ckpt.restore(trainer, _Iter())
   with pytest.raises(checkpoint.CheckpointError, match='no checkpoint there'):
     checkpoint.load_params(str(tmp_path / 'nothing'), trainer)
   # Garbage metadata, and truncated array data: both are errors, never a silent fresh start.
@@ -107,8 +111,9 @@ def test_missing_and_corrupt_checkpoints_are_clear_errors(saved, tmp_path):
     broken = tmp_path / name
     shutil.copytree(directory, broken)
     corrupt(broken / '2' / 'state')
-    with pytest.raises(checkpoint.CheckpointError, match=r'checkpoint .*/2 (is missing or corrupt|could not be restored)'):
-      checkpoint.Checkpointer(str(broken), every_steps=1, keep=2).restore(trainer, _Iter())
+    with checkpoint.Checkpointer(str(broken), every_steps=1, keep=2) as ckpt, pytest.raises(
+        checkpoint.CheckpointError, match=r'checkpoint .*/2 (is missing or corrupt|could not be restored)'):
+      ckpt.restore(trainer, _Iter())
 
 
 def test_damaged_latest_checkpoint_falls_back_and_is_kept(saved, tmp_path):

@@ -309,6 +309,12 @@ class Checkpointer:
   def close(self) -> None:
     self.manager.close()
 
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
 
 def _read_metadata(manager: ocp.CheckpointManager, step: int, source: str) -> Mapping[str, Any]:
   try:
