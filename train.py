@@ -12,6 +12,7 @@ import contextlib
 import logging as logging_std
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -46,9 +47,12 @@ flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s per device for MFU (defaul
 
 
 def say(msg: str) -> None:
-  """Progress for humans, printed once (by process 0)."""
+  """Progress for humans, printed once (by process 0), line and newline in one write: with an unbuffered
+  stdout (PYTHONUNBUFFERED, usual in containers) print() writes them apart, and clu's writer thread logging
+  between them glued its line onto ours."""
   if jax.process_index() == 0:
-    print(msg, flush=True)
+    sys.stdout.write(f'{msg}\n')
+    sys.stdout.flush()
 
 
 def evaluate(eval_step, state, ds, trainer, rows) -> dict[str, float]:

@@ -141,3 +141,19 @@ def test_a_sample_longer_than_the_model_is_refused_before_compiling(tmp_path):
 def test_cli_empty_workdir_is_a_usage_error():
   r = _cli('--workdir=', '--config.total_steps=1')  # e.g. an unset $WORKDIR: once ran with no checkpoints
   assert r.returncode != 0 and '--workdir is required' in r.stderr, r.stderr[-2000:]
+
+
+def test_progress_lines_are_written_whole(monkeypatch):
+  """One write per line: under an unbuffered stdout (PYTHONUNBUFFERED) a line and its newline written apart
+  let clu's writer thread log in between, gluing its line onto ours."""
+  writes = []
+
+  class Stdout:
+    def write(self, text):
+      writes.append(text)
+
+    def flush(self):
+      pass
+  monkeypatch.setattr(sys, 'stdout', Stdout())
+  train.say('step     1 | loss 2.7')
+  assert writes == ['step     1 | loss 2.7\n']
