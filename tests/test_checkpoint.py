@@ -3,13 +3,15 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
 import data
-from tests.conftest import build_trainer, tiny_config, train_on_random_batches
+from tests.conftest import ROOT, build_trainer, subprocess_env, tiny_config, train_on_random_batches
 from training import checkpoint
 
 
@@ -253,3 +255,32 @@ def test_small_replicated_arrays_are_written_by_one_replica_and_big_ones_by_all(
                       caplog.text)
   assert sliced == [str(n_big)] * 8, sliced
   _assert_equal(restored, jax.device_get(tree))
+
+
+_FALL_BACK = """
+import gc, sys, time
+from tests.conftest import build_trainer, tiny_config
+from tests.test_checkpoint import _Iter
+from training import checkpoint
+with checkpoint.Checkpointer(sys.argv[1], every_steps=1, keep=2) as ckpt:
+  state, warnings = ckpt.restore_latest(build_trainer(tiny_config('fsdp_tp')), _Iter())
+time.sleep(0.5)  # the reads orbax left in flight finish
+gc.collect()  # and their asyncio tasks are collected
+print(int(state.step), len(warnings))
+"""
+
+
+def test_falling_back_from_damaged_data_prints_the_warning_and_no_abandoned_reads(saved, tmp_path):
+  """Orbax reads a checkpoint's arrays concurrently and, at the first that fails, closes its event loop with the
+  rest in flight: in a fresh process (as train.py resumes) each of those printed a traceback, 'Event loop is
+  closed' or asyncio's 'Task exception was never retrieved', after the warning that names the damage."""
+  directory, _ = saved
+  d = tmp_path / 'run'
+  shutil.copytree(directory, d)
+  shutil.copytree(d / '2', d / '4')
+  CORRUPTIONS[1][1](d / '4' / 'state')  # truncated array data
+  r = subprocess.run([sys.executable, '-c', _FALL_BACK, str(d)], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 0 and r.stdout == '2 1\n', r.stdout + r.stderr[-3000:]
+  assert 'Traceback' not in r.stderr and 'never retrieved' not in r.stderr, r.stderr[-3000:]
+  assert sorted(p.name for p in d.iterdir()) == ['2', '4.damaged']

@@ -16,7 +16,7 @@ from tests.conftest import BACKEND_COMPILE, ROOT, recorded_compile_events, subpr
 def test_default_config_learns(tmp_path):
   cfg = tiny_config()
   cfg.dataset.update(num_train=8192, num_eval=250)  # 250 is not a multiple of the batch: padded eval
-  # No checkpoints here: orbax compiles its own small programs when it first saves (tests/test_resume.py).
+  # No checkpoints here (tests/test_resume.py covers them): the compile count below is the train loop's.
   cfg.update(total_steps=400, log_every=100, eval_every=200, sample_len=8, checkpoint_every=0)
   cfg.optim.update(lr=3e-3, warmup_steps=20)
   with recorded_compile_events() as compiles:
