@@ -53,7 +53,6 @@ type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(jax.Array, ocp.type_handl
     override=True, ignore_warnings=True)
 
 
-
 class _AbandonedReads(logging.Filter):
   """Orbax reads a checkpoint's arrays as concurrent TensorStore futures on an event loop of its own, and at the
   first that fails (a damaged checkpoint) raises and closes that loop with the rest still in flight. Each of
@@ -80,11 +79,12 @@ class _AbandonedReads(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:  # asyncio's logger
     e = record.exc_info[1] if record.exc_info else None
-    return not (record.msg.startswith('Task exception was never retrieved') and e is not None
+    return not (str(record.msg).startswith('Task exception was never retrieved') and e is not None
                 and any(d in str(e) for d in self.damaged))
 
 
 _abandoned_reads = _AbandonedReads()
+
 
 def state_dict(state: TrainState) -> dict[str, Any]:
   return {'step': state.step, 'params': state.params, 'opt_state': state.opt_state,
