@@ -466,6 +466,14 @@ def test_device_time_merges_streams_and_counts_short_ops(tmp_path):
   t = profiling.device_time(str(tmp_path))
   assert t == dict(span=0.35, busy=0.206, idle=0.144, ops=5, short=2, short_ms=0.006), t
   assert profiling.top_ops(str(tmp_path), k=1) == [('k', 0.253, 4)]
+  # Ops back to back at large timestamps: busy is the whole span, not a rounding error past it.
+  starts = [130976.87987161666, 130979.47133722108, 131012.69524455354, 131016.99720252871, 131051.04899988144,
+            131052.67545144659, 131087.67810199748]
+  with gzip.open(tmp_path / 'x.perfetto_trace.json.gz', 'wt') as f:
+    json.dump({'traceEvents': [meta(1, '/device:GPU:0 stream 7')] + [
+        op(1, a, b - a) for a, b in zip(starts, starts[1:])]}, f)
+  t = profiling.device_time(str(tmp_path))
+  assert t['busy'] == t['span'] and t['idle'] == 0, t
 
 
 def test_loss_parity_fp32_on_cpu():

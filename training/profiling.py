@@ -109,13 +109,16 @@ def device_time(logdir: str, short_us: float = 5.0) -> dict[str, float]:
   were shorter than `short_us` and their time. Many short ops with much idle time between them point at launch
   overhead rather than at the kernels."""
   spans = sorted((e.get('ts', 0.0), e.get('ts', 0.0) + e.get('dur', 0.0)) for e in _device_events(logdir))
-  busy, end = 0.0, None
+  blocks: list[list[float]] = []  # the union of the ops' intervals: disjoint [start, end] blocks
   for start, stop in spans:
-    if end is None or start > end:
-      busy, end = busy + stop - start, stop
-    elif stop > end:
-      busy, end = busy + stop - end, stop
-  span = (max(b for _, b in spans) - spans[0][0]) if spans else 0.0
+    if blocks and start <= blocks[-1][1]:
+      blocks[-1][1] = max(blocks[-1][1], stop)
+    else:
+      blocks.append([start, stop])
+  span = (blocks[-1][1] - blocks[0][0]) if blocks else 0.0
+  # Each block's length once (not piece by piece, whose rounding let a back-to-back trace's busy exceed its
+  # span); the union of intervals inside the span is never longer than it.
+  busy = min(sum(b - a for a, b in blocks), span)
   short = [b - a for a, b in spans if b - a < short_us]
   return dict(span=span / 1e3, busy=busy / 1e3, idle=(span - busy) / 1e3, ops=len(spans), short=len(short),
               short_ms=sum(short) / 1e3)
