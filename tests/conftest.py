@@ -1,6 +1,8 @@
 """Tests run on 8 simulated CPU devices (set before JAX starts its backends)."""
+import atexit
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -20,8 +22,9 @@ partitioning.simulate_cpu_devices(8)
 
 # Many tests compile the same programs (the same tiny config under the same mesh, built by different
 # trainers). A compilation cache private to this test session serves the repeats; it starts empty
-# every session, so nothing carries over between runs.
+# every session, so nothing carries over between runs, and is removed when the session's process exits.
 _CACHE = tempfile.mkdtemp(prefix='shardzoo_jax_cache_')
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
@@ -70,6 +73,20 @@ def tiny_config(preset: str = 'fsdp_tp', **overrides) -> ml_collections.ConfigDi
 @pytest.fixture(scope='session', autouse=True)
 def _eight_devices():
   assert jax.device_count() == 8, f'tests need 8 simulated CPU devices, got {jax.devices()}'
+
+
+@pytest.fixture(scope='session', autouse=True)
+def _library_temp_files(tmp_path_factory):
+  """Libraries' temporary files go under pytest's base temp directory, which pytest prunes (keeps 3 runs).
+
+  tfds makes a temporary directory it never removes for every builder made over a data_dir with no prepared
+  dataset (DatasetInfo.initialize_from_bucket); the TFDS tests make dozens per run. TMPDIR carries the
+  directory to the train.py children that tests start."""
+  tempfile.tempdir = str(tmp_path_factory.mktemp('tempfile'))
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv('TMPDIR', tempfile.tempdir)
+    yield
+  tempfile.tempdir = None
 
 
 def build_trainer(cfg: ml_collections.ConfigDict, devices=None) -> training.Trainer:
