@@ -33,7 +33,7 @@ SIZES = {
     # num_key_value_heads 8, rms_norm_eps 1e-5, tie_word_embeddings True). head_dim = 2048 / 32 = 64.
     'real': dict(vocab_size=128256, embed_dim=2048, mlp_dim=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                  head_dim=64, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=True, max_len=2048),
-    # Llama-3-8B-sized, for the plan search's dry runs (README "Plan search"); untied, head_dim 128. This size takes
+    # Llama-3-8B-sized, for the plan search's dry runs (docs/plan_search.md); untied, head_dim 128. This size takes
     # the tiny branch of get_config: set dtype, scan_layers, remat, batch and seq_len with --config.* flags.
     'llama3_8b': dict(vocab_size=128256, embed_dim=4096, mlp_dim=14336, num_layers=32, num_heads=32, num_kv_heads=8,
                       head_dim=128, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=False, max_len=8192),
@@ -62,7 +62,7 @@ def get_config(arg: str | None = None):
     # bf16 compute, f32 params and optimizer state. remat='dots' keeps the weight matmuls' outputs: on one H100
     # at 8 x 2048 tokens per device, 62.7k tokens/s (49.6% MFU causal-correct) in 42.6 GiB (benchmarks/throughput.py,
     # 2026-11-23; compiled for an H100 since: 38.70 GiB). Within the torch peer's 20.9 GiB (README "On GPUs"):
-    # --config.model.remat=attention --config.model.loss_chunks=8, 20.45 GiB compiled, its speed not measured.
+    # --config.model.remat=attention --config.model.loss_chunks=8, 20.44 GiB compiled, its speed not measured.
     c.model.update(common.REAL_SIZE_MODEL, remat='dots')
     c.dataset = common.ConfigDict(dict(
         name='c4', data_dir=common.placeholder(str), train_split='train', eval_split='validation[:10000]',

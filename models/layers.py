@@ -422,7 +422,7 @@ def with_derivative(f: Callable[[jax.Array], jax.Array], df: Callable[[jax.Array
   (B, L, F) kernel and 0.3 GB of traffic. With the derivative written out, the recomputed activation, its
   derivative and the bias gradient are one pass over the pre-activation and the incoming gradient. Compiled for
   one H100: GPT-2 16 x 1024 68.1 -> 64.5 GB and 12 fewer kernels per step, ViT-B/16 at 256 147.1 -> 136.0 GB
-  (README, On GPUs). Gradients equal autodiff's in float32, and in bf16 are closer to float32's than autodiff's
+  (docs/gpu.md). Gradients equal autodiff's in float32, and in bf16 are closer to float32's than autodiff's
   (tests/test_speed_paths.py)."""
   @jax.custom_vjp
   def g(x):

@@ -142,7 +142,7 @@ class Chip:
 # device; the FLOPs of the step as compiled on CPU, remat recomputation included) against benchmarks/throughput.py's
 # measured 261.2 ms: 0.45 x 314.3 / 261.2 = 0.54. Held out, the same constant predicts GPT-2 (16 x 1024) and
 # ViT-B/16 (256 images) 1.64x and ResNet-50 (256 images) 4.3x faster than measured: their non-matmul work
-# (norms, softmax, BatchNorm) is a larger share, which a FLOPs-only term does not see (README "Plan search").
+# (norms, softmax, BatchNorm) is a larger share, which a FLOPs-only term does not see (docs/plan_search.md).
 # H200: the H100's compute (same die), not measured. Others: 0.45-0.55 by analogy, not measured.
 # cpu: this project's 2-core test machine, whose simulated devices share both cores (160 GFLOP/s fp32 matmul,
 # shared/NOTES.md); its efficiencies and latency are fitted by benchmarks/search_accuracy.py (README "Plan search"):

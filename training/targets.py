@@ -5,7 +5,7 @@ memory, memory size: `training/gpu_targets/<name>.txtpb`), JAX's CUDA plugin mak
 that GPU, and a step jitted over a mesh of them compiles to the program that GPU would run: the same fusions,
 kernels and buffer assignment. Nothing can run on them, but `compiled.memory_analysis()` is the GPU's memory:
 arguments + temporaries + outputs not aliased to donated inputs matched the 9 peaks measured on an H100 80GB
-(README "On GPUs"): 7 to 0.01 GiB, ViT-B/16 0.29 GiB under (-1.2%), GPT-2 at 32 x 1024 0.58 GiB over (+2.3%).
+(docs/gpu.md, "Memory"): 7 to 0.01 GiB, ViT-B/16 0.29 GiB under (-1.2%), GPT-2 at 32 x 1024 0.58 GiB over (+2.3%).
 
 Needs the CUDA plugin beside jaxlib, on any machine (`pip install "jax[cuda13]==<jax version>"`, a few GB of
 NVIDIA libraries), and JAX_PLATFORMS=cpu where there is no GPU. Autotuning needs a GPU, so the kernels'
