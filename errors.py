@@ -34,6 +34,27 @@ class NonFiniteError(RuntimeError):
   Not bad input: the parameters stayed finite, and no checkpoint was written after the bad step."""
 
 
+class DeviceMemoryError(ConfigError):
+  """A compiled step that needs more memory per device than the device has: names both figures and what to
+  change (batch size, remat, sharding). Found after compiling, before any state is allocated."""
+
+
+# What an out-of-memory from XLA (RESOURCE_EXHAUSTED: at compile time on TPUs, when allocating on GPUs) is
+# followed by in one_line's message.
+OUT_OF_MEMORY_ADVICE = ('lower the batch size (config.batch_size), recompute more in the backward pass '
+                        '(config.model.remat), or shard the state and activations over more devices (config.mesh, '
+                        'config.logical_axis_rules)')
+
+
+def out_of_device_memory(e: BaseException) -> str | None:
+  """XLA's first line when `e` is its out-of-memory error (jax.errors.JaxRuntimeError, RESOURCE_EXHAUSTED), else
+  None. Read by name: this module does not import JAX."""
+  text = str(e).strip()
+  if type(e).__name__ != 'JaxRuntimeError' or not text.startswith('RESOURCE_EXHAUSTED'):
+    return None
+  return text.splitlines()[0].rstrip('.')
+
+
 class StorageError(RuntimeError):
   """The run cannot write where it must: a workdir that is not writable (found before anything compiles) or
   a disk that fills up mid-save. Names the directory, the step and the OS error. Not bad input: the
@@ -48,6 +69,8 @@ def one_line():
     yield
   except ShardingError as e:  # bad rules, mesh or sizes
     raise SystemExit(f'shardzoo: sharding error: {e}') from None
+  except DeviceMemoryError as e:  # the compiled step needs more than the device has
+    raise SystemExit(f'shardzoo: memory error: {e}') from None
   except CheckpointError as e:  # missing, corrupt or not this model's: not a config problem
     raise SystemExit(f'shardzoo: checkpoint error: {e}') from None
   except ConfigError as e:
@@ -56,3 +79,7 @@ def one_line():
     raise SystemExit(f'shardzoo: storage error: {e}') from None
   except NonFiniteError as e:  # the parameters stayed finite; the last good checkpoint is named
     raise SystemExit(f'shardzoo: training stopped: {e}') from None
+  except Exception as e:  # XLA out of device memory: its own line, then what to change; anything else as it is
+    if (line := out_of_device_memory(e)) is None:
+      raise
+    raise SystemExit(f'shardzoo: memory error: out of device memory ({line}): {OUT_OF_MEMORY_ADVICE}') from None

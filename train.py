@@ -160,6 +160,7 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
   slice_of = partitioning.dcn_coordinates(mesh, dcn) if slices > 1 else None  # which collectives cross DCN
   say(f'compiled train+eval steps in {time.perf_counter() - t0:.1f}s; train step per device: '
       f'{partitioning.audit(train_step, slice_of)}')
+  profiling.check_fits({'train step': train_step, 'eval step': eval_step}, device, config)  # before allocating
   peak, peak_from = flops.describe_peak(device, peak_tflops)  # MFU where the chip's peak is known
   step_flops = flops.step_flops(trainer) if peak else None
   if step_flops:

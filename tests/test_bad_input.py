@@ -3,6 +3,7 @@ and values out of range, an unknown field and a misspelled preset on the command
 Hugging Face directories. Each gives one ConfigError line naming the culprit and what is allowed, before
 anything compiles."""
 import os
+import re
 import subprocess
 import sys
 
@@ -67,6 +68,41 @@ def test_train_py_checks_the_schema_before_building_anything(monkeypatch):
     train.train_and_evaluate(cfg, None, dry_run=True)
   with pytest.raises(errors.ConfigError, match=r"^config.model.num_haeds is not a field shardzoo knows"):
     train.train_and_evaluate(with_value(FAMILIES['gpt2'].get_config('tiny'), 'model.num_haeds', 4), None)
+
+
+def test_a_step_that_does_not_fit_the_device_is_one_error_before_anything_is_allocated(monkeypatch):
+  """train.py compares each compiled step's memory with the device's (profiling.memory_limit: the allocator's
+  bytes_limit on GPUs and TPUs, unknown on CPUs) before creating the state: one DeviceMemoryError with both
+  figures and what to change. Here the CPU device is given a 256 KiB limit."""
+  from tests import conftest
+  from training import profiling
+  monkeypatch.setattr(profiling, 'memory_limit', lambda device: 2**18)
+  monkeypatch.setattr(train.training, 'init_state', lambda *a: pytest.fail('state allocated before the check'))
+  with pytest.raises(errors.DeviceMemoryError) as e:
+    train.train_and_evaluate(conftest.tiny_config(), None)
+  size = r'[0-9.]+ (B|KiB|MiB)'
+  assert re.fullmatch(rf"the train step needs {size} per device \(arguments {size}, temporaries {size}, outputs "
+                      rf"{size} beyond the donated state\), more than the 256.00 KiB a cpu holds "
+                      r"for it: lower config.batch_size=16, or recompute more in the backward pass "
+                      r"\(config.model.remat='none'; 'full' keeps least\), or compute the loss in chunks "
+                      r"\(config.model.loss_chunks\), or shard the state and activations over more devices "
+                      r"\(config.mesh, config.logical_axis_rules\)", str(e.value)), str(e.value)
+
+
+def test_out_of_device_memory_from_xla_is_one_line():
+  """XLA's RESOURCE_EXHAUSTED (the TPU compiler's when a step does not fit; a GPU's when an allocation fails) ends
+  an entry point with XLA's first line and what to change; other runtime errors keep their traceback."""
+  import jax
+  tpu = ('RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (25.33G) '
+         'exceeds available HBM (15.75G).\nmore detail')
+  with pytest.raises(SystemExit) as e, errors.one_line():
+    raise jax.errors.JaxRuntimeError(tpu)
+  assert str(e.value) == ('shardzoo: memory error: out of device memory (' + tpu.splitlines()[0][:-1] + '): lower the '
+                          'batch size (config.batch_size), recompute more in the backward pass (config.model.remat), '
+                          'or shard the state and activations over more devices (config.mesh, '
+                          'config.logical_axis_rules)')
+  with pytest.raises(jax.errors.JaxRuntimeError, match='INTERNAL: something else'), errors.one_line():
+    raise jax.errors.JaxRuntimeError('INTERNAL: something else')
 
 
 def parse(argv):

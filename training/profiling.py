@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+import errors
 import models
 import partitioning
 from training import trainer as trainer_lib
@@ -43,6 +44,43 @@ def compiled_memory(compiled: Any) -> int:
   """Per-device bytes a compiled step needs: arguments + outputs + temporaries, minus donated aliases."""
   m = compiled.memory_analysis()
   return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+def memory_limit(device: Any) -> int | None:
+  """Bytes the device's allocator may hand out (GPUs, TPUs: memory_stats' bytes_limit; on GPUs the share JAX
+  took, 75% unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise); None where unknown (CPUs)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # compile-only and some plugin devices have none
+    return None
+  return int(stats['bytes_limit']) if stats and stats.get('bytes_limit') else None
+
+
+def check_fits(programs: dict[str, Any], device: Any, config: Any, limit: int | None = None) -> None:
+  """DeviceMemoryError naming the figures when a compiled program (name -> compiled) needs more per device than
+  `device` holds (`limit`, default memory_limit(device)), before anything is allocated; nothing where the limit is
+  unknown (CPUs)."""
+  limit = memory_limit(device) if limit is None else limit
+  if not limit:
+    return
+  gib = partitioning.fmt_bytes
+  for name, compiled in programs.items():
+    need = compiled_memory(compiled)
+    if need <= limit:
+      continue
+    m = compiled.memory_analysis()
+    model = config.get('model', {})
+    remat = model.get('remat')
+    change = [f'lower config.batch_size={config.batch_size}']
+    if remat is not None and remat not in ('full', True):
+      change.append(f"recompute more in the backward pass (config.model.remat={remat!r}; 'full' keeps least)")
+    if model.get('loss_chunks') == 0 and config.get('task') == 'lm':
+      change.append('compute the loss in chunks (config.model.loss_chunks)')
+    change.append('shard the state and activations over more devices (config.mesh, config.logical_axis_rules)')
+    raise errors.DeviceMemoryError(
+        f'the {name} needs {gib(need)} per device (arguments {gib(m.argument_size_in_bytes)}, temporaries '
+        f'{gib(m.temp_size_in_bytes)}, outputs {gib(m.output_size_in_bytes - m.alias_size_in_bytes)} beyond the '
+        f'donated state), more than the {gib(limit)} a {device.device_kind} holds for it: ' + ', or '.join(change))
 
 
 class StepProfiler:
