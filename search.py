@@ -7,7 +7,7 @@ r"""Searches meshes x logical-axis rules x remat policies for a config, ranks th
 Sections: check the input -> candidates (the config file's presets and variants of them, every mesh
 factorisation, axis orders over hosts) -> stage 1: prune by validation, compile the survivors abstractly for
 --devices simulated CPU devices (for an H100 with JAX's CUDA plugin installed, their memory for compile-only
-H100s too: --gpu_target), predict (planning/cost.py) -> stage 2: the other remat policies on the best
+H100s or TPU chips too: --compile_target), predict (planning/cost.py) -> stage 2: the other remat policies on the best
 plans -> the table -> --measure: real steps of the top K -> --out: the winner as a config file.
 """
 from __future__ import annotations
@@ -38,9 +38,12 @@ flags.DEFINE_string('remat', 'staged', "'staged': the config's remat first, ever
 flags.DEFINE_integer('stage2', 3, "How many of stage 1's best plans (presets only) try their presets' variants "
                      "and, with --remat=staged, every remat policy.")
 flags.DEFINE_integer('workers', 2, 'Compilations run in parallel.')
-flags.DEFINE_string('gpu_target', 'auto', "Compiled on CPU for a GPU chip, each plan's memory: 'auto' compiles for "
-                    "the chip's GPU target (training/gpu_targets) where JAX's CUDA plugin is installed, exactly; "
-                    "'none' models it from what the backward keeps; or a target name or .txtpb file.")
+flags.DEFINE_string('compile_target', 'auto', "Planned on CPU for a GPU or TPU chip, each plan's memory: 'auto' "
+                    "compiles for the chip itself (its GPU target in training/gpu_targets where JAX's CUDA plugin is "
+                    "installed; a TPU chip where libtpu is), exactly; "
+                    "'none' models it from what the backward keeps; or a target: a TPU chip (tpu_v5e, ...), a GPU "
+                    "target's name or .txtpb file.")
+flags.DEFINE_alias('gpu_target', 'compile_target')  # its name before TPUs compiled too
 
 
 def say(msg: str) -> None:
@@ -94,13 +97,13 @@ def main(argv) -> None:
     from training import targets
     # compiled on CPU for a GPU: attention traced as on the GPU, its fused kernels stood in for by 'blockwise'
     stand_in = attention.gpu_stand_in if chip.platform == 'gpu' else None
-    # ... and its memory compiled for the GPU itself where JAX's CUDA plugin can (training/targets.py)
+    # ... and its memory compiled for the chip itself where JAX's CUDA plugin or libtpu can (training/targets.py)
     memory_devices = None
-    if devices[0].platform == 'cpu' and chip.platform == 'gpu':
-      target, why = targets.memory_target(chip.name, n, FLAGS.gpu_target)
+    if devices[0].platform == 'cpu' and chip.platform in ('gpu', 'tpu'):
+      target, why = targets.memory_target(chip.name, n, FLAGS.compile_target)
       if target:
-        memory_devices = targets.gpu_devices(target, n)
-        say(f'memory: compiled for {n} x {target}, the GPU\'s own ({why})')
+        memory_devices = targets.compile_devices(target, n)
+        say(f'memory: compiled for {n} x {target}, the {chip.platform.upper()}\'s own ({why})')
       else:
         say(f'memory: modelled from what the backward keeps (planning/residuals.py): {why}')
     search = search_lib.Search(config, lambda m, r: models.create(m, r, config.get('lora')), chip, n, hosts,

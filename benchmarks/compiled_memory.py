@@ -1,21 +1,24 @@
-r"""Per-device GPU memory of the train step train.py compiles, on a machine without a GPU.
+r"""Per-device memory of the train step train.py compiles, for GPUs or TPUs, on a machine with neither.
 
-  python benchmarks/gpu_memory.py --config configs/gpt2.py --config.batch_size=16 --config.dataset.pack=False
-  python benchmarks/gpu_memory.py --config configs/llama.py --gpus 8      # the config's mesh over 8 H100s
-  python benchmarks/gpu_memory.py --cases                                # the README's table: ours vs the torch peer
+  python benchmarks/compiled_memory.py --config configs/gpt2.py --config.batch_size=16 --config.dataset.pack=False
+  python benchmarks/compiled_memory.py --config configs/llama.py --devices 8      # the config's mesh over 8 H100s
+  python benchmarks/compiled_memory.py --cases                                # the README's table: ours vs the torch peer
+  python benchmarks/compiled_memory.py --config configs/llama.py --target tpu_v5p  # over a v5p slice of 8 chips
 
-The step is built as train.py builds it and compiled for compile-only devices of a GPU (`--target`, default
-an H100 SXM 80GB: training/targets.py); attention makes the choice it makes on that GPU (cuDNN, Pallas).
+The step is built as train.py builds it and compiled for compile-only devices of the target (training/targets.py):
+a GPU (`--target`, default an H100 SXM 80GB: a name from training/gpu_targets or a .txtpb file) or a TPU slice
+(`--target tpu_v4|tpu_v5e|tpu_v5p|tpu_v6e`); attention makes the choice it makes there (cuDNN, Pallas, XLA).
 Printed per case: the peak (arguments + temporaries + outputs not aliased to donated inputs: what XLA's buffer
 assignment reserves), the arguments (parameters, optimizer state, batch), the temporaries, the attention
-kernels chosen and the compile time. With --gpus 1 (the default for --cases) every mesh axis is 1; otherwise
-the config's mesh runs over that many GPUs, 8 to a host.
+kernels chosen and the compile time. With --devices 1 (the default for --cases) every mesh axis is 1; otherwise
+the config's mesh runs over that many devices (GPUs 8 to a host; TPU chips as one slice, training.targets.tpu_topology).
 
---cases compiles the batches of the issue-9 benchmark (README "On GPUs") and prints them beside the peak the
-torch peer measured on an H100 on 2026-11-23 (`benchmarks/throughput.py --peer torch`; constants here) and
-the peak our step measured there that day, before the changes since (training/targets.py's validation).
+--cases compiles the batches of the issue-9 benchmark (README "On GPUs") and, for an H100, prints them beside the
+peak the torch peer measured on an H100 on 2026-11-23 (`benchmarks/throughput.py --peer torch`; constants here)
+and the peak our step measured there that day, before the changes since (training/targets.py's validation).
 
-Needs JAX's CUDA plugin (`pip install "jax[cuda13]==0.10.2"`, no GPU needed); JAX_PLATFORMS=cpu is set here.
+Needs the target's compiler, no device: JAX's CUDA plugin (`pip install "jax[cuda13]==0.10.2"`) or libtpu
+(`pip install "jax[tpu]==0.10.2"`); JAX_PLATFORMS=cpu is set here.
 """
 from __future__ import annotations
 
@@ -47,26 +50,35 @@ CASES = {
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'A config file (configs/*.py[:arg]).', lock_config=False)
 flags.DEFINE_boolean('cases', False, f'Compile the benchmark batches {list(CASES)} instead of --config.')
-flags.DEFINE_string('target', 'h100_sxm', 'GPU to compile for: a name from training/gpu_targets or a .txtpb file.')
-flags.DEFINE_integer('gpus', None, 'GPUs to compile for (default: as many as the mesh asks; 1 with --cases).')
+flags.DEFINE_string('target', 'h100_sxm', 'What to compile for: a TPU chip (tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e), or a '
+                    'GPU: a name from training/gpu_targets or a .txtpb file.')
+flags.DEFINE_integer('devices', None, 'GPUs or TPU chips to compile for (default: as many as the mesh asks; 1 with '
+                     '--cases).')
+flags.DEFINE_alias('gpus', 'devices')  # its name before TPUs
 
 GiB = 2**30
 
 
-def compile_for_gpu(config, target: str, gpus: int | None) -> dict:
-  """The train step of `config` compiled for `gpus` GPUs of `target`: per-device bytes and what was chosen."""
+def compile_for(config, target: str, count: int | None) -> dict:
+  """The train step of `config` compiled for `count` devices of `target`: per-device bytes and what was chosen."""
   import models
   import partitioning
   import training
   from models import attention
   from training import profiling, targets
-  n = partitioning.devices_needed(config.mesh) if gpus is None else gpus
-  devices = targets.gpu_devices(target, n)
+  n = partitioning.devices_needed(config.mesh) if count is None else count
+  devices = targets.compile_devices(target, n)
   mesh_cfg = {a: 1 for a in config.mesh} if n == 1 else config.mesh
   t0 = time.perf_counter()
   mesh = partitioning.make_mesh(mesh_cfg, devices)
   trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
-  compiled = training.compile_step(trainer, training.jit_train_step(trainer))
+  try:
+    compiled = training.compile_step(trainer, training.jit_train_step(trainer))
+  except Exception as e:  # the TPU compiler refuses a step over the chip's memory: a row saying so
+    if (line := errors.out_of_device_memory(e)) is None:
+      raise
+    return dict(over=line, mesh=dict(mesh.shape), device=devices[0].device_kind, attention=attention.decisions(),
+                seconds=time.perf_counter() - t0)
   m = compiled.memory_analysis()
   batch = partitioning.tree_bytes_per_device(trainer.batch_abstract,
                                              {k: v.spec for k, v in trainer.batch_shardings.items()}, mesh.shape)
@@ -90,15 +102,18 @@ def main(argv) -> None:
       config = candidates.load_module(path).get_config(None)
       config.update_from_flattened_dict(overrides)
       runs.append((name, config, *CASES[name][2:]))
-  rows = [('case', 'mesh', 'peak', 'state', 'batch', 'temporaries', 'torch peer (H100)', 'ours then (H100)', 's')]
+  h100 = FLAGS.target == 'h100_sxm'  # the measured columns are an H100's
+  rows = [('case', 'mesh', 'peak', 'state', 'batch', 'temporaries') + (('torch peer (H100)', 'ours then (H100)') if h100
+                                                                       else ()) + ('s',)]
   for name, config, torch_peak, then in runs:
     schema.check(config)  # before compiling
-    r = compile_for_gpu(config, FLAGS.target, FLAGS.gpus if FLAGS.config is not None else (FLAGS.gpus or 1))
+    r = compile_for(config, FLAGS.target, FLAGS.devices if FLAGS.config is not None else (FLAGS.devices or 1))
     gib = lambda b: f'{b / GiB:.2f} GiB'
-    rows.append((name, 'x'.join(f'{k}={v}' for k, v in r['mesh'].items() if v > 1) or '1 device', gib(r['peak']),
-                 gib(r['state']), gib(r['batch']), gib(r['temp']),
-                 '-' if torch_peak is None else f'{torch_peak:.2f} GiB', '-' if then is None else f'{then:.2f} GiB',
-                 f'{r["seconds"]:.0f}'))
+    measured = ('-' if torch_peak is None else f'{torch_peak:.2f} GiB', '-' if then is None else f'{then:.2f} GiB')
+    figures = (gib(r['peak']), gib(r['state']), gib(r['batch']), gib(r['temp'])) if 'over' not in r else (
+        'over', '-', '-', r['over'].split(': ', 1)[-1])  # the compiler's own words: what it needed, what there is
+    rows.append((name, 'x'.join(f'{k}={v}' for k, v in r['mesh'].items() if v > 1) or '1 device', *figures)
+                + (measured if h100 else ()) + (f'{r["seconds"]:.0f}',))
     print(' | '.join(rows[-1]), flush=True)
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
   print(f'\nper device, compiled for {r["device"]} ({FLAGS.target}), nothing run:')

@@ -12,7 +12,7 @@ array (planning/residuals.py), and the estimate args + (fused + written) / 2 + l
 here: this script cannot see a GPU. They were measured before the MLPs kept only their pre-activations and the softmax cross-entropy got its own
 gradient (both later that day), which lowered GPT-2's and ViT's peaks. So where JAX's CUDA plugin is installed
 (training/targets.py) each case is also compiled for one H100, the current step's own peak (exact to ~1% against
-those measurements, benchmarks/gpu_memory.py), and the model's error is given against that too.
+those measurements, benchmarks/compiled_memory.py), and the model's error is given against that too.
 """
 from __future__ import annotations
 

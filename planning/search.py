@@ -29,6 +29,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import re
 import statistics
 import threading
 import time
@@ -42,6 +43,7 @@ from jax.sharding import PartitionSpec
 
 import partitioning
 import training
+import errors
 from errors import ShardingError
 from partitioning import AxisRules
 from partitioning import hlo
@@ -69,6 +71,15 @@ FAST_CPU_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expen
 def reason_of(err: Exception) -> str:
   text = str(err)
   return next((r for key, r in _REASONS if key in text), f'other sharding error: {text[:60]}')
+
+
+def _required_bytes(line: str, memory_gib: float) -> float:
+  """The temporaries a compiler's out-of-memory line says a program needs ('... required for HLO temporaries
+  (25.33G) exceeds available HBM (15.75G)', TPU), else more than the whole device."""
+  found = re.search(r'required for HLO temporaries \(([0-9.]+)([KMGT])\)', line)
+  if not found:
+    return 2.0 * memory_gib * 2**30
+  return float(found.group(1)) * 2.0 ** (10 * 'KMGT'.index(found.group(2)) + 10)
 
 
 class Pruned(Exception):
@@ -169,10 +180,10 @@ class Search:
                memory_devices: Sequence[Any] | None = None):
     """`stand_in`: a context the steps are traced in when the devices here are not the target's, making them
     trace closer to the target (models/attention.gpu_stand_in for a GPU compiled on CPU: no L x L scores).
-    `memory_devices`: `num_devices` compile-only devices of the target GPU (training/targets.py): each plan's
-    proxies are compiled for them as well, and their memory is the GPU's own (exact, where the CPU's
-    temporaries are not and the residual model is an estimate); FLOPs, bytes and collectives are still read
-    from the CPU compile (a compile-only GPU executable has no cost analysis)."""
+    `memory_devices`: `num_devices` compile-only devices of the target chip, a GPU or a TPU (training/targets.py):
+    each plan's proxies are compiled for them as well, and their memory is the chip's own (exact, where the
+    CPU's temporaries are not and the residual model is an estimate); FLOPs, bytes and collectives are still
+    read from the CPU compile (a compile-only GPU executable has no cost analysis)."""
     self.config, self.create_fn, self.chip, self.hosts, self.log = config, create_fn, chip, hosts, log
     self.devices = list(jax.devices() if devices is None else devices)[:num_devices]
     if len(self.devices) != num_devices:
@@ -190,7 +201,7 @@ class Search:
     if memory_devices is not None and not on_target:
       self.memory_devices = list(memory_devices)[:num_devices]
       if len(self.memory_devices) != num_devices:
-        raise ShardingError(f'{len(self.memory_devices)} GPU devices to compile the memory for; the plan has '
+        raise ShardingError(f'{len(self.memory_devices)} devices to compile the memory for; the plan has '
                             f'{num_devices}')
       self.temporaries_known = True
     self.per_host = num_devices // hosts
@@ -208,7 +219,7 @@ class Search:
     return training.build(config, mesh, lambda rngs: self.create_fn(config.model, rngs))
 
   def _memory_steps(self, trainers: list, cand: Candidate) -> list:
-    """The proxies' steps traced over the target GPU's compile-only devices (their attention chosen as there)."""
+    """The proxies' steps traced over the target chip's compile-only devices (their attention chosen as there)."""
     return [training.trace(t, training.jit_train_step(t))
             for t in (self._trainer(tr.config, cand, self.memory_devices) for tr in trainers)]
 
@@ -294,9 +305,9 @@ class Search:
       return profiles[0].combine(profiles[1], 2 - self.layers, self.layers - 1)
     return profiles[0]
 
-  def _compile(self, traced: list, kept: list, on_gpu: list, mesh) -> tuple[_Compiled, float]:
-    """`kept`: per proxy, the residual model's function (targets not compiled on); `on_gpu`: per proxy, the step
-    traced over the target GPU's devices, whose memory replaces the CPU compile's. At most one is given."""
+  def _compile(self, traced: list, kept: list, on_target: list, mesh) -> tuple[_Compiled, float]:
+    """`kept`: per proxy, the residual model's function (targets not compiled on); `on_target`: per proxy, the step
+    traced over the target chip's devices, whose memory replaces the CPU compile's. At most one is given."""
     t0 = time.perf_counter()
     options = FAST_CPU_COMPILE if self.devices[0].platform == 'cpu' else None
     read = [self._read(t.lower().compile(compiler_options=options)) for t in traced]
@@ -306,8 +317,15 @@ class Search:
       est = residuals.from_compiled(fn.lower().compile(compiler_options=options), num_fused)
       profiles[i] = dataclasses.replace(profiles[i], kept_fused=est.fused, kept_written=est.written,
                                         kept_largest=est.largest)
-    for i, step in enumerate(on_gpu):
-      compiled = step.lower().compile()
+    for i, step in enumerate(on_target):
+      try:
+        compiled = step.lower().compile()
+      except Exception as e:  # the TPU compiler refuses a program over the chip's memory: the plan is over it
+        if (line := errors.out_of_device_memory(e)) is None:
+          raise
+        temp = _required_bytes(line, self.chip.memory_gib)
+        profiles[i] = dataclasses.replace(profiles[i], memory=profiles[i].argument_bytes + temp, temp_bytes=temp)
+        continue
       mem = compiled.memory_analysis()
       profiles[i] = dataclasses.replace(profiles[i], memory=float(profiling.compiled_memory(compiled)),
                                         argument_bytes=float(mem.argument_size_in_bytes),
@@ -331,11 +349,11 @@ class Search:
             fp, traced, trainers = self.validate(cand)
             self._validated[group] = fp
             if fp not in self._cache:
-              # the memory, per proxy: compiled for the target GPU, or (no such devices) the residual model;
+              # the memory, per proxy: compiled for the target chip, or (no such devices) the residual model;
               # traced here, where the stand-in is set
-              on_gpu = self._memory_steps(trainers, cand) if self.memory_devices else []
+              on_target = self._memory_steps(trainers, cand) if self.memory_devices else []
               kept = [] if self.temporaries_known else [residuals.trace(tr, self.stand_in) for tr in trainers]
-              self._cache[fp] = pool.submit(self._compile, traced, kept, on_gpu, cand.mesh)
+              self._cache[fp] = pool.submit(self._compile, traced, kept, on_target, cand.mesh)
               compiled += 1
           except Pruned as p:
             self._validated[group] = p

@@ -276,9 +276,34 @@ def test_memory_compiled_for_the_target_devices_replaces_the_model():
   assert any(k.axes == ('fsdp',) for k in scored.profile.collectives)  # from the CPU compile, as before
 
 
-def test_which_gpu_target_the_memory_is_compiled_for():
+def test_a_plan_the_target_compiler_refuses_for_memory_is_over_memory():
+  """The TPU compiler refuses a program over the chip's memory (RESOURCE_EXHAUSTED, at compile time): the plan is
+  scored as over memory, with the temporaries the compiler said it needed, instead of ending the search."""
+  import jax
+  config = _tiny_llama()
+  mesh = (('data', 2), ('fsdp', 4), ('tensor', 1))
+  plan = candidates.Candidate(mesh, 'fsdp', tuple(llama.RULES['fsdp']), 'none')
+  s = search_lib.Search(config, lambda m, r: models.create(m, r), flops.chip('tpu_v5e'), 8,
+                        memory_devices=jax.devices()[::-1])
+
+  class Refused:
+    def lower(self):
+      return self
+
+    def compile(self):
+      raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for '
+                                       'HLO temporaries (25.33G) exceeds available HBM (15.75G).')
+  s._memory_steps = lambda trainers, cand: [Refused() for _ in trainers]
+  result = s.run([plan])
+  scored = result.ranked[0]
+  assert not scored.prediction.fits and scored.profile.temp_bytes == 25.33 * 2**30
+  assert scored.prediction.memory_gib == pytest.approx(25.33 + scored.profile.argument_bytes / 2**30)
+  assert result.pruned['over device memory (compiled)'] == 1
+
+
+def test_which_target_the_memory_is_compiled_for():
   from training import targets
-  assert targets.memory_target('h100', 8, 'none') == (None, '--gpu_target=none')
+  assert targets.memory_target('h100', 8, 'none') == (None, '--compile_target=none')
   assert targets.memory_target('h100', 8, 'h100_sxm')[0] == 'h100_sxm'
   assert targets.memory_target('a100', 8)[0] is None and 'no GPU target for a100' in targets.memory_target('a100', 8)[1]
   with pytest.raises(ConfigError, match=r"GPU target 'b300' is neither one of \['h100_sxm'\]"):
@@ -291,6 +316,15 @@ def test_which_gpu_target_the_memory_is_compiled_for():
                                                       'or at most 8')
   else:  # CI: one line saying what to install
     assert target is None and 'pip install "jax[cuda13]==' in why
+  # TPU chips compile as one slice of that many chips, where libtpu is installed
+  assert targets.memory_target('h100', 8, 'tpu_v5p') == ('tpu_v5p', '--compile_target=tpu_v5p')
+  assert targets.memory_target('tpu_v5e', 12)[0] is None
+  target, why = targets.memory_target('tpu_v5e', 8)
+  if targets.libtpu_installed():
+    assert (target, why) == ('tpu_v5e', 'tpu_v5e compiles as a v5e:2x4 slice')
+    assert '12 tpu_v5e chips make no slice' in targets.memory_target('tpu_v5e', 12)[1]
+  else:
+    assert target is None and why.startswith('libtpu is not installed (pip install "jax[tpu]==')
 
 
 # --- The GPU memory model: what the backward keeps (planning/residuals.py) ----------------------------------------

@@ -323,6 +323,42 @@ def test_compiling_for_a_gpu_without_one():
   assert any(d.startswith('cudnn (causal, bfloat16') for d in attention.decisions()), attention.decisions()
 
 
+def test_compiling_for_a_tpu_without_one(monkeypatch):
+  """training/targets: a TPU slice's chip grid for a chip count (as near square or cube as its hosts' grids tile;
+  on one host, the host's grid halved), one ConfigError for a count that makes no slice or when libtpu is missing
+  (as in CI); with libtpu installed, a sharded step compiles for 8 v5e chips on this machine, XLA's attention
+  chosen as on a TPU."""
+  from training import targets
+  assert targets.tpu_topology('tpu_v5e', 8) == ('v5e:2x4', dict(chips_per_host_bounds=[2, 4, 1]))
+  assert targets.tpu_topology('tpu_v5e', 32) == ('v5e:4x8', dict(chips_per_host_bounds=[2, 4, 1]))
+  assert targets.tpu_topology('tpu_v5p', 16) == ('v5p:2x2x4', dict(chips_per_host_bounds=[2, 2, 1]))
+  assert targets.tpu_topology('tpu_v5p', 64)[0] == 'v5p:4x4x4' and targets.tpu_topology('tpu_v4', 2)[0] == 'v4:1x2x1'
+  assert targets.tpu_topology('tpu_v6e', 1) == ('v6e:1x1', dict(chips_per_host_bounds=[1, 1, 1]))
+  with pytest.raises(ConfigError, match=r'^12 tpu_v5e chips make no slice: ask for 1 to 8 chips \(one host\) or a '
+                                        r'multiple of 8 \(hosts of 2x4 chips\)$'):
+    targets.tpu_topology('tpu_v5e', 12)
+  with pytest.raises(ConfigError, match=r'^3 tpu_v5p chips make no slice: on one host ask for a power of 2 up to 4$'):
+    targets.tpu_topology('tpu_v5p', 3)
+  with pytest.raises(ConfigError, match=r"TPU target 'tpu_v7' is not one of \['tpu_v4', 'tpu_v5e', 'tpu_v5p', "):
+    targets.compile_devices('tpu_v7')
+  installed = targets.libtpu_installed()
+  monkeypatch.setattr(targets, 'libtpu_installed', lambda: False)
+  with pytest.raises(ConfigError, match=r"TPU target 'tpu_v5e' needs libtpu \(no TPU needed\): pip install "
+                                        r'"jax\[tpu\]=='):
+    targets.compile_devices('tpu_v5e', 8)
+  if not installed:
+    return
+  monkeypatch.undo()
+  devices = targets.compile_devices('tpu_v5e', 8)
+  assert {d.platform for d in devices} == {'tpu'} and devices[0].device_kind == 'TPU v5 lite'
+  cfg = _gpt2_tiny(dtype='bfloat16')
+  mesh = partitioning.make_mesh(dict(data=2, fsdp=4), devices)
+  trainer = training.build(cfg, mesh, lambda rngs: models.create(cfg.model, rngs))
+  compiled = training.compile_step(trainer, training.jit_train_step(trainer))
+  assert profiling.compiled_memory(compiled) > 0 and 'all-reduce' in compiled.as_text()
+  assert any(d.startswith('xla (causal, bfloat16') and 'tpu backend' in d for d in attention.decisions())
+
+
 def test_softmax_xent_gradient_scatters_nothing():
   """xent.softmax_xent: loss and gradient equal optax's in float32, and the gradient program has no scatter
   (autodiff of optax's scatters the targets' gradient into a zero array of the logits' shape: an extra pass
