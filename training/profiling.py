@@ -56,17 +56,23 @@ def memory_limit(device: Any) -> int | None:
   return int(stats['bytes_limit']) if stats and stats.get('bytes_limit') else None
 
 
+# How far over the device's limit a compiled program's memory may be before check_fits refuses it: the compiled
+# figure overstated one measured H100 peak by 2.3% (GPT-2, 32 x 1024: 25.28 against 24.70 GiB; docs/gpu.md), and a
+# run that would fit must not be refused. A program between the two fails at allocation, in XLA's own words.
+FIT_MARGIN = 1.05
+
+
 def check_fits(programs: dict[str, Any], device: Any, config: Any, limit: int | None = None) -> None:
   """DeviceMemoryError naming the figures when a compiled program (name -> compiled) needs more per device than
-  `device` holds (`limit`, default memory_limit(device)), before anything is allocated; nothing where the limit is
-  unknown (CPUs)."""
+  `device` holds (`limit`, default memory_limit(device); by more than FIT_MARGIN), before anything is allocated;
+  nothing where the limit is unknown (CPUs)."""
   limit = memory_limit(device) if limit is None else limit
   if not limit:
     return
   gib = partitioning.fmt_bytes
   for name, compiled in programs.items():
     need = compiled_memory(compiled)
-    if need <= limit:
+    if need <= limit * FIT_MARGIN:
       continue
     m = compiled.memory_analysis()
     model = config.get('model', {})
