@@ -6,6 +6,7 @@
   'xla'   always XLA (`jax.nn.dot_product_attention(implementation='xla')`: materialises the L x L scores);
   'cudnn' always cuDNN; a condition that fails is a ConfigError naming it;
   'pallas' always JAX's Pallas (Triton) flash attention (jax.experimental.pallas.ops.gpu.attention); likewise;
+  'splash' always splash attention, JAX's Pallas flash attention for TPUs; likewise;
   'blockwise' flash attention written in JAX (`_blockwise`: keys in blocks under an online softmax, its own
           VJP keeping only the output and the log-sum-exp), on any backend and dtype: O(L x block) temporaries
           where XLA's are O(L x L), at XLA matmul speed (not fused). For long sequences off GPUs; the plan
@@ -28,6 +29,15 @@ packed documents, which cuDNN does not take (benchmarks/attention_parity.py comp
 (tokamax 0.0.12's kernels failed on
 jax 0.11.2: its Mosaic GPU kernel passes a removed Mesh argument, its Triton kernel calls the removed pl.dot.)
 Under a mesh, cuDNN and Pallas run per shard inside `jax.shard_map` (batch and heads may be sharded).
+
+On TPUs 'auto' picks splash attention (jax.experimental.pallas.ops.tpu.splash_attention, as MaxText does): a
+flash attention kernel that skips the masked blocks of causal attention, takes packed documents as segment ids
+(padding as segment 0) and any dtype, for lengths that are a multiple of SPLASH_BLOCK; per shard under a mesh,
+grouped kv heads repeated, the kernel built once per (length, heads, mask). Elsewhere on TPUs XLA (e.g. ViT's
+197 tokens, a sharded sequence). Compiled for a v5e on a CPU-only machine (training/targets.py), a causal
+attention layer's forward and backward at 16 x 1024 tokens, 12 heads of 64, needs 288 MiB of temporaries against
+XLA's 1154; it has not run on a TPU here. The tests run it in Pallas' TPU interpreter on the CPU
+(`splash_interpret`).
 
 Context (sequence) parallelism: when the queries' 'length' is sharded (a rule such as ('length', 'context')),
 'auto' and 'cudnn' run attention per shard inside `jax.shard_map` (`_per_shard_context`): keys, values and
@@ -61,8 +71,10 @@ from jax.sharding import PartitionSpec as P
 from errors import ConfigError
 from partitioning import active_mesh, logical_spec
 
-IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'pallas', 'blockwise')
+IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'pallas', 'splash', 'blockwise')
 PALLAS_BLOCK = 128  # the Pallas kernel's query/key block: lengths must be a multiple
+SPLASH_FORWARD = 'attn_splash_forward'  # the splash kernel's output and log-sum-exp, named for remat policies
+SPLASH_BLOCK = 128  # splash attention's query/key block (its default block sizes): lengths must be a multiple
 CUDNN_LENGTH_MULTIPLE = 8  # non-causal lengths that are not a multiple are padded (masked keys); 197 failed on an H100
 Q_AXES, KV_AXES = ('batch', 'length', 'heads', 'kv'), ('batch', 'length', 'kv_heads', 'kv')
 
@@ -70,6 +82,8 @@ _decisions: dict[str, None] = {}  # every distinct choice made while tracing, in
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar('shardzoo_attention_forced', default=None)
 _per_shard_xla: contextvars.ContextVar[bool] = contextvars.ContextVar('shardzoo_attention_per_shard_xla', default=False)
 _gpu_stand_in: contextvars.ContextVar[bool] = contextvars.ContextVar('shardzoo_attention_gpu_stand_in', default=False)
+_splash_interpret: contextvars.ContextVar[bool] = contextvars.ContextVar('shardzoo_attention_splash_interpret',
+                                                                         default=False)
 
 
 @contextlib.contextmanager
@@ -95,6 +109,17 @@ def gpu_stand_in():
     yield
   finally:
     _gpu_stand_in.reset(token)
+
+
+@contextlib.contextmanager
+def splash_interpret():
+  """Runs splash attention (a TPU kernel) in Pallas' TPU interpreter on whatever device is here, and lets 'auto'
+  pick it as on a TPU: how the tests check the kernel and its wiring on the CPU. Slow; small shapes only."""
+  token = _splash_interpret.set(True)
+  try:
+    yield
+  finally:
+    _splash_interpret.reset(token)
 
 
 def decisions() -> list[str]:
@@ -169,7 +194,8 @@ def _fused_blockers(dtype: Any, head_dim: int) -> list[str]:
 
 def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, packed: bool, padded: bool,
            kv_length: int | None = None) -> tuple[str, Any]:
-  """(kernel, local specs or None): kernel 'cudnn', 'pallas' or 'xla'; records the decision and why.
+  """(kernel, local specs or None): kernel 'cudnn', 'pallas', 'splash', 'blockwise' or 'xla'; records the
+  decision and why.
   `padded`: a per-token padding mask; `kv_length`: only the first kv_length keys of every row are real."""
   forced_impl = _forced.get()
   if forced_impl is not None:
@@ -196,6 +222,16 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
   K = q_BLHK.shape[-1]
   if isinstance(specs, tuple) and specs[0][1] is not None:  # the sequence is sharded: context parallelism
     return _choose_context(impl, what, fused, specs, q_BLHK.shape[1])
+  if impl == 'splash' or (impl == 'auto' and (_platform() == 'tpu' or _splash_interpret.get())):
+    why = _splash_blockers(q_BLHK.shape[1]) or ([specs] if isinstance(specs, str) else [])
+    if why and impl == 'splash':
+      raise ConfigError(f'config.model.attention=splash cannot run this attention ({what}): {"; ".join(why)}')
+    if why:
+      _record(f'xla ({what}): splash: ' + '; '.join(why))
+      return 'xla', None
+    interpreted = ' in the Pallas TPU interpreter (splash_interpret)' if _splash_interpret.get() else ''
+    _record(f'splash ({what})' + (' per shard (shard_map)' if specs else '') + interpreted)
+    return 'splash', specs
   cudnn_why, pallas_why = list(fused), list(fused)
   if padded and impl == 'auto':
     cudnn_why.append('a per-token padding mask (cuDNN takes lengths; '
@@ -243,6 +279,9 @@ def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P
   names = axes if isinstance(axes, tuple) else (axes,)
   shards = math.prod(active_mesh().shape[a] for a in names)
   where = f'per shard over {axes!r}: shard_map, keys/values all-gathered'
+  if impl == 'splash':
+    raise ConfigError(f'config.model.attention=splash cannot run this attention ({what}): the sequence is sharded '
+                      f"over {axes!r}, which this zoo runs per shard on cuDNN or XLA only; use 'auto'")
   if impl == 'pallas':
     raise ConfigError(f'config.model.attention=pallas cannot run this attention ({what}): the sequence is sharded '
                       f'over {axes!r} and the Pallas kernel cannot offset causality to a shard of the queries; '
@@ -294,6 +333,45 @@ def _document_mask(seg_q_BL, seg_k_BS, valid_k_BS) -> jax.Array | None:
     keys = valid_k_BS.astype(bool)[:, None, None, :]
     mask = keys if mask is None else mask & keys
   return mask
+
+
+def _splash_blockers(L: int) -> list[str]:
+  """What keeps splash attention from this attention here; empty where it runs."""
+  why = []
+  if _platform() != 'tpu' and not _splash_interpret.get():
+    why.append(f'{_platform()} backend (splash attention is a TPU kernel)')
+  if L % SPLASH_BLOCK:
+    why.append(f'length {L} (splash takes a multiple of {SPLASH_BLOCK})')
+  return why
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(L: int, heads: int, causal: bool, interpret: bool) -> Any:
+  """The splash kernel for one example's (heads, L, K) queries: its masks are processed once per shape."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+  one = masks.CausalMask((L, L)) if causal else masks.FullMask((L, L))
+  return splash.make_splash_mha(masks.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1,
+                                block_sizes=splash.BlockSizes.get_default(), interpret=interpret,
+                                residual_checkpoint_name=SPLASH_FORWARD)
+
+
+def _splash(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
+  """Splash attention, vmapped over the batch. Padding becomes segment 0 (real queries never see padded keys;
+  padded queries' outputs are unused); grouped kv heads are repeated; q is scaled here (the kernel does not)."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  B, L, H, K = q_BLHK.shape
+  seg_BL = segment_ids_BL
+  if valid_BL is not None:
+    seg_BL = jnp.where(valid_BL.astype(bool), 1 if seg_BL is None else seg_BL + 1, 0)
+  if k_BLGK.shape[2] != H:
+    k_BLGK, v_BLGK = (jnp.repeat(x, H // x.shape[2], axis=2) for x in (k_BLGK, v_BLGK))
+  kernel = _splash_kernel(L, H, causal, _splash_interpret.get())
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # (B, H, L, K): the kernel's layout per example
+  ids = None if seg_BL is None else splash.SegmentIds(q=seg_BL, kv=seg_BL)
+  o_BHLK = jax.vmap(kernel)(heads_first(q_BLHK * jnp.asarray(K ** -0.5, q_BLHK.dtype)), heads_first(k_BLGK),
+                            heads_first(v_BLGK), segment_ids=ids)
+  return heads_first(o_BHLK)
 
 
 def _pallas(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, interpret: bool = False):
@@ -476,8 +554,8 @@ def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, causal: b
                        padded=masked, kv_length=kv_length)
   q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(x, n) for x, n in ((q_BLHK, 'attn_q'), (k_BLGK, 'attn_k'),
                                                                 (v_BLGK, 'attn_v')))
-  kernel = functools.partial({'cudnn': _cudnn, 'pallas': _pallas, 'xla': _xla, 'blockwise': _blockwise}[kind],
-                             causal=causal)
+  kernel = functools.partial({'cudnn': _cudnn, 'pallas': _pallas, 'splash': _splash, 'xla': _xla,
+                              'blockwise': _blockwise}[kind], causal=causal)
   # Named so FLOP counting (training/flops.py) can tell causal attention's matmuls from the rest.
   with jax.named_scope('causal_attention' if causal else 'attention'):
     if specs is None:

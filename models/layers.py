@@ -523,6 +523,7 @@ def _dots_and_fused_attention(prim: Any, *args: Any, **params: Any) -> bool:
   what a layer keeps): its backward then reads them instead of rerunning the forward kernel."""
   return (prim.name == CUDNN_ATTENTION_FORWARD
           or (prim.name == 'name' and params.get('name') in attention.BLOCKWISE_FORWARD)  # its stand-in's
+          or (prim.name == 'name' and params.get('name') == attention.SPLASH_FORWARD)  # the TPU kernel's
           or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params))
 
 
@@ -530,7 +531,7 @@ REMAT_POLICIES = {
     'none': None,  # keep every activation for the backward pass (fastest, most memory)
     'full': jax.checkpoint_policies.nothing_saveable,  # keep only each block's input; recompute the block
     # keep the outputs of weight matmuls (q/k/v/out projections, MLP layers) and of fused attention (cuDNN's
-    # forward kernel, 'blockwise' attention's output and log-sum-exp); recompute
+    # forward kernel, splash's and 'blockwise' attention's output and log-sum-exp); recompute
     # norms, activations and XLA's attention core (whose L x L scores are too large to keep):
     'dots': _dots_and_fused_attention,
     # keep attention's q, k, v and output (models/attention.py names them); recompute the MLPs:

@@ -1,7 +1,9 @@
 """The GPU speed paths, tested where CI runs (CPU): attention selection and its fallback, remat policies,
 bf16 logits, FLOP counting, chip peaks, mesh fitting, MFU and profiles in train.py, the benchmark."""
+import contextlib
 import functools
 import glob
+import io
 import os
 import subprocess
 import sys
@@ -19,7 +21,7 @@ import train
 import training
 from configs import resnet as resnet_config
 from models import attention, layers, resnet
-from tests.conftest import ROOT, all_eqns, build_trainer, subprocess_env, tiny_config
+from tests.conftest import ROOT, all_eqns, build_trainer, subprocess_env, tiny_config, train_on_random_batches
 from training import flops, profiling
 
 
@@ -83,6 +85,66 @@ def test_pallas_kernel_equals_xla_for_packed_padded_grouped_heads():
   np.testing.assert_allclose(out * real, ref * real, atol=2e-6)
   for g, r in zip(grads, ref_grads):
     np.testing.assert_allclose(g, r, atol=2e-5)
+
+
+def test_splash_kernel_equals_xla_for_packed_padded_grouped_heads():
+  """The TPU kernel itself (Pallas' TPU interpreter on the CPU): packed documents, padding, grouped kv heads,
+  causal and full; the outputs of real queries and all gradients match the XLA path."""
+  q, k, v = _qkv(L=128, K=16)
+  seg = jnp.asarray([[1] * 50 + [2] * 60 + [0] * 18, [1] * 128])
+  valid = jnp.asarray([[1] * 128, [1] * 100 + [0] * 28])
+  real = (valid * (seg > 0))[:, :, None, None]
+
+  def loss(kernel, q, k, v):
+    o = kernel(q, k, v, seg, valid, causal=True) + 2 * kernel(q, k, v, None, valid, causal=False)
+    return (o * real * jnp.cos(jnp.arange(o.size).reshape(o.shape))).sum(), o
+  with attention.splash_interpret():
+    (_, out), grads = jax.value_and_grad(functools.partial(loss, attention._splash), (0, 1, 2), has_aux=True)(q, k, v)
+  (_, ref), ref_grads = jax.value_and_grad(functools.partial(loss, attention._xla), (0, 1, 2), has_aux=True)(q, k, v)
+  np.testing.assert_allclose(out * real, ref * real, atol=2e-5)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g, r, atol=5e-5)
+
+
+def test_splash_is_chosen_as_on_a_tpu_and_refused_where_it_cannot_run():
+  """'auto' picks splash on TPUs (here: splash_interpret) for lengths it takes, and XLA otherwise, saying why;
+  'splash' where it cannot run (a CPU; a sharded sequence) is one ConfigError naming why."""
+  q, k, v = _qkv(L=128, K=16)
+  with attention.splash_interpret():
+    assert attention.choose('auto', q, k, causal=True, packed=True, padded=True) == ('splash', None)
+    assert attention.choose('auto', *_qkv(L=100)[:2], causal=False, packed=False, padded=False) == ('xla', None)
+  assert {'splash (causal, packed, padding, float32, L=128, head_dim 16) in the Pallas TPU interpreter '
+          '(splash_interpret)', 'xla (full, float32, L=100, head_dim 8): splash: length 100 (splash takes a '
+          'multiple of 128)'} <= set(attention.decisions())
+  assert attention.choose('auto', q, k, causal=True, packed=False, padded=False) == ('xla', None)  # a CPU
+  with pytest.raises(ConfigError, match=r'^config.model.attention=splash cannot run this attention \(causal, '
+                                        r'float32, L=128, head_dim 16\): cpu backend \(splash attention is a TPU '
+                                        r'kernel\)$'):
+    attention.choose('splash', q, k, causal=True, packed=False, padded=False)
+
+
+def test_a_train_step_on_splash_per_shard_equals_xla():
+  """GPT-2 (tiny, 128 tokens) under the tensor-parallel preset: splash attention per shard in shard_map (heads
+  over 'tensor', rows over 'data'; the interpreter standing in for the TPU) trains to XLA's parameters (SGD:
+  the update is the gradient, scaled)."""
+  from configs import gpt2
+  cfg = gpt2.get_config('tp,tiny')
+  cfg.optim.update(name='sgd', lr=1.0, warmup_steps=1)
+  cfg.model.update(max_len=128, num_layers=1)
+  cfg.dataset.seq_len = 128
+  cfg.update(batch_size=4)
+  results = {}
+  for impl in ('auto', 'xla'):
+    cfg.model.attention = impl
+    with attention.splash_interpret():
+      start, end = train_on_random_batches(build_trainer(cfg), 2)  # the first step's learning rate is 0
+    results[impl] = end
+  assert any(d.startswith('splash (causal, float32, L=128, head_dim 16) per shard (shard_map)')
+             for d in attention.decisions()), attention.decisions()
+  splash, xla = (jax.tree.leaves(results[i].params) for i in ('auto', 'xla'))
+  for a, b in zip(splash, xla):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  assert max(np.abs(a - b).max() for a, b in zip(splash, jax.tree.leaves(start.params))) > 1e-3  # it trained
 
 
 def test_blockwise_attention_equals_xla(monkeypatch):
@@ -223,7 +285,7 @@ def test_remat_policies_change_memory_not_results():
 def test_dots_policy_keeps_fused_attention_instead_of_rerunning_it(monkeypatch):
   """Traced only (CPU has no cuDNN; its version check is patched): under remat='dots' the gradient of a
   block with cuDNN attention runs the forward kernel once, and twice under 'full'. Fails if JAX renames the
-  kernel's primitive (layers.CUDNN_ATTENTION_FORWARD). Likewise for 'blockwise'."""
+  kernel's primitive (layers.CUDNN_ATTENTION_FORWARD). Likewise for 'blockwise' and splash."""
   from jax._src.cudnn import fused_attention_stablehlo
   monkeypatch.setattr(fused_attention_stablehlo, 'check_cudnn_version', lambda *a, **k: 91000)
   q, k, v = _qkv(B=2, L=128, H=4, G=4, K=64, dtype=jnp.bfloat16)
@@ -246,6 +308,18 @@ def test_dots_policy_keeps_fused_attention_instead_of_rerunning_it(monkeypatch):
   assert blockwise_loops(layers.REMAT_POLICIES['dots']) == 2
   assert blockwise_loops(layers.REMAT_POLICIES['full']) == 3
   assert blockwise_loops(jax.checkpoint_policies.dots_with_no_batch_dims_saveable) == 3
+
+  # splash (the TPU kernel; interpreted here): under 'dots' its forward's output and log-sum-exp are kept (named
+  # attention.SPLASH_FORWARD), so the backward does not rerun it; under 'full' they are not
+  def splash_kept(policy):
+    block = jax.checkpoint(lambda q, k, v: attention._splash(q, k, v, None, None, causal=True).astype(
+        jnp.float32).sum(), policy=policy)
+    out = io.StringIO()
+    with attention.splash_interpret(), contextlib.redirect_stdout(out):
+      jax.ad_checkpoint.print_saved_residuals(block, q, k, v)
+    return sorted(line.split()[0] for line in out.getvalue().splitlines() if '_splash_attention' in line)
+  assert splash_kept(layers.REMAT_POLICIES['dots']) == ['bf16[2,4,128,64]', 'f32[2,4,128]']
+  assert splash_kept(layers.REMAT_POLICIES['full']) == []
 
 
 @pytest.mark.parametrize('gated', [False, True])
