@@ -106,13 +106,30 @@ def fit_mesh(mesh_cfg: MutableMapping[str, int], dcn_cfg: Mapping[str, int] | No
 
 
 def check_platform() -> None:
-  """Refuses to run on the CPU when an NVIDIA GPU is present but JAX cannot use it (a CPU-only jaxlib):
-  training would silently be ~100x slower. JAX_PLATFORMS=cpu says the CPU is meant."""
-  gpu_present = os.path.exists('/dev/nvidiactl') or os.path.exists('/dev/nvidia0')
-  if jax.default_backend() == 'cpu' and gpu_present and os.environ.get('JAX_PLATFORMS', '') != 'cpu':
+  """Refuses to run on the CPU when an NVIDIA GPU or a TPU is attached but JAX cannot use it (a jaxlib without
+  the CUDA plugin or libtpu): training would silently be ~100x slower. JAX_PLATFORMS=cpu says the CPU is meant."""
+  if jax.default_backend() != 'cpu' or os.environ.get('JAX_PLATFORMS', '') == 'cpu':
+    return
+  present = _accelerator_present()
+  if present == 'gpu':
     raise ShardingError('an NVIDIA GPU is present but JAX found only the CPU (a CPU-only jaxlib?): install the GPU '
-                        'plugin, pip install "jax[cuda13]==0.10.2" (or jax[cuda12]), or set JAX_PLATFORMS=cpu to '
-                        'run on the CPU on purpose')
+                        f'plugin, pip install "jax[cuda13]=={jax.__version__}" (or jax[cuda12]), or set '
+                        'JAX_PLATFORMS=cpu to run on the CPU on purpose')
+  if present == 'tpu':
+    raise ShardingError('a TPU is attached but JAX found only the CPU (no libtpu?): pip install '
+                        f'"jax[tpu]=={jax.__version__}", or set JAX_PLATFORMS=cpu to run on the CPU on purpose')
+
+
+def _accelerator_present() -> str | None:
+  """'gpu' or 'tpu' where such a chip is attached, found as JAX's own start-up finds them (device files; Google's
+  PCI vendor and TPU device ids), else None."""
+  try:
+    from jax._src import hardware_utils  # private: where it moves, only NVIDIA's device files are looked at
+  except ImportError:
+    return 'gpu' if os.path.exists('/dev/nvidiactl') or os.path.exists('/dev/nvidia0') else None
+  if hardware_utils.has_visible_nvidia_gpu():
+    return 'gpu'
+  return 'tpu' if hardware_utils.num_available_tpu_chips_and_device_id()[0] else None
 
 
 def simulate_cpu_devices(n: int) -> None:

@@ -527,10 +527,17 @@ def test_mesh_is_fitted_to_the_accelerators_found(monkeypatch):
   assert dict(mesh) == {'data': 1, 'fsdp': 1, 'tensor': 1}
 
 
-def test_no_silent_cpu_run_beside_a_gpu(monkeypatch):
-  monkeypatch.setattr(os.path, 'exists', lambda p: p == '/dev/nvidiactl')
+def test_no_silent_cpu_run_beside_a_gpu_or_a_tpu(monkeypatch):
+  from jax._src import hardware_utils
   monkeypatch.setenv('JAX_PLATFORMS', '')
-  with pytest.raises(ShardingError, match=r'an NVIDIA GPU is present but JAX found only the CPU .*jax\[cuda13\]'):
+  partitioning.check_platform()  # this machine: neither
+  with monkeypatch.context() as m:
+    m.setattr(os.path, 'exists', lambda p: p == '/dev/nvidiactl')
+    with pytest.raises(ShardingError, match=r'an NVIDIA GPU is present but JAX found only the CPU .*jax\[cuda13\]'):
+      partitioning.check_platform()
+  monkeypatch.setattr(hardware_utils, 'num_available_tpu_chips_and_device_id', lambda: (4, hardware_utils.TpuVersion.v5e))
+  with pytest.raises(ShardingError, match=r'^a TPU is attached but JAX found only the CPU \(no libtpu\?\): pip install '
+                                          r'"jax\[tpu\]==0.10.2", or set JAX_PLATFORMS=cpu'):
     partitioning.check_platform()
   monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
   partitioning.check_platform()  # the CPU on purpose
