@@ -335,6 +335,17 @@ def _document_mask(seg_q_BL, seg_k_BS, valid_k_BS) -> jax.Array | None:
   return mask
 
 
+def _segments_and_every_head(k_BLGK, v_BLGK, segment_ids_BL, valid_BL, H: int):
+  """For the Pallas kernels, which take segment ids and one kv head per query head: padding as segment 0 (real
+  queries never see padded keys; padded queries' outputs are unused), and grouped kv heads repeated."""
+  seg_BL = segment_ids_BL
+  if valid_BL is not None:
+    seg_BL = jnp.where(valid_BL.astype(bool), 1 if seg_BL is None else seg_BL + 1, 0)
+  if k_BLGK.shape[2] != H:
+    k_BLGK, v_BLGK = (jnp.repeat(x, H // x.shape[2], axis=2) for x in (k_BLGK, v_BLGK))
+  return seg_BL, k_BLGK, v_BLGK
+
+
 def _splash_blockers(L: int) -> list[str]:
   """What keeps splash attention from this attention here; empty where it runs."""
   why = []
@@ -357,37 +368,29 @@ def _splash_kernel(L: int, heads: int, causal: bool, interpret: bool) -> Any:
 
 
 def _splash(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
-  """Splash attention, vmapped over the batch. Padding becomes segment 0 (real queries never see padded keys;
-  padded queries' outputs are unused); grouped kv heads are repeated; q is scaled here (the kernel does not)."""
+  """Splash attention, vmapped over the batch (padding and grouped heads: _segments_and_every_head); q is scaled
+  here (the kernel does not)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   B, L, H, K = q_BLHK.shape
-  seg_BL = segment_ids_BL
-  if valid_BL is not None:
-    seg_BL = jnp.where(valid_BL.astype(bool), 1 if seg_BL is None else seg_BL + 1, 0)
-  if k_BLGK.shape[2] != H:
-    k_BLGK, v_BLGK = (jnp.repeat(x, H // x.shape[2], axis=2) for x in (k_BLGK, v_BLGK))
+  seg_BL, k_BLHK, v_BLHK = _segments_and_every_head(k_BLGK, v_BLGK, segment_ids_BL, valid_BL, H)
   kernel = _splash_kernel(L, H, causal, _splash_interpret.get())
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # (B, H, L, K): the kernel's layout per example
   ids = None if seg_BL is None else splash.SegmentIds(q=seg_BL, kv=seg_BL)
-  o_BHLK = jax.vmap(kernel)(heads_first(q_BLHK * jnp.asarray(K ** -0.5, q_BLHK.dtype)), heads_first(k_BLGK),
-                            heads_first(v_BLGK), segment_ids=ids)
+  o_BHLK = jax.vmap(kernel)(heads_first(q_BLHK * jnp.asarray(K ** -0.5, q_BLHK.dtype)), heads_first(k_BLHK),
+                            heads_first(v_BLHK), segment_ids=ids)
   return heads_first(o_BHLK)
 
 
 def _pallas(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, interpret: bool = False):
-  """JAX's Pallas flash attention. Padding becomes segment 0 (real queries never see padded keys; padded
-  queries' outputs are unused). Grouped kv heads are repeated. `interpret` runs it on the CPU (tests)."""
+  """JAX's Pallas flash attention (padding and grouped heads: _segments_and_every_head). `interpret` runs it on
+  the CPU (tests)."""
   from jax.experimental.pallas.ops.gpu import attention as pallas_attention
   B, L, H, K = q_BLHK.shape
-  seg = segment_ids_BL
-  if valid_BL is not None:
-    seg = jnp.where(valid_BL.astype(bool), 1 if seg is None else seg + 1, 0)
-  if k_BLGK.shape[2] != H:
-    k_BLGK, v_BLGK = (jnp.repeat(x, H // x.shape[2], axis=2) for x in (k_BLGK, v_BLGK))
+  seg, k_BLHK, v_BLHK = _segments_and_every_head(k_BLGK, v_BLGK, segment_ids_BL, valid_BL, H)
   block = min(PALLAS_BLOCK, L)
   sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=min(32, L), block_kv_dkv=min(32, L),
                                       block_q_dq=min(32, L), block_kv_dq=min(32, L))
-  return pallas_attention.mha(q_BLHK, k_BLGK, v_BLGK, seg, sm_scale=K ** -0.5, causal=causal, block_sizes=sizes,
+  return pallas_attention.mha(q_BLHK, k_BLHK, v_BLHK, seg, sm_scale=K ** -0.5, causal=causal, block_sizes=sizes,
                               interpret=interpret)
 
 

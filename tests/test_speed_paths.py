@@ -90,7 +90,7 @@ def test_pallas_kernel_equals_xla_for_packed_padded_grouped_heads():
 def test_splash_kernel_equals_xla_for_packed_padded_grouped_heads():
   """The TPU kernel itself (Pallas' TPU interpreter on the CPU): packed documents, padding, grouped kv heads,
   causal and full; the outputs of real queries and all gradients match the XLA path."""
-  q, k, v = _qkv(L=128, K=16)
+  q, k, v = _qkv(L=128, H=2, G=1, K=16)
   seg = jnp.asarray([[1] * 50 + [2] * 60 + [0] * 18, [1] * 128])
   valid = jnp.asarray([[1] * 128, [1] * 100 + [0] * 28])
   real = (valid * (seg > 0))[:, :, None, None]

@@ -179,7 +179,7 @@ def _grid(count: int, rank: int, tile: tuple[int, ...]) -> tuple[int, ...]:
 
 
 # No TPU here: tell libtpu so as it loads (only where unset), instead of its querying a metadata server and
-# printing warnings; several processes (xdist workers, the search's compiles) may load it.
+# printing warnings; several processes (test workers, a search beside a benchmark) may load it at once.
 _NO_TPU_ENV = dict(TPU_SKIP_MDS_QUERY='1', TPU_ACCELERATOR_TYPE='v5litepod-8', TPU_WORKER_HOSTNAMES='localhost',
                    ALLOW_MULTIPLE_LIBTPU_LOAD='1')
 
