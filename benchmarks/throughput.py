@@ -14,7 +14,7 @@ count and the causal-correct one, training/flops.py), peak device memory, compil
 
 --peer torch runs the same architecture in PyTorch (transformers / torchvision, torch.compile, bf16
 autocast, SDPA, fused AdamW or SGD) on the same batch in a child process (benchmarks/torch_peer.py),
-before JAX takes the GPU, and prints the ratio; where torch is missing it says so and goes on.
+before JAX takes the GPU, and prints the ratio; where torch is missing, and on TPUs, it says so and goes on.
 --profile DIR captures a jax.profiler trace of 3 steps and prints the costliest device ops.
 """
 from __future__ import annotations
@@ -72,6 +72,16 @@ def peer_spec(config, device: str) -> dict:
   return spec
 
 
+def peer_device() -> tuple[str | None, str]:
+  """Where the torch peer runs: beside JAX's accelerator, an NVIDIA GPU ('cuda'); on the CPU where JAX runs on
+  one (CI's smoke test); (None, why) on a TPU, where a CPU peer would be no comparison."""
+  on_cpu = os.environ.get('JAX_PLATFORMS', '') == 'cpu'
+  present = None if on_cpu else partitioning.accelerator_present()
+  if present == 'tpu':
+    return None, 'no PyTorch peer on TPUs: the peer is torch.compile on a CUDA GPU, or on the CPU beside a CPU run'
+  return ('cuda' if present == 'gpu' else 'cpu'), ''
+
+
 def run_peer(config, batch: dict[str, np.ndarray], device: str) -> dict:
   """Runs the torch peer in a child process on `batch`; {'ok': False, 'reason': ...} when it cannot."""
   spec = peer_spec(config, device)
@@ -111,9 +121,12 @@ def main(argv) -> None:
   # --- The peer first: JAX would take most of the GPU's memory once its backend starts ---------------
   peer = None
   if FLAGS.peer == 'torch':
-    on_gpu = os.path.exists('/dev/nvidiactl') and os.environ.get('JAX_PLATFORMS', '') != 'cpu'
-    print(f'running the PyTorch peer ({"cuda" if on_gpu else "cpu"}) ...', flush=True)
-    peer = run_peer(config, batch_np, 'cuda' if on_gpu else 'cpu')
+    device, why = peer_device()
+    if device is None:
+      peer = {'ok': False, 'reason': why}
+    else:
+      print(f'running the PyTorch peer ({device}) ...', flush=True)
+      peer = run_peer(config, batch_np, device)
 
   # --- Our step, exactly as train.py builds it --------------------------------------------------------
   mesh, note = partitioning.start_mesh(config.mesh)

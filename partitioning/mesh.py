@@ -110,7 +110,7 @@ def check_platform() -> None:
   the CUDA plugin or libtpu): training would silently be ~100x slower. JAX_PLATFORMS=cpu says the CPU is meant."""
   if jax.default_backend() != 'cpu' or os.environ.get('JAX_PLATFORMS', '') == 'cpu':
     return
-  present = _accelerator_present()
+  present = accelerator_present()
   if present == 'gpu':
     raise ShardingError('an NVIDIA GPU is present but JAX found only the CPU (a CPU-only jaxlib?): install the GPU '
                         f'plugin, pip install "jax[cuda13]=={jax.__version__}" (or jax[cuda12]), or set '
@@ -120,7 +120,7 @@ def check_platform() -> None:
                         f'"jax[tpu]=={jax.__version__}", or set JAX_PLATFORMS=cpu to run on the CPU on purpose')
 
 
-def _accelerator_present() -> str | None:
+def accelerator_present() -> str | None:
   """'gpu' or 'tpu' where such a chip is attached, found as JAX's own start-up finds them (device files; Google's
   PCI vendor and TPU device ids), else None."""
   try:

@@ -711,3 +711,25 @@ def test_benchmark_smoke_with_torch_peer():
   assert set(rows) == {'shardzoo', 'torch'} and '%' in rows['shardzoo'], r.stdout
   assert 'ratio shardzoo / torch:' in r.stdout
   assert 'loss: log-sum-exp in one pass (forced)' in r.stdout and 'in one pass (forced)' in r.stderr  # and logged
+
+
+_PEER_DEVICE = """
+import os, sys
+sys.path.insert(0, 'benchmarks')
+import partitioning, throughput
+print(throughput.peer_device())
+os.environ['JAX_PLATFORMS'] = ''
+for present in ('gpu', 'tpu', None):
+  partitioning.accelerator_present = lambda: present
+  print(throughput.peer_device())
+"""
+
+
+def test_benchmark_runs_the_torch_peer_beside_gpus_and_cpus_not_tpus():
+  """benchmarks/throughput.py --peer torch: on CUDA beside an NVIDIA GPU, on the CPU beside a CPU run, and none on
+  a TPU (a CPU peer would be no comparison), saying so. In a child process: the script defines its own flags."""
+  r = subprocess.run([sys.executable, '-c', _PEER_DEVICE], cwd=ROOT, env=subprocess_env(), capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  tpu = "(None, 'no PyTorch peer on TPUs: the peer is torch.compile on a CUDA GPU, or on the CPU beside a CPU run')"
+  assert r.stdout.splitlines() == ["('cpu', '')", "('cuda', '')", tpu, "('cpu', '')"], r.stdout
