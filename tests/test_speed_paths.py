@@ -400,7 +400,7 @@ def test_compiling_for_a_gpu_without_one():
 def test_compiling_for_a_tpu_without_one(monkeypatch):
   """training/targets: a TPU slice's chip grid for a chip count (as near square or cube as its hosts' grids tile;
   on one host, the host's grid halved), one ConfigError for a count that makes no slice or when libtpu is missing
-  (as in CI); with libtpu installed, a sharded step compiles for 8 v5e chips on this machine, XLA's attention
+  (as in CI); with libtpu installed, a sharded step compiles for 8 v5e chips on this machine, splash attention
   chosen as on a TPU."""
   from training import targets
   assert targets.tpu_topology('tpu_v5e', 8) == ('v5e:2x4', dict(chips_per_host_bounds=[2, 4, 1]))
@@ -425,12 +425,13 @@ def test_compiling_for_a_tpu_without_one(monkeypatch):
   monkeypatch.undo()
   devices = targets.compile_devices('tpu_v5e', 8)
   assert {d.platform for d in devices} == {'tpu'} and devices[0].device_kind == 'TPU v5 lite'
-  cfg = _gpt2_tiny(dtype='bfloat16')
+  cfg = _gpt2_tiny(dtype='bfloat16', max_len=128)
+  cfg.dataset.seq_len = 128
   mesh = partitioning.make_mesh(dict(data=2, fsdp=4), devices)
   trainer = training.build(cfg, mesh, lambda rngs: models.create(cfg.model, rngs))
   compiled = training.compile_step(trainer, training.jit_train_step(trainer))
   assert profiling.compiled_memory(compiled) > 0 and 'all-reduce' in compiled.as_text()
-  assert any(d.startswith('xla (causal, bfloat16') and 'tpu backend' in d for d in attention.decisions())
+  assert 'splash (causal, bfloat16, L=128, head_dim 16) per shard (shard_map)' in attention.decisions()
 
 
 def test_softmax_xent_gradient_scatters_nothing():
