@@ -33,8 +33,9 @@ Under a mesh, cuDNN and Pallas run per shard inside `jax.shard_map` (batch and h
 On TPUs 'auto' picks splash attention (jax.experimental.pallas.ops.tpu.splash_attention, as MaxText does): a
 flash attention kernel that skips the masked blocks of causal attention, takes packed documents as segment ids
 (padding as segment 0) and any dtype, for lengths that are a multiple of SPLASH_BLOCK; per shard under a mesh,
-grouped kv heads repeated, the kernel built once per (length, heads, mask). Elsewhere on TPUs XLA (e.g. ViT's
-197 tokens, a sharded sequence). Compiled for a v5e on a CPU-only machine (training/targets.py), a causal
+grouped kv heads repeated, the kernel built once per (length, heads, mask). Under context parallelism it runs per
+shard (keys and values all-gathered), one kernel per shard whose causal mask is offset to the shard's queries,
+chosen by lax.switch (splash's masks are static). Elsewhere on TPUs XLA (e.g. ViT's 197 tokens). Compiled for a v5e on a CPU-only machine (training/targets.py), a causal
 attention layer's forward and backward at 16 x 1024 tokens, 12 heads of 64, needs 288 MiB of temporaries against
 XLA's 1154; it has not run on a TPU here. The tests run it in Pallas' TPU interpreter on the CPU
 (`splash_interpret`).
@@ -279,9 +280,16 @@ def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P
   names = axes if isinstance(axes, tuple) else (axes,)
   shards = math.prod(active_mesh().shape[a] for a in names)
   where = f'per shard over {axes!r}: shard_map, keys/values all-gathered'
-  if impl == 'splash':
-    raise ConfigError(f'config.model.attention=splash cannot run this attention ({what}): the sequence is sharded '
-                      f"over {axes!r}, which this zoo runs per shard on cuDNN or XLA only; use 'auto'")
+  if impl == 'splash' or (impl == 'auto' and (_platform() == 'tpu' or _splash_interpret.get())):
+    splash_why = _splash_blockers(L // shards)  # the shard's queries; its keys, all L of them, then fit too
+    if splash_why and impl == 'splash':
+      raise ConfigError(f'config.model.attention=splash cannot run this attention ({what}, {where}): '
+                        + '; '.join(splash_why))
+    if not splash_why:
+      interpreted = ' in the Pallas TPU interpreter (splash_interpret)' if _splash_interpret.get() else ''
+      _record(f'splash ({what}) {where}, causal offset per shard{interpreted}')
+      return 'splash', specs
+    fused = fused + ['splash: ' + '; '.join(splash_why)]
   if impl == 'pallas':
     raise ConfigError(f'config.model.attention=pallas cannot run this attention ({what}): the sequence is sharded '
                       f'over {axes!r} and the Pallas kernel cannot offset causality to a shard of the queries; '
@@ -311,6 +319,10 @@ def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal:
   k_BSGK, v_BSGK = gather(k_BCGK), gather(v_BCGK)
   S = k_BSGK.shape[1]
   seg_BC, valid_BC = rows.get('segment_ids_BL'), rows.get('valid_BL')
+  if implementation == 'splash':
+    return _splash(q_BCHK, k_BSGK, v_BSGK, seg_BC, valid_BC, causal=causal, shard=jax.lax.axis_index(axes),
+                   seg_k_BS=None if seg_BC is None else gather(seg_BC),
+                   valid_k_BS=None if valid_BC is None else gather(valid_BC))
   if implementation == 'blockwise':
     return _blockwise(q_BCHK, k_BSGK, v_BSGK, seg_BC, None if valid_BC is None else gather(valid_BC), causal=causal,
                       q_start=jax.lax.axis_index(axes) * C, seg_k_BS=None if seg_BC is None else gather(seg_BC))
@@ -335,15 +347,19 @@ def _document_mask(seg_q_BL, seg_k_BS, valid_k_BS) -> jax.Array | None:
   return mask
 
 
-def _segments_and_every_head(k_BLGK, v_BLGK, segment_ids_BL, valid_BL, H: int):
-  """For the Pallas kernels, which take segment ids and one kv head per query head: padding as segment 0 (real
-  queries never see padded keys; padded queries' outputs are unused), and grouped kv heads repeated."""
-  seg_BL = segment_ids_BL
-  if valid_BL is not None:
-    seg_BL = jnp.where(valid_BL.astype(bool), 1 if seg_BL is None else seg_BL + 1, 0)
+def _as_segments(segment_ids_BL, valid_BL):
+  """Padding as segment 0 (real queries never see padded keys; padded queries' outputs are unused), for the
+  Pallas kernels, which take segment ids; None when there are neither."""
+  if valid_BL is None:
+    return segment_ids_BL
+  return jnp.where(valid_BL.astype(bool), 1 if segment_ids_BL is None else segment_ids_BL + 1, 0)
+
+
+def _every_head(k_BLGK, v_BLGK, H: int):
+  """Grouped kv heads repeated to one per query head, for the Pallas kernels."""
   if k_BLGK.shape[2] != H:
     k_BLGK, v_BLGK = (jnp.repeat(x, H // x.shape[2], axis=2) for x in (k_BLGK, v_BLGK))
-  return seg_BL, k_BLGK, v_BLGK
+  return k_BLGK, v_BLGK
 
 
 def _splash_blockers(L: int) -> list[str]:
@@ -357,36 +373,50 @@ def _splash_blockers(L: int) -> list[str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(L: int, heads: int, causal: bool, interpret: bool) -> Any:
-  """The splash kernel for one example's (heads, L, K) queries: its masks are processed once per shape."""
+def _splash_kernel(q_len: int, kv_len: int, heads: int, causal: bool, offset: int, interpret: bool) -> Any:
+  """The splash kernel for one example's (heads, q_len, K) queries against kv_len keys, causal with the queries
+  starting at key position `offset` (a context shard's); its masks are processed once per shape."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-  one = masks.CausalMask((L, L)) if causal else masks.FullMask((L, L))
+  shape = (q_len, kv_len)
+  one = masks.CausalMask(shape, offset=offset) if causal else masks.FullMask(shape)
   return splash.make_splash_mha(masks.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1,
                                 block_sizes=splash.BlockSizes.get_default(), interpret=interpret,
                                 residual_checkpoint_name=SPLASH_FORWARD)
 
 
-def _splash(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
-  """Splash attention, vmapped over the batch (padding and grouped heads: _segments_and_every_head); q is scaled
-  here (the kernel does not)."""
+def _splash(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, valid_BL, *, causal: bool, shard: Any = None,
+            seg_k_BS: Any = None, valid_k_BS: Any = None) -> jax.Array:
+  """Splash attention, vmapped over the batch; q is scaled here (the kernel does not). Unsharded, the keys are
+  the queries' positions. Per context shard (`shard`: its index), the S keys are all the row's (all-gathered, with
+  `seg_k_BS` / `valid_k_BS`) and the L queries start at shard * L: one kernel per shard offset, chosen by
+  lax.switch (the masks are static)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   B, L, H, K = q_BLHK.shape
-  seg_BL, k_BLHK, v_BLHK = _segments_and_every_head(k_BLGK, v_BLGK, segment_ids_BL, valid_BL, H)
-  kernel = _splash_kernel(L, H, causal, _splash_interpret.get())
+  S = k_BSGK.shape[1]
+  if shard is None:
+    seg_k_BS, valid_k_BS = segment_ids_BL, valid_BL
+  seg_q_BL, seg_k_BS = _as_segments(segment_ids_BL, valid_BL), _as_segments(seg_k_BS, valid_k_BS)
+  k_BSHK, v_BSHK = _every_head(k_BSGK, v_BSGK, H)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # (B, H, L, K): the kernel's layout per example
-  ids = None if seg_BL is None else splash.SegmentIds(q=seg_BL, kv=seg_BL)
-  o_BHLK = jax.vmap(kernel)(heads_first(q_BLHK * jnp.asarray(K ** -0.5, q_BLHK.dtype)), heads_first(k_BLHK),
-                            heads_first(v_BLHK), segment_ids=ids)
-  return heads_first(o_BHLK)
+  ids = None if seg_q_BL is None else splash.SegmentIds(q=seg_q_BL, kv=seg_k_BS)
+  q_BHLK = heads_first(q_BLHK * jnp.asarray(K ** -0.5, q_BLHK.dtype))
+
+  def run(offset: int):
+    kernel = _splash_kernel(L, S, H, causal, offset, _splash_interpret.get())
+    return lambda q, k, v, ids: heads_first(jax.vmap(kernel)(q, k, v, segment_ids=ids))
+  args = (q_BHLK, heads_first(k_BSHK), heads_first(v_BSHK), ids)
+  if shard is None or not causal:  # full attention sees every key from every shard: one kernel
+    return run(0)(*args)
+  return jax.lax.switch(shard, [run(i * L) for i in range(S // L)], *args)
 
 
 def _pallas(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, interpret: bool = False):
-  """JAX's Pallas flash attention (padding and grouped heads: _segments_and_every_head). `interpret` runs it on
-  the CPU (tests)."""
+  """JAX's Pallas flash attention (padding as segment 0, grouped kv heads repeated). `interpret` runs it on the
+  CPU (tests)."""
   from jax.experimental.pallas.ops.gpu import attention as pallas_attention
   B, L, H, K = q_BLHK.shape
-  seg, k_BLHK, v_BLHK = _segments_and_every_head(k_BLGK, v_BLGK, segment_ids_BL, valid_BL, H)
+  seg, (k_BLHK, v_BLHK) = _as_segments(segment_ids_BL, valid_BL), _every_head(k_BLGK, v_BLGK, H)
   block = min(PALLAS_BLOCK, L)
   sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=min(32, L), block_kv_dkv=min(32, L),
                                       block_q_dq=min(32, L), block_kv_dq=min(32, L))
