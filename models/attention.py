@@ -50,8 +50,9 @@ fused conditions hold (the mask becomes cuDNN's bias: (B, 1, L/c, L) in the comp
 logic exactly (under `per_shard_xla()`; otherwise XLA attention on a sharded sequence is left to GSPMD, which
 needed fewer temporaries). 'xla' always keeps GSPMD's own partitioning (no shard_map). 'pallas' cannot run
 sharded sequences: its kernel takes one segment-id array for queries and keys and aligns causality at
-position 0 of both. No causal load balancing: the masked block is computed densely, so every shard does the
-same work whatever its position (a kernel that skips masked tiles would need a striped or zigzag order).
+position 0 of both. No causal load balancing: cuDNN and XLA compute the masked block densely, so every shard
+does the same work whatever its position; splash (TPUs) skips masked tiles, so the last shard does the most
+(a striped or zigzag order would balance it).
 
 Shape suffixes: B batch, L length, H query heads, G kv heads, K head dim.
 """
