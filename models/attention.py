@@ -224,15 +224,14 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
   K = q_BLHK.shape[-1]
   if isinstance(specs, tuple) and specs[0][1] is not None:  # the sequence is sharded: context parallelism
     return _choose_context(impl, what, fused, specs, q_BLHK.shape[1])
-  if impl == 'splash' or (impl == 'auto' and (_platform() == 'tpu' or _splash_interpret.get())):
+  if _splash_wanted(impl):
     why = _splash_blockers(q_BLHK.shape[1]) or ([specs] if isinstance(specs, str) else [])
     if why and impl == 'splash':
       raise ConfigError(f'config.model.attention=splash cannot run this attention ({what}): {"; ".join(why)}')
     if why:
       _record(f'xla ({what}): splash: ' + '; '.join(why))
       return 'xla', None
-    interpreted = ' in the Pallas TPU interpreter (splash_interpret)' if _splash_interpret.get() else ''
-    _record(f'splash ({what})' + (' per shard (shard_map)' if specs else '') + interpreted)
+    _record(f'splash ({what})' + (' per shard (shard_map)' if specs else '') + _interpreted())
     return 'splash', specs
   cudnn_why, pallas_why = list(fused), list(fused)
   if padded and impl == 'auto':
@@ -281,14 +280,13 @@ def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P
   names = axes if isinstance(axes, tuple) else (axes,)
   shards = math.prod(active_mesh().shape[a] for a in names)
   where = f'per shard over {axes!r}: shard_map, keys/values all-gathered'
-  if impl == 'splash' or (impl == 'auto' and (_platform() == 'tpu' or _splash_interpret.get())):
+  if _splash_wanted(impl):
     splash_why = _splash_blockers(L // shards)  # the shard's queries; its keys, all L of them, then fit too
     if splash_why and impl == 'splash':
       raise ConfigError(f'config.model.attention=splash cannot run this attention ({what}, {where}): '
                         + '; '.join(splash_why))
     if not splash_why:
-      interpreted = ' in the Pallas TPU interpreter (splash_interpret)' if _splash_interpret.get() else ''
-      _record(f'splash ({what}) {where}, causal offset per shard{interpreted}')
+      _record(f'splash ({what}) {where}, causal offset per shard{_interpreted()}')
       return 'splash', specs
     fused = fused + ['splash: ' + '; '.join(splash_why)]
   if impl == 'pallas':
@@ -361,6 +359,16 @@ def _every_head(k_BLGK, v_BLGK, H: int):
   if k_BLGK.shape[2] != H:
     k_BLGK, v_BLGK = (jnp.repeat(x, H // x.shape[2], axis=2) for x in (k_BLGK, v_BLGK))
   return k_BLGK, v_BLGK
+
+
+def _splash_wanted(impl: str) -> bool:
+  """'splash' asked for, or 'auto' where splash is the fused kernel: a TPU (or its interpreter, in tests)."""
+  return impl == 'splash' or (impl == 'auto' and (_platform() == 'tpu' or _splash_interpret.get()))
+
+
+def _interpreted() -> str:
+  """What a splash decision adds to the log when it runs in the interpreter."""
+  return ' in the Pallas TPU interpreter (splash_interpret)' if _splash_interpret.get() else ''
 
 
 def _splash_blockers(L: int) -> list[str]:

@@ -43,8 +43,7 @@ from jax.sharding import PartitionSpec
 
 import partitioning
 import training
-import errors
-from errors import ShardingError
+from errors import ShardingError, out_of_device_memory
 from partitioning import AxisRules
 from partitioning import hlo
 from planning import cost, residuals
@@ -321,7 +320,7 @@ class Search:
       try:
         compiled = step.lower().compile()
       except Exception as e:  # the TPU compiler refuses a program over the chip's memory: the plan is over it
-        if (line := errors.out_of_device_memory(e)) is None:
+        if (line := out_of_device_memory(e)) is None:
           raise
         temp = _required_bytes(line, self.chip.memory_gib)
         profiles[i] = dataclasses.replace(profiles[i], memory=profiles[i].argument_bytes + temp, temp_bytes=temp)
