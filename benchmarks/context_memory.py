@@ -9,7 +9,9 @@ same data-parallel split), the train step is traced and compiled for 2c simulate
 context=c for the cp presets) and its memory_analysis printed per device: temporaries (activations, attention
 scores, gradients in flight), arguments (params, optimizer state, the batch) and outputs. On the CPU, attention
 runs on XLA, partitioned by GSPMD (--per_shard_xla: per shard in shard_map, the path cuDNN takes on a GPU,
-with XLA inside); cuDNN's own temporaries on a GPU are not what these figures show.
+with XLA inside); cuDNN's own temporaries on a GPU are not what these figures show. Then, for language models, the
+work of each context shard's causal attention where the kernel skips masked tiles (splash on TPUs), rows in natural
+and in zigzag order (config.context_load_balance).
 """
 from __future__ import annotations
 
@@ -72,6 +74,26 @@ def main(argv) -> None:
           f'   ({mem.temp_size_in_bytes / first:.3f} of context=1)', flush=True)
   for decision in attention.decisions():
     print(f'attention: {decision}')
+  if config.get('context_load_balance') is not None and config.task == 'lm':
+    _splash_tiles(L, contexts)
+
+
+def _splash_tiles(L: int, contexts: list[int]) -> None:
+  """Each context shard's causal attention work where a kernel skips masked tiles (splash, on TPUs): the tiles
+  its forward computes for one row and head, rows in natural order and in zigzag order (context_load_balance).
+  The step waits on the busiest shard: max / mean is the attention time lost to imbalance."""
+  from models import attention
+  print(f'splash attention tiles per context shard ({attention.SPLASH_BLOCK}-token query blocks; one row, one head, '
+        'forward), natural order -> zigzag order (config.context_load_balance):')
+  for c in contexts:
+    if c == 1 or (L // c) % attention.SPLASH_BLOCK or L % (2 * c):
+      print(f'  context={c}: none ({L // c} tokens per shard; splash takes multiples of {attention.SPLASH_BLOCK} '
+            'and balancing cuts the row into 2 x context chunks)' if c > 1 else '  context=1: one shard')
+      continue
+    natural, zigzag = (attention.splash_tiles(L, c, zigzag=z) for z in (False, True))
+    imbalance = lambda tiles: max(tiles) * len(tiles) / sum(tiles)
+    print(f'  context={c}: {natural} (max/mean {imbalance(natural):.2f}) -> {zigzag} (max/mean '
+          f'{imbalance(zigzag):.2f})', flush=True)
 
 
 if __name__ == '__main__':

@@ -142,6 +142,7 @@ def main(argv) -> None:
   with training.xent.logsumexp_passes(FLAGS.logsumexp):
     step = training.compile_step(trainer, training.jit_train_step(trainer))
   phase('compile step')
+  profiling.check_fits({'train step': step}, jax.devices()[0], config)  # as train.py: before allocating the state
   compile_s = phases['compile step']
   step_flops = flops.step_flops(trainer)
   phase('count FLOPs')

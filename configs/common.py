@@ -121,6 +121,9 @@ def base(preset: str, size: str) -> ml_collections.ConfigDict:
   c.log_every = 50
   c.eval_every = 500
   c.sample_len = 0
+  # Causal load balancing under context parallelism (partitioning/context.py): rows in zigzag order, so every
+  # context shard's queries see as many keys as any other's; a no-op where 'length' is not sharded.
+  c.context_load_balance = preset in CONTEXT_PRESETS
   c.optim = ml_collections.ConfigDict(dict(
       name='adamw', lr=1e-3, warmup_steps=100, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
       weight_decay=0.1, grad_clip=1.0))

@@ -171,6 +171,7 @@ FIELDS: dict[str, Field] = {
     'resume_fallback': Field(bool),
     'preset': Field('info'), 'size': Field('info'),  # set by get_config(arg): what the file built
     'mesh': Field('mesh'), 'dcn_mesh': Field('dcn'), 'logical_axis_rules': Field('rules'),
+    'context_load_balance': Field(bool),
     # starting from pretrained weights, what trains
     'init_from': Field(str), 'dont_load': Field('regex'), 'freeze': Field('regex'), 'train_only': Field('regex'),
     'lora.rank': COUNT, 'lora.alpha': RATE, 'lora.targets': Field('regex'), 'lora.export_merged': Field(bool),

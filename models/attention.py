@@ -50,9 +50,11 @@ fused conditions hold (the mask becomes cuDNN's bias: (B, 1, L/c, L) in the comp
 logic exactly (under `per_shard_xla()`; otherwise XLA attention on a sharded sequence is left to GSPMD, which
 needed fewer temporaries). 'xla' always keeps GSPMD's own partitioning (no shard_map). 'pallas' cannot run
 sharded sequences: its kernel takes one segment-id array for queries and keys and aligns causality at
-position 0 of both. No causal load balancing: cuDNN and XLA compute the masked block densely, so every shard
-does the same work whatever its position; splash (TPUs) skips masked tiles, so the last shard does the most
-(a striped or zigzag order would balance it).
+position 0 of both. Causal load balancing (config.context_load_balance, partitioning/context.py): rows in zigzag
+order (`zigzag_shards()` > 1) put the gathered keys back in natural order and give each shard's queries their
+natural positions for the causal mask (splash: as its mask's q_sequence), so that with splash, which skips masked
+tiles, every shard computes the same number of tiles (`splash_tiles`); cuDNN and XLA compute the masked block
+densely either way.
 
 Shape suffixes: B batch, L length, H query heads, G kv heads, K head dim.
 """
@@ -66,12 +68,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from errors import ConfigError
 from partitioning import active_mesh, logical_spec
+from partitioning.context import from_zigzag, zigzag_positions, zigzag_shards
 
 IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'pallas', 'splash', 'blockwise')
 PALLAS_BLOCK = 128  # the Pallas kernel's query/key block: lengths must be a multiple
@@ -214,7 +218,7 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
   specs = _local_specs(q_BLHK, k_BLGK) if mesh is not None and mesh.size > 1 else None
   if impl == 'blockwise':  # any backend and dtype; per shard (shard_map) only for a sharded sequence
     if isinstance(specs, tuple) and specs[0][1] is not None:
-      _record(f'blockwise ({what}) per shard over {specs[0][1]!r}: shard_map, keys/values all-gathered')
+      _record(f'blockwise ({what}) {_context_where(specs[0][1])[0]}')
       return 'blockwise', specs
     if isinstance(specs, str) and 'along the sequence' in specs:
       raise ConfigError(f'config.model.attention=blockwise cannot run this attention ({what}): {specs}')
@@ -277,16 +281,15 @@ def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P
   """The kernel for attention whose sequence is sharded (context parallelism): it runs per shard in shard_map
   (`_per_shard_context`) on cuDNN where the fused conditions hold, else on XLA; Pallas cannot (module doc)."""
   axes = specs[0][1]
-  names = axes if isinstance(axes, tuple) else (axes,)
-  shards = math.prod(active_mesh().shape[a] for a in names)
-  where = f'per shard over {axes!r}: shard_map, keys/values all-gathered'
+  where, shards = _context_where(axes)
   if _splash_wanted(impl):
     splash_why = _splash_blockers(L // shards)  # the shard's queries; its keys, all L of them, then fit too
     if splash_why and impl == 'splash':
       raise ConfigError(f'config.model.attention=splash cannot run this attention ({what}, {where}): '
                         + '; '.join(splash_why))
     if not splash_why:
-      _record(f'splash ({what}) {where}, causal offset per shard{_interpreted()}')
+      mask = 'causal mask per shard from positions' if zigzag_shards() > 1 else 'causal offset per shard'
+      _record(f'splash ({what}) {where}, {mask}{_interpreted()}')
       return 'splash', specs
     fused = fused + ['splash: ' + '; '.join(splash_why)]
   if impl == 'pallas':
@@ -305,8 +308,25 @@ def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P
   if _per_shard_xla.get():
     _record(f'xla ({what}) {where} (per_shard_xla): ' + '; '.join(cudnn_why))
     return 'xla', specs
-  _record(f'xla ({what}): sequence sharded over {axes!r}, partitioned by GSPMD: ' + '; '.join(cudnn_why))
+  zigzag = ' (rows in zigzag order: causal mask from positions)' if zigzag_shards() > 1 else ''
+  _record(f'xla ({what}): sequence sharded over {axes!r}{zigzag}, partitioned by GSPMD: ' + '; '.join(cudnn_why))
   return 'xla', None
+
+
+def _context_where(axes: Any) -> tuple[str, int]:
+  """What a context-parallel decision logs about its layout, and the number of context shards; rows in zigzag
+  order (context_load_balance) must be balanced over exactly these shards."""
+  names = axes if isinstance(axes, tuple) else (axes,)
+  shards = math.prod(active_mesh().shape[a] for a in names)
+  where = f'per shard over {axes!r}: shard_map, keys/values all-gathered'
+  zigzag = zigzag_shards()
+  if zigzag > 1:
+    if zigzag != shards:
+      raise ConfigError(f'the rows are load-balanced over {zigzag} context shards (config.context_load_balance), '
+                        f"but this attention's sequence is split over {shards} ({axes!r}): shard its 'length' like "
+                        "the batch fields' 'length'")
+    where += f', rows in zigzag order (load-balanced over {shards} shards)'
+  return where, shards
 
 
 def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal: bool, implementation: str):
@@ -314,21 +334,24 @@ def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal:
   Keys, values and the key-side rows are all-gathered over `axes`; one mask from positions holds causality
   (the shard's queries start at axis_index * C), packed documents and padding."""
   C = q_BCHK.shape[1]
-  gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
+  zigzag = zigzag_shards()  # > 1: rows in zigzag order (partitioning/context.py); gathered keys put back in order
+  gather = lambda x: from_zigzag(jax.lax.all_gather(x, axes, axis=1, tiled=True), zigzag)
   k_BSGK, v_BSGK = gather(k_BCGK), gather(v_BCGK)
-  S = k_BSGK.shape[1]
+  S, shard = k_BSGK.shape[1], jax.lax.axis_index(axes)
   seg_BC, valid_BC = rows.get('segment_ids_BL'), rows.get('valid_BL')
   if implementation == 'splash':
-    return _splash(q_BCHK, k_BSGK, v_BSGK, seg_BC, valid_BC, causal=causal, shard=jax.lax.axis_index(axes),
+    return _splash(q_BCHK, k_BSGK, v_BSGK, seg_BC, valid_BC, causal=causal, shard=shard,
                    seg_k_BS=None if seg_BC is None else gather(seg_BC),
-                   valid_k_BS=None if valid_BC is None else gather(valid_BC))
+                   valid_k_BS=None if valid_BC is None else gather(valid_BC), zigzag=zigzag)
+  # the global positions of this shard's queries
+  q_pos_C = (jnp.asarray(zigzag_positions(S, zigzag)).reshape(-1, C)[shard] if zigzag > 1
+             else shard * C + jnp.arange(C))
   if implementation == 'blockwise':
     return _blockwise(q_BCHK, k_BSGK, v_BSGK, seg_BC, None if valid_BC is None else gather(valid_BC), causal=causal,
-                      q_start=jax.lax.axis_index(axes) * C, seg_k_BS=None if seg_BC is None else gather(seg_BC))
+                      q_pos_L=q_pos_C, seg_k_BS=None if seg_BC is None else gather(seg_BC))
   mask = _document_mask(seg_BC, None if seg_BC is None else gather(seg_BC),
                         None if valid_BC is None else gather(valid_BC))
   if causal:
-    q_pos_C = jax.lax.axis_index(axes) * C + jnp.arange(C)
     later = (q_pos_C[:, None] >= jnp.arange(S)[None, :])[None, None]
     mask = later if mask is None else mask & later
   return jax.nn.dot_product_attention(q_BCHK, k_BSGK, v_BSGK, mask=mask, implementation=implementation)
@@ -382,24 +405,41 @@ def _splash_blockers(L: int) -> list[str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(q_len: int, kv_len: int, heads: int, causal: bool, offset: int, interpret: bool) -> Any:
+def _splash_kernel(q_len: int, kv_len: int, heads: int, causal: bool, offset: int, interpret: bool,
+                   zigzag: int = 1) -> Any:
   """The splash kernel for one example's (heads, q_len, K) queries against kv_len keys, causal with the queries
-  starting at key position `offset` (a context shard's); its masks are processed once per shape."""
+  starting at key position `offset` (a context shard's); its masks are processed once per shape. With `zigzag` > 1
+  the queries are slots offset.. of a row in zigzag order over that many shards: the causal mask compares their
+  natural positions (its q_sequence, which the kernel also reads) with the keys'."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
   shape = (q_len, kv_len)
-  one = masks.CausalMask(shape, offset=offset) if causal else masks.FullMask(shape)
+  if causal and zigzag > 1:
+    one = masks.CausalMask(shape)
+    one.q_sequence = zigzag_positions(kv_len, zigzag)[offset:offset + q_len]  # hashed and compared with the mask
+  else:
+    one = masks.CausalMask(shape, offset=offset) if causal else masks.FullMask(shape)
   return splash.make_splash_mha(masks.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1,
                                 block_sizes=splash.BlockSizes.get_default(), interpret=interpret,
                                 residual_checkpoint_name=SPLASH_FORWARD)
 
 
+def splash_tiles(length: int, shards: int, zigzag: bool) -> list[int]:
+  """The (query block, key block) tiles splash's forward kernel computes for each context shard of one causal
+  row and head (the mask's non-empty blocks, from the kernel's own mask info): the shards' attention work, rows in
+  natural order or in zigzag order (context_load_balance). The length's shards must be multiples of SPLASH_BLOCK."""
+  C = length // shards
+  return [int((np.asarray(_splash_kernel(C, length, 1, True, i * C, True, shards if zigzag else 1)
+                          .fwd_mask_info.block_mask) > 0).sum()) for i in range(shards)]
+
+
 def _splash(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, valid_BL, *, causal: bool, shard: Any = None,
-            seg_k_BS: Any = None, valid_k_BS: Any = None) -> jax.Array:
+            seg_k_BS: Any = None, valid_k_BS: Any = None, zigzag: int = 1) -> jax.Array:
   """Splash attention, vmapped over the batch; q is scaled here (the kernel does not). Unsharded, the keys are
   the queries' positions. Per context shard (`shard`: its index), the S keys are all the row's (all-gathered, with
   `seg_k_BS` / `valid_k_BS`) and the L queries start at shard * L: one kernel per shard offset, chosen by
-  lax.switch (the masks are static)."""
+  lax.switch (the masks are static). With `zigzag` > 1 (context_load_balance) a shard's queries are its two chunks
+  of the row (partitioning/context.py), the keys in natural order."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   B, L, H, K = q_BLHK.shape
   S = k_BSGK.shape[1]
@@ -412,7 +452,7 @@ def _splash(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, valid_BL, *, causal: bool, s
   q_BHLK = heads_first(q_BLHK * jnp.asarray(K ** -0.5, q_BLHK.dtype))
 
   def run(offset: int):
-    kernel = _splash_kernel(L, S, H, causal, offset, _splash_interpret.get())
+    kernel = _splash_kernel(L, S, H, causal, offset, _splash_interpret.get(), zigzag)
     return lambda q, k, v, ids: heads_first(jax.vmap(kernel)(q, k, v, segment_ids=ids))
   args = (q_BHLK, heads_first(k_BSHK), heads_first(v_BSHK), ids)
   if shard is None or not causal:  # full attention sees every key from every shard: one kernel
@@ -546,22 +586,27 @@ def _flash_bwd(causal, block, res, do_BLHK):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _blockwise(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, q_start: Any = 0,
+def _blockwise(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, q_pos_L: Any = None,
                seg_k_BS=None) -> jax.Array:
   """Flash attention in JAX (any backend): keys in blocks of BLOCKWISE_KEYS under an online softmax, with a
   custom VJP whose forward keeps only the output and the log-sum-exp, like a fused kernel. Temporaries are
   O(L x block), not O(L x S); p and ds enter their matmuls in the compute dtype, as flash kernels do.
-  `q_start`: the global position of the first query (a context shard); `seg_k_BS`: key-side segment ids
-  when they are not the queries' (context shards; valid_BL is then key-side too)."""
+  `q_pos_L`: the queries' positions among the keys' (a context shard's; default 0..L-1); `seg_k_BS`: key-side
+  segment ids when they are not the queries' (context shards; valid_BL is then key-side too)."""
   L, S = q_BLHK.shape[1], k_BLGK.shape[1]
   seg_k = segment_ids_BL if seg_k_BS is None else seg_k_BS
-  return _flash(q_BLHK, k_BLGK, v_BLGK, q_start + jnp.arange(L), segment_ids_BL, seg_k, valid_BL, causal,
-                min(BLOCKWISE_KEYS, S))
+  return _flash(q_BLHK, k_BLGK, v_BLGK, jnp.arange(L) if q_pos_L is None else q_pos_L, segment_ids_BL, seg_k,
+                valid_BL, causal, min(BLOCKWISE_KEYS, S))
 
 
 def _xla(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
-  """jax.nn.dot_product_attention (softmax in float32, grouped kv heads); causality via is_causal."""
+  """jax.nn.dot_product_attention (softmax in float32, grouped kv heads); causality via is_causal, or for rows in
+  zigzag order (context_load_balance) from the tokens' natural positions."""
   mask = _document_mask(segment_ids_BL, segment_ids_BL, valid_BL)
+  if causal and (zigzag := zigzag_shards()) > 1:
+    pos_L = jnp.asarray(zigzag_positions(q_BLHK.shape[1], zigzag))
+    later = (pos_L[:, None] >= pos_L[None, :])[None, None]
+    mask, causal = later if mask is None else mask & later, False
   return jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask, is_causal=causal, implementation='xla')
 
 
@@ -601,6 +646,9 @@ def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, causal: b
   # Named so FLOP counting (training/flops.py) can tell causal attention's matmuls from the rest.
   with jax.named_scope('causal_attention' if causal else 'attention'):
     if specs is None:
+      if causal and kind != 'xla' and zigzag_shards() > 1:  # only a forced kernel gets here
+        raise ConfigError(f'attention {kind!r} over a whole row cannot take rows in zigzag order '
+                          '(config.context_load_balance): it runs per context shard, or XLA')
       o_BLHK = kernel(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL)
     else:
       q_spec, kv_spec, bl_spec = specs

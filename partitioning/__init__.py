@@ -30,8 +30,12 @@ the parameter path (or activation), the logical name, the mesh axes and the size
   * a global batch not divisible by the mesh axes of 'batch'.
 Rules whose logical name nothing uses are reported as warnings.
 
+Under context parallelism (a rule sharding 'length'), `config.context_load_balance` stores each row in zigzag
+order so that every context shard's causal attention does the same work (partitioning/context.py).
+
 This package never imports a model: it works on trees of shapes and logical names.
 """
+from partitioning import context
 from partitioning.audit import audit, collective_shapes, collective_stats
 from partitioning.hlo import replica_groups
 from partitioning.mesh import (
@@ -44,7 +48,7 @@ from partitioning.shard import active_mesh, logical_spec, shard, shard_logical, 
 from partitioning.table import fmt_bytes, sharding_table, tree_bytes_per_device
 
 __all__ = [
-    'AxisRules', 'Rule', 'active_mesh', 'audit', 'bytes_per_device', 'check_batch',
+    'AxisRules', 'Rule', 'active_mesh', 'audit', 'bytes_per_device', 'check_batch', 'context',
     'accelerator_present', 'check_platform', 'collective_shapes', 'collective_stats', 'dcn_coordinates', 'dcn_shape',
     'describe_dcn',
     'devices_needed', 'fit_mesh', 'fit_mesh_shape', 'fmt_bytes', 'logical_spec', 'make_mesh', 'named_shardings',

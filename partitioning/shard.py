@@ -39,18 +39,20 @@ class _Context:
   rules: AxisRules
   mesh: Mesh
   seen: set[str]  # logical names used by activations while this context was active
+  balance: bool = False  # causal load balancing of a sharded 'length' (partitioning/context.py)
 
 
 _CTX: contextvars.ContextVar[_Context | None] = contextvars.ContextVar('shardzoo_rules', default=None)
 
 
 @contextlib.contextmanager
-def use_rules(rules: AxisRules, mesh: Mesh, seen: set[str] | None = None) -> Iterator[_Context]:
+def use_rules(rules: AxisRules, mesh: Mesh, seen: set[str] | None = None, balance: bool = False) -> Iterator[_Context]:
   """Activates `rules` on `mesh` for `shard_logical` calls made while tracing model code.
 
-  Logical names used by activations are added to `seen` (for the unused-rule warning).
+  Logical names used by activations are added to `seen` (for the unused-rule warning). `balance`: causal
+  load balancing of a sharded sequence (config.context_load_balance; partitioning/context.py).
   """
-  ctx = _Context(rules, mesh, set() if seen is None else seen)
+  ctx = _Context(rules, mesh, set() if seen is None else seen, balance)
   token = _CTX.set(ctx)
   try:
     yield ctx

@@ -106,7 +106,7 @@ def trace(trainer: training.Trainer, stand_in: Callable[[], contextlib.AbstractC
   """The traced (not compiled) function returning the values the backward keeps, and how many are fused-only.
   Trace in the caller's thread (attention's stand-in is a context variable); compile anywhere."""
   def residuals(params, model_state, batch):
-    with partitioning.use_rules(trainer.rules, trainer.mesh):
+    with partitioning.use_rules(trainer.rules, trainer.mesh, balance=trainer.balance > 1):
       _, vjp = jax.vjp(lambda p: training.loss_of(trainer, model_state, batch)(p)[0], params)
     return jax.tree.leaves(vjp)
 

@@ -2,6 +2,7 @@
 trains as on 1 device, for GPT-2, Llama (grouped-query attention, packed documents) and MoE; attention run per
 shard in shard_map (models/attention.py) equals unsharded attention; a length the context axis does not divide
 is one error before anything compiles."""
+import contextlib
 from unittest import mock
 
 import jax
@@ -57,14 +58,19 @@ def _family(name):
   cfg.optim.warmup_steps = 1
   if name == 'moe':
     cfg.model.group_size = 16  # two routing groups per row, each split over 2 of the 4 context shards
+    # Rows in natural order: in zigzag order (the cp preset's load balancing) a routing group holds other tokens,
+    # so capacity and the load-balancing loss see other groups than on 1 device (README: Context parallelism)
+    cfg.context_load_balance = False
   return cfg
 
 
 @pytest.mark.parametrize('name', ['gpt2', 'llama', 'moe'])
 def test_context_parallel_training_equals_one_device(name):
   """2 AdamW steps under the 'cp' preset (fsdp=2 x context=4: 8 tokens of each row per device) against the
-  same config on 1 device: losses and parameters within fp32 1e-5. Llama: grouped-query heads and packed
-  documents (segment ids, positions); its attention runs per shard in shard_map (the decision says so)."""
+  same config on 1 device: losses and parameters within fp32 1e-5. GPT-2 (learned positions) and Llama (rotary)
+  with the preset's causal load balancing (rows in zigzag order), MoE in natural order. Llama: grouped-query
+  heads and packed documents (segment ids, positions); its attention runs per shard in shard_map (the decision
+  says so)."""
   cfg = _family(name)
   batches = _packed_batches(cfg, 2) if name == 'llama' else [
       training.tasks.get('lm').synthetic_batch(cfg, seed=i) for i in range(2)]
@@ -81,9 +87,10 @@ def test_context_parallel_training_equals_one_device(name):
   losses_1, params_1 = _train(trainer_1, jax.device_put(start, trainer_1.shardings), batches)
   np.testing.assert_allclose(losses, losses_1, rtol=TOL, atol=TOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL), params, params_1)
+  assert trainer.balance == (1 if name == 'moe' else 4)
   if name == 'llama':
-    assert any("per shard over 'context'" in d and 'packed' in d for d in attention.decisions()), \
-        attention.decisions()
+    assert any("per shard over 'context'" in d and 'packed' in d and 'zigzag order (load-balanced over 4 shards)'
+               in d for d in attention.decisions()), attention.decisions()
 
 
 def _qkv(B=2, L=32, H=4, G=2, K=8):
@@ -160,6 +167,87 @@ def test_splash_per_shard_equals_unsharded():
                           'shard_map, keys/values all-gathered, causal offset per shard') for d in attention.decisions())
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
     np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
+
+
+def _zigzag_case(impl, shards, L, **qkv):
+  """(outputs, gradients) of causal (packed, padded) plus full attention on rows in zigzag order over `shards`
+  context shards, the rows permuted inside the function so that everything is in natural order outside it."""
+  q, k, v = _qkv(L=L, **qkv)
+  B = q.shape[0]
+  seg = jnp.asarray(np.resize(np.repeat([[1, 2, 3, 0], [1, 1, 2, 2]], L // 4, axis=1), (B, L)))  # across shards
+  valid = jnp.asarray(np.arange(L)[None] < np.resize([L, L - 5], (B, 1)))
+  real = (valid * (seg > 0))[:, :, None, None]  # padded queries' outputs differ by kernel and go unused
+  weights = jnp.cos(jnp.arange(q.size).reshape(q.shape))
+
+  def f(q, k, v):
+    zz = lambda x: partitioning.context.to_zigzag(x, shards)
+    with partitioning.context.zigzag(shards):
+      causal = attention.attend(zz(q), zz(k), zz(v), causal=True, impl=impl, segment_ids_BL=zz(seg),
+                                valid_BL=zz(valid))
+      full = attention.attend(zz(q), zz(k), zz(v), causal=False, impl=impl, valid_BL=zz(valid))
+    causal, full = (partitioning.context.from_zigzag(x, shards) for x in (causal, full))
+    return ((causal * real + 2 * full * valid[:, :, None, None]) * weights).sum(), causal * real
+  return jax.value_and_grad(f, (0, 1, 2), has_aux=True), (q, k, v)
+
+
+@pytest.mark.parametrize('impl', ['per_shard_xla', 'gspmd_xla', 'blockwise', 'splash'])
+def test_zigzag_rows_attend_as_natural_rows(impl):
+  """Causal load balancing (rows in zigzag order over the context shards; partitioning/context.py): attention on
+  permuted rows, per shard (XLA inside shard_map, blockwise, splash in the interpreter) or partitioned by GSPMD,
+  equals unsharded attention on the natural rows: packed documents crossing shards, padding, grouped kv heads,
+  full attention too; outputs and gradients within 1e-5."""
+  shards, L, shape = (2, 256, dict(B=4, H=2, G=1)) if impl == 'splash' else (4, 32, {})
+  fn, args = _zigzag_case('xla', 1, L, **shape)
+  ref = fn(*args)
+  mesh = partitioning.make_mesh({'fsdp': 8 // shards, 'context': shards})
+  rules = partitioning.AxisRules([('batch', 'fsdp'), ('length', 'context'), ('heads', None), ('kv_heads', None),
+                                  ('kv', None)])
+  fn, args = _zigzag_case('blockwise' if impl == 'blockwise' else 'auto', shards, L, **shape)
+  extra = {'per_shard_xla': attention.per_shard_xla, 'splash': attention.splash_interpret}.get(impl)
+  with partitioning.use_rules(rules, mesh), extra() if extra else contextlib.nullcontext(), \
+      mock.patch.object(attention, 'BLOCKWISE_KEYS', 8):
+    got = jax.jit(fn)(*args)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
+  kernel = impl.split('_')[-1]
+  if impl == 'gspmd_xla':
+    assert any(d.startswith("xla (causal, packed, padding, float32, L=32, head_dim 8): sequence sharded over "
+                            "'context' (rows in zigzag order: causal mask from positions), partitioned by GSPMD")
+               for d in attention.decisions()), attention.decisions()
+  else:
+    assert any(d.startswith(kernel) and f'rows in zigzag order (load-balanced over {shards} shards)' in d
+               for d in attention.decisions()), attention.decisions()
+
+
+def test_zigzag_order_balances_the_splash_tiles():
+  """Splash skips the masked tiles of causal attention: in natural order a row's last context shard computes
+  2c - 1 times the first one's tiles (rounded to blocks), in zigzag order every shard the same number, the
+  row's total the same. The permutation round-trips, and the trainer refuses what it cannot balance."""
+  natural, zigzag = attention.splash_tiles(1024, 4, zigzag=False), attention.splash_tiles(1024, 4, zigzag=True)
+  assert natural == [3, 7, 11, 15] and zigzag == [9, 9, 9, 9]
+  assert sum(natural) == sum(zigzag)
+  x = jnp.arange(2 * 48).reshape(2, 48)
+  z = partitioning.context.to_zigzag(x, 3)
+  np.testing.assert_array_equal(z[0], partitioning.context.zigzag_positions(48, 3))
+  np.testing.assert_array_equal(z[0, :16], np.r_[0:8, 40:48])  # shard 0: chunks 0 and 5 of 6
+  np.testing.assert_array_equal(partitioning.context.from_zigzag(z, 3), x)
+  cfg = _family('llama')
+  cfg.dataset.seq_len = 36  # divisible by the 4 context shards, not by the 8 chunks balancing cuts it into
+  with pytest.raises(ConfigError, match=r"context_load_balance cuts each row of 36 tokens into 2 x 4 chunks "
+                                        r"\(the context shards of 'length', mesh axes \('context',\)\), and 36 is not "
+                                        r'divisible by 8'):
+    build_trainer(cfg)
+  cfg.dataset.seq_len = 32
+  cfg.update(batch_size=8)
+  cfg.mesh.update(context=1, fsdp=8)  # 'length' on one device: nothing to balance, said once
+  assert build_trainer(cfg).warnings()[-1] == ("config.context_load_balance is set, but no rule shards 'length' "
+                                               'over more than one device: rows keep their natural order')
+  from configs import bert
+  cfg = bert.get_config('tiny')
+  cfg.context_load_balance = True
+  with pytest.raises(ConfigError, match=r"context_load_balance balances causal attention across context shards, and "
+                                        r"task 'mlm' has none"):
+    build_trainer(cfg)
 
 
 def test_context_errors_name_the_culprit():

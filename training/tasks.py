@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from errors import ConfigError
+from partitioning import context
 from training import xent
 
 Metrics = dict[str, jax.Array]
@@ -167,7 +168,19 @@ class LanguageModeling(Task):
     return {f'{k}_BL': batch[k] for k in ('positions', 'segment_ids') if k in batch}
 
   def metric_sums(self, model: Any, batch: dict[str, jax.Array]) -> Metrics:
-    """As Task's; with model.loss_chunks > 1 the head and the loss run chunk by chunk (chunked_softmax_xent)."""
+    """As Task's; with model.loss_chunks > 1 the head and the loss run chunk by chunk (chunked_softmax_xent).
+    Under causal load balancing (config.context_load_balance, partitioning/context.py) the fields are first put
+    in zigzag order over the context shards, with every token's natural position, and the model runs in it."""
+    B, L = batch['inputs'].shape
+    shards = context.balanced_shards(B, L)
+    if shards == 1:
+      return self._metric_sums(model, batch)
+    positions = batch.get('positions', jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)))
+    batch = {k: context.to_zigzag(v, shards) for k, v in {**batch, 'positions': positions}.items()}
+    with context.zigzag(shards):
+      return self._metric_sums(model, batch)
+
+  def _metric_sums(self, model: Any, batch: dict[str, jax.Array]) -> Metrics:
     chunks = getattr(model, 'loss_chunks', 0)
     if chunks <= 1:
       return super().metric_sums(model, batch)

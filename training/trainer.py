@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import partitioning
-from partitioning import AxisRules
+from partitioning import AxisRules, context
 from errors import ConfigError, NonFiniteError
 from training import optim, tasks
 
@@ -55,6 +55,7 @@ class Trainer:
   batch_shardings: dict[str, NamedSharding]
   seen: set[str]  # logical names used by params, state, batches and (once traced) activations
   labels: Any = None  # 'train' / 'frozen' per parameter (config.freeze, train_only, LoRA); None: all train
+  balance: int = 1  # context shards the rows are load-balanced over (config.context_load_balance); 1: natural order
 
   @property
   def replicated(self) -> NamedSharding:
@@ -69,6 +70,9 @@ class Trainer:
   def warnings(self) -> list[str]:
     """Unused rules, and mesh axes no rule uses (everything is replicated over them)."""
     out = [f'{r} is used by no parameter or activation' for r in self.rules.unused(self.seen)]
+    if self.config.get('context_load_balance') and self.balance == 1:
+      out.append("config.context_load_balance is set, but no rule shards 'length' over more than one device: "
+                 'rows keep their natural order')
     used_mesh = {a for r in self.rules.rules if r.logical in self.seen for a in r.mesh_axes}
     for name, size in self.mesh.shape.items():
       if size > 1 and name not in used_mesh:
@@ -112,7 +116,20 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   batch_specs = resolve(batch_abstract, {k: batch_axes[k] for k in batch_abstract}, 'batch field')
   return Trainer(config, mesh, rules, task, make_model, graphdef, tx, schedule, abstract, axes, specs,
                  partitioning.named_shardings(specs, mesh), batch_abstract,
-                 partitioning.named_shardings(batch_specs, mesh), seen, labels)
+                 partitioning.named_shardings(batch_specs, mesh), seen, labels, _balance(config, rules, mesh))
+
+
+def _balance(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh) -> int:
+  """The context shards config.context_load_balance balances each row over (1: off, or 'length' unsharded); a
+  task without causal rows, or a length that 2 x the shards do not divide, is a ConfigError."""
+  if not config.get('context_load_balance', False):
+    return 1
+  if config.task != 'lm':
+    raise ConfigError(f'config.context_load_balance balances causal attention across context shards, and task '
+                      f"{config.task!r} has none (its attention sees every token, so its shards' work is already "
+                      'equal): set it to False')
+  with partitioning.use_rules(rules, mesh, balance=True):
+    return context.balanced_shards(config.batch_size, config.dataset.seq_len)
 
 
 def trainable(config: ml_collections.ConfigDict, params: Any) -> Any:
@@ -165,7 +182,7 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
   tx, schedule = trainer.tx, trainer.schedule
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    with partitioning.use_rules(trainer.rules, trainer.mesh, seen=trainer.seen):
+    with partitioning.use_rules(trainer.rules, trainer.mesh, seen=trainer.seen, balance=trainer.balance > 1):
       loss_fn = loss_of(trainer, state.model_state, batch)
       (_, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
       # Gradients live where their parameters live (lets XLA reduce-scatter them under FSDP).
@@ -196,7 +213,7 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
 
 def eval_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], dict]:
   def step(state: TrainState, batch: dict) -> dict:
-    with partitioning.use_rules(trainer.rules, trainer.mesh, seen=trainer.seen):
+    with partitioning.use_rules(trainer.rules, trainer.mesh, seen=trainer.seen, balance=trainer.balance > 1):
       model = tasks.eval_view(nnx.merge(trainer.graphdef, state.params, state.model_state))
       return trainer.task.metric_sums(model, batch)
   return step
