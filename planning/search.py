@@ -159,7 +159,17 @@ def apply(config: ml_collections.ConfigDict, cand: Candidate, hosts: int = 1) ->
     c.preset = cand.rules_name
     if cand.remat is not None:
       c.model.remat = cand.remat
+    if 'context_load_balance' in c:  # as the cp presets: causal rows split over devices are load-balanced
+      c.context_load_balance = c.task == 'lm' and _length_shards(cand) > 1
   return c
+
+
+def _length_shards(cand: Candidate) -> int:
+  """How many devices the candidate's first 'length' rule splits a row over."""
+  mesh = cand.mesh_dict
+  axes = next((r[1] for r in cand.rules if r[0] == 'length'), None)
+  names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+  return math.prod(mesh.get(a, 1) for a in names)
 
 
 def _proxy(config: ml_collections.ConfigDict, layers: int) -> ml_collections.ConfigDict:

@@ -36,6 +36,21 @@ def test_candidates_cover_every_preset(family):
     assert (want, rules[preset]) in cands, (family, preset)
 
 
+def test_a_plan_that_splits_rows_balances_them():
+  """A plan whose rules shard 'length' over several devices load-balances causal rows (as the cp presets do);
+  one that does not, or a task without causal attention, keeps the natural order."""
+  config = candidates.load_module(LLAMA).get_config('fsdp_tp,tiny')
+  assert not config.context_load_balance
+  rules = candidates.presets_of(LLAMA, 'fsdp_tp,tiny', config)
+  plan = lambda name, **mesh: search_lib.apply(config, candidates.Candidate(
+      tuple({'data': 1, 'fsdp': 1, 'context': 1, 'tensor': 1, **mesh}.items()), name, tuple(rules[name]), None))
+  assert plan('cp', fsdp=2, context=4).context_load_balance
+  assert not plan('cp', fsdp=8).context_load_balance and not plan('fsdp_tp', fsdp=4, tensor=2).context_load_balance
+  with config.unlocked():
+    config.task = 'mlm'
+  assert not plan('cp', fsdp=2, context=4).context_load_balance
+
+
 def test_factorisations_and_host_orders():
   assert len(candidates.factorisations(64, 3)) == 28
   assert sorted(candidates.factorisations(8, 2)) == [(1, 8), (2, 4), (4, 2), (8, 1)]
