@@ -218,7 +218,7 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
   specs = _local_specs(q_BLHK, k_BLGK) if mesh is not None and mesh.size > 1 else None
   if impl == 'blockwise':  # any backend and dtype; per shard (shard_map) only for a sharded sequence
     if isinstance(specs, tuple) and specs[0][1] is not None:
-      _record(f'blockwise ({what}) {_context_where(specs[0][1])[0]}')
+      _record(f'blockwise ({what}) {_context_where(specs[0][1], causal)[0]}')
       return 'blockwise', specs
     if isinstance(specs, str) and 'along the sequence' in specs:
       raise ConfigError(f'config.model.attention=blockwise cannot run this attention ({what}): {specs}')
@@ -227,7 +227,7 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
   fused = _fused_blockers(q_BLHK.dtype, q_BLHK.shape[-1])  # what rules out every fused kernel
   K = q_BLHK.shape[-1]
   if isinstance(specs, tuple) and specs[0][1] is not None:  # the sequence is sharded: context parallelism
-    return _choose_context(impl, what, fused, specs, q_BLHK.shape[1])
+    return _choose_context(impl, what, fused, specs, q_BLHK.shape[1], causal)
   if _splash_wanted(impl):
     why = _splash_blockers(q_BLHK.shape[1]) or ([specs] if isinstance(specs, str) else [])
     if why and impl == 'splash':
@@ -277,7 +277,8 @@ def _stand_in(choice: str, what: str) -> str:
   return 'blockwise'
 
 
-def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P], L: int) -> tuple[str, Any]:
+def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P], L: int,
+                    causal: bool) -> tuple[str, Any]:
   """The kernel for attention whose sequence is sharded (context parallelism): it runs per shard in shard_map
   (`_per_shard_context`) on cuDNN where the fused conditions hold, else on XLA; Pallas cannot (module doc)."""
   axes = specs[0][1]
@@ -297,8 +298,11 @@ def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P
                       f'over {axes!r} and the Pallas kernel cannot offset causality to a shard of the queries; '
                       "use 'cudnn' or 'auto'")
   cudnn_why = list(fused)
-  if (L // shards) % CUDNN_LENGTH_MULTIPLE:
-    cudnn_why.append(f'{L // shards} queries per shard (cuDNN takes a multiple of {CUDNN_LENGTH_MULTIPLE})')
+  chunks = 2 if causal and zigzag_shards() > 1 else 1  # a shard's two query chunks attend separately
+  if (L // shards // chunks) % CUDNN_LENGTH_MULTIPLE:
+    cudnn_why.append(f'{L // shards // chunks} queries per {"chunk" if chunks > 1 else "shard"} (cuDNN takes a '
+                     f'multiple of {CUDNN_LENGTH_MULTIPLE})')
+  where = _context_where(axes, causal)[0]  # what the per-shard XLA and cuDNN paths do
   if impl == 'cudnn' and cudnn_why:
     raise ConfigError(f'config.model.attention=cudnn cannot run this attention ({what}, {where}): '
                       + '; '.join(cudnn_why))
@@ -313,9 +317,10 @@ def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P
   return 'xla', None
 
 
-def _context_where(axes: Any) -> tuple[str, int]:
+def _context_where(axes: Any, prefixes: bool = False) -> tuple[str, int]:
   """What a context-parallel decision logs about its layout, and the number of context shards; rows in zigzag
-  order (context_load_balance) must be balanced over exactly these shards."""
+  order (context_load_balance) must be balanced over exactly these shards. `prefixes`: causal attention whose
+  query chunks attend only their keys' prefix (`_per_shard_context`)."""
   names = axes if isinstance(axes, tuple) else (axes,)
   shards = math.prod(active_mesh().shape[a] for a in names)
   where = f'per shard over {axes!r}: shard_map, keys/values all-gathered'
@@ -326,35 +331,49 @@ def _context_where(axes: Any) -> tuple[str, int]:
                         f"but this attention's sequence is split over {shards} ({axes!r}): shard its 'length' like "
                         "the batch fields' 'length'")
     where += f', rows in zigzag order (load-balanced over {shards} shards)'
+    if prefixes:
+      where += ', first query chunk against the first half of the keys'
   return where, shards
 
 
 def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal: bool, implementation: str):
-  """One shard of context-parallel attention (inside shard_map): this shard's C queries against all S keys.
+  """One shard of context-parallel attention (inside shard_map): this shard's C queries against the S keys.
   Keys, values and the key-side rows are all-gathered over `axes`; one mask from positions holds causality
-  (the shard's queries start at axis_index * C), packed documents and padding."""
+  (the shard's queries start at axis_index * C), packed documents and padding. Rows in zigzag order
+  (context_load_balance): the shard's first chunk of queries attends only the first half of the keys, all it can
+  see, its second chunk every key: 3/4 of the dense work and scores, the same on every shard."""
   C = q_BCHK.shape[1]
   zigzag = zigzag_shards()  # > 1: rows in zigzag order (partitioning/context.py); gathered keys put back in order
-  gather = lambda x: from_zigzag(jax.lax.all_gather(x, axes, axis=1, tiled=True), zigzag)
+  gather = lambda x: None if x is None else from_zigzag(jax.lax.all_gather(x, axes, axis=1, tiled=True), zigzag)
   k_BSGK, v_BSGK = gather(k_BCGK), gather(v_BCGK)
   S, shard = k_BSGK.shape[1], jax.lax.axis_index(axes)
   seg_BC, valid_BC = rows.get('segment_ids_BL'), rows.get('valid_BL')
+  seg_k_BS, valid_k_BS = gather(seg_BC), gather(valid_BC)
   if implementation == 'splash':
-    return _splash(q_BCHK, k_BSGK, v_BSGK, seg_BC, valid_BC, causal=causal, shard=shard,
-                   seg_k_BS=None if seg_BC is None else gather(seg_BC),
-                   valid_k_BS=None if valid_BC is None else gather(valid_BC), zigzag=zigzag)
-  # the global positions of this shard's queries
-  q_pos_C = (jnp.asarray(zigzag_positions(S, zigzag)).reshape(-1, C)[shard] if zigzag > 1
-             else shard * C + jnp.arange(C))
-  if implementation == 'blockwise':
-    return _blockwise(q_BCHK, k_BSGK, v_BSGK, seg_BC, None if valid_BC is None else gather(valid_BC), causal=causal,
-                      q_pos_L=q_pos_C, seg_k_BS=None if seg_BC is None else gather(seg_BC))
-  mask = _document_mask(seg_BC, None if seg_BC is None else gather(seg_BC),
-                        None if valid_BC is None else gather(valid_BC))
-  if causal:
-    later = (q_pos_C[:, None] >= jnp.arange(S)[None, :])[None, None]
-    mask = later if mask is None else mask & later
-  return jax.nn.dot_product_attention(q_BCHK, k_BSGK, v_BSGK, mask=mask, implementation=implementation)
+    return _splash(q_BCHK, k_BSGK, v_BSGK, seg_BC, valid_BC, causal=causal, shard=shard, seg_k_BS=seg_k_BS,
+                   valid_k_BS=valid_k_BS, zigzag=zigzag)
+
+  def prefix(q_BQHK, q_pos_Q, seg_BQ, n: int):  # queries at global positions q_pos_Q against the first n keys
+    cut = lambda x: None if x is None else x[:, :n]
+    k, v, seg_k, valid_k = cut(k_BSGK), cut(v_BSGK), cut(seg_k_BS), cut(valid_k_BS)
+    if implementation == 'blockwise':
+      return _blockwise(q_BQHK, k, v, seg_BQ, valid_k, causal=causal, q_pos_L=q_pos_Q, seg_k_BS=seg_k)
+    mask = _document_mask(seg_BQ, seg_k, valid_k)
+    if causal:
+      later = (q_pos_Q[:, None] >= jnp.arange(n)[None, :])[None, None]
+      mask = later if mask is None else mask & later
+    return jax.nn.dot_product_attention(q_BQHK, k, v, mask=mask, implementation=implementation)
+
+  if zigzag == 1 or not causal:  # every key (natural order: the last shard needs them all anyway)
+    return prefix(q_BCHK, shard * C + jnp.arange(C), seg_BC, S)
+  # Zigzag: the shard's first chunk of queries (chunk `shard` < c) comes before every key of the row's second half,
+  # so it attends the first half only; its second chunk (2c - 1 - shard) attends every key. Static shapes, no
+  # branch per shard: 3/4 of the dense work and scores on every shard.
+  h = C // 2
+  first = prefix(q_BCHK[:, :h], shard * h + jnp.arange(h), None if seg_BC is None else seg_BC[:, :h], S // 2)
+  second = prefix(q_BCHK[:, h:], (2 * zigzag - 1 - shard) * h + jnp.arange(h),
+                  None if seg_BC is None else seg_BC[:, h:], S)
+  return jnp.concatenate([first, second], axis=1)
 
 
 def _document_mask(seg_q_BL, seg_k_BS, valid_k_BS) -> jax.Array | None:

@@ -86,7 +86,11 @@ def test_context_parallel_training_equals_one_device(name):
     losses, params = _train(trainer, jax.device_put(start, trainer.shardings), batches)
   losses_1, params_1 = _train(trainer_1, jax.device_put(start, trainer_1.shardings), batches)
   np.testing.assert_allclose(losses, losses_1, rtol=TOL, atol=TOL)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL), params, params_1)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(params_1)):
+    # GPT-2's key bias adds q . b to every score of a query: softmax cancels it, so its gradient is 0 up to
+    # rounding (1.6e-11 here), which AdamW's division by sqrt(nu) turns into updates of either sign (1e-5)
+    dead = "['key']['layer']['bias']" in jax.tree_util.keystr(path)
+    np.testing.assert_allclose(a, b, rtol=TOL, atol=1e-4 if dead else TOL, err_msg=jax.tree_util.keystr(path))
   assert trainer.balance == (1 if name == 'moe' else 4)
   if name == 'llama':
     assert any("per shard over 'context'" in d and 'packed' in d and 'zigzag order (load-balanced over 4 shards)'
