@@ -53,8 +53,9 @@ sharded sequences: its kernel takes one segment-id array for queries and keys an
 position 0 of both. Causal load balancing (config.context_load_balance, partitioning/context.py): rows in zigzag
 order (`zigzag_shards()` > 1) put the gathered keys back in natural order and give each shard's queries their
 natural positions for the causal mask (splash: as its mask's q_sequence), so that with splash, which skips masked
-tiles, every shard computes the same number of tiles (`splash_tiles`); cuDNN and XLA compute the masked block
-densely either way.
+tiles, every shard computes the same number of tiles (`splash_tiles`); the kernels that compute a shard's block
+densely (cuDNN's bias, XLA per shard, blockwise) attend the shard's first chunk of queries to the first half of
+the keys only, all it can see: 3/4 of the dense work on every shard.
 
 Shape suffixes: B batch, L length, H query heads, G kv heads, K head dim.
 """
