@@ -12,7 +12,8 @@ Presets (one word switches the strategy; rules and meshes below stay editable):
   :tp       tensor parallel + data   mesh data=2, tensor=4 (heads, kv_heads, mlp, vocab on 'tensor')
   :cp       context parallel         mesh fsdp=2, context=4: each row split in 4 along the sequence. At real
             size this is the long-context run: 2 rows of 32,768 tokens (Llama 3.2's rope scaling, as its
-            config.json has it), 8,192 tokens of each row per device (benchmarks/context_memory.py)
+            config.json has it), 8,192 tokens of each row per device (benchmarks/context_memory.py); rows in
+            zigzag order so every shard's causal attention does the same work (context_load_balance)
   :fsdp_tp  FSDP + tensor            mesh data=1, fsdp=4, tensor=2
 Sizes: real (vocab 128256, d=2048, 16 layers, 32 heads, 8 kv heads, mlp 8192, rope_theta 5e5, tied
 embeddings), tiny (2 layers, d=64, 8 heads, 4 kv heads, on the offline Markov language).
