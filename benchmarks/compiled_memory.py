@@ -4,6 +4,8 @@ r"""Per-device memory of the train step train.py compiles, for GPUs or TPUs, on 
   python benchmarks/compiled_memory.py --config configs/llama.py --devices 8      # the config's mesh over 8 H100s
   python benchmarks/compiled_memory.py --cases                                # the README's table: ours vs the torch peer
   python benchmarks/compiled_memory.py --config configs/llama.py --target tpu_v5p  # over a v5p slice of 8 chips
+  python benchmarks/compiled_memory.py --cases --kernels 0                    # + kernels and memory traffic per step
+  python benchmarks/compiled_memory.py --config configs/gpt2.py --kernels 20  # by kind, and the 20 that move the most
 
 The step is built as train.py builds it and compiled for compile-only devices of the target (training/targets.py):
 a GPU (`--target`, default an H100 SXM 80GB: a name from training/gpu_targets or a .txtpb file) or a TPU slice
@@ -12,6 +14,9 @@ Printed per case: the peak (arguments + temporaries + outputs not aliased to don
 assignment reserves), the arguments (parameters, optimizer state, batch), the temporaries, the attention
 kernels chosen and the compile time. With --devices 1 (the default for --cases) every mesh axis is 1; otherwise
 the config's mesh runs over that many devices (GPUs 8 to a host; TPU chips as one slice, training.targets.tpu_topology).
+With --kernels, also the kernels one step launches and the bytes they read and write, counted from the compiled
+program (partitioning.hlo.kernels: every fusion, library call and copy, loop bodies once per trip), by kind (matmul,
+attention, reduction, elementwise, ...): what the step moves through memory, where a GPU is bandwidth-bound.
 
 --cases compiles the batches of the issue-9 benchmark (README "On GPUs") and, for an H100, prints them beside the
 peak the torch peer measured on an H100 on 2026-11-23 (`benchmarks/throughput.py --peer torch`; constants here)
@@ -34,6 +39,7 @@ from ml_collections import config_flags  # noqa: E402
 
 import errors  # noqa: E402
 from configs import schema  # noqa: E402
+from partitioning import hlo  # noqa: E402
 
 # name -> (config file, overrides, torch peer's peak GiB, our step's peak GiB; both measured on one H100 80GB on
 # 2026-11-23 with benchmarks/throughput.py, ours before the changes since; None: not measured)
@@ -55,16 +61,20 @@ flags.DEFINE_string('target', 'h100_sxm', 'What to compile for: a TPU chip (tpu_
 flags.DEFINE_integer('devices', None, 'GPUs or TPU chips to compile for (default: as many as the mesh asks; 1 with '
                      '--cases).')
 flags.DEFINE_alias('gpus', 'devices')  # its name before TPUs
+flags.DEFINE_integer('kernels', None, 'Also count the kernels one step launches and the bytes they read and write '
+                     '(partitioning.hlo.kernels), by kind; with --config, list this many of the largest.')
 
 GiB = 2**30
 
 
-def compile_for(config, target: str, count: int | None) -> dict:
-  """The train step of `config` compiled for `count` devices of `target`: per-device bytes and what was chosen."""
+def compile_for(config, target: str, count: int | None, kernels: bool = False) -> dict:
+  """The train step of `config` compiled for `count` devices of `target`: per-device bytes and what was chosen;
+  with `kernels`, the kernels one step launches (partitioning.hlo.kernels)."""
   import models
   import partitioning
   import training
   from models import attention
+  from partitioning import hlo
   from training import profiling, targets
   n = partitioning.devices_needed(config.mesh) if count is None else count
   devices = targets.compile_devices(target, n)
@@ -84,7 +94,7 @@ def compile_for(config, target: str, count: int | None) -> dict:
                                              {k: v.spec for k, v in trainer.batch_shardings.items()}, mesh.shape)
   return dict(peak=profiling.compiled_memory(compiled), state=m.argument_size_in_bytes - batch, batch=batch,
               temp=m.temp_size_in_bytes, mesh=dict(mesh.shape), device=devices[0].device_kind, attention=attention.decisions(),
-              seconds=time.perf_counter() - t0)
+              seconds=time.perf_counter() - t0, kernels=hlo.kernels(compiled.as_text()) if kernels else None)
 
 
 @errors.one_line()  # bad input: one line, no traceback
@@ -104,22 +114,38 @@ def main(argv) -> None:
       runs.append((name, config, *CASES[name][2:]))
   h100 = FLAGS.target == 'h100_sxm'  # the measured columns are an H100's
   rows = [('case', 'mesh', 'peak', 'state', 'batch', 'temporaries') + (('torch peer (H100)', 'ours then (H100)') if h100
-                                                                       else ()) + ('s',)]
+                                                                       else ()) + ('s',)
+          + (('kernels', 'traffic') if FLAGS.kernels is not None else ())]
   for name, config, torch_peak, then in runs:
     schema.check(config)  # before compiling
-    r = compile_for(config, FLAGS.target, FLAGS.devices if FLAGS.config is not None else (FLAGS.devices or 1))
+    r = compile_for(config, FLAGS.target, FLAGS.devices if FLAGS.config is not None else (FLAGS.devices or 1),
+                    kernels=FLAGS.kernels is not None)
+    summary = hlo.kernel_summary(r['kernels']) if r.get('kernels') is not None else None
     gib = lambda b: f'{b / GiB:.2f} GiB'
     measured = ('-' if torch_peak is None else f'{torch_peak:.2f} GiB', '-' if then is None else f'{then:.2f} GiB')
     figures = (gib(r['peak']), gib(r['state']), gib(r['batch']), gib(r['temp'])) if 'over' not in r else (
         'over', '-', '-', r['over'].split(': ', 1)[-1])  # the compiler's own words: what it needed, what there is
     rows.append((name, 'x'.join(f'{k}={v}' for k, v in r['mesh'].items() if v > 1) or '1 device', *figures)
-                + (measured if h100 else ()) + (f'{r["seconds"]:.0f}',))
+                + (measured if h100 else ()) + (f'{r["seconds"]:.0f}',)
+                + ((str(summary['total'][0]), f'{summary["total"][1] / 1e9:.1f} GB') if summary else
+                   ('-', '-') if FLAGS.kernels is not None else ()))
     print(' | '.join(rows[-1]), flush=True)
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
   print(f'\nper device, compiled for {r["device"]} ({FLAGS.target}), nothing run:')
   print('\n'.join('  '.join(c.rjust(w) for c, w in zip(row, widths)) for row in rows))
   for d in r['attention']:
     print(f'attention: {d}')
+  if FLAGS.config is not None and r.get('kernels'):
+    print_kernels(r['kernels'], FLAGS.kernels)
+
+
+def print_kernels(kernels: list, top: int) -> None:
+  """Kernels per step and the bytes they move, by kind, then the `top` that move the most."""
+  print('\nkernels of one step (bytes: operands read and results written, per device; loops times their trips):')
+  for kind, (n, b) in hlo.kernel_summary(kernels).items():
+    print(f'  {kind:>16}  {n:6d} kernels  {b / 1e9:8.2f} GB')
+  for k in sorted(kernels, key=lambda k: -k.bytes * k.times)[:top]:
+    print(f'  {k.bytes * k.times / 1e9:8.3f} GB  {k.kind:>12}  x{k.times:<3d} {k.name}  {k.op_name[:100]}')
 
 
 if __name__ == '__main__':

@@ -1,4 +1,5 @@
-"""Collectives of a compiled (SPMD-partitioned) HLO module: which devices each one groups, how often it runs.
+"""Collectives of a compiled (SPMD-partitioned) HLO module: which devices each one groups, how often it runs; and
+the kernels a compiled GPU program launches per step with the bytes each reads and writes (`kernels`).
 
 XLA prints a collective's groups in three forms; `replica_groups` reads them all into lists of partition ids:
   explicit   replica_groups={{0,1},{2,3}}                 (also source_target_pairs={{0,1},{1,0}})
@@ -264,3 +265,174 @@ def loop_dot_flops(hlo_text: str, counts: Mapping[str, int] | None = None) -> fl
     k = math.prod(dims[lhs][d] for d in _ints(contracting[1])) if contracting and lhs in dims else 1
     total += (counts[comp] - 1) * 2.0 * math.prod(out) * k
   return total
+
+
+# --- Kernels of a compiled GPU program and the bytes they move -------------------------------------------
+
+NOT_KERNELS = frozenset({'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'while', 'call',
+                         'conditional', 'after-all', 'add-dependency', 'opt-barrier', 'partition-id', 'replica-id',
+                         'async-update'})
+_INSTR_ANY = re.compile(r'^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s+(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)'
+                        r'(?P<rest>.*)$')
+_KERNEL_CALLS = re.compile(r'\b(?:body|condition)=%(?P<c>[\w.\-]+)|branch_computations=\{(?P<branches>[^}]*)\}'
+                           r'|\bto_apply=%(?P<call>[\w.\-]+)')
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  name: str
+  kind: str  # matmul, convolution, attention, pallas, reduction, elementwise, copy, collective, or the HLO op
+  bytes: int  # its operands' and results' bytes: what one run reads and writes, at most (per device)
+  times: int  # runs per step (trip counts of the loops around it)
+  op_name: str  # the JAX operation it came from (metadata op_name), '' if none
+
+
+def _kind(op: str, rest: str) -> str:
+  if op == 'fusion':
+    fusion_kind = re.search(r'kind=(k\w+)', rest)
+    backend = re.search(r'"kind":"([^"]+)"', rest)
+    if fusion_kind and fusion_kind[1] == 'kCustom':
+      what = backend[1] if backend else ''
+      return ('convolution' if 'conv' in what else 'matmul' if 'gemm' in what or 'cublas' in what or 'cudnn' in what
+              else 'fusion ' + what.strip('_'))
+    return {'kInput': 'reduction', 'kLoop': 'elementwise', 'kOutput': 'matmul'}.get(
+        fusion_kind[1] if fusion_kind else '', 'fusion')
+  if op == 'custom-call':
+    target = (re.search(r'custom_call_target="([^"]+)"', rest) or [None, ''])[1]
+    return ('attention' if 'fmha' in target else 'convolution' if 'conv' in target else
+            'matmul' if 'gemm' in target or 'cublas' in target or 'matmul' in target else
+            'pallas' if 'triton' in target else 'custom-call ' + target)
+  if op in ('copy', 'copy-start', 'transpose'):
+    return 'copy'
+  if op in ('dot',):
+    return 'matmul'
+  if op == 'convolution':
+    return 'convolution'
+  if op.endswith('-start') or op in COLLECTIVES:
+    return 'collective'
+  return op
+
+
+_PASS_THROUGH = frozenset({'bitcast', 'reshape', 'convert', 'copy', 'select', 'add', 'subtract', 'multiply', 'divide',
+                           'maximum', 'minimum', 'compare', 'negate', 'exponential', 'log', 'abs', 'and', 'or', 'not'})
+
+
+def _elements(shape: str) -> int:
+  return sum(math.prod(int(d) for d in dims.split(',') if d) for dt, dims in ARRAY.findall(shape) if dt in ITEMSIZE)
+
+
+def _fused_traffic(body: list[re.Match], sizes: Mapping[str, int], reads: list[int], writes: int
+                   ) -> tuple[list[int], int]:
+  """A fusion's bytes read per operand and written, from its fused computation: an operand reached only through
+  gathers or slices (past elementwise ops) is read where they read it, not whole; a root dynamic-update-slice
+  writes its update in place (its operand 0 is neither read nor written whole)."""
+  by_name = {m['name']: m for m in body}
+  users: dict[str, list[re.Match]] = {}
+  for m in body:
+    for a in m['args'].split(','):
+      if a.strip().startswith('%'):
+        users.setdefault(a.strip().lstrip('%'), []).append(m)
+
+  def demand(name: str, elements: int, itemsize: float, depth: int = 0) -> float | None:
+    """Bytes of the operand read through `name` (None: all of it)."""
+    if not users.get(name):
+      return None  # the root: what it computes is written from all of it
+    total = 0.0
+    for u in users[name]:
+      first = u['args'].split(',')[0].strip().lstrip('%')
+      if u['op'] in ('gather', 'slice', 'dynamic-slice') and first == name:
+        total += _elements(u['shape']) * itemsize
+      elif u['op'] in _PASS_THROUGH and _elements(u['shape']) == elements and depth < 32:
+        d = demand(u['name'], elements, itemsize, depth + 1)
+        if d is None:
+          return None
+        total += d
+      else:
+        return None
+    return total
+  reads = list(reads)
+  for m in body:
+    if m['op'] == 'parameter' and (i := int(m['args'] or -1)) < len(reads) and reads[i]:
+      n = _elements(m['shape'])
+      d = demand(m['name'], n, reads[i] / max(n, 1))
+      reads[i] = reads[i] if d is None else min(reads[i], int(d))
+  root = next((m for m in body if m.string.lstrip().startswith('ROOT')), None)
+  roots = [root] if root is not None and root['op'] != 'tuple' else [
+      by_name.get(a.strip().lstrip('%')) for a in (root['args'].split(',') if root is not None else [])]
+  for r in roots:
+    if r is not None and r['op'] == 'dynamic-update-slice':
+      target, update = (a.strip().lstrip('%') for a in r['args'].split(',')[:2])
+      whole, part = sizes.get(target, 0), sizes.get(update, 0)
+      param = by_name.get(target)
+      if param is not None and param['op'] == 'parameter' and int(param['args']) < len(reads):
+        reads[int(param['args'])] = 0
+      writes -= whole - part
+  return reads, max(writes, 0)
+
+
+def kernels(hlo_text: str) -> list[Kernel]:
+  """The kernels one step of a compiled (GPU) module launches, each with the bytes of its operands and results:
+  every instruction of the entry computation, of while loops' bodies and conditions, of conditionals' branches and
+  of called computations, but the bookkeeping ones (parameters, tuples, bitcasts, ...); fused computations' insides
+  and reducers are not kernels. Bytes count an operand as read once and a result as written once (an upper bound:
+  a kernel may read part of an operand, or update one in place). A GPU kernel count: XLA launches each fusion,
+  library call (cuBLAS, cuDNN) and copy as one or a few kernels."""
+  bodies: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    head = _COMP_HEAD.match(line)
+    if head and not line.startswith(' '):
+      current = head['name']
+      bodies[current] = []
+      entry = current if line.startswith('ENTRY') else entry
+    elif current is not None and line.strip() and line.strip() != '}':
+      bodies[current].append(line)
+  sizes: dict[str, int] = {}
+  parsed: dict[str, list[re.Match]] = {}
+  for comp, lines in bodies.items():
+    parsed[comp] = [m for m in map(_INSTR_ANY.match, lines) if m]
+    for m in parsed[comp]:
+      sizes[m['name']] = sum(math.prod(int(d) for d in dims.split(',') if d) * ITEMSIZE[dt]
+                             for dt, dims in ARRAY.findall(m['shape']) if dt in ITEMSIZE)
+  out: list[Kernel] = []
+  seen: set[str] = set()
+
+  def visit(comp: str, times: int, depth: int = 0) -> None:
+    if comp not in parsed or depth > 64:
+      return
+    seen.add(comp)
+    for m in parsed[comp]:
+      op, rest = m['op'], m['rest']
+      trip = _TRIP.search(rest)
+      for c in _KERNEL_CALLS.finditer(rest):
+        if c['call'] is not None and op != 'call':
+          continue  # a reducer or a scatter's combiner: part of its kernel
+        callees = re.findall(r'%([\w.\-]+)', c['branches']) if c['branches'] else [c['c'] or c['call']]
+        for callee in callees:
+          visit(callee, times * (int(trip[1]) if trip and op == 'while' else 1), depth + 1)
+      if op in NOT_KERNELS or op.endswith('-done'):
+        continue  # an async op's -done waits for the kernel its -start launched
+      args = [a.strip().lstrip('%') for a in m['args'].split(',') if a.strip().startswith('%')]
+      fused = re.search(r'\bcalls=%([\w.\-]+)', rest) if op == 'fusion' else None
+      reads, writes = [sizes.get(a, 0) for a in args], sizes[m['name']]
+      if fused and fused[1] in parsed:
+        reads, writes = _fused_traffic(parsed[fused[1]], sizes, reads, writes)
+      elif op.endswith('-start'):
+        writes = max(writes - sum(reads), 0)  # its shape is (operands, results[, ...])
+      op_name = re.search(r'op_name="([^"]*)"', rest)
+      out.append(Kernel(m['name'], _kind(op, rest), sum(reads) + writes, times, op_name[1] if op_name else ''))
+  if entry is not None:
+    visit(entry, 1)
+  return out
+
+
+def kernel_summary(ks: Sequence[Kernel]) -> dict[str, tuple[int, int]]:
+  """kind -> (kernels per step, bytes per step), the largest traffic first, and 'total'."""
+  by: dict[str, list[int]] = {}
+  for k in ks:
+    n_b = by.setdefault(k.kind, [0, 0])
+    n_b[0] += k.times
+    n_b[1] += k.times * k.bytes
+  table = {kind: (n, b) for kind, (n, b) in sorted(by.items(), key=lambda kv: -kv[1][1])}
+  table['total'] = (sum(n for n, _ in table.values()), sum(b for _, b in table.values()))
+  return table

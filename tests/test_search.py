@@ -154,6 +154,99 @@ def test_loop_flops_are_counted_once_per_trip():
   assert body_once + extra == pytest.approx(ref, rel=1e-3)
 
 
+
+GPU_HLO = """HloModule g
+
+%fused_gather (param_0: f32[1024,512], param_1: s32[1024,1]) -> f32[1024] {
+  %param_0 = f32[1024,512]{1,0} parameter(0)
+  %neg = f32[1024,512]{1,0} negate(%param_0)
+  %param_1 = s32[1024,1]{1,0} parameter(1)
+  %g = f32[1024,1]{1,0} gather(%neg, %param_1), offset_dims={1}, collapsed_slice_dims={}, slice_sizes={1,1}
+  ROOT %b = f32[1024]{0} bitcast(%g)
+}
+
+%fused_exp (param_0.1: f32[1024,512]) -> bf16[1024,512] {
+  %param_0.1 = f32[1024,512]{1,0} parameter(0)
+  %e = f32[1024,512]{1,0} exponential(%param_0.1)
+  ROOT %c = bf16[1024,512]{1,0} convert(%e)
+}
+
+%fused_dus (param_0.2: f32[4,256], param_1.2: f32[1,256], param_2.2: s32[]) -> f32[4,256] {
+  %param_0.2 = f32[4,256]{1,0} parameter(0)
+  %param_1.2 = f32[1,256]{1,0} parameter(1)
+  %param_2.2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %d = f32[4,256]{1,0} dynamic-update-slice(%param_0.2, %param_1.2, %param_2.2, %z)
+}
+
+%gemm_comp (p0: bf16[1,256], p1: bf16[256,256]) -> f32[1,256] {
+  %p0 = bf16[1,256]{1,0} parameter(0)
+  %p1 = bf16[256,256]{1,0} parameter(1)
+  ROOT %dot = f32[1,256]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (p: (s32[], f32[4,256], bf16[1,256], bf16[256,256])) -> (s32[], f32[4,256], bf16[1,256], bf16[256,256]) {
+  %p = (s32[], f32[4,256]{1,0}, bf16[1,256]{1,0}, bf16[256,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %acc = f32[4,256]{1,0} get-tuple-element(%p), index=1
+  %h = bf16[1,256]{1,0} get-tuple-element(%p), index=2
+  %w = bf16[256,256]{1,0} get-tuple-element(%p), index=3
+  %mm = f32[1,256]{1,0} fusion(%h, %w), kind=kCustom, calls=%gemm_comp, backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}
+  %up = f32[4,256]{1,0} fusion(%acc, %mm, %i), kind=kLoop, calls=%fused_dus
+  ROOT %t = (s32[], f32[4,256]{1,0}, bf16[1,256]{1,0}, bf16[256,256]{1,0}) tuple(%i, %up, %h, %w)
+}
+
+%cond (q: (s32[], f32[4,256], bf16[1,256], bf16[256,256])) -> pred[] {
+  %q = (s32[], f32[4,256]{1,0}, bf16[1,256]{1,0}, bf16[256,256]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %four = s32[] constant(4)
+  ROOT %lt = pred[] compare(%j, %four), direction=LT
+}
+
+ENTRY %main (a: f32[1024,512], t: s32[1024,1], q: bf16[2,128,4,64]) -> f32[1024] {
+  %a = f32[1024,512]{1,0} parameter(0)
+  %t = s32[1024,1]{1,0} parameter(1)
+  %q = bf16[2,128,4,64]{3,2,1,0} parameter(2)
+  %picked = f32[1024]{0} fusion(%a, %t), kind=kLoop, calls=%fused_gather, metadata={op_name="jit(step)/take"}
+  %probs = bf16[1024,512]{1,0} fusion(%a), kind=kLoop, calls=%fused_exp
+  %sum = f32[1024]{0} reduce(%a, %zero), dimensions={1}, to_apply=%add
+  %att = (bf16[2,128,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax"
+  %moved = bf16[2,128,4,64]{3,2,1,0} copy(%q)
+  %x8 = f32[8]{0} parameter(3)
+  %ags = (f32[8]{0}, f32[64]{0}) all-gather-start(%x8), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %agd = f32[64]{0} all-gather-done(%ags)
+  %w0 = (s32[], f32[4,256]{1,0}, bf16[1,256]{1,0}, bf16[256,256]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %r = f32[1024]{0} bitcast(%picked)
+}
+"""
+
+
+def test_kernels_and_their_bytes_of_a_gpu_program():
+  """What a step launches and moves: fusions, library calls and copies, loop bodies once per trip; a fused gather
+  reads its rows' elements, not its operand; a loop's in-place update writes its slice; reducers and fused
+  computations are not kernels."""
+  got = {k.name: k for k in hlo.kernels(GPU_HLO)}
+  assert set(got) == {'picked', 'probs', 'sum', 'att', 'moved', 'ags', 'mm', 'up', 'lt'}  # not the -done
+  assert (got['ags'].kind, got['ags'].bytes) == ('collective', 8 * 4 + 64 * 4)
+  assert (got['picked'].kind, got['picked'].op_name) == ('elementwise', 'jit(step)/take')
+  assert got['picked'].bytes == 1024 * 4 + 1024 * 4 + 1024 * 4  # gathered elements, indices, result
+  assert got['probs'].bytes == 1024 * 512 * (4 + 2)  # read whole, written in bf16
+  assert (got['sum'].kind, got['sum'].bytes) == ('reduce', 1024 * 512 * 4 + 1024 * 4)
+  assert (got['att'].kind, got['att'].bytes) == ('attention', 4 * 2 * 128 * 4 * 64 * 2)
+  assert (got['moved'].kind, got['moved'].bytes) == ('copy', 2 * 2 * 128 * 4 * 64 * 2)
+  assert (got['mm'].kind, got['mm'].times, got['mm'].bytes) == ('matmul', 4, 256 * 2 + 256 * 256 * 2 + 256 * 4)
+  assert (got['up'].times, got['up'].bytes) == (4, 256 * 4 + 4 + 256 * 4)  # the row read and written, the index
+  assert got['lt'].times == 4
+  summary = hlo.kernel_summary(hlo.kernels(GPU_HLO))
+  assert summary['matmul'] == (4, 4 * got['mm'].bytes)
+  assert summary['total'][0] == 4 + 4 + 4 + 6  # 4 matmuls, 4 updates, 4 loop tests, 6 entry kernels
+
 # --- The cost model ---------------------------------------------------------------------------------------------
 
 def test_cost_model_ranks_a_bad_plan_below_a_good_one():

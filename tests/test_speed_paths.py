@@ -17,6 +17,7 @@ from flax import nnx
 from errors import ConfigError, ShardingError
 import models
 import partitioning
+from partitioning import hlo
 import train
 import training
 from configs import resnet as resnet_config
@@ -395,6 +396,9 @@ def test_compiling_for_a_gpu_without_one():
   compiled = training.compile_step(trainer, training.jit_train_step(trainer))
   assert profiling.compiled_memory(compiled) > 0 and 'all-reduce' in compiled.as_text()
   assert any(d.startswith('cudnn (causal, bfloat16') for d in attention.decisions()), attention.decisions()
+  kinds = hlo.kernel_summary(hlo.kernels(compiled.as_text()))  # benchmarks/compiled_memory.py --kernels
+  assert {'matmul', 'attention', 'collective', 'reduction', 'elementwise'} <= set(kinds), kinds
+  assert kinds['attention'][0] == 2 * cfg.model.num_layers and kinds['total'][1] > 0
 
 
 def test_compiling_for_a_tpu_without_one(monkeypatch):
