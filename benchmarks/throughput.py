@@ -47,6 +47,9 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/gpt2.py[:preset].', lock_config=True)
 flags.DEFINE_integer('steps', 15, 'Timed steps (the median is reported).')
 flags.DEFINE_integer('warmup', 5, 'Untimed steps first (clocks up, autotuning, allocator).')
+flags.DEFINE_enum('timing', 'pipelined', profiling.TIMINGS, 'pipelined: the host dispatches each step while the '
+                  'device runs the one before, as train.py does (and as the torch peer is timed); blocking: wait for '
+                  'each step before dispatching the next (the host\'s dispatch counts in the step).')
 flags.DEFINE_enum('peer', 'none', ['none', 'torch'], 'Also run the same model in PyTorch and print the ratio.')
 flags.DEFINE_bool('peer_compile', True, 'torch.compile the peer (off: eager, for CPU smoke tests).')
 flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s per device for MFU (default: from the device kind).')
@@ -149,7 +152,8 @@ def main(argv) -> None:
   state = jax.block_until_ready(training.init_state(trainer))
   phase('init state')
   batch = partitioning.shard(batch_np, trainer.batch_shardings)
-  state, times = profiling.time_steps(step, state, batch, warmup=FLAGS.warmup, steps=FLAGS.steps)
+  state, times, dispatch = profiling.time_steps(step, state, batch, warmup=FLAGS.warmup, steps=FLAGS.steps,
+                                                timing=FLAGS.timing)
   phase('timed steps')
   step_s = statistics.median(times)
   device = jax.devices()[0]
@@ -158,7 +162,8 @@ def main(argv) -> None:
   ours = dict(step_s=step_s, units_per_s=units_per_step / step_s, tflops=step_flops.per_device_tflops(step_s, n),
               tflops_palm=step_flops.per_device_tflops(step_s, n, causal=False),
               peak_memory=profiling.peak_memory(device), compiled_memory=profiling.compiled_memory(step),
-              compile_s=compile_s, step_times=times, phases=phases)
+              compile_s=compile_s, step_times=times, phases=phases, timing=FLAGS.timing,
+              dispatch_s=statistics.median(dispatch))
   if FLAGS.profile:
     tracer = profiling.StepProfiler(FLAGS.profile, first=1, num=3)
     for i in range(1, 4):
@@ -180,6 +185,9 @@ def main(argv) -> None:
   if task.unit == 'tokens' or FLAGS.logsumexp != 'auto':
     print('loss: log-sum-exp ' + training.xent.LOGSUMEXP_SAID[FLAGS.logsumexp])
   print('seconds: ' + ', '.join(f'{k} {v:.1f}' for k, v in phases.items()))
+  print(f'timing: {FLAGS.timing}, median of {FLAGS.steps} steps after {FLAGS.warmup}; the host dispatches a step in '
+        f'{1e3 * ours["dispatch_s"]:.2f} ms ({100 * ours["dispatch_s"] / step_s:.0f}% of the step: '
+        + ('the host keeps up' if ours['dispatch_s'] < 0.8 * step_s else 'host-bound') + ')')
   print(f'FLOPs/step: {step_flops.causal / 1e12:.3f} T causal-correct, {step_flops.palm / 1e12:.3f} T PaLM count; '
         f'peak: {peak_from}')
   mfu = lambda tflops: '-' if peak is None else f'{100 * tflops / peak:.1f}%'

@@ -7,6 +7,7 @@ import io
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -716,6 +717,42 @@ def test_benchmark_smoke_with_torch_peer():
   assert set(rows) == {'shardzoo', 'torch'} and '%' in rows['shardzoo'], r.stdout
   assert 'ratio shardzoo / torch:' in r.stdout
   assert 'loss: log-sum-exp in one pass (forced)' in r.stdout and 'in one pass (forced)' in r.stderr  # and logged
+  assert 'timing: pipelined, median of 2 steps after 1; the host dispatches a step in' in r.stdout
+
+
+class _FakeDevice:
+  """A device that runs one step at a time for `device_s` after its dispatch, which costs the host `host_s`."""
+
+  def __init__(self, host_s, device_s):
+    self.host_s, self.device_s, self.free_at, self.ran = host_s, device_s, 0.0, 0
+
+  def step(self, state, batch):
+    time.sleep(self.host_s)
+    self.free_at = max(time.perf_counter(), self.free_at) + self.device_s
+    self.ran += 1
+    return _Ready(self.free_at), _Ready(self.free_at)  # the new state and the metrics: ready when the step ends
+
+
+class _Ready:
+  def __init__(self, at):
+    self.at = at
+
+  def block_until_ready(self):
+    time.sleep(max(0.0, self.at - time.perf_counter()))
+    return self
+
+
+def test_step_timing_pipelined_hides_the_host_dispatch_and_blocking_counts_it():
+  """profiling.time_steps: 'pipelined' dispatches step i+1 while step i runs (train.py's loop; the torch peer's
+  CUDA events), so a step costs the device's time when the host keeps up; 'blocking' adds the host's dispatch.
+  Both run warmup + steps steps and report each dispatch."""
+  for timing, low, high in (('pipelined', 0.055, 0.075), ('blocking', 0.078, 1.0)):
+    dev = _FakeDevice(host_s=0.02, device_s=0.06)
+    _, times, dispatch = profiling.time_steps(dev.step, None, None, warmup=1, steps=5, timing=timing)
+    assert dev.ran == 6 and len(times) == 5 and len(dispatch) == 5, (timing, dev.ran, times, dispatch)
+    assert low < np.median(times) < high and 0.019 < np.median(dispatch) < 0.05, (timing, times, dispatch)
+  with pytest.raises(ValueError, match="timing='async'"):
+    profiling.time_steps(dev.step, None, None, warmup=0, steps=1, timing='async')
 
 
 _PEER_DEVICE = """

@@ -19,19 +19,49 @@ import partitioning
 from training import trainer as trainer_lib
 
 
-def time_steps(step: Any, state: Any, batch: Any, *, warmup: int, steps: int) -> tuple[Any, list[float]]:
-  """Runs `warmup` untimed then `steps` timed calls of a (donating) train step on one batch; each timed
-  step waits for the whole new state. Returns the final state and the step times in seconds."""
+TIMINGS = ('pipelined', 'blocking')
+
+
+def time_steps(step: Any, state: Any, batch: Any, *, warmup: int, steps: int, timing: str = 'pipelined'
+               ) -> tuple[Any, list[float], list[float]]:
+  """Runs `warmup` untimed then `steps` timed calls of a (donating) train step on one batch. Returns the final
+  state, the step times and the host's dispatch times (how long each call took to return), in seconds.
+
+  'pipelined' (the default) times steps as train.py runs them: the host dispatches step i+1 while the device
+  runs step i, and a step's time is the interval between its metrics and the previous step's becoming ready, so
+  the host's dispatch overlaps the device's work, as it does in training (and as the torch peer's CUDA events,
+  recorded on a stream the host runs ahead of, time its steps). 'blocking' waits for the whole new state after
+  each step before dispatching the next: the device idles while the host dispatches, which counts in the step."""
+  if timing not in TIMINGS:
+    raise ValueError(f'time_steps(timing={timing!r}): one of {TIMINGS}')
   for _ in range(warmup):
     state, _ = step(state, batch)
   jax.block_until_ready(state)
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    state, _ = step(state, batch)
-    jax.block_until_ready(state)
-    times.append(time.perf_counter() - t0)
-  return state, times
+  times, dispatch = [], []
+  if timing == 'blocking':
+    for _ in range(steps):
+      t0 = time.perf_counter()
+      state, _ = step(state, batch)
+      dispatch.append(time.perf_counter() - t0)
+      jax.block_until_ready(state)
+      times.append(time.perf_counter() - t0)
+    return state, times, dispatch
+  last = time.perf_counter()
+  state, metrics = step(state, batch)
+  dispatch.append(time.perf_counter() - last)
+  for i in range(steps):
+    if i < steps - 1:  # the next step is queued before this one is waited for
+      t0 = time.perf_counter()
+      state, following = step(state, batch)
+      dispatch.append(time.perf_counter() - t0)
+    jax.block_until_ready(metrics)  # outputs of one execution are ready together
+    now = time.perf_counter()
+    times.append(now - last)
+    last = now
+    if i < steps - 1:
+      metrics = following
+  jax.block_until_ready(state)
+  return state, times, dispatch
 
 
 def peak_memory(device: jax.Device) -> int | None:
