@@ -324,8 +324,8 @@ def _elements(shape: str) -> int:
 def _fused_traffic(body: list[re.Match], sizes: Mapping[str, int], reads: list[int], writes: int
                    ) -> tuple[list[int], int]:
   """A fusion's bytes read per operand and written, from its fused computation: an operand reached only through
-  gathers or slices (past elementwise ops) is read where they read it, not whole; a root dynamic-update-slice
-  writes its update in place (its operand 0 is neither read nor written whole)."""
+  gathers or slices (past elementwise ops) is read where they read it, not whole; a root dynamic-update-slice or
+  scatter writes its update in place (its operand 0 is neither read nor written whole)."""
   by_name = {m['name']: m for m in body}
   users: dict[str, list[re.Match]] = {}
   for m in body:
@@ -360,12 +360,13 @@ def _fused_traffic(body: list[re.Match], sizes: Mapping[str, int], reads: list[i
   roots = [root] if root is not None and root['op'] != 'tuple' else [
       by_name.get(a.strip().lstrip('%')) for a in (root['args'].split(',') if root is not None else [])]
   for r in roots:
-    if r is not None and r['op'] == 'dynamic-update-slice':
-      target, update = (a.strip().lstrip('%') for a in r['args'].split(',')[:2])
+    if r is not None and r['op'] in ('dynamic-update-slice', 'scatter'):
+      args = [a.strip().lstrip('%') for a in r['args'].split(',')]
+      target, update = args[0], args[1] if r['op'] == 'dynamic-update-slice' else args[-1]
       whole, part = sizes.get(target, 0), sizes.get(update, 0)
       param = by_name.get(target)
       if param is not None and param['op'] == 'parameter' and int(param['args']) < len(reads):
-        reads[int(param['args'])] = 0
+        reads[int(param['args'])] = part if r['op'] == 'scatter' else 0  # a scatter adds to what is there
       writes -= whole - part
   return reads, max(writes, 0)
 

@@ -179,6 +179,14 @@ GPU_HLO = """HloModule g
   ROOT %d = f32[4,256]{1,0} dynamic-update-slice(%param_0.2, %param_1.2, %param_2.2, %z)
 }
 
+%fused_scatter (param_0.3: f32[1000,64], param_1.3: s32[16,1], param_2.3: bf16[16,64]) -> f32[1000,64] {
+  %param_0.3 = f32[1000,64]{1,0} parameter(0)
+  %param_1.3 = s32[16,1]{1,0} parameter(1)
+  %param_2.3 = bf16[16,64]{1,0} parameter(2)
+  %u = f32[16,64]{1,0} convert(%param_2.3)
+  ROOT %sc = f32[1000,64]{1,0} scatter(%param_0.3, %param_1.3, %u), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+
 %gemm_comp (p0: bf16[1,256], p1: bf16[256,256]) -> f32[1,256] {
   %p0 = bf16[1,256]{1,0} parameter(0)
   %p1 = bf16[256,256]{1,0} parameter(1)
@@ -218,6 +226,10 @@ ENTRY %main (a: f32[1024,512], t: s32[1024,1], q: bf16[2,128,4,64]) -> f32[1024]
   %sum = f32[1024]{0} reduce(%a, %zero), dimensions={1}, to_apply=%add
   %att = (bf16[2,128,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax"
   %moved = bf16[2,128,4,64]{3,2,1,0} copy(%q)
+  %table = f32[1000,64]{1,0} parameter(4)
+  %rows = s32[16,1]{1,0} parameter(5)
+  %grads = bf16[16,64]{1,0} parameter(6)
+  %added = f32[1000,64]{1,0} fusion(%table, %rows, %grads), kind=kInput, calls=%fused_scatter
   %x8 = f32[8]{0} parameter(3)
   %ags = (f32[8]{0}, f32[64]{0}) all-gather-start(%x8), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
   %agd = f32[64]{0} all-gather-done(%ags)
@@ -229,10 +241,11 @@ ENTRY %main (a: f32[1024,512], t: s32[1024,1], q: bf16[2,128,4,64]) -> f32[1024]
 
 def test_kernels_and_their_bytes_of_a_gpu_program():
   """What a step launches and moves: fusions, library calls and copies, loop bodies once per trip; a fused gather
-  reads its rows' elements, not its operand; a loop's in-place update writes its slice; reducers and fused
-  computations are not kernels."""
+  reads its rows' elements, not its operand; a loop's in-place update writes its slice, an in-place scatter reads
+  and writes the rows it adds to; reducers and fused computations are not kernels."""
   got = {k.name: k for k in hlo.kernels(GPU_HLO)}
-  assert set(got) == {'picked', 'probs', 'sum', 'att', 'moved', 'ags', 'mm', 'up', 'lt'}  # not the -done
+  assert set(got) == {'picked', 'probs', 'sum', 'att', 'moved', 'added', 'ags', 'mm', 'up', 'lt'}  # not the -done
+  assert got['added'].bytes == 16 * 64 * 4 + 16 * 4 + 16 * 64 * 2 + 16 * 64 * 4  # in place: the rows it adds to
   assert (got['ags'].kind, got['ags'].bytes) == ('collective', 8 * 4 + 64 * 4)
   assert (got['picked'].kind, got['picked'].op_name) == ('elementwise', 'jit(step)/take')
   assert got['picked'].bytes == 1024 * 4 + 1024 * 4 + 1024 * 4  # gathered elements, indices, result
@@ -245,7 +258,7 @@ def test_kernels_and_their_bytes_of_a_gpu_program():
   assert got['lt'].times == 4
   summary = hlo.kernel_summary(hlo.kernels(GPU_HLO))
   assert summary['matmul'] == (4, 4 * got['mm'].bytes)
-  assert summary['total'][0] == 4 + 4 + 4 + 6  # 4 matmuls, 4 updates, 4 loop tests, 6 entry kernels
+  assert summary['total'][0] == 4 + 4 + 4 + 7  # 4 matmuls, 4 updates, 4 loop tests, 7 entry kernels
 
 # --- The cost model ---------------------------------------------------------------------------------------------
 
