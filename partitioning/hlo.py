@@ -301,7 +301,7 @@ def _kind(op: str, rest: str) -> str:
     target = (re.search(r'custom_call_target="([^"]+)"', rest) or [None, ''])[1]
     return ('attention' if 'fmha' in target else 'convolution' if 'conv' in target else
             'matmul' if 'gemm' in target or 'cublas' in target or 'matmul' in target else
-            'pallas' if 'triton' in target else 'custom-call ' + target)
+            'pallas' if 'triton' in target or target == 'tpu_custom_call' else 'custom-call ' + target)
   if op in ('copy', 'copy-start', 'transpose'):
     return 'copy'
   if op in ('dot',):
