@@ -272,8 +272,8 @@ def loop_dot_flops(hlo_text: str, counts: Mapping[str, int] | None = None) -> fl
 NOT_KERNELS = frozenset({'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'while', 'call',
                          'conditional', 'after-all', 'add-dependency', 'opt-barrier', 'partition-id', 'replica-id',
                          'async-update'})
-_INSTR_ANY = re.compile(r'^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s+(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)'
-                        r'(?P<rest>.*)$')
+_INSTR_ANY = re.compile(r'^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s+'
+                        r'(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)(?P<rest>.*)$')
 _KERNEL_CALLS = re.compile(r'\b(?:body|condition)=%(?P<c>[\w.\-]+)|branch_computations=\{(?P<branches>[^}]*)\}'
                            r'|\bto_apply=%(?P<call>[\w.\-]+)')
 

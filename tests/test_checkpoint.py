@@ -258,22 +258,42 @@ def test_small_replicated_arrays_are_written_by_one_replica_and_big_ones_by_all(
 
 
 _FALL_BACK = """
-import gc, sys, time
+import gc, sys
 from tests.conftest import build_trainer, tiny_config
 from tests.test_checkpoint import _Iter
 from training import checkpoint
 with checkpoint.Checkpointer(sys.argv[1], every_steps=1, keep=2) as ckpt:
   state, warnings = ckpt.restore_latest(build_trainer(tiny_config('fsdp_tp')), _Iter())
-time.sleep(0.5)  # the reads orbax left in flight finish
-gc.collect()  # and their asyncio tasks are collected
+gc.collect()  # the asyncio tasks of the reads orbax abandoned are collected; the rest finish as the process exits
 print(int(state.step), len(warnings))
 """
+
+
+def test_only_tensorstore_completions_into_a_closed_loop_are_dropped():
+  """checkpoint._AbandonedReads.install: a TensorStore future's completion scheduled into a closed event loop
+  returns None (orbax abandoned the read); any other call into a closed loop raises as asyncio does, and an open
+  loop schedules both."""
+  import asyncio
+  import tensorstore as ts
+  assert getattr(asyncio.BaseEventLoop.call_soon_threadsafe, 'shardzoo_abandoned_reads', False)
+  loop = asyncio.new_event_loop()
+  ran = []
+  loop.call_soon_threadsafe(ran.append, ts.Future(1))
+  loop.call_soon_threadsafe(ran.append, 2)
+  loop.run_until_complete(asyncio.sleep(0))
+  assert len(ran) == 2
+  loop.close()
+  assert loop.call_soon_threadsafe(ran.append, ts.Future(3)) is None
+  with pytest.raises(RuntimeError, match='Event loop is closed'):
+    loop.call_soon_threadsafe(ran.append, 4)
 
 
 def test_falling_back_from_damaged_data_prints_the_warning_and_no_abandoned_reads(saved, tmp_path):
   """Orbax reads a checkpoint's arrays concurrently and, at the first that fails, closes its event loop with the
   rest in flight: in a fresh process (as train.py resumes) each of those printed a traceback, 'Event loop is
-  closed' or asyncio's 'Task exception was never retrieved', after the warning that names the damage."""
+  closed' or asyncio's 'Task/Future exception was never retrieved', after the warning that names the damage;
+  some land before the damage is known, others as the process exits. The script exits at once: it failed 3 runs
+  in 12 before TensorStore's completions into a closed loop were dropped, 0 in 30 since on a loaded machine."""
   directory, _ = saved
   d = tmp_path / 'run'
   shutil.copytree(directory, d)
