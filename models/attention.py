@@ -64,7 +64,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import math
 from typing import Any
 
 import jax
@@ -75,7 +74,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from errors import ConfigError
-from partitioning import active_mesh, logical_spec
+from partitioning import active_mesh, entry_size, logical_spec
 from partitioning.context import from_zigzag, zigzag_positions, zigzag_shards
 
 IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'pallas', 'splash', 'blockwise')
@@ -322,8 +321,7 @@ def _context_where(axes: Any, prefixes: bool = False) -> tuple[str, int]:
   """What a context-parallel decision logs about its layout, and the number of context shards; rows in zigzag
   order (context_load_balance) must be balanced over exactly these shards. `prefixes`: causal attention whose
   query chunks attend only their keys' prefix (`_per_shard_context`)."""
-  names = axes if isinstance(axes, tuple) else (axes,)
-  shards = math.prod(active_mesh().shape[a] for a in names)
+  shards = entry_size(axes, active_mesh().shape)
   where = f'per shard over {axes!r}: shard_map, keys/values all-gathered'
   zigzag = zigzag_shards()
   if zigzag > 1:

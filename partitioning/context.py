@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from errors import ConfigError
+from partitioning.rules import entry_axes, entry_size
 from partitioning.shard import _CTX
 
 _ZIGZAG: contextvars.ContextVar[int] = contextvars.ContextVar('shardzoo_zigzag_shards', default=1)
@@ -41,9 +41,8 @@ def balanced_shards(batch: int, length: int) -> int:
     return 1
   spec = ctx.rules.spec(('batch', 'length'), (batch, length), ctx.mesh.shape,
                         what=f'batch field of shape {(batch, length)} (context_load_balance)')
-  axes = spec[1] if len(spec) > 1 else None
-  names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
-  shards = math.prod(ctx.mesh.shape[a] for a in names)
+  entry = spec[1] if len(spec) > 1 else None
+  names, shards = entry_axes(entry), entry_size(entry, ctx.mesh.shape)
   if shards > 1 and length % (2 * shards):
     raise ConfigError(f'config.context_load_balance cuts each row of {length} tokens into 2 x {shards} chunks (the '
                       f"context shards of 'length', mesh axes {names}), and {length} is not divisible by "

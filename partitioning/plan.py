@@ -1,7 +1,6 @@
 """Resolving whole pytrees (params, optimizer state, batches) to shardings, with validation."""
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,7 +9,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from errors import ShardingError
-from partitioning.rules import AxisRules
+from partitioning.rules import AxisRules, entry_axes, entry_size
 
 
 def path_str(path: tuple[Any, ...]) -> str:
@@ -96,8 +95,8 @@ def named_shardings(specs: Any, mesh: Mesh) -> Any:
 def check_batch(global_batch_size: int, batch_spec: PartitionSpec, mesh_shape: Mapping[str, int]) -> None:
   """The global batch must split evenly over the mesh axes that the 'batch' rule shards it on."""
   entry = batch_spec[0] if len(batch_spec) else None
-  axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-  size = math.prod(mesh_shape[a] for a in axes)
+  axes = entry_axes(entry)
+  size = entry_size(entry, mesh_shape)
   if global_batch_size % size:
     parts = ' x '.join(f'{a}={mesh_shape[a]}' for a in axes)
     raise ShardingError(

@@ -18,6 +18,16 @@ LogicalAxes = tuple[str | None, ...]
 MeshAxes = tuple[str, ...]
 
 
+def entry_axes(entry: Any) -> MeshAxes:
+  """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names) as a tuple."""
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def entry_size(entry: Any, mesh_shape: Mapping[str, int]) -> int:
+  """How many devices one PartitionSpec entry splits its dimension over."""
+  return math.prod(mesh_shape[a] for a in entry_axes(entry))
+
+
 def _fmt_mesh(mesh_shape: Mapping[str, int]) -> str:
   return ' x '.join(f'{k}={v}' for k, v in mesh_shape.items()) or '(empty mesh)'
 
@@ -153,8 +163,5 @@ def bytes_per_device(shape: Sequence[int], dtype: Any, spec: PartitionSpec,
   """Bytes one device holds of an array with this spec (dims assumed divisible)."""
   n = math.prod(shape) * np.dtype(dtype).itemsize
   for entry in spec:
-    if entry is None:
-      continue
-    for a in (entry if isinstance(entry, tuple) else (entry,)):
-      n //= mesh_shape[a]
+    n //= entry_size(entry, mesh_shape)
   return n

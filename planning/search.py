@@ -45,6 +45,7 @@ import partitioning
 import training
 from errors import ShardingError, out_of_device_memory
 from partitioning import AxisRules
+from partitioning.rules import entry_axes
 from partitioning import hlo
 from planning import cost, residuals
 from planning.candidates import Candidate, split_over_hosts
@@ -104,8 +105,7 @@ def effective(spec: PartitionSpec, mesh_shape) -> tuple:
   """A spec with its size-1 mesh axes dropped (what the devices see)."""
   out = []
   for e in spec:
-    axes = () if e is None else (e if isinstance(e, tuple) else (e,))
-    out.append(tuple(a for a in axes if mesh_shape[a] > 1))
+    out.append(tuple(a for a in entry_axes(e) if mesh_shape[a] > 1))
   while out and not out[-1]:
     out.pop()
   return tuple(out)
@@ -167,9 +167,8 @@ def apply(config: ml_collections.ConfigDict, cand: Candidate, hosts: int = 1) ->
 def _length_shards(cand: Candidate) -> int:
   """How many devices the candidate's first 'length' rule splits a row over."""
   mesh = cand.mesh_dict
-  axes = next((r[1] for r in cand.rules if r[0] == 'length'), None)
-  names = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
-  return math.prod(mesh.get(a, 1) for a in names)
+  entry = next((r[1] for r in cand.rules if r[0] == 'length'), None)
+  return math.prod(mesh.get(a, 1) for a in entry_axes(entry))
 
 
 def _proxy(config: ml_collections.ConfigDict, layers: int) -> ml_collections.ConfigDict:
