@@ -74,7 +74,6 @@ def compile_for(config, target: str, count: int | None, kernels: bool = False) -
   import partitioning
   import training
   from models import attention
-  from partitioning import hlo
   from training import profiling, targets
   n = partitioning.devices_needed(config.mesh) if count is None else count
   devices = targets.compile_devices(target, n)

@@ -304,7 +304,7 @@ def _kind(op: str, rest: str) -> str:
             'pallas' if 'triton' in target or target == 'tpu_custom_call' else 'custom-call ' + target)
   if op in ('copy', 'copy-start', 'transpose'):
     return 'copy'
-  if op in ('dot',):
+  if op == 'dot':
     return 'matmul'
   if op == 'convolution':
     return 'convolution'
@@ -317,8 +317,10 @@ _PASS_THROUGH = frozenset({'bitcast', 'reshape', 'convert', 'copy', 'select', 'a
                            'maximum', 'minimum', 'compare', 'negate', 'exponential', 'log', 'abs', 'and', 'or', 'not'})
 
 
-def _elements(shape: str) -> int:
-  return sum(math.prod(int(d) for d in dims.split(',') if d) for dt, dims in ARRAY.findall(shape) if dt in ITEMSIZE)
+def _elements(shape: str, itemsize: bool = False) -> int:
+  """The elements (or, with `itemsize`, the bytes) of the arrays an instruction's shape text names."""
+  return sum(math.prod(int(d) for d in dims.split(',') if d) * (ITEMSIZE[dt] if itemsize else 1)
+             for dt, dims in ARRAY.findall(shape) if dt in ITEMSIZE)
 
 
 def _fused_traffic(body: list[re.Match], sizes: Mapping[str, int], reads: list[int], writes: int
@@ -375,33 +377,20 @@ def kernels(hlo_text: str) -> list[Kernel]:
   """The kernels one step of a compiled (GPU) module launches, each with the bytes of its operands and results:
   every instruction of the entry computation, of while loops' bodies and conditions, of conditionals' branches and
   of called computations, but the bookkeeping ones (parameters, tuples, bitcasts, ...); fused computations' insides
-  and reducers are not kernels. Bytes count an operand as read once and a result as written once (an upper bound:
-  a kernel may read part of an operand, or update one in place). A GPU kernel count: XLA launches each fusion,
-  library call (cuBLAS, cuDNN) and copy as one or a few kernels."""
-  bodies: dict[str, list[str]] = {}
-  entry, current = None, None
-  for line in hlo_text.splitlines():
-    head = _COMP_HEAD.match(line)
-    if head and not line.startswith(' '):
-      current = head['name']
-      bodies[current] = []
-      entry = current if line.startswith('ENTRY') else entry
-    elif current is not None and line.strip() and line.strip() != '}':
-      bodies[current].append(line)
-  sizes: dict[str, int] = {}
+  and reducers are not kernels. Bytes count an operand as read once and a result as written once, except what a
+  fusion reads through gathers and slices or updates in place (`_fused_traffic`). A GPU kernel count: XLA
+  launches each fusion, library call (cuBLAS, cuDNN) and copy as one or a few kernels."""
+  entry = re.search(r'^ENTRY\s+%([^\s(]+)', hlo_text, re.M)
   parsed: dict[str, list[re.Match]] = {}
-  for comp, lines in bodies.items():
-    parsed[comp] = [m for m in map(_INSTR_ANY.match, lines) if m]
-    for m in parsed[comp]:
-      sizes[m['name']] = sum(math.prod(int(d) for d in dims.split(',') if d) * ITEMSIZE[dt]
-                             for dt, dims in ARRAY.findall(m['shape']) if dt in ITEMSIZE)
+  for comp, line in _lines(hlo_text):
+    if comp is not None and (m := _INSTR_ANY.match(line)):
+      parsed.setdefault(comp, []).append(m)
+  sizes = {m['name']: _elements(m['shape'], itemsize=True) for body in parsed.values() for m in body}
   out: list[Kernel] = []
-  seen: set[str] = set()
 
   def visit(comp: str, times: int, depth: int = 0) -> None:
     if comp not in parsed or depth > 64:
       return
-    seen.add(comp)
     for m in parsed[comp]:
       op, rest = m['op'], m['rest']
       trip = _TRIP.search(rest)
@@ -423,7 +412,7 @@ def kernels(hlo_text: str) -> list[Kernel]:
       op_name = re.search(r'op_name="([^"]*)"', rest)
       out.append(Kernel(m['name'], _kind(op, rest), sum(reads) + writes, times, op_name[1] if op_name else ''))
   if entry is not None:
-    visit(entry, 1)
+    visit(entry[1], 1)
   return out
 
 
