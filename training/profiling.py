@@ -46,20 +46,18 @@ def time_steps(step: Any, state: Any, batch: Any, *, warmup: int, steps: int, ti
       jax.block_until_ready(state)
       times.append(time.perf_counter() - t0)
     return state, times, dispatch
-  last = time.perf_counter()
-  state, metrics = step(state, batch)
-  dispatch.append(time.perf_counter() - last)
-  for i in range(steps):
-    if i < steps - 1:  # the next step is queued before this one is waited for
+  in_flight, last = [], time.perf_counter()
+  for i in range(steps + 1):
+    if i < steps:  # step i is queued before step i - 1 is waited for
       t0 = time.perf_counter()
-      state, following = step(state, batch)
+      state, metrics = step(state, batch)
       dispatch.append(time.perf_counter() - t0)
-    jax.block_until_ready(metrics)  # outputs of one execution are ready together
-    now = time.perf_counter()
-    times.append(now - last)
-    last = now
-    if i < steps - 1:
-      metrics = following
+      in_flight.append(metrics)
+    if i > 0:
+      jax.block_until_ready(in_flight.pop(0))  # outputs of one execution are ready together
+      now = time.perf_counter()
+      times.append(now - last)
+      last = now
   jax.block_until_ready(state)
   return state, times, dispatch
 
