@@ -35,10 +35,10 @@ flash attention kernel that skips the masked blocks of causal attention, takes p
 (padding as segment 0) and any dtype, for lengths that are a multiple of SPLASH_BLOCK; per shard under a mesh,
 grouped kv heads repeated, the kernel built once per (length, heads, mask). Under context parallelism it runs per
 shard (keys and values all-gathered), one kernel per shard whose causal mask is offset to the shard's queries,
-chosen by lax.switch (splash's masks are static). Elsewhere on TPUs XLA (e.g. ViT's 197 tokens). Compiled for a v5e on a CPU-only machine (training/targets.py), a causal
-attention layer's forward and backward at 16 x 1024 tokens, 12 heads of 64, needs 288 MiB of temporaries against
-XLA's 1154; it has not run on a TPU here. The tests run it in Pallas' TPU interpreter on the CPU
-(`splash_interpret`).
+chosen by lax.switch (splash's masks are static). Elsewhere on TPUs XLA (e.g. ViT's 197 tokens). Compiled for a
+v5e on a CPU-only machine (training/targets.py), a causal attention layer's forward and backward at 16 x 1024
+tokens, 12 heads of 64, needs 288 MiB of temporaries against XLA's 1154; it has not run on a TPU here. The tests
+run it in Pallas' TPU interpreter on the CPU (`splash_interpret`).
 
 Context (sequence) parallelism: when the queries' 'length' is sharded (a rule such as ('length', 'context')),
 'auto' and 'cudnn' run attention per shard inside `jax.shard_map` (`_per_shard_context`): keys, values and
