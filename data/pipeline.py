@@ -60,6 +60,17 @@ def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
   return slice(lo, hi)
 
 
+def _spans(rows: Sequence[int]) -> list[tuple[int, int]]:
+  """[0, 1, 2, 5] -> [(0, 3), (5, 6)]: sorted rows as half-open runs."""
+  runs = []
+  for r in rows:
+    if runs and runs[-1][1] == r:
+      runs[-1] = (runs[-1][0], r + 1)
+    else:
+      runs.append((r, r + 1))
+  return runs
+
+
 def _check_rows(rows: slice, global_batch: int) -> int:
   local = rows.stop - rows.start
   if global_batch % local or rows.start % local:
@@ -272,17 +283,26 @@ class RowsIterator:
         raise CheckpointError(f"the saved data position is for a global batch of {s.get('global_batch')} "
                          f"({'packed' if s.get('packed') else 'unpacked'}); this run reads {self.global_batch} "
                          f"({'packed' if self.packed else 'unpacked'}): resume with the batch size it was saved with")
-    covered = sorted((s['rows'][0], s['rows'][1]) for s in saved)
-    if [r for span in covered for r in range(*span)] != list(range(self.global_batch)):
-      raise CheckpointError(f'the saved data position covers rows {covered} of a global batch of {self.global_batch}, '
-                       'not each row once (a process file missing?)')
+    # Processes whose devices hold the same rows (a batch not split over an axis that spans processes: tensor or
+    # context parallelism across hosts) each saved those rows; they must agree on them.
+    per_row = {}  # row -> its packer's state (packed) or None
+    for s in saved:
+      span = range(*s['rows'])
+      for r, state in zip(span, s['state']['parents'] if self.packed else [None] * len(span)):
+        if r in per_row and per_row[r] != state:
+          raise CheckpointError(f'two processes that read row {r} of the global batch saved different data '
+                                f'positions for it: {per_row[r]} and {state}')
+        per_row[r] = state
+    missing = [r for r in range(self.global_batch) if r not in per_row]
+    if missing or len(per_row) != self.global_batch:
+      covered = sorted({(s['rows'][0], s['rows'][1]) for s in saved})
+      raise CheckpointError(f'the saved data position covers rows {covered} of a global batch of {self.global_batch}'
+                            + (f', not rows {_spans(missing)} (a process file missing?)' if missing else
+                               ', rows beyond it (a file of another run?)'))
     if not self.packed:  # the next global batch, the same for every process
       positions = {json.dumps(s['state'], sort_keys=True) for s in saved}
       if len(positions) > 1:
         raise CheckpointError(f'the processes saved different data positions: {sorted(positions)}')
       self._it.set_state(saved[0]['state'])
       return
-    per_row = {}  # the packer of each row
-    for s in saved:
-      per_row.update(zip(range(*s['rows']), s['state']['parents']))
     self._it.set_state({**saved[0]['state'], 'parents': [per_row[r] for r in range(self.rows.start, self.rows.stop)]})

@@ -160,5 +160,14 @@ def test_a_data_position_resumes_with_another_number_of_processes(packed):
   np.testing.assert_array_equal(np.concatenate([next(h)['inputs'] for h in halves]), following)
   with pytest.raises(CheckpointError, match='global batch of 8 .*this run reads 16'):
     it(slice(0, 16), 16).set_state(saved)
-  with pytest.raises(CheckpointError, match=r'covers rows \[\(0, 4\)\]'):
+  with pytest.raises(CheckpointError, match=r'covers rows \[\(0, 4\)\] of a global batch of 8, not rows \[\(4, 8\)\]'):
     it(slice(0, 8)).set_state(saved[:1])
+  # Processes that hold the same rows (tensor parallelism across hosts) each save them: the copies resume as one,
+  # and copies that disagree are an error naming the row.
+  resumed = it(slice(0, 8))
+  resumed.set_state([saved[0], saved[0], saved[1], saved[1]])
+  np.testing.assert_array_equal(next(resumed)['inputs'], expected[0])
+  if packed:
+    other = {**saved[1], 'rows': [0, 4]}
+    with pytest.raises(CheckpointError, match='read row 0 of the global batch saved different'):
+      it(slice(0, 8)).set_state([saved[0], other, saved[1]])
