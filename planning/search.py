@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec
 
 import partitioning
 import training
-from errors import ShardingError, out_of_device_memory
+from errors import ConfigError, ShardingError, out_of_device_memory
 from partitioning import AxisRules
 from partitioning.rules import entry_axes
 from partitioning import hlo
@@ -51,7 +51,8 @@ from planning import cost, residuals
 from planning.candidates import Candidate, split_over_hosts
 from training import flops, profiling
 
-# Pruning reasons, from a ShardingError's message (partitioning/rules.py, plan.py, mesh.py wordings).
+# Pruning reasons, from a ShardingError's or ConfigError's message (partitioning/rules.py, plan.py, mesh.py,
+# training/xent.py wordings).
 _REASONS = (
     ('global batch size', 'batch not divisible by its mesh axes'),
     ('not divisible by mesh axes', 'dimension not divisible by its mesh axes'),
@@ -59,6 +60,7 @@ _REASONS = (
     ('has no rule', 'logical name without a rule'),
     ('which is not in the mesh', 'rule names an axis not in the mesh'),
     ('mirrors no parameter', 'optimizer state the rules cannot place'),
+    ('loss_chunks', 'loss chunks the context shards do not divide'),
 )
 # The search reads a compiled step's partitioned HLO, buffer assignment and cost analysis, never runs it: on CPU
 # the code generation behind them is done cheaply. LLVM optimisation off and the older (loop) fusion emitters
@@ -159,8 +161,9 @@ def apply(config: ml_collections.ConfigDict, cand: Candidate, hosts: int = 1) ->
     c.preset = cand.rules_name
     if cand.remat is not None:
       c.model.remat = cand.remat
-    if 'context_load_balance' in c:  # as the cp presets: causal rows split over devices are load-balanced
-      c.context_load_balance = c.task == 'lm' and _length_shards(cand) > 1
+    if 'context_load_balance' in c:  # as the cp presets: causal rows split over devices are load-balanced,
+      shards = _length_shards(cand)     # where the rows cut into 2 x shards chunks (else natural order)
+      c.context_load_balance = c.task == 'lm' and shards > 1 and c.dataset.seq_len % (2 * shards) == 0
   return c
 
 
@@ -265,7 +268,7 @@ class Search:
             specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
         fps.append((eff(tr.specs), eff({k: v.spec for k, v in tr.batch_shardings.items()}),
                     tuple(sorted(((n, sh, effective(s, shape)) for n, sh, s in log), key=repr))))
-    except ShardingError as e:
+    except ConfigError as e:  # ShardingError, and what a model or loss option refuses under this plan
       raise Pruned(reason_of(e), str(e)) from None
     mesh_eff = tuple(sorted((a, s) for a, s in cand.mesh if s > 1))  # any order: placed on hosts later
     return (mesh_eff, cand.remat, tuple(fps)), traced, trainers

@@ -47,8 +47,27 @@ def test_a_plan_that_splits_rows_balances_them():
   assert plan('cp', fsdp=2, context=4).context_load_balance
   assert not plan('cp', fsdp=8).context_load_balance and not plan('fsdp_tp', fsdp=4, tensor=2).context_load_balance
   with config.unlocked():
+    config.dataset.seq_len = 40  # 4 and 8 context shards divide the rows; only 2 x 4 divides them into chunks
+  assert plan('cp', fsdp=2, context=4).context_load_balance and not plan('cp', context=8).context_load_balance
+  with config.unlocked():
     config.task = 'mlm'
   assert not plan('cp', fsdp=2, context=4).context_load_balance
+
+
+def test_a_plan_that_a_model_option_refuses_is_pruned_with_its_reason():
+  """A ConfigError raised while a candidate's step is traced (a loss_chunks that the context shards do not
+  divide) prunes that candidate, named, instead of ending the search."""
+  path = os.path.join(ROOT, 'configs', 'gpt2.py')
+  config = candidates.load_module(path).get_config('tiny')
+  with config.unlocked():
+    config.model.loss_chunks = 16  # 4 positions per chunk: fine on one device, not over 8 context shards
+  rules = candidates.presets_of(path, 'tiny', config)
+  search = search_lib.Search(config, models.create, flops.chip('cpu'), 8)
+  cand = candidates.Candidate((('data', 1), ('fsdp', 1), ('context', 8), ('tensor', 1)), 'cp', tuple(rules['cp']),
+                              None)
+  with pytest.raises(search_lib.Pruned, match='loss chunks the context shards do not divide') as pruned:
+    search.validate(cand)
+  assert 'loss_chunks=16' in pruned.value.detail
 
 
 def test_factorisations_and_host_orders():
