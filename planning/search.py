@@ -84,6 +84,9 @@ def _required_bytes(line: str, memory_gib: float) -> float:
   return float(found.group(1)) * 2.0 ** (10 * 'KMGT'.index(found.group(2)) + 10)
 
 
+SCATTERED_ROWS = 'a host would hold scattered batch rows (the data loader reads one block per host)'
+
+
 class Pruned(Exception):
   def __init__(self, reason: str, detail: str = ''):
     super().__init__(reason)
@@ -148,16 +151,26 @@ class Result:
 def apply(config: ml_collections.ConfigDict, cand: Candidate, hosts: int = 1) -> ml_collections.ConfigDict:
   """A copy of the config with the candidate's mesh, rules and remat. Over several hosts the mesh is written
   as config.mesh (each host's part) x config.dcn_mesh (across hosts: split_over_hosts), which
-  train.py builds as a hybrid mesh; with one host config.mesh alone, in the candidate's order."""
+  train.py builds as a hybrid mesh; with one host config.mesh alone, in the candidate's order.
+
+  Over hosts, the 'batch' rules list their mesh axes hosts first: the axes wholly across hosts, then one split
+  across and within them, then those within a host. Each host then holds one block of rows of the global batch,
+  as train.py's data loader needs (data.local_rows); every device computes the same as in the candidate's
+  order, only on other rows. (fsdp across 2 hosts x data within them, batch over ('data', 'fsdp'), would give
+  host 0 rows 0-1 and 4-5 of 8.)"""
   c = copy.deepcopy(config)
+  rules = [tuple(r) for r in cand.rules]
   with c.unlocked():
     if hosts > 1:
       ici, dcn = split_over_hosts(cand.mesh, hosts)
       c.mesh = ml_collections.ConfigDict(ici, sort_keys=False)
       c.dcn_mesh = ml_collections.ConfigDict(dcn, sort_keys=False)
+      within = lambda a: 0 if ici.get(a, 1) == 1 else (1 if dcn.get(a, 1) > 1 else 2)
+      rules = [(name, tuple(sorted(t, key=within)), *rest) if name == 'batch' and isinstance(t, tuple) else
+               (name, t, *rest) for name, t, *rest in rules]
     else:
       c.mesh = ml_collections.ConfigDict(dict(cand.mesh), sort_keys=False)
-    c.logical_axis_rules = [tuple(r) for r in cand.rules]
+    c.logical_axis_rules = rules
     c.preset = cand.rules_name
     if cand.remat is not None:
       c.model.remat = cand.remat
@@ -220,7 +233,7 @@ class Search:
     self.workers = workers
     self._cache: dict[Any, Any] = {}  # fingerprint -> Future of (_Compiled, compile seconds)
     self._validated: dict[Any, Any] = {}  # (mesh sizes, rules, remat) -> fingerprint, or Pruned
-    self._placed: set = set()  # (fingerprint, axis order over hosts) scored
+    self._placed: set = set()  # (fingerprint, layout over hosts as written) scored
     self._lock = threading.Lock()
     self.model_flops: float | None = None
 
@@ -273,6 +286,23 @@ class Search:
     mesh_eff = tuple(sorted((a, s) for a, s in cand.mesh if s > 1))  # any order: placed on hosts later
     return (mesh_eff, cand.remat, tuple(fps)), traced, trainers
 
+  def _scattered_rows(self, cand: Candidate) -> str | None:
+    """Over several hosts, which rows of the global batch a host would hold if they are not one contiguous
+    block under the plan as written (config.mesh x config.dcn_mesh): train.py's data loader refuses that
+    (data.local_rows); None where every host's rows are one block."""
+    plan = apply(self.config, cand, self.hosts)
+    mesh = partitioning.make_mesh(dict(plan.mesh), self.devices, dict(plan.dcn_mesh))
+    B = self.config.batch_size
+    spec = AxisRules(plan.logical_axis_rules).spec(('batch',), (B,), mesh.shape)
+    index = jax.sharding.NamedSharding(mesh, spec).devices_indices_map((B,))
+    hosts = partitioning.dcn_coordinates(mesh, dict(plan.dcn_mesh))
+    for host in range(self.hosts):
+      spans = sorted({(index[d][0].start or 0, index[d][0].stop or B)
+                      for d, h in zip(mesh.devices.flat, hosts) if h == host})
+      if sum(b - a for a, b in spans) != spans[-1][1] - spans[0][0]:
+        return f'host {host} would hold rows {spans} of {B}'
+    return None
+
   def _proxy_layers(self) -> list[int | None]:
     if not self.layers:
       return [None]
@@ -296,11 +326,13 @@ class Search:
   def _on_hosts(self, compiled: _Compiled, mesh: Sequence[tuple[str, int]]) -> cost.Profile:
     """The plan's profile with the devices laid out as `mesh` orders its axes (the same axes and sizes as
     the compiled order): each collective keyed by the mesh axes its groups vary along and the hosts one
-    group reaches, devices being host-major (device d on host d // per_host) and the mesh row-major."""
+    group reaches, the hosts laid out as the plan is written (split_over_hosts: each axis's outer part across
+    hosts, the hybrid mesh train.py builds)."""
     names, sizes = [a for a, _ in compiled.mesh], [s for _, s in compiled.mesh]
     coords = np.unravel_index(np.arange(self.num_devices), sizes)  # partition -> compiled mesh coordinates
-    flat = np.ravel_multi_index([coords[names.index(a)] for a, _ in mesh], [s for _, s in mesh])
-    host_of = flat // self.per_host  # partition -> host, in this order
+    ici, dcn = split_over_hosts(mesh, self.hosts) if self.hosts > 1 else (dict(mesh), {a: 1 for a, _ in mesh})
+    host_of = np.ravel_multi_index([coords[names.index(a)] // ici[a] for a, _ in mesh],
+                                   [dcn[a] for a, _ in mesh])  # partition -> host, in this order
     rank = {a: i for i, (a, _) in enumerate(mesh)}
     profiles = []
     for base, colls in zip(compiled.profiles, compiled.collectives):
@@ -373,7 +405,13 @@ class Search:
           pruned[fp.reason] += 1
           examples.setdefault(fp.reason, f'{cand.label()}: {fp.detail}'[:300])
           continue
-        placed = (fp, tuple(a for a, n in cand.mesh if n > 1) if self.hosts > 1 else ())
+        if self.hosts > 1 and (rows := self._scattered_rows(cand)):
+          pruned[SCATTERED_ROWS] += 1
+          examples.setdefault(SCATTERED_ROWS, f'{cand.label()}: {rows}')
+          continue
+        # over hosts, one score per layout as written (orders the host split lays out alike are one plan)
+        placed = (fp, tuple(tuple((a, n) for a, n in d.items() if n > 1)
+                            for d in split_over_hosts(cand.mesh, self.hosts)) if self.hosts > 1 else ())
         if placed in self._placed:
           pruned[dup] += 1
           examples.setdefault(dup, cand.label())

@@ -368,6 +368,37 @@ def test_orders_over_hosts_share_one_compile():
   assert ('fsdp',) in dcn(shared[outer_fsdp.mesh]) and ('data',) not in dcn(shared[outer_fsdp.mesh])
 
 
+def test_a_plan_over_hosts_is_scored_and_written_as_train_py_lays_it_out(monkeypatch):
+  """data=3 x fsdp=2 over 2 hosts of 3 devices, in either order, is one layout as written (fsdp across the
+  hosts, data within them: split_over_hosts): scored once, with fsdp's collectives across hosts and data's
+  within. Its batch rule lists fsdp first, so each host reads one block of rows (what train.py's loader needs);
+  written in the candidate's order, ('data', 'fsdp'), host 0 would hold rows 0, 2 and 4, which prunes a plan."""
+  config = _tiny_llama()
+  config.batch_size = 6
+  rules = tuple(llama.RULES['fsdp'])
+  data_first = candidates.Candidate((('data', 3), ('fsdp', 2), ('tensor', 1)), 'fsdp', rules, 'none')
+  fsdp_first = candidates.Candidate((('fsdp', 2), ('data', 3), ('tensor', 1)), 'fsdp', rules, 'none')
+  s = search_lib.Search(config, models.create, flops.chip('cpu'), 6, hosts=2)
+  result = s.run([data_first, fsdp_first])
+  assert len(result.ranked) == 1 and result.pruned == {'same shardings as an earlier plan (compiled once)': 1}
+  across = {k.axes for k in result.ranked[0].profile.collectives if k.hosts > 1}
+  assert ('fsdp',) in across and ('data',) not in across
+  plan = search_lib.apply(config, data_first, hosts=2)
+  assert dict(plan.dcn_mesh) == {'data': 1, 'fsdp': 2, 'tensor': 1}
+  assert ('batch', ('fsdp', 'data')) in plan.logical_axis_rules and s._scattered_rows(data_first) is None
+  written = search_lib.apply
+  monkeypatch.setattr(search_lib, 'apply', lambda c, cand, hosts=1: _with_rules(written(c, cand, hosts), cand.rules))
+  assert s._scattered_rows(data_first) == 'host 0 would hold rows [(0, 1), (2, 3), (4, 5)] of 6'
+  result = search_lib.Search(config, models.create, flops.chip('cpu'), 6, hosts=2).run([data_first])
+  assert not result.ranked and list(result.pruned) == [search_lib.SCATTERED_ROWS]
+
+
+def _with_rules(config, rules):
+  with config.unlocked():
+    config.logical_axis_rules = [tuple(r) for r in rules]
+  return config
+
+
 def test_gpu_target_compiled_on_cpu_traces_attention_as_on_the_gpu(monkeypatch):
   """For a GPU target the search traces the step under attention.gpu_stand_in: 'blockwise' runs (per shard)
   where the GPU would run cuDNN, without XLA's L x L scores: fewer temporaries, the same FLOPs. They stay an
