@@ -85,12 +85,18 @@ def num_params(cfg: Any) -> int:
 
 
 def _hf_config(c: dict) -> dict:
+  """config.json -> config.model; settings the zoo's GPT-2 does not implement are an HFImportError naming them."""
   if c.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
-    raise ConfigError(f"config.json activation_function={c['activation_function']!r}: the zoo's GPT-2 uses the "
-                      "tanh-approximated GELU (gelu_new)")
-  if not c.get('tie_word_embeddings', True):
-    raise ConfigError("config.json tie_word_embeddings=False: the zoo's GPT-2 ties its head to the token embedding "
-                      '(wte); an untied lm_head cannot be imported')
+    raise hf.HFImportError(f"config.json activation_function={c['activation_function']!r}: the zoo's GPT-2 uses the "
+                           'tanh-approximated GELU (gelu_new)')
+  for field, want, why in (
+      ('scale_attn_weights', True, "the zoo's GPT-2 scales attention scores by 1 / sqrt(head_dim) only"),
+      ('scale_attn_by_inverse_layer_idx', False, "the zoo's GPT-2 scales attention scores by 1 / sqrt(head_dim) only"),
+      ('add_cross_attention', False, "the zoo's GPT-2 is a decoder without cross-attention"),
+      ('tie_word_embeddings', True, "the zoo's GPT-2 ties its head to the token embedding (wte); an untied lm_head "
+                                    'cannot be imported')):
+    if c.get(field, want) != want:
+      raise hf.HFImportError(f'config.json {field}={c[field]!r}: {why}')
   return dict(vocab_size=c['vocab_size'], max_len=c['n_positions'], num_layers=c['n_layer'],
               num_heads=c['n_head'], embed_dim=c['n_embd'], mlp_dim=c.get('n_inner') or 4 * c['n_embd'],
               norm_eps=c['layer_norm_epsilon'])

@@ -223,12 +223,17 @@ def write(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int,
 def config_json(family: hf.Family, model_cfg: Any, dtype: Any, base: Mapping[str, Any] | None = None) -> dict:
   """config.json: `family.to_config(config.model)` (the architecture the zoo trained), over `base` (the
   config.json the run started from, when it did: its token ids, labels and other non-architecture fields
-  stay), with the weights' dtype."""
+  stay, and so do `family.base_keeps`), with the weights' dtype. Labels named for another number of classes
+  than the model's (a classifier fine-tuned to a new task) are dropped: transformers names them LABEL_i."""
   if family.to_config is None:
     raise HFExportError(f'the {family.model_types[0]} family has no config.json writer (Family.to_config)')
   ours = family.to_config(model_cfg)
   out = dict(base or {})
-  out.update({k: v for k, v in ours.items() if v is not None or k not in out})
+  out.update({k: v for k, v in ours.items() if (v is not None or k not in out)
+              and not (k in family.base_keeps and k in out)})
+  if 'num_labels' in ours and len(out.get('id2label') or ()) not in (0, out['num_labels']):
+    out.pop('id2label')
+    out.pop('label2id', None)
   out['dtype'] = np.dtype(dtype).name
   out.pop('torch_dtype', None)
   return out

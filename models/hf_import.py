@@ -257,6 +257,10 @@ class Family:
   # accepted only when it equals the embedding (a tied checkpoint's copy); else it is an HFImportError (an
   # untied head, which the model would drop).
   tied: tuple[tuple[str, str], ...] = ()
+  # Export only: config.json keys whose value in the config.json a run started from stays in the exported one,
+  # where config.model may narrow them without changing the model (Llama's max_position_embeddings: a shorter
+  # max_len trains on the same rotary positions, and the export can still take the checkpoint's length).
+  base_keeps: tuple[str, ...] = ()
 
 
 # --- Reading a directory ----------------------------------------------------------------------
@@ -428,7 +432,7 @@ def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, sha
         if tuple(got) != expect:
           raise HFImportError(f'{hf.path}: {key} {hf.shape(key)} gives shape {tuple(got)} for zoo parameter '
                               f'{zoo!r}, which expects {expect}; does config.json match the model config?')
-        if np.issubdtype(leaf.dtype, np.floating) and hf.dtype(key) not in FLOAT_TAGS:
+        if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating) and hf.dtype(key) not in FLOAT_TAGS:  # bf16 too
           raise HFImportError(f'{hf.path}: {key} holds {hf.dtype(key)} values, but zoo parameter {zoo!r} is '
                               f'{np.dtype(leaf.dtype).name}: weights must be floating point ({", ".join(FLOAT_TAGS)})')
       used.update(keys.values())

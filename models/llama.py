@@ -208,6 +208,6 @@ def _fits_positions(ours: int, theirs: int) -> str | None:
 
 
 HF = hf.Family(model_types=('llama',), config=_hf_config, params=hf_params(), prefixes=('model.', ''),
-               keep={'max_len': _fits_positions},
+               keep={'max_len': _fits_positions}, base_keeps=('max_position_embeddings',),
                ignore=(r'rotary_emb\.inv_freq$',), tied=(('lm_head.weight', 'embed_tokens.weight'),),
                to_config=to_hf_config, unprefixed=(r'^lm_head\.',))

@@ -325,6 +325,12 @@ def test_bad_hugging_face_directories_are_one_line_each(gpt2_dir, tmp_path):
       pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
       pretrained.init_state(build_trainer(cfg), models.HF_FAMILIES)
     assert '\n' not in str(e.value) and __import__('re').search(message, str(e.value)), (name, str(e.value))
+  cfg = gpt2_config.get_config('fsdp,tiny')  # and with bfloat16 parameters, which numpy does not call floating
+  cfg.init_from, cfg.model.param_dtype = str(tmp_path / 'wrong_dtype'), 'bfloat16'
+  with pytest.raises(errors.ConfigError, match="ln_f.weight holds I32 values, but zoo parameter 'ln_f/scale' is "
+                                               'bfloat16: weights must be floating point'):
+    pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+    pretrained.init_state(build_trainer(cfg), models.HF_FAMILIES)
 
 
 # --- Data ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from configs import llama as llama_config  # noqa: E402
 from configs import moe as moe_config  # noqa: E402
 from configs import resnet as resnet_config  # noqa: E402
 from configs import vit as vit_config  # noqa: E402
-from models import hf_import, layers  # noqa: E402
+from models import hf_export, hf_import, layers  # noqa: E402
 from tests.conftest import assert_hf_round_trip, build_trainer, load_exported, train_steps  # noqa: E402
 from training import pretrained, tasks  # noqa: E402
 
@@ -136,6 +136,8 @@ def test_llama_logits_match_transformers_and_export_back(llama_case, tmp_path):
   trained = train_steps(trainer, state)
   exported = load_exported(trainer, trained, tmp_path / 'trained', transformers.AutoModelForCausalLM, **shard)
   assert err(trained, exported, 'trained -> HF') < PARITY_ATOL
+  # trained on 64 positions, it still takes the checkpoint's 128 (rotary: no table)
+  assert exported.config.max_position_embeddings == hf_model.config.max_position_embeddings == 128
 
 
 def test_llama_keeps_a_compatible_max_len_and_refuses_a_longer_one(llama_case):
@@ -266,6 +268,13 @@ def test_vit_new_head_for_other_classes(vit_dir):
     features = hf_model.vit(pixel_values=torch.tensor(x.transpose(0, 3, 1, 2))).last_hidden_state[:, 0].numpy()
   err = float(np.abs(forward(trainer, state, x) - (features @ kernel + bias)).max())
   assert err < PARITY_ATOL, err
+  # Exported, the old task's 5 label names are dropped (transformers names the 3 classes LABEL_i); the rest of
+  # the source's config.json stays.
+  base = hf_config_json(path)
+  assert len(base['id2label']) == 5
+  written = hf_export.config_json(models.HF_FAMILIES['vit'], cfg.model, np.float32, base)
+  assert written['num_labels'] == 3 and 'id2label' not in written and 'label2id' not in written
+  assert transformers.ViTConfig(**written).id2label == {0: 'LABEL_0', 1: 'LABEL_1', 2: 'LABEL_2'}
 
 
 # --- ResNet ------------------------------------------------------------------------------------------
@@ -430,6 +439,8 @@ def test_unsupported_settings_name_the_field(vit_dir, tmp_path):
       tmp_path / 'llama')[0])
   resnet = transformers.ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512], layer_type='basic').to_dict()
   mixtral = transformers.MixtralConfig().to_dict()
+  gpt2 = transformers.GPT2Config().to_dict()
+  assert models.HF_FAMILIES['gpt2'].config(gpt2)['num_layers'] == 12
   assert models.HF_FAMILIES['resnet'].config(resnet)['stage_sizes'] == (3, 4, 6, 3)  # the defaults are supported
   assert models.HF_FAMILIES['moe'].config(mixtral)['num_experts'] == 8
   cases = [
@@ -450,6 +461,10 @@ def test_unsupported_settings_name_the_field(vit_dir, tmp_path):
       ('moe', dict(mixtral, router_jitter_noise=0.1), r'config.json router_jitter_noise=0.1'),
       ('moe', dict(mixtral, sliding_window=4096), r'config.json sliding_window=4096'),
       ('moe', dict(mixtral, hidden_act='gelu'), r"config.json hidden_act='gelu'"),
+      ('gpt2', dict(gpt2, scale_attn_by_inverse_layer_idx=True),
+       r'config.json scale_attn_by_inverse_layer_idx=True: .* 1 / sqrt\(head_dim\) only'),
+      ('gpt2', dict(gpt2, scale_attn_weights=False), r'config.json scale_attn_weights=False'),
+      ('gpt2', dict(gpt2, add_cross_attention=True), r'config.json add_cross_attention=True'),
   ]
   for family, c, message in cases:
     with pytest.raises(hf_import.HFImportError, match=message):
