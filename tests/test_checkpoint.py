@@ -31,8 +31,15 @@ class _Iter:
     pass
 
 
+def _halve_the_largest_data_file(d):
+  # the metadata readable, some arrays not: orbax wraps TensorStore's OUT_OF_RANGE in a bare Exception
+  f = max(d.rglob('d/*'), key=lambda f: f.stat().st_size)
+  f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+
+
 CORRUPTIONS = [('metadata', lambda d: (d / '_METADATA').write_text('{not json')),  # of a step's 'state'
-               ('data', lambda d: [f.write_bytes(f.read_bytes()[:20]) for f in d.rglob('d/*')])]
+               ('data', lambda d: [f.write_bytes(f.read_bytes()[:20]) for f in d.rglob('d/*')]),
+               ('some array data', _halve_the_largest_data_file)]
 
 
 @pytest.fixture(scope='module')
@@ -116,6 +123,28 @@ def test_missing_and_corrupt_checkpoints_are_clear_errors(saved, tmp_path):
     with checkpoint.Checkpointer(str(broken), every_steps=1, keep=2) as ckpt, pytest.raises(
         checkpoint.CheckpointError, match=r'checkpoint .*/2 (is missing or corrupt|could not be restored)'):
       ckpt.restore(trainer, _Iter())
+
+
+
+def test_unreadable_array_data_is_a_one_line_checkpoint_error_when_loading_weights(saved, monkeypatch):
+  """load_params (config.init_from): orbax's bare Exception around TensorStore's read error (whose message is
+  the whole TensorStore spec) is a CheckpointError with the read error's first line; other errors pass through."""
+  directory, _ = saved
+  trainer = build_trainer(tiny_config('fsdp_tp'))
+
+  def unreadable(*args, **kwargs):
+    try:
+      raise ValueError('OUT_OF_RANGE: Error reading "params.embed" in OCDBT database\n[source locations=...]')
+    except ValueError as e:
+      raise Exception("Encountered error while reading array index: ... TensorStore({'base': ...})") from e
+  monkeypatch.setattr(checkpoint.ocp.PyTreeCheckpointHandler, 'restore', unreadable)
+  with pytest.raises(checkpoint.CheckpointError, match=r'^checkpoint .*/2 could not be restored: OUT_OF_RANGE: '
+                                                       r'Error reading "params.embed" in OCDBT database$'):
+    checkpoint.load_params(directory, trainer)
+  monkeypatch.setattr(checkpoint.ocp.PyTreeCheckpointHandler, 'restore',
+                      lambda *a, **k: (_ for _ in ()).throw(KeyError('a bug, not damage')))
+  with pytest.raises(KeyError, match='a bug, not damage'):
+    checkpoint.load_params(directory, trainer)
 
 
 def test_damaged_latest_checkpoint_falls_back_and_is_kept(saved, tmp_path):
@@ -288,7 +317,8 @@ def test_only_tensorstore_completions_into_a_closed_loop_are_dropped():
     loop.call_soon_threadsafe(ran.append, 4)
 
 
-def test_falling_back_from_damaged_data_prints_the_warning_and_no_abandoned_reads(saved, tmp_path):
+@pytest.mark.parametrize('corrupt', [1, 2], ids=['every data file truncated', 'one array file halved'])
+def test_falling_back_from_damaged_data_prints_the_warning_and_no_abandoned_reads(saved, tmp_path, corrupt):
   """Orbax reads a checkpoint's arrays concurrently and, at the first that fails, closes its event loop with the
   rest in flight: in a fresh process (as train.py resumes) each of those printed a traceback, 'Event loop is
   closed' or asyncio's 'Task/Future exception was never retrieved', after the warning that names the damage;
@@ -298,7 +328,7 @@ def test_falling_back_from_damaged_data_prints_the_warning_and_no_abandoned_read
   d = tmp_path / 'run'
   shutil.copytree(directory, d)
   shutil.copytree(d / '2', d / '4')
-  CORRUPTIONS[1][1](d / '4' / 'state')  # truncated array data
+  CORRUPTIONS[corrupt][1](d / '4' / 'state')
   r = subprocess.run([sys.executable, '-c', _FALL_BACK, str(d)], cwd=ROOT, env=subprocess_env(), capture_output=True,
                      text=True, timeout=120)
   assert r.returncode == 0 and r.stdout == '2 1\n', r.stdout + r.stderr[-3000:]

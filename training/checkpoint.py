@@ -58,8 +58,9 @@ class _AbandonedReads(logging.Filter):
   """Orbax reads a checkpoint's arrays as concurrent TensorStore futures on an event loop of its own, and at the
   first that fails (a damaged checkpoint) raises and closes that loop with the rest still in flight. Each of
   those then fails to call back into the closed loop (RuntimeError 'Event loop is closed', through
-  sys.unraisablehook, or printed bare when it lands while the interpreter exits) or is logged by asyncio once
-  collected ('Task/Future exception was never retrieved'): hundreds of tracebacks after the one error or
+  sys.unraisablehook, or printed bare when it lands while the interpreter exits), fails itself when collected
+  unfinished (its own read error, through sys.unraisablehook) or is logged by asyncio once collected
+  ('Task/Future exception was never retrieved'): hundreds of tracebacks after the one error or
   warning that already names the damaged checkpoint (measured: 326 for the default model's resume). A
   TensorStore completion into a closed loop is dropped instead of raising (`install`: its result could never be
   delivered), and once a checkpoint is found damaged (`met`) what still reaches the hooks from those reads is
@@ -97,13 +98,17 @@ class _AbandonedReads(logging.Filter):
 
   def _unraisable(self, unraisable) -> None:
     e = unraisable.exc_value
-    if not (isinstance(e, RuntimeError) and str(e) == 'Event loop is closed'):
+    if not (isinstance(e, RuntimeError) and str(e) == 'Event loop is closed' or self._about_damaged(e)):
       self._previous_hook(unraisable)
+
+  def _about_damaged(self, e: BaseException | None) -> bool:
+    """An abandoned read's own failure (a coroutine collected unfinished), about a checkpoint found damaged."""
+    return e is not None and any(d in f'{e} {e.__cause__}' for d in self.damaged)
 
   def filter(self, record: logging.LogRecord) -> bool:  # asyncio's logger
     e = record.exc_info[1] if record.exc_info else None
     abandoned = ('Task exception was never retrieved', 'Future exception was never retrieved')
-    return not (str(record.msg).startswith(abandoned) and e is not None and any(d in str(e) for d in self.damaged))
+    return not (str(record.msg).startswith(abandoned) and self._about_damaged(e))
 
 
 _abandoned_reads = _AbandonedReads()
@@ -295,12 +300,14 @@ class Checkpointer:
       raise DamagedCheckpointError(f'{source} is missing or corrupt: {e}') from e
     except CheckpointError as e:  # a data position this run cannot take (another batch size): not damage
       raise CheckpointError(f'{source}: {e}') from e
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except Exception as e:  # pylint: disable=broad-except
+      if (cause := _read_failure(e)) is None:
+        raise
       if 'tree structures do not match' in str(e):  # readable, but (empty) optimizer states differ: not damage
         raise CheckpointError(f"{source}: the train state's structure differs from this run's "
                               f"({' '.join(str(e).split('If this mismatch')[0].split())}). {ANOTHER_OPTIMIZER}") from e
       _abandoned_reads.met(self.directory)
-      raise DamagedCheckpointError(f'{source} could not be restored: {e}') from e
+      raise DamagedCheckpointError(f'{source} could not be restored: {cause}') from e
     s = restored['state']
     return TrainState(s['step'], s['params'], s['opt_state'], s['model_state'])
 
@@ -452,6 +459,18 @@ def check_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, 
   return step_dir, abstract
 
 
+def _read_failure(e: BaseException) -> str | None:
+  """What failed to read, where `e` (or what it wraps) is a ValueError or OSError: orbax wraps TensorStore's
+  errors over array data that cannot be read (a truncated chunk file: OUT_OF_RANGE) in a bare Exception whose
+  message is the whole TensorStore spec. The message's first line, without that spec; None for anything else."""
+  while e is not None and not isinstance(e, (ValueError, OSError)):
+    e = e.__cause__
+  if e is None:
+    return None
+  lines = str(e).strip().splitlines() or [type(e).__name__]
+  return lines[0] if len(lines[0]) <= 600 else lines[0][:600] + ' ...'
+
+
 def load_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, model_state: bool = False,
                  ) -> tuple[dict[str, Any], str]:
   """({'params': ..., ['model_state': ...]}, the step directory read) from a checkpoint of this project,
@@ -465,7 +484,9 @@ def load_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, m
   try:
     out = handler.restore(item, args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args,
                                                             partial_restore=True))
-  except (ValueError, FileNotFoundError, OSError) as e:
+  except Exception as e:  # pylint: disable=broad-except
+    if (cause := _read_failure(e)) is None:
+      raise
     _abandoned_reads.met(step_dir)
-    raise CheckpointError(f'{source} could not be restored: {e}') from e
+    raise CheckpointError(f'{source} could not be restored: {cause}') from e
   return {'params': {}, 'model_state': {}, **out} if model_state else {'params': {}, **out}, step_dir
