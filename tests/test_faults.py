@@ -58,6 +58,11 @@ def test_a_nan_batch_changes_nothing_and_names_the_first_bad_parameter():
   grads = jax.grad(loss)(jax.tree.map(jnp.asarray, good.params))
   bad = [partitioning.path_str(p) for p, g in jax.tree_util.tree_leaves_with_path(grads) if not np.isfinite(g).all()]
   assert bad and trainer.trained_paths()[int(metrics[training.FIRST_NONFINITE])] == bad[0]
+  # The schedule runs on applied updates: the skipped step and the next good one both take the rate of update 1.
+  skipped_lr = float(metrics['lr'])
+  batch['image'][3, 5, 5, 0] = 0.0
+  state, metrics = step(state, partitioning.shard(batch, trainer.batch_shardings))
+  assert skipped_lr == float(metrics['lr']) == float(trainer.schedule(1)) != float(trainer.schedule(2))
   # The check reads no gradient again: finiteness comes from the norm's sums of squares (one flag per leaf).
   text = training.trace(trainer, training.jit_train_step(trainer)).lower().as_text()
   checked = re.findall(r'stablehlo.is_finite %\S+ : \(tensor<([^>]*)>', text)

@@ -46,6 +46,15 @@ def example_paths(paths: list[str], n: int = 4) -> str:
 OPTIMIZERS = ('adamw', 'sgd')
 
 
+def schedule_step(opt_state: Any, default: Any) -> Any:
+  """The step the optimizer's learning-rate schedule is at: its own count of applied updates, which a skipped
+  non-finite step does not advance (the train step keeps the old optimizer state); `default` where the
+  optimizer keeps no count."""
+  counts = [v for path, v in optax.tree_utils.tree_get_all_with_path(opt_state, 'count')
+            if getattr(path[-1], 'tuple_name', None) == 'ScaleByScheduleState']
+  return counts[0] if counts else default
+
+
 def make_optimizer(cfg: ml_collections.ConfigDict, total_steps: int, labels: Any = None,
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Gradient clipping, then the optimizer. Weight decay skips vectors (norms, biases). A non-finite step is

@@ -205,7 +205,10 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
     params, opt_state, model_state = keep_if_bad((params, opt_state, model_state),
                                                  (state.params, state.opt_state, state.model_state))
     first_bad = jnp.where(jnp.all(leaf_finite), -1, jnp.argmin(leaf_finite))
-    metrics = {**metrics, 'grad_norm': jnp.sqrt(sum(squares)), 'lr': schedule(state.step),
+    # The rate this step applies (or would have): the schedule runs on the optimizer's count of applied updates,
+    # which skipped steps do not advance, not on state.step.
+    lr = schedule(optim.schedule_step(state.opt_state, state.step))
+    metrics = {**metrics, 'grad_norm': jnp.sqrt(sum(squares)), 'lr': lr,
                'nonfinite': 1.0 - finite.astype(jnp.float32), FIRST_NONFINITE: first_bad}
     return TrainState(state.step + 1, params, opt_state, model_state), metrics
   return step
