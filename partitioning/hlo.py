@@ -42,12 +42,36 @@ _CALLS = re.compile(r'\b(?P<kind>body|condition|calls|to_apply|true_computation|
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
+def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  return [(dt, tuple(int(d) for d in dims.split(',') if d)) for dt, dims in ARRAY.findall(shape) if dt in ITEMSIZE]
+
+
+def _tuple_elements(shape: str) -> list[str]:
+  """'(a, (b, c), d)' -> ['a', '(b, c)', 'd']: a tuple shape's top-level elements ([shape] if not a tuple)."""
+  shape = shape.strip()
+  if not shape.startswith('('):
+    return [shape]
+  out, depth, start = [], 0, 1
+  for i, ch in enumerate(shape):
+    if ch in '([{':
+      depth += 1
+    elif ch in ')]}':
+      depth -= 1
+    elif ch == ',' and depth == 1:
+      out.append(shape[start:i])
+      start = i + 1
+  out.append(shape[start:shape.rindex(')')])
+  return [e for e in out if e.strip()]
+
+
 def result_arrays(m: re.Match) -> list[tuple[str, tuple[int, ...]]]:
   """(dtype, dims) of each array a collective instruction (an INSTR match) returns, per device. An async
-  start's shape is (operand, result[, ...]): its result is taken."""
-  arrays = [(dt, tuple(int(d) for d in dims.split(',') if d)) for dt, dims in ARRAY.findall(m['shape'])
-            if dt in ITEMSIZE]
-  return arrays[1:2] if m['start'] and len(arrays) > 1 else arrays
+  all-reduce-start's shape is its results; the other starts' is (operands, results[, contexts]), one array or
+  a tuple of them each (XLA's GPU combiners make one start of several collectives): the results are taken."""
+  if not m['start'] or m['op'] == 'all-reduce':
+    return _arrays(m['shape'])
+  parts = _tuple_elements(m['shape'])
+  return _arrays(parts[1] if len(parts) > 1 else parts[0])
 
 
 def _iota(dims: Sequence[int], perm: Sequence[int] | None) -> np.ndarray:

@@ -11,15 +11,21 @@ ENTRY %main {
   %ags = (f32[8,16]{1,0}, f32[32,16]{1,0}) all-gather-start(%p), channel_id=3, dimensions={0}
   %agd = f32[32,16]{1,0} all-gather-done(%ags)
   ROOT %rs = f32[2]{0} reduce-scatter(%x), channel_id=4, dimensions={0}
+  %rss = ((f32[256,256]{1,0}, bf16[64]{0}), (f32[32,256]{1,0}, bf16[8]{0})) reduce-scatter-start(%g, %h), channel_id=5, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+  %ars = (f32[1000]{0}, f32[3]{0}) all-reduce-start(%a, %b), channel_id=6, replica_groups=[1,8]<=[8], to_apply=%add
+  %cps = (f32[4]{0}, f32[4]{0}, u32[], u32[]) collective-permute-start(%c), channel_id=7, source_target_pairs={{0,1},{1,0}}
 }
 """
 
 
 def test_collective_stats_parses_counts_and_bytes():
+  """Async starts count their results once: a combined start (several collectives in one, as XLA's GPU
+  combiners make them: reduce-scatter-start's shape is (operands, results)) counts every result."""
   assert partitioning.collective_stats(HLO) == {
-      'all-gather': (2, 16 * 16 * 4 + 32 * 16 * 4),  # an async start counts its result once
-      'all-reduce': (1, 4 * 4 + 2 * 2 * 2),
-      'reduce-scatter': (1, 2 * 4),
+      'all-gather': (2, 16 * 16 * 4 + 32 * 16 * 4),
+      'all-reduce': (2, 4 * 4 + 2 * 2 * 2 + 1003 * 4),
+      'reduce-scatter': (2, 2 * 4 + 32 * 256 * 4 + 8 * 2),
+      'collective-permute': (1, 4 * 4),
   }
 
 
