@@ -518,20 +518,31 @@ class RMSNorm(nnx.RMSNorm):
 CUDNN_ATTENTION_FORWARD = 'dot_product_attention_fwd_wrapper'
 
 
+# Weight matmuls with a batch dimension, which `dots_with_no_batch_dims_saveable` passes over (it must: XLA
+# attention's scores are batched matmuls too), named where they are made so 'dots' keeps them: the mixture of
+# experts' tokens dispatched to the experts (after the all-to-all), its expert gate and up projections, and the
+# experts' outputs back in their groups (after the all-to-all back). Kept, the backward reruns neither the
+# expert matmuls nor the all-to-alls.
+MOE_DISPATCHED, MOE_GATE, MOE_UP, MOE_RETURNED = 'moe_dispatched', 'moe_gate', 'moe_up', 'moe_returned'
+_KEPT_BY_DOTS = frozenset((MOE_DISPATCHED, MOE_GATE, MOE_UP, MOE_RETURNED, attention.SPLASH_FORWARD,
+                           *attention.BLOCKWISE_FORWARD))
+
+
 def _dots_and_fused_attention(prim: Any, *args: Any, **params: Any) -> bool:
-  """Keep weight matmuls' outputs and the fused attention kernel's (output + softmax statistics, ~1/30 of
-  what a layer keeps): its backward then reads them instead of rerunning the forward kernel."""
+  """Keep weight matmuls' outputs (convolutions' too, and the batched ones named in _KEPT_BY_DOTS) and the
+  fused attention kernel's (output + softmax statistics, ~1/30 of what a layer keeps): its backward then reads
+  them instead of rerunning the forward kernel. Splash's and the 'blockwise' stand-in's are kept by name."""
   return (prim.name == CUDNN_ATTENTION_FORWARD
-          or (prim.name == 'name' and params.get('name') in attention.BLOCKWISE_FORWARD)  # its stand-in's
-          or (prim.name == 'name' and params.get('name') == attention.SPLASH_FORWARD)  # the TPU kernel's
+          or prim.name == 'conv_general_dilated'
+          or (prim.name == 'name' and params.get('name') in _KEPT_BY_DOTS)
           or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params))
 
 
 REMAT_POLICIES = {
     'none': None,  # keep every activation for the backward pass (fastest, most memory)
     'full': jax.checkpoint_policies.nothing_saveable,  # keep only each block's input; recompute the block
-    # keep the outputs of weight matmuls (q/k/v/out projections, MLP layers) and of fused attention (cuDNN's
-    # forward kernel, splash's and 'blockwise' attention's output and log-sum-exp); recompute
+    # keep the outputs of weight matmuls (q/k/v/out projections, MLP layers, experts, convolutions) and of fused
+    # attention (cuDNN's forward kernel, splash's and 'blockwise' attention's output and log-sum-exp); recompute
     # norms, activations and XLA's attention core (whose L x L scores are too large to keep):
     'dots': _dots_and_fused_attention,
     # keep attention's q, k, v and output (models/attention.py names them); recompute the MLPs:

@@ -33,13 +33,14 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from errors import ConfigError
 from models import hf_import as hf
 from models import llama
 from models.layers import (
-    NORMAL_002, Dense, Embed, RMSNorm, Stack, axes, dtypes, mask_padded_vocab, logits_dtype, loss_chunks,
-    padded_vocab, stack_options)
+    MOE_DISPATCHED, MOE_GATE, MOE_RETURNED, MOE_UP, NORMAL_002, Dense, Embed, RMSNorm, Stack, axes, dtypes,
+    mask_padded_vocab, logits_dtype, loss_chunks, padded_vocab, stack_options)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -127,13 +128,13 @@ class MoEMLP(nnx.Module):
     # Each einsum runs where its tokens are (G sharded); the constraint from GROUP_ACT to EXPERT_ACT
     # (and back) is the all-to-all, in the forward and (as its transpose) in the backward pass.
     x_EGCD = shard_logical(jnp.einsum('gsec,gsd->egcd', dispatch_GSEC.astype(dt), x_GSD), GROUP_ACT)
-    x_EGCD = shard_logical(x_EGCD, EXPERT_ACT)
+    x_EGCD = checkpoint_name(shard_logical(x_EGCD, EXPERT_ACT), MOE_DISPATCHED)  # remat 'dots' keeps the names
     gate_EDF, up_EDF, down_EFD = (w[...].astype(dt) for w in (self.gate, self.up, self.down))
-    h_EGCF = (jax.nn.silu(jnp.einsum('egcd,edf->egcf', x_EGCD, gate_EDF)) *
-              jnp.einsum('egcd,edf->egcf', x_EGCD, up_EDF))
+    h_EGCF = (jax.nn.silu(checkpoint_name(jnp.einsum('egcd,edf->egcf', x_EGCD, gate_EDF), MOE_GATE)) *
+              checkpoint_name(jnp.einsum('egcd,edf->egcf', x_EGCD, up_EDF), MOE_UP))
     h_EGCF = shard_logical(h_EGCF, ('expert', 'batch', None, 'mlp'))
     y_EGCD = shard_logical(jnp.einsum('egcf,efd->egcd', h_EGCF, down_EFD), EXPERT_ACT)
-    y_EGCD = shard_logical(y_EGCD, GROUP_ACT)
+    y_EGCD = checkpoint_name(shard_logical(y_EGCD, GROUP_ACT), MOE_RETURNED)
     y_GSD = shard_logical(jnp.einsum('gsec,egcd->gsd', combine_GSEC.astype(dt), y_EGCD), ACT)
     aux_loss = (self.cfg.aux_loss_weight * stats['load_balance_loss'] +
                 self.cfg.get('router_z_loss_weight', 0.0) * stats['router_z_loss'])

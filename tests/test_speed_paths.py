@@ -284,6 +284,34 @@ def test_remat_policies_change_memory_not_results():
   assert layers.remat_policy(True) == 'full' and layers.remat_policy(False) == 'none'
 
 
+def test_dots_policy_keeps_expert_matmuls_and_convolutions():
+  """'dots' keeps weight matmuls that have a batch dimension (a mixture of experts' expert einsums, kept by
+  name, with the tokens around their all-to-alls) and convolutions: the gradient of an MoE layer runs no expert
+  matmul more than without remat, nor a ResNet block a convolution more; 'full' reruns them."""
+  from configs import moe as moe_config  # pylint: disable=g-import-not-at-top
+  from models import moe  # pylint: disable=g-import-not-at-top
+
+  def count(fn, args, is_counted):
+    out = {}
+    for policy in ('none', 'dots', 'full'):
+      f = fn if policy == 'none' else jax.checkpoint(fn, policy=layers.REMAT_POLICIES[policy])
+      jaxpr = jax.make_jaxpr(jax.grad(f))(*args)
+      out[policy] = sum(map(is_counted, all_eqns(jaxpr.jaxpr)))
+    return out
+  cfg = moe_config.get_config('fsdp_ep,tiny').model
+  graphdef, params = nnx.split(moe.MoEMLP(cfg, rngs=nnx.Rngs(0)))
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, cfg.embed_dim)), jnp.float32)
+  weights = {(cfg.num_experts, cfg.embed_dim, cfg.mlp_dim), (cfg.num_experts, cfg.mlp_dim, cfg.embed_dim)}
+  experts = count(lambda p, x: nnx.merge(graphdef, p)(x)[0].sum(), (params, x),
+                  lambda e: e.primitive.name == 'dot_general' and any(v.aval.shape in weights for v in e.invars))
+  assert experts['dots'] == experts['none'] < experts['full'], experts
+  block = resnet.Block(resnet_config.get_config('dp,tiny').model, 16, 16, 1, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(block)
+  convs = count(lambda s, x: nnx.merge(graphdef, s)(x).sum(), (state, jnp.ones((2, 8, 8, 16)) * jnp.arange(16.)),
+                lambda e: e.primitive.name == 'conv_general_dilated')
+  assert convs['dots'] == convs['none'] < convs['full'], convs
+
+
 def test_dots_policy_keeps_fused_attention_instead_of_rerunning_it(monkeypatch):
   """Traced only (CPU has no cuDNN; its version check is patched): under remat='dots' the gradient of a
   block with cuDNN attention runs the forward kernel once, and twice under 'full'. Fails if JAX renames the
