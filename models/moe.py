@@ -229,8 +229,8 @@ def num_active_params(cfg: Any) -> int:
 # replaced, like every architecture field, and logged with them. The price: each expert runs over all S
 # slots of a group (E / top_k times the FLOPs of the experts a token uses; Mixtral-8x7B: 4x), as the
 # zoo's dispatch has no dropless kernel. group_size has no counterpart either and is kept (any value is
-# dropless here). Training settings are not read: router_aux_loss_coef (the zoo's aux_loss_weight),
-# output_router_logits, dropout.
+# dropless here). Training settings are not read: router_aux_loss_coef (the zoo's aux_loss_weight x num_layers /
+# top_k, see to_hf_config), output_router_logits, dropout.
 
 def _hf_config(c: dict) -> dict:
   """config.json (model_type 'mixtral') -> config.model's architecture fields (the inverse of to_hf_config)."""
@@ -252,7 +252,10 @@ def _hf_config(c: dict) -> dict:
 def to_hf_config(cfg: Any) -> dict:
   """config.model -> config.json of the same MixtralForCausalLM: the real vocabulary (not the padded rows),
   no dropout or router jitter, and the loss weights as router_aux_loss_coef (Mixtral's) and
-  router_z_loss_coef (not a Mixtral field: transformers keeps it as an attribute; the torch peer reads it)."""
+  router_z_loss_coef (not a Mixtral field: transformers keeps it as an attribute; the torch peer reads it).
+  Mixtral's load-balancing loss is over the tokens of every layer at once and counts each of a token's top_k
+  assignments, where the zoo's sums the layers' losses of assignment shares: the same penalty is
+  router_aux_loss_coef = aux_loss_weight x num_layers / top_k (exactly so where the layers route alike)."""
   H = cfg.num_heads
   out = dict(model_type='mixtral', architectures=['MixtralForCausalLM'], vocab_size=cfg.vocab_size,
              hidden_size=cfg.embed_dim, intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.num_layers,
@@ -261,7 +264,7 @@ def to_hf_config(cfg: Any) -> dict:
              num_experts_per_tok=cfg.top_k, hidden_act='silu', rms_norm_eps=cfg.norm_eps,
              rope_parameters=llama.hf_rope_parameters(cfg), tie_word_embeddings=bool(cfg.get('tie_embeddings', False)),
              sliding_window=None, attention_dropout=0.0, router_jitter_noise=0.0,
-             router_aux_loss_coef=cfg.get('aux_loss_weight', 0.0),
+             router_aux_loss_coef=cfg.get('aux_loss_weight', 0.0) * cfg.num_layers / cfg.top_k,
              router_z_loss_coef=cfg.get('router_z_loss_weight', 0.0))
   return dict(out, max_position_embeddings=cfg.max_len) if cfg.get('max_len') else out
 

@@ -72,7 +72,26 @@ def test_import_mapping_reads_the_same_architecture_back(name):
   if 'num_classes' in cfg:  # not an architecture field on import (the dataset decides), but exported
     assert hf_cfg.num_labels == cfg.num_classes
   if family is moe:
-    assert (hf_cfg.router_aux_loss_coef, hf_cfg.router_z_loss_coef) == (cfg.aux_loss_weight, cfg.router_z_loss_weight)
+    assert hf_cfg.router_z_loss_coef == cfg.router_z_loss_weight
+    assert hf_cfg.router_aux_loss_coef == pytest.approx(cfg.aux_loss_weight * cfg.num_layers / cfg.top_k)
+
+
+def test_moe_exported_aux_loss_coefficient_gives_mixtral_the_same_penalty():
+  """Where every layer routes alike, transformers' Mixtral load-balancing loss with the exported coefficient
+  equals the zoo's weighted aux loss (Mixtral: over all layers' tokens, counting top_k assignments each)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  from transformers.models.mixtral import modeling_mixtral  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  cfg = moe_config.get_config('tiny').model
+  cfg.update(num_layers=4, num_experts=6, top_k=2, aux_loss_weight=0.01)
+  logits = np.random.default_rng(0).standard_normal((1, 32, cfg.num_experts)).astype(np.float32) * 2
+  _, _, stats = moe.route(jnp.asarray(logits), cfg.top_k, 32)
+  ours = cfg.aux_loss_weight * cfg.num_layers * float(stats['load_balance_loss'])
+  coef = moe.to_hf_config(cfg)['router_aux_loss_coef']
+  theirs = coef * float(modeling_mixtral.load_balancing_loss_func(
+      (torch.tensor(logits[0]),) * cfg.num_layers, cfg.num_experts, cfg.top_k))
+  np.testing.assert_allclose(theirs, ours, rtol=1e-5)
 
 
 def test_families_register_the_export():
