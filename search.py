@@ -33,6 +33,7 @@ flags.DEFINE_integer('top', 10, 'Rows of the ranked table.')
 flags.DEFINE_integer('measure', 0, 'Run the top K plans for real (needs --devices devices) and print measured times.')
 flags.DEFINE_integer('measure_steps', 3, 'Timed steps per measured plan (after one warm-up step).')
 flags.DEFINE_string('out', None, 'Write the winning plan here as a config file train.py --config accepts.')
+flags.DEFINE_bool('overwrite', False, 'Let --out replace an existing file (never the --config file itself).')
 flags.DEFINE_string('remat', 'staged', "'staged': the config's remat first, every policy on the best --stage2 plans; "
                     "'config': the config's only; or a comma-separated list of policies.")
 flags.DEFINE_integer('stage2', 3, "How many of stage 1's best plans (presets only) try their presets' variants "
@@ -67,10 +68,14 @@ def main(argv) -> None:
     if n < 1 or hosts < 1 or n % hosts:
       raise errors.ConfigError(f'--devices {n} --hosts {hosts}: the device count must be a positive multiple of '
                                'the host count')
-    if FLAGS.out:
-      plan_file.check_out_path(FLAGS.out)
+    least = dict(top=1, measure=0, measure_steps=1, stage2=0, workers=1)
+    for name, low in least.items():
+      if FLAGS[name].value < low:
+        raise errors.ConfigError(f'--{name}={FLAGS[name].value}: must be >= {low}')
     config_path, _, config_arg = config_flags.get_config_filename(FLAGS['config']).partition(':')
     config_arg = config_arg or None
+    if FLAGS.out:
+      plan_file.check_out_path(FLAGS.out, overwrite=FLAGS.overwrite, config_file=config_path)
     rules = candidates.rule_variants(candidates.presets_of(config_path, config_arg, config))
     axes = candidates.mesh_axes_of(rules, list(config.mesh))
     has_remat = 'model' in config and 'remat' in config.model
@@ -167,7 +172,8 @@ def main(argv) -> None:
                 + (f' over {hosts} hosts' if hosts > 1 else '') + f':\n  {win.candidate.label()}\n'
                 f'  predicted {1e3 * win.prediction.step_s:.1f} ms/step{mfu},\n  {mem}.\n\n  {command}\n\nSearched from {config_path}'
                 + (f':{config_arg}' if config_arg else '') + '; fields below differ from that config.')
-      plan_file.write(FLAGS.out, plan_file.render(config_path, config_arg, base_config, plan, header))
+      plan_file.write(FLAGS.out, plan_file.render(config_path, config_arg, base_config, plan, header),
+                      overwrite=FLAGS.overwrite, config_file=config_path)
       say(f'wrote {FLAGS.out}; run it with:\n  {command}')
 
 

@@ -27,8 +27,9 @@ def _value(v: Any) -> str:
   return repr(v)
 
 
-def check_out_path(path: str) -> None:
-  """A bad --out (a directory, a missing parent, not .py) is one ConfigError, before anything compiles."""
+def check_out_path(path: str, *, overwrite: bool = False, config_file: str | None = None) -> None:
+  """A bad --out (a directory, a missing parent, not .py, an existing file without `overwrite`, the config file
+  the plan is read from) is one ConfigError, before anything compiles."""
   parent = os.path.dirname(os.path.abspath(path)) or '.'
   if not path.endswith('.py'):
     raise ConfigError(f'--out {path!r}: the plan is a config file, give a path ending in .py')
@@ -36,6 +37,11 @@ def check_out_path(path: str) -> None:
     raise ConfigError(f'--out {path!r} is a directory; give a file path ending in .py')
   if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
     raise ConfigError(f'--out {path!r}: directory {parent!r} does not exist or is not writable')
+  if config_file and os.path.exists(path) and os.path.samefile(path, config_file):
+    raise ConfigError(f'--out {path!r} is the config file the plan is made from (the plan imports it); give '
+                      'another path')
+  if os.path.exists(path) and not overwrite:
+    raise ConfigError(f'--out {path!r} exists; give another path, or --overwrite to replace it')
 
 
 def render(config_file: str, arg: str | None, base: ml_collections.ConfigDict, plan: ml_collections.ConfigDict,
@@ -67,8 +73,8 @@ def render(config_file: str, arg: str | None, base: ml_collections.ConfigDict, p
                    ['  ' + line for line in lines] + ['  return c', ''])
 
 
-def write(path: str, text: str) -> None:
-  check_out_path(path)
+def write(path: str, text: str, *, overwrite: bool = False, config_file: str | None = None) -> None:
+  check_out_path(path, overwrite=overwrite, config_file=config_file)
   with open(path, 'w') as f:
     f.write(text)
 

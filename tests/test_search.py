@@ -99,6 +99,13 @@ def test_bad_input_names_the_culprit(tmp_path):
     plan_file.check_out_path(str(tmp_path / 'plan.txt'))
   with pytest.raises(ConfigError, match='does not exist'):
     plan_file.check_out_path(str(tmp_path / 'missing' / 'plan.py'))
+  (tmp_path / 'old.py').write_text('kept')  # an existing file: only with --overwrite; the config file never
+  with pytest.raises(ConfigError, match=r"old.py' exists; give another path, or --overwrite to replace it"):
+    plan_file.check_out_path(str(tmp_path / 'old.py'))
+  plan_file.check_out_path(str(tmp_path / 'old.py'), overwrite=True)
+  with pytest.raises(ConfigError, match='is the config file the plan is made from'):
+    plan_file.check_out_path(str(tmp_path / 'old.py'), overwrite=True, config_file=str(tmp_path / 'old.py'))
+  assert (tmp_path / 'old.py').read_text() == 'kept'
 
 
 # --- The HLO replica-group parser -------------------------------------------------------------------------------
@@ -574,7 +581,7 @@ def test_plan_file_round_trips_through_train_py(searched, tmp_path):
   hybrid = search_lib.apply(s.config, win.candidate, hosts=2)
   lead, size = next((a, n) for a, n in win.candidate.mesh if n > 1)
   assert hybrid.dcn_mesh[lead] == 2 and hybrid.mesh[lead] == size // 2
-  plan_file.write(out, plan_file.render(LLAMA, 'tiny', base, hybrid, 'test plan'))
+  plan_file.write(out, plan_file.render(LLAMA, 'tiny', base, hybrid, 'test plan'), overwrite=True)
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file('config', None, '', flag_values=fv, lock_config=True)
   fv(['train.py', f'--config={out}'])
