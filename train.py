@@ -290,6 +290,8 @@ def main(argv) -> None:
     raise app.UsageError('--workdir is required (metrics are written there)')
   with errors.one_line():  # bad input, disk trouble, divergence: one line, no traceback
     schema.check(config)  # before JAX starts
+    if not FLAGS.peer_timeout >= 5:  # beats come every peer_timeout / 5 s; a peer busy compiling is not dead
+      raise errors.ConfigError(f'--peer_timeout={FLAGS.peer_timeout}: must be at least 5 seconds')
     # Several processes: by hand (flags), else what a scheduler (srun, mpirun, a Kubernetes Job) says.
     launch = cluster.Launch(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, FLAGS.cluster)
     # Simulated CPU devices must be requested before JAX starts its backends (no effect on GPU/TPU): enough

@@ -116,6 +116,11 @@ def main(argv) -> None:
   if config is None:
     raise app.UsageError('--config is required, e.g. --config configs/gpt2.py')
   schema.check(config)  # every field's type and range, before anything is built
+  if FLAGS.steps < 1 or FLAGS.warmup < 0:
+    raise errors.ConfigError(f'--steps={FLAGS.steps} --warmup={FLAGS.warmup}: need at least 1 timed step and '
+                             'no negative warm-up')
+  if FLAGS.out and (os.path.isdir(FLAGS.out) or not os.path.isdir(os.path.dirname(os.path.abspath(FLAGS.out)))):
+    raise errors.ConfigError(f'--out {FLAGS.out!r}: give a file path in an existing directory')
   task = training.tasks.get(config.task)
   batch_np = task.synthetic_batch(config, seed=config.seed)  # numpy: JAX has not touched a device yet
   unit = task.unit

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import importlib
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -48,7 +49,7 @@ class Field:
       if self.kind == 'remat':  # layers.remat_policy still maps older configs' booleans
         text += ' (or, in a config file, True/False for full/none)'
     elif self.kind in (int, float):
-      name = 'an integer' if self.kind is int else 'a number'
+      name = 'an integer' if self.kind is int else 'a finite number'
       bounds = [f'{">" if self.lo_open else ">="} {self.lo:g}'] if self.lo > -INF else []
       bounds += [f'{"<" if self.hi_open else "<="} {self.hi:g}'] if self.hi < INF else []
       text = f'{name} {" and ".join(bounds)}'.strip()
@@ -71,7 +72,7 @@ class Field:
     if kind in (int, float):
       if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         return True
-      return (value < self.lo or value > self.hi or (self.lo_open and value == self.lo)
+      return (not math.isfinite(value) or value < self.lo or value > self.hi or (self.lo_open and value == self.lo)
               or (self.hi_open and value == self.hi))
     if kind in (str, 'info', 'remat'):
       if kind == 'remat' and isinstance(value, bool):  # older configs: True/False mean full/none
@@ -118,6 +119,8 @@ class Field:
       out.append(self.kind(self.lo) if self.lo_open else self.kind(self.lo - 1))
     if self.kind in (int, float) and self.hi < INF:
       out.append(self.kind(self.hi) if self.hi_open else self.kind(self.hi + 1))
+    if self.kind is float:
+      out += [float('nan'), float('inf')]
     if self.kind == 'ints':
       out.append((0,))
     return out
@@ -264,6 +267,9 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) ->
     message = _load_error(argv, flag_values, e)
   except (AttributeError, KeyError) as e:  # --config.<field> naming no field
     text = str(e.args[0] if e.args else e)
+    if "has no attribute 'get_config'" in text:  # ml_collections: the file defines no get_config()
+      raise SystemExit(f'shardzoo: config error: {_config_flag(argv, flag_values)[0]}: the file defines no '
+                       'get_config(), so it is not a config file (configs/<model>.py are)') from None
     bad = re.search(r'instead of "([^"]+)"', text) or re.search(r'(\w+)', text)
     name = bad.group(1) if bad else text
     flag = next((a for a in argv if re.match(rf'--config\.([\w.]*\.)?{re.escape(name)}(=|$)', a)), f'--config.{name}')
@@ -280,16 +286,20 @@ def _config_flags(flag_values: flags.FlagValues) -> list[str]:
   return [name for name in flag_values if config_flags.config_flags.is_config_flag(flag_values[name])]
 
 
-def _load_error(argv: list[str], flag_values: flags.FlagValues, error: OSError | SyntaxError) -> str:
-  """'--config=<file>[:arg]: no such file' (or the OS error, or the syntax error's file:line and message)."""
+def _config_flag(argv: list[str], flag_values: flags.FlagValues) -> tuple[str, str]:
+  """('--config=<file>[:arg]', '<file>') as given on the command line."""
   names = _config_flags(flag_values) or ['config']
-  flag, file = f'--{names[0]}', ''
   for i, arg in enumerate(argv):
     given = re.match(rf'--?({"|".join(map(re.escape, names))})(=|$)', arg)
     if given:
       value = arg[given.end():] if given.group(2) else (argv[i + 1] if i + 1 < len(argv) else '')
-      flag, file = f'--{given.group(1)}={value}', value.split(':', 1)[0]
-      break
+      return f'--{given.group(1)}={value}', value.split(':', 1)[0]
+  return f'--{names[0]}', ''
+
+
+def _load_error(argv: list[str], flag_values: flags.FlagValues, error: OSError | SyntaxError) -> str:
+  """'--config=<file>[:arg]: no such file' (or the OS error, or the syntax error's file:line and message)."""
+  flag, file = _config_flag(argv, flag_values)
   if isinstance(error, SyntaxError):
     return f'{flag}: syntax error at {error.filename}:{error.lineno}: {error.msg}'
   # ml_collections keeps only the text: '[Errno 2] No such file or directory: <the file>'

@@ -64,7 +64,7 @@ def test_every_field_of_every_config_refuses_bad_values_in_one_line():
 def test_train_py_checks_the_schema_before_building_anything(monkeypatch):
   cfg = with_value(FAMILIES['gpt2'].get_config('tiny'), 'optim.lr', -1.0)
   monkeypatch.setattr(train.partitioning, 'fit_mesh', lambda *a: pytest.fail('built before the schema check'))
-  with pytest.raises(errors.ConfigError, match=r'^config.optim.lr=-1.0: must be a number >= 0$'):
+  with pytest.raises(errors.ConfigError, match=r'^config.optim.lr=-1.0: must be a finite number >= 0$'):
     train.train_and_evaluate(cfg, None, dry_run=True)
   with pytest.raises(errors.ConfigError, match=r"^config.model.num_haeds is not a field shardzoo knows"):
     train.train_and_evaluate(with_value(FAMILIES['gpt2'].get_config('tiny'), 'model.num_haeds', 4), None)
@@ -150,6 +150,10 @@ def test_command_line_unknown_field_misspelled_preset_and_wrong_type(name):
 def test_missing_or_broken_config_file_is_one_line(tmp_path):
   missing, broken = str(tmp_path / 'gpt3.py'), tmp_path / 'broken.py'
   broken.write_text('from configs import common\n\ndef get_config(:\n')
+  common = os.path.join(ROOT, 'configs', 'common.py')  # a module of the configs, not a config file
+  with pytest.raises(SystemExit, match=rf'^shardzoo: config error: --config={common}: the file defines no '
+                                       r'get_config\(\), so it is not a config file'):
+    parse(['train.py', '--config', common])
   for extra in ([], ['--config.seed=3']):  # with overrides ml_collections fails while parsing, else when first read
     with pytest.raises(SystemExit, match=rf'^shardzoo: config error: --config={missing}: no such file$'):
       parse(['train.py', f'--config={missing}', *extra])
@@ -187,6 +191,10 @@ def test_launch_flags_that_would_be_ignored_or_crash_are_one_error_each():
     with pytest.raises(errors.ConfigError, match=message):
       cluster.Launch(*args, cluster='none')
   assert cluster.Launch(None, 1, 0, 'none').num_processes == 1
+  r = subprocess.run([sys.executable, 'train.py', '--config', 'configs/default.py', '--workdir', '/nonexistent/w',
+                      '--peer_timeout=0'], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+  assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == ('shardzoo: config error: --peer_timeout=0.0: '
+                                                                     'must be at least 5 seconds'), r.stderr[-2000:]
 
 
 def test_default_config_declares_the_documented_model_options():
@@ -391,5 +399,9 @@ def test_every_entry_point_taking_a_config_parses_and_reports_it_as_train_py_doe
   r = subprocess.run([sys.executable, 'benchmarks/throughput.py', '--config', 'configs/gpt2.py:tiny',
                       '--config.optim.lr=-1'], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
                      timeout=120)
-  assert r.returncode == 1 and r.stderr.strip() == 'shardzoo: config error: config.optim.lr=-1.0: must be a number >= 0'
+  assert r.returncode == 1 and r.stderr.strip() == 'shardzoo: config error: config.optim.lr=-1.0: must be a finite number >= 0'
   assert r.stdout == '', r.stdout
+  r = subprocess.run([sys.executable, 'benchmarks/throughput.py', '--config', 'configs/gpt2.py:tiny', '--steps=0'],
+                     cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+  assert r.returncode == 1 and r.stderr.strip() == ('shardzoo: config error: --steps=0 --warmup=5: need at least 1 '
+                                                    'timed step and no negative warm-up'), r.stderr[-2000:]
