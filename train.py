@@ -64,6 +64,20 @@ def evaluate(eval_step, state, ds, trainer, rows) -> dict[str, float]:
   return {'loss': totals['loss_sum'] / w, 'accuracy': totals['correct_sum'] / w, 'weight': w}
 
 
+def resume(ckpt, trainer, train_iter, config) -> tuple[Any, bool]:
+  """The newest readable checkpoint restored (model, optimizer, data position; into the new shardings), and
+  whether it is at or past config.total_steps (a finished run rerun, or total_steps lowered: nothing to train)."""
+  state, damaged = ckpt.restore_latest(trainer, train_iter, fallback=config.get('resume_fallback', True))
+  for w in damaged:
+    logging.warning('checkpoint: %s', w)
+    say(f'WARNING checkpoint: {w}')
+  say(f'resumed from {ckpt.directory}/{int(state.step)}')
+  done = int(state.step) >= config.total_steps
+  if done:
+    say(f'checkpoint step {int(state.step)} >= config.total_steps={config.total_steps}: nothing to train')
+  return state, done
+
+
 def train_and_evaluate(config, workdir: str | None, dry_run: bool = False,
                        peak_tflops: float | None = None) -> dict[str, Any]:
   """Trains and evaluates; whatever happens, the prefetch threads stop, a save in flight finishes and the
@@ -147,10 +161,16 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
     raise errors.ConfigError(f"config.checkpoint_every={config.get('checkpoint_every', 0)}, but {workdir}/checkpoints "
                              f'holds checkpoints (steps {steps}): set config.checkpoint_every to resume from them, '
                              'or give another --workdir')
-  # What the state comes from, checked against the model from metadata before compiling (damage: see below).
+  # What the state comes from, checked against the model (and the data position against the batch) from
+  # metadata before compiling (damage: see below). A finished run rerun is restored without compiling anything.
+  state = None
   if ckpt is not None and ckpt.latest_step() is not None:
     with contextlib.suppress(errors.DamagedCheckpointError):
-      ckpt.check(trainer)
+      ckpt.check(trainer, data_iter=train_iter)
+    if ckpt.latest_step() >= config.total_steps:
+      state, done = resume(ckpt, trainer, train_iter, config)
+      if done:
+        return {'state': state, 'nonfinite_skipped': []}
   elif config.get('init_from'):
     pretrained.check_source(trainer)
 
@@ -168,15 +188,10 @@ def _train_and_evaluate(config, workdir: str | None, dry_run: bool, peak_tflops:
         f'{step_flops.palm / 1e12:.4g} T); MFU against {peak_from}')
 
   # --- State: resume this run, else start from pretrained weights, else from scratch ------------
-  if ckpt is not None and ckpt.latest_step() is not None:  # model, optimizer and data position, new shardings
-    state, damaged = ckpt.restore_latest(trainer, train_iter, fallback=config.get('resume_fallback', True))
-    for w in damaged:
-      logging.warning('checkpoint: %s', w)
-      say(f'WARNING checkpoint: {w}')
-    say(f'resumed from {ckpt.directory}/{int(state.step)}')
-    if int(state.step) >= config.total_steps:  # a finished run rerun (or total_steps lowered): no eval, no sample
-      say(f'checkpoint step {int(state.step)} >= config.total_steps={config.total_steps}: nothing to train')
-      return {'state': state, 'nonfinite_skipped': []}
+  if state is not None:  # restored above (the newest checkpoint was damaged: an older one was read)
+    pass
+  elif ckpt is not None and ckpt.latest_step() is not None:  # model, optimizer and data position, new shardings
+    state, _ = resume(ckpt, trainer, train_iter, config)
   elif config.get('init_from'):
     state = pretrained.init_state(trainer, models.HF_FAMILIES)
     say(f'initialised from {config.init_from}' + (f' except {config.dont_load!r}' if config.get('dont_load') else ''))

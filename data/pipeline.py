@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grain
@@ -275,14 +275,18 @@ class RowsIterator:
     """grain's own state of this iterator (a checkpoint written before positions named their rows)."""
     self._it.set_state(state)
 
-  def set_state(self, saved: Sequence[Mapping[str, Any]]) -> None:
-    """`saved`: the get_state() of every process that saved (each covers some rows). CheckpointError, naming what
-    differs, when they are not one position of this dataset and global batch."""
+  def check_batch(self, saved: Iterable[Mapping[str, Any]]) -> None:
+    """CheckpointError where a saved position is for another global batch or packing than this run reads."""
     for s in saved:
       if s.get('global_batch') != self.global_batch or bool(s.get('packed')) != self.packed:
         raise CheckpointError(f"the saved data position is for a global batch of {s.get('global_batch')} "
                          f"({'packed' if s.get('packed') else 'unpacked'}); this run reads {self.global_batch} "
                          f"({'packed' if self.packed else 'unpacked'}): resume with the batch size it was saved with")
+
+  def set_state(self, saved: Sequence[Mapping[str, Any]]) -> None:
+    """`saved`: the get_state() of every process that saved (each covers some rows). CheckpointError, naming what
+    differs, when they are not one position of this dataset and global batch."""
+    self.check_batch(saved)
     # Processes whose devices hold the same rows (a batch not split over an axis that spans processes: tensor or
     # context parallelism across hosts) each saved those rows; they must agree on them.
     per_row = {}  # row -> its packer's state (packed) or None

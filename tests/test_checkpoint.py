@@ -226,12 +226,16 @@ def test_a_missing_data_position_is_damage_and_another_batch_size_names_the_chec
   trainer = build_trainer(cfg)
   ckpt = checkpoint.Checkpointer(str(d), every_steps=1, keep=2)
   wide = rows_iter(32)
+  other_batch = (f'checkpoint {d}/2: the saved data position is for a global batch of 16 (unpacked); this run '
+                 'reads 32 (unpacked): resume with the batch size it was saved with')
+  with pytest.raises(checkpoint.CheckpointError, match=f'^{re.escape(other_batch)}$'):  # from metadata: train.py
+    ckpt.check(trainer, 2, data_iter=wide)                                               # says so before compiling
+  ckpt.check(trainer, 4, data_iter=wide)  # no position there: damage, for the restore to meet
   with pytest.raises(checkpoint.CheckpointError) as info:
     ckpt.restore_latest(trainer, wide)
   wide.close()
   assert not isinstance(info.value, checkpoint.DamagedCheckpointError)
-  assert str(info.value) == (f'checkpoint {d}/2: the saved data position is for a global batch of 16 (unpacked); '
-                             'this run reads 32 (unpacked): resume with the batch size it was saved with')
+  assert str(info.value) == other_batch
   missing = f'checkpoint {d}/4 is missing or corrupt: the data position in {d}/4/data is missing'
   it = rows_iter(16)
   with pytest.raises(checkpoint.DamagedCheckpointError, match=rf'^{missing} .*\(config.resume_fallback=True'):

@@ -271,10 +271,11 @@ class Checkpointer:
       self._last_saved, self._in_flight = step, step
     return saved
 
-  def check(self, trainer: Trainer, step: int | None = None) -> Any:
+  def check(self, trainer: Trainer, step: int | None = None, data_iter: Any = None) -> Any:
     """Checks a checkpoint's shapes against the trainer's from its metadata alone (train.py: before compiling):
-    CheckpointError naming the first parameter, model state or optimizer state that differs;
-    DamagedCheckpointError if the metadata cannot be read. Returns the abstract train state to restore."""
+    CheckpointError naming the first parameter, model state or optimizer state that differs, or (with a
+    data.RowsIterator) a data position saved for another global batch; DamagedCheckpointError if the metadata
+    cannot be read. Returns the abstract train state to restore."""
     step = self.latest_step() if step is None else step
     source = f'checkpoint {self.directory}/{step}'
     abstract = _abstract(trainer)
@@ -283,6 +284,16 @@ class Checkpointer:
     check_compatible(abstract['model_state'], found.get('model_state', {}), what='model state', source=source)
     check_compatible({'opt_state': abstract['opt_state']}, {'opt_state': found.get('opt_state', {})},
                      what='optimizer state', source=source, hint=ANOTHER_OPTIMIZER)  # not damage either
+    if isinstance(data_iter, RowsIterator):
+      try:
+        saved = [json.loads(f.read_text()) for f in sorted(
+            (epath.Path(self.directory) / str(step) / 'data').glob('process_*-of-*.json'))]
+      except (OSError, ValueError):
+        saved = []  # unreadable: damage, which the restore meets and falls back from
+      try:
+        data_iter.check_batch(s for s in saved if 'global_batch' in s)
+      except CheckpointError as e:
+        raise CheckpointError(f'{source}: {e}') from None
     return abstract
 
   def restore(self, trainer: Trainer, data_iter: Any, step: int | None = None) -> TrainState:
