@@ -162,6 +162,40 @@ def test_a_killed_process_stops_its_peer_within_the_timeout():
   assert waited < timeout * 1.2 + 3, waited
 
 
+PREEMPTED = r"""
+import os, signal, sys, time
+import jax
+jax.config.update('jax_num_cpu_devices', 1)
+from training import cluster
+from training.preemption import Preemption
+launch = cluster.Launch(sys.argv[1], 2, int(sys.argv[2]))
+launch.start(heartbeat_timeout_s=100)
+preemption = Preemption(sync_every=1000)  # as train.py makes it, after jax.distributed has started
+for step in range(1, 400):
+  if step == 5 and jax.process_index() == 1:
+    os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's notice, to one of the processes
+  if preemption.requested(step):
+    print('stopped at', step, 'service' if preemption.service else 'all-gather', flush=True)
+    break
+  time.sleep(0.05)  # a step
+"""
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step_soon():
+  """SIGTERM to one of two processes: JAX's preemption service tells the other and both stop at the same step,
+  a few steps later (train.py saves there), not at the next multiple of a sync interval."""
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, '-c', PREEMPTED, f'127.0.0.1:{port}', str(i)], cwd=ROOT,
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  outs = [p.communicate(timeout=120) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  stopped = [re.fullmatch(r'stopped at (\d+) service\n', out) for out, _ in outs]
+  assert all(stopped) and stopped[0][1] == stopped[1][1], outs
+  assert 5 <= int(stopped[0][1]) <= 40, stopped[0][1]
+
+
 def test_bad_launches_are_one_error_each(monkeypatch):
   """Before JAX starts: manual flags that do not add up, an unknown detection method, and a scheduler whose
   environment cannot be read are one ConfigError naming the flag or variable to change."""
