@@ -190,6 +190,9 @@ def test_launch_flags_that_would_be_ignored_or_crash_are_one_error_each():
   for args, message in cases.items():
     with pytest.raises(errors.ConfigError, match=message):
       cluster.Launch(*args, cluster='none')
+  for name in ('slurm', 'slurmm'):  # a scheduler and the manual flags: which one is meant?
+    with pytest.raises(errors.ConfigError, match=rf'^--cluster={name} and --coordinator_address/--num_processes both'):
+      cluster.Launch('127.0.0.1:1234', 2, 0, cluster=name)
   assert cluster.Launch(None, 1, 0, 'none').num_processes == 1
   r = subprocess.run([sys.executable, 'train.py', '--config', 'configs/default.py', '--workdir', '/nonexistent/w',
                       '--peer_timeout=0'], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)

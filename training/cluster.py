@@ -83,6 +83,9 @@ class Launch:
       raise ConfigError(f'--process_id={process_id} is not in 0..{num_processes - 1} (--num_processes={num_processes})'
                         + ('' if self.manual else '; to start processes by hand give --num_processes and '
                                                   '--coordinator_address too'))
+    if self.manual and cluster not in ('auto', 'none'):
+      raise ConfigError(f'--cluster={cluster} and --coordinator_address/--num_processes both say how processes start; '
+                        f'give one: --cluster={cluster} alone (the scheduler gives the rest), or the manual flags')
     self.coordinator_address, self.process_id, self.cluster = coordinator_address, process_id, cluster
     self.env = None
     if self.manual or cluster == 'none':
