@@ -41,7 +41,7 @@ def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if not FLAGS.workdir or not FLAGS.out:
-    raise app.UsageError('--workdir and --out are required')
+    raise SystemExit('shardzoo: usage error: --workdir and --out are required (--help for all flags)')
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore detail at INFO
   try:
     export.check_options(FLAGS.dtype, FLAGS.max_shard_size)  # before anything is built

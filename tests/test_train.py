@@ -140,7 +140,9 @@ def test_a_sample_longer_than_the_model_is_refused_before_compiling(tmp_path):
 @pytest.mark.slow
 def test_cli_empty_workdir_is_a_usage_error():
   r = _cli('--workdir=', '--config.total_steps=1')  # e.g. an unset $WORKDIR: once ran with no checkpoints
-  assert r.returncode != 0 and '--workdir is required' in r.stderr, r.stderr[-2000:]
+  assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+      'shardzoo: usage error: --workdir is required (metrics and checkpoints are written there; --help for all '
+      'flags)') and 'USAGE' not in r.stderr, r.stderr[-2000:]
 
 
 def test_progress_lines_are_written_whole(monkeypatch):
