@@ -147,10 +147,13 @@ def test_command_line_unknown_field_misspelled_preset_and_wrong_type(name):
   assert schema.leaves(fv.config)[field] == 7
 
 
-def test_missing_or_broken_config_file_is_one_line(tmp_path):
+def test_missing_or_broken_config_file_is_one_line(tmp_path, monkeypatch):
   missing, broken = str(tmp_path / 'gpt3.py'), tmp_path / 'broken.py'
   broken.write_text('from configs import common\n\ndef get_config(:\n')
   common = os.path.join(ROOT, 'configs', 'common.py')  # a module of the configs, not a config file
+  # ml_collections executes every config file into one module, 'config_config': one loaded before in this
+  # process would lend common.py its get_config (train.py loads one file per process)
+  monkeypatch.delitem(sys.modules, 'config_config', raising=False)
   with pytest.raises(SystemExit, match=rf'^shardzoo: config error: --config={common}: the file defines no '
                                        r'get_config\(\), so it is not a config file'):
     parse(['train.py', '--config', common])
