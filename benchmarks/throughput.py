@@ -63,11 +63,16 @@ PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'torch_peer.py')
 def peer_spec(config, device: str) -> dict:
   """What benchmarks/torch_peer.py needs to build the same model and optimizer."""
   m = config.model
-  spec = dict(family=m.name, task=config.task, optim=config.optim.to_dict(),
-              remat=layers.remat_policy(m.get('remat')) != 'none', dtype=m.get('dtype', 'float32'),
+  # The peer's only recomputation is whole layers (HF gradient checkpointing): for our policies that rerun
+  # matmuls ('full', 'attention'); 'dots' reruns none, nor does the peer without it (the same work, not the same
+  # memory: README "On GPUs").
+  policy = layers.remat_policy(m.get('remat'))
+  spec = dict(family=m.name, task=config.task, optim=config.optim.to_dict(), remat=policy in ('full', 'attention'),
+              remat_policy=policy, dtype=m.get('dtype', 'float32'),
               steps=FLAGS.steps, warmup=FLAGS.warmup, compile=FLAGS.peer_compile, device=device)
   if m.name == 'resnet':
-    spec['resnet'] = dict(block=m.block, stage_sizes=list(m.stage_sizes), width=m.width, num_classes=m.num_classes)
+    spec['resnet'] = dict(block=m.block, stage_sizes=list(m.stage_sizes), width=m.width, num_classes=m.num_classes,
+                          stride_in_1x1=bool(m.get('stride_in_1x1', False)))
   elif getattr(getattr(models, m.name, None), 'to_hf_config', None):  # the family's config.json (MoE: Mixtral's)
     spec['hf_config'] = getattr(models, m.name).to_hf_config(m)
   else:

@@ -18,7 +18,8 @@ SPEC.json
   optim      config.optim as a dict: name 'adamw' (lr, b1, b2, eps, weight_decay, grad_clip) or 'sgd'
              (lr, momentum, grad_clip); the lr is constant (schedules do not change the speed); other keys
              (warmup_steps, ...) are ignored
-  remat      gradient checkpointing (HF's gradient_checkpointing_enable; resnet: not available, noted)
+  remat      gradient checkpointing (HF's gradient_checkpointing_enable; resnet: not available, noted);
+             remat_policy: ours, named in a note where the two recompute differently
   dtype      'bfloat16' (torch.autocast) | 'float32'; parameters and optimizer state stay float32
   steps      N timed steps (default 10); warmup: W untimed steps before them (default 3; the first
              step, which compiles, is always one of them)
@@ -124,6 +125,12 @@ def build_hf(torch: Any, spec: dict, notes: list[str]) -> Any:
   else:
     d = dict(spec['hf_config'])
     model = cls(transformers.AutoConfig.for_model(d.pop('model_type'), attn_implementation='sdpa', **d))
+  policy = spec.get('remat_policy')
+  if policy == 'dots':
+    notes.append("no gradient checkpointing: ours (remat 'dots') keeps every matmul output and recomputes no matmul; "
+                 "HF's only checkpointing reruns whole layers")
+  elif policy == 'attention' and spec['remat']:
+    notes.append("gradient checkpointing reruns whole layers; ours (remat 'attention') reruns the MLPs only")
   if spec['remat']:  # transformers >= 5.23 names it activation_checkpointing_enable
     kw = {'use_reentrant': False}
     if hasattr(model, 'activation_checkpointing_enable'):
@@ -137,6 +144,9 @@ def build_hf(torch: Any, spec: dict, notes: list[str]) -> Any:
 
 
 def build_resnet(torch: Any, spec: dict, notes: list[str]) -> Any:
+  if spec['resnet'].get('stride_in_1x1') and spec['resnet']['block'] != 'basic':
+    raise SpecError("stride_in_1x1=True (ResNet v1: the stride on the first 1x1 conv) has no torchvision peer "
+                    '(v1.5: the stride on the 3x3 conv)')
   try:
     from torchvision.models import resnet as tv
   except Exception as e:  # ImportError, or a torchvision built for another torch (its ops fail to register)

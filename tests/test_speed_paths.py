@@ -539,7 +539,8 @@ def test_step_flops_are_the_palm_count():
 
 def test_peaks_of_known_chips():
   assert flops.peak_tflops('NVIDIA H100 80GB HBM3') == 989
-  assert flops.peak_tflops('NVIDIA H100 PCIe') == 756
+  assert flops.peak_tflops('NVIDIA H100 PCIe') == 756 and flops.peak_tflops('NVIDIA H800 PCIe') == 756
+  assert flops.peak_tflops('NVIDIA H100 NVL') == flops.peak_tflops('NVIDIA H200 NVL') == 835
   assert flops.peak_tflops('NVIDIA A100-SXM4-80GB') == 312
   assert flops.peak_tflops('TPU v5 lite') == 197 and flops.peak_tflops('TPU v4') == 275
   assert flops.peak_tflops('cpu') is None

@@ -162,6 +162,22 @@ def test_other_families_run_in_process(config_file, arg, classes):
   assert abs(result['losses'][0] - math.log(classes or c.model.vocab_size)) < 0.3
 
 
+def test_the_peer_recomputes_what_our_policy_recomputes_or_says_how_it_differs():
+  """HF's only recomputation is whole layers: off for 'none' and 'dots' (which reruns no matmul), on for 'full'
+  and 'attention' (noted: ours reruns the MLPs only); a ResNet v1 (stride on the 1x1 conv) has no torchvision peer."""
+  for policy, layers_rerun, note in (('none', False, None), ('dots', False, 'no gradient checkpointing'),
+                                     ('attention', True, 'reruns whole layers'), ('full', True, None)):
+    spec, _ = spec_for(llama_config, 'tiny', remat=policy in ('full', 'attention'), remat_policy=policy)
+    notes = []
+    model = peer.build_hf(torch, spec, notes)
+    assert model.is_gradient_checkpointing == layers_rerun, policy
+    assert (note is None and not notes) or (note and any(note in n for n in notes)), (policy, notes)
+  spec, _ = spec_for(resnet_config, 'tiny')
+  spec['resnet'].update(block='bottleneck', stride_in_1x1=True)
+  with pytest.raises(peer.SpecError, match='stride_in_1x1=True .* has no torchvision peer'):
+    peer.build_resnet(torch, spec, [])
+
+
 def test_resnet_runs_or_is_skipped_without_torchvision(tmp_path):
   spec, c = spec_for(resnet_config, 'tiny')
   rc, result = run_main(tmp_path, spec, make_batch(c))

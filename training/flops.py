@@ -25,7 +25,7 @@ from models import attention
 
 # Dense bf16 peak TFLOP/s per chip (no sparsity), matched against jax's device_kind in order.
 PEAK_TFLOPS: list[tuple[str, float]] = [
-    (r'H100.*PCIe', 756.0), (r'H100|H200|H800', 989.0), (r'B200', 2250.0), (r'A100', 312.0), (r'L40S', 362.0),
+    (r'H100.*PCIe|H800.*PCIe', 756.0), (r'H100.*NVL|H200.*NVL', 835.0), (r'H100|H200|H800', 989.0), (r'B200', 2250.0), (r'A100', 312.0), (r'L40S', 362.0),
     (r'L4\b', 121.0), (r'A10\b|A10G', 125.0),
     (r'TPU v6', 918.0), (r'TPU v5p', 459.0), (r'TPU v5 ?lite|TPU v5e', 197.0), (r'TPU v5', 459.0),
     (r'TPU v4', 275.0), (r'TPU v3', 123.0), (r'TPU v2', 45.0),
