@@ -39,8 +39,8 @@ from errors import ConfigError
 from models import hf_import as hf
 from models import llama
 from models.layers import (
-    MOE_DISPATCHED, MOE_GATE, MOE_RETURNED, MOE_UP, NORMAL_002, Dense, Embed, RMSNorm, Stack, axes, dtypes,
-    mask_padded_vocab, logits_dtype, loss_chunks, padded_vocab, stack_options)
+    MOE_DISPATCHED, MOE_GATE, MOE_RETURNED, MOE_UP, NORMAL_002, NOT_MODEL_FLOPS, Dense, Embed, RMSNorm, Stack,
+    active_scope, axes, dtypes, mask_padded_vocab, logits_dtype, loss_chunks, padded_vocab, stack_options)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -123,19 +123,24 @@ class MoEMLP(nnx.Module):
       raise ConfigError(f'config.model.group_size={self.cfg.group_size} must divide the sequence length {L}')
     x_GSD = shard_logical(x_BLD.reshape(B * L // S, S, D), ACT)
     logits_GSE = shard_logical(self.router(x_GSD), ('batch', 'length', None))
-    dispatch_GSEC, combine_GSEC, stats = route(logits_GSE, self.cfg.top_k, capacity(self.cfg, S))
+    C, E, k = capacity(self.cfg, S), self.cfg.num_experts, self.cfg.top_k
+    with jax.named_scope(NOT_MODEL_FLOPS):
+      dispatch_GSEC, combine_GSEC, stats = route(logits_GSE, k, C)
     dt = self.dtype
     # Each einsum runs where its tokens are (G sharded); the constraint from GROUP_ACT to EXPERT_ACT
     # (and back) is the all-to-all, in the forward and (as its transpose) in the backward pass.
-    x_EGCD = shard_logical(jnp.einsum('gsec,gsd->egcd', dispatch_GSEC.astype(dt), x_GSD), GROUP_ACT)
+    with jax.named_scope(NOT_MODEL_FLOPS):
+      x_EGCD = shard_logical(jnp.einsum('gsec,gsd->egcd', dispatch_GSEC.astype(dt), x_GSD), GROUP_ACT)
     x_EGCD = checkpoint_name(shard_logical(x_EGCD, EXPERT_ACT), MOE_DISPATCHED)  # remat 'dots' keeps the names
     gate_EDF, up_EDF, down_EFD = (w[...].astype(dt) for w in (self.gate, self.up, self.down))
-    h_EGCF = (jax.nn.silu(checkpoint_name(jnp.einsum('egcd,edf->egcf', x_EGCD, gate_EDF), MOE_GATE)) *
-              checkpoint_name(jnp.einsum('egcd,edf->egcf', x_EGCD, up_EDF), MOE_UP))
-    h_EGCF = shard_logical(h_EGCF, ('expert', 'batch', None, 'mlp'))
-    y_EGCD = shard_logical(jnp.einsum('egcf,efd->egcd', h_EGCF, down_EFD), EXPERT_ACT)
+    with jax.named_scope(active_scope(k * S, E * C)):  # model FLOPs: the top-k assignments, not every slot
+      h_EGCF = (jax.nn.silu(checkpoint_name(jnp.einsum('egcd,edf->egcf', x_EGCD, gate_EDF), MOE_GATE)) *
+                checkpoint_name(jnp.einsum('egcd,edf->egcf', x_EGCD, up_EDF), MOE_UP))
+      h_EGCF = shard_logical(h_EGCF, ('expert', 'batch', None, 'mlp'))
+      y_EGCD = shard_logical(jnp.einsum('egcf,efd->egcd', h_EGCF, down_EFD), EXPERT_ACT)
     y_EGCD = checkpoint_name(shard_logical(y_EGCD, GROUP_ACT), MOE_RETURNED)
-    y_GSD = shard_logical(jnp.einsum('gsec,egcd->gsd', combine_GSEC.astype(dt), y_EGCD), ACT)
+    with jax.named_scope(NOT_MODEL_FLOPS):
+      y_GSD = shard_logical(jnp.einsum('gsec,egcd->gsd', combine_GSEC.astype(dt), y_EGCD), ACT)
     aux_loss = (self.cfg.aux_loss_weight * stats['load_balance_loss'] +
                 self.cfg.get('router_z_loss_weight', 0.0) * stats['router_z_loss'])
     return y_GSD.reshape(B, L, D), {'aux_loss': aux_loss, **stats}

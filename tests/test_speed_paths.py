@@ -537,6 +537,27 @@ def test_step_flops_are_the_palm_count():
   assert f.causal == B * L * (6 * n_mm + attn / 2)
 
 
+def test_moe_flops_count_the_active_experts_only():
+  """A mixture of experts: 6 N_active + 12 layers d_attn L per token, N_active counting k of E experts' weights
+  (not the E x C capacity slots the experts run over, nor the one-hot dispatch and combine matmuls)."""
+  from configs import moe as moe_config  # pylint: disable=g-import-not-at-top
+  cfg = moe_config.get_config('dp,tiny')
+  trainer = build_trainer(cfg)
+  m, B, L = cfg.model, cfg.batch_size, cfg.dataset.seq_len
+  assert models.moe.capacity(m, min(m.group_size, L)) * m.num_experts > m.top_k * min(m.group_size, L)  # idle slots
+  n_active = 0.0
+  for p, x in jax.tree_util.tree_leaves_with_path(trainer.abstract.params):
+    path = partitioning.path_str(p)
+    if path.endswith(('/moe/gate', '/moe/up', '/moe/down')):
+      n_active += x.size * m.top_k / m.num_experts
+    elif path.endswith('kernel'):
+      n_active += x.size
+  f = flops.step_flops(trainer)
+  attn = 12 * m.num_layers * m.num_heads * m.head_dim * L
+  assert f.palm == pytest.approx(B * L * (6 * n_active + attn), rel=1e-9)
+  assert f.causal == pytest.approx(B * L * (6 * n_active + attn / 2), rel=1e-9)
+
+
 def test_peaks_of_known_chips():
   assert flops.peak_tflops('NVIDIA H100 80GB HBM3') == 989
   assert flops.peak_tflops('NVIDIA H100 PCIe') == 756 and flops.peak_tflops('NVIDIA H800 PCIe') == 756

@@ -7,7 +7,11 @@ path for counting, so its score and value matmuls are counted over the full L x 
 transformer this is exactly PaLM's count, 6 N + 12 layers d_attn L per token (N = parameters of the
 matmuls, the output head included; lookups are not matmuls). `causal` halves the matmuls of causal
 attention (a causal mask leaves half of the square), the figure MFU is reported in. Recomputation
-under remat is not counted: MFU is model FLOPs over time, not hardware FLOPs.
+under remat is not counted: MFU is model FLOPs over time, not hardware FLOPs. A mixture of experts counts the
+experts of each token's top-k assignments (6 N_active per token, as dropless MoEs report), not its experts'
+empty capacity slots, and not the one-hot matmuls that dispatch and combine tokens (models/layers.py
+NOT_MODEL_FLOPS, active_scope). Not modelled: frozen parameters (LoRA, train_only) are counted 3x like trained
+ones, although their weight gradients are never computed (MFU of an adapter fine-tune reads high).
 """
 from __future__ import annotations
 
@@ -21,7 +25,9 @@ from jax.extend import core as jcore
 from flax import nnx
 
 from errors import ConfigError
-from models import attention
+from models import attention, layers
+
+_ACTIVE = re.compile(layers.active_scope(r'(\d+)', r'(\d+)'))
 
 # Dense bf16 peak TFLOP/s per chip (no sparsity), matched against jax's device_kind in order.
 PEAK_TFLOPS: list[tuple[str, float]] = [
@@ -77,6 +83,12 @@ def _count(jaxpr) -> tuple[float, float]:
       rhs = eqn.invars[1].aval.shape
       out_features = rhs[eqn.params['dimension_numbers'].rhs_spec[0]]
       f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
+    if f:
+      scopes = str(eqn.source_info.name_stack)
+      if layers.NOT_MODEL_FLOPS in scopes:  # data movement (MoE dispatch, combine, routing)
+        f = 0.0
+      elif active := _ACTIVE.search(scopes):  # MoE experts: their top-k assignments of all capacity slots
+        f *= int(active[1]) / int(active[2])
     total += f
     if f and 'causal_attention' in str(eqn.source_info.name_stack):
       causal += f
