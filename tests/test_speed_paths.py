@@ -558,6 +558,21 @@ def test_moe_flops_count_the_active_experts_only():
   assert f.causal == pytest.approx(B * L * (6 * n_active + attn / 2), rel=1e-9)
 
 
+def test_flops_count_only_the_gradients_a_step_computes():
+  """A matmul counts its forward, and in the backward one matmul per operand that a trained parameter feeds:
+  ViT's patch embedding twice (its input is the image), every other matmul three times; a linear probe
+  (train_only='^head/') the forward once and the head's weight gradient."""
+  from configs import vit as vit_config  # pylint: disable=g-import-not-at-top
+  cfg = vit_config.get_config('dp,tiny')
+  full = flops.step_flops(build_trainer(cfg))
+  m, B = cfg.model, cfg.batch_size
+  patch = 2 * B * (m.image_size // m.patch_size) ** 2 * m.patch_size ** 2 * m.channels * m.embed_dim
+  forward = (full.palm + patch) / 3  # 3 x forward, less the patch embedding's input gradient
+  cfg.train_only = '^head/'
+  probe = flops.step_flops(build_trainer(cfg))
+  assert probe.palm == pytest.approx(forward + 2 * B * m.embed_dim * m.num_classes, rel=1e-9)
+
+
 def test_peaks_of_known_chips():
   assert flops.peak_tflops('NVIDIA H100 80GB HBM3') == 989
   assert flops.peak_tflops('NVIDIA H100 PCIe') == 756 and flops.peak_tflops('NVIDIA H800 PCIe') == 756

@@ -1,17 +1,18 @@
 """Model FLOPs of a train step, chip peaks, and MFU.
 
 FLOPs are counted from the model's own forward pass (its jaxpr, traced on abstract inputs): every
-matmul (dot_general) and convolution, times the trip count of the loops they sit in, times 3 for
-forward + backward (the backward's two matmuls per forward matmul). Attention is traced on the XLA
-path for counting, so its score and value matmuls are counted over the full L x L square. For a
-transformer this is exactly PaLM's count, 6 N + 12 layers d_attn L per token (N = parameters of the
-matmuls, the output head included; lookups are not matmuls). `causal` halves the matmuls of causal
-attention (a causal mask leaves half of the square), the figure MFU is reported in. Recomputation
-under remat is not counted: MFU is model FLOPs over time, not hardware FLOPs. A mixture of experts counts the
-experts of each token's top-k assignments (6 N_active per token, as dropless MoEs report), not its experts'
-empty capacity slots, and not the one-hot matmuls that dispatch and combine tokens (models/layers.py
-NOT_MODEL_FLOPS, active_scope). Not modelled: frozen parameters (LoRA, train_only) are counted 3x like trained
-ones, although their weight gradients are never computed (MFU of an adapter fine-tune reads high).
+matmul (dot_general) and convolution, times the trip count of the loops they sit in, once for the forward
+and once more for each operand that a trained parameter feeds (the backward's gradient for it: an
+activation's, or a weight's own). Attention is traced on the XLA path for counting, so its score and value
+matmuls are counted over the full L x L square. For a transformer every matmul counts 3x: exactly PaLM's
+count, 6 N + 12 layers d_attn L per token (N = parameters of the matmuls, the output head included; lookups
+are not matmuls). A first convolution over images counts 2x (no gradient reaches the image), and frozen
+weights (LoRA, config.train_only, config.freeze) get no weight gradient: an adapter fine-tune counts what it
+computes. `causal` halves the matmuls of causal attention (a causal mask leaves half of the square), the
+figure MFU is reported in. Recomputation under remat is not counted: MFU is model FLOPs over time, not
+hardware FLOPs. A mixture of experts counts the experts of each token's top-k assignments (6 N_active per
+token, as dropless MoEs report), not its experts' empty capacity slots, and not the one-hot matmuls that
+dispatch and combine tokens (models/layers.py NOT_MODEL_FLOPS, active_scope).
 """
 from __future__ import annotations
 
@@ -55,47 +56,95 @@ class StepFlops:
     return (self.causal if causal else self.palm) / step_seconds / num_devices / 1e12
 
 
-def _sub_jaxprs(eqn) -> list[tuple[Any, float]]:
-  """(sub-jaxpr, times it runs) for the jaxprs inside an equation (loops, calls, remat, cond branches)."""
-  out = []
-  mult = float(eqn.params.get('length', 1)) if eqn.primitive.name == 'scan' else 1.0
-  for name, p in eqn.params.items():
-    for q in (p if isinstance(p, (tuple, list)) else [p]):
-      j = q.jaxpr if isinstance(q, jcore.ClosedJaxpr) else q
-      if isinstance(j, jcore.Jaxpr):
-        out.append((j, mult))
-  if eqn.primitive.name == 'cond':  # only one branch runs: count the costliest
-    return out[:1] if len(out) <= 1 else [max(out, key=lambda jm: _count(jm[0])[0])]
-  return out
+def _closed(q: Any) -> Any:
+  return q.jaxpr if isinstance(q, jcore.ClosedJaxpr) else q
 
 
-def _count(jaxpr) -> tuple[float, float]:
-  """(matmul + conv FLOPs, of which causal attention) of one run of a jaxpr."""
+def _matmul_flops(eqn) -> float:
+  """One run's FLOPs of a dot_general or convolution (0 for anything else), 0 where the model does no math
+  (models/layers.NOT_MODEL_FLOPS) and scaled to its active share under models/layers.active_scope."""
+  name = eqn.primitive.name
+  if name == 'dot_general':
+    (lhs_contract, _), _ = eqn.params['dimension_numbers']
+    lhs = eqn.invars[0].aval.shape
+    f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+  elif name == 'conv_general_dilated':
+    rhs = eqn.invars[1].aval.shape
+    out_features = rhs[eqn.params['dimension_numbers'].rhs_spec[0]]
+    f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
+  else:
+    return 0.0
+  scopes = str(eqn.source_info.name_stack)
+  if layers.NOT_MODEL_FLOPS in scopes:  # data movement (MoE dispatch, combine, routing)
+    return 0.0
+  if active := _ACTIVE.search(scopes):  # MoE experts: their top-k assignments of all capacity slots
+    f *= int(active[1]) / int(active[2])
+  return f
+
+
+def _count(jaxpr, grads: list[bool]) -> tuple[float, float, list[bool]]:
+  """(train-step FLOPs of one run of `jaxpr`, of which causal attention's, which outputs depend on a trained
+  parameter) given which inputs do (`grads`). A matmul counts its forward once, and once more in the backward
+  for each operand that depends on a trained parameter (the gradient reaching it, or its weight gradient):
+  3x for a transformer's, 2x for a first convolution over images or a frozen weight's matmul, 1x where nothing
+  before it trains."""
+  needs = {v: g for v, g in zip(jaxpr.invars, grads)}
+  on = lambda v: isinstance(v, jcore.Var) and needs.get(v, False)
   total = causal = 0.0
   for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    f = 0.0
-    if name == 'dot_general':
-      (lhs_contract, _), _ = eqn.params['dimension_numbers']
-      lhs = eqn.invars[0].aval.shape
-      f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
-    elif name == 'conv_general_dilated':
-      rhs = eqn.invars[1].aval.shape
-      out_features = rhs[eqn.params['dimension_numbers'].rhs_spec[0]]
-      f = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs) / out_features
+    ins = [on(v) for v in eqn.invars]
+    f = _matmul_flops(eqn)
     if f:
-      scopes = str(eqn.source_info.name_stack)
-      if layers.NOT_MODEL_FLOPS in scopes:  # data movement (MoE dispatch, combine, routing)
-        f = 0.0
-      elif active := _ACTIVE.search(scopes):  # MoE experts: their top-k assignments of all capacity slots
-        f *= int(active[1]) / int(active[2])
-    total += f
-    if f and 'causal_attention' in str(eqn.source_info.name_stack):
-      causal += f
-    for sub, mult in _sub_jaxprs(eqn):
-      t, c = _count(sub)
-      total, causal = total + mult * t, causal + mult * c
-  return total, causal
+      f *= 1 + ins[0] + ins[1]
+      total += f
+      if 'causal_attention' in str(eqn.source_info.name_stack):
+        causal += f
+    t, c, outs = _count_sub(eqn, ins)
+    total, causal = total + t, causal + c
+    for v, g in zip(eqn.outvars, outs):
+      needs[v] = g
+  return total, causal, [on(v) for v in jaxpr.outvars]
+
+
+def _count_sub(eqn, ins: list[bool]) -> tuple[float, float, list[bool]]:
+  """FLOPs of the jaxprs inside an equation (loops times their trips, calls, remat, the costliest cond branch)
+  and which of its outputs depend on a trained parameter."""
+  name, p = eqn.primitive.name, eqn.params
+  anything = [any(ins)] * len(eqn.outvars)
+  if name == 'scan':  # invars: consts, carry, xs; outvars: carry, ys; the carry's flags to a fixed point
+    body, nc, nk = _closed(p['jaxpr']), p['num_consts'], p['num_carry']
+    flags = list(ins)
+    while True:
+      t, c, outs = _count(body, flags)
+      carry = [a or b for a, b in zip(flags[nc:nc + nk], outs[:nk])]
+      if carry == flags[nc:nc + nk]:
+        return p['length'] * t, p['length'] * c, outs
+      flags[nc:nc + nk] = carry
+  if name == 'while':  # invars: cond consts, body consts, carry (trips unknown: counted once)
+    body, nb, skip = _closed(p['body_jaxpr']), p['body_nconsts'], p['cond_nconsts']
+    flags = ins[skip:]
+    while True:
+      t, c, outs = _count(body, flags)
+      carry = [a or b for a, b in zip(flags[nb:], outs)]
+      if carry == flags[nb:]:
+        return t, c, outs
+      flags[nb:] = carry
+  if name == 'cond':  # invars: the index, then the branches' operands; one branch runs: the costliest
+    runs = [_count(_closed(b), ins[1:]) for b in p['branches']]
+    t, c, _ = max(runs, key=lambda r: r[0])
+    return t, c, [any(o) for o in zip(*(r[2] for r in runs))] if runs else anything
+  total = causal = 0.0
+  outs = None
+  for q in (x for v in p.values() for x in (v if isinstance(v, (tuple, list)) else [v])):
+    sub = _closed(q)
+    if not isinstance(sub, jcore.Jaxpr):
+      continue
+    mapped = len(sub.invars) == len(ins)  # calls, remat, custom_vjp/jvp, shard_map: operands one to one
+    t, c, sub_outs = _count(sub, ins if mapped else [any(ins)] * len(sub.invars))
+    total, causal = total + t, causal + c
+    if mapped and len(sub_outs) == len(eqn.outvars) and outs is None:
+      outs = sub_outs
+  return total, causal, outs if outs is not None else anything
 
 
 def step_flops(trainer: Any) -> StepFlops:
@@ -105,8 +154,11 @@ def step_flops(trainer: Any) -> StepFlops:
     return trainer.task.loss(model, batch)[0]
   with attention.forced('xla'):
     jaxpr = jax.make_jaxpr(forward)(trainer.abstract.params, trainer.abstract.model_state, trainer.batch_abstract)
-  total, causal = _count(jaxpr.jaxpr)
-  return StepFlops(palm=3 * total, causal=3 * (total - causal / 2))
+  labels = (jax.tree.leaves(trainer.labels) if trainer.labels is not None
+            else ['train'] * len(jax.tree.leaves(trainer.abstract.params)))
+  others = len(jaxpr.jaxpr.invars) - len(labels)  # model state and batch: nothing trains them
+  total, causal, _ = _count(jaxpr.jaxpr, [label == 'train' for label in labels] + [False] * others)
+  return StepFlops(palm=total, causal=total - causal / 2)
 
 
 def describe_peak(device: Any, override: float | None = None) -> tuple[float | None, str]:
