@@ -147,6 +147,11 @@ def _count_sub(eqn, ins: list[bool]) -> tuple[float, float, list[bool]]:
   return total, causal, outs if outs is not None else anything
 
 
+def matmul_flops(jaxpr) -> float:
+  """Matmul and convolution FLOPs of one run of a jaxpr (a gradient program, say), each counted once."""
+  return _count(jaxpr, [False] * len(jaxpr.invars))[0]
+
+
 def step_flops(trainer: Any) -> StepFlops:
   """Model FLOPs of one train step on the trainer's global batch (abstract: nothing is computed)."""
   def forward(params, model_state, batch):
