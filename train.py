@@ -300,9 +300,11 @@ def main(argv) -> None:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   config = FLAGS.config
   if config is None:
-    raise SystemExit('shardzoo: usage error: --config is required, e.g. --config configs/default.py (--help for all flags)')
+    raise SystemExit('shardzoo: usage error: --config is required, e.g. --config configs/default.py '
+                     '(--help for all flags)')
   if not FLAGS.workdir and not FLAGS.dry_run:  # also --workdir= (an unset $WORKDIR in a script)
-    raise SystemExit('shardzoo: usage error: --workdir is required (metrics and checkpoints are written there; --help for all flags)')
+    raise SystemExit('shardzoo: usage error: --workdir is required (metrics and checkpoints are written there; '
+                     '--help for all flags)')
   with errors.one_line():  # bad input, disk trouble, divergence: one line, no traceback
     schema.check(config)  # before JAX starts
     if not FLAGS.peer_timeout >= 5:  # beats come every peer_timeout / 5 s; a peer busy compiling is not dead

@@ -257,8 +257,10 @@ def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
   torch.manual_seed(0)
   build = build_resnet if spec['family'] == 'resnet' else build_hf
   model = build(torch, spec, notes)
-  if spec['family'] == 'moe':  # top-k and the zoo's loss weights (models/moe.to_hf_config: Mixtral's
-    c = model.config            # router_aux_loss_coef is the zoo's weight x layers / top_k; router_z_loss_coef is ours)
+  if spec['family'] == 'moe':
+    # top-k and the zoo's loss weights (models/moe.to_hf_config): Mixtral's router_aux_loss_coef is the zoo's
+    # weight x layers / top_k; router_z_loss_coef is not Mixtral's, the zoo's own
+    c = model.config
     spec['moe_aux'] = (c.num_experts_per_tok, c.router_aux_loss_coef * c.num_experts_per_tok / c.num_hidden_layers,
                        getattr(c, 'router_z_loss_coef', 0.0))
   if spec['family'] == 'resnet':

@@ -39,6 +39,7 @@ from grain import experimental as grain_exp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
+import partitioning
 from errors import CheckpointError, ConfigError, ShardingError
 
 # A per-example transform: a callable or grain.transforms.Map (example -> dict of arrays), or a
@@ -49,15 +50,13 @@ Transform = Callable[[Any], Mapping[str, np.ndarray]] | grain.transforms.Map | g
 def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
   """The rows of a global batch this process reads: the contiguous range of leading-axis rows its
   devices hold of an array of `global_shape` with `sharding` (the batch field's)."""
-  idx = sharding.addressable_devices_indices_map(global_shape).values()
-  starts = sorted({(i[0].start or 0, i[0].stop if i[0].stop is not None else global_shape[0]) for i in idx})
-  lo, hi = starts[0][0], starts[-1][1]
-  covered = sum(b - a for a, b in starts)
-  if covered != hi - lo:
+  starts, one_block = partitioning.leading_rows(sharding.addressable_devices_indices_map(global_shape).values(),
+                                                global_shape[0])
+  if not one_block:
     raise ShardingError(
         f'this process holds non-contiguous batch rows {starts} of a global batch of {global_shape[0]}; '
         'order the mesh so each process owns a contiguous block of the batch axes')
-  return slice(lo, hi)
+  return slice(starts[0][0], starts[-1][1])
 
 
 def _spans(rows: Sequence[int]) -> list[tuple[int, int]]:

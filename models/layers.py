@@ -524,6 +524,8 @@ CUDNN_ATTENTION_FORWARD = 'dot_product_attention_fwd_wrapper'
 # experts' outputs back in their groups (after the all-to-all back). Kept, the backward reruns neither the
 # expert matmuls nor the all-to-alls.
 MOE_DISPATCHED, MOE_GATE, MOE_UP, MOE_RETURNED = 'moe_dispatched', 'moe_gate', 'moe_up', 'moe_returned'
+_KEPT_BY_DOTS = frozenset((MOE_DISPATCHED, MOE_GATE, MOE_UP, MOE_RETURNED, attention.SPLASH_FORWARD,
+                           *attention.BLOCKWISE_FORWARD))
 
 # Model FLOPs (training/flops.py) count the matmuls a model's math needs. Under NOT_MODEL_FLOPS, matmuls that only
 # move data (a mixture of experts' one-hot dispatch and combine, its routing's bookkeeping) are not counted; under
@@ -534,8 +536,6 @@ NOT_MODEL_FLOPS = 'not_model_flops'
 
 def active_scope(active: int, slots: int) -> str:
   return f'active_{active}_of_{slots}'
-_KEPT_BY_DOTS = frozenset((MOE_DISPATCHED, MOE_GATE, MOE_UP, MOE_RETURNED, attention.SPLASH_FORWARD,
-                           *attention.BLOCKWISE_FORWARD))
 
 
 def _dots_and_fused_attention(prim: Any, *args: Any, **params: Any) -> bool:

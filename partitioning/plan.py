@@ -1,7 +1,7 @@
 """Resolving whole pytrees (params, optimizer state, batches) to shardings, with validation."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -90,6 +90,13 @@ def opt_state_axes(opt_shapes: Any, param_shapes: Any, param_axes: Any) -> Any:
 
 def named_shardings(specs: Any, mesh: Mesh) -> Any:
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def leading_rows(indices: Iterable[tuple[slice, ...]], size: int) -> tuple[list[tuple[int, int]], bool]:
+  """The distinct (start, stop) ranges of the leading axis (of length `size`) that these shards hold
+  (`devices_indices_map` values), sorted, and whether together they are one contiguous block."""
+  spans = sorted({(i[0].start or 0, i[0].stop if i[0].stop is not None else size) for i in indices})
+  return spans, sum(b - a for a, b in spans) == spans[-1][1] - spans[0][0]
 
 
 def check_batch(global_batch_size: int, batch_spec: PartitionSpec, mesh_shape: Mapping[str, int]) -> None:

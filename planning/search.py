@@ -228,7 +228,6 @@ class Search:
         raise ShardingError(f'{len(self.memory_devices)} devices to compile the memory for; the plan has '
                             f'{num_devices}')
       self.temporaries_known = True
-    self.per_host = num_devices // hosts
     self.layers = config.model.get('num_layers') if 'model' in config else None
     self.workers = workers
     self._cache: dict[Any, Any] = {}  # fingerprint -> Future of (_Compiled, compile seconds)
@@ -297,9 +296,8 @@ class Search:
     index = jax.sharding.NamedSharding(mesh, spec).devices_indices_map((B,))
     hosts = partitioning.dcn_coordinates(mesh, dict(plan.dcn_mesh))
     for host in range(self.hosts):
-      spans = sorted({(index[d][0].start or 0, index[d][0].stop or B)
-                      for d, h in zip(mesh.devices.flat, hosts) if h == host})
-      if sum(b - a for a, b in spans) != spans[-1][1] - spans[0][0]:
+      spans, one_block = partitioning.leading_rows((index[d] for d, h in zip(mesh.devices.flat, hosts) if h == host), B)
+      if not one_block:
         return f'host {host} would hold rows {spans} of {B}'
     return None
 

@@ -187,6 +187,11 @@ def os_error_of(e: BaseException) -> tuple[int, str, str | None] | None:
   return None
 
 
+def _data_positions(directory: epath.Path) -> list[dict[str, Any]]:
+  """Every process's data position in a step's data directory (process_<i>-of-<n>.json, by process)."""
+  return [json.loads(f.read_text()) for f in sorted(directory.glob('process_*-of-*.json'))]
+
+
 class DataPositionHandler(grain.checkpoint.CheckpointHandler):
   """grain's handler (one JSON file per process, process_<i>-of-<n>.json) for a data.RowsIterator, whose files
   say which rows they hold: a run resumes them with any number of processes (each reads every file and takes
@@ -204,7 +209,7 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
     if not isinstance(item, RowsIterator):
       return super().restore(directory, item=item)
     try:  # missing or unreadable: damage (restore_latest falls back); other mismatches are CheckpointErrors
-      saved = [json.loads(f.read_text()) for f in sorted(directory.glob('process_*-of-*.json'))]
+      saved = _data_positions(directory)
     except (OSError, ValueError) as e:
       raise DamagedCheckpointError(f'the data position in {directory} cannot be read ({e})') from e
     if not saved:
@@ -286,8 +291,7 @@ class Checkpointer:
                      what='optimizer state', source=source, hint=ANOTHER_OPTIMIZER)  # not damage either
     if isinstance(data_iter, RowsIterator):
       try:
-        saved = [json.loads(f.read_text()) for f in sorted(
-            (epath.Path(self.directory) / str(step) / 'data').glob('process_*-of-*.json'))]
+        saved = _data_positions(epath.Path(self.directory) / str(step) / 'data')
       except (OSError, ValueError):
         saved = []  # unreadable: damage, which the restore meets and falls back from
       try:

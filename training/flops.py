@@ -32,7 +32,8 @@ _ACTIVE = re.compile(layers.active_scope(r'(\d+)', r'(\d+)'))
 
 # Dense bf16 peak TFLOP/s per chip (no sparsity), matched against jax's device_kind in order.
 PEAK_TFLOPS: list[tuple[str, float]] = [
-    (r'H100.*PCIe|H800.*PCIe', 756.0), (r'H100.*NVL|H200.*NVL', 835.0), (r'H100|H200|H800', 989.0), (r'B200', 2250.0), (r'A100', 312.0), (r'L40S', 362.0),
+    (r'H100.*PCIe|H800.*PCIe', 756.0), (r'H100.*NVL|H200.*NVL', 835.0), (r'H100|H200|H800', 989.0),
+    (r'B200', 2250.0), (r'A100', 312.0), (r'L40S', 362.0),
     (r'L4\b', 121.0), (r'A10\b|A10G', 125.0),
     (r'TPU v6', 918.0), (r'TPU v5p', 459.0), (r'TPU v5 ?lite|TPU v5e', 197.0), (r'TPU v5', 459.0),
     (r'TPU v4', 275.0), (r'TPU v3', 123.0), (r'TPU v2', 45.0),
@@ -106,29 +107,27 @@ def _count(jaxpr, grads: list[bool]) -> tuple[float, float, list[bool]]:
   return total, causal, [on(v) for v in jaxpr.outvars]
 
 
+def _loop_body(body, flags: list[bool], carry: slice) -> tuple[float, float, list[bool]]:
+  """_count of one trip of a loop body whose inputs `carry` come back as its first outputs: the carry's flags
+  raised until they hold (a later trip sees what an earlier one made depend on a trained parameter)."""
+  while True:
+    t, c, outs = _count(body, flags)
+    raised = [a or b for a, b in zip(flags[carry], outs)]
+    if raised == flags[carry]:
+      return t, c, outs
+    flags[carry] = raised
+
+
 def _count_sub(eqn, ins: list[bool]) -> tuple[float, float, list[bool]]:
   """FLOPs of the jaxprs inside an equation (loops times their trips, calls, remat, the costliest cond branch)
   and which of its outputs depend on a trained parameter."""
   name, p = eqn.primitive.name, eqn.params
   anything = [any(ins)] * len(eqn.outvars)
-  if name == 'scan':  # invars: consts, carry, xs; outvars: carry, ys; the carry's flags to a fixed point
-    body, nc, nk = _closed(p['jaxpr']), p['num_consts'], p['num_carry']
-    flags = list(ins)
-    while True:
-      t, c, outs = _count(body, flags)
-      carry = [a or b for a, b in zip(flags[nc:nc + nk], outs[:nk])]
-      if carry == flags[nc:nc + nk]:
-        return p['length'] * t, p['length'] * c, outs
-      flags[nc:nc + nk] = carry
-  if name == 'while':  # invars: cond consts, body consts, carry (trips unknown: counted once)
-    body, nb, skip = _closed(p['body_jaxpr']), p['body_nconsts'], p['cond_nconsts']
-    flags = ins[skip:]
-    while True:
-      t, c, outs = _count(body, flags)
-      carry = [a or b for a, b in zip(flags[nb:], outs)]
-      if carry == flags[nb:]:
-        return t, c, outs
-      flags[nb:] = carry
+  if name == 'scan':  # invars: consts, carry, xs; outvars: carry, ys
+    t, c, outs = _loop_body(_closed(p['jaxpr']), list(ins), slice(p['num_consts'], p['num_consts'] + p['num_carry']))
+    return p['length'] * t, p['length'] * c, outs
+  if name == 'while':  # invars: cond consts, body consts, carry; outvars: carry (trips unknown: counted once)
+    return _loop_body(_closed(p['body_jaxpr']), ins[p['cond_nconsts']:], slice(p['body_nconsts'], None))
   if name == 'cond':  # invars: the index, then the branches' operands; one branch runs: the costliest
     runs = [_count(_closed(b), ins[1:]) for b in p['branches']]
     t, c, _ = max(runs, key=lambda r: r[0])
