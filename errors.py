@@ -1,7 +1,9 @@
-"""The errors shardzoo raises for bad input and for what stops a run (divergence, disk trouble). Each is raised before anything compiles where possible, and
+"""The errors shardzoo raises for bad input and for what stops a run (divergence, disk trouble). Each is
+raised before anything compiles where possible, and
 its message is one line that names the culprit (config field, parameter path, logical axis, mesh axes,
 sizes, file). train.py and the other entry points print it as `shardzoo: <kind> error: <message>`, with no
 traceback (`one_line`)."""
+
 import contextlib
 
 
@@ -41,9 +43,11 @@ class DeviceMemoryError(ConfigError):
 
 # What an out-of-memory from XLA (RESOURCE_EXHAUSTED: at compile time on TPUs, when allocating on GPUs) is
 # followed by in one_line's message.
-OUT_OF_MEMORY_ADVICE = ('lower the batch size (config.batch_size), recompute more in the backward pass '
-                        '(config.model.remat), or shard the state and activations over more devices (config.mesh, '
-                        'config.logical_axis_rules)')
+OUT_OF_MEMORY_ADVICE = (
+  'lower the batch size (config.batch_size), recompute more in the backward pass '
+  '(config.model.remat), or shard the state and activations over more devices (config.mesh, '
+  'config.logical_axis_rules)'
+)
 
 
 def out_of_device_memory(e: BaseException) -> str | None:

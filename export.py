@@ -9,6 +9,7 @@ a time (training/export.py, models/hf_export.py); LoRA adapters are merged into 
 must be new or empty (--overwrite: first remove the files of an earlier export there) and not a directory
 the export reads (the run's checkpoints, its init_from, its tokenizer directory).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,15 +27,20 @@ from configs import schema
 from training import export
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file('config', None, "The run's config (default: WORKDIR/run_config.json).",
-                                lock_config=True)
+config_flags.DEFINE_config_file(
+  'config', None, "The run's config (default: WORKDIR/run_config.json).", lock_config=True
+)
 flags.DEFINE_string('workdir', None, 'The run directory (its checkpoints/ are read).')
 flags.DEFINE_string('out', None, 'The Hugging Face directory to write.')
 flags.DEFINE_integer('step', None, 'The checkpoint step (default: the latest).')
-flags.DEFINE_string('dtype', None, 'Weights dtype on disk, e.g. bfloat16 (default: the parameters\', float32).')
+flags.DEFINE_string('dtype', None, "Weights dtype on disk, e.g. bfloat16 (default: the parameters', float32).")
 flags.DEFINE_string('max_shard_size', '5GB', 'Split the weights into files of at most this size (with an index).')
-flags.DEFINE_bool('overwrite', False, 'Export into a non-empty --out: first remove the files an export writes there '
-                  '(model*.safetensors, the index, config.json, generation_config.json, tokenizer files); others stay.')
+flags.DEFINE_bool(
+  'overwrite',
+  False,
+  'Export into a non-empty --out: first remove the files an export writes there '
+  '(model*.safetensors, the index, config.json, generation_config.json, tokenizer files); others stay.',
+)
 
 
 def main(argv) -> None:
@@ -54,13 +60,23 @@ def main(argv) -> None:
     if FLAGS.step is not None:
       checkpoints = os.path.join(checkpoints, str(FLAGS.step))
     t0 = time.perf_counter()
-    out = export.export_hf(trainer, checkpoints, FLAGS.out, models.HF_FAMILIES, dtype=FLAGS.dtype,
-                           max_shard_size=FLAGS.max_shard_size, overwrite=FLAGS.overwrite)
+    out = export.export_hf(
+      trainer,
+      checkpoints,
+      FLAGS.out,
+      models.HF_FAMILIES,
+      dtype=FLAGS.dtype,
+      max_shard_size=FLAGS.max_shard_size,
+      overwrite=FLAGS.overwrite,
+    )
     if jax.process_index() == 0:
-      print(f"exported {out['step_dir']} -> {FLAGS.out}: {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB "
-            f"{out['dtype']} in {len(out['files'])} file(s), {time.perf_counter() - t0:.1f}s"
-            + (f"; removed {', '.join(out['removed'])}" if out['removed'] else '')
-            + (f"; copied {', '.join(out['copied'])}" if out['copied'] else ''), flush=True)
+      print(
+        f'exported {out["step_dir"]} -> {FLAGS.out}: {out["tensors"]} tensors, {out["bytes"] / 2**20:.1f} MiB '
+        f'{out["dtype"]} in {len(out["files"])} file(s), {time.perf_counter() - t0:.1f}s'
+        + (f'; removed {", ".join(out["removed"])}' if out['removed'] else '')
+        + (f'; copied {", ".join(out["copied"])}' if out['copied'] else ''),
+        flush=True,
+      )
   except errors.CheckpointError as e:
     raise SystemExit(f'shardzoo: checkpoint error: {e}') from None
   except errors.ConfigError as e:  # HFImportError, HFExportError too

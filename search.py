@@ -10,6 +10,7 @@ factorisation, axis orders over hosts) -> stage 1: prune by validation, compile 
 H100s or TPU chips too: --compile_target), predict (planning/cost.py) -> stage 2: the other remat policies on the best
 plans -> the table -> --measure: real steps of the top K -> --out: the winner as a config file.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,16 +35,28 @@ flags.DEFINE_integer('measure', 0, 'Run the top K plans for real (needs --device
 flags.DEFINE_integer('measure_steps', 3, 'Timed steps per measured plan (after one warm-up step).')
 flags.DEFINE_string('out', None, 'Write the winning plan here as a config file train.py --config accepts.')
 flags.DEFINE_bool('overwrite', False, 'Let --out replace an existing file (never the --config file itself).')
-flags.DEFINE_string('remat', 'staged', "'staged': the config's remat first, every policy on the best --stage2 plans; "
-                    "'config': the config's only; or a comma-separated list of policies.")
-flags.DEFINE_integer('stage2', 3, "How many of stage 1's best plans (presets only) try their presets' variants "
-                     "and, with --remat=staged, every remat policy.")
+flags.DEFINE_string(
+  'remat',
+  'staged',
+  "'staged': the config's remat first, every policy on the best --stage2 plans; "
+  "'config': the config's only; or a comma-separated list of policies.",
+)
+flags.DEFINE_integer(
+  'stage2',
+  3,
+  "How many of stage 1's best plans (presets only) try their presets' variants "
+  'and, with --remat=staged, every remat policy.',
+)
 flags.DEFINE_integer('workers', 2, 'Compilations run in parallel.')
-flags.DEFINE_string('compile_target', 'auto', "Planned on CPU for a GPU or TPU chip, each plan's memory: 'auto' "
-                    "compiles for the chip itself (its GPU target in training/gpu_targets where JAX's CUDA plugin is "
-                    "installed; a TPU chip where libtpu is), exactly; "
-                    "'none' models it from what the backward keeps; or a target: a TPU chip (tpu_v5e, ...), a GPU "
-                    "target's name or .txtpb file.")
+flags.DEFINE_string(
+  'compile_target',
+  'auto',
+  "Planned on CPU for a GPU or TPU chip, each plan's memory: 'auto' "
+  "compiles for the chip itself (its GPU target in training/gpu_targets where JAX's CUDA plugin is "
+  'installed; a TPU chip where libtpu is), exactly; '
+  "'none' models it from what the backward keeps; or a target: a TPU chip (tpu_v5e, ...), a GPU "
+  "target's name or .txtpb file.",
+)
 flags.DEFINE_alias('gpu_target', 'compile_target')  # its name before TPUs compiled too
 
 
@@ -56,8 +69,10 @@ def main(argv) -> None:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   config = FLAGS.config
   if config is None or FLAGS.devices is None or FLAGS.device_kind is None:
-    raise app.UsageError('--config, --devices and --device_kind are required, e.g. --config configs/llama.py '
-                         '--devices 8 --device_kind h100')
+    raise app.UsageError(
+      '--config, --devices and --device_kind are required, e.g. --config configs/llama.py '
+      '--devices 8 --device_kind h100'
+    )
   logging.set_verbosity(logging.WARNING)
   t_start = time.perf_counter()
   with errors.one_line():  # bad input: one line, no traceback
@@ -66,8 +81,9 @@ def main(argv) -> None:
     chip = flops.chip(FLAGS.device_kind)
     n, hosts = FLAGS.devices, FLAGS.hosts
     if n < 1 or hosts < 1 or n % hosts:
-      raise errors.ConfigError(f'--devices {n} --hosts {hosts}: the device count must be a positive multiple of '
-                               'the host count')
+      raise errors.ConfigError(
+        f'--devices {n} --hosts {hosts}: the device count must be a positive multiple of the host count'
+      )
     least = dict(top=1, measure=0, measure_steps=1, stage2=0, workers=1)
     for name, low in least.items():
       if FLAGS[name].value < low:
@@ -92,14 +108,20 @@ def main(argv) -> None:
     # --- Devices: the real ones when there are --devices of them, else simulated CPU devices -------------
     partitioning.simulate_cpu_devices(n)
     import jax
+
     import models
     from planning import search as search_lib
+
     devices = jax.devices() if jax.device_count() == n and jax.default_backend() != 'cpu' else jax.devices('cpu')
-    say(f'plan search: {config_path}{":" + config_arg if config_arg else ""} for {n} x {chip.name}'
-        + (f' over {hosts} hosts' if hosts > 1 else '') + f' (compiling on {len(devices)} {devices[0].platform} '
-        f'devices); mesh axes {axes}; rule sets {list(rules)}')
+    say(
+      f'plan search: {config_path}{":" + config_arg if config_arg else ""} for {n} x {chip.name}'
+      + (f' over {hosts} hosts' if hosts > 1 else '')
+      + f' (compiling on {len(devices)} {devices[0].platform} '
+      f'devices); mesh axes {axes}; rule sets {list(rules)}'
+    )
     from models import attention
     from training import targets
+
     # compiled on CPU for a GPU: attention traced as on the GPU, its fused kernels stood in for by 'blockwise'
     stand_in = attention.gpu_stand_in if chip.platform == 'gpu' else None
     # ... and its memory compiled for the chip itself where JAX's CUDA plugin or libtpu can (training/targets.py)
@@ -108,11 +130,20 @@ def main(argv) -> None:
       target, why = targets.memory_target(chip.name, n, FLAGS.compile_target)
       if target:
         memory_devices = targets.compile_devices(target, n)
-        say(f'memory: compiled for {n} x {target}, the {chip.platform.upper()}\'s own ({why})')
+        say(f"memory: compiled for {n} x {target}, the {chip.platform.upper()}'s own ({why})")
       else:
         say(f'memory: modelled from what the backward keeps (planning/residuals.py): {why}')
-    search = search_lib.Search(config, lambda m, r: models.create(m, r, config.get('lora')), chip, n, hosts,
-                               devices, workers=FLAGS.workers, stand_in=stand_in, memory_devices=memory_devices)
+    search = search_lib.Search(
+      config,
+      lambda m, r: models.create(m, r, config.get('lora')),
+      chip,
+      n,
+      hosts,
+      devices,
+      workers=FLAGS.workers,
+      stand_in=stand_in,
+      memory_devices=memory_devices,
+    )
 
     # --- Stage 1: every mesh x preset, the config's remat (or the given ones) ------------------------------
     presets = {k: v for k, v in rules.items() if '-' not in k}
@@ -121,8 +152,13 @@ def main(argv) -> None:
     # --- Stage 2: the best plans' meshes with their presets' variants and every remat policy -------------
     if result.ranked and FLAGS.stage2:
       remats = choices if FLAGS.remat == 'staged' else first
-      more = [candidates.Candidate(c.mesh, name, r, remat) for c in (s.candidate for s in result.ranked[:FLAGS.stage2])
-              for name, r in rules.items() if name.split('-')[0] == c.rules_name for remat in remats]
+      more = [
+        candidates.Candidate(c.mesh, name, r, remat)
+        for c in (s.candidate for s in result.ranked[: FLAGS.stage2])
+        for name, r in rules.items()
+        if name.split('-')[0] == c.rules_name
+        for remat in remats
+      ]
       extra = search.run(more)
       say(f'stage 2: {len(extra.ranked)} plans scored ({extra.compiled} compiled) in {extra.wall_s:.0f} s')
       result.ranked = sorted(result.ranked + extra.ranked, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
@@ -133,47 +169,63 @@ def main(argv) -> None:
       result.compiled += extra.compiled
     fitting = [s for s in result.ranked if s.prediction.fits]
     if not fitting:
-      raise errors.ShardingError(f'no plan for {n} x {chip.name} survived: ' + '; '.join(
-          f'{k} ({v}), e.g. {result.examples.get(k, "")[:200]}' for k, v in result.pruned.most_common(3)))
+      raise errors.ShardingError(
+        f'no plan for {n} x {chip.name} survived: '
+        + '; '.join(f'{k} ({v}), e.g. {result.examples.get(k, "")[:200]}' for k, v in result.pruned.most_common(3))
+      )
 
     # --- Measure the top K for real -----------------------------------------------------------------------
     if FLAGS.measure:
       if jax.device_count() < n:
         raise errors.ConfigError(f'--measure needs {n} devices; this machine has {jax.device_count()}')
       say(f'measuring the top {FLAGS.measure} plans ({FLAGS.measure_steps} steps each) ...')
-      search.measure(fitting[:FLAGS.measure], steps=FLAGS.measure_steps)
+      search.measure(fitting[: FLAGS.measure], steps=FLAGS.measure_steps)
 
     # --- The table, the winner ----------------------------------------------------------------------------
     say('')
-    say(report.table(result.ranked[:FLAGS.top], chip))
+    say(report.table(result.ranked[: FLAGS.top], chip))
     say('')
     say(report.pruning(result))
     win = fitting[0]
     if FLAGS.measure:
       measured = [s for s in fitting if s.measured_s is not None]
       fastest = min(measured, key=lambda s: s.measured_s)
-      say(f'measured: the fastest of the top {len(measured)} is {fastest.candidate.label()} '
-          f'({1e3 * fastest.measured_s:.1f} ms); predicted winner {1e3 * win.measured_s:.1f} ms')
+      say(
+        f'measured: the fastest of the top {len(measured)} is {fastest.candidate.label()} '
+        f'({1e3 * fastest.measured_s:.1f} ms); predicted winner {1e3 * win.measured_s:.1f} ms'
+      )
     wall = time.perf_counter() - t_start
     mfu = f', predicted MFU {100 * win.mfu:.1f}%' if win.mfu else ''
     mem = f'{win.prediction.memory_gib:.1f} GiB per device'
     if memory_devices:
       mem += f' (compiled for {target})'
     elif win.prediction.memory_range:
-      mem += (' (modelled from what the backward keeps, {:.1f}-{:.1f}; {:.1f} of it state)'
-              .format(*win.prediction.memory_range, win.prediction.state_gib))
-    say(f'\nchoice: {win.candidate.label()}: {1e3 * win.prediction.step_s:.1f} ms/step predicted{mfu}, '
-        f'{mem}. Search took {wall:.0f} s.')
+      mem += ' (modelled from what the backward keeps, {:.1f}-{:.1f}; {:.1f} of it state)'.format(
+        *win.prediction.memory_range, win.prediction.state_gib
+      )
+    say(
+      f'\nchoice: {win.candidate.label()}: {1e3 * win.prediction.step_s:.1f} ms/step predicted{mfu}, '
+      f'{mem}. Search took {wall:.0f} s.'
+    )
     if FLAGS.out:
       plan = search_lib.apply(config, win.candidate, hosts)
       base_config = candidates.load_module(config_path).get_config(config_arg)
       command = f'python train.py --config {FLAGS.out} --workdir /tmp/plan'
-      header = (f'Plan chosen by search.py on {time.strftime("%Y-%m-%d")} for {n} x {chip.name}'
-                + (f' over {hosts} hosts' if hosts > 1 else '') + f':\n  {win.candidate.label()}\n'
-                f'  predicted {1e3 * win.prediction.step_s:.1f} ms/step{mfu},\n  {mem}.\n\n  {command}\n\nSearched from {config_path}'
-                + (f':{config_arg}' if config_arg else '') + '; fields below differ from that config.')
-      plan_file.write(FLAGS.out, plan_file.render(config_path, config_arg, base_config, plan, header),
-                      overwrite=FLAGS.overwrite, config_file=config_path)
+      header = (
+        f'Plan chosen by search.py on {time.strftime("%Y-%m-%d")} for {n} x {chip.name}'
+        + (f' over {hosts} hosts' if hosts > 1 else '')
+        + f':\n  {win.candidate.label()}\n'
+        f'  predicted {1e3 * win.prediction.step_s:.1f} ms/step{mfu},\n  {mem}.\n\n  {command}\n\n'
+        f'Searched from {config_path}'
+        + (f':{config_arg}' if config_arg else '')
+        + '; fields below differ from that config.'
+      )
+      plan_file.write(
+        FLAGS.out,
+        plan_file.render(config_path, config_arg, base_config, plan, header),
+        overwrite=FLAGS.overwrite,
+        config_file=config_path,
+      )
       say(f'wrote {FLAGS.out}; run it with:\n  {command}')
 
 

@@ -11,6 +11,7 @@ JAX's Pallas kernel, which alone takes packed documents) with its 'xla' kernel o
 both against a float32 XLA reference: relative error
 ||out - ref|| / ||ref|| of the output and of dq, dk, dv. Then times forward + backward of each.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,13 +29,13 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from models import attention  # noqa: E402
 
 CASES = {  # name -> (B, L, H, G, K, causal, packed, padded)
-    'gpt2 causal': (8, 1024, 12, 12, 64, True, False, False),
-    'llama causal GQA': (2, 2048, 32, 8, 64, True, False, False),
-    'gpt2 packed': (8, 1024, 12, 12, 64, True, True, False),
-    'llama packed GQA': (2, 2048, 32, 8, 64, True, True, False),
-    'vit L=197': (64, 197, 12, 12, 64, False, False, False),
-    'bert right-padded': (16, 128, 12, 12, 64, False, False, True),
-    'llama packed GQA, context shard': (2, 2048, 32, 8, 64, True, True, False),
+  'gpt2 causal': (8, 1024, 12, 12, 64, True, False, False),
+  'llama causal GQA': (2, 2048, 32, 8, 64, True, False, False),
+  'gpt2 packed': (8, 1024, 12, 12, 64, True, True, False),
+  'llama packed GQA': (2, 2048, 32, 8, 64, True, True, False),
+  'vit L=197': (64, 197, 12, 12, 64, False, False, False),
+  'bert right-padded': (16, 128, 12, 12, 64, False, False, True),
+  'llama packed GQA, context shard': (2, 2048, 32, 8, 64, True, True, False),
 }
 
 
@@ -46,7 +47,7 @@ def inputs(B, L, H, G, K, packed, padded, seed=0):
     seg = np.zeros((B, L), np.int32)
     for b in range(B):
       cuts = sorted(rng.choice(np.arange(16, L - 16), 3, replace=False))
-      seg[b, :cuts[0]], seg[b, cuts[0]:cuts[1]], seg[b, cuts[1]:cuts[2]] = 1, 2, 3
+      seg[b, : cuts[0]], seg[b, cuts[0] : cuts[1]], seg[b, cuts[1] : cuts[2]] = 1, 2, 3
   if padded:
     lengths = rng.integers(L // 4, L + 1, B)
     valid = (np.arange(L)[None] < lengths[:, None]).astype(np.int32)
@@ -59,8 +60,9 @@ def context_shard(impl, q, k, v, seg, causal):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('context',))
   spec, rows = P(None, 'context'), {} if seg is None else {'segment_ids_BL': seg}
   local = functools.partial(attention._per_shard_context, axes='context', causal=causal, implementation=impl)
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, {k: spec for k in rows}), out_specs=spec,
-                       check_vma=False)(q, k, v, rows)
+  return jax.shard_map(
+    local, mesh=mesh, in_specs=(spec, spec, spec, {k: spec for k in rows}), out_specs=spec, check_vma=False
+  )(q, k, v, rows)
 
 
 def run(impl, q, k, v, seg, valid, causal, dtype, context=False):
@@ -72,6 +74,7 @@ def run(impl, q, k, v, seg, valid, causal, dtype, context=False):
       with attention.forced(impl):
         o = attention.attend(q, k, v, causal=causal, segment_ids_BL=seg, valid_BL=valid)
     return (o.astype(jnp.float32) * ct).sum(), o
+
   ct = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
   if valid is not None:  # padded queries' outputs are not compared (nothing uses them)
     ct = ct * valid[:, :, None, None]
@@ -113,6 +116,7 @@ def main():
         print(f'{name:32s} {impl:8s} ' + ' '.join(f'{e:9.2e}' for e in errs) + f' {1e3 * t:11.2f}{bad}', flush=True)
       except Exception as e:  # noqa: BLE001  (a probe: report and go on)
         print(f'{name:32s} {impl:8s} FAILED: {type(e).__name__}: {str(e)[:300]}', flush=True)
+
 
 if __name__ == '__main__':
   main()

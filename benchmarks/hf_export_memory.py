@@ -9,6 +9,7 @@ in place into safetensors files laid out up front) and reports the time and the 
 export. The output is then loaded by
 transformers as a check (its logits are compared with the zoo's in the tests, not here).
 """
+
 import argparse
 import ctypes
 import os
@@ -30,6 +31,7 @@ def main() -> None:
   sys.path.insert(0, ROOT)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   import partitioning
+
   partitioning.simulate_cpu_devices(8)
   import jax
   from flax import nnx
@@ -38,9 +40,11 @@ def main() -> None:
   import training
   from configs import gpt2
   from training import export
+
   cfg = gpt2.get_config('fsdp')
-  cfg.model.update(num_layers=a.layers, embed_dim=a.dim, num_heads=a.dim // 64, mlp_dim=4 * a.dim, pad_vocab_to=1,
-                   dtype='float32')
+  cfg.model.update(
+    num_layers=a.layers, embed_dim=a.dim, num_heads=a.dim // 64, mlp_dim=4 * a.dim, pad_vocab_to=1, dtype='float32'
+  )
   cfg.logical_axis_rules = [r if r[0] != 'vocab' else ('vocab', None) for r in cfg.logical_axis_rules]
   trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh), lambda rngs: models.create(cfg.model, rngs))
   make = lambda: nnx.to_pure_dict(nnx.state(trainer.make_model(nnx.Rngs(0)), nnx.Param))
@@ -56,13 +60,18 @@ def main() -> None:
   traced = tracemalloc.get_traced_memory()[1] / 2**20
   full = sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20
   largest = max(x.nbytes for x in jax.tree.leaves(params)) / 2**20
-  print(f"model: {sum(x.size for x in jax.tree.leaves(params)):,} parameters, {full:.1f} MiB in float32; "
-        f"written: {stats['tensors']} tensors, {stats['bytes'] / 2**20:.1f} MiB {stats['dtype']} in "
-        f"{len(stats['files'])} file(s) -> {out}")
-  print(f'export: {dt:.1f} s; peak allocated host memory beyond the sharded arrays: {sampler.peak:.0f} MiB RssAnon, '
-        f'{traced:.0f} MiB traced numpy/Python allocations = {100 * max(sampler.peak, traced) / full:.1f}% of the '
-        f'model (largest zoo tensor: {largest:.0f} MiB)')
+  print(
+    f'model: {sum(x.size for x in jax.tree.leaves(params)):,} parameters, {full:.1f} MiB in float32; '
+    f'written: {stats["tensors"]} tensors, {stats["bytes"] / 2**20:.1f} MiB {stats["dtype"]} in '
+    f'{len(stats["files"])} file(s) -> {out}'
+  )
+  print(
+    f'export: {dt:.1f} s; peak allocated host memory beyond the sharded arrays: {sampler.peak:.0f} MiB RssAnon, '
+    f'{traced:.0f} MiB traced numpy/Python allocations = {100 * max(sampler.peak, traced) / full:.1f}% of the '
+    f'model (largest zoo tensor: {largest:.0f} MiB)'
+  )
   import transformers
+
   model = transformers.AutoModelForCausalLM.from_pretrained(out)
   print(f'transformers loads it: {type(model).__name__}, {model.num_parameters():,} parameters')
 

@@ -10,6 +10,7 @@ On simulated CPU devices the device buffers live in host memory too, so they are
 separately: transient = peak RSS - RSS after the import.
 Compare: loading the whole file with safetensors.numpy.load_file first needs the full model size.
 """
+
 import argparse
 import os
 import subprocess
@@ -40,10 +41,12 @@ class PeakRSS:
 
   def __enter__(self):
     self._stop = threading.Event()
+
     def run():
       while not self._stop.is_set():
         self.peak = max(self.peak, rss_mib() - self.baseline - self.created)
         time.sleep(0.001)
+
     self._thread = threading.Thread(target=run, daemon=True)
     self._thread.start()
     return self
@@ -56,6 +59,7 @@ class PeakRSS:
 def save(path: str, layers: int, dim: int) -> None:
   import torch
   import transformers
+
   torch.manual_seed(0)
   cfg = transformers.GPT2Config(n_layer=layers, n_embd=dim, n_head=dim // 64)
   transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
@@ -73,14 +77,18 @@ def main() -> None:
     return
   path = a.dir or tempfile.mkdtemp(prefix='hf_gpt2_')
   if not os.path.exists(os.path.join(path, 'config.json')):
-    subprocess.run([sys.executable, __file__, '--_save', '--dir', path, '--layers', str(a.layers),
-                    '--dim', str(a.dim)], check=True, env={**os.environ, 'HF_HUB_OFFLINE': '1'})
+    subprocess.run(
+      [sys.executable, __file__, '--_save', '--dir', path, '--layers', str(a.layers), '--dim', str(a.dim)],
+      check=True,
+      env={**os.environ, 'HF_HUB_OFFLINE': '1'},
+    )
   file_mib = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith('.safetensors'))
   file_mib /= 2**20
 
   sys.path.insert(0, ROOT)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   import partitioning
+
   partitioning.simulate_cpu_devices(8)
   import jax
 
@@ -88,6 +96,7 @@ def main() -> None:
   import training
   from configs import gpt2
   from training import pretrained
+
   cfg = gpt2.get_config('fsdp')
   cfg.init_from = path
   cfg.model.update(pad_vocab_to=1, dtype='float32')
@@ -95,31 +104,41 @@ def main() -> None:
   pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
   trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh), lambda rngs: models.create(cfg.model, rngs))
   from models import hf_import
+
   before = rss_mib()
   t0 = time.perf_counter()
   read = hf_import._read_through
   with PeakRSS(before) as sampler:
+
     def counted(*args):  # every slice read becomes one device buffer
       out = read(*args)
       sampler.created += out.nbytes / 2**20
       return out
+
     hf_import._read_through = counted
-    params, _ = hf_import.import_params(hf_import.HFDir(path), models.HF_FAMILIES['gpt2'], cfg.model,
-                                        trainer.abstract.params, trainer.shardings.params)
+    params, _ = hf_import.import_params(
+      hf_import.HFDir(path), models.HF_FAMILIES['gpt2'], cfg.model, trainer.abstract.params, trainer.shardings.params
+    )
     jax.block_until_ready(params)
   dt = time.perf_counter() - t0
   after, transient = rss_mib(), sampler.peak
   n = sum(x.size for x in jax.tree.leaves(params))
   full = sum(x.nbytes for x in jax.tree.leaves(params)) / 2**20
-  per_device = sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards
-                   if s.device == jax.devices()[0]) / 2**20
+  per_device = (
+    sum(s.data.nbytes for x in jax.tree.leaves(params) for s in x.addressable_shards if s.device == jax.devices()[0])
+    / 2**20
+  )
   print(f'model: {n:,} parameters, {full:.1f} MiB in float32 ({file_mib:.1f} MiB of safetensors)')
   print(f'import: {dt:.1f} s; device 0 holds {per_device:.1f} MiB (fsdp=8)')
-  print(f'resident memory: {before:.0f} MiB before, {after:.0f} MiB after (+{after - before:.0f} MiB: the sharded '
-        'arrays of all 8 simulated devices, which live in host memory on CPU)')
-  print(f'peak allocated host memory (RssAnon) of the import beyond the arrays created so far: {transient:.0f} MiB '
-        f'= {100 * transient / full:.1f}% of the full model (largest tensor: '
-        f'{max(x.nbytes for x in jax.tree.leaves(params)) / 2**20:.0f} MiB)')
+  print(
+    f'resident memory: {before:.0f} MiB before, {after:.0f} MiB after (+{after - before:.0f} MiB: the sharded '
+    'arrays of all 8 simulated devices, which live in host memory on CPU)'
+  )
+  print(
+    f'peak allocated host memory (RssAnon) of the import beyond the arrays created so far: {transient:.0f} MiB '
+    f'= {100 * transient / full:.1f}% of the full model (largest tensor: '
+    f'{max(x.nbytes for x in jax.tree.leaves(params)) / 2**20:.0f} MiB)'
+  )
 
 
 if __name__ == '__main__':

@@ -14,6 +14,7 @@ Pipelines:
   markov         the default offline dataset (in memory)
 Each runs the real `data.build(config).train_dataset(...)` iterator: warm-up batches, then timed ones.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,12 +37,19 @@ MOCK_EXAMPLES = 4096
 
 class ShardzooJpegs(tfds.core.GeneratorBasedBuilder):
   """ImageNet-like JPEGs (500x375, smooth random colours), prepared locally: no download."""
+
   VERSION = tfds.core.Version('1.0.0')
 
   def _info(self):
-    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
-        'image': tfds.features.Image(shape=(None, None, 3), encoding_format='jpeg'),
-        'label': tfds.features.ClassLabel(num_classes=1000)}))
+    return tfds.core.DatasetInfo(
+      builder=self,
+      features=tfds.features.FeaturesDict(
+        {
+          'image': tfds.features.Image(shape=(None, None, 3), encoding_format='jpeg'),
+          'label': tfds.features.ClassLabel(num_classes=1000),
+        }
+      ),
+    )
 
   def _split_generators(self, dl_manager):
     return {'train': self._generate_examples(512), 'validation': self._generate_examples(64)}
@@ -56,6 +64,7 @@ class ShardzooJpegs(tfds.core.GeneratorBasedBuilder):
 
 class ShardzooSentences(tfds.core.GeneratorBasedBuilder):
   """lm1b-like sentences (random words, 8-40 of them, ~130 bytes on average), prepared locally."""
+
   VERSION = tfds.core.Version('1.0.0')
 
   def _info(self):
@@ -98,14 +107,22 @@ def main() -> None:
   args = p.parse_args()
   b, n = args.batch, args.threads
   pipelines = {
-      'imagenet_jpeg': lambda d: config('classification', name='shardzoo_jpegs', data_dir=d, eval_split='validation',
-                                        image_size=224, augment='inception_crop', num_threads=n),
-      'imagenet2012': lambda d: config('classification', name='imagenet2012', image_size=224, num_threads=n),
-      'cifar10': lambda d: config('classification', name='cifar10', num_threads=n),
-      'lm1b': lambda d: config('lm', name='lm1b', seq_len=args.seq_len, pack=True),
-      'sentences': lambda d: config('lm', name='shardzoo_sentences', data_dir=d, seq_len=args.seq_len, pack=True),
-      'markov': lambda d: config('lm', name='markov', vocab_size=16, branching=4, smoothing=0.03, seq_len=64,
-                                 num_train=65536, num_eval=100),
+    'imagenet_jpeg': lambda d: config(
+      'classification',
+      name='shardzoo_jpegs',
+      data_dir=d,
+      eval_split='validation',
+      image_size=224,
+      augment='inception_crop',
+      num_threads=n,
+    ),
+    'imagenet2012': lambda d: config('classification', name='imagenet2012', image_size=224, num_threads=n),
+    'cifar10': lambda d: config('classification', name='cifar10', num_threads=n),
+    'lm1b': lambda d: config('lm', name='lm1b', seq_len=args.seq_len, pack=True),
+    'sentences': lambda d: config('lm', name='shardzoo_sentences', data_dir=d, seq_len=args.seq_len, pack=True),
+    'markov': lambda d: config(
+      'lm', name='markov', vocab_size=16, branching=4, smoothing=0.03, seq_len=64, num_train=65536, num_eval=100
+    ),
   }
   print(f'batch {b}, {args.steps} timed batches, {n} read threads, {os.cpu_count()} CPU cores')
   with tempfile.TemporaryDirectory() as tmp:
@@ -122,8 +139,8 @@ def main() -> None:
           r = measure(make(tmp), b, args.steps)
       else:
         r = measure(make(tmp), b, args.steps)
-      extra = f" | {r['targets/s']:,.0f} tokens/s" if name in ('lm1b', 'sentences', 'markov') else ''
-      print(f"{name:14s} {r['examples/s']:10,.0f} examples/s | {r['ms/batch']:7.1f} ms/batch{extra}", flush=True)
+      extra = f' | {r["targets/s"]:,.0f} tokens/s' if name in ('lm1b', 'sentences', 'markov') else ''
+      print(f'{name:14s} {r["examples/s"]:10,.0f} examples/s | {r["ms/batch"]:7.1f} ms/batch{extra}', flush=True)
 
 
 if __name__ == '__main__':

@@ -10,6 +10,7 @@ temporaries (activations, logits, gradients in flight), arguments (params, optim
 outputs, beside the size of the whole (B, L, V) logits in the config's logits dtype. These are XLA's CPU
 figures: a GPU's compiled program (fusions, cuDNN/cuBLAS workspaces) differs.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,11 +36,13 @@ def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   import jax
+
   import models
   import partitioning
   import training
   from models import layers
   from partitioning import fmt_bytes
+
   config = FLAGS.config
   schema.check(config)
   if config.task != 'lm':
@@ -47,9 +50,11 @@ def main(argv) -> None:
   m, B, L = config.model, config.batch_size, config.dataset.seq_len
   V = layers.padded_vocab(m)
   logits = B * L * V * layers.logits_dtype(m).itemsize
-  print(f'{m.name}, batch {B} x {L} tokens, vocab {V}, 1 {jax.devices()[0].platform} device; dtype={m.dtype}, '
-        f'remat={m.get("remat")}, scan_layers={m.get("scan_layers")}; whole logits {fmt_bytes(logits)} '
-        f'({layers.logits_dtype(m).name})')
+  print(
+    f'{m.name}, batch {B} x {L} tokens, vocab {V}, 1 {jax.devices()[0].platform} device; dtype={m.dtype}, '
+    f'remat={m.get("remat")}, scan_layers={m.get("scan_layers")}; whole logits {fmt_bytes(logits)} '
+    f'({layers.logits_dtype(m).name})'
+  )
   print(f'{"loss_chunks":>11} {"temporaries":>12} {"arguments":>10} {"outputs":>10} {"compile s":>9}')
   first = None
   for chunks in (int(c) for c in FLAGS.chunks):
@@ -61,9 +66,12 @@ def main(argv) -> None:
     start = time.perf_counter()
     mem = training.compile_step(trainer, training.jit_train_step(trainer)).memory_analysis()
     first = first or mem.temp_size_in_bytes
-    print(f'{chunks:>11} {fmt_bytes(mem.temp_size_in_bytes):>12} {fmt_bytes(mem.argument_size_in_bytes):>10} '
-          f'{fmt_bytes(mem.output_size_in_bytes):>10} {time.perf_counter() - start:>9.1f}'
-          f'   ({mem.temp_size_in_bytes / first:.3f} of the first)', flush=True)
+    print(
+      f'{chunks:>11} {fmt_bytes(mem.temp_size_in_bytes):>12} {fmt_bytes(mem.argument_size_in_bytes):>10} '
+      f'{fmt_bytes(mem.output_size_in_bytes):>10} {time.perf_counter() - start:>9.1f}'
+      f'   ({mem.temp_size_in_bytes / first:.3f} of the first)',
+      flush=True,
+    )
 
 
 if __name__ == '__main__':

@@ -12,6 +12,7 @@ the same synthetic batches (the task's, one seed per step). The reference defaul
 XLA attention, scanned layers, no remat, float32 logits, flax's two-pass BatchNorm. Prints the two loss
 curves' largest difference relative to the reference loss, and where it happened.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,21 +26,27 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import errors  # noqa: E402
-from configs import schema  # noqa: E402
-
 import partitioning  # noqa: E402
 import training  # noqa: E402
+from configs import schema  # noqa: E402
 from training import profiling, xent  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/gpt2.py[:preset].', lock_config=True)
 flags.DEFINE_integer('steps', 50, 'Train steps of each run.')
-flags.DEFINE_string('reference', 'model.attention=xla,model.scan_layers=True,model.remat=none,'
-                    'model.logits_dtype=float32,model.bn_fast_variance=False,model.bn_fused=False',
-                    'Comma-separated key=value overrides that make the reference run (keys the config lacks '
-                    'are skipped).')
-flags.DEFINE_enum('logsumexp', 'auto', xent.LOGSUMEXP_CHOICES, "The loss's log-sum-exp in this run: auto "
-                  '(one pass over the logits on GPUs, two elsewhere), or one / two passes on any device.')
+flags.DEFINE_string(
+  'reference',
+  'model.attention=xla,model.scan_layers=True,model.remat=none,'
+  'model.logits_dtype=float32,model.bn_fast_variance=False,model.bn_fused=False',
+  'Comma-separated key=value overrides that make the reference run (keys the config lacks are skipped).',
+)
+flags.DEFINE_enum(
+  'logsumexp',
+  'auto',
+  xent.LOGSUMEXP_CHOICES,
+  "The loss's log-sum-exp in this run: auto "
+  '(one pass over the logits on GPUs, two elsewhere), or one / two passes on any device.',
+)
 flags.DEFINE_enum('reference_logsumexp', 'auto', xent.LOGSUMEXP_CHOICES, 'The same for the reference run.')
 
 
@@ -66,11 +73,21 @@ def main(argv) -> None:
   rel = np.abs(ours - ref) / np.abs(ref)
   worst = int(np.argmax(rel))
   m = config.model
-  print(f'\n{m.name}, batch {config.batch_size}, {FLAGS.steps} steps on {jax.device_count()} '
-        f'{jax.devices()[0].device_kind}; dtype {m.get("dtype", "float32")}')
-  print('reference: ' + ', '.join([f'{k}={v}' for k, v in changes.items()] + (
-      [f'log-sum-exp {FLAGS.reference_logsumexp} vs {FLAGS.logsumexp}'] if FLAGS.logsumexp != FLAGS.reference_logsumexp
-      else [])))
+  print(
+    f'\n{m.name}, batch {config.batch_size}, {FLAGS.steps} steps on {jax.device_count()} '
+    f'{jax.devices()[0].device_kind}; dtype {m.get("dtype", "float32")}'
+  )
+  print(
+    'reference: '
+    + ', '.join(
+      [f'{k}={v}' for k, v in changes.items()]
+      + (
+        [f'log-sum-exp {FLAGS.reference_logsumexp} vs {FLAGS.logsumexp}']
+        if FLAGS.logsumexp != FLAGS.reference_logsumexp
+        else []
+      )
+    )
+  )
   print(f'loss: step 1 {ours[0]:.5f} vs {ref[0]:.5f}; step {FLAGS.steps} {ours[-1]:.5f} vs {ref[-1]:.5f}')
   print(f'largest relative difference: {rel[worst]:.2e} at step {worst + 1}; median {np.median(rel):.2e}')
 

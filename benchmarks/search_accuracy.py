@@ -8,9 +8,11 @@ Run mode: the search (planning/search.py) over every mesh x rule set of the conf
 round-robin over the plans so that load from other processes on the machine hits all of them alike; the
 median step time is the measurement. Writes each plan's compiled figures and times as JSON.
 Fit mode: fits the 'cpu' chip's calibration (compute_eff, link_eff, latency_us for the ranking, then a scale
-and step_overhead_us for the times; `fit`'s docstring) on the --fit files only, and prints, for every file, Spearman's rank correlation of predicted vs measured and how
+and step_overhead_us for the times; `fit`'s docstring) on the --fit files only, and prints, for every file,
+Spearman's rank correlation of predicted vs measured and how
 much slower the predicted winner ran than the fastest measured plan, with the fitted and the table's constants.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,9 +26,8 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import errors  # noqa: E402
-from configs import schema  # noqa: E402
-
 import partitioning  # noqa: E402
+from configs import schema  # noqa: E402
 from planning import candidates, cost  # noqa: E402
 from training import flops  # noqa: E402
 
@@ -41,20 +42,32 @@ flags.DEFINE_multi_string('report', [], 'Fit mode: further result files to repor
 
 
 def _profile_json(p: cost.Profile) -> dict:
-  return dict(flops=p.flops, bytes_accessed=p.bytes_accessed, memory=p.memory, argument_bytes=p.argument_bytes,
-              temp_bytes=p.temp_bytes, collectives=[[dataclasses.asdict(k), list(v)] for k, v in p.collectives.items()])
+  return dict(
+    flops=p.flops,
+    bytes_accessed=p.bytes_accessed,
+    memory=p.memory,
+    argument_bytes=p.argument_bytes,
+    temp_bytes=p.temp_bytes,
+    collectives=[[dataclasses.asdict(k), list(v)] for k, v in p.collectives.items()],
+  )
 
 
 def _profile(d: dict) -> cost.Profile:
-  return cost.Profile(d['flops'], d['bytes_accessed'], d['memory'], d['argument_bytes'], d['temp_bytes'],
-                      {cost.CollectiveKey(k['op'], tuple(k['axes']), k['group'], k['hosts']): tuple(v)
-                       for k, v in d['collectives']})
+  return cost.Profile(
+    d['flops'],
+    d['bytes_accessed'],
+    d['memory'],
+    d['argument_bytes'],
+    d['temp_bytes'],
+    {cost.CollectiveKey(k['op'], tuple(k['axes']), k['group'], k['hosts']): tuple(v) for k, v in d['collectives']},
+  )
 
 
 def run(config) -> None:
   partitioning.simulate_cpu_devices(FLAGS.devices)
   import models
   from planning import search as search_lib
+
   path, _, arg = config_flags.get_config_filename(FLAGS['config']).partition(':')
   rules = candidates.rule_variants(candidates.presets_of(path, arg or None, config))
   axes = candidates.mesh_axes_of(rules, list(config.mesh))
@@ -64,8 +77,16 @@ def run(config) -> None:
   print(f'search: {result.compiled} plans compiled in {result.wall_s:.0f} s; pruned {dict(result.pruned)}', flush=True)
   plans = [p for p in result.ranked if p.prediction.fits]
   s.measure(plans, steps=FLAGS.steps, rounds=FLAGS.rounds)
-  rows = [dict(plan=p.candidate.label(), predicted_s=p.prediction.step_s, measured_s=p.measured_s,
-               times=p.measured_times, profile=_profile_json(p.profile)) for p in plans]
+  rows = [
+    dict(
+      plan=p.candidate.label(),
+      predicted_s=p.prediction.step_s,
+      measured_s=p.measured_s,
+      times=p.measured_times,
+      profile=_profile_json(p.profile),
+    )
+    for p in plans
+  ]
   with open(FLAGS.out, 'w') as f:
     json.dump(dict(config=f'{path}:{arg}', devices=FLAGS.devices, search_s=result.wall_s, plans=rows), f, indent=1)
   report([FLAGS.out], chip, 'table constants')
@@ -84,6 +105,7 @@ def _rows(data: dict) -> list[tuple[cost.Profile, int, float]]:
 
 def _predictions(rows: list[tuple[cost.Profile, int, float]], chip: flops.Chip):
   import numpy as np
+
   return np.array([cost.predict(p, chip, n).step_s for p, n, _ in rows])
 
 
@@ -94,14 +116,24 @@ def fit(files: list[str], base: flops.Chip) -> flops.Chip:
   fixed per-step overhead (>= 0), which leave the ranking as it is, fit the measured times (least squares on
   relative error). Least squares alone fitted the times' scale and ranked worse (Llama 0.46 against 0.84)."""
   import numpy as np
+
   from planning.search import spearman
+
   per_file = [_rows(json.load(open(path))) for path in files]
   rows = [r for f in per_file for r in f]
   meas = np.array([t for _, _, t in rows])
 
   def shaped(ce, lat, le):  # the byte term at a fixed reference, so the fit depends on the measurements only
-    return dataclasses.replace(base, compute_eff=ce, hbm_gbps=SHAPE_HBM_GBPS, latency_us=lat, dcn_latency_us=lat,
-                               link_eff=le, step_overhead_us=0.0)
+    return dataclasses.replace(
+      base,
+      compute_eff=ce,
+      hbm_gbps=SHAPE_HBM_GBPS,
+      latency_us=lat,
+      dcn_latency_us=lat,
+      link_eff=le,
+      step_overhead_us=0.0,
+    )
+
   best = None
   for ce in np.geomspace(0.02, 1.0, 12):
     for lat in np.geomspace(50.0, 10000.0, 16):
@@ -116,27 +148,40 @@ def fit(files: list[str], base: flops.Chip) -> flops.Chip:
   pred = _predictions(rows, chip)
   # measured ~ overhead + scale x predicted, weighted by 1/measured; overhead >= 0 (nnls on [pred, 1])
   from scipy.optimize import nnls
+
   (scale, overhead), _ = nnls(np.stack([pred / meas, 1 / meas], 1), np.ones_like(meas))
   scale = scale or 1.0
   # every term x scale (the bytes term too: compute is max(FLOP time, byte time)), the ranking unchanged
-  return dataclasses.replace(chip, compute_eff=chip.compute_eff / scale, hbm_gbps=chip.hbm_gbps / scale,
-                             latency_us=chip.latency_us * scale, dcn_latency_us=chip.latency_us * scale,
-                             link_eff=chip.link_eff / scale, step_overhead_us=overhead * 1e6)
+  return dataclasses.replace(
+    chip,
+    compute_eff=chip.compute_eff / scale,
+    hbm_gbps=chip.hbm_gbps / scale,
+    latency_us=chip.latency_us * scale,
+    dcn_latency_us=chip.latency_us * scale,
+    link_eff=chip.link_eff / scale,
+    step_overhead_us=overhead * 1e6,
+  )
 
 
 def report(files: list[str], chip: flops.Chip, what: str) -> None:
   from planning.search import spearman
-  print(f'\n{what}: compute_eff {chip.compute_eff:.3g}, HBM {chip.hbm_gbps:.3g} GB/s, latency {chip.latency_us:.3g} us, '
-        f'link_eff {chip.link_eff:.3g}, step overhead {chip.step_overhead_us:.3g} us')
+
+  print(
+    f'\n{what}: compute_eff {chip.compute_eff:.3g}, HBM {chip.hbm_gbps:.3g} GB/s, latency {chip.latency_us:.3g} us, '
+    f'link_eff {chip.link_eff:.3g}, step overhead {chip.step_overhead_us:.3g} us'
+  )
   for path in files:
     data = json.load(open(path))
     rows = _rows(data)
     pred, meas = list(_predictions(rows, chip)), [t for _, _, t in rows]
     win = min(range(len(pred)), key=pred.__getitem__)
     gap = meas[win] / min(meas) - 1
-    print(f'  {data["config"]}: {len(meas)} plans, Spearman {spearman(pred, meas):.3f}, chosen {data["plans"][win]["plan"]} '
-          f'{1e3 * meas[win]:.1f} ms vs best measured {1e3 * min(meas):.1f} ms ({100 * gap:+.1f}%); search '
-          f'{data["search_s"]:.0f} s')
+    print(
+      f'  {data["config"]}: {len(meas)} plans, Spearman {spearman(pred, meas):.3f}, '
+      f'chosen {data["plans"][win]["plan"]} '
+      f'{1e3 * meas[win]:.1f} ms vs best measured {1e3 * min(meas):.1f} ms ({100 * gap:+.1f}%); search '
+      f'{data["search_s"]:.0f} s'
+    )
 
 
 @errors.one_line()  # bad input: one line, no traceback

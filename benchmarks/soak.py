@@ -26,6 +26,7 @@ faulted and restarted runs (10 SIGKILLs, 9 of them cutting a save short; 10 SIGT
 from the newest complete checkpoint, and the final checkpoint (207 arrays and the data position) was bitwise
 equal. A restart costs ~7-10 s here (imports, tracing, restoring; compilation comes from the cache).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,15 @@ class Fault:
   nth: int = 1
 
 
-def plan(n: int, seed: int, *, kill_fraction: float = 0.75, save_fraction: float = 0.75, save_delay: float = 0.2,
-         loop_delay: float = 5.0) -> list[Fault]:
+def plan(
+  n: int,
+  seed: int,
+  *,
+  kill_fraction: float = 0.75,
+  save_fraction: float = 0.75,
+  save_delay: float = 0.2,
+  loop_delay: float = 5.0,
+) -> list[Fault]:
   """`n` seeded faults: mostly SIGKILL, mostly during a save."""
   rng = random.Random(seed)
   faults = []
@@ -68,20 +76,32 @@ def plan(n: int, seed: int, *, kill_fraction: float = 0.75, save_fraction: float
 
 
 def command(config: str, workdir: str, overrides: dict[str, Any]) -> list[str]:
-  return [sys.executable, 'train.py', '--config', config, '--workdir', workdir,
-          *(f'--config.{k}={v}' for k, v in overrides.items())]
+  return [
+    sys.executable,
+    'train.py',
+    '--config',
+    config,
+    '--workdir',
+    workdir,
+    *(f'--config.{k}={v}' for k, v in overrides.items()),
+  ]
 
 
 def environment(cache_dir: str, base: dict[str, str] | None = None) -> dict[str, str]:
   """The child's environment: a JAX persistent compilation cache shared by every run (small programs too)."""
-  return {**(os.environ if base is None else base), 'JAX_COMPILATION_CACHE_DIR': cache_dir,
-          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0', 'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
-          'TF_CPP_MIN_LOG_LEVEL': '2'}
+  return {
+    **(os.environ if base is None else base),
+    'JAX_COMPILATION_CACHE_DIR': cache_dir,
+    'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+    'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0',
+    'TF_CPP_MIN_LOG_LEVEL': '2',
+  }
 
 
 def complete_steps(ckpt_dir: str) -> list[int]:
   """The steps orbax lists (tmp directories of unfinished saves are not among them)."""
   import orbax.checkpoint as ocp
+
   return sorted(ocp.utils.checkpoint_steps(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
 
 
@@ -107,8 +127,7 @@ class Run:
   warnings: list[str] = dataclasses.field(default_factory=list)
 
 
-def run_once(cmd: list[str], env: dict[str, str], ckpt_dir: str, log: str, fault: Fault | None,
-             timeout: float) -> Run:
+def run_once(cmd: list[str], env: dict[str, str], ckpt_dir: str, log: str, fault: Fault | None, timeout: float) -> Run:
   """Runs train.py once, delivering `fault` (if any) at its moment; checks nothing, reports what happened."""
   newest = (complete_steps(ckpt_dir) or [None])[-1]
   stale = _saves(ckpt_dir)  # left by earlier kills: a save of this run only once they have vanished (cleaned up)
@@ -125,7 +144,7 @@ def run_once(cmd: list[str], env: dict[str, str], ckpt_dir: str, log: str, fault
         time.sleep(fault.delay)
         if proc.poll() is not None:
           break
-        flying = sorted(_saves(ckpt_dir) - stale, key=lambda name: int(name[:-len(TMP)]))
+        flying = sorted(_saves(ckpt_dir) - stale, key=lambda name: int(name[: -len(TMP)]))
         proc.send_signal(getattr(signal, fault.signal))
         run.delivered, run.in_flight = True, (flying[-1] if flying else None)
         break
@@ -138,11 +157,13 @@ def run_once(cmd: list[str], env: dict[str, str], ckpt_dir: str, log: str, fault
       raise AssertionError(f'{" ".join(cmd)} ran past {timeout:.0f} s; its log: {log}') from None
   run.seconds = time.time() - t0
   text = open(log).read()
-  found = [re.search(pattern, text, re.M) for pattern in (r'^resumed from \S+/(\d+)$', r'^SIGTERM: stopped at step (\d+)')]
+  found = [
+    re.search(pattern, text, re.M) for pattern in (r'^resumed from \S+/(\d+)$', r'^SIGTERM: stopped at step (\d+)')
+  ]
   run.resumed_from, run.sigterm_step = (int(m.group(1)) if m else None for m in found)
   run.warnings = re.findall(r'^WARNING checkpoint.*$', text, re.M)
   if run.in_flight:
-    step = run.in_flight[:-len(TMP)]
+    step = run.in_flight[: -len(TMP)]
     run.interrupted_save = step not in map(str, complete_steps(ckpt_dir))
   return run
 
@@ -150,11 +171,15 @@ def run_once(cmd: list[str], env: dict[str, str], ckpt_dir: str, log: str, fault
 def check_resumed(run: Run, ckpt_dir: str, log: str) -> None:
   """The run resumed from the newest complete checkpoint, picking up nothing damaged or half-written."""
   if run.resumed_from != run.newest_before:
-    raise AssertionError(f'resumed from step {run.resumed_from}, but the newest complete checkpoint in {ckpt_dir} '
-                         f'was {run.newest_before} (log: {log})')
+    raise AssertionError(
+      f'resumed from step {run.resumed_from}, but the newest complete checkpoint in {ckpt_dir} '
+      f'was {run.newest_before} (log: {log})'
+    )
   if run.warnings or any(d.endswith('.damaged') or '.damaged' in d for d in os.listdir(ckpt_dir)):
     raise AssertionError(f'a damaged checkpoint was met: {run.warnings} (log: {log})')
-  expected = {'SIGKILL': (-signal.SIGKILL, 0), 'SIGTERM': (0, -signal.SIGTERM)}.get(run.fault and run.fault.signal, (0,))
+  expected = {'SIGKILL': (-signal.SIGKILL, 0), 'SIGTERM': (0, -signal.SIGTERM)}.get(
+    run.fault and run.fault.signal, (0,)
+  )
   if run.returncode not in expected:  # SIGTERM kills outright after train.py restored its handler, at the very end
     raise AssertionError(f'exit status {run.returncode} (log: {log})')
 
@@ -165,6 +190,7 @@ def read_checkpoint(step_dir: str) -> tuple[dict, dict[str, str]]:
   import numpy as np
   import orbax.checkpoint as ocp
   from etils import epath
+
   path, handler = epath.Path(step_dir) / 'state', ocp.PyTreeCheckpointHandler()
   md = handler.metadata(path)
   args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), md.tree if hasattr(md, 'tree') else md)
@@ -178,6 +204,7 @@ def assert_bitwise_equal(expected_dir: str, got_dir: str) -> int:
   """Every array of the two checkpoints has the same dtype, shape and bytes, and the data positions are the
   same. Returns the number of arrays compared."""
   import jax
+
   (want, want_data), (got, got_data) = read_checkpoint(expected_dir), read_checkpoint(got_dir)
   want_leaves, got_leaves = jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves_with_path(got)
   if [p for p, _ in want_leaves] != [p for p, _ in got_leaves]:
@@ -185,15 +212,25 @@ def assert_bitwise_equal(expected_dir: str, got_dir: str) -> int:
   for (path, a), (_, b) in zip(want_leaves, got_leaves):
     if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
       diff = int((a != b).sum()) if a.shape == b.shape else 'shape'
-      raise AssertionError(f'{jax.tree_util.keystr(path)} differs between {got_dir} and {expected_dir} '
-                           f'({diff} of {a.size} elements)')
+      raise AssertionError(
+        f'{jax.tree_util.keystr(path)} differs between {got_dir} and {expected_dir} ({diff} of {a.size} elements)'
+      )
   if want_data != got_data:
     raise AssertionError(f'the data iterator positions differ: {got_data} vs {expected_dir}: {want_data}')
   return len(want_leaves)
 
 
-def soak(config: str, overrides: dict[str, Any], workdir: str, faults: list[Fault], *, env: dict[str, str],
-         reference: str | None = None, timeout: float = 600.0, say=print) -> dict[str, Any]:
+def soak(
+  config: str,
+  overrides: dict[str, Any],
+  workdir: str,
+  faults: list[Fault],
+  *,
+  env: dict[str, str],
+  reference: str | None = None,
+  timeout: float = 600.0,
+  say=print,
+) -> dict[str, Any]:
   """Runs `config` with `overrides` under `faults` in `workdir`/run, restarting after each, then to the end;
   compares its final checkpoint with `reference` (a checkpoint step directory; by default one uninterrupted
   run in `workdir`/reference). Raises AssertionError at the first thing wrong; returns what happened."""
@@ -203,8 +240,14 @@ def soak(config: str, overrides: dict[str, Any], workdir: str, faults: list[Faul
   if reference is None:
     ref_dir = os.path.join(workdir, 'reference')
     os.makedirs(ref_dir, exist_ok=True)
-    ref = run_once(command(config, ref_dir, overrides), env, os.path.join(ref_dir, 'checkpoints'),
-                   os.path.join(workdir, 'reference.log'), None, timeout)
+    ref = run_once(
+      command(config, ref_dir, overrides),
+      env,
+      os.path.join(ref_dir, 'checkpoints'),
+      os.path.join(workdir, 'reference.log'),
+      None,
+      timeout,
+    )
     if ref.returncode != 0:
       raise AssertionError(f'the uninterrupted run failed (log: {workdir}/reference.log)')
     say(f'uninterrupted run: {ref.seconds:.1f} s')
@@ -215,14 +258,28 @@ def soak(config: str, overrides: dict[str, Any], workdir: str, faults: list[Faul
     run = run_once(command(config, run_dir, overrides), env, ckpt_dir, log, fault, timeout)
     check_resumed(run, ckpt_dir, log)
     runs.append(run)
-    what = 'to the end' if fault is None else (
+    what = (
+      'to the end'
+      if fault is None
+      else (
         f'{fault.signal} {"during save " + repr(fault.nth) if fault.where == "save" else "in the loop"} '
-        f'+{fault.delay:.3f}s: ' + ('not delivered (the run finished first)' if not run.delivered else
-                                    f'interrupted {run.in_flight}' if run.interrupted_save else
-                                    f'{run.in_flight or "no save"} in flight finished' if run.in_flight else
-                                    'no save in flight'))
-    say(f'run {i}: resumed from {run.resumed_from}, {what}'
-        + (f', stopped at step {run.sigterm_step}' if run.sigterm_step else '') + f' ({run.seconds:.1f} s)')
+        f'+{fault.delay:.3f}s: '
+        + (
+          'not delivered (the run finished first)'
+          if not run.delivered
+          else f'interrupted {run.in_flight}'
+          if run.interrupted_save
+          else f'{run.in_flight or "no save"} in flight finished'
+          if run.in_flight
+          else 'no save in flight'
+        )
+      )
+    )
+    say(
+      f'run {i}: resumed from {run.resumed_from}, {what}'
+      + (f', stopped at step {run.sigterm_step}' if run.sigterm_step else '')
+      + f' ({run.seconds:.1f} s)'
+    )
     if (fault is None or not run.delivered) and run.returncode == 0 and total in complete_steps(ckpt_dir):
       break
   else:
@@ -230,12 +287,16 @@ def soak(config: str, overrides: dict[str, Any], workdir: str, faults: list[Faul
   arrays = assert_bitwise_equal(reference, os.path.join(ckpt_dir, str(total)))
   delivered = [r for r in runs if r.delivered]
   report = {
-      'steps': total, 'runs': len(runs), 'seconds': round(time.time() - t0, 1), 'arrays_equal': arrays,
-      'sigkill': sum(r.fault.signal == 'SIGKILL' for r in delivered),
-      'sigterm': sum(r.fault.signal == 'SIGTERM' for r in delivered),
-      'interrupted_saves': sum(r.interrupted_save for r in delivered),
-      'not_delivered': sum(r.fault is not None and not r.delivered for r in runs),
-      'resumed': [r.resumed_from for r in runs]}
+    'steps': total,
+    'runs': len(runs),
+    'seconds': round(time.time() - t0, 1),
+    'arrays_equal': arrays,
+    'sigkill': sum(r.fault.signal == 'SIGKILL' for r in delivered),
+    'sigterm': sum(r.fault.signal == 'SIGTERM' for r in delivered),
+    'interrupted_saves': sum(r.interrupted_save for r in delivered),
+    'not_delivered': sum(r.fault is not None and not r.delivered for r in runs),
+    'resumed': [r.resumed_from for r in runs],
+  }
   say(f'bitwise equal to the uninterrupted run ({arrays} arrays and the data position): {json.dumps(report)}')
   return report
 
@@ -254,16 +315,34 @@ def main() -> None:
   p.add_argument('--loop_delay', type=float, default=20.0, help='longest delay into the loop, seconds')
   p.add_argument('--set', nargs='*', default=[], help='more config overrides, key=value')
   a = p.parse_args()
-  overrides = {'total_steps': a.steps, 'checkpoint_every': a.checkpoint_every, 'log_every': a.checkpoint_every,
-               'eval_every': a.steps, 'sample_len': 0, **dict(kv.split('=', 1) for kv in a.set)}
-  faults = plan(a.faults, a.seed, kill_fraction=a.kill_fraction, save_fraction=a.save_fraction,
-                save_delay=a.save_delay, loop_delay=a.loop_delay)
+  overrides = {
+    'total_steps': a.steps,
+    'checkpoint_every': a.checkpoint_every,
+    'log_every': a.checkpoint_every,
+    'eval_every': a.steps,
+    'sample_len': 0,
+    **dict(kv.split('=', 1) for kv in a.set),
+  }
+  faults = plan(
+    a.faults,
+    a.seed,
+    kill_fraction=a.kill_fraction,
+    save_fraction=a.save_fraction,
+    save_delay=a.save_delay,
+    loop_delay=a.loop_delay,
+  )
   with tempfile.TemporaryDirectory(prefix='shardzoo_soak_') as tmp:
     workdir = a.workdir or tmp
     os.makedirs(workdir, exist_ok=True)
     print(f'soak: {a.config} {overrides}, {len(faults)} faults (seed {a.seed}) in {workdir}', flush=True)
-    soak(a.config, overrides, workdir, faults, env=environment(os.path.join(workdir, 'jax_cache')),
-         say=lambda m: print(m, flush=True))
+    soak(
+      a.config,
+      overrides,
+      workdir,
+      faults,
+      env=environment(os.path.join(workdir, 'jax_cache')),
+      say=lambda m: print(m, flush=True),
+    )
 
 
 if __name__ == '__main__':

@@ -17,6 +17,7 @@ autocast, SDPA, fused AdamW or SGD) on the same batch in a child process (benchm
 before JAX takes the GPU, and prints the ratio; where torch is missing, and on TPUs, it says so and goes on.
 --profile DIR captures a jax.profiler trace of 3 steps and prints the costliest device ops.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,11 +36,10 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import errors  # noqa: E402
-from configs import schema  # noqa: E402
-
 import models  # noqa: E402
 import partitioning  # noqa: E402
 import training  # noqa: E402
+from configs import schema  # noqa: E402
 from models import attention, layers  # noqa: E402
 from training import flops, profiling  # noqa: E402
 
@@ -47,16 +47,25 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/gpt2.py[:preset].', lock_config=True)
 flags.DEFINE_integer('steps', 15, 'Timed steps (the median is reported).')
 flags.DEFINE_integer('warmup', 5, 'Untimed steps first (clocks up, autotuning, allocator).')
-flags.DEFINE_enum('timing', 'pipelined', profiling.TIMINGS, 'pipelined: the host dispatches each step while the '
-                  'device runs the one before, as train.py does (and as the torch peer is timed); blocking: wait for '
-                  'each step before dispatching the next (the host\'s dispatch counts in the step).')
+flags.DEFINE_enum(
+  'timing',
+  'pipelined',
+  profiling.TIMINGS,
+  'pipelined: the host dispatches each step while the '
+  'device runs the one before, as train.py does (and as the torch peer is timed); blocking: wait for '
+  "each step before dispatching the next (the host's dispatch counts in the step).",
+)
 flags.DEFINE_enum('peer', 'none', ['none', 'torch'], 'Also run the same model in PyTorch and print the ratio.')
 flags.DEFINE_bool('peer_compile', True, 'torch.compile the peer (off: eager, for CPU smoke tests).')
 flags.DEFINE_float('peak_tflops', None, 'Peak TFLOP/s per device for MFU (default: from the device kind).')
 flags.DEFINE_string('profile', None, 'Capture a profile of 3 steps into this directory and list the top ops.')
 flags.DEFINE_string('out', None, 'Also write the results as JSON here.')
-flags.DEFINE_enum('logsumexp', 'auto', training.xent.LOGSUMEXP_CHOICES, "The loss's log-sum-exp: auto (one pass over "
-                  'the logits on GPUs, two elsewhere), or one / two passes on any device.')
+flags.DEFINE_enum(
+  'logsumexp',
+  'auto',
+  training.xent.LOGSUMEXP_CHOICES,
+  "The loss's log-sum-exp: auto (one pass over the logits on GPUs, two elsewhere), or one / two passes on any device.",
+)
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'torch_peer.py')
 
 
@@ -67,12 +76,26 @@ def peer_spec(config, device: str) -> dict:
   # matmuls ('full', 'attention'); 'dots' reruns none, nor does the peer without it (the same work, not the same
   # memory: README "On GPUs").
   policy = layers.remat_policy(m.get('remat'))
-  spec = dict(family=m.name, task=config.task, optim=config.optim.to_dict(), remat=policy in ('full', 'attention'),
-              remat_policy=policy, dtype=m.get('dtype', 'float32'),
-              steps=FLAGS.steps, warmup=FLAGS.warmup, compile=FLAGS.peer_compile, device=device)
+  spec = dict(
+    family=m.name,
+    task=config.task,
+    optim=config.optim.to_dict(),
+    remat=policy in ('full', 'attention'),
+    remat_policy=policy,
+    dtype=m.get('dtype', 'float32'),
+    steps=FLAGS.steps,
+    warmup=FLAGS.warmup,
+    compile=FLAGS.peer_compile,
+    device=device,
+  )
   if m.name == 'resnet':
-    spec['resnet'] = dict(block=m.block, stage_sizes=list(m.stage_sizes), width=m.width, num_classes=m.num_classes,
-                          stride_in_1x1=bool(m.get('stride_in_1x1', False)))
+    spec['resnet'] = dict(
+      block=m.block,
+      stage_sizes=list(m.stage_sizes),
+      width=m.width,
+      num_classes=m.num_classes,
+      stride_in_1x1=bool(m.get('stride_in_1x1', False)),
+    )
   elif getattr(getattr(models, m.name, None), 'to_hf_config', None):  # the family's config.json (MoE: Mixtral's)
     spec['hf_config'] = getattr(models, m.name).to_hf_config(m)
   else:
@@ -100,9 +123,11 @@ def run_peer(config, batch: dict[str, np.ndarray], device: str) -> dict:
     with open(paths['spec'], 'w') as f:
       json.dump(spec, f)
     np.savez(paths['batch'], **batch)
-    r = subprocess.run([sys.executable, PEER, '--spec', paths['spec'], '--batch', paths['batch'],
-                        '--out', paths['out']],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+      [sys.executable, PEER, '--spec', paths['spec'], '--batch', paths['batch'], '--out', paths['out']],
+      capture_output=True,
+      text=True,
+    )
     if not os.path.exists(paths['out']):
       return {'ok': False, 'reason': f'peer exited {r.returncode}: {(r.stderr or r.stdout)[-800:]}'}
     with open(paths['out']) as f:
@@ -122,8 +147,9 @@ def main(argv) -> None:
     raise app.UsageError('--config is required, e.g. --config configs/gpt2.py')
   schema.check(config)  # every field's type and range, before anything is built
   if FLAGS.steps < 1 or FLAGS.warmup < 0:
-    raise errors.ConfigError(f'--steps={FLAGS.steps} --warmup={FLAGS.warmup}: need at least 1 timed step and '
-                             'no negative warm-up')
+    raise errors.ConfigError(
+      f'--steps={FLAGS.steps} --warmup={FLAGS.warmup}: need at least 1 timed step and no negative warm-up'
+    )
   if FLAGS.out and (os.path.isdir(FLAGS.out) or not os.path.isdir(os.path.dirname(os.path.abspath(FLAGS.out)))):
     raise errors.ConfigError(f'--out {FLAGS.out!r}: give a file path in an existing directory')
   task = training.tasks.get(config.task)
@@ -150,6 +176,7 @@ def main(argv) -> None:
   def phase(name):  # seconds since the last phase ended
     nonlocal t0
     phases[name], t0 = time.perf_counter() - t0, time.perf_counter()
+
   trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
   phase('build')
   with training.xent.logsumexp_passes(FLAGS.logsumexp):
@@ -162,18 +189,27 @@ def main(argv) -> None:
   state = jax.block_until_ready(training.init_state(trainer))
   phase('init state')
   batch = partitioning.shard(batch_np, trainer.batch_shardings)
-  state, times, dispatch = profiling.time_steps(step, state, batch, warmup=FLAGS.warmup, steps=FLAGS.steps,
-                                                timing=FLAGS.timing)
+  state, times, dispatch = profiling.time_steps(
+    step, state, batch, warmup=FLAGS.warmup, steps=FLAGS.steps, timing=FLAGS.timing
+  )
   phase('timed steps')
   step_s = statistics.median(times)
   device = jax.devices()[0]
   peak, peak_from = flops.describe_peak(device, FLAGS.peak_tflops)
   n = jax.device_count()
-  ours = dict(step_s=step_s, units_per_s=units_per_step / step_s, tflops=step_flops.per_device_tflops(step_s, n),
-              tflops_palm=step_flops.per_device_tflops(step_s, n, causal=False),
-              peak_memory=profiling.peak_memory(device), compiled_memory=profiling.compiled_memory(step),
-              compile_s=compile_s, step_times=times, phases=phases, timing=FLAGS.timing,
-              dispatch_s=statistics.median(dispatch))
+  ours = dict(
+    step_s=step_s,
+    units_per_s=units_per_step / step_s,
+    tflops=step_flops.per_device_tflops(step_s, n),
+    tflops_palm=step_flops.per_device_tflops(step_s, n, causal=False),
+    peak_memory=profiling.peak_memory(device),
+    compiled_memory=profiling.compiled_memory(step),
+    compile_s=compile_s,
+    step_times=times,
+    phases=phases,
+    timing=FLAGS.timing,
+    dispatch_s=statistics.median(dispatch),
+  )
   if FLAGS.profile:
     tracer = profiling.StepProfiler(FLAGS.profile, first=1, num=3)
     for i in range(1, 4):
@@ -183,36 +219,62 @@ def main(argv) -> None:
 
   # --- Report -----------------------------------------------------------------------------------------
   m = config.model
-  print(f'\n{m.name} ({config.get("size", "")}, {training.num_params(trainer):,} params), global batch '
-        f'{config.batch_size}, {units_per_step:,} {unit}/step, mesh {dict(mesh.shape)} on {n} {device.device_kind}')
-  print(f'model: dtype {m.get("dtype", "float32")}, params {m.get("param_dtype", "float32")}, '
-        f'scan_layers={m.get("scan_layers", False)}, remat={m.get("remat", "none")}, '
-        f'logits {m.get("logits_dtype", "float32")}'
-        + (f', loss in {layers.loss_chunks(m)} chunks' if layers.loss_chunks(m) > 1 else '')
-        + f'; optimizer {config.optim.name}')
+  print(
+    f'\n{m.name} ({config.get("size", "")}, {training.num_params(trainer):,} params), global batch '
+    f'{config.batch_size}, {units_per_step:,} {unit}/step, mesh {dict(mesh.shape)} on {n} {device.device_kind}'
+  )
+  print(
+    f'model: dtype {m.get("dtype", "float32")}, params {m.get("param_dtype", "float32")}, '
+    f'scan_layers={m.get("scan_layers", False)}, remat={m.get("remat", "none")}, '
+    f'logits {m.get("logits_dtype", "float32")}'
+    + (f', loss in {layers.loss_chunks(m)} chunks' if layers.loss_chunks(m) > 1 else '')
+    + f'; optimizer {config.optim.name}'
+  )
   for d in attention.decisions():
     print(f'attention: {d}')
   if task.unit == 'tokens' or FLAGS.logsumexp != 'auto':
     print('loss: log-sum-exp ' + training.xent.LOGSUMEXP_SAID[FLAGS.logsumexp])
   print('seconds: ' + ', '.join(f'{k} {v:.1f}' for k, v in phases.items()))
-  print(f'timing: {FLAGS.timing}, median of {FLAGS.steps} steps after {FLAGS.warmup}; the host dispatches a step in '
-        f'{1e3 * ours["dispatch_s"]:.2f} ms ({100 * ours["dispatch_s"] / step_s:.0f}% of the step: '
-        + ('the host keeps up' if ours['dispatch_s'] < 0.8 * step_s else 'host-bound') + ')')
-  print(f'FLOPs/step: {step_flops.causal / 1e12:.3f} T causal-correct, {step_flops.palm / 1e12:.3f} T PaLM count; '
-        f'peak: {peak_from}')
+  print(
+    f'timing: {FLAGS.timing}, median of {FLAGS.steps} steps after {FLAGS.warmup}; the host dispatches a step in '
+    f'{1e3 * ours["dispatch_s"]:.2f} ms ({100 * ours["dispatch_s"] / step_s:.0f}% of the step: '
+    + ('the host keeps up' if ours['dispatch_s'] < 0.8 * step_s else 'host-bound')
+    + ')'
+  )
+  print(
+    f'FLOPs/step: {step_flops.causal / 1e12:.3f} T causal-correct, {step_flops.palm / 1e12:.3f} T PaLM count; '
+    f'peak: {peak_from}'
+  )
   mfu = lambda tflops: '-' if peak is None else f'{100 * tflops / peak:.1f}%'
-  rows = [('', 'step (ms)', f'{unit}/s', 'TFLOP/s/dev', 'MFU', 'MFU (PaLM)', 'peak mem', 'compile (s)'),
-          ('shardzoo', f'{1e3 * step_s:.1f}', f'{ours["units_per_s"]:,.0f}', f'{ours["tflops"]:.1f}',
-           mfu(ours['tflops']), mfu(ours['tflops_palm']),
-           fmt_bytes(ours['peak_memory']) + ('' if ours['peak_memory'] else
-                                             f' (compiled {fmt_bytes(ours["compiled_memory"])})'),
-           f'{compile_s:.1f}')]
+  rows = [
+    ('', 'step (ms)', f'{unit}/s', 'TFLOP/s/dev', 'MFU', 'MFU (PaLM)', 'peak mem', 'compile (s)'),
+    (
+      'shardzoo',
+      f'{1e3 * step_s:.1f}',
+      f'{ours["units_per_s"]:,.0f}',
+      f'{ours["tflops"]:.1f}',
+      mfu(ours['tflops']),
+      mfu(ours['tflops_palm']),
+      fmt_bytes(ours['peak_memory'])
+      + ('' if ours['peak_memory'] else f' (compiled {fmt_bytes(ours["compiled_memory"])})'),
+      f'{compile_s:.1f}',
+    ),
+  ]
   if peer is not None and peer.get('ok'):
     ps = peer['step_time_s']
     tf = step_flops.per_device_tflops(ps, 1)
-    rows.append((f'torch{"" if peer.get("compiled") else " (eager)"}', f'{1e3 * ps:.1f}',
-                 f'{units_per_step / ps:,.0f}', f'{tf:.1f}', mfu(tf), mfu(step_flops.per_device_tflops(ps, 1, False)),
-                 fmt_bytes(peer.get('peak_memory_bytes')), f'{peer.get("first_step_s", 0):.1f}'))
+    rows.append(
+      (
+        f'torch{"" if peer.get("compiled") else " (eager)"}',
+        f'{1e3 * ps:.1f}',
+        f'{units_per_step / ps:,.0f}',
+        f'{tf:.1f}',
+        mfu(tf),
+        mfu(step_flops.per_device_tflops(ps, 1, False)),
+        fmt_bytes(peer.get('peak_memory_bytes')),
+        f'{peer.get("first_step_s", 0):.1f}',
+      )
+    )
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   print()
   for r in rows:
@@ -220,9 +282,11 @@ def main(argv) -> None:
   if peer is not None:
     if peer.get('ok'):
       ratio = (units_per_step / step_s) / (units_per_step / peer['step_time_s']) * (1 if n == 1 else 1 / n)
-      print(f'\nratio shardzoo / torch: {ratio:.2f}x {unit}/s'
-            + (f' (per device; ours on {n} devices)' if n > 1 else '')
-            + (f'; peer notes: {"; ".join(peer["notes"])}' if peer.get('notes') else ''))
+      print(
+        f'\nratio shardzoo / torch: {ratio:.2f}x {unit}/s'
+        + (f' (per device; ours on {n} devices)' if n > 1 else '')
+        + (f'; peer notes: {"; ".join(peer["notes"])}' if peer.get('notes') else '')
+      )
       ours['ratio'] = ratio
     else:
       print(f'\ntorch peer skipped: {peer.get("reason")}')
@@ -235,14 +299,27 @@ def main(argv) -> None:
     for kind, ms, count in profiling.op_kinds(ops):
       print(f'  {ms / 3:9.2f} ms/step  x{count / 3:<5g} {kind}')
     t = ours['device_time'] = profiling.device_time(FLAGS.profile)
-    print(f'device busy {t["busy"] / 3:.2f} of {t["span"] / 3:.2f} ms/step (idle {t["idle"] / 3:.2f}: gaps between '
-          f'ops, host work); {t["ops"] / 3:g} ops/step, {t["short"] / 3:g} shorter than 5 us '
-          f'({t["short_ms"] / 3:.2f} ms)')
+    print(
+      f'device busy {t["busy"] / 3:.2f} of {t["span"] / 3:.2f} ms/step (idle {t["idle"] / 3:.2f}: gaps between '
+      f'ops, host work); {t["ops"] / 3:g} ops/step, {t["short"] / 3:g} shorter than 5 us '
+      f'({t["short_ms"] / 3:.2f} ms)'
+    )
   if FLAGS.out:
     with open(FLAGS.out, 'w') as f:
-      json.dump(dict(config=config.to_json(), ours=ours, peer=peer, flops=vars(step_flops),
-                     attention=attention.decisions(), logsumexp=FLAGS.logsumexp, device=device.device_kind),
-                f, indent=1, default=str)
+      json.dump(
+        dict(
+          config=config.to_json(),
+          ours=ours,
+          peer=peer,
+          flops=vars(step_flops),
+          attention=attention.decisions(),
+          logsumexp=FLAGS.logsumexp,
+          device=device.device_kind,
+        ),
+        f,
+        indent=1,
+        default=str,
+      )
 
 
 if __name__ == '__main__':

@@ -48,6 +48,7 @@ RESULT.json
 Exit status 0 when RESULT.json says ok, skipped or oom; 1 on any other error (RESULT.json still says
 why, with the traceback's tail); 2 for a spec that is not understood.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,14 +62,28 @@ from typing import Any
 
 import numpy as np
 
-TASKS = {'gpt2': ('lm',), 'llama': ('lm',), 'moe': ('lm',), 'vit': ('classification',),
-         'bert': ('mlm', 'text_classification'), 'resnet': ('classification',)}
-HF_CLASSES = {('gpt2', 'lm'): 'GPT2LMHeadModel', ('llama', 'lm'): 'LlamaForCausalLM',
-              ('moe', 'lm'): 'MixtralForCausalLM', ('vit', 'classification'): 'ViTForImageClassification',
-              ('bert', 'mlm'): 'BertForMaskedLM', ('bert', 'text_classification'): 'BertForSequenceClassification'}
-FIELDS = {'lm': ('inputs', 'targets', 'mask'), 'classification': ('image', 'label', 'mask'),
-          'mlm': ('inputs', 'targets', 'mask', 'input_mask', 'token_types'),
-          'text_classification': ('inputs', 'input_mask', 'token_types', 'label', 'mask')}
+TASKS = {
+  'gpt2': ('lm',),
+  'llama': ('lm',),
+  'moe': ('lm',),
+  'vit': ('classification',),
+  'bert': ('mlm', 'text_classification'),
+  'resnet': ('classification',),
+}
+HF_CLASSES = {
+  ('gpt2', 'lm'): 'GPT2LMHeadModel',
+  ('llama', 'lm'): 'LlamaForCausalLM',
+  ('moe', 'lm'): 'MixtralForCausalLM',
+  ('vit', 'classification'): 'ViTForImageClassification',
+  ('bert', 'mlm'): 'BertForMaskedLM',
+  ('bert', 'text_classification'): 'BertForSequenceClassification',
+}
+FIELDS = {
+  'lm': ('inputs', 'targets', 'mask'),
+  'classification': ('image', 'label', 'mask'),
+  'mlm': ('inputs', 'targets', 'mask', 'input_mask', 'token_types'),
+  'text_classification': ('inputs', 'input_mask', 'token_types', 'label', 'mask'),
+}
 
 
 class SpecError(ValueError):
@@ -104,7 +119,7 @@ def check_spec(spec: dict, batch: dict[str, np.ndarray]) -> dict:
   if out['device'] not in ('cuda', 'cpu'):
     raise SpecError(f"spec device={out['device']!r} is not known; known: ['cpu', 'cuda']")
   if int(out['steps']) < 1 or int(out['warmup']) < 0:
-    raise SpecError(f"spec steps={out['steps']} must be >= 1 and warmup={out['warmup']} >= 0")
+    raise SpecError(f'spec steps={out["steps"]} must be >= 1 and warmup={out["warmup"]} >= 0')
   missing = [f for f in FIELDS[task] if f not in batch]
   if missing:
     raise SpecError(f'batch has no field(s) {missing} that task {task!r} needs; it has {sorted(batch)}')
@@ -112,6 +127,7 @@ def check_spec(spec: dict, batch: dict[str, np.ndarray]) -> dict:
 
 
 # --- Model --------------------------------------------------------------------------------------------
+
 
 def build_hf(torch: Any, spec: dict, notes: list[str]) -> Any:
   try:
@@ -121,14 +137,16 @@ def build_hf(torch: Any, spec: dict, notes: list[str]) -> Any:
   cls = getattr(transformers, HF_CLASSES[spec['family'], spec['task']])
   if spec.get('init_from'):
     model = cls.from_pretrained(spec['init_from'], attn_implementation='sdpa', dtype=torch.float32)
-    notes.append(f"weights from {spec['init_from']}")
+    notes.append(f'weights from {spec["init_from"]}')
   else:
     d = dict(spec['hf_config'])
     model = cls(transformers.AutoConfig.for_model(d.pop('model_type'), attn_implementation='sdpa', **d))
   policy = spec.get('remat_policy')
   if policy == 'dots':
-    notes.append("no gradient checkpointing: ours (remat 'dots') keeps every matmul output and recomputes no matmul; "
-                 "HF's only checkpointing reruns whole layers")
+    notes.append(
+      "no gradient checkpointing: ours (remat 'dots') keeps every matmul output and recomputes no matmul; "
+      "HF's only checkpointing reruns whole layers"
+    )
   elif policy == 'attention' and spec['remat']:
     notes.append("gradient checkpointing reruns whole layers; ours (remat 'attention') reruns the MLPs only")
   if spec['remat']:  # transformers >= 5.23 names it activation_checkpointing_enable
@@ -145,8 +163,10 @@ def build_hf(torch: Any, spec: dict, notes: list[str]) -> Any:
 
 def build_resnet(torch: Any, spec: dict, notes: list[str]) -> Any:
   if spec['resnet'].get('stride_in_1x1') and spec['resnet']['block'] != 'basic':
-    raise SpecError("stride_in_1x1=True (ResNet v1: the stride on the first 1x1 conv) has no torchvision peer "
-                    '(v1.5: the stride on the 3x3 conv)')
+    raise SpecError(
+      'stride_in_1x1=True (ResNet v1: the stride on the first 1x1 conv) has no torchvision peer '
+      '(v1.5: the stride on the 3x3 conv)'
+    )
   try:
     from torchvision.models import resnet as tv
   except Exception as e:  # ImportError, or a torchvision built for another torch (its ops fail to register)
@@ -159,7 +179,7 @@ def build_resnet(torch: Any, spec: dict, notes: list[str]) -> Any:
     model.inplanes = width
     model.conv1 = torch.nn.Conv2d(3, width, kernel_size=7, stride=2, padding=3, bias=False)
     model.bn1 = torch.nn.BatchNorm2d(width)
-    layers = [model._make_layer(block, width * 2 ** i, n, stride=1 if i == 0 else 2) for i, n in enumerate(stages)]
+    layers = [model._make_layer(block, width * 2**i, n, stride=1 if i == 0 else 2) for i, n in enumerate(stages)]
     model.layer1 = torch.nn.Sequential(*layers)
     model.layer2 = model.layer3 = model.layer4 = torch.nn.Identity()
     model.fc = torch.nn.Linear(width * 2 ** (len(stages) - 1) * block.expansion, r['num_classes'])
@@ -223,10 +243,17 @@ def make_optimizer(torch: Any, spec: dict, model: Any, notes: list[str]) -> Any:
   o, cuda = spec['optim'], spec['device'] == 'cuda'
   params = [p for p in model.parameters() if p.requires_grad]
   if o.get('name', 'adamw') == 'adamw':
-    groups = [{'params': [p for p in params if p.ndim >= 2], 'weight_decay': o.get('weight_decay', 0.0)},
-              {'params': [p for p in params if p.ndim < 2], 'weight_decay': 0.0}]
-    return torch.optim.AdamW(groups, lr=o['lr'], betas=(o.get('b1', 0.9), o.get('b2', 0.999)), eps=o.get('eps', 1e-8),
-                             **({'fused': True} if cuda else {}))
+    groups = [
+      {'params': [p for p in params if p.ndim >= 2], 'weight_decay': o.get('weight_decay', 0.0)},
+      {'params': [p for p in params if p.ndim < 2], 'weight_decay': 0.0},
+    ]
+    return torch.optim.AdamW(
+      groups,
+      lr=o['lr'],
+      betas=(o.get('b1', 0.9), o.get('b2', 0.999)),
+      eps=o.get('eps', 1e-8),
+      **({'fused': True} if cuda else {}),
+    )
   momentum = o.get('momentum', 0.9) or 0.0
   try:
     return torch.optim.SGD(params, lr=o['lr'], momentum=momentum, **({'fused': True} if cuda else {}))
@@ -236,6 +263,7 @@ def make_optimizer(torch: Any, spec: dict, model: Any, notes: list[str]) -> Any:
 
 
 # --- The run ------------------------------------------------------------------------------------------
+
 
 def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
   """Builds, warms up and times the peer; the RESULT.json dict. Raises Skip, SpecError, or the error."""
@@ -247,7 +275,9 @@ def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
   device, notes = spec['device'], []
   cuda = device == 'cuda'
   if cuda and not torch.cuda.is_available():
-    raise Skip(f'device cuda asked for, but torch {torch.__version__} sees no GPU (built for CUDA {torch.version.cuda})')
+    raise Skip(
+      f'device cuda asked for, but torch {torch.__version__} sees no GPU (built for CUDA {torch.version.cuda})'
+    )
   if cuda and spec['tf32']:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     notes.append('float32 matmuls and convs in TF32')
@@ -261,8 +291,11 @@ def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
     # top-k and the zoo's loss weights (models/moe.to_hf_config): Mixtral's router_aux_loss_coef is the zoo's
     # weight x layers / top_k; router_z_loss_coef is not Mixtral's, the zoo's own
     c = model.config
-    spec['moe_aux'] = (c.num_experts_per_tok, c.router_aux_loss_coef * c.num_experts_per_tok / c.num_hidden_layers,
-                       getattr(c, 'router_z_loss_coef', 0.0))
+    spec['moe_aux'] = (
+      c.num_experts_per_tok,
+      c.router_aux_loss_coef * c.num_experts_per_tok / c.num_hidden_layers,
+      getattr(c, 'router_z_loss_coef', 0.0),
+    )
   if spec['family'] == 'resnet':
     model = model.to(memory_format=torch.channels_last)
   model = model.to(device).train()
@@ -307,8 +340,9 @@ def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
     if not compiled:
       raise
     compiled, runner = False, forward
-    notes.append(f'torch.compile failed at the first step, eager: {type(e).__name__}: '
-                 f'{str(e).splitlines()[0] if str(e) else ""}')
+    notes.append(
+      f'torch.compile failed at the first step, eager: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
+    )
     torch._dynamo.reset()
     t0 = time.perf_counter()
     first_loss = step(runner)
@@ -321,8 +355,9 @@ def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
     torch.cuda.reset_peak_memory_stats()
   times, loss = [], first_loss
   if cuda:
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(int(spec['steps']))]
+    events = [
+      (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(int(spec['steps']))
+    ]
     for start, end in events:
       start.record()
       loss = step(runner)
@@ -336,14 +371,25 @@ def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
       times.append(time.perf_counter() - t0)
   try:
     import transformers
+
     hf_version = transformers.__version__
   except ImportError:
     hf_version = None
-  return dict(ok=True, step_time_s=statistics.median(times), step_times_s=times,
-              peak_memory_bytes=int(torch.cuda.max_memory_allocated()) if cuda else None,
-              first_step_s=first_step_s, losses=[float(first_loss), float(loss)], torch=torch.__version__,
-              device=torch.cuda.get_device_name() if cuda else 'cpu', compiled=compiled, notes=notes,
-              model=type(model).__name__, num_params=num_params, transformers=hf_version)
+  return dict(
+    ok=True,
+    step_time_s=statistics.median(times),
+    step_times_s=times,
+    peak_memory_bytes=int(torch.cuda.max_memory_allocated()) if cuda else None,
+    first_step_s=first_step_s,
+    losses=[float(first_loss), float(loss)],
+    torch=torch.__version__,
+    device=torch.cuda.get_device_name() if cuda else 'cpu',
+    compiled=compiled,
+    notes=notes,
+    model=type(model).__name__,
+    num_params=num_params,
+    transformers=hf_version,
+  )
 
 
 def _oom(e: BaseException) -> bool:
@@ -364,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
       batch = {k: npz[k] for k in npz.files}
     result = run(spec, batch)
     if not all(math.isfinite(x) for x in result['losses']):
-      result['notes'].append(f"non-finite loss: {result['losses']}")
+      result['notes'].append(f'non-finite loss: {result["losses"]}')
   except SpecError as e:
     result, status = dict(ok=False, reason=str(e)), 2
   except Skip as e:

@@ -8,6 +8,7 @@ size, in any order, comma-separated:
   --config configs/gpt2.py:fsdp,tiny
 The rules and meshes live in each config file, where users edit them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,8 +17,9 @@ from collections.abc import Mapping, Sequence
 import ml_collections
 
 
-def parse_arg(arg: str | None, presets: Sequence[str], sizes: Sequence[str], *, default_preset: str,
-              default_size: str, file: str) -> tuple[str, str]:
+def parse_arg(
+  arg: str | None, presets: Sequence[str], sizes: Sequence[str], *, default_preset: str, default_size: str, file: str
+) -> tuple[str, str]:
   """'fsdp,tiny' -> ('fsdp', 'tiny'); unknown words, and two presets or two sizes, raise naming them."""
   given = {}  # 'preset' / 'size' -> the word that chose it
   for word in (w.strip() for w in (arg or '').split(',') if w.strip()):
@@ -26,8 +28,7 @@ def parse_arg(arg: str | None, presets: Sequence[str], sizes: Sequence[str], *, 
     elif word in sizes:
       kind = 'size'
     else:
-      raise ValueError(f'{file}: unknown config argument {word!r}; presets: {sorted(presets)}, '
-                       f'sizes: {sorted(sizes)}')
+      raise ValueError(f'{file}: unknown config argument {word!r}; presets: {sorted(presets)}, sizes: {sorted(sizes)}')
     if given.get(kind, word) != word:
       raise ValueError(f'{file}: two {kind}s {given[kind]!r} and {word!r} in {arg!r}; give one preset and/or one size')
     given[kind] = word
@@ -45,53 +46,89 @@ def parse_arg(arg: str | None, presets: Sequence[str], sizes: Sequence[str], *, 
 REAL_SIZE_MODEL = dict(dtype='bfloat16', scan_layers=False)
 
 TRANSFORMER_RULES = {
-    'dp': [
-        ('batch', 'data'),
-        ('layers', None), ('length', None), ('embed', None), ('mlp', None), ('heads', None),
-        ('kv_heads', None), ('kv', None), ('vocab', None), ('norm', None),
-    ],
-    'fsdp': [
-        ('batch', ('data', 'fsdp')),
-        ('embed', 'fsdp'), ('embed', None),  # params sharded on embed; activations fall back to None
-        ('layers', None), ('length', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('kv', None),
-        ('vocab', None), ('norm', None),
-    ],
-    'tp': [
-        ('batch', 'data'),
-        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
-        ('layers', None), ('length', None), ('embed', None), ('kv', None), ('norm', None),
-    ],
-    # Context (sequence) parallelism: every row split into `context` chunks along 'length' (activations, logits,
-    # attention's q/k/v; attention all-gathers keys and values per shard, models/attention.py), batch over fsdp.
-    # Parameters are sharded over fsdp x context (FSDP over all 8 devices), so the context axis does not hold
-    # replicated weights. The one parameter with a 'length' axis, GPT-2's position table (max_len, embed), is
-    # stored as P('context', 'fsdp') like any FSDP weight and gathered whole where it is used.
-    'cp': [
-        ('batch', ('data', 'fsdp')),
-        ('length', 'context'),
-        ('embed', ('fsdp', 'context')), ('embed', 'fsdp'), ('embed', None),
-        ('layers', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('kv', None), ('vocab', None),
-        ('norm', None),
-    ],
-    'fsdp_tp': [
-        ('batch', ('data', 'fsdp')),
-        ('embed', 'fsdp'), ('embed', None),
-        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
-        ('layers', None), ('length', None), ('kv', None), ('norm', None),
-    ],
+  'dp': [
+    ('batch', 'data'),
+    ('layers', None),
+    ('length', None),
+    ('embed', None),
+    ('mlp', None),
+    ('heads', None),
+    ('kv_heads', None),
+    ('kv', None),
+    ('vocab', None),
+    ('norm', None),
+  ],
+  'fsdp': [
+    ('batch', ('data', 'fsdp')),
+    ('embed', 'fsdp'),
+    ('embed', None),  # params sharded on embed; activations fall back to None
+    ('layers', None),
+    ('length', None),
+    ('mlp', None),
+    ('heads', None),
+    ('kv_heads', None),
+    ('kv', None),
+    ('vocab', None),
+    ('norm', None),
+  ],
+  'tp': [
+    ('batch', 'data'),
+    ('mlp', 'tensor'),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('vocab', 'tensor'),
+    ('layers', None),
+    ('length', None),
+    ('embed', None),
+    ('kv', None),
+    ('norm', None),
+  ],
+  # Context (sequence) parallelism: every row split into `context` chunks along 'length' (activations, logits,
+  # attention's q/k/v; attention all-gathers keys and values per shard, models/attention.py), batch over fsdp.
+  # Parameters are sharded over fsdp x context (FSDP over all 8 devices), so the context axis does not hold
+  # replicated weights. The one parameter with a 'length' axis, GPT-2's position table (max_len, embed), is
+  # stored as P('context', 'fsdp') like any FSDP weight and gathered whole where it is used.
+  'cp': [
+    ('batch', ('data', 'fsdp')),
+    ('length', 'context'),
+    ('embed', ('fsdp', 'context')),
+    ('embed', 'fsdp'),
+    ('embed', None),
+    ('layers', None),
+    ('mlp', None),
+    ('heads', None),
+    ('kv_heads', None),
+    ('kv', None),
+    ('vocab', None),
+    ('norm', None),
+  ],
+  'fsdp_tp': [
+    ('batch', ('data', 'fsdp')),
+    ('embed', 'fsdp'),
+    ('embed', None),
+    ('mlp', 'tensor'),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('vocab', 'tensor'),
+    ('layers', None),
+    ('length', None),
+    ('kv', None),
+    ('norm', None),
+  ],
 }
 TRANSFORMER_MESHES = {
-    'dp': dict(data=8, fsdp=1, tensor=1),
-    'fsdp': dict(data=1, fsdp=8, tensor=1),
-    'tp': dict(data=2, fsdp=1, tensor=4),
-    'cp': dict(data=1, fsdp=2, context=4, tensor=1),
-    'fsdp_tp': dict(data=1, fsdp=4, tensor=2),
+  'dp': dict(data=8, fsdp=1, tensor=1),
+  'fsdp': dict(data=1, fsdp=8, tensor=1),
+  'tp': dict(data=2, fsdp=1, tensor=4),
+  'cp': dict(data=1, fsdp=2, context=4, tensor=1),
+  'fsdp_tp': dict(data=1, fsdp=4, tensor=2),
 }
 CONTEXT_PRESETS = ('cp',)  # presets for decoder LMs only (transformer_presets(context=True))
 
 
-def transformer_presets(extra: Sequence[tuple] = (), drop: Sequence[str] = (),
-                        context: bool = False) -> tuple[dict, dict]:
+def transformer_presets(
+  extra: Sequence[tuple] = (), drop: Sequence[str] = (), context: bool = False
+) -> tuple[dict, dict]:
   """Copies of (TRANSFORMER_RULES, TRANSFORMER_MESHES) for one config file: `extra` rules appended to every
   preset (e.g. ('token_types', None)), rules for the logical names in `drop` left out; the context-parallel
   preset ('cp') only with `context` (decoder LMs). The last preset stays fsdp_tp (tests/test_configs.py trains
@@ -124,9 +161,19 @@ def base(preset: str, size: str) -> ml_collections.ConfigDict:
   # Causal load balancing under context parallelism (partitioning/context.py): rows in zigzag order, so every
   # context shard's queries see as many keys as any other's; a no-op where 'length' is not sharded.
   c.context_load_balance = preset in CONTEXT_PRESETS
-  c.optim = ml_collections.ConfigDict(dict(
-      name='adamw', lr=1e-3, warmup_steps=100, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
-      weight_decay=0.1, grad_clip=1.0))
+  c.optim = ml_collections.ConfigDict(
+    dict(
+      name='adamw',
+      lr=1e-3,
+      warmup_steps=100,
+      min_lr_ratio=0.1,
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      weight_decay=0.1,
+      grad_clip=1.0,
+    )
+  )
   return add_run_fields(c)
 
 
@@ -139,9 +186,14 @@ def add_run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.dont_load = ''  # regex over parameter paths left freshly initialised (e.g. a new head: '^classifier/')
   c.freeze = ''  # regex over parameter paths that get no updates and no optimizer state
   c.train_only = ''  # regex: freeze everything else (e.g. '^classifier/' trains only the head)
-  c.lora = ml_collections.ConfigDict(dict(
+  c.lora = ml_collections.ConfigDict(
+    dict(
       rank=0,  # > 0 adds LoRA adapters (and freezes all but them unless train_only says otherwise)
-      alpha=16.0, targets=r'attn/(query|value)$', export_merged=False))
+      alpha=16.0,
+      targets=r'attn/(query|value)$',
+      export_merged=False,
+    )
+  )
   # A non-finite loss or gradient never reaches the parameters (the update is skipped in the step). 'stop'
   # ends the run at once, naming the step and the first non-finite gradient's parameter, and writes no
   # checkpoint after it; 'skip' goes on and stops after max_nonfinite_skips bad steps in a row.

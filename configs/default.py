@@ -12,35 +12,52 @@ Any field can be overridden, e.g. --config.mesh.data=1 --config.mesh.fsdp=1 --co
 Target: eval loss within 0.03 nats of the language's entropy floor (printed at start, ~1.258 nats/token
 for the default language; a bigram model cannot go below ~2.54, uniform guessing is ln 16 = 2.77).
 """
+
 from configs import common
 
 # The transformer presets (configs/common.py) without the 'layers' rule (this model's 4 blocks are unrolled),
 # on meshes that keep a data axis in every preset. Edit them here, e.g. RULES['tp'] = [...].
 RULES, _ = common.transformer_presets(drop=('layers',))
 MESHES = {
-    'dp': dict(data=8, fsdp=1, tensor=1),
-    'fsdp': dict(data=2, fsdp=4, tensor=1),
-    'tp': dict(data=2, fsdp=1, tensor=4),
-    'fsdp_tp': dict(data=2, fsdp=2, tensor=2),
+  'dp': dict(data=8, fsdp=1, tensor=1),
+  'fsdp': dict(data=2, fsdp=4, tensor=1),
+  'tp': dict(data=2, fsdp=1, tensor=4),
+  'fsdp_tp': dict(data=2, fsdp=2, tensor=2),
 }
 
 
 def get_config(arg: str | None = 'fsdp_tp'):
-  preset, size = common.parse_arg(arg, RULES, ('small',), default_preset='fsdp_tp', default_size='small',
-                                  file='default.py')
+  preset, size = common.parse_arg(
+    arg, RULES, ('small',), default_preset='fsdp_tp', default_size='small', file='default.py'
+  )
   c = common.base(preset, size)
   c.task = 'lm'
   c.mesh = common.mesh(MESHES[preset])  # mesh axis name -> size, outermost first; one size may be -1
   c.dcn_mesh = common.dcn_mesh(c.mesh)  # slices over DCN per axis (hosts); 1 = one slice
   c.logical_axis_rules = RULES[preset]
-  c.model = common.ConfigDict(dict(
-      name='gpt2', vocab_size=16, max_len=64, num_layers=4, num_heads=4, embed_dim=128, mlp_dim=512,
-      norm_eps=1e-5, dtype='float32', param_dtype='float32', attention='auto',
+  c.model = common.ConfigDict(
+    dict(
+      name='gpt2',
+      vocab_size=16,
+      max_len=64,
+      num_layers=4,
+      num_heads=4,
+      embed_dim=128,
+      mlp_dim=512,
+      norm_eps=1e-5,
+      dtype='float32',
+      param_dtype='float32',
+      attention='auto',
       # the speed and memory options of README's model options table, at the values the model takes without them
-      scan_layers=False, remat='none', logits_dtype='float32', loss_chunks=0))
-  c.dataset = common.ConfigDict(dict(
-      name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64,
-      num_train=65536, num_eval=2000))
+      scan_layers=False,
+      remat='none',
+      logits_dtype='float32',
+      loss_chunks=0,
+    )
+  )
+  c.dataset = common.ConfigDict(
+    dict(name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64, num_train=65536, num_eval=2000)
+  )
   c.batch_size = 32  # global
   c.total_steps = 1200
   c.optim.update(lr=3e-3)  # AdamW, warmup 100, cosine to 10%, b2 0.95, weight decay 0.1, clip 1.0

@@ -10,6 +10,7 @@ tokenize the dataset (so token ids match the pretrained embedding). The architec
 config.json. Everything is loaded; the optimizer starts fresh. Rerunning the same command resumes.
 Presets and rules: as configs/gpt2.py (dp, fsdp (default), tp, fsdp_tp).
 """
+
 from configs import gpt2
 from configs.gpt2 import MESHES, RULES, SIZES  # noqa: F401  (the presets and sizes of this config)
 

@@ -25,26 +25,65 @@ directory holding the Llama 3 tokenizer, saved on a machine with access by
   AutoTokenizer.from_pretrained('meta-llama/Llama-3.2-1B').save_pretrained(DIR)
 (TOKENIZER below is a placeholder: left as is, start-up fails with a message naming that field).
 """
+
 from configs import common
 
 # The transformer presets (configs/common.py), copied here to edit for this family, e.g. RULES['tp'] = [...].
 RULES, MESHES = common.transformer_presets(context=True)
 SIZES = {
-    # Llama-3.2-1B: 1,235,814,400 parameters (HF config: hidden_size 2048, intermediate_size 8192,
-    # num_key_value_heads 8, rms_norm_eps 1e-5, tie_word_embeddings True). head_dim = 2048 / 32 = 64.
-    'real': dict(vocab_size=128256, embed_dim=2048, mlp_dim=8192, num_layers=16, num_heads=32, num_kv_heads=8,
-                 head_dim=64, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=True, max_len=2048),
-    # Llama-3-8B-sized, for the plan search's dry runs (docs/plan_search.md); untied, head_dim 128. This size takes
-    # the tiny branch of get_config: set dtype, scan_layers, remat, batch and seq_len with --config.* flags.
-    'llama3_8b': dict(vocab_size=128256, embed_dim=4096, mlp_dim=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                      head_dim=128, rope_theta=500_000.0, norm_eps=1e-5, tie_embeddings=False, max_len=8192),
-    'tiny': dict(vocab_size=16, embed_dim=64, mlp_dim=128, num_layers=2, num_heads=8, num_kv_heads=4,
-                 head_dim=8, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=True, max_len=64),
+  # Llama-3.2-1B: 1,235,814,400 parameters (HF config: hidden_size 2048, intermediate_size 8192,
+  # num_key_value_heads 8, rms_norm_eps 1e-5, tie_word_embeddings True). head_dim = 2048 / 32 = 64.
+  'real': dict(
+    vocab_size=128256,
+    embed_dim=2048,
+    mlp_dim=8192,
+    num_layers=16,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=64,
+    rope_theta=500_000.0,
+    norm_eps=1e-5,
+    tie_embeddings=True,
+    max_len=2048,
+  ),
+  # Llama-3-8B-sized, for the plan search's dry runs (docs/plan_search.md); untied, head_dim 128. This size takes
+  # the tiny branch of get_config: set dtype, scan_layers, remat, batch and seq_len with --config.* flags.
+  'llama3_8b': dict(
+    vocab_size=128256,
+    embed_dim=4096,
+    mlp_dim=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=500_000.0,
+    norm_eps=1e-5,
+    tie_embeddings=False,
+    max_len=8192,
+  ),
+  'tiny': dict(
+    vocab_size=16,
+    embed_dim=64,
+    mlp_dim=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    rope_theta=10_000.0,
+    norm_eps=1e-5,
+    tie_embeddings=True,
+    max_len=64,
+  ),
 }
 LONG_CONTEXT = 32768  # the cp preset's rows at real size
 # Llama-3.2-1B's config.json rope_scaling (trained to 128k positions from 8k): what the long-context preset uses.
-LLAMA32_ROPE_SCALING = (('rope_type', 'llama3'), ('factor', 32.0), ('low_freq_factor', 1.0),
-                        ('high_freq_factor', 4.0), ('original_max_position_embeddings', 8192))
+LLAMA32_ROPE_SCALING = (
+  ('rope_type', 'llama3'),
+  ('factor', 32.0),
+  ('low_freq_factor', 1.0),
+  ('high_freq_factor', 4.0),
+  ('original_max_position_embeddings', 8192),
+)
 TOKENIZER = '/path/to/llama_tokenizer'  # placeholder: a local directory with a saved HF tokenizer
 
 
@@ -55,20 +94,37 @@ def get_config(arg: str | None = None):
   c.mesh = common.mesh(MESHES[preset])
   c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
-  c.model = common.ConfigDict(dict(
-      name='llama', **SIZES[size], dtype='float32', param_dtype='float32', scan_layers=True, remat='none',
-      attention='auto', logits_dtype='float32', loss_chunks=0,  # > 1: the LM loss in chunks (README, model options)
-      rope_scaling=None))  # None, or Llama 3 scaling as (key, value) pairs (models/layers.rope_scaling_params)
+  c.model = common.ConfigDict(
+    dict(
+      name='llama',
+      **SIZES[size],
+      dtype='float32',
+      param_dtype='float32',
+      scan_layers=True,
+      remat='none',
+      attention='auto',
+      logits_dtype='float32',
+      loss_chunks=0,  # > 1: the LM loss in chunks (README, model options)
+      rope_scaling=None,
+    )
+  )  # None, or Llama 3 scaling as (key, value) pairs (models/layers.rope_scaling_params)
   if size == 'real':
     # bf16 compute, f32 params and optimizer state. remat='dots' keeps the weight matmuls' outputs: on one H100
     # at 8 x 2048 tokens per device, 62.7k tokens/s (49.6% MFU causal-correct) in 42.6 GiB (benchmarks/throughput.py,
     # 2026-11-23; compiled for an H100 since: 38.70 GiB). Within the torch peer's 20.9 GiB (README "On GPUs"):
     # --config.model.remat=attention --config.model.loss_chunks=8, 20.44 GiB compiled, its speed not measured.
     c.model.update(common.REAL_SIZE_MODEL, remat='dots')
-    c.dataset = common.ConfigDict(dict(
-        name='c4', data_dir=common.placeholder(str), train_split='train', eval_split='validation[:10000]',
-        seq_len=2048, pack=True,
-        tokenizer=TOKENIZER))
+    c.dataset = common.ConfigDict(
+      dict(
+        name='c4',
+        data_dir=common.placeholder(str),
+        train_split='train',
+        eval_split='validation[:10000]',
+        seq_len=2048,
+        pack=True,
+        tokenizer=TOKENIZER,
+      )
+    )
     c.batch_size = 64  # 131k tokens per step
     c.total_steps = 100_000
     c.optim.update(lr=3e-4, warmup_steps=2000, weight_decay=0.1)
@@ -78,9 +134,9 @@ def get_config(arg: str | None = None):
       c.dataset.seq_len = LONG_CONTEXT
       c.batch_size = 2  # 65k tokens per step: one row per fsdp group
   else:
-    c.dataset = common.ConfigDict(dict(
-        name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64,
-        num_train=8192, num_eval=512))
+    c.dataset = common.ConfigDict(
+      dict(name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64, num_train=8192, num_eval=512)
+    )
     c.batch_size = 16
     c.total_steps = 300
     c.optim.update(lr=3e-3, warmup_steps=30)

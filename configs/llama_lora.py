@@ -11,6 +11,7 @@ axes) and are sharded by the same rules. `--config.lora.export_merged=True` writ
 the adapters folded in to <workdir>/export, a params-only checkpoint that `init_from` reads.
 Presets: as configs/llama.py (dp, fsdp (default), tp, fsdp_tp), plus the ('lora_rank', None) rule.
 """
+
 from configs import llama
 from configs.llama import MESHES, SIZES  # noqa: F401  (the presets and sizes of this config)
 

@@ -13,28 +13,57 @@ Sizes (the model is part of the size): cnn (default; Flax's MNIST CNN: conv 32, 
 824K parameters), mlp (784-512-512-10, 670K), on mnist; tiny (CNN 8-16-32) and mlp_tiny (784-64-32-10)
 on offline synthetic_images of the same shape.
 """
+
 from configs import common
 
 RULES = {
-    'dp': [('batch', 'data'), ('mlp', None), ('embed', None), ('conv_in', None), ('conv_out', None),
-           ('height', None), ('width', None), ('channels', None), ('classes', None)],
-    'fsdp': [('batch', ('data', 'fsdp')), ('mlp', 'fsdp'), ('mlp', None), ('embed', 'fsdp'), ('embed', None),
-             ('conv_in', 'fsdp'), ('conv_out', None),
-             ('height', None), ('width', None), ('channels', None), ('classes', None)],
-    'tp': [('batch', 'data'), ('mlp', 'tensor'), ('embed', None), ('conv_out', 'tensor'), ('conv_in', None),
-           ('height', None), ('width', None), ('channels', None), ('classes', None)],
+  'dp': [
+    ('batch', 'data'),
+    ('mlp', None),
+    ('embed', None),
+    ('conv_in', None),
+    ('conv_out', None),
+    ('height', None),
+    ('width', None),
+    ('channels', None),
+    ('classes', None),
+  ],
+  'fsdp': [
+    ('batch', ('data', 'fsdp')),
+    ('mlp', 'fsdp'),
+    ('mlp', None),
+    ('embed', 'fsdp'),
+    ('embed', None),
+    ('conv_in', 'fsdp'),
+    ('conv_out', None),
+    ('height', None),
+    ('width', None),
+    ('channels', None),
+    ('classes', None),
+  ],
+  'tp': [
+    ('batch', 'data'),
+    ('mlp', 'tensor'),
+    ('embed', None),
+    ('conv_out', 'tensor'),
+    ('conv_in', None),
+    ('height', None),
+    ('width', None),
+    ('channels', None),
+    ('classes', None),
+  ],
 }
 MESHES = {
-    'dp': dict(data=8, fsdp=1, tensor=1),
-    'fsdp': dict(data=1, fsdp=8, tensor=1),
-    'tp': dict(data=2, fsdp=1, tensor=4),
+  'dp': dict(data=8, fsdp=1, tensor=1),
+  'fsdp': dict(data=1, fsdp=8, tensor=1),
+  'tp': dict(data=2, fsdp=1, tensor=4),
 }
 _MNIST = dict(image_size=28, channels=1, num_classes=10)
 SIZES = {
-    'cnn': dict(name='cnn', **_MNIST, features=(32, 64), mlp_dim=256),
-    'mlp': dict(name='mlp', **_MNIST, hidden_dims=(512, 512)),
-    'tiny': dict(name='cnn', **_MNIST, features=(8, 16), mlp_dim=32),
-    'mlp_tiny': dict(name='mlp', **_MNIST, hidden_dims=(64, 32)),
+  'cnn': dict(name='cnn', **_MNIST, features=(32, 64), mlp_dim=256),
+  'mlp': dict(name='mlp', **_MNIST, hidden_dims=(512, 512)),
+  'tiny': dict(name='cnn', **_MNIST, features=(8, 16), mlp_dim=32),
+  'mlp_tiny': dict(name='mlp', **_MNIST, hidden_dims=(64, 32)),
 }
 UNUSED = {'cnn': ('embed',), 'mlp': ('conv_in', 'conv_out')}  # rules the other model needs (no warnings)
 
@@ -51,8 +80,9 @@ def get_config(arg: str | None = None):
   c.batch_size = 128
   c.optim.update(lr=1e-3, warmup_steps=50, weight_decay=0.0)
   if size.endswith('tiny'):
-    c.dataset = common.ConfigDict(dict(name='synthetic_images', **_MNIST, noise=4.0, num_train=4096, num_eval=512,
-                                       seed=0))  # noise 4: eval accuracy ~0.98 after 200 steps, not 1.0 at once
+    c.dataset = common.ConfigDict(
+      dict(name='synthetic_images', **_MNIST, noise=4.0, num_train=4096, num_eval=512, seed=0)
+    )  # noise 4: eval accuracy ~0.98 after 200 steps, not 1.0 at once
     c.batch_size = 32
     c.total_steps = 200
     c.optim.update(lr=3e-3, warmup_steps=20)

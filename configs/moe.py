@@ -20,64 +20,119 @@ fall back to the remaining batch axis.
 Sizes: small (8 experts x top-2, 12 layers, d=1024: 0.93B total, 0.30B active parameters per token),
 tiny (2 layers, d=64, 8 experts, on the offline Markov language). Combine: configs/moe.py:ep,tiny.
 """
+
 from configs import common
 
 _REST = [('layers', None), ('length', None), ('kv', None), ('norm', None)]
 RULES = {
-    'dp': [
-        ('batch', 'data'),
-        ('expert', None), ('embed', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('vocab', None),
-        *_REST,
-    ],
-    'fsdp': [
-        ('batch', ('data', 'fsdp')),
-        ('embed', 'fsdp'), ('embed', None),  # params sharded on embed; activations fall back to None
-        ('expert', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('vocab', None),
-        *_REST,
-    ],
-    'ep': [
-        ('batch', ('data', 'expert')), ('batch', 'data'),  # dispatched tokens: 'expert' is taken, fall back
-        ('expert', 'expert'), ('expert', None),  # fallback: the router's (embed, expert) kernel under fsdp_ep
-        ('embed', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('vocab', None),
-        *_REST,
-    ],
-    'fsdp_ep': [
-        ('batch', ('fsdp', 'expert')), ('batch', 'fsdp'),
-        ('expert', 'expert'), ('expert', None),
-        ('embed', ('fsdp', 'expert')), ('embed', 'fsdp'), ('embed', None),
-        ('mlp', None), ('heads', None), ('kv_heads', None), ('vocab', None),
-        *_REST,
-    ],
-    'cp': [  # as fsdp, and each row split along the sequence over 'context' (configs/common.py: 'cp')
-        ('batch', ('data', 'fsdp')),
-        ('length', 'context'),
-        ('embed', ('fsdp', 'context')), ('embed', 'fsdp'), ('embed', None),
-        ('expert', None), ('mlp', None), ('heads', None), ('kv_heads', None), ('vocab', None),
-        ('layers', None), ('kv', None), ('norm', None),
-    ],
-    'ep_tp': [
-        ('batch', ('data', 'expert')), ('batch', 'data'),
-        ('expert', 'expert'), ('expert', None),
-        ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('vocab', 'tensor'),
-        ('embed', None),
-        *_REST,
-    ],
+  'dp': [
+    ('batch', 'data'),
+    ('expert', None),
+    ('embed', None),
+    ('mlp', None),
+    ('heads', None),
+    ('kv_heads', None),
+    ('vocab', None),
+    *_REST,
+  ],
+  'fsdp': [
+    ('batch', ('data', 'fsdp')),
+    ('embed', 'fsdp'),
+    ('embed', None),  # params sharded on embed; activations fall back to None
+    ('expert', None),
+    ('mlp', None),
+    ('heads', None),
+    ('kv_heads', None),
+    ('vocab', None),
+    *_REST,
+  ],
+  'ep': [
+    ('batch', ('data', 'expert')),
+    ('batch', 'data'),  # dispatched tokens: 'expert' is taken, fall back
+    ('expert', 'expert'),
+    ('expert', None),  # fallback: the router's (embed, expert) kernel under fsdp_ep
+    ('embed', None),
+    ('mlp', None),
+    ('heads', None),
+    ('kv_heads', None),
+    ('vocab', None),
+    *_REST,
+  ],
+  'fsdp_ep': [
+    ('batch', ('fsdp', 'expert')),
+    ('batch', 'fsdp'),
+    ('expert', 'expert'),
+    ('expert', None),
+    ('embed', ('fsdp', 'expert')),
+    ('embed', 'fsdp'),
+    ('embed', None),
+    ('mlp', None),
+    ('heads', None),
+    ('kv_heads', None),
+    ('vocab', None),
+    *_REST,
+  ],
+  'cp': [  # as fsdp, and each row split along the sequence over 'context' (configs/common.py: 'cp')
+    ('batch', ('data', 'fsdp')),
+    ('length', 'context'),
+    ('embed', ('fsdp', 'context')),
+    ('embed', 'fsdp'),
+    ('embed', None),
+    ('expert', None),
+    ('mlp', None),
+    ('heads', None),
+    ('kv_heads', None),
+    ('vocab', None),
+    ('layers', None),
+    ('kv', None),
+    ('norm', None),
+  ],
+  'ep_tp': [
+    ('batch', ('data', 'expert')),
+    ('batch', 'data'),
+    ('expert', 'expert'),
+    ('expert', None),
+    ('mlp', 'tensor'),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('vocab', 'tensor'),
+    ('embed', None),
+    *_REST,
+  ],
 }
 MESHES = {
-    'dp': dict(data=8, fsdp=1, expert=1, tensor=1),
-    'fsdp': dict(data=1, fsdp=8, expert=1, tensor=1),
-    'ep': dict(data=2, fsdp=1, expert=4, tensor=1),
-    'fsdp_ep': dict(data=1, fsdp=2, expert=4, tensor=1),
-    'cp': dict(data=1, fsdp=2, context=4, expert=1, tensor=1),
-    'ep_tp': dict(data=1, fsdp=1, expert=4, tensor=2),
+  'dp': dict(data=8, fsdp=1, expert=1, tensor=1),
+  'fsdp': dict(data=1, fsdp=8, expert=1, tensor=1),
+  'ep': dict(data=2, fsdp=1, expert=4, tensor=1),
+  'fsdp_ep': dict(data=1, fsdp=2, expert=4, tensor=1),
+  'cp': dict(data=1, fsdp=2, context=4, expert=1, tensor=1),
+  'ep_tp': dict(data=1, fsdp=1, expert=4, tensor=2),
 }
 _MOE = dict(num_experts=8, top_k=2, capacity_factor=1.25, aux_loss_weight=0.01, router_z_loss_weight=1e-3)
 SIZES = {
-    # vocab_size 32000 (Mixtral's): point dataset.tokenizer at a local Mistral tokenizer directory to use it all.
-    'small': dict(vocab_size=32000, num_layers=12, embed_dim=1024, num_heads=16, num_kv_heads=4, head_dim=64,
-                  mlp_dim=2816, group_size=512, **_MOE),
-    'tiny': dict(vocab_size=16, num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=64,
-                 group_size=64, **_MOE),
+  # vocab_size 32000 (Mixtral's): point dataset.tokenizer at a local Mistral tokenizer directory to use it all.
+  'small': dict(
+    vocab_size=32000,
+    num_layers=12,
+    embed_dim=1024,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+    mlp_dim=2816,
+    group_size=512,
+    **_MOE,
+  ),
+  'tiny': dict(
+    vocab_size=16,
+    num_layers=2,
+    embed_dim=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    mlp_dim=64,
+    group_size=64,
+    **_MOE,
+  ),
 }
 
 
@@ -88,24 +143,45 @@ def get_config(arg: str | None = None):
   c.mesh = common.mesh(MESHES[preset])
   c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
-  c.model = common.ConfigDict(dict(
-      name='moe', **SIZES[size], rope_theta=1e6, rope_scaling=None, norm_eps=1e-5, tie_embeddings=False,
-      dtype='float32', param_dtype='float32', scan_layers=True, remat='none', attention='auto', logits_dtype='float32',
-      loss_chunks=0))  # > 1: the LM loss in that many chunks along the length (README, model options)
+  c.model = common.ConfigDict(
+    dict(
+      name='moe',
+      **SIZES[size],
+      rope_theta=1e6,
+      rope_scaling=None,
+      norm_eps=1e-5,
+      tie_embeddings=False,
+      dtype='float32',
+      param_dtype='float32',
+      scan_layers=True,
+      remat='none',
+      attention='auto',
+      logits_dtype='float32',
+      loss_chunks=0,
+    )
+  )  # > 1: the LM loss in that many chunks along the length (README, model options)
   if size == 'small':
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
     c.model.remat = 'full'  # ep train step temporaries per device: 39 GiB without, 4.5 GiB with
-    c.dataset = common.ConfigDict(dict(
-        name='lm1b', data_dir=common.placeholder(str), train_split='train', eval_split='test', seq_len=1024, pack=True,
-        tokenizer='byte'))
+    c.dataset = common.ConfigDict(
+      dict(
+        name='lm1b',
+        data_dir=common.placeholder(str),
+        train_split='train',
+        eval_split='test',
+        seq_len=1024,
+        pack=True,
+        tokenizer='byte',
+      )
+    )
     c.batch_size = 64
     c.total_steps = 100_000
     c.optim.update(lr=3e-4, warmup_steps=2000, weight_decay=0.1)
     c.eval_every = 5000
   else:
-    c.dataset = common.ConfigDict(dict(
-        name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64,
-        num_train=8192, num_eval=512))
+    c.dataset = common.ConfigDict(
+      dict(name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64, num_train=8192, num_eval=512)
+    )
     c.batch_size = 16
     c.total_steps = 300
     c.optim.update(lr=3e-3, warmup_steps=30)

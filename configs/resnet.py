@@ -16,47 +16,65 @@ imagenet2012 with SGD + momentum 0.9, lr 0.4 at batch 1024 (0.1 per 256), 90 epo
 (no weight decay: training/optim.py's 'sgd' has none); tiny (basic blocks 1-2-3-1 at width 8, on 32x32
 offline synthetic_images).
 """
+
 from configs import common
 
-_REST = [('height', None), ('width', None), ('channels', None), ('classes', None), ('layers', None),
-         ('norm', None)]
+_REST = [('height', None), ('width', None), ('channels', None), ('classes', None), ('layers', None), ('norm', None)]
 RULES = {
-    'dp': [('batch', 'data'), ('conv_in', None), ('conv_out', None)] + _REST,
-    'fsdp': [('batch', ('data', 'fsdp')), ('conv_in', 'fsdp'), ('conv_in', None), ('conv_out', None)] + _REST,
-    'tp': [('batch', 'data'), ('conv_out', 'tensor'), ('conv_in', None)] + _REST,
+  'dp': [('batch', 'data'), ('conv_in', None), ('conv_out', None)] + _REST,
+  'fsdp': [('batch', ('data', 'fsdp')), ('conv_in', 'fsdp'), ('conv_in', None), ('conv_out', None)] + _REST,
+  'tp': [('batch', 'data'), ('conv_out', 'tensor'), ('conv_in', None)] + _REST,
 }
 MESHES = {
-    'dp': dict(data=8, fsdp=1, tensor=1),
-    'fsdp': dict(data=1, fsdp=8, tensor=1),
-    'tp': dict(data=2, fsdp=1, tensor=4),
+  'dp': dict(data=8, fsdp=1, tensor=1),
+  'fsdp': dict(data=1, fsdp=8, tensor=1),
+  'tp': dict(data=2, fsdp=1, tensor=4),
 }
 _IMAGENET = dict(image_size=224, channels=3, num_classes=1000, width=64)
 SIZES = {
-    'resnet18': dict(**_IMAGENET, block='basic', stage_sizes=(2, 2, 2, 2)),
-    'resnet50': dict(**_IMAGENET, block='bottleneck', stage_sizes=(3, 4, 6, 3)),
-    'tiny': dict(image_size=32, channels=3, num_classes=10, width=8, block='basic', stage_sizes=(1, 2, 3, 1)),
+  'resnet18': dict(**_IMAGENET, block='basic', stage_sizes=(2, 2, 2, 2)),
+  'resnet50': dict(**_IMAGENET, block='bottleneck', stage_sizes=(3, 4, 6, 3)),
+  'tiny': dict(image_size=32, channels=3, num_classes=10, width=8, block='basic', stage_sizes=(1, 2, 3, 1)),
 }
 
 
 def get_config(arg: str | None = None):
-  preset, size = common.parse_arg(arg, RULES, SIZES, default_preset='dp', default_size='resnet50',
-                                  file='resnet.py')
+  preset, size = common.parse_arg(arg, RULES, SIZES, default_preset='dp', default_size='resnet50', file='resnet.py')
   c = common.base(preset, size)
   c.task = 'classification'
   c.mesh = common.mesh(MESHES[preset])
   c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
   m = SIZES[size]
-  c.model = common.ConfigDict(dict(
-      name='resnet', **m, bn_momentum=0.9, bn_eps=1e-5, bn_fast_variance=False, bn_fused=True, dtype='float32', param_dtype='float32',
-      scan_layers=True, remat='none',
-      stride_in_1x1=False))  # a bottleneck strides on its 3x3 conv (v1.5); True: on its first 1x1 (v1)
-  c.optim = common.ConfigDict(dict(name='sgd', lr=0.1, momentum=0.9, warmup_steps=100, min_lr_ratio=0.0,
-                                   grad_clip=0.0))
+  c.model = common.ConfigDict(
+    dict(
+      name='resnet',
+      **m,
+      bn_momentum=0.9,
+      bn_eps=1e-5,
+      bn_fast_variance=False,
+      bn_fused=True,
+      dtype='float32',
+      param_dtype='float32',
+      scan_layers=True,
+      remat='none',
+      stride_in_1x1=False,
+    )
+  )  # a bottleneck strides on its 3x3 conv (v1.5); True: on its first 1x1 (v1)
+  c.optim = common.ConfigDict(dict(name='sgd', lr=0.1, momentum=0.9, warmup_steps=100, min_lr_ratio=0.0, grad_clip=0.0))
   if size == 'tiny':
-    c.dataset = common.ConfigDict(dict(
-        name='synthetic_images', image_size=m['image_size'], channels=m['channels'], num_classes=m['num_classes'],
-        noise=4.0, num_train=4096, num_eval=512, seed=0))  # noise 4: a learning curve, not 1.0 at once
+    c.dataset = common.ConfigDict(
+      dict(
+        name='synthetic_images',
+        image_size=m['image_size'],
+        channels=m['channels'],
+        num_classes=m['num_classes'],
+        noise=4.0,
+        num_train=4096,
+        num_eval=512,
+        seed=0,
+      )
+    )  # noise 4: a learning curve, not 1.0 at once
     c.batch_size = 32
     c.total_steps = 300
     c.optim.update(lr=0.05, warmup_steps=30)
@@ -66,8 +84,9 @@ def get_config(arg: str | None = None):
     # One-pass BatchNorm variance (E[x^2] - mean^2 in f32): one read of each activation fewer; conv outputs
     # have |mean| of the order of their std, far from where it cancels. 7% faster on an H100.
     c.model.bn_fast_variance = True
-    c.dataset = common.ConfigDict(dict(
-        name='imagenet2012', data_dir=common.placeholder(str), image_size=224, channels=3, num_classes=1000))
+    c.dataset = common.ConfigDict(
+      dict(name='imagenet2012', data_dir=common.placeholder(str), image_size=224, channels=3, num_classes=1000)
+    )
     c.batch_size = 1024
     c.total_steps = 90 * 1251  # 90 epochs of 1,281,167 images
     c.optim.update(lr=0.4, warmup_steps=5 * 1251)

@@ -11,6 +11,7 @@ are, still before compiling.
 or broken file, an unknown field, a misspelled preset, a value of the wrong type) reported as one line instead
 of a traceback.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +36,7 @@ RULE = '(logical name, mesh axis | tuple of mesh axes | None) pair'  # one of co
 class Field:
   """A field's type (int, float, bool, str, 'regex', 'ints', 'mesh', 'dcn', 'rules', 'rope', 'remat', 'info') and
   range."""
+
   kind: Any
   lo: float = -INF
   hi: float = INF
@@ -54,12 +56,18 @@ class Field:
       bounds += [f'{"<" if self.hi_open else "<="} {self.hi:g}'] if self.hi < INF else []
       text = f'{name} {" and ".join(bounds)}'.strip()
     else:
-      text = {bool: 'True or False', str: 'a string', 'regex': 'a regular expression (or empty)',
-              'ints': 'a non-empty tuple of integers >= 1', 'mesh': 'a dict of mesh axis name -> size >= 1 (one may be -1)',
-              'dcn': 'a dict of mesh axis name -> number of slices >= 1',
-              'rules': f'a list of {RULE}s',
-              'rope': "None or Llama 3 scaling: (name, value) pairs of rope_type='llama3', factor, low_freq_factor, "
-                      'high_freq_factor, original_max_position_embeddings', 'info': 'a string'}[self.kind]
+      text = {
+        bool: 'True or False',
+        str: 'a string',
+        'regex': 'a regular expression (or empty)',
+        'ints': 'a non-empty tuple of integers >= 1',
+        'mesh': 'a dict of mesh axis name -> size >= 1 (one may be -1)',
+        'dcn': 'a dict of mesh axis name -> number of slices >= 1',
+        'rules': f'a list of {RULE}s',
+        'rope': "None or Llama 3 scaling: (name, value) pairs of rope_type='llama3', factor, low_freq_factor, "
+        'high_freq_factor, original_max_position_embeddings',
+        'info': 'a string',
+      }[self.kind]
     return text + (' (or None)' if self.optional else '')
 
   def problem(self, value: Any) -> bool:
@@ -72,8 +80,13 @@ class Field:
     if kind in (int, float):
       if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         return True
-      return (not math.isfinite(value) or value < self.lo or value > self.hi or (self.lo_open and value == self.lo)
-              or (self.hi_open and value == self.hi))
+      return (
+        not math.isfinite(value)
+        or value < self.lo
+        or value > self.hi
+        or (self.lo_open and value == self.lo)
+        or (self.hi_open and value == self.hi)
+      )
     if kind in (str, 'info', 'remat'):
       if kind == 'remat' and isinstance(value, bool):  # older configs: True/False mean full/none
         return False
@@ -87,19 +100,30 @@ class Field:
         return True
       return False
     if kind == 'ints':
-      return (not isinstance(value, (tuple, list)) or not value
-              or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value))
+      return (
+        not isinstance(value, (tuple, list))
+        or not value
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value)
+      )
     if kind == 'mesh':
-      return not hasattr(value, 'items') or not value or any(
+      return (
+        not hasattr(value, 'items')
+        or not value
+        or any(
           not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or not (v >= 1 or v == -1)
-          for k, v in value.items()) or list(value.values()).count(-1) > 1
+          for k, v in value.items()
+        )
+        or list(value.values()).count(-1) > 1
+      )
     if kind == 'dcn':
       return not hasattr(value, 'items') or any(
-          not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 1 for k, v in value.items())
+        not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 1 for k, v in value.items()
+      )
     if kind == 'rules':
       return not isinstance(value, (tuple, list)) or any(_rule_problem(r) for r in value)
     if kind == 'rope':
       from models import layers
+
       try:
         layers.rope_scaling_params(value)
       except (ConfigError, TypeError, ValueError, AttributeError):
@@ -109,9 +133,20 @@ class Field:
 
   def bad_values(self) -> list[Any]:
     """Values this field refuses (for tests): one of the wrong type, and one out of range where a range exists."""
-    wrong_type = {bool: 'yes', int: 'four', float: 'small', str: 3, 'info': 3, 'remat': 3, 'regex': '(unclosed',
-                  'ints': 'abc', 'mesh': {'data': 0}, 'dcn': {'data': -1}, 'rules': [('batch',)],
-                  'rope': dict(rope_type='yarn')}[self.kind]
+    wrong_type = {
+      bool: 'yes',
+      int: 'four',
+      float: 'small',
+      str: 3,
+      'info': 3,
+      'remat': 3,
+      'regex': '(unclosed',
+      'ints': 'abc',
+      'mesh': {'data': 0},
+      'dcn': {'data': -1},
+      'rules': [('batch',)],
+      'rope': dict(rope_type='yarn'),
+    }[self.kind]
     out = [wrong_type]
     if self.choices is not None:
       out.append('no_such_choice')
@@ -143,17 +178,22 @@ def _rule_problem(rule: Any) -> str:
   name, target = rule
   if not isinstance(name, str):
     return f'the logical name {name!r} is not a string'
-  if not (target is None or isinstance(target, str) or (isinstance(target, (tuple, list)) and
-                                                        all(isinstance(a, str) for a in target))):
+  if not (
+    target is None
+    or isinstance(target, str)
+    or (isinstance(target, (tuple, list)) and all(isinstance(a, str) for a in target))
+  ):
     return f'the target {target!r} is not a mesh axis name, a tuple of them or None'
   return ''
 
 
 def _owned(module: str, name: str, *, sort: bool = False) -> Callable[[], list[Any]]:
   """The allowed values as their owner declares them (`module.name`), imported when first asked for."""
+
   def values() -> list[Any]:
     found = getattr(importlib.import_module(module), name)
     return sorted(found) if sort else list(found)
+
   return values
 
 
@@ -165,58 +205,122 @@ NONNEG = Field(float, lo=0)
 FRACTION = Field(float, lo=0, hi=1, hi_open=True)  # [0, 1)
 
 FIELDS: dict[str, Field] = {
-    # the run
-    'task': Field(str, choices=_owned('training.tasks', 'TASKS', sort=True)), 'seed': COUNT, 'batch_size': POSITIVE,
-    'total_steps': POSITIVE,
-    'log_every': POSITIVE, 'eval_every': POSITIVE, 'checkpoint_every': COUNT, 'keep_checkpoints': POSITIVE,
-    'sample_len': COUNT, 'profile_first_step': COUNT, 'profile_steps': POSITIVE,
-    'on_nonfinite': Field(str, choices=lambda: ['stop', 'skip']), 'max_nonfinite_skips': COUNT,
-    'resume_fallback': Field(bool),
-    'preset': Field('info'), 'size': Field('info'),  # set by get_config(arg): what the file built
-    'mesh': Field('mesh'), 'dcn_mesh': Field('dcn'), 'logical_axis_rules': Field('rules'),
-    'context_load_balance': Field(bool),
-    # starting from pretrained weights, what trains
-    'init_from': Field(str), 'dont_load': Field('regex'), 'freeze': Field('regex'), 'train_only': Field('regex'),
-    'lora.rank': COUNT, 'lora.alpha': RATE, 'lora.targets': Field('regex'), 'lora.export_merged': Field(bool),
-    # optimizer
-    'optim.name': Field(str, choices=_owned('training.optim', 'OPTIMIZERS')), 'optim.lr': NONNEG,
-    'optim.warmup_steps': COUNT,
-    'optim.min_lr_ratio': Field(float, lo=0, hi=1), 'optim.weight_decay': NONNEG, 'optim.b1': FRACTION,
-    'optim.b2': FRACTION, 'optim.eps': RATE, 'optim.grad_clip': NONNEG, 'optim.momentum': FRACTION,
-    # model (every family's fields; a family reads the ones it has)
-    'model.name': Field(str, choices=_owned('models', 'MODELS', sort=True)),
-    'model.dtype': Field(str, choices=DTYPES),
-    'model.param_dtype': Field(str, choices=DTYPES), 'model.logits_dtype': Field(str, choices=DTYPES),
-    'model.loss_chunks': COUNT,  # the LM loss in that many chunks along the length; 0 or 1: off
-    'model.attention': Field(str, choices=_owned('models.attention', 'IMPLEMENTATIONS')),
-    'model.remat': Field('remat', choices=_owned('models.layers', 'REMAT_POLICIES')),  # True/False: full/none
-    'model.scan_layers': Field(bool), 'model.vocab_size': POSITIVE, 'model.pad_vocab_to': POSITIVE,
-    'model.max_len': POSITIVE, 'model.num_layers': POSITIVE, 'model.num_heads': POSITIVE,
-    'model.num_kv_heads': POSITIVE, 'model.head_dim': POSITIVE, 'model.embed_dim': POSITIVE,
-    'model.mlp_dim': POSITIVE, 'model.norm_eps': RATE, 'model.tie_embeddings': Field(bool),
-    'model.rope_theta': RATE, 'model.rope_scaling': Field('rope', optional=True),
-    'model.num_experts': POSITIVE, 'model.top_k': POSITIVE, 'model.capacity_factor': RATE,
-    'model.group_size': POSITIVE, 'model.aux_loss_weight': NONNEG, 'model.router_z_loss_weight': NONNEG,
-    'model.type_vocab_size': POSITIVE, 'model.head': Field(str, choices=_owned('models.bert', 'HEADS')),
-    'model.num_classes': POSITIVE,
-    'model.image_size': POSITIVE, 'model.patch_size': POSITIVE, 'model.channels': POSITIVE,
-    'model.features': Field('ints'), 'model.width': POSITIVE,
-    'model.block': Field(str, choices=_owned('models.resnet', 'BLOCKS', sort=True)),
-    'model.stage_sizes': Field('ints'), 'model.bn_eps': RATE, 'model.bn_momentum': FRACTION,
-    'model.bn_fast_variance': Field(bool), 'model.bn_fused': Field(bool), 'model.stride_in_1x1': Field(bool),
-    # data
-    'dataset.name': Field(str), 'dataset.seq_len': POSITIVE, 'dataset.vocab_size': POSITIVE,
-    'dataset.branching': POSITIVE, 'dataset.smoothing': Field(float, lo=0, hi=1), 'dataset.seed': COUNT,
-    'dataset.num_train': POSITIVE, 'dataset.num_eval': POSITIVE, 'dataset.num_classes': POSITIVE,
-    'dataset.image_size': POSITIVE, 'dataset.channels': POSITIVE, 'dataset.pack': Field(bool),
-    'dataset.tokenizer': Field(str), 'dataset.data_dir': Field(str, optional=True),
-    'dataset.train_split': Field(str), 'dataset.eval_split': Field(str),
-    'dataset.mlm_probability': Field(float, lo=0, hi=1, lo_open=True, hi_open=True),
-    'dataset.noise': NONNEG, 'dataset.max_shift': COUNT, 'dataset.text_key': Field(str),
-    'dataset.min_text_len': POSITIVE, 'dataset.max_text_len': POSITIVE, 'dataset.num_threads': POSITIVE,
-    'dataset.prefetch': COUNT, 'dataset.augment': Field(str, choices=_owned('data.vision', 'AUGMENTATIONS')),
+  # the run
+  'task': Field(str, choices=_owned('training.tasks', 'TASKS', sort=True)),
+  'seed': COUNT,
+  'batch_size': POSITIVE,
+  'total_steps': POSITIVE,
+  'log_every': POSITIVE,
+  'eval_every': POSITIVE,
+  'checkpoint_every': COUNT,
+  'keep_checkpoints': POSITIVE,
+  'sample_len': COUNT,
+  'profile_first_step': COUNT,
+  'profile_steps': POSITIVE,
+  'on_nonfinite': Field(str, choices=lambda: ['stop', 'skip']),
+  'max_nonfinite_skips': COUNT,
+  'resume_fallback': Field(bool),
+  'preset': Field('info'),
+  'size': Field('info'),  # set by get_config(arg): what the file built
+  'mesh': Field('mesh'),
+  'dcn_mesh': Field('dcn'),
+  'logical_axis_rules': Field('rules'),
+  'context_load_balance': Field(bool),
+  # starting from pretrained weights, what trains
+  'init_from': Field(str),
+  'dont_load': Field('regex'),
+  'freeze': Field('regex'),
+  'train_only': Field('regex'),
+  'lora.rank': COUNT,
+  'lora.alpha': RATE,
+  'lora.targets': Field('regex'),
+  'lora.export_merged': Field(bool),
+  # optimizer
+  'optim.name': Field(str, choices=_owned('training.optim', 'OPTIMIZERS')),
+  'optim.lr': NONNEG,
+  'optim.warmup_steps': COUNT,
+  'optim.min_lr_ratio': Field(float, lo=0, hi=1),
+  'optim.weight_decay': NONNEG,
+  'optim.b1': FRACTION,
+  'optim.b2': FRACTION,
+  'optim.eps': RATE,
+  'optim.grad_clip': NONNEG,
+  'optim.momentum': FRACTION,
+  # model (every family's fields; a family reads the ones it has)
+  'model.name': Field(str, choices=_owned('models', 'MODELS', sort=True)),
+  'model.dtype': Field(str, choices=DTYPES),
+  'model.param_dtype': Field(str, choices=DTYPES),
+  'model.logits_dtype': Field(str, choices=DTYPES),
+  'model.loss_chunks': COUNT,  # the LM loss in that many chunks along the length; 0 or 1: off
+  'model.attention': Field(str, choices=_owned('models.attention', 'IMPLEMENTATIONS')),
+  'model.remat': Field('remat', choices=_owned('models.layers', 'REMAT_POLICIES')),  # True/False: full/none
+  'model.scan_layers': Field(bool),
+  'model.vocab_size': POSITIVE,
+  'model.pad_vocab_to': POSITIVE,
+  'model.max_len': POSITIVE,
+  'model.num_layers': POSITIVE,
+  'model.num_heads': POSITIVE,
+  'model.num_kv_heads': POSITIVE,
+  'model.head_dim': POSITIVE,
+  'model.embed_dim': POSITIVE,
+  'model.mlp_dim': POSITIVE,
+  'model.norm_eps': RATE,
+  'model.tie_embeddings': Field(bool),
+  'model.rope_theta': RATE,
+  'model.rope_scaling': Field('rope', optional=True),
+  'model.num_experts': POSITIVE,
+  'model.top_k': POSITIVE,
+  'model.capacity_factor': RATE,
+  'model.group_size': POSITIVE,
+  'model.aux_loss_weight': NONNEG,
+  'model.router_z_loss_weight': NONNEG,
+  'model.type_vocab_size': POSITIVE,
+  'model.head': Field(str, choices=_owned('models.bert', 'HEADS')),
+  'model.num_classes': POSITIVE,
+  'model.image_size': POSITIVE,
+  'model.patch_size': POSITIVE,
+  'model.channels': POSITIVE,
+  'model.features': Field('ints'),
+  'model.width': POSITIVE,
+  'model.block': Field(str, choices=_owned('models.resnet', 'BLOCKS', sort=True)),
+  'model.stage_sizes': Field('ints'),
+  'model.bn_eps': RATE,
+  'model.bn_momentum': FRACTION,
+  'model.bn_fast_variance': Field(bool),
+  'model.bn_fused': Field(bool),
+  'model.stride_in_1x1': Field(bool),
+  # data
+  'dataset.name': Field(str),
+  'dataset.seq_len': POSITIVE,
+  'dataset.vocab_size': POSITIVE,
+  'dataset.branching': POSITIVE,
+  'dataset.smoothing': Field(float, lo=0, hi=1),
+  'dataset.seed': COUNT,
+  'dataset.num_train': POSITIVE,
+  'dataset.num_eval': POSITIVE,
+  'dataset.num_classes': POSITIVE,
+  'dataset.image_size': POSITIVE,
+  'dataset.channels': POSITIVE,
+  'dataset.pack': Field(bool),
+  'dataset.tokenizer': Field(str),
+  'dataset.data_dir': Field(str, optional=True),
+  'dataset.train_split': Field(str),
+  'dataset.eval_split': Field(str),
+  'dataset.mlm_probability': Field(float, lo=0, hi=1, lo_open=True, hi_open=True),
+  'dataset.noise': NONNEG,
+  'dataset.max_shift': COUNT,
+  'dataset.text_key': Field(str),
+  'dataset.min_text_len': POSITIVE,
+  'dataset.max_text_len': POSITIVE,
+  'dataset.num_threads': POSITIVE,
+  'dataset.prefetch': COUNT,
+  'dataset.augment': Field(str, choices=_owned('data.vision', 'AUGMENTATIONS')),
 }
-OPAQUE = ('mesh', 'dcn_mesh', 'model.rope_scaling')  # dict-valued fields checked as a whole (keys: axis names, rope settings)
+OPAQUE = (
+  'mesh',
+  'dcn_mesh',
+  'model.rope_scaling',
+)  # dict-valued fields checked as a whole (keys: axis names, rope settings)
 
 
 def leaves(config: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
@@ -236,8 +340,10 @@ def check(config: ml_collections.ConfigDict) -> None:
   for path, value in leaves(config).items():
     field = FIELDS.get(path)
     if field is None:
-      raise ConfigError(f'config.{path} is not a field shardzoo knows; a new field is described in '
-                        'configs/schema.py FIELDS (its type and allowed values)')
+      raise ConfigError(
+        f'config.{path} is not a field shardzoo knows; a new field is described in '
+        'configs/schema.py FIELDS (its type and allowed values)'
+      )
     if field.problem(value):
       raise ConfigError(field.message(path, value))
 
@@ -268,12 +374,14 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) ->
   except (AttributeError, KeyError) as e:  # --config.<field> naming no field
     text = str(e.args[0] if e.args else e)
     if "has no attribute 'get_config'" in text:  # ml_collections: the file defines no get_config()
-      raise SystemExit(f'shardzoo: config error: {_config_flag(argv, flag_values)[0]}: the file defines no '
-                       'get_config(), so it is not a config file (configs/<model>.py are)') from None
+      raise SystemExit(
+        f'shardzoo: config error: {_config_flag(argv, flag_values)[0]}: the file defines no '
+        'get_config(), so it is not a config file (configs/<model>.py are)'
+      ) from None
     bad = re.search(r'instead of "([^"]+)"', text) or re.search(r'(\w+)', text)
     name = bad.group(1) if bad else text
     flag = next((a for a in argv if re.match(rf'--config\.([\w.]*\.)?{re.escape(name)}(=|$)', a)), f'--config.{name}')
-    path = flag.split('=', 1)[0][len('--config.'):]
+    path = flag.split('=', 1)[0][len('--config.') :]
     hint = re.search(r'Did you mean "([^"]+)"', text)
     if path in FIELDS:  # a field of other config files: a did-you-mean would point at the wrong field
       message = f'{flag}: this config file does not declare config.{path}'
@@ -292,7 +400,7 @@ def _config_flag(argv: list[str], flag_values: flags.FlagValues) -> tuple[str, s
   for i, arg in enumerate(argv):
     given = re.match(rf'--?({"|".join(map(re.escape, names))})(=|$)', arg)
     if given:
-      value = arg[given.end():] if given.group(2) else (argv[i + 1] if i + 1 < len(argv) else '')
+      value = arg[given.end() :] if given.group(2) else (argv[i + 1] if i + 1 < len(argv) else '')
       return f'--{given.group(1)}={value}', value.split(':', 1)[0]
   return f'--{names[0]}', ''
 

@@ -13,32 +13,45 @@ Sizes: ti16 (d=192, 3 heads), s16 (d=384, 6 heads), b16 (default; d=768, 12 head
 imagenet2012 224x224 (DeiT's recipe: AdamW, lr 1e-3 at batch 1024, weight decay 0.05, 300 epochs;
 no mixup/RandAugment here); tiny (2 layers, d=64, 16x16 images in 4x4 patches, offline synthetic_images).
 """
+
 from configs import common
 
-_IMAGE = [('height', None), ('width', None), ('channels', None), ('classes', None), ('layers', None),
-          ('length', None), ('kv', None), ('norm', None)]
+_IMAGE = [
+  ('height', None),
+  ('width', None),
+  ('channels', None),
+  ('classes', None),
+  ('layers', None),
+  ('length', None),
+  ('kv', None),
+  ('norm', None),
+]
 RULES = {
-    'dp': [('batch', 'data'), ('embed', None), ('mlp', None), ('heads', None), ('kv_heads', None)] + _IMAGE,
-    'fsdp': [
-        ('batch', ('data', 'fsdp')),
-        ('embed', 'fsdp'), ('embed', None),  # params sharded on embed; activations fall back to None
-        ('mlp', None), ('heads', None), ('kv_heads', None),
-    ] + _IMAGE,
-    'tp': [('batch', 'data'), ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('embed', None)]
-          + _IMAGE,
+  'dp': [('batch', 'data'), ('embed', None), ('mlp', None), ('heads', None), ('kv_heads', None)] + _IMAGE,
+  'fsdp': [
+    ('batch', ('data', 'fsdp')),
+    ('embed', 'fsdp'),
+    ('embed', None),  # params sharded on embed; activations fall back to None
+    ('mlp', None),
+    ('heads', None),
+    ('kv_heads', None),
+  ]
+  + _IMAGE,
+  'tp': [('batch', 'data'), ('mlp', 'tensor'), ('heads', 'tensor'), ('kv_heads', 'tensor'), ('embed', None)] + _IMAGE,
 }
 MESHES = {
-    'dp': dict(data=8, fsdp=1, tensor=1),
-    'fsdp': dict(data=1, fsdp=8, tensor=1),
-    'tp': dict(data=2, fsdp=1, tensor=4),
+  'dp': dict(data=8, fsdp=1, tensor=1),
+  'fsdp': dict(data=1, fsdp=8, tensor=1),
+  'tp': dict(data=2, fsdp=1, tensor=4),
 }
 _IMAGENET = dict(image_size=224, patch_size=16, channels=3, num_classes=1000, num_layers=12)
 SIZES = {
-    'ti16': dict(**_IMAGENET, embed_dim=192, num_heads=3, mlp_dim=768),
-    's16': dict(**_IMAGENET, embed_dim=384, num_heads=6, mlp_dim=1536),
-    'b16': dict(**_IMAGENET, embed_dim=768, num_heads=12, mlp_dim=3072),
-    'tiny': dict(image_size=16, patch_size=4, channels=3, num_classes=10, num_layers=2, embed_dim=64, num_heads=4,
-                 mlp_dim=128),
+  'ti16': dict(**_IMAGENET, embed_dim=192, num_heads=3, mlp_dim=768),
+  's16': dict(**_IMAGENET, embed_dim=384, num_heads=6, mlp_dim=1536),
+  'b16': dict(**_IMAGENET, embed_dim=768, num_heads=12, mlp_dim=3072),
+  'tiny': dict(
+    image_size=16, patch_size=4, channels=3, num_classes=10, num_layers=2, embed_dim=64, num_heads=4, mlp_dim=128
+  ),
 }
 
 
@@ -50,21 +63,39 @@ def get_config(arg: str | None = None):
   c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
   m = SIZES[size]
-  c.model = common.ConfigDict(dict(
-      name='vit', **m, norm_eps=1e-12, dtype='float32', param_dtype='float32', scan_layers=True, remat='none',
-      attention='auto'))
+  c.model = common.ConfigDict(
+    dict(
+      name='vit',
+      **m,
+      norm_eps=1e-12,
+      dtype='float32',
+      param_dtype='float32',
+      scan_layers=True,
+      remat='none',
+      attention='auto',
+    )
+  )
   if size == 'tiny':
-    c.dataset = common.ConfigDict(dict(
-        name='synthetic_images', image_size=m['image_size'], channels=m['channels'], num_classes=m['num_classes'],
-        num_train=4096, num_eval=512, seed=0))
+    c.dataset = common.ConfigDict(
+      dict(
+        name='synthetic_images',
+        image_size=m['image_size'],
+        channels=m['channels'],
+        num_classes=m['num_classes'],
+        num_train=4096,
+        num_eval=512,
+        seed=0,
+      )
+    )
     c.batch_size = 32
     c.total_steps = 300
     c.optim.update(lr=3e-3, warmup_steps=30, weight_decay=0.0)
     c.log_every, c.eval_every = 50, 300
   else:
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
-    c.dataset = common.ConfigDict(dict(
-        name='imagenet2012', data_dir=common.placeholder(str), image_size=224, channels=3, num_classes=1000))
+    c.dataset = common.ConfigDict(
+      dict(name='imagenet2012', data_dir=common.placeholder(str), image_size=224, channels=3, num_classes=1000)
+    )
     c.batch_size = 1024
     c.total_steps = 300 * 1251  # 300 epochs of 1,281,167 images
     c.optim.update(lr=1e-3, warmup_steps=5 * 1251, b2=0.999, weight_decay=0.05)

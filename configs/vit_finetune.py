@@ -11,6 +11,7 @@ checkpoint does not explain is an error that lists it. CIFAR-10 images are resiz
 Set `--config.train_only='^head/'` to train only the new head (linear probe).
 Presets and rules: as configs/vit.py (dp, fsdp (default), tp).
 """
+
 from configs import vit
 from configs.vit import MESHES, RULES, SIZES  # noqa: F401  (the presets and sizes of this config)
 

@@ -13,11 +13,21 @@ rows, packing, global arrays), markov (offline Markov languages), text (tokenize
 vision (image transforms, offline images), tfds_source (opening prepared TFDS datasets, offline).
 The batch fields, their logical axes, shapes and dtypes belong to the tasks (training/tasks.py).
 """
+
 from data.dataset import Dataset
 from data.markov import MarkovLanguage, MarkovText
 from data.pipeline import eval_batches, local_rows, to_global, train_dataset
 from data.registry import build
 from data.text import lm_example
 
-__all__ = ['Dataset', 'MarkovLanguage', 'MarkovText', 'build', 'eval_batches', 'lm_example', 'local_rows',
-           'to_global', 'train_dataset']
+__all__ = [
+  'Dataset',
+  'MarkovLanguage',
+  'MarkovText',
+  'build',
+  'eval_batches',
+  'lm_example',
+  'local_rows',
+  'to_global',
+  'train_dataset',
+]

@@ -1,4 +1,5 @@
 """A dataset: random-access train/eval splits and the per-example transforms that make batches of them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,9 +9,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from errors import ConfigError
 from data import pipeline
 from data.markov import MarkovLanguage
+from errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -20,6 +21,7 @@ class Dataset:
   It declares no field list: `example_spec()` measures what it makes, and the task checks that
   (training.tasks.Task.check_data), with `vocab` and `num_classes`, against itself and the model.
   """
+
   name: str
   train: Any  # random-access examples
   eval: Any
@@ -37,10 +39,12 @@ class Dataset:
   def train_dataset(self, global_batch: int, rows: slice, seed: int) -> grain.IterDataset:
     """This process's `rows` of every global batch, forever; `iter()` of it has get_state/set_state."""
     if self.pack_len:
-      return pipeline.packed_train_dataset(self.train, global_batch, rows, seed, self.transform, self.pack_len,
-                                           prefetch=self.prefetch)
-    return pipeline.train_dataset(self.train, global_batch, rows, seed, self.transform,
-                                  num_threads=self.num_threads, prefetch=self.prefetch)
+      return pipeline.packed_train_dataset(
+        self.train, global_batch, rows, seed, self.transform, self.pack_len, prefetch=self.prefetch
+      )
+    return pipeline.train_dataset(
+      self.train, global_batch, rows, seed, self.transform, num_threads=self.num_threads, prefetch=self.prefetch
+    )
 
   def train_iterator(self, global_batch: int, rows: slice, seed: int) -> pipeline.RowsIterator:
     """An iterator of train_dataset whose position resumes with any number of processes (checkpointed)."""
@@ -51,15 +55,15 @@ class Dataset:
     t = self.eval_transform or self.transform
     if self.pack_len:
       return pipeline.packed_eval_batches(self.eval, global_batch, rows, t, self.pack_len)
-    return pipeline.eval_batches(self.eval, global_batch, rows, t, num_threads=self.num_threads,
-                                 prefetch=self.prefetch)
+    return pipeline.eval_batches(self.eval, global_batch, rows, t, num_threads=self.num_threads, prefetch=self.prefetch)
 
   def example_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Field -> (shape, dtype) of one example as the pipelines make it, measured on the first train and
     eval examples (their transforms must agree)."""
     train = pipeline.example_spec(self.train, self.transform, self.pack_len, what=f'the train split of {self.name!r}')
-    eval_ = pipeline.example_spec(self.eval, self.eval_transform or self.transform, self.pack_len,
-                                  what=f'the eval split of {self.name!r}')
+    eval_ = pipeline.example_spec(
+      self.eval, self.eval_transform or self.transform, self.pack_len, what=f'the eval split of {self.name!r}'
+    )
     if train != eval_:
       raise ConfigError(f'dataset {self.name!r} makes train examples {train} but eval examples {eval_}')
     return train

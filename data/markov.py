@@ -5,6 +5,7 @@ probabilities, mixed with `smoothing` of uniform mass so the chain is irreducibl
 true distribution is known, the best achievable next-token loss ("floor") is computed exactly,
 and a trained model's eval loss can be compared to it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +60,11 @@ class MarkovLanguage:
     h = lambda p: -(p * np.log(np.where(p > 0, p, 1))).sum(-1)
     p1 = pi.sum(0)  # marginal of one token
     cond1 = pi / pi.sum(1, keepdims=True)  # P(b | a)
-    return {'unigram': float(h(p1)), 'bigram': float((p1 * h(cond1)).sum()),
-            'order2': float((pi * h(self.transitions)).sum())}
+    return {
+      'unigram': float(h(p1)),
+      'bigram': float((p1 * h(cond1)).sum()),
+      'order2': float((pi * h(self.transitions)).sum()),
+    }
 
   def loss_floor(self, seq_len: int) -> float:
     """Best expected loss per target on windows of `seq_len` targets: the first target sees one token."""
@@ -96,8 +100,18 @@ class MarkovText:
   language wrote it) is learnable from the text; the varying lengths make padding masks matter.
   Random access, deterministic in (seed, split)."""
 
-  def __init__(self, num: int, min_len: int, max_len: int, num_classes: int, seed: int, split: int,
-               vocab_size: int = 16, branching: int = 4, smoothing: float = 0.03):
+  def __init__(
+    self,
+    num: int,
+    min_len: int,
+    max_len: int,
+    num_classes: int,
+    seed: int,
+    split: int,
+    vocab_size: int = 16,
+    branching: int = 4,
+    smoothing: float = 0.03,
+  ):
     if not 1 <= min_len <= max_len:
       raise ConfigError(f'text lengths must satisfy 1 <= min_len ({min_len}) <= max_len ({max_len})')
     langs = [MarkovLanguage(vocab_size, branching, smoothing, seed + c) for c in range(num_classes)]
@@ -114,4 +128,4 @@ class MarkovText:
 
   def __getitem__(self, i: int) -> dict[str, object]:
     i = int(i)
-    return {'text': ''.join(ALPHABET[t] for t in self.tokens[i, :self.lengths[i]]), 'label': int(self.labels[i])}
+    return {'text': ''.join(ALPHABET[t] for t in self.tokens[i, : self.lengths[i]]), 'label': int(self.labels[i])}

@@ -25,6 +25,7 @@ global batch size only, never on the number of processes, and a process packs on
 of its own rows. (Packing one global stream and slicing rows would make every process read every
 document; packing per process would make the batches depend on the process count.)
 """
+
 from __future__ import annotations
 
 import json
@@ -50,12 +51,14 @@ Transform = Callable[[Any], Mapping[str, np.ndarray]] | grain.transforms.Map | g
 def local_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
   """The rows of a global batch this process reads: the contiguous range of leading-axis rows its
   devices hold of an array of `global_shape` with `sharding` (the batch field's)."""
-  starts, one_block = partitioning.leading_rows(sharding.addressable_devices_indices_map(global_shape).values(),
-                                                global_shape[0])
+  starts, one_block = partitioning.leading_rows(
+    sharding.addressable_devices_indices_map(global_shape).values(), global_shape[0]
+  )
   if not one_block:
     raise ShardingError(
-        f'this process holds non-contiguous batch rows {starts} of a global batch of {global_shape[0]}; '
-        'order the mesh so each process owns a contiguous block of the batch axes')
+      f'this process holds non-contiguous batch rows {starts} of a global batch of {global_shape[0]}; '
+      'order the mesh so each process owns a contiguous block of the batch axes'
+    )
   return slice(starts[0][0], starts[-1][1])
 
 
@@ -93,9 +96,11 @@ def _stack(examples: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
     for k, v in ex.items():
       a, b = np.asarray(first[k]), np.asarray(v)
       if a.shape != b.shape or a.dtype != b.dtype:
-        raise ConfigError(f'examples of one batch differ in field {k!r}: {a.dtype.name} {a.shape} and {b.dtype.name} '
-                          f'{b.shape} (example {i} of the batch): a record of the dataset does not transform to '
-                          'the layout of the others')
+        raise ConfigError(
+          f'examples of one batch differ in field {k!r}: {a.dtype.name} {a.shape} and {b.dtype.name} '
+          f'{b.shape} (example {i} of the batch): a record of the dataset does not transform to '
+          'the layout of the others'
+        )
   return {k: np.stack([np.asarray(ex[k]) for ex in examples]) for k in first}
 
 
@@ -103,8 +108,16 @@ def _read_options(num_threads: int, prefetch: int) -> grain.ReadOptions:
   return grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
 
 
-def train_dataset(source: Any, global_batch: int, rows: slice, seed: int, transform: Transform, *,
-                  num_threads: int = 1, prefetch: int = 4) -> grain.IterDataset:
+def train_dataset(
+  source: Any,
+  global_batch: int,
+  rows: slice,
+  seed: int,
+  transform: Transform,
+  *,
+  num_threads: int = 1,
+  prefetch: int = 4,
+) -> grain.IterDataset:
   """Infinite, reshuffled-per-epoch stream of this process's rows of each global batch.
 
   `transform` runs per example, only on the examples this process reads (grain is lazy), in
@@ -115,12 +128,20 @@ def train_dataset(source: Any, global_batch: int, rows: slice, seed: int, transf
   if len(source) < global_batch:
     raise ConfigError(f'the training split has {len(source)} examples, fewer than one global batch ({global_batch})')
   ds = _apply(grain.MapDataset.source(source).shuffle(seed=seed).repeat(), transform, seed)
-  ds = ds.batch(local, drop_remainder=True, batch_fn=_stack)[rows.start // local::global_batch // local]
+  ds = ds.batch(local, drop_remainder=True, batch_fn=_stack)[rows.start // local :: global_batch // local]
   return ds.to_iter_dataset(_read_options(num_threads, prefetch))
 
 
-def eval_batches(source: Any, global_batch: int, rows: slice, transform: Transform, *, seed: int = 0,
-                 num_threads: int = 1, prefetch: int = 4) -> Iterator[dict[str, np.ndarray]]:
+def eval_batches(
+  source: Any,
+  global_batch: int,
+  rows: slice,
+  transform: Transform,
+  *,
+  seed: int = 0,
+  num_threads: int = 1,
+  prefetch: int = 4,
+) -> Iterator[dict[str, np.ndarray]]:
   """The whole split in order; the last global batch is padded and its padding rows get mask 0."""
   local = _check_rows(rows, global_batch)
   examples = _apply(grain.MapDataset.source(source), transform, seed)
@@ -130,8 +151,9 @@ def eval_batches(source: Any, global_batch: int, rows: slice, transform: Transfo
     ex = dict(examples[min(i, n - 1)])
     ex['mask'] = ex['mask'] * np.float32(i < n)
     return ex
+
   ds = grain.MapDataset.range(math.ceil(n / global_batch) * global_batch).map(masked)
-  ds = ds.batch(local, batch_fn=_stack)[rows.start // local::global_batch // local]
+  ds = ds.batch(local, batch_fn=_stack)[rows.start // local :: global_batch // local]
   return iter(ds.to_iter_dataset(_read_options(num_threads, prefetch)))
 
 
@@ -161,10 +183,13 @@ class _JsonSafeStateIterator(grain.DatasetIterator):
 
 def _packed_rows(docs: grain.MapDataset, global_batch: int, rows: slice, seq_len: int) -> list[grain.IterDataset]:
   """One packer per row of this process: row r packs documents r, r+B, r+2B, ... of `docs`."""
+
   def stream(r: int) -> grain.IterDataset:
     ds = docs[r::global_batch].to_iter_dataset(_read_options(0, 0))
-    return _JsonSafeState(grain_exp.ConcatThenSplitIterDataset(ds, length_struct={'inputs': seq_len,
-                                                                                   'targets': seq_len}))
+    return _JsonSafeState(
+      grain_exp.ConcatThenSplitIterDataset(ds, length_struct={'inputs': seq_len, 'targets': seq_len})
+    )
+
   return [stream(r) for r in range(rows.start, rows.stop)]
 
 
@@ -173,14 +198,18 @@ def _stack_packed(rows: tuple[Mapping[str, np.ndarray] | None, ...], seq_len: in
   pad = np.zeros(seq_len, np.int32)
   get = lambda r, k: pad if r is None else r[k]
   seg = np.stack([get(r, 'inputs_segment_ids') for r in rows]).astype(np.int32)
-  return {'inputs': np.stack([get(r, 'inputs') for r in rows]).astype(np.int32),
-          'targets': np.stack([get(r, 'targets') for r in rows]).astype(np.int32),
-          'mask': (seg > 0).astype(np.float32), 'segment_ids': seg,
-          'positions': np.stack([get(r, 'inputs_positions') for r in rows]).astype(np.int32)}
+  return {
+    'inputs': np.stack([get(r, 'inputs') for r in rows]).astype(np.int32),
+    'targets': np.stack([get(r, 'targets') for r in rows]).astype(np.int32),
+    'mask': (seg > 0).astype(np.float32),
+    'segment_ids': seg,
+    'positions': np.stack([get(r, 'inputs_positions') for r in rows]).astype(np.int32),
+  }
 
 
-def packed_train_dataset(source: Any, global_batch: int, rows: slice, seed: int, tokenize: Transform,
-                         seq_len: int, *, prefetch: int = 4) -> grain.IterDataset:
+def packed_train_dataset(
+  source: Any, global_batch: int, rows: slice, seed: int, tokenize: Transform, seq_len: int, *, prefetch: int = 4
+) -> grain.IterDataset:
   """Infinite stream of this process's rows of packed global batches (see the module docstring).
 
   `tokenize` maps an example to one document {'inputs': ids[:-1], 'targets': ids[1:]}; rows hold
@@ -189,16 +218,19 @@ def packed_train_dataset(source: Any, global_batch: int, rows: slice, seed: int,
   """
   _check_rows(rows, global_batch)
   if len(source) < global_batch:
-    raise ConfigError(f'the training split has {len(source)} documents, fewer than one global batch '
-                      f'({global_batch}): every row of a batch packs documents of its own')
+    raise ConfigError(
+      f'the training split has {len(source)} documents, fewer than one global batch '
+      f'({global_batch}): every row of a batch packs documents of its own'
+    )
   docs = _apply(grain.MapDataset.source(source).shuffle(seed=seed).repeat(), tokenize, seed)
   ds = grain_exp.ZipIterDataset(_packed_rows(docs, global_batch, rows, seq_len))
   ds = ds.map(lambda r: _stack_packed(r, seq_len))
   return grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
 
 
-def packed_eval_batches(source: Any, global_batch: int, rows: slice, tokenize: Transform, seq_len: int, *,
-                        seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
+def packed_eval_batches(
+  source: Any, global_batch: int, rows: slice, tokenize: Transform, seq_len: int, *, seed: int = 0
+) -> Iterator[dict[str, np.ndarray]]:
   """Every document of the split, packed in order; rows whose stream has ended are padding (mask 0).
 
   Streams end at different batches, so the processes agree on the last batch (one tiny
@@ -217,8 +249,9 @@ def packed_eval_batches(source: Any, global_batch: int, rows: slice, tokenize: T
     yield _stack_packed(batch, seq_len)
 
 
-def example_spec(source: Any, transform: Transform, pack_len: int | None = None, *, seed: int = 0,
-                 what: str = 'the split') -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def example_spec(
+  source: Any, transform: Transform, pack_len: int | None = None, *, seed: int = 0, what: str = 'the split'
+) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
   """Field -> (shape, dtype) of the first example of `source` as the pipeline makes it (for packed
   text, `transform` makes a document and the example is the first packed row)."""
   examples = _apply(grain.MapDataset.source(source), transform, seed)
@@ -232,11 +265,14 @@ def example_spec(source: Any, transform: Transform, pack_len: int | None = None,
   return {k: (np.shape(v), np.asarray(v).dtype) for k, v in example.items()}
 
 
-def to_global(local_batch: Mapping[str, np.ndarray], shardings: Mapping[str, NamedSharding],
-              global_batch: int) -> dict[str, jax.Array]:
+def to_global(
+  local_batch: Mapping[str, np.ndarray], shardings: Mapping[str, NamedSharding], global_batch: int
+) -> dict[str, jax.Array]:
   """Assembles per-process numpy batches into global jax.Arrays on the batch sharding."""
-  return {k: jax.make_array_from_process_local_data(shardings[k], v, (global_batch,) + v.shape[1:])
-          for k, v in local_batch.items()}
+  return {
+    k: jax.make_array_from_process_local_data(shardings[k], v, (global_batch,) + v.shape[1:])
+    for k, v in local_batch.items()
+  }
 
 
 class RowsIterator:
@@ -267,8 +303,12 @@ class RowsIterator:
       self._it.start_prefetch()
 
   def get_state(self) -> dict[str, Any]:
-    return {'global_batch': self.global_batch, 'rows': [self.rows.start, self.rows.stop], 'packed': self.packed,
-            'state': self._it.get_state()}
+    return {
+      'global_batch': self.global_batch,
+      'rows': [self.rows.start, self.rows.stop],
+      'packed': self.packed,
+      'state': self._it.get_state(),
+    }
 
   def set_grain_state(self, state: Any) -> None:
     """grain's own state of this iterator (a checkpoint written before positions named their rows)."""
@@ -278,9 +318,11 @@ class RowsIterator:
     """CheckpointError where a saved position is for another global batch or packing than this run reads."""
     for s in saved:
       if s.get('global_batch') != self.global_batch or bool(s.get('packed')) != self.packed:
-        raise CheckpointError(f"the saved data position is for a global batch of {s.get('global_batch')} "
-                         f"({'packed' if s.get('packed') else 'unpacked'}); this run reads {self.global_batch} "
-                         f"({'packed' if self.packed else 'unpacked'}): resume with the batch size it was saved with")
+        raise CheckpointError(
+          f'the saved data position is for a global batch of {s.get("global_batch")} '
+          f'({"packed" if s.get("packed") else "unpacked"}); this run reads {self.global_batch} '
+          f'({"packed" if self.packed else "unpacked"}): resume with the batch size it was saved with'
+        )
 
   def set_state(self, saved: Sequence[Mapping[str, Any]]) -> None:
     """`saved`: the get_state() of every process that saved (each covers some rows). CheckpointError, naming what
@@ -293,15 +335,22 @@ class RowsIterator:
       span = range(*s['rows'])
       for r, state in zip(span, s['state']['parents'] if self.packed else [None] * len(span)):
         if r in per_row and per_row[r] != state:
-          raise CheckpointError(f'two processes that read row {r} of the global batch saved different data '
-                                f'positions for it: {per_row[r]} and {state}')
+          raise CheckpointError(
+            f'two processes that read row {r} of the global batch saved different data '
+            f'positions for it: {per_row[r]} and {state}'
+          )
         per_row[r] = state
     missing = [r for r in range(self.global_batch) if r not in per_row]
     if missing or len(per_row) != self.global_batch:
       covered = sorted({(s['rows'][0], s['rows'][1]) for s in saved})
-      raise CheckpointError(f'the saved data position covers rows {covered} of a global batch of {self.global_batch}'
-                            + (f', not rows {_spans(missing)} (a process file missing?)' if missing else
-                               ', rows beyond it (a file of another run?)'))
+      raise CheckpointError(
+        f'the saved data position covers rows {covered} of a global batch of {self.global_batch}'
+        + (
+          f', not rows {_spans(missing)} (a process file missing?)'
+          if missing
+          else ', rows beyond it (a file of another run?)'
+        )
+      )
     if not self.packed:  # the next global batch, the same for every process
       positions = {json.dumps(s['state'], sort_keys=True) for s in saved}
       if len(positions) > 1:

@@ -10,29 +10,34 @@ config.dataset fields: name, data_dir, train_split, eval_split, seq_len, image_s
 num_classes, tokenizer ('byte' or a local Hugging Face tokenizer directory), pack, augment, text_key,
 mlm_probability, num_threads, prefetch, and the offline datasets' own (num_train, num_eval, seed, ...).
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import ml_collections
 
-from errors import ConfigError
 from data import text, tfds_source, vision
 from data.dataset import Dataset
 from data.markov import MarkovLanguage, MarkovText
 from data.text import lm_example
+from errors import ConfigError
 
 OFFLINE = ('markov', 'markov_text', 'synthetic_images')
 TEXT_TASKS = ('lm', 'mlm', 'text_classification')
 # Defaults for well-known TFDS datasets (any field can be set in config.dataset instead).
 TFDS_DEFAULTS = {
-    'mnist': dict(eval_split='test', augment='none', mean=(0.1307,), std=(0.3081,)),
-    'cifar10': dict(eval_split='test', augment='crop_flip', mean=(0.4914, 0.4822, 0.4465),
-                    std=(0.2470, 0.2435, 0.2616)),
-    'imagenet2012': dict(eval_split='validation', augment='inception_crop', image_size=224,
-                         mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)),
-    'lm1b': dict(eval_split='test'),
-    'c4': dict(eval_split='validation'),
+  'mnist': dict(eval_split='test', augment='none', mean=(0.1307,), std=(0.3081,)),
+  'cifar10': dict(eval_split='test', augment='crop_flip', mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616)),
+  'imagenet2012': dict(
+    eval_split='validation',
+    augment='inception_crop',
+    image_size=224,
+    mean=(0.485, 0.456, 0.406),
+    std=(0.229, 0.224, 0.225),
+  ),
+  'lm1b': dict(eval_split='test'),
+  'c4': dict(eval_split='validation'),
 }
 
 
@@ -54,8 +59,9 @@ def _check_task(name: str, task: str, serves: tuple[str, ...]) -> None:
     raise ConfigError(f'config.task={task!r} does not fit dataset {name!r}, which serves {list(serves)}')
 
 
-def _text_dataset(cfg, task: str, name: str, train: Any, eval_: Any, where: str,
-                  num_classes: int | None = None) -> Dataset:
+def _text_dataset(
+  cfg, task: str, name: str, train: Any, eval_: Any, where: str, num_classes: int | None = None
+) -> Dataset:
   """Tokenizer, then the task's transform: packed or per-row LM documents, MLM masking, or classification."""
   L = _seq_len(cfg, task)
   tok = text.tokenizer(_opt(cfg, 'tokenizer', 'byte'))
@@ -75,16 +81,36 @@ def _text_dataset(cfg, task: str, name: str, train: Any, eval_: Any, where: str,
     transform, layout = text.MaskTokens(tok, L, prob, key), f'rows of {L} tokens, {prob:.0%} masked'
   else:
     transform, layout = text.ClassifyText(tok, L, key), f'rows of {L} tokens'
-  return Dataset(name, train, eval_, transform, pack_len=L if pack else None,
-                 num_threads=_opt(cfg, 'num_threads', 1), prefetch=_opt(cfg, 'prefetch', 4), tokenizer=tok,
-                 vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
-                 num_classes=num_classes if task == 'text_classification' else None,
-                 description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} documents; '
-                             f'{tok.name} tokenizer ({tok.vocab_size} ids); {layout}')
+  return Dataset(
+    name,
+    train,
+    eval_,
+    transform,
+    pack_len=L if pack else None,
+    num_threads=_opt(cfg, 'num_threads', 1),
+    prefetch=_opt(cfg, 'prefetch', 4),
+    tokenizer=tok,
+    vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
+    num_classes=num_classes if task == 'text_classification' else None,
+    description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} documents; '
+    f'{tok.name} tokenizer ({tok.vocab_size} ids); {layout}',
+  )
 
 
-def _image_dataset(cfg, name: str, train: Any, eval_: Any, where: str, *, size: int, channels: int,
-                   num_classes: int, augment: str, mean: Any, std: Any) -> Dataset:
+def _image_dataset(
+  cfg,
+  name: str,
+  train: Any,
+  eval_: Any,
+  where: str,
+  *,
+  size: int,
+  channels: int,
+  num_classes: int,
+  augment: str,
+  mean: Any,
+  std: Any,
+) -> Dataset:
   for key, actual in (('channels', channels), ('num_classes', num_classes)):
     if cfg.get(key) is not None and cfg.get(key) != actual:
       raise ConfigError(f'config.dataset.{key}={cfg.get(key)} but {name} has {actual}')
@@ -92,11 +118,18 @@ def _image_dataset(cfg, name: str, train: Any, eval_: Any, where: str, *, size: 
     raise ConfigError(f'config.dataset.augment={augment!r}; choose one of {list(vision.AUGMENTATIONS)}')
   if not isinstance(size, int) or size < 1:
     raise ConfigError(f'config.dataset.image_size={size!r}: must be a positive integer')
-  return Dataset(name, train, eval_,
-                 vision.TrainImages(size, augment, mean, std), vision.EvalImages(size, augment, mean, std),
-                 num_threads=_opt(cfg, 'num_threads', 1), prefetch=_opt(cfg, 'prefetch', 4), num_classes=num_classes,
-                 description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} images, '
-                             f'{size}x{size}x{channels}, {num_classes} classes; train augmentation {augment}')
+  return Dataset(
+    name,
+    train,
+    eval_,
+    vision.TrainImages(size, augment, mean, std),
+    vision.EvalImages(size, augment, mean, std),
+    num_threads=_opt(cfg, 'num_threads', 1),
+    prefetch=_opt(cfg, 'prefetch', 4),
+    num_classes=num_classes,
+    description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} images, '
+    f'{size}x{size}x{channels}, {num_classes} classes; train augmentation {augment}',
+  )
 
 
 def _offline(cfg, task: str) -> Dataset:
@@ -107,26 +140,50 @@ def _offline(cfg, task: str) -> Dataset:
       raise ConfigError("config.dataset.pack=True: 'markov' rows are single sequences, there is nothing to pack")
     lang = MarkovLanguage(cfg.vocab_size, cfg.branching, cfg.smoothing, seed)
     n = cfg.seq_len + 1
-    return Dataset(name, lang.sample(cfg.num_train, n, seed=seed + 1),
-                   lang.sample(cfg.num_eval, n, seed=seed + 2), lm_example, language=lang,
-                   vocab=(lang.vocab_size, 'the markov language (config.dataset.vocab_size)'),
-                   description=f'markov: {cfg.num_train:,} train / {cfg.num_eval:,} eval sequences of {n} tokens')
+    return Dataset(
+      name,
+      lang.sample(cfg.num_train, n, seed=seed + 1),
+      lang.sample(cfg.num_eval, n, seed=seed + 2),
+      lm_example,
+      language=lang,
+      vocab=(lang.vocab_size, 'the markov language (config.dataset.vocab_size)'),
+      description=f'markov: {cfg.num_train:,} train / {cfg.num_eval:,} eval sequences of {n} tokens',
+    )
   num_train, num_eval = _opt(cfg, 'num_train', 8192), _opt(cfg, 'num_eval', 1000)
   num_classes = _opt(cfg, 'num_classes', 2 if name == 'markov_text' else 10)
   if name == 'synthetic_images':
     _check_task(name, task, ('classification',))
     size, channels = _opt(cfg, 'image_size', 32), _opt(cfg, 'channels', 3)
-    make = lambda num, split: vision.SyntheticImages(num, size, channels, num_classes, seed, split,
-                                                     _opt(cfg, 'noise', 1.0), _opt(cfg, 'max_shift', 2))
-    return _image_dataset(cfg, name, make(num_train, 0), make(num_eval, 1), 'offline', size=size,
-                          channels=channels, num_classes=num_classes, augment=_opt(cfg, 'augment', 'none'),
-                          mean=(0.5,) * channels, std=(0.25,) * channels)
+    make = lambda num, split: vision.SyntheticImages(
+      num, size, channels, num_classes, seed, split, _opt(cfg, 'noise', 1.0), _opt(cfg, 'max_shift', 2)
+    )
+    return _image_dataset(
+      cfg,
+      name,
+      make(num_train, 0),
+      make(num_eval, 1),
+      'offline',
+      size=size,
+      channels=channels,
+      num_classes=num_classes,
+      augment=_opt(cfg, 'augment', 'none'),
+      mean=(0.5,) * channels,
+      std=(0.25,) * channels,
+    )
   _check_task(name, task, TEXT_TASKS)
   L = _seq_len(cfg, task)
   max_len = _opt(cfg, 'max_text_len', L if task == 'lm' else max(1, L - 2))
-  make = lambda num, split: MarkovText(num, _opt(cfg, 'min_text_len', max(1, max_len // 4)), max_len, num_classes,
-                                       seed, split, _opt(cfg, 'vocab_size', 16), _opt(cfg, 'branching', 4),
-                                       _opt(cfg, 'smoothing', 0.03))
+  make = lambda num, split: MarkovText(
+    num,
+    _opt(cfg, 'min_text_len', max(1, max_len // 4)),
+    max_len,
+    num_classes,
+    seed,
+    split,
+    _opt(cfg, 'vocab_size', 16),
+    _opt(cfg, 'branching', 4),
+    _opt(cfg, 'smoothing', 0.03),
+  )
   return _text_dataset(cfg, task, name, make(num_train, 0), make(num_eval, 1), 'offline', num_classes)
 
 
@@ -139,27 +196,40 @@ def _tfds(cfg, task: str) -> Dataset:
   train_split = _opt(cfg, 'train_split', 'train')
   eval_split = _opt(cfg, 'eval_split', preset.get('eval_split', default_eval))
   key = _opt(cfg, 'text_key', 'text')
-  open_ = lambda: (tfds_source.open_split(b, name, train_split, 'train_split'),
-                   tfds_source.open_split(b, name, eval_split, 'eval_split'))
+  open_ = lambda: (
+    tfds_source.open_split(b, name, train_split, 'train_split'),
+    tfds_source.open_split(b, name, eval_split, 'eval_split'),
+  )
   if 'image' in features and 'label' in features:
     _check_task(name, task, ('classification',))
     shape = features['image'].shape
     train, eval_ = open_()
     native = shape[0] if shape[0] is not None and shape[0] == shape[1] else None
-    return _image_dataset(cfg, name, train, eval_, f'TFDS, {b.data_dir}',
-                          size=_opt(cfg, 'image_size', native or preset.get('image_size', 224)), channels=shape[-1],
-                          num_classes=features['label'].num_classes,
-                          augment=_opt(cfg, 'augment', preset.get('augment', 'inception_crop' if native is None else 'none')),
-                          mean=preset.get('mean', (0.5,) * shape[-1]), std=preset.get('std', (0.5,) * shape[-1]))
+    return _image_dataset(
+      cfg,
+      name,
+      train,
+      eval_,
+      f'TFDS, {b.data_dir}',
+      size=_opt(cfg, 'image_size', native or preset.get('image_size', 224)),
+      channels=shape[-1],
+      num_classes=features['label'].num_classes,
+      augment=_opt(cfg, 'augment', preset.get('augment', 'inception_crop' if native is None else 'none')),
+      mean=preset.get('mean', (0.5,) * shape[-1]),
+      std=preset.get('std', (0.5,) * shape[-1]),
+    )
   if key in features:
     labelled = 'label' in features
     _check_task(name, task, TEXT_TASKS if labelled else ('lm', 'mlm'))
     if task == 'text_classification' and cfg.get('num_classes') not in (None, features['label'].num_classes):
-      raise ConfigError(f"config.dataset.num_classes={cfg.num_classes} but {name} has {features['label'].num_classes}")
-    return _text_dataset(cfg, task, name, *open_(), f'TFDS, {b.data_dir}',
-                         features['label'].num_classes if labelled else None)
-  raise ConfigError(f'TFDS dataset {name!r} has neither image+label nor a {key!r} text feature '
-                    f'(its features: {sorted(features)}); set config.dataset.text_key for text datasets')
+      raise ConfigError(f'config.dataset.num_classes={cfg.num_classes} but {name} has {features["label"].num_classes}')
+    return _text_dataset(
+      cfg, task, name, *open_(), f'TFDS, {b.data_dir}', features['label'].num_classes if labelled else None
+    )
+  raise ConfigError(
+    f'TFDS dataset {name!r} has neither image+label nor a {key!r} text feature '
+    f'(its features: {sorted(features)}); set config.dataset.text_key for text datasets'
+  )
 
 
 def build(config: ml_collections.ConfigDict) -> Dataset:

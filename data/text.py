@@ -4,6 +4,7 @@
 Tokenizers: 'byte' (UTF-8 bytes 0..255 plus four special ids; no files) or a local directory holding
 a Hugging Face tokenizer (loaded with `local_files_only=True`: never a hub download at run time).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,7 @@ from errors import ConfigError
 @dataclasses.dataclass(frozen=True)
 class ByteTokenizer:
   """UTF-8 bytes are ids 0..255; then <pad> 256, <bos>/[CLS] 257, <eos>/[SEP] 258, [MASK] 259."""
+
   vocab_size: int = 260
   pad_id: int = 256
   bos_id: int = 257
@@ -50,13 +52,17 @@ class HFTokenizer:
     try:
       import transformers  # noqa: PLC0415 (optional: only needed for this tokenizer)
     except ImportError:
-      raise ConfigError(f'config.dataset.tokenizer={path!r} needs the transformers package '
-                        '(pip install transformers), or use the byte tokenizer') from None
+      raise ConfigError(
+        f'config.dataset.tokenizer={path!r} needs the transformers package '
+        '(pip install transformers), or use the byte tokenizer'
+      ) from None
     try:
       self.tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as e:
-      raise ConfigError(f'config.dataset.tokenizer={path!r}: no Hugging Face tokenizer could be loaded from '
-                        f'that directory ({str(e).splitlines()[0]})') from None
+      raise ConfigError(
+        f'config.dataset.tokenizer={path!r}: no Hugging Face tokenizer could be loaded from '
+        f'that directory ({str(e).splitlines()[0]})'
+      ) from None
     t = self.tok
     self.name = path
     self.vocab_size = len(t)
@@ -80,26 +86,31 @@ def tokenizer(spec: str | None) -> ByteTokenizer | HFTokenizer:
   if spec in (None, 'byte'):
     return ByteTokenizer()
   if not os.path.isdir(spec):
-    raise ConfigError(f"config.dataset.tokenizer={spec!r} is neither 'byte' nor a local directory with a "
-                      'Hugging Face tokenizer (hub names are not downloaded at run time; save_pretrained() '
-                      'the tokenizer to a directory first)')
+    raise ConfigError(
+      f"config.dataset.tokenizer={spec!r} is neither 'byte' nor a local directory with a "
+      'Hugging Face tokenizer (hub names are not downloaded at run time; save_pretrained() '
+      'the tokenizer to a directory first)'
+    )
   return HFTokenizer(spec)
 
 
 def _framed(tok, ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
   """[CLS] ids [SEP], truncated to seq_len and padded with <pad>; returns (row, number of real tokens)."""
-  ids = ids[:seq_len - 2]
+  ids = ids[: seq_len - 2]
   n = len(ids) + 2
   row = np.full(seq_len, tok.pad_id, np.int32)
-  row[0], row[1:n - 1], row[n - 1] = tok.cls_id, ids, tok.sep_id
+  row[0], row[1 : n - 1], row[n - 1] = tok.cls_id, ids, tok.sep_id
   return row, n
 
 
 def lm_example(seqs: np.ndarray) -> dict[str, np.ndarray]:
   """Next-token prediction: inputs are tokens[:-1], targets tokens[1:], every target counted."""
   seqs = np.asarray(seqs)
-  return {'inputs': seqs[..., :-1].astype(np.int32), 'targets': seqs[..., 1:].astype(np.int32),
-          'mask': np.ones(seqs[..., 1:].shape, np.float32)}
+  return {
+    'inputs': seqs[..., :-1].astype(np.int32),
+    'targets': seqs[..., 1:].astype(np.int32),
+    'mask': np.ones(seqs[..., 1:].shape, np.float32),
+  }
 
 
 class LMDocument(grain.transforms.Map):
@@ -110,8 +121,9 @@ class LMDocument(grain.transforms.Map):
 
   def map(self, example: Any) -> dict[str, np.ndarray]:
     t = self.tok
-    ids = np.concatenate([[t.bos_id] if t.bos_id is not None else [], t.encode(example[self.key]),
-                          [t.eos_id]]).astype(np.int32)
+    ids = np.concatenate([[t.bos_id] if t.bos_id is not None else [], t.encode(example[self.key]), [t.eos_id]]).astype(
+      np.int32
+    )
     return {'inputs': ids[:-1], 'targets': ids[1:]}
 
 
@@ -150,8 +162,13 @@ class MaskTokens(grain.transforms.RandomMap):
       rand = chosen[(u >= 0.8) & (u < 0.9)]
       inputs[rand] = rng.integers(0, t.num_regular, size=len(rand))
       mask[chosen] = 1.0
-    return {'inputs': inputs, 'targets': targets, 'mask': mask,
-            'input_mask': (np.arange(L) < n).astype(np.int32), 'token_types': np.zeros(L, np.int32)}
+    return {
+      'inputs': inputs,
+      'targets': targets,
+      'mask': mask,
+      'input_mask': (np.arange(L) < n).astype(np.int32),
+      'token_types': np.zeros(L, np.int32),
+    }
 
 
 class ClassifyText(grain.transforms.Map):
@@ -162,6 +179,10 @@ class ClassifyText(grain.transforms.Map):
 
   def map(self, example: Any) -> dict[str, np.ndarray]:
     inputs, n = _framed(self.tok, self.tok.encode(example[self.key]), self.seq_len)
-    return {'inputs': inputs, 'input_mask': (np.arange(self.seq_len) < n).astype(np.int32),
-            'token_types': np.zeros(self.seq_len, np.int32), 'label': np.int32(example[self.label_key]),
-            'mask': np.float32(1.0)}
+    return {
+      'inputs': inputs,
+      'input_mask': (np.arange(self.seq_len) < n).astype(np.int32),
+      'token_types': np.zeros(self.seq_len, np.int32),
+      'label': np.int32(example[self.label_key]),
+      'mask': np.float32(1.0),
+    }

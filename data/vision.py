@@ -6,6 +6,7 @@ then a horizontal flip: ImageNet), 'crop_flip' (pad 4, random crop, flip: CIFAR)
 Eval: 'inception_crop' datasets are resized (shorter side to size/0.875) and center-cropped; the
 others are only resized to `image_size` if they differ. Then pixels are normalised per channel.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,13 @@ def resize(image: np.ndarray, h: int, w: int) -> np.ndarray:
   return out.reshape(h, w, C)
 
 
-def inception_crop(image: np.ndarray, rng: np.random.Generator, size: int,
-                   area: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> np.ndarray:
+def inception_crop(
+  image: np.ndarray,
+  rng: np.random.Generator,
+  size: int,
+  area: tuple[float, float] = (0.08, 1.0),
+  ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> np.ndarray:
   """A random crop of `area` of the image with aspect ratio in `ratio`, resized to size x size
   (10 tries, then the largest center crop within `ratio`)."""
   H, W = image.shape[:2]
@@ -39,12 +45,12 @@ def inception_crop(image: np.ndarray, rng: np.random.Generator, size: int,
     w, h = int(round(math.sqrt(a * r))), int(round(math.sqrt(a / r)))
     if 0 < w <= W and 0 < h <= H:
       top, left = int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1))
-      return resize(image[top:top + h, left:left + w], size, size)
+      return resize(image[top : top + h, left : left + w], size, size)
   r = min(max(W / H, ratio[0]), ratio[1])
   w, h = (W, int(round(W / r))) if W / H < r else (int(round(H * r)), H)
   w, h = min(w, W), min(h, H)
   top, left = (H - h) // 2, (W - w) // 2
-  return resize(image[top:top + h, left:left + w], size, size)
+  return resize(image[top : top + h, left : left + w], size, size)
 
 
 def center_crop(image: np.ndarray, size: int) -> np.ndarray:
@@ -54,7 +60,7 @@ def center_crop(image: np.ndarray, size: int) -> np.ndarray:
   h, w = max(size, int(round(H * s))), max(size, int(round(W * s)))
   image = resize(image, h, w)
   top, left = (h - size) // 2, (w - size) // 2
-  return image[top:top + size, left:left + size]
+  return image[top : top + size, left : left + size]
 
 
 def crop_flip(image: np.ndarray, rng: np.random.Generator, pad: int = 4) -> np.ndarray:
@@ -62,7 +68,7 @@ def crop_flip(image: np.ndarray, rng: np.random.Generator, pad: int = 4) -> np.n
   H, W = image.shape[:2]
   padded = np.pad(image, ((pad, pad), (pad, pad), (0, 0)))
   top, left = int(rng.integers(0, 2 * pad + 1)), int(rng.integers(0, 2 * pad + 1))
-  return flip(padded[top:top + H, left:left + W], rng)
+  return flip(padded[top : top + H, left : left + W], rng)
 
 
 def flip(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -113,8 +119,17 @@ class SyntheticImages:
   an example is its class's pattern, cyclically shifted by up to `max_shift` pixels, plus Gaussian
   noise (`noise` times the pattern's scale), as uint8. Random access, deterministic in (seed, split, index)."""
 
-  def __init__(self, num: int, image_size: int, channels: int, num_classes: int, seed: int, split: int,
-               noise: float = 1.0, max_shift: int = 2):
+  def __init__(
+    self,
+    num: int,
+    image_size: int,
+    channels: int,
+    num_classes: int,
+    seed: int,
+    split: int,
+    noise: float = 1.0,
+    max_shift: int = 2,
+  ):
     self.num, self.size, self.noise, self.max_shift = num, image_size, noise, max_shift
     self.num_classes, self.seed, self.split = num_classes, seed, split
     rng = np.random.default_rng(seed)  # the patterns are shared by every split

@@ -29,6 +29,7 @@ A model is chosen by `config.model.name`; `create(config.model, rngs, config.lor
 parameter dtype come from `config.model.dtype` / `config.model.param_dtype` (e.g. bfloat16 compute
 with float32 parameters); logits are float32 unless `config.model.logits_dtype` says bfloat16.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -37,33 +38,33 @@ import ml_collections
 from flax import nnx
 
 from errors import ConfigError
-from models import bert, gpt2, llama, lora, moe
-from models import resnet, simple, vit
+from models import bert, gpt2, llama, lora, moe, resnet, simple, vit
 
 MODELS: dict[str, Callable[..., nnx.Module]] = {
-    'gpt2': gpt2.GPT2,
-    'llama': llama.Llama,
-    'bert': bert.Bert,
-    'moe': moe.MoE,
-    'mlp': simple.MLP,
-    'cnn': simple.CNN,
-    'resnet': resnet.ResNet,
-    'vit': vit.ViT,
+  'gpt2': gpt2.GPT2,
+  'llama': llama.Llama,
+  'bert': bert.Bert,
+  'moe': moe.MoE,
+  'mlp': simple.MLP,
+  'cnn': simple.CNN,
+  'resnet': resnet.ResNet,
+  'vit': vit.ViT,
 }
 
 # Hugging Face importers (see models/hf_import.py): zoo model name -> its family's mapping.
 HF_FAMILIES = {
-    'gpt2': gpt2.HF,
-    'llama': llama.HF,
-    'bert': bert.HF,
-    'vit': vit.HF,
-    'resnet': resnet.HF,
-    'moe': moe.HF,
+  'gpt2': gpt2.HF,
+  'llama': llama.HF,
+  'bert': bert.HF,
+  'vit': vit.HF,
+  'resnet': resnet.HF,
+  'moe': moe.HF,
 }
 
 
-def create(cfg: ml_collections.ConfigDict, rngs: nnx.Rngs,
-           lora_cfg: ml_collections.ConfigDict | None = None) -> nnx.Module:
+def create(
+  cfg: ml_collections.ConfigDict, rngs: nnx.Rngs, lora_cfg: ml_collections.ConfigDict | None = None
+) -> nnx.Module:
   """The model named by cfg.name; with lora_cfg.rank > 0, LoRA adapters on the Dense layers
   whose path matches lora_cfg.targets (see models/lora.py)."""
   if cfg.name not in MODELS:

@@ -46,7 +46,8 @@ the key-side segment ids / padding are all-gathered over the context axes, and e
 of queries against every key under one mask built from positions (causal: key position <= the query's
 global position; packed: same segment; padding: real keys). The kernel inside is cuDNN on a GPU where the
 fused conditions hold (the mask becomes cuDNN's bias: (B, 1, L/c, L) in the compute dtype instead of XLA's
-(B, H, L/c, L) float32 scores), else XLA in the same shard_map (CPU, float32), which is how the tests cover the per-shard
+(B, H, L/c, L) float32 scores), else XLA in the same shard_map (CPU, float32), which is how the tests cover
+the per-shard
 logic exactly (under `per_shard_xla()`; otherwise XLA attention on a sharded sequence is left to GSPMD, which
 needed fewer temporaries). 'xla' always keeps GSPMD's own partitioning (no shard_map). 'pallas' cannot run
 sharded sequences: its kernel takes one segment-id array for queries and keys and aligns causality at
@@ -59,6 +60,7 @@ the keys only, all it can see: 3/4 of the dense work on every shard.
 
 Shape suffixes: B batch, L length, H query heads, G kv heads, K head dim.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -88,8 +90,9 @@ _decisions: dict[str, None] = {}  # every distinct choice made while tracing, in
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar('shardzoo_attention_forced', default=None)
 _per_shard_xla: contextvars.ContextVar[bool] = contextvars.ContextVar('shardzoo_attention_per_shard_xla', default=False)
 _gpu_stand_in: contextvars.ContextVar[bool] = contextvars.ContextVar('shardzoo_attention_gpu_stand_in', default=False)
-_splash_interpret: contextvars.ContextVar[bool] = contextvars.ContextVar('shardzoo_attention_splash_interpret',
-                                                                         default=False)
+_splash_interpret: contextvars.ContextVar[bool] = contextvars.ContextVar(
+  'shardzoo_attention_splash_interpret', default=False
+)
 
 
 @contextlib.contextmanager
@@ -163,8 +166,10 @@ def _local_specs(q_BLHK, k_BLGK) -> tuple[P, P, P] | str:
   if q_spec[3] is not None or kv_spec[3] is not None:
     return 'the head dim (kv) is sharded'
   if q_spec[0] != kv_spec[0] or q_spec[2] != kv_spec[2]:
-    return (f'queries and keys are sharded differently (heads {q_spec[2]!r} vs kv_heads {kv_spec[2]!r}): '
-            'shard kv_heads like heads')
+    return (
+      f'queries and keys are sharded differently (heads {q_spec[2]!r} vs kv_heads {kv_spec[2]!r}): '
+      'shard kv_heads like heads'
+    )
   return P(*q_spec), P(*kv_spec), P(q_spec[0], q_spec[1])
 
 
@@ -198,8 +203,16 @@ def _fused_blockers(dtype: Any, head_dim: int) -> list[str]:
   return why
 
 
-def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, packed: bool, padded: bool,
-           kv_length: int | None = None) -> tuple[str, Any]:
+def choose(
+  impl: str,
+  q_BLHK: jax.Array,
+  k_BLGK: jax.Array,
+  *,
+  causal: bool,
+  packed: bool,
+  padded: bool,
+  kv_length: int | None = None,
+) -> tuple[str, Any]:
   """(kernel, local specs or None): kernel 'cudnn', 'pallas', 'splash', 'blockwise' or 'xla'; records the
   decision and why.
   `padded`: a per-token padding mask; `kv_length`: only the first kv_length keys of every row are real."""
@@ -208,9 +221,14 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
     return forced_impl, None
   if impl not in IMPLEMENTATIONS:
     raise ConfigError(f'config.model.attention={impl!r} is not known; choose one of {list(IMPLEMENTATIONS)}')
-  what = ', '.join(['causal' if causal else 'full'] + (['packed'] if packed else []) + (['padding'] if padded else [])
-                   + [f'{jnp.dtype(q_BLHK.dtype).name}', f'L={q_BLHK.shape[1]}']
-                   + ([f'{kv_length} real keys'] if kv_length is not None else []) + [f'head_dim {q_BLHK.shape[-1]}'])
+  what = ', '.join(
+    ['causal' if causal else 'full']
+    + (['packed'] if packed else [])
+    + (['padding'] if padded else [])
+    + [f'{jnp.dtype(q_BLHK.dtype).name}', f'L={q_BLHK.shape[1]}']
+    + ([f'{kv_length} real keys'] if kv_length is not None else [])
+    + [f'head_dim {q_BLHK.shape[-1]}']
+  )
   if impl == 'xla':
     _record(f'xla ({what}): config.model.attention=xla')
     return 'xla', None
@@ -239,8 +257,9 @@ def choose(impl: str, q_BLHK: jax.Array, k_BLGK: jax.Array, *, causal: bool, pac
     return 'splash', specs
   cudnn_why, pallas_why = list(fused), list(fused)
   if padded and impl == 'auto':
-    cudnn_why.append('a per-token padding mask (cuDNN takes lengths; '
-                     "attention='cudnn' uses them for right-padded rows)")
+    cudnn_why.append(
+      "a per-token padding mask (cuDNN takes lengths; attention='cudnn' uses them for right-padded rows)"
+    )
   if packed:  # JAX's cuDNN packed layout allocates as if every segment were a full row (B=2, L=2048: 130 GiB)
     cudnn_why.append('packed documents (segment ids; cuDNN through JAX has no memory-sane packed layout)')
   if not fused and (why := pallas_support()):
@@ -277,8 +296,9 @@ def _stand_in(choice: str, what: str) -> str:
   return 'blockwise'
 
 
-def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P], L: int,
-                    causal: bool) -> tuple[str, Any]:
+def _choose_context(
+  impl: str, what: str, fused: list[str], specs: tuple[P, P, P], L: int, causal: bool
+) -> tuple[str, Any]:
   """The kernel for attention whose sequence is sharded (context parallelism): it runs per shard in shard_map
   (`_per_shard_context`) on cuDNN where the fused conditions hold, else on XLA; Pallas cannot (module doc)."""
   axes = specs[0][1]
@@ -286,26 +306,32 @@ def _choose_context(impl: str, what: str, fused: list[str], specs: tuple[P, P, P
   if _splash_wanted(impl):
     splash_why = _splash_blockers(L // shards)  # the shard's queries; its keys, all L of them, then fit too
     if splash_why and impl == 'splash':
-      raise ConfigError(f'config.model.attention=splash cannot run this attention ({what}, {where}): '
-                        + '; '.join(splash_why))
+      raise ConfigError(
+        f'config.model.attention=splash cannot run this attention ({what}, {where}): ' + '; '.join(splash_why)
+      )
     if not splash_why:
       mask = 'causal mask per shard from positions' if zigzag_shards() > 1 else 'causal offset per shard'
       _record(f'splash ({what}) {where}, {mask}{_interpreted()}')
       return 'splash', specs
     fused = fused + ['splash: ' + '; '.join(splash_why)]
   if impl == 'pallas':
-    raise ConfigError(f'config.model.attention=pallas cannot run this attention ({what}): the sequence is sharded '
-                      f'over {axes!r} and the Pallas kernel cannot offset causality to a shard of the queries; '
-                      "use 'cudnn' or 'auto'")
+    raise ConfigError(
+      f'config.model.attention=pallas cannot run this attention ({what}): the sequence is sharded '
+      f'over {axes!r} and the Pallas kernel cannot offset causality to a shard of the queries; '
+      "use 'cudnn' or 'auto'"
+    )
   cudnn_why = list(fused)
   chunks = 2 if causal and zigzag_shards() > 1 else 1  # a shard's two query chunks attend separately
   if (L // shards // chunks) % CUDNN_LENGTH_MULTIPLE:
-    cudnn_why.append(f'{L // shards // chunks} queries per {"chunk" if chunks > 1 else "shard"} (cuDNN takes a '
-                     f'multiple of {CUDNN_LENGTH_MULTIPLE})')
+    cudnn_why.append(
+      f'{L // shards // chunks} queries per {"chunk" if chunks > 1 else "shard"} (cuDNN takes a '
+      f'multiple of {CUDNN_LENGTH_MULTIPLE})'
+    )
   where = _context_where(axes, causal)[0]  # what the per-shard XLA and cuDNN paths do
   if impl == 'cudnn' and cudnn_why:
-    raise ConfigError(f'config.model.attention=cudnn cannot run this attention ({what}, {where}): '
-                      + '; '.join(cudnn_why))
+    raise ConfigError(
+      f'config.model.attention=cudnn cannot run this attention ({what}, {where}): ' + '; '.join(cudnn_why)
+    )
   if not cudnn_why:
     _record(f'cudnn ({what}) {where}, mask as bias')
     return _stand_in('cudnn', what), specs
@@ -326,9 +352,11 @@ def _context_where(axes: Any, prefixes: bool = False) -> tuple[str, int]:
   zigzag = zigzag_shards()
   if zigzag > 1:
     if zigzag != shards:
-      raise ConfigError(f'the rows are load-balanced over {zigzag} context shards (config.context_load_balance), '
-                        f"but this attention's sequence is split over {shards} ({axes!r}): shard its 'length' like "
-                        "the batch fields' 'length'")
+      raise ConfigError(
+        f'the rows are load-balanced over {zigzag} context shards (config.context_load_balance), '
+        f"but this attention's sequence is split over {shards} ({axes!r}): shard its 'length' like "
+        "the batch fields' 'length'"
+      )
     where += f', rows in zigzag order (load-balanced over {shards} shards)'
     if prefixes:
       where += ', first query chunk against the first half of the keys'
@@ -349,8 +377,18 @@ def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal:
   seg_BC, valid_BC = rows.get('segment_ids_BL'), rows.get('valid_BL')
   seg_k_BS, valid_k_BS = gather(seg_BC), gather(valid_BC)
   if implementation == 'splash':
-    return _splash(q_BCHK, k_BSGK, v_BSGK, seg_BC, valid_BC, causal=causal, shard=shard, seg_k_BS=seg_k_BS,
-                   valid_k_BS=valid_k_BS, zigzag=zigzag)
+    return _splash(
+      q_BCHK,
+      k_BSGK,
+      v_BSGK,
+      seg_BC,
+      valid_BC,
+      causal=causal,
+      shard=shard,
+      seg_k_BS=seg_k_BS,
+      valid_k_BS=valid_k_BS,
+      zigzag=zigzag,
+    )
 
   def prefix(q_BQHK, q_pos_Q, seg_BQ, n: int):  # queries at global positions q_pos_Q against the first n keys
     cut = lambda x: None if x is None else x[:, :n]
@@ -370,8 +408,9 @@ def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal:
   # branch per shard: 3/4 of the dense work and scores on every shard.
   h = C // 2
   first = prefix(q_BCHK[:, :h], shard * h + jnp.arange(h), None if seg_BC is None else seg_BC[:, :h], S // 2)
-  second = prefix(q_BCHK[:, h:], (2 * zigzag - 1 - shard) * h + jnp.arange(h),
-                  None if seg_BC is None else seg_BC[:, h:], S)
+  second = prefix(
+    q_BCHK[:, h:], (2 * zigzag - 1 - shard) * h + jnp.arange(h), None if seg_BC is None else seg_BC[:, h:], S
+  )
   return jnp.concatenate([first, second], axis=1)
 
 
@@ -423,23 +462,30 @@ def _splash_blockers(L: int) -> list[str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(q_len: int, kv_len: int, heads: int, causal: bool, offset: int, interpret: bool,
-                   zigzag: int = 1) -> Any:
+def _splash_kernel(
+  q_len: int, kv_len: int, heads: int, causal: bool, offset: int, interpret: bool, zigzag: int = 1
+) -> Any:
   """The splash kernel for one example's (heads, q_len, K) queries against kv_len keys, causal with the queries
   starting at key position `offset` (a context shard's); its masks are processed once per shape. With `zigzag` > 1
   the queries are slots offset.. of a row in zigzag order over that many shards: the causal mask compares their
   natural positions (its q_sequence, which the kernel also reads) with the keys'."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
   shape = (q_len, kv_len)
   if causal and zigzag > 1:
     one = masks.CausalMask(shape)
-    one.q_sequence = zigzag_positions(kv_len, zigzag)[offset:offset + q_len]  # hashed and compared with the mask
+    one.q_sequence = zigzag_positions(kv_len, zigzag)[offset : offset + q_len]  # hashed and compared with the mask
   else:
     one = masks.CausalMask(shape, offset=offset) if causal else masks.FullMask(shape)
-  return splash.make_splash_mha(masks.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1,
-                                block_sizes=splash.BlockSizes.get_default(), interpret=interpret,
-                                residual_checkpoint_name=SPLASH_FORWARD)
+  return splash.make_splash_mha(
+    masks.MultiHeadMask([one] * heads),
+    head_shards=1,
+    q_seq_shards=1,
+    block_sizes=splash.BlockSizes.get_default(),
+    interpret=interpret,
+    residual_checkpoint_name=SPLASH_FORWARD,
+  )
 
 
 def splash_tiles(length: int, shards: int, zigzag: bool) -> list[int]:
@@ -447,18 +493,37 @@ def splash_tiles(length: int, shards: int, zigzag: bool) -> list[int]:
   row and head (the mask's non-empty blocks, from the kernel's own mask info): the shards' attention work, rows in
   natural order or in zigzag order (context_load_balance). The length's shards must be multiples of SPLASH_BLOCK."""
   C = length // shards
-  return [int((np.asarray(_splash_kernel(C, length, 1, True, i * C, True, shards if zigzag else 1)
-                          .fwd_mask_info.block_mask) > 0).sum()) for i in range(shards)]
+  return [
+    int(
+      (
+        np.asarray(_splash_kernel(C, length, 1, True, i * C, True, shards if zigzag else 1).fwd_mask_info.block_mask)
+        > 0
+      ).sum()
+    )
+    for i in range(shards)
+  ]
 
 
-def _splash(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, valid_BL, *, causal: bool, shard: Any = None,
-            seg_k_BS: Any = None, valid_k_BS: Any = None, zigzag: int = 1) -> jax.Array:
+def _splash(
+  q_BLHK,
+  k_BSGK,
+  v_BSGK,
+  segment_ids_BL,
+  valid_BL,
+  *,
+  causal: bool,
+  shard: Any = None,
+  seg_k_BS: Any = None,
+  valid_k_BS: Any = None,
+  zigzag: int = 1,
+) -> jax.Array:
   """Splash attention, vmapped over the batch; q is scaled here (the kernel does not). Unsharded, the keys are
   the queries' positions. Per context shard (`shard`: its index), the S keys are all the row's (all-gathered, with
   `seg_k_BS` / `valid_k_BS`) and the L queries start at shard * L: one kernel per shard offset, chosen by
   lax.switch (the masks are static). With `zigzag` > 1 (context_load_balance) a shard's queries are its two chunks
   of the row (partitioning/context.py), the keys in natural order."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
   B, L, H, K = q_BLHK.shape
   S = k_BSGK.shape[1]
   if shard is None:
@@ -467,11 +532,12 @@ def _splash(q_BLHK, k_BSGK, v_BSGK, segment_ids_BL, valid_BL, *, causal: bool, s
   k_BSHK, v_BSHK = _every_head(k_BSGK, v_BSGK, H)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # (B, H, L, K): the kernel's layout per example
   ids = None if seg_q_BL is None else splash.SegmentIds(q=seg_q_BL, kv=seg_k_BS)
-  q_BHLK = heads_first(q_BLHK * jnp.asarray(K ** -0.5, q_BLHK.dtype))
+  q_BHLK = heads_first(q_BLHK * jnp.asarray(K**-0.5, q_BLHK.dtype))
 
   def run(offset: int):
     kernel = _splash_kernel(L, S, H, causal, offset, _splash_interpret.get(), zigzag)
     return lambda q, k, v, ids: heads_first(jax.vmap(kernel)(q, k, v, segment_ids=ids))
+
   args = (q_BHLK, heads_first(k_BSHK), heads_first(v_BSHK), ids)
   if shard is None or not causal:  # full attention sees every key from every shard: one kernel
     return run(0)(*args)
@@ -482,13 +548,21 @@ def _pallas(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, i
   """JAX's Pallas flash attention (padding as segment 0, grouped kv heads repeated). `interpret` runs it on the
   CPU (tests)."""
   from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
   B, L, H, K = q_BLHK.shape
   seg, (k_BLHK, v_BLHK) = _as_segments(segment_ids_BL, valid_BL), _every_head(k_BLGK, v_BLGK, H)
   block = min(PALLAS_BLOCK, L)
-  sizes = pallas_attention.BlockSizes(block_q=block, block_k=block, block_q_dkv=min(32, L), block_kv_dkv=min(32, L),
-                                      block_q_dq=min(32, L), block_kv_dq=min(32, L))
-  return pallas_attention.mha(q_BLHK, k_BLHK, v_BLHK, seg, sm_scale=K ** -0.5, causal=causal, block_sizes=sizes,
-                              interpret=interpret)
+  sizes = pallas_attention.BlockSizes(
+    block_q=block,
+    block_k=block,
+    block_q_dkv=min(32, L),
+    block_kv_dkv=min(32, L),
+    block_q_dq=min(32, L),
+    block_kv_dq=min(32, L),
+  )
+  return pallas_attention.mha(
+    q_BLHK, k_BLHK, v_BLHK, seg, sm_scale=K**-0.5, causal=causal, block_sizes=sizes, interpret=interpret
+  )
 
 
 def _cudnn(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
@@ -501,9 +575,14 @@ def _cudnn(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) ->
     if lengths_B is None and not causal:
       lengths_B = jnp.full((B,), L, jnp.int32)
   o_BLHK = jax.nn.dot_product_attention(
-      q_BLHK, k_BLGK, v_BLGK, is_causal=causal, implementation='cudnn',
-      query_seq_lengths=None if lengths_B is None else jnp.full((B,), L + pad, jnp.int32),
-      key_value_seq_lengths=lengths_B)
+    q_BLHK,
+    k_BLGK,
+    v_BLGK,
+    is_causal=causal,
+    implementation='cudnn',
+    query_seq_lengths=None if lengths_B is None else jnp.full((B,), L + pad, jnp.int32),
+    key_value_seq_lengths=lengths_B,
+  )
   return o_BLHK[:, :L]
 
 
@@ -530,11 +609,13 @@ def _block_mask(q_pos_L, seg_q_BL, key_pos_S, seg_k_BS, valid_k_BS, S: int, caus
 def _key_blocks(block: int, S: int, *arrays):
   """Each (B, S, ...) array (or None) padded to whole blocks and cut into (blocks, B, block, ...) for lax.scan."""
   n = -(-S // block)
+
   def cut(x):
     if x is None:
       return None
     x = jnp.pad(x, [(0, 0), (0, n * block - S)] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
+
   return jnp.arange(n * block).reshape(n, block), [cut(x) for x in arrays]
 
 
@@ -552,19 +633,23 @@ def _flash_fwd(q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, 
   def step(carry, xs):  # online softmax over one block of keys
     m, l, acc = carry  # running max and sum (B, G, R, L); unnormalised output (B, G, R, L, K), float32
     pos, k, v, seg, valid = xs
-    s = jnp.einsum('blgrk,bsgk->bgrls', q, k, preferred_element_type=jnp.float32) * K ** -0.5
+    s = jnp.einsum('blgrk,bsgk->bgrls', q, k, preferred_element_type=jnp.float32) * K**-0.5
     s = jnp.where(_block_mask(q_pos_L, seg_q_BL, pos, seg, valid, S, causal), s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(-1))
     m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with no key yet
     p = jnp.exp(s - m_safe[..., None])
     corr = jnp.exp(m - m_safe)
-    acc = acc * corr[..., None] + jnp.einsum('bgrls,bsgk->bgrlk', p.astype(v.dtype), v,
-                                             preferred_element_type=jnp.float32)
+    acc = acc * corr[..., None] + jnp.einsum(
+      'bgrls,bsgk->bgrlk', p.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
     return (m_new, l * corr + p.sum(-1), acc), None
 
   R = H // G
-  init = (jnp.full((B, G, R, L), -jnp.inf, jnp.float32), jnp.zeros((B, G, R, L), jnp.float32),
-          jnp.zeros((B, G, R, L, K), jnp.float32))
+  init = (
+    jnp.full((B, G, R, L), -jnp.inf, jnp.float32),
+    jnp.zeros((B, G, R, L), jnp.float32),
+    jnp.zeros((B, G, R, L, K), jnp.float32),
+  )
   (m, l, acc), _ = jax.lax.scan(step, init, (pos_NS, k_N, v_N, seg_N, valid_N))
   seen = l > 0  # a row whose every key is masked (a padded query) gives 0
   o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
@@ -586,12 +671,12 @@ def _flash_bwd(causal, block, res, do_BLHK):
 
   def step(dq, xs):  # one block of keys: its dk, dv whole; its share of dq
     pos, k, v, seg, valid = xs
-    s = jnp.einsum('blgrk,bsgk->bgrls', q, k, preferred_element_type=jnp.float32) * K ** -0.5
+    s = jnp.einsum('blgrk,bsgk->bgrls', q, k, preferred_element_type=jnp.float32) * K**-0.5
     mask = _block_mask(q_pos_L, seg_q_BL, pos, seg, valid, S, causal)
     p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
     dv = jnp.einsum('bgrls,blgrk->bsgk', p.astype(dtype), do, preferred_element_type=jnp.float32)
     dp = jnp.einsum('blgrk,bsgk->bgrls', do, v, preferred_element_type=jnp.float32)
-    ds = (p * (dp - delta[..., None]) * K ** -0.5).astype(dtype)
+    ds = (p * (dp - delta[..., None]) * K**-0.5).astype(dtype)
     dq = dq + jnp.einsum('bgrls,bsgk->blgrk', ds, k, preferred_element_type=jnp.float32)
     dk = jnp.einsum('bgrls,blgrk->bsgk', ds, q, preferred_element_type=jnp.float32)
     return dq, (dk, dv)
@@ -604,8 +689,9 @@ def _flash_bwd(causal, block, res, do_BLHK):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _blockwise(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, q_pos_L: Any = None,
-               seg_k_BS=None) -> jax.Array:
+def _blockwise(
+  q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, q_pos_L: Any = None, seg_k_BS=None
+) -> jax.Array:
   """Flash attention in JAX (any backend): keys in blocks of BLOCKWISE_KEYS under an online softmax, with a
   custom VJP whose forward keeps only the output and the log-sum-exp, like a fused kernel. Temporaries are
   O(L x block), not O(L x S); p and ds enter their matmuls in the compute dtype, as flash kernels do.
@@ -613,8 +699,17 @@ def _blockwise(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool
   segment ids when they are not the queries' (context shards; valid_BL is then key-side too)."""
   L, S = q_BLHK.shape[1], k_BLGK.shape[1]
   seg_k = segment_ids_BL if seg_k_BS is None else seg_k_BS
-  return _flash(q_BLHK, k_BLGK, v_BLGK, jnp.arange(L) if q_pos_L is None else q_pos_L, segment_ids_BL, seg_k,
-                valid_BL, causal, min(BLOCKWISE_KEYS, S))
+  return _flash(
+    q_BLHK,
+    k_BLGK,
+    v_BLGK,
+    jnp.arange(L) if q_pos_L is None else q_pos_L,
+    segment_ids_BL,
+    seg_k,
+    valid_BL,
+    causal,
+    min(BLOCKWISE_KEYS, S),
+  )
 
 
 def _xla(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
@@ -640,9 +735,17 @@ def length_multiple(impl: str, dtype: Any, head_dim: int) -> int:
   return CUDNN_LENGTH_MULTIPLE
 
 
-def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, causal: bool, impl: str = 'auto',
-           segment_ids_BL: jax.Array | None = None, valid_BL: jax.Array | None = None,
-           kv_length: int | None = None) -> jax.Array:
+def attend(
+  q_BLHK: jax.Array,
+  k_BLGK: jax.Array,
+  v_BLGK: jax.Array,
+  *,
+  causal: bool,
+  impl: str = 'auto',
+  segment_ids_BL: jax.Array | None = None,
+  valid_BL: jax.Array | None = None,
+  kv_length: int | None = None,
+) -> jax.Array:
   """softmax(q k^T / sqrt(K) [+ masks]) v for every head; grouped-query when G < H. Masks: causal, packed
   documents (attend within the same segment id), padding (valid_BL: 1 = real key), and `kv_length` (a Python
   int): every row's keys from that position on are padding the model appended (`length_multiple`). Unlike a
@@ -655,18 +758,23 @@ def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, causal: b
       raise ValueError(f'kv_length={kv_length} for {L} queries and {k_BLGK.shape[1]} keys')
     real_BL = jnp.broadcast_to(jnp.arange(L) < kv_length, (B, L))
     valid_BL = real_BL if valid_BL is None else real_BL & valid_BL.astype(bool)
-  kind, specs = choose(impl, q_BLHK, k_BLGK, causal=causal, packed=segment_ids_BL is not None,
-                       padded=masked, kv_length=kv_length)
-  q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(x, n) for x, n in ((q_BLHK, 'attn_q'), (k_BLGK, 'attn_k'),
-                                                                (v_BLGK, 'attn_v')))
-  kernel = functools.partial({'cudnn': _cudnn, 'pallas': _pallas, 'splash': _splash, 'xla': _xla,
-                              'blockwise': _blockwise}[kind], causal=causal)
+  kind, specs = choose(
+    impl, q_BLHK, k_BLGK, causal=causal, packed=segment_ids_BL is not None, padded=masked, kv_length=kv_length
+  )
+  q_BLHK, k_BLGK, v_BLGK = (
+    checkpoint_name(x, n) for x, n in ((q_BLHK, 'attn_q'), (k_BLGK, 'attn_k'), (v_BLGK, 'attn_v'))
+  )
+  kernel = functools.partial(
+    {'cudnn': _cudnn, 'pallas': _pallas, 'splash': _splash, 'xla': _xla, 'blockwise': _blockwise}[kind], causal=causal
+  )
   # Named so FLOP counting (training/flops.py) can tell causal attention's matmuls from the rest.
   with jax.named_scope('causal_attention' if causal else 'attention'):
     if specs is None:
       if causal and kind != 'xla' and zigzag_shards() > 1:  # only a forced kernel gets here
-        raise ConfigError(f'attention {kind!r} over a whole row cannot take rows in zigzag order '
-                          '(config.context_load_balance): it runs per context shard, or XLA')
+        raise ConfigError(
+          f'attention {kind!r} over a whole row cannot take rows in zigzag order '
+          '(config.context_load_balance): it runs per context shard, or XLA'
+        )
       o_BLHK = kernel(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL)
     else:
       q_spec, kv_spec, bl_spec = specs
@@ -675,6 +783,11 @@ def attend(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array, *, causal: b
         local = functools.partial(_per_shard_context, axes=q_spec[1], causal=causal, implementation=kind)
       else:
         local = lambda q, k, v, rows: kernel(q, k, v, rows.get('segment_ids_BL'), rows.get('valid_BL'))
-      o_BLHK = jax.shard_map(local, mesh=active_mesh(), in_specs=(q_spec, kv_spec, kv_spec, {k: bl_spec for k in rows}),
-                             out_specs=q_spec, check_vma=False)(q_BLHK, k_BLGK, v_BLGK, rows)
+      o_BLHK = jax.shard_map(
+        local,
+        mesh=active_mesh(),
+        in_specs=(q_spec, kv_spec, kv_spec, {k: bl_spec for k in rows}),
+        out_specs=q_spec,
+        check_vma=False,
+      )(q_BLHK, k_BLGK, v_BLGK, rows)
   return checkpoint_name(o_BLHK, 'attn_out')

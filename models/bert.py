@@ -10,6 +10,7 @@ imported by renaming (HF Linear weights are (out, in); ours are (in, ...) with h
                    .transform.LayerNorm, cls.predictions.bias; the decoder is tied to word_embeddings)
   head 'classify': pooler, classifier                     (bert.pooler.dense, classifier)
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,7 +23,18 @@ from flax import nnx
 from errors import ConfigError
 from models import hf_import as hf
 from models.layers import (
-    MLP, Attention, Dense, Embed, LayerNorm, Stack, axes, dtypes, gelu_erf, padded_vocab, stack_options)
+  MLP,
+  Attention,
+  Dense,
+  Embed,
+  LayerNorm,
+  Stack,
+  axes,
+  dtypes,
+  gelu_erf,
+  padded_vocab,
+  stack_options,
+)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -57,8 +69,9 @@ class Bert(nnx.Module):
     D, head = cfg.embed_dim, cfg.get('head', 'mlm')
     if head not in HEADS:
       raise ConfigError(f'config.model.head={head!r} is not a BERT head; choose one of {list(HEADS)}')
-    param = lambda shape, names: nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), shape, kw['param_dtype']),
-                                           **axes(*names))
+    param = lambda shape, names: nnx.Param(
+      nnx.initializers.normal(0.02)(rngs.params(), shape, kw['param_dtype']), **axes(*names)
+    )
     self.word_embeddings = Embed(cfg.vocab_size, D, pad_to=cfg.get('pad_vocab_to', 1), **kw, rngs=rngs)
     self.position_embeddings = param((cfg.max_len, D), ('length', 'embed'))
     self.token_type_embeddings = param((cfg.get('type_vocab_size', 2), D), ('token_types', 'embed'))
@@ -72,12 +85,20 @@ class Bert(nnx.Module):
       self.decoder_bias = nnx.Param(jnp.zeros((rows,), kw['param_dtype']), **axes('vocab'))
     else:
       self.pooler = Dense('bd,de->be', (D, D), ('embed', 'embed'), bias_axes=('embed',), **kw, rngs=rngs)
-      self.classifier = Dense('bd,dc->bc', (D, cfg.num_classes), ('embed', 'classes'), bias_axes=('classes',),
-                              preferred_element_type=jnp.float32, **kw, rngs=rngs)
+      self.classifier = Dense(
+        'bd,dc->bc',
+        (D, cfg.num_classes),
+        ('embed', 'classes'),
+        bias_axes=('classes',),
+        preferred_element_type=jnp.float32,
+        **kw,
+        rngs=rngs,
+      )
     self.max_len, self.dtype = cfg.max_len, kw['dtype']
 
-  def __call__(self, tokens_BL: jax.Array, *, valid_BL: jax.Array | None = None,
-               token_types_BL: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self, tokens_BL: jax.Array, *, valid_BL: jax.Array | None = None, token_types_BL: jax.Array | None = None
+  ) -> jax.Array:
     L = tokens_BL.shape[1]
     if L > self.max_len:
       raise ConfigError(f'sequence length {L} exceeds the model max_len {self.max_len}')
@@ -121,19 +142,27 @@ def num_params(cfg: Any) -> int:
 # model does not build (cls.predictions.* under 'classify'; the pooler and the next-sentence head
 # cls.seq_relationship.* under 'mlm') are ignored, as transformers ignores them.
 
+
 def _hf_config(c: dict) -> dict:
   for field, ok, why in (
-      ('hidden_act', ('gelu',), "the zoo's BERT uses the exact erf GELU ('gelu')"),
-      ('position_embedding_type', ('absolute',), "the zoo's BERT has learned absolute positions"),
-      ('is_decoder', (False,), "the zoo's BERT is a bidirectional encoder"),
-      ('add_cross_attention', (False,), "the zoo's BERT has no cross-attention"),
-      ('tie_word_embeddings', (True,), "the zoo's MLM decoder is tied to the word embeddings")):
+    ('hidden_act', ('gelu',), "the zoo's BERT uses the exact erf GELU ('gelu')"),
+    ('position_embedding_type', ('absolute',), "the zoo's BERT has learned absolute positions"),
+    ('is_decoder', (False,), "the zoo's BERT is a bidirectional encoder"),
+    ('add_cross_attention', (False,), "the zoo's BERT has no cross-attention"),
+    ('tie_word_embeddings', (True,), "the zoo's MLM decoder is tied to the word embeddings"),
+  ):
     if c.get(field, ok[0]) not in ok:
       raise hf.HFImportError(f'config.json {field}={c[field]!r}: {why}')
-  return dict(vocab_size=c['vocab_size'], embed_dim=c['hidden_size'], num_layers=c['num_hidden_layers'],
-              num_heads=c['num_attention_heads'], mlp_dim=c['intermediate_size'],
-              max_len=c['max_position_embeddings'], type_vocab_size=c.get('type_vocab_size', 2),
-              norm_eps=c.get('layer_norm_eps', 1e-12))
+  return dict(
+    vocab_size=c['vocab_size'],
+    embed_dim=c['hidden_size'],
+    num_layers=c['num_hidden_layers'],
+    num_heads=c['num_attention_heads'],
+    mlp_dim=c['intermediate_size'],
+    max_len=c['max_position_embeddings'],
+    type_vocab_size=c.get('type_vocab_size', 2),
+    norm_eps=c.get('layer_norm_eps', 1e-12),
+  )
 
 
 def to_hf_config(cfg: Any) -> dict:
@@ -144,19 +173,33 @@ def to_hf_config(cfg: Any) -> dict:
   arch = {'mlm': 'BertForMaskedLM', 'classify': 'BertForSequenceClassification'}
   if head not in arch:
     raise ConfigError(f'config.model.head={head!r} is not a BERT head; choose one of {list(HEADS)}')
-  out = dict(model_type='bert', architectures=[arch[head]], vocab_size=cfg.vocab_size, hidden_size=cfg.embed_dim,
-             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, intermediate_size=cfg.mlp_dim,
-             hidden_act='gelu', max_position_embeddings=cfg.max_len, type_vocab_size=cfg.get('type_vocab_size', 2),
-             layer_norm_eps=cfg.norm_eps, position_embedding_type='absolute', tie_word_embeddings=True,
-             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+  out = dict(
+    model_type='bert',
+    architectures=[arch[head]],
+    vocab_size=cfg.vocab_size,
+    hidden_size=cfg.embed_dim,
+    num_hidden_layers=cfg.num_layers,
+    num_attention_heads=cfg.num_heads,
+    intermediate_size=cfg.mlp_dim,
+    hidden_act='gelu',
+    max_position_embeddings=cfg.max_len,
+    type_vocab_size=cfg.get('type_vocab_size', 2),
+    layer_norm_eps=cfg.norm_eps,
+    position_embedding_type='absolute',
+    tie_word_embeddings=True,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+  )
   return dict(out, num_labels=cfg.num_classes, classifier_dropout=0.0) if head == 'classify' else out
 
 
 def _hf_params() -> list[hf.Param]:
   """HF Linear weights are (out, in): transpose, then split the heads out. The vocabulary rows
   (word embeddings, MLM decoder bias) are zero-padded to config.model.pad_vocab_to."""
+
   def dims(cfg):  # D, H, K
     return cfg.embed_dim, cfg.num_heads, cfg.embed_dim // cfg.num_heads
+
   pad = lambda cfg: [hf.Pad(0, padded_vocab(cfg), cfg.vocab_size)]
   qkv = lambda cfg: [hf.T((1, 0)), hf.R(dims(cfg), (cfg.embed_dim,) * 2)]
   qkv_bias = lambda cfg: [hf.R(dims(cfg)[1:], (cfg.embed_dim,))]
@@ -164,31 +207,38 @@ def _hf_params() -> list[hf.Param]:
   lin = [hf.T((1, 0))]
 
   def ln(zoo, theirs):  # older files name LayerNorm parameters gamma/beta (whichever the file has is read)
-    return [hf.Param(f'{zoo}/scale', f'{theirs}.weight'), hf.Param(f'{zoo}/bias', f'{theirs}.bias'),
-            hf.Param(f'{zoo}/scale', f'{theirs}.gamma'), hf.Param(f'{zoo}/bias', f'{theirs}.beta')]
+    return [
+      hf.Param(f'{zoo}/scale', f'{theirs}.weight'),
+      hf.Param(f'{zoo}/bias', f'{theirs}.bias'),
+      hf.Param(f'{zoo}/scale', f'{theirs}.gamma'),
+      hf.Param(f'{zoo}/bias', f'{theirs}.beta'),
+    ]
 
   def dense(zoo, theirs, kernel_ops=lin, bias_ops=()):
-    return [hf.Param(f'{zoo}/layer/kernel', f'{theirs}.weight', kernel_ops),
-            hf.Param(f'{zoo}/layer/bias', f'{theirs}.bias', bias_ops)]
+    return [
+      hf.Param(f'{zoo}/layer/kernel', f'{theirs}.weight', kernel_ops),
+      hf.Param(f'{zoo}/layer/bias', f'{theirs}.bias', bias_ops),
+    ]
+
   b, h = 'encoder/layers/{i}', 'encoder.layer.{i}'
   rows = [
-      hf.Param('word_embeddings/embed/embedding', 'embeddings.word_embeddings.weight', pad),
-      hf.Param('position_embeddings', 'embeddings.position_embeddings.weight'),
-      hf.Param('token_type_embeddings', 'embeddings.token_type_embeddings.weight'),
-      *ln('embeddings_ln', 'embeddings.LayerNorm'),
-      *dense(f'{b}/attention/out', f'{h}.attention.output.dense', out),
-      *ln(f'{b}/attention_ln', f'{h}.attention.output.LayerNorm'),
-      *dense(f'{b}/mlp/up', f'{h}.intermediate.dense'),
-      *dense(f'{b}/mlp/down', f'{h}.output.dense'),
-      *ln(f'{b}/output_ln', f'{h}.output.LayerNorm'),
-      # head 'mlm' (the decoder weight is the word embedding table)
-      *dense('transform', 'cls.predictions.transform.dense'),
-      *ln('transform_ln', 'cls.predictions.transform.LayerNorm'),
-      hf.Param('decoder_bias', 'cls.predictions.bias', pad),
-      hf.Param('decoder_bias', 'cls.predictions.decoder.bias', pad),  # files with only the decoder's copy
-      # head 'classify'
-      *dense('pooler', 'pooler.dense'),
-      *dense('classifier', 'classifier'),
+    hf.Param('word_embeddings/embed/embedding', 'embeddings.word_embeddings.weight', pad),
+    hf.Param('position_embeddings', 'embeddings.position_embeddings.weight'),
+    hf.Param('token_type_embeddings', 'embeddings.token_type_embeddings.weight'),
+    *ln('embeddings_ln', 'embeddings.LayerNorm'),
+    *dense(f'{b}/attention/out', f'{h}.attention.output.dense', out),
+    *ln(f'{b}/attention_ln', f'{h}.attention.output.LayerNorm'),
+    *dense(f'{b}/mlp/up', f'{h}.intermediate.dense'),
+    *dense(f'{b}/mlp/down', f'{h}.output.dense'),
+    *ln(f'{b}/output_ln', f'{h}.output.LayerNorm'),
+    # head 'mlm' (the decoder weight is the word embedding table)
+    *dense('transform', 'cls.predictions.transform.dense'),
+    *ln('transform_ln', 'cls.predictions.transform.LayerNorm'),
+    hf.Param('decoder_bias', 'cls.predictions.bias', pad),
+    hf.Param('decoder_bias', 'cls.predictions.decoder.bias', pad),  # files with only the decoder's copy
+    # head 'classify'
+    *dense('pooler', 'pooler.dense'),
+    *dense('classifier', 'classifier'),
   ]
   for n in ('query', 'key', 'value'):
     rows += dense(f'{b}/attention/{n}', f'{h}.attention.self.{n}', qkv, qkv_bias)
@@ -199,6 +249,12 @@ def _hf_params() -> list[hf.Param]:
 # are never prefixed. Ignored when nothing reads them (checked by the importer): position_ids and
 # token_type_ids buffers, the tied decoder (cls.predictions.decoder.*: copies of the word embeddings and
 # cls.predictions.bias), the next-sentence head, and the tensors of the head the zoo model does not build.
-HF = hf.Family(model_types=('bert',), config=_hf_config, params=_hf_params(), prefixes=('bert.', ''),
-               ignore=(r'embeddings\.(position_ids|token_type_ids)$', r'^cls\.', r'^(bert\.)?pooler\.'),
-               to_config=to_hf_config, unprefixed=(r'^cls\.', r'^classifier\.'))
+HF = hf.Family(
+  model_types=('bert',),
+  config=_hf_config,
+  params=_hf_params(),
+  prefixes=('bert.', ''),
+  ignore=(r'embeddings\.(position_ids|token_type_ids)$', r'^cls\.', r'^(bert\.)?pooler\.'),
+  to_config=to_hf_config,
+  unprefixed=(r'^cls\.', r'^classifier\.'),
+)

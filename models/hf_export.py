@@ -16,6 +16,7 @@ tensors are fetched one at a time (`fetch(path)`, e.g. one gathered jax.Array), 
 tensors and written straight into their place in the files (numpy memmaps). The host holds one zoo
 tensor and its HF pieces at a time, never the model.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,11 +36,22 @@ from errors import HFExportError
 from models import hf_import as hf
 
 # numpy dtype name -> safetensors dtype tag
-_DTYPES = {'float64': 'F64', 'float32': 'F32', 'float16': 'F16', 'bfloat16': 'BF16', 'int64': 'I64', 'int32': 'I32',
-           'int16': 'I16', 'int8': 'I8', 'uint8': 'U8', 'bool': 'BOOL'}
+_DTYPES = {
+  'float64': 'F64',
+  'float32': 'F32',
+  'float16': 'F16',
+  'bfloat16': 'BF16',
+  'int64': 'I64',
+  'int32': 'I32',
+  'int16': 'I16',
+  'int8': 'I8',
+  'uint8': 'U8',
+  'bool': 'BOOL',
+}
 
 
 # --- Inverting one row's ops ------------------------------------------------------------------------
+
 
 def _inv_shape(op: hf.Op, out: tuple[int, ...], key: str) -> tuple[int, ...]:
   if isinstance(op, hf.T):
@@ -71,6 +83,7 @@ def _inv(op: hf.Op, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class Piece:
   """One zoo tensor (or entry `index` of its leading stacked axes: layer, expert) -> `region` of HF tensor `key`."""
+
   key: str
   index: tuple[int, ...]  # () for the whole zoo tensor
   ops: tuple[hf.Op, ...]  # the row's ops after a leading Slice
@@ -87,6 +100,7 @@ class Piece:
 @dataclasses.dataclass
 class Plan:
   """What to write: every HF tensor's shape, and the pieces each zoo tensor becomes."""
+
   shapes: dict[str, tuple[int, ...]]  # HF key -> shape, in writing order
   pieces: dict[str, list[Piece]]  # zoo path -> its pieces
 
@@ -113,12 +127,13 @@ def plan(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int, 
     for zoo, fixed, stack in hf.row_targets(row, zoo_shapes):
       if zoo not in zoo_shapes or exported_by.setdefault(zoo, r) != r:
         continue  # not in this model (e.g. an untied head), or exported by an earlier row
-      for idx in itertools.product(*map(range, zoo_shapes[zoo][:len(stack)])):
-        targets.append((zoo, idx, {**fixed, **{n: k + (row.first_layer if n == 'i' else 0)
-                                               for n, k in zip(stack, idx)}}))
+      for idx in itertools.product(*map(range, zoo_shapes[zoo][: len(stack)])):
+        targets.append(
+          (zoo, idx, {**fixed, **{n: k + (row.first_layer if n == 'i' else 0) for n, k in zip(stack, idx)}})
+        )
     for zoo, index, at in targets:
       key = hf_key(family, row.hf, at)
-      out = tuple(zoo_shapes[zoo][len(index):])
+      out = tuple(zoo_shapes[zoo][len(index) :])
       cut = ops[0] if ops and isinstance(ops[0], hf.Slice) else None
       rest = ops[1:] if cut else ops
       if any(isinstance(op, hf.Slice) for op in rest):
@@ -146,12 +161,15 @@ def plan(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int, 
     shapes[key] = tuple(full)
   missing = sorted(set(zoo_shapes) - set(pieces))
   if missing:
-    raise HFExportError(f'zoo tensor(s) {missing[:6]} have no Hugging Face counterpart in the '
-                        f'{family.model_types[0]} table (models/hf_import.py rows), so they cannot be exported')
+    raise HFExportError(
+      f'zoo tensor(s) {missing[:6]} have no Hugging Face counterpart in the '
+      f'{family.model_types[0]} table (models/hf_import.py rows), so they cannot be exported'
+    )
   return Plan(shapes, pieces)
 
 
 # --- Writing safetensors files ----------------------------------------------------------------------
+
 
 def _layout(tensors: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> tuple[bytes, dict[str, int]]:
   """The safetensors header (8-byte length + JSON, padded to 8 bytes) and each tensor's byte offset."""
@@ -166,10 +184,18 @@ def _layout(tensors: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> tuple[b
   return head, {k: len(head) + v for k, v in offsets.items()}
 
 
-def write(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int, ...]],
-          fetch: Callable[[str], np.ndarray], out_dir: str, *, dtype: Any = np.float32,
-          max_shard_size: int | str = '5GB', order: Iterable[str] | None = None,
-          is_writer: bool = True) -> dict[str, Any]:
+def write(
+  family: hf.Family,
+  model_cfg: Any,
+  zoo_shapes: Mapping[str, tuple[int, ...]],
+  fetch: Callable[[str], np.ndarray],
+  out_dir: str,
+  *,
+  dtype: Any = np.float32,
+  max_shard_size: int | str = '5GB',
+  order: Iterable[str] | None = None,
+  is_writer: bool = True,
+) -> dict[str, Any]:
   """Writes `out_dir`/model.safetensors (or model-0000k-of-0000n.safetensors + model.safetensors.index.json)
   in the family's Hugging Face layout. `fetch(zoo path)` gives one zoo tensor as a numpy array; it is called
   once per tensor, in `order` (default: zoo_shapes'), also on processes that do not write (`is_writer`
@@ -182,14 +208,16 @@ def write(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int,
   constants = {k: np.asarray(v) for k, v in (family.constants(list(p.shapes)) if family.constants else {}).items()}
   specs = {k: (shape, dtype) for k, shape in p.shapes.items()} | {k: (v.shape, v.dtype) for k, v in constants.items()}
   size = lambda spec: math.prod(spec[0]) * spec[1].itemsize
-  split = split_state_dict_into_shards_factory(specs, get_storage_size=size,
-                                               filename_pattern='model{suffix}.safetensors',
-                                               max_shard_size=max_shard_size)
+  split = split_state_dict_into_shards_factory(
+    specs, get_storage_size=size, filename_pattern='model{suffix}.safetensors', max_shard_size=max_shard_size
+  )
   offsets, file_of = {}, split.tensor_to_filename
 
   def place(key: str) -> np.memmap:
-    return np.memmap(os.path.join(out_dir, file_of[key]), dtype=specs[key][1], mode='r+', offset=offsets[key],
-                     shape=specs[key][0])
+    return np.memmap(
+      os.path.join(out_dir, file_of[key]), dtype=specs[key][1], mode='r+', offset=offsets[key], shape=specs[key][0]
+    )
+
   if is_writer:
     os.makedirs(out_dir, exist_ok=True)
     for name, keys in split.filename_to_tensors.items():
@@ -202,7 +230,7 @@ def write(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int,
       out = place(key)
       out[...] = value
       out.flush()
-  for zoo in (order or zoo_shapes):
+  for zoo in order or zoo_shapes:
     x = fetch(zoo)
     if not is_writer:
       continue
@@ -211,7 +239,7 @@ def write(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int,
     for piece in p.pieces[zoo]:
       out = place(piece.key)
       out[piece.region if piece.region is not None else ...] = piece.tensor(x)  # views where the ops allow;
-      out.flush()                                                                # the cast happens here
+      out.flush()  # the cast happens here
       del out
   total = sum(size(spec) for spec in specs.values())
   if is_writer and split.is_sharded:
@@ -229,8 +257,9 @@ def config_json(family: hf.Family, model_cfg: Any, dtype: Any, base: Mapping[str
     raise HFExportError(f'the {family.model_types[0]} family has no config.json writer (Family.to_config)')
   ours = family.to_config(model_cfg)
   out = dict(base or {})
-  out.update({k: v for k, v in ours.items() if (v is not None or k not in out)
-              and not (k in family.base_keeps and k in out)})
+  out.update(
+    {k: v for k, v in ours.items() if (v is not None or k not in out) and not (k in family.base_keeps and k in out)}
+  )
   if 'num_labels' in ours and len(out.get('id2label') or ()) not in (0, out['num_labels']):
     out.pop('id2label')
     out.pop('label2id', None)

@@ -36,6 +36,7 @@ merges dims is read whole along the merged dims). So each process reads only wha
 and the host never holds more than one tensor's slice. Stacked leaves read only the layers and
 experts their slice covers (a device holding experts 2..3 reads those experts' tensors), one at a time.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,9 +62,11 @@ Region = list[tuple[int, int]]  # (start, stop) per dimension
 
 # --- Ops: forward on arrays, backward on regions ------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class T:
   """Transpose by `perm` (as np.transpose)."""
+
   perm: tuple[int, ...]
 
   def shape(self, s):
@@ -87,6 +90,7 @@ class R:
   """Reshape to `to` (may contain one -1). `src`, the Hugging Face side's shape (may contain one -1), is
   what the exporter reshapes back to (a reshape cannot be inverted from its output alone). `shape` refuses
   (ValueError) an input whose element count `to` does not hold (or that a -1 does not divide)."""
+
   to: tuple[int, ...]
   src: tuple[int, ...] | None = None
 
@@ -128,10 +132,9 @@ class R:
         sizes = [out_s[d] for d in gj]
         parts = [region[d] for d in gj]
         p = next((k for k, (a, b) in enumerate(parts) if (a, b) != (0, sizes[k])), len(parts) - 1)
-        if all(parts[k] == (0, sizes[k]) for k in range(p + 1, len(parts))) and all(
-            b - a == 1 for a, b in parts[:p]):
-          stride = math.prod(sizes[p + 1:])
-          offset = sum(a * math.prod(sizes[k + 1:]) for k, (a, _) in enumerate(parts[:p]))
+        if all(parts[k] == (0, sizes[k]) for k in range(p + 1, len(parts))) and all(b - a == 1 for a, b in parts[:p]):
+          stride = math.prod(sizes[p + 1 :])
+          offset = sum(a * math.prod(sizes[k + 1 :]) for k, (a, _) in enumerate(parts[:p]))
           src[gi[0]] = (offset + parts[p][0] * stride, offset + parts[p][1] * stride)
           continue
       for d in gi:
@@ -146,14 +149,14 @@ class R:
         a, b = region[gi[0]]
         sizes = [out_s[d] for d in gj]
         for p in range(len(gj)):
-          stride = math.prod(sizes[p + 1:])
+          stride = math.prod(sizes[p + 1 :])
           if a % stride == 0 and b % stride == 0 and (a // stride) // sizes[p] == ((b - 1) // stride) // sizes[p]:
             lead = np.unravel_index((a // stride) // sizes[p], sizes[:p]) if p else ()
             for k, d in enumerate(gj[:p]):
               out[d] = (int(lead[k]), int(lead[k]) + 1)
             lo = (a // stride) % sizes[p]
             out[gj[p]] = (lo, lo + (b - a) // stride)
-            for k, d in enumerate(gj[p + 1:], start=p + 1):
+            for k, d in enumerate(gj[p + 1 :], start=p + 1):
               out[d] = (0, sizes[k])
             break
       else:
@@ -168,6 +171,7 @@ class R:
 @dataclasses.dataclass(frozen=True)
 class Slice:
   """x[start:stop] along `axis` (one part of a fused tensor, e.g. GPT-2's q|k|v)."""
+
   axis: int
   start: int
   stop: int
@@ -190,6 +194,7 @@ class Pad:
   """Zero rows appended along `axis` up to `size` (a padded vocabulary); `src` is the real length there
   (the exporter drops the padding rows). `shape` refuses (ValueError) an input of another length there
   (without `src`: a longer one), which would be padded or cut silently."""
+
   axis: int
   size: int
   src: int | None = None
@@ -199,8 +204,10 @@ class Pad:
     if self.src is None and got > self.size:
       raise ValueError(f'holds {got} entries along axis {self.axis}, more than the {self.size} it is padded to')
     if self.src is not None and got != self.src:
-      raise ValueError(f'holds {got} entries along axis {self.axis}, not {self.src}'
-                       + (f' (padded to {self.size})' if self.src != self.size else ''))
+      raise ValueError(
+        f'holds {got} entries along axis {self.axis}, not {self.src}'
+        + (f' (padded to {self.size})' if self.src != self.size else '')
+      )
     return tuple(self.size if d == self.axis else n for d, n in enumerate(s))
 
   def back(self, region, s):
@@ -224,6 +231,7 @@ class Param:
   """One zoo leaf from HF tensors: `zoo` may contain '{i}' (layer), `hf` '{i}' and '{e}' (expert); see the
   module docstring. `state`: the leaf is model state (e.g. BatchNorm running statistics), not a parameter.
   `first_layer`: the HF layer index of the zoo's layer 0."""
+
   zoo: str
   hf: str
   ops: Callable[[Any], Sequence[Op]] | Sequence[Op] = ()
@@ -237,6 +245,7 @@ class Param:
 @dataclasses.dataclass(frozen=True)
 class Family:
   """How one zoo family maps to Hugging Face checkpoints."""
+
   model_types: tuple[str, ...]  # config.json "model_type" values this family imports
   config: Callable[[dict], dict]  # config.json -> zoo model config fields
   params: Sequence[Param]
@@ -265,6 +274,7 @@ class Family:
 
 # --- Reading a directory ----------------------------------------------------------------------
 
+
 class HFDir:
   """A Hugging Face model directory: config.json and one or several *.safetensors files."""
 
@@ -282,8 +292,10 @@ class HFDir:
     else:
       files = sorted(glob.glob(os.path.join(path, '*.safetensors')))
       if not files:
-        raise HFImportError(f'{path!r} has no *.safetensors files (PyTorch .bin checkpoints are not read: '
-                            'convert them with transformers save_pretrained(safe_serialization=True))')
+        raise HFImportError(
+          f'{path!r} has no *.safetensors files (PyTorch .bin checkpoints are not read: '
+          'convert them with transformers save_pretrained(safe_serialization=True))'
+        )
       weight_map = {}
       for file in files:
         weight_map.update({k: os.path.basename(file) for k in _open(file).keys()})
@@ -320,8 +332,10 @@ def _open(file: str) -> Any:
   try:
     return safe_open(file, 'np')
   except Exception as e:  # noqa: BLE001  (safetensors raises its own SafetensorError, OSError, ...)
-    raise HFImportError(f'{file} is not a readable safetensors file (truncated or damaged?): '
-                        f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}') from None
+    raise HFImportError(
+      f'{file} is not a readable safetensors file (truncated or damaged?): '
+      f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'
+    ) from None
 
 
 FLOAT_TAGS = ('F16', 'BF16', 'F32', 'F64')
@@ -347,9 +361,11 @@ def _read_through(hf: HFDir, key: str, ops: Sequence[Op], index: tuple[slice, ..
 
 # --- Import -----------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Imported:
   """What `import_weights` read: pure-dict trees of sharded arrays, and the zoo paths left out (dont_load)."""
+
   params: dict
   model_state: dict
   skipped: set[str]
@@ -380,9 +396,16 @@ def row_targets(row: Param, flat: Mapping[str, Any]) -> list[tuple[str, dict[str
   return out
 
 
-def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shardings: Any,
-                   state_abstract: Any = None, state_shardings: Any = None,
-                   dont_load: str | None = None) -> Imported:
+def import_weights(
+  hf: HFDir,
+  family: Family,
+  model_cfg: Any,
+  abstract: Any,
+  shardings: Any,
+  state_abstract: Any = None,
+  state_shardings: Any = None,
+  dont_load: str | None = None,
+) -> Imported:
   """Builds the zoo's params and model-state trees from `hf`, each leaf born in its sharding.
 
   `abstract`/`shardings`: the model's params (pure dict of ShapeDtypeStructs / NamedShardings);
@@ -392,10 +415,13 @@ def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, sha
   Raises HFImportError listing zoo leaves nothing explains and HF tensors nothing uses.
   """
   kinds = {False: (abstract, shardings), True: (state_abstract or {}, state_shardings or {})}
-  flat = {state: {path_str(p): (p, leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-          for state, (tree, _) in kinds.items()}
-  flat_sh = {state: {path_str(p): s for p, s in jax.tree_util.tree_leaves_with_path(sh)}
-             for state, (_, sh) in kinds.items()}
+  flat = {
+    state: {path_str(p): (p, leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    for state, (tree, _) in kinds.items()
+  }
+  flat_sh = {
+    state: {path_str(p): s for p, s in jax.tree_util.tree_leaves_with_path(sh)} for state, (_, sh) in kinds.items()
+  }
   skip = re.compile(dont_load) if dont_load else None
   out: dict[bool, dict[str, jax.Array]] = {False: {}, True: {}}
   used: set[str] = set()
@@ -406,7 +432,7 @@ def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, sha
       if zoo not in flat[row.state]:
         continue
       leaf, sharding = flat[row.state][zoo][1], flat_sh[row.state][zoo]
-      sizes = tuple(leaf.shape[:len(stack)])
+      sizes = tuple(leaf.shape[: len(stack)])
       at = lambda idx: {**fixed, **{n: k + (row.first_layer if n == 'i' else 0) for n, k in zip(stack, idx)}}
       keys = {idx: _resolve_key(hf, family, row.hf, at(idx)) for idx in itertools.product(*map(range, sizes))}
       if skip and skip.search(zoo):  # deliberately not loaded (e.g. a head for other classes): its tensors
@@ -417,24 +443,32 @@ def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, sha
         found = [k for k in keys.values() if k is not None]
         if found:  # some layers or experts there, others not: a damaged or truncated checkpoint
           absent = next(idx for idx, k in keys.items() if k is None)
-          raise HFImportError(f'{hf.path}: has {found[0]} but not {row.hf.format(**at(absent))} '
-                              f'(with any of the prefixes {list(family.prefixes)}) for zoo parameter {zoo!r}')
+          raise HFImportError(
+            f'{hf.path}: has {found[0]} but not {row.hf.format(**at(absent))} '
+            f'(with any of the prefixes {list(family.prefixes)}) for zoo parameter {zoo!r}'
+          )
         continue  # reported below as unexplained if nothing else provides it
-      expect = tuple(leaf.shape[len(stack):])
+      expect = tuple(leaf.shape[len(stack) :])
       for key in keys.values():
         got = hf.shape(key)
         try:
           for op in ops:
             got = op.shape(got)
         except ValueError as e:  # an op refuses the HF tensor (R: element counts, Pad: its real length)
-          raise HFImportError(f'{hf.path}: {key} {hf.shape(key)}: {e}, for zoo parameter {zoo!r}, which expects '
-                              f'{expect}; does config.json match the model config?') from None
+          raise HFImportError(
+            f'{hf.path}: {key} {hf.shape(key)}: {e}, for zoo parameter {zoo!r}, which expects '
+            f'{expect}; does config.json match the model config?'
+          ) from None
         if tuple(got) != expect:
-          raise HFImportError(f'{hf.path}: {key} {hf.shape(key)} gives shape {tuple(got)} for zoo parameter '
-                              f'{zoo!r}, which expects {expect}; does config.json match the model config?')
+          raise HFImportError(
+            f'{hf.path}: {key} {hf.shape(key)} gives shape {tuple(got)} for zoo parameter '
+            f'{zoo!r}, which expects {expect}; does config.json match the model config?'
+          )
         if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating) and hf.dtype(key) not in FLOAT_TAGS:  # bf16 too
-          raise HFImportError(f'{hf.path}: {key} holds {hf.dtype(key)} values, but zoo parameter {zoo!r} is '
-                              f'{np.dtype(leaf.dtype).name}: weights must be floating point ({", ".join(FLOAT_TAGS)})')
+          raise HFImportError(
+            f'{hf.path}: {key} holds {hf.dtype(key)} values, but zoo parameter {zoo!r} is '
+            f'{np.dtype(leaf.dtype).name}: weights must be floating point ({", ".join(FLOAT_TAGS)})'
+          )
       used.update(keys.values())
       out[row.state][zoo] = _stream(hf, keys, sizes, ops, leaf, sharding)
   for head, embedding in family.tied:  # a tied model's head: the file's copy must be the embedding
@@ -443,9 +477,11 @@ def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, sha
       continue  # no copy, an untied model's own head, or no embedding (reported below)
     if e not in dropped and not _equal(hf, h, e):
       tie = hf.config.get('tie_word_embeddings')
-      raise HFImportError(f'{hf.path}: {h} {hf.shape(h)} is not a copy of the embedding {e} {hf.shape(e)}, but the '
-                          f'model ties its head to the embedding (config.json tie_word_embeddings='
-                          f'{"unset" if tie is None else tie}): the checkpoint\'s own head would be dropped')
+      raise HFImportError(
+        f'{hf.path}: {h} {hf.shape(h)} is not a copy of the embedding {e} {hf.shape(e)}, but the '
+        f'model ties its head to the embedding (config.json tie_word_embeddings='
+        f"{'unset' if tie is None else tie}): the checkpoint's own head would be dropped"
+      )
     used.add(h)
   ignored = [re.compile(r) for r in family.ignore]
   unused = sorted(k for k in hf.keys() - used if not any(r.search(k) for r in ignored))
@@ -454,14 +490,25 @@ def import_weights(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, sha
   missing = sorted(every - set(out[False]) - set(out[True]) - skipped)
   if missing or unused:
     raise HFImportError(
-        f'{hf.path}: cannot map the checkpoint onto the model. '
-        + (f'Zoo parameters with no HF tensor ({len(missing)}): {missing[:6]}{" ..." if len(missing) > 6 else ""}. '
-           'Exclude them with config.dont_load (regex) to initialise them fresh, e.g. a new head. '
-           if missing else '')
-        + (f'HF tensors the model does not use ({len(unused)}): {unused[:6]}{" ..." if len(unused) > 6 else ""}.'
-           if unused else ''))
-  trees = {state: traverse_util.unflatten_dict({tuple(_key(k) for k in flat[state][zoo][0]): arr
-                                                for zoo, arr in out[state].items()}) for state in (False, True)}
+      f'{hf.path}: cannot map the checkpoint onto the model. '
+      + (
+        f'Zoo parameters with no HF tensor ({len(missing)}): {missing[:6]}{" ..." if len(missing) > 6 else ""}. '
+        'Exclude them with config.dont_load (regex) to initialise them fresh, e.g. a new head. '
+        if missing
+        else ''
+      )
+      + (
+        f'HF tensors the model does not use ({len(unused)}): {unused[:6]}{" ..." if len(unused) > 6 else ""}.'
+        if unused
+        else ''
+      )
+    )
+  trees = {
+    state: traverse_util.unflatten_dict(
+      {tuple(_key(k) for k in flat[state][zoo][0]): arr for zoo, arr in out[state].items()}
+    )
+    for state in (False, True)
+  }
   return Imported(trees[False], trees[True], skipped)
 
 
@@ -480,8 +527,9 @@ def _equal(hf: HFDir, a: str, b: str) -> bool:
   return True
 
 
-def import_params(hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shardings: Any,
-                  dont_load: str | None = None) -> tuple[dict, set[str]]:
+def import_params(
+  hf: HFDir, family: Family, model_cfg: Any, abstract: Any, shardings: Any, dont_load: str | None = None
+) -> tuple[dict, set[str]]:
   """import_weights for a model without model state: (params tree, skipped paths)."""
   got = import_weights(hf, family, model_cfg, abstract, shardings, dont_load=dont_load)
   return got.params, got.skipped
@@ -491,8 +539,9 @@ def _key(k):
   return getattr(k, 'key', getattr(k, 'idx', k))
 
 
-def _stream(hf: HFDir, keys: Mapping[tuple[int, ...], str], sizes: tuple[int, ...], ops: Sequence[Op], leaf: Any,
-            sharding: Any) -> jax.Array:
+def _stream(
+  hf: HFDir, keys: Mapping[tuple[int, ...], str], sizes: tuple[int, ...], ops: Sequence[Op], leaf: Any, sharding: Any
+) -> jax.Array:
   """The leaf, each device's slice read from the HF tensors it covers: the leading `sizes` axes are stacked
   (layers, experts), one HF tensor per entry, read one at a time."""
   n = len(sizes)
@@ -503,15 +552,28 @@ def _stream(hf: HFDir, keys: Mapping[tuple[int, ...], str], sizes: tuple[int, ..
     if not n:
       return parts[0]
     return np.stack(parts).reshape(*map(len, ranges), *parts[0].shape)
+
   return jax.make_array_from_callback(tuple(leaf.shape), sharding, read)
 
 
 HUB_ID = re.compile(r'^[A-Za-z0-9][\w.-]*/[\w.-]+$')  # 'openai-community/gpt2', 'meta-llama/Llama-3.2-1B'
 # The files of a Hugging Face tokenizer (glob patterns): fetched with a hub id, copied by the export.
-TOKENIZER_FILES = ('tokenizer*', 'special_tokens_map.json', 'added_tokens.json', 'chat_template.jinja', 'vocab.*',
-                   'merges.txt', '*.model')
-HUB_FILES = ('config.json', '*.safetensors', 'model.safetensors.index.json', 'generation_config.json',
-             *TOKENIZER_FILES)  # no *.bin, *.h5, ...
+TOKENIZER_FILES = (
+  'tokenizer*',
+  'special_tokens_map.json',
+  'added_tokens.json',
+  'chat_template.jinja',
+  'vocab.*',
+  'merges.txt',
+  '*.model',
+)
+HUB_FILES = (
+  'config.json',
+  '*.safetensors',
+  'model.safetensors.index.json',
+  'generation_config.json',
+  *TOKENIZER_FILES,
+)  # no *.bin, *.h5, ...
 
 
 def resolve(init_from: str, *, download: bool = True) -> str:
@@ -523,26 +585,30 @@ def resolve(init_from: str, *, download: bool = True) -> str:
   if not init_from or os.path.exists(init_from) or not HUB_ID.match(init_from):
     return init_from
   import huggingface_hub  # only for hub ids
+
   try:
-    path = huggingface_hub.snapshot_download(init_from, allow_patterns=list(HUB_FILES),
-                                             local_files_only=not download)
+    path = huggingface_hub.snapshot_download(init_from, allow_patterns=list(HUB_FILES), local_files_only=not download)
   except Exception as e:  # noqa: BLE001  (offline, unknown or gated id: all one message)
     if not download:
       return init_from
     why = (str(e).strip().splitlines() or [''])[0][:200]
     include = ' '.join(repr(p) for p in HUB_FILES)
     raise HFImportError(
-        f'init_from={init_from!r}: no such directory, and as a hub id not in the Hugging Face cache '
-        f'{huggingface_hub.constants.HF_HUB_CACHE} and not downloadable ({type(e).__name__}: {why}); fetch it '
-        f'where the hub can be reached with `hf download {init_from} --include {include}` into that cache '
-        '(HF_HOME / HF_HUB_CACHE), or give a local directory') from None
+      f'init_from={init_from!r}: no such directory, and as a hub id not in the Hugging Face cache '
+      f'{huggingface_hub.constants.HF_HUB_CACHE} and not downloadable ({type(e).__name__}: {why}); fetch it '
+      f'where the hub can be reached with `hf download {init_from} --include {include}` into that cache '
+      '(HF_HOME / HF_HUB_CACHE), or give a local directory'
+    ) from None
   if not is_hf_dir(path):
-    raise HFImportError(f'init_from={init_from!r} ({path}): no config.json with safetensors weights there '
-                        '(the zoo reads safetensors only)')
+    raise HFImportError(
+      f'init_from={init_from!r} ({path}): no config.json with safetensors weights there '
+      '(the zoo reads safetensors only)'
+    )
   return path
 
 
 def is_hf_dir(path: str) -> bool:
   return os.path.isfile(os.path.join(path, 'config.json')) and (
-      bool(glob.glob(os.path.join(path, '*.safetensors'))) or
-      os.path.isfile(os.path.join(path, 'model.safetensors.index.json')))
+    bool(glob.glob(os.path.join(path, '*.safetensors')))
+    or os.path.isfile(os.path.join(path, 'model.safetensors.index.json'))
+  )

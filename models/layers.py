@@ -2,6 +2,7 @@
 
 Shape suffixes: B batch, L length, D embed, H heads, K head dim (kv), F mlp, V vocab.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,8 +27,15 @@ def axes(*names: str) -> Mapping[str, Any]:
   return {'out_sharding': tuple(names), 'eager_sharding': False}
 
 
-def wide_einsum(spec: str, x: jax.Array, w: jax.Array, *, preferred_element_type: Any = None,
-                precision: Any = None, out_sharding: Any = None) -> jax.Array:
+def wide_einsum(
+  spec: str,
+  x: jax.Array,
+  w: jax.Array,
+  *,
+  preferred_element_type: Any = None,
+  precision: Any = None,
+  out_sharding: Any = None,
+) -> jax.Array:
   """jnp.einsum of two operands; where `preferred_element_type` is wider than the operands (bf16 compute with
   float32 output heads) the forward returns the wide type but the backward pass stays in the operands' dtype.
 
@@ -36,7 +44,8 @@ def wide_einsum(spec: str, x: jax.Array, w: jax.Array, *, preferred_element_type
   in bf16 (float32 accumulation inside the GEMM, as torch autocast runs it) they are ~2.5x faster. The
   cotangent is rounded to bf16 first; the gradients were rounded to the operands' dtype before anyway."""
   wide = preferred_element_type is not None and jnp.dtype(preferred_element_type).itemsize > max(
-      jnp.dtype(x.dtype).itemsize, jnp.dtype(w.dtype).itemsize)
+    jnp.dtype(x.dtype).itemsize, jnp.dtype(w.dtype).itemsize
+  )
   if not wide or out_sharding is not None or precision is not None:
     kw = {} if out_sharding is None else {'out_sharding': out_sharding}
     return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type, precision=precision, **kw)
@@ -68,10 +77,19 @@ class Dense(nnx.Module):
   backward pass runs in the compute dtype (wide_einsum).
   """
 
-  def __init__(self, einsum: str, kernel_shape: Sequence[int], kernel_axes: Sequence[str], *,
-               bias_axes: Sequence[str] | None = None, kernel_init: Initializer = NORMAL_002,
-               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, preferred_element_type: Any = None,
-               rngs: nnx.Rngs):
+  def __init__(
+    self,
+    einsum: str,
+    kernel_shape: Sequence[int],
+    kernel_axes: Sequence[str],
+    *,
+    bias_axes: Sequence[str] | None = None,
+    kernel_init: Initializer = NORMAL_002,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    preferred_element_type: Any = None,
+    rngs: nnx.Rngs,
+  ):
     bias_shape = None
     if bias_axes is not None:
       out = einsum.split('->')[1]
@@ -79,19 +97,37 @@ class Dense(nnx.Module):
       bias_shape = tuple(kernel_shape[w.index(c)] for c in out if c in w)
       assert len(bias_shape) == len(bias_axes), (einsum, bias_axes)
     self.layer = nnx.Einsum(
-        einsum, tuple(kernel_shape), bias_shape, dtype=dtype, param_dtype=param_dtype,
-        kernel_init=kernel_init, bias_init=nnx.initializers.zeros, preferred_element_type=preferred_element_type,
-        einsum_op=wide_einsum, rngs=rngs, kernel_metadata=axes(*kernel_axes), bias_metadata=axes(*(bias_axes or ())))
+      einsum,
+      tuple(kernel_shape),
+      bias_shape,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      kernel_init=kernel_init,
+      bias_init=nnx.initializers.zeros,
+      preferred_element_type=preferred_element_type,
+      einsum_op=wide_einsum,
+      rngs=rngs,
+      kernel_metadata=axes(*kernel_axes),
+      bias_metadata=axes(*(bias_axes or ())),
+    )
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.layer(x)
 
 
 class LayerNorm(nnx.LayerNorm):
-  def __init__(self, dim: int, *, eps: float = 1e-5, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-               rngs: nnx.Rngs):
-    super().__init__(dim, epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                     scale_metadata=axes('norm'), bias_metadata=axes('norm'))
+  def __init__(
+    self, dim: int, *, eps: float = 1e-5, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs
+  ):
+    super().__init__(
+      dim,
+      epsilon=eps,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+      scale_metadata=axes('norm'),
+      bias_metadata=axes('norm'),
+    )
 
 
 class BatchNorm(nnx.BatchNorm):
@@ -108,24 +144,56 @@ class BatchNorm(nnx.BatchNorm):
   `nnx.view(model, use_running_average=True)` (training.tasks.eval_view) normalises with the averages.
   """
 
-  def __init__(self, dim: int, *, momentum: float = 0.9, eps: float = 1e-5, dtype: Any = jnp.float32,
-               param_dtype: Any = jnp.float32, fast_variance: bool = False, fused: bool = False, rngs: nnx.Rngs):
-    super().__init__(dim, momentum=momentum, epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                     use_fast_variance=fast_variance, scale_metadata=axes('norm'), bias_metadata=axes('norm'))
+  def __init__(
+    self,
+    dim: int,
+    *,
+    momentum: float = 0.9,
+    eps: float = 1e-5,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    fast_variance: bool = False,
+    fused: bool = False,
+    rngs: nnx.Rngs,
+  ):
+    super().__init__(
+      dim,
+      momentum=momentum,
+      epsilon=eps,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+      use_fast_variance=fast_variance,
+      scale_metadata=axes('norm'),
+      bias_metadata=axes('norm'),
+    )
     for stat in (self.mean, self.var):
       stat.set_metadata(**axes('norm'))
     self.fused = fused
 
-  def __call__(self, x: jax.Array, use_running_average: bool | None = None, *, mask: Any = None,
-               then: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+  def __call__(
+    self,
+    x: jax.Array,
+    use_running_average: bool | None = None,
+    *,
+    mask: Any = None,
+    then: Callable[[jax.Array], jax.Array] | None = None,
+  ) -> jax.Array:
     """`then` (elementwise or pooling, e.g. ReLU and a max pool) is applied to the normalised output; fused, its
     input is not kept for the backward pass but recomputed from x (batch_norm_train)."""
     use_average = self.use_running_average if use_running_average is None else use_running_average
     if use_average or not self.fused or mask is not None or self.scale is None or self.bias is None:
       y = super().__call__(x, use_running_average=use_running_average, mask=mask)
       return y if then is None else then(y)
-    y, mean, var = batch_norm_train(x, self.scale[...], self.bias[...], eps=self.epsilon,
-                                    fast_variance=self.use_fast_variance, out_dtype=self.dtype or x.dtype, then=then)
+    y, mean, var = batch_norm_train(
+      x,
+      self.scale[...],
+      self.bias[...],
+      eps=self.epsilon,
+      fast_variance=self.use_fast_variance,
+      out_dtype=self.dtype or x.dtype,
+      then=then,
+    )
     m = self.momentum
     self.mean[...] = jax.lax.stop_gradient(m * self.mean[...] + (1 - m) * mean)
     self.var[...] = jax.lax.stop_gradient(m * self.var[...] + (1 - m) * var)
@@ -138,7 +206,9 @@ def _batch_norm_train(x, scale, bias, eps, fast_variance, out_dtype, then):
 
 
 def _normalise(x, mean, inv, scale, bias, out_dtype):
-  return ((x.astype(jnp.float32) - mean) * (inv * scale.astype(jnp.float32)) + bias.astype(jnp.float32)).astype(out_dtype)
+  return ((x.astype(jnp.float32) - mean) * (inv * scale.astype(jnp.float32)) + bias.astype(jnp.float32)).astype(
+    out_dtype
+  )
 
 
 def _batch_norm_train_fwd(x, scale, bias, eps, fast_variance, out_dtype, then):
@@ -177,9 +247,16 @@ def _batch_norm_train_bwd(eps, fast_variance, out_dtype, then, residuals, cotang
 _batch_norm_train.defvjp(_batch_norm_train_fwd, _batch_norm_train_bwd)
 
 
-def batch_norm_train(x: jax.Array, scale: jax.Array, bias: jax.Array, *, eps: float, fast_variance: bool,
-                     out_dtype: Any, then: Callable[[jax.Array], jax.Array] | None = None
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def batch_norm_train(
+  x: jax.Array,
+  scale: jax.Array,
+  bias: jax.Array,
+  *,
+  eps: float,
+  fast_variance: bool,
+  out_dtype: Any,
+  then: Callable[[jax.Array], jax.Array] | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Train-mode BatchNorm over every axis but the last: (y in out_dtype, batch mean, batch variance), the
   statistics in float32. Its VJP is written out (BatchNorm's docstring); the statistics carry no gradient.
 
@@ -205,8 +282,11 @@ def _pool_slices(x_BHWC, window, stride, pad):
   x = jnp.pad(x_BHWC, ((0, 0), (pad, pad), (pad, pad), (0, 0)), constant_values=-jnp.inf)
   H = (x.shape[1] - window) // stride + 1
   W = (x.shape[2] - window) // stride + 1
-  return x.shape, [((i, j), x[:, i:i + stride * (H - 1) + 1:stride, j:j + stride * (W - 1) + 1:stride])
-                   for i in range(window) for j in range(window)]
+  return x.shape, [
+    ((i, j), x[:, i : i + stride * (H - 1) + 1 : stride, j : j + stride * (W - 1) + 1 : stride])
+    for i in range(window)
+    for j in range(window)
+  ]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -230,11 +310,20 @@ def _max_pool_bwd(window, stride, pad, residuals, g_BHWC):
   hits = [(at, s == out) for at, s in slices]
   g = g_BHWC.astype(jnp.float32) / sum(hit.astype(jnp.float32) for _, hit in hits)
   zero = jnp.zeros((), jnp.float32)
-  dx = sum(jax.lax.pad(jnp.where(hit, g, zero), zero,
-                       ((0, 0, 0), (i, shape[1] - i - stride * (H - 1) - 1, stride - 1),
-                        (j, shape[2] - j - stride * (W - 1) - 1, stride - 1), (0, 0, 0)))
-           for (i, j), hit in hits)
-  return (dx[:, pad:shape[1] - pad, pad:shape[2] - pad].astype(x_BHWC.dtype),)
+  dx = sum(
+    jax.lax.pad(
+      jnp.where(hit, g, zero),
+      zero,
+      (
+        (0, 0, 0),
+        (i, shape[1] - i - stride * (H - 1) - 1, stride - 1),
+        (j, shape[2] - j - stride * (W - 1) - 1, stride - 1),
+        (0, 0, 0),
+      ),
+    )
+    for (i, j), hit in hits
+  )
+  return (dx[:, pad : shape[1] - pad, pad : shape[2] - pad].astype(x_BHWC.dtype),)
 
 
 _max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
@@ -243,13 +332,36 @@ _max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)
 class Conv(nnx.Conv):
   """2-D convolution of NHWC images; kernel (height, width, in_axis, out_axis), bias (out_axis,)."""
 
-  def __init__(self, in_features: int, out_features: int, kernel_size: int, *, strides: int = 1,
-               padding: Any = 'SAME', use_bias: bool = True, in_axis: str = 'conv_in', out_axis: str = 'conv_out',
-               kernel_init: Initializer = nnx.initializers.he_normal(), dtype: Any = jnp.float32,
-               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-    super().__init__(in_features, out_features, (kernel_size, kernel_size), strides=strides, padding=padding,
-                     use_bias=use_bias, kernel_init=kernel_init, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
-                     kernel_metadata=axes('height', 'width', in_axis, out_axis), bias_metadata=axes(out_axis))
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    kernel_size: int,
+    *,
+    strides: int = 1,
+    padding: Any = 'SAME',
+    use_bias: bool = True,
+    in_axis: str = 'conv_in',
+    out_axis: str = 'conv_out',
+    kernel_init: Initializer = nnx.initializers.he_normal(),
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    rngs: nnx.Rngs,
+  ):
+    super().__init__(
+      in_features,
+      out_features,
+      (kernel_size, kernel_size),
+      strides=strides,
+      padding=padding,
+      use_bias=use_bias,
+      kernel_init=kernel_init,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+      kernel_metadata=axes('height', 'width', in_axis, out_axis),
+      bias_metadata=axes(out_axis),
+    )
 
 
 class Embed(nnx.Module):
@@ -261,13 +373,28 @@ class Embed(nnx.Module):
   50257 is prime to every mesh size); padded rows are never looked up and their logits are masked.
   """
 
-  def __init__(self, vocab: int, dim: int, *, pad_to: int = 1, embedding_init: Initializer = NORMAL_002,
-               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, logits_dtype: Any = jnp.float32,
-               rngs: nnx.Rngs):
+  def __init__(
+    self,
+    vocab: int,
+    dim: int,
+    *,
+    pad_to: int = 1,
+    embedding_init: Initializer = NORMAL_002,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    logits_dtype: Any = jnp.float32,
+    rngs: nnx.Rngs,
+  ):
     rows = -(-vocab // pad_to) * pad_to
-    self.embed = nnx.Embed(rows, dim, dtype=dtype, param_dtype=param_dtype,
-                           embedding_init=embedding_init, rngs=rngs,
-                           embedding_metadata=axes('vocab', 'embed'))
+    self.embed = nnx.Embed(
+      rows,
+      dim,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      embedding_init=embedding_init,
+      rngs=rngs,
+      embedding_metadata=axes('vocab', 'embed'),
+    )
     self.vocab_size = vocab
     self.dtype, self.logits_dtype = dtype, jnp.dtype(logits_dtype)
 
@@ -309,8 +436,10 @@ def rope_scaling_params(scaling: Any) -> tuple[tuple[str, Any], ...] | None:
   if missing:
     raise ConfigError(f"rope_scaling of type 'llama3' needs {list(ROPE_SCALING_KEYS)}; missing {missing}")
   if not items['high_freq_factor'] > items['low_freq_factor']:
-    raise ConfigError(f"rope_scaling: high_freq_factor ({items['high_freq_factor']}) must exceed low_freq_factor "
-                      f"({items['low_freq_factor']})")
+    raise ConfigError(
+      f'rope_scaling: high_freq_factor ({items["high_freq_factor"]}) must exceed low_freq_factor '
+      f'({items["low_freq_factor"]})'
+    )
   return (('rope_type', 'llama3'),) + tuple((k, float(items[k])) for k in ROPE_SCALING_KEYS)
 
 
@@ -355,10 +484,24 @@ class Attention(nnx.Module):
   Projections: query (embed, heads, kv), key/value (embed, kv_heads, kv), out (heads, kv, embed).
   """
 
-  def __init__(self, dim: int, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
-               use_bias: bool = True, out_bias: bool | None = None, rope_theta: float | None = None,
-               rope_scaling: Any = None, out_init_scale: float = 1.0, kernel_init: Initializer = NORMAL_002,
-               impl: str = 'auto', dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    dim: int,
+    num_heads: int,
+    *,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    use_bias: bool = True,
+    out_bias: bool | None = None,
+    rope_theta: float | None = None,
+    rope_scaling: Any = None,
+    out_init_scale: float = 1.0,
+    kernel_init: Initializer = NORMAL_002,
+    impl: str = 'auto',
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    rngs: nnx.Rngs,
+  ):
     num_kv_heads = num_kv_heads or num_heads
     if head_dim is None:
       if dim % num_heads:
@@ -374,18 +517,29 @@ class Attention(nnx.Module):
     kv_bias = ('kv_heads', 'kv') if use_bias else None
     self.query = Dense('bld,dhk->blhk', (dim, num_heads, K), ('embed', 'heads', 'kv'), bias_axes=q_bias, **kw)
     self.key = Dense('bld,dhk->blhk', (dim, num_kv_heads, K), ('embed', 'kv_heads', 'kv'), bias_axes=kv_bias, **kw)
-    self.value = Dense('bld,dhk->blhk', (dim, num_kv_heads, K), ('embed', 'kv_heads', 'kv'), bias_axes=kv_bias,
-                       **kw)
+    self.value = Dense('bld,dhk->blhk', (dim, num_kv_heads, K), ('embed', 'kv_heads', 'kv'), bias_axes=kv_bias, **kw)
     kw['kernel_init'] = _scaled(kernel_init, out_init_scale)
-    self.out = Dense('blhk,hkd->bld', (num_heads, K, dim), ('heads', 'kv', 'embed'),
-                     bias_axes=('embed',) if (use_bias if out_bias is None else out_bias) else None, **kw)
+    self.out = Dense(
+      'blhk,hkd->bld',
+      (num_heads, K, dim),
+      ('heads', 'kv', 'embed'),
+      bias_axes=('embed',) if (use_bias if out_bias is None else out_bias) else None,
+      **kw,
+    )
     self.rope_theta = rope_theta
     self.rope_scaling = rope_scaling_params(rope_scaling)  # hashable (static): None or (key, value) pairs
     self.impl = impl  # 'auto' | 'xla' | 'cudnn' (models/attention.py)
 
-  def __call__(self, x_BLD: jax.Array, *, causal: bool, positions_BL: jax.Array | None = None,
-               segment_ids_BL: jax.Array | None = None, valid_BL: jax.Array | None = None,
-               kv_length: int | None = None) -> jax.Array:
+  def __call__(
+    self,
+    x_BLD: jax.Array,
+    *,
+    causal: bool,
+    positions_BL: jax.Array | None = None,
+    segment_ids_BL: jax.Array | None = None,
+    valid_BL: jax.Array | None = None,
+    kv_length: int | None = None,
+  ) -> jax.Array:
     q_BLHK = shard_logical(self.query(x_BLD), ('batch', 'length', 'heads', 'kv'))
     k_BLGK = shard_logical(self.key(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
     v_BLGK = shard_logical(self.value(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
@@ -394,8 +548,16 @@ class Attention(nnx.Module):
         positions_BL = jnp.arange(x_BLD.shape[1])[None]
       q_BLHK = rope(q_BLHK, positions_BL, self.rope_theta, self.rope_scaling)
       k_BLGK = rope(k_BLGK, positions_BL, self.rope_theta, self.rope_scaling)
-    o_BLHK = attention.attend(q_BLHK, k_BLGK, v_BLGK, causal=causal, impl=self.impl, segment_ids_BL=segment_ids_BL,
-                              valid_BL=valid_BL, kv_length=kv_length)
+    o_BLHK = attention.attend(
+      q_BLHK,
+      k_BLGK,
+      v_BLGK,
+      causal=causal,
+      impl=self.impl,
+      segment_ids_BL=segment_ids_BL,
+      valid_BL=valid_BL,
+      kv_length=kv_length,
+    )
     o_BLHK = shard_logical(o_BLHK, ('batch', 'length', 'heads', 'kv'))
     return self.out(o_BLHK)
 
@@ -411,8 +573,9 @@ def activation_then(down: Callable[..., jax.Array], *pre: jax.Array) -> jax.Arra
   return jax.checkpoint(down, policy=jax.checkpoint_policies.nothing_saveable)(*pre)
 
 
-def with_derivative(f: Callable[[jax.Array], jax.Array], df: Callable[[jax.Array], jax.Array],
-                    name: str) -> Callable[[jax.Array], jax.Array]:
+def with_derivative(
+  f: Callable[[jax.Array], jax.Array], df: Callable[[jax.Array], jax.Array], name: str
+) -> Callable[[jax.Array], jax.Array]:
   """The elementwise `f` whose backward keeps only its input x and returns cotangent * df(x), with df written
   out as one expression, evaluated in at least float32 and cast back to x's dtype.
 
@@ -424,6 +587,7 @@ def with_derivative(f: Callable[[jax.Array], jax.Array], df: Callable[[jax.Array
   one H100: GPT-2 16 x 1024 68.1 -> 64.5 GB and 12 fewer kernels per step, ViT-B/16 at 256 147.1 -> 136.0 GB
   (docs/gpu.md). Gradients equal autodiff's in float32, and in bf16 are closer to float32's than autodiff's
   (tests/test_speed_paths.py)."""
+
   @jax.custom_vjp
   def g(x):
     return f(x)
@@ -466,47 +630,84 @@ def _scaled(init: Initializer, scale: float) -> Initializer:
 class MLP(nnx.Module):
   """Two-layer feed-forward block, D -> F -> D."""
 
-  def __init__(self, dim: int, hidden: int, *, activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
-               use_bias: bool = True, out_init_scale: float = 1.0, kernel_init: Initializer = NORMAL_002,
-               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    dim: int,
+    hidden: int,
+    *,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+    use_bias: bool = True,
+    out_init_scale: float = 1.0,
+    kernel_init: Initializer = NORMAL_002,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    rngs: nnx.Rngs,
+  ):
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.up = Dense('bld,df->blf', (dim, hidden), ('embed', 'mlp'), bias_axes=('mlp',) if use_bias else None,
-                    kernel_init=kernel_init, **kw)
-    self.down = Dense('blf,fd->bld', (hidden, dim), ('mlp', 'embed'), bias_axes=('embed',) if use_bias else None,
-                      kernel_init=_scaled(kernel_init, out_init_scale), **kw)
+    self.up = Dense(
+      'bld,df->blf',
+      (dim, hidden),
+      ('embed', 'mlp'),
+      bias_axes=('mlp',) if use_bias else None,
+      kernel_init=kernel_init,
+      **kw,
+    )
+    self.down = Dense(
+      'blf,fd->bld',
+      (hidden, dim),
+      ('mlp', 'embed'),
+      bias_axes=('embed',) if use_bias else None,
+      kernel_init=_scaled(kernel_init, out_init_scale),
+      **kw,
+    )
     self.activation = activation
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
-    return activation_then(lambda u_BLF: self.down(shard_logical(self.activation(u_BLF), ('batch', 'length', 'mlp'))),
-                           self.up(x_BLD))
+    return activation_then(
+      lambda u_BLF: self.down(shard_logical(self.activation(u_BLF), ('batch', 'length', 'mlp'))), self.up(x_BLD)
+    )
 
 
 class GatedMLP(nnx.Module):
   """SwiGLU feed-forward (Llama): down(silu(gate(x)) * up(x)), no biases."""
 
-  def __init__(self, dim: int, hidden: int, *, activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
-               out_init_scale: float = 1.0, kernel_init: Initializer = NORMAL_002,
-               dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    dim: int,
+    hidden: int,
+    *,
+    activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+    out_init_scale: float = 1.0,
+    kernel_init: Initializer = NORMAL_002,
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    rngs: nnx.Rngs,
+  ):
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.gate = Dense('bld,df->blf', (dim, hidden), ('embed', 'mlp'), kernel_init=kernel_init, **kw)
     self.up = Dense('bld,df->blf', (dim, hidden), ('embed', 'mlp'), kernel_init=kernel_init, **kw)
-    self.down = Dense('blf,fd->bld', (hidden, dim), ('mlp', 'embed'),
-                      kernel_init=_scaled(kernel_init, out_init_scale), **kw)
+    self.down = Dense(
+      'blf,fd->bld', (hidden, dim), ('mlp', 'embed'), kernel_init=_scaled(kernel_init, out_init_scale), **kw
+    )
     self.activation = activation
 
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     return activation_then(
-        lambda g_BLF, u_BLF: self.down(shard_logical(self.activation(g_BLF) * u_BLF, ('batch', 'length', 'mlp'))),
-        self.gate(x_BLD), self.up(x_BLD))
+      lambda g_BLF, u_BLF: self.down(shard_logical(self.activation(g_BLF) * u_BLF, ('batch', 'length', 'mlp'))),
+      self.gate(x_BLD),
+      self.up(x_BLD),
+    )
 
 
 class RMSNorm(nnx.RMSNorm):
   """x / rms(x) * scale, computed in float32 (as Llama does), cast back to the compute dtype."""
 
-  def __init__(self, dim: int, *, eps: float = 1e-6, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
-               rngs: nnx.Rngs):
-    super().__init__(dim, epsilon=eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs,
-                     scale_metadata=axes('norm'))
+  def __init__(
+    self, dim: int, *, eps: float = 1e-6, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs
+  ):
+    super().__init__(
+      dim, epsilon=eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs, scale_metadata=axes('norm')
+    )
     self.out_dtype = dtype
 
   def __call__(self, x: jax.Array, mask: Any = None) -> jax.Array:
@@ -524,8 +725,9 @@ CUDNN_ATTENTION_FORWARD = 'dot_product_attention_fwd_wrapper'
 # experts' outputs back in their groups (after the all-to-all back). Kept, the backward reruns neither the
 # expert matmuls nor the all-to-alls.
 MOE_DISPATCHED, MOE_GATE, MOE_UP, MOE_RETURNED = 'moe_dispatched', 'moe_gate', 'moe_up', 'moe_returned'
-_KEPT_BY_DOTS = frozenset((MOE_DISPATCHED, MOE_GATE, MOE_UP, MOE_RETURNED, attention.SPLASH_FORWARD,
-                           *attention.BLOCKWISE_FORWARD))
+_KEPT_BY_DOTS = frozenset(
+  (MOE_DISPATCHED, MOE_GATE, MOE_UP, MOE_RETURNED, attention.SPLASH_FORWARD, *attention.BLOCKWISE_FORWARD)
+)
 
 # Model FLOPs (training/flops.py) count the matmuls a model's math needs. Under NOT_MODEL_FLOPS, matmuls that only
 # move data (a mixture of experts' one-hot dispatch and combine, its routing's bookkeeping) are not counted; under
@@ -542,21 +744,23 @@ def _dots_and_fused_attention(prim: Any, *args: Any, **params: Any) -> bool:
   """Keep weight matmuls' outputs (convolutions' too, and the batched ones named in _KEPT_BY_DOTS) and the
   fused attention kernel's (output + softmax statistics, ~1/30 of what a layer keeps): its backward then reads
   them instead of rerunning the forward kernel. Splash's and the 'blockwise' stand-in's are kept by name."""
-  return (prim.name == CUDNN_ATTENTION_FORWARD
-          or prim.name == 'conv_general_dilated'
-          or (prim.name == 'name' and params.get('name') in _KEPT_BY_DOTS)
-          or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params))
+  return (
+    prim.name == CUDNN_ATTENTION_FORWARD
+    or prim.name == 'conv_general_dilated'
+    or (prim.name == 'name' and params.get('name') in _KEPT_BY_DOTS)
+    or jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+  )
 
 
 REMAT_POLICIES = {
-    'none': None,  # keep every activation for the backward pass (fastest, most memory)
-    'full': jax.checkpoint_policies.nothing_saveable,  # keep only each block's input; recompute the block
-    # keep the outputs of weight matmuls (q/k/v/out projections, MLP layers, experts, convolutions) and of fused
-    # attention (cuDNN's forward kernel, splash's and 'blockwise' attention's output and log-sum-exp); recompute
-    # norms, activations and XLA's attention core (whose L x L scores are too large to keep):
-    'dots': _dots_and_fused_attention,
-    # keep attention's q, k, v and output (models/attention.py names them); recompute the MLPs:
-    'attention': jax.checkpoint_policies.save_only_these_names('attn_q', 'attn_k', 'attn_v', 'attn_out'),
+  'none': None,  # keep every activation for the backward pass (fastest, most memory)
+  'full': jax.checkpoint_policies.nothing_saveable,  # keep only each block's input; recompute the block
+  # keep the outputs of weight matmuls (q/k/v/out projections, MLP layers, experts, convolutions) and of fused
+  # attention (cuDNN's forward kernel, splash's and 'blockwise' attention's output and log-sum-exp); recompute
+  # norms, activations and XLA's attention core (whose L x L scores are too large to keep):
+  'dots': _dots_and_fused_attention,
+  # keep attention's q, k, v and output (models/attention.py names them); recompute the MLPs:
+  'attention': jax.checkpoint_policies.save_only_these_names('attn_q', 'attn_k', 'attn_v', 'attn_out'),
 }
 
 
@@ -578,8 +782,9 @@ class Stack(nnx.Module):
   `remat` names what each block keeps for the backward pass (REMAT_POLICIES); the rest is recomputed.
   """
 
-  def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], num: int, *, scan: bool, rngs: nnx.Rngs,
-               remat: Any = 'none'):
+  def __init__(
+    self, make_block: Callable[[nnx.Rngs], nnx.Module], num: int, *, scan: bool, rngs: nnx.Rngs, remat: Any = 'none'
+  ):
     self.scan, self.remat, self.num = scan, remat_policy(remat), num
     # Both layouts come from one vmapped initialiser (same values): unrolled blocks are split from it, since
     # num separate initialisers compiled slowly (unrolled GPT-2's init program: 96 s on an H100, 3 s so).
@@ -600,6 +805,7 @@ class Stack(nnx.Module):
     def apply(block, x, *args):
       out = block(x, *args)
       return out if isinstance(out, tuple) else (out, {})
+
     if self.remat != 'none':
       apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
     if not self.scan:
@@ -609,10 +815,14 @@ class Stack(nnx.Module):
         totals = {k: totals.get(k, 0.0) + v for k, v in aux.items()}
       return x, totals
 
-    @nnx.scan(in_axes=(nnx.Carry, 0) + (None,) * len(args), out_axes=(nnx.Carry, 0),
-              transform_metadata={nnx.PARTITION_NAME: 'layers'})
+    @nnx.scan(
+      in_axes=(nnx.Carry, 0) + (None,) * len(args),
+      out_axes=(nnx.Carry, 0),
+      transform_metadata={nnx.PARTITION_NAME: 'layers'},
+    )
     def body(x, block, *args):
       return apply(block, x, *args)
+
     x, aux = body(x, self.layers, *args)
     return x, {k: v.sum() for k, v in aux.items()}
 

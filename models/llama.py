@@ -9,6 +9,7 @@ query (D, H, K). Rotary embeddings use HF's rotate_half convention, so no permut
 factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) is read from config.json
 by the Hugging Face importer (`HF` at the end of this file).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,8 +21,18 @@ from flax import nnx
 from errors import ConfigError
 from models import hf_import as hf
 from models.layers import (
-    Attention, Dense, Embed, GatedMLP, RMSNorm, Stack, dtypes, rope_scaling_params, logits_dtype, loss_chunks,
-    stack_options)
+  Attention,
+  Dense,
+  Embed,
+  GatedMLP,
+  RMSNorm,
+  Stack,
+  dtypes,
+  logits_dtype,
+  loss_chunks,
+  rope_scaling_params,
+  stack_options,
+)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -37,20 +48,27 @@ class Block(nnx.Module):
     kw = dict(**dtypes(cfg), rngs=rngs)
     D = cfg.embed_dim
     self.input_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
-    self.self_attn = Attention(D, cfg.num_heads, num_kv_heads=cfg.get('num_kv_heads'), head_dim=cfg.get('head_dim'),
-                               use_bias=False, rope_theta=cfg.get('rope_theta', 10_000.0),
-                               rope_scaling=cfg.get('rope_scaling'), impl=cfg.get('attention', 'auto'), **kw)
+    self.self_attn = Attention(
+      D,
+      cfg.num_heads,
+      num_kv_heads=cfg.get('num_kv_heads'),
+      head_dim=cfg.get('head_dim'),
+      use_bias=False,
+      rope_theta=cfg.get('rope_theta', 10_000.0),
+      rope_scaling=cfg.get('rope_scaling'),
+      impl=cfg.get('attention', 'auto'),
+      **kw,
+    )
     self.post_attention_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
 
-  def attend(self, x_BLD: jax.Array, positions_BL: jax.Array | None,
-             segment_ids_BL: jax.Array | None) -> jax.Array:
+  def attend(self, x_BLD: jax.Array, positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None) -> jax.Array:
     """x + attention(norm(x)); the feed-forward half follows on post_attention_layernorm."""
-    h_BLD = self.self_attn(self.input_layernorm(x_BLD), causal=True, positions_BL=positions_BL,
-                           segment_ids_BL=segment_ids_BL)
+    h_BLD = self.self_attn(
+      self.input_layernorm(x_BLD), causal=True, positions_BL=positions_BL, segment_ids_BL=segment_ids_BL
+    )
     return shard_logical(x_BLD + h_BLD, ACT)
 
-  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None,
-               segment_ids_BL: jax.Array | None) -> jax.Array:
+  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None) -> jax.Array:
     x_BLD = self.attend(x_BLD, positions_BL, segment_ids_BL)
     return shard_logical(x_BLD + self.mlp(self.post_attention_layernorm(x_BLD)), ACT)
 
@@ -68,16 +86,19 @@ class Llama(nnx.Module):
     self.norm = RMSNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
     self.tied = cfg.get('tie_embeddings', True)
     if not self.tied:
-      self.lm_head = Dense('bld,dv->blv', (D, V), ('embed', 'vocab'), preferred_element_type=logits_dtype(cfg),
-                           **kw, rngs=rngs)
+      self.lm_head = Dense(
+        'bld,dv->blv', (D, V), ('embed', 'vocab'), preferred_element_type=logits_dtype(cfg), **kw, rngs=rngs
+      )
     self.loss_chunks = loss_chunks(cfg)
 
-  def __call__(self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None,
-               segment_ids_BL: jax.Array | None = None) -> jax.Array:
+  def __call__(
+    self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
+  ) -> jax.Array:
     return self.head(self.hidden_states(tokens_BL, positions_BL=positions_BL, segment_ids_BL=segment_ids_BL))
 
-  def hidden_states(self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None,
-                    segment_ids_BL: jax.Array | None = None) -> jax.Array:
+  def hidden_states(
+    self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
+  ) -> jax.Array:
     """The last block's output after the final RMSNorm, (B, L, D)."""
     x_BLD = shard_logical(self.embed_tokens(tokens_BL), ACT)
     x_BLD, _ = self.blocks(x_BLD, positions_BL, segment_ids_BL)
@@ -101,6 +122,7 @@ def num_params(cfg: Any) -> int:
 
 # --- Hugging Face import (models/hf_import.py): LlamaForCausalLM / LlamaModel ----------------------
 
+
 def _unsupported(c: dict, field: str, value: Any, why: str) -> hf.HFImportError:
   return hf.HFImportError(f'config.json {field}={value!r}: {why}')
 
@@ -115,8 +137,12 @@ def _hf_rope(c: dict) -> tuple[float, tuple | None]:
   theta = float(params.get('rope_theta') or c.get('rope_theta') or 10_000.0)
   kind = params.get('rope_type', params.get('type', 'default'))
   if float(params.get('partial_rotary_factor', c.get('partial_rotary_factor')) or 1.0) != 1.0:
-    raise _unsupported(c, 'partial_rotary_factor', params.get('partial_rotary_factor', c.get('partial_rotary_factor')),
-                       "the zoo's Llama rotates the whole head_dim")
+    raise _unsupported(
+      c,
+      'partial_rotary_factor',
+      params.get('partial_rotary_factor', c.get('partial_rotary_factor')),
+      "the zoo's Llama rotates the whole head_dim",
+    )
   if kind == 'default':
     return theta, None
   if kind != 'llama3':
@@ -131,18 +157,29 @@ def _hf_rope(c: dict) -> tuple[float, tuple | None]:
 def _hf_config(c: dict) -> dict:
   """config.json -> config.model. Every architectural field is adopted (the head is part of the
   architecture: untied configs get their own lm_head)."""
-  for field, want, why in (('hidden_act', 'silu', "the zoo's Llama MLP is SwiGLU (silu)"),
-                           ('attention_bias', False, "the zoo's Llama projections have no biases"),
-                           ('mlp_bias', False, "the zoo's Llama MLP has no biases")):
+  for field, want, why in (
+    ('hidden_act', 'silu', "the zoo's Llama MLP is SwiGLU (silu)"),
+    ('attention_bias', False, "the zoo's Llama projections have no biases"),
+    ('mlp_bias', False, "the zoo's Llama MLP has no biases"),
+  ):
     if c.get(field, want) != want:
       raise _unsupported(c, field, c[field], why)
   H = c['num_attention_heads']
   theta, scaling = _hf_rope(c)
-  return dict(vocab_size=c['vocab_size'], embed_dim=c['hidden_size'], mlp_dim=c['intermediate_size'],
-              num_layers=c['num_hidden_layers'], num_heads=H, num_kv_heads=c.get('num_key_value_heads') or H,
-              head_dim=c.get('head_dim') or c['hidden_size'] // H, rope_theta=theta, rope_scaling=scaling,
-              norm_eps=c.get('rms_norm_eps', 1e-6), tie_embeddings=bool(c.get('tie_word_embeddings', False)),
-              max_len=c.get('max_position_embeddings', 2048))
+  return dict(
+    vocab_size=c['vocab_size'],
+    embed_dim=c['hidden_size'],
+    mlp_dim=c['intermediate_size'],
+    num_layers=c['num_hidden_layers'],
+    num_heads=H,
+    num_kv_heads=c.get('num_key_value_heads') or H,
+    head_dim=c.get('head_dim') or c['hidden_size'] // H,
+    rope_theta=theta,
+    rope_scaling=scaling,
+    norm_eps=c.get('rms_norm_eps', 1e-6),
+    tie_embeddings=bool(c.get('tie_word_embeddings', False)),
+    max_len=c.get('max_position_embeddings', 2048),
+  )
 
 
 def hf_rope_parameters(cfg: Any) -> dict:
@@ -158,43 +195,64 @@ def hf_rope_parameters(cfg: Any) -> dict:
 def to_hf_config(cfg: Any) -> dict:
   """config.model -> config.json of the same LlamaForCausalLM (the inverse of _hf_config)."""
   H = cfg.num_heads
-  return dict(model_type='llama', architectures=['LlamaForCausalLM'], vocab_size=cfg.vocab_size,
-              hidden_size=cfg.embed_dim, intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.num_layers,
-              num_attention_heads=H, num_key_value_heads=cfg.get('num_kv_heads') or H,
-              head_dim=cfg.get('head_dim') or cfg.embed_dim // H, hidden_act='silu', rms_norm_eps=cfg.norm_eps,
-              rope_parameters=hf_rope_parameters(cfg), tie_word_embeddings=bool(cfg.get('tie_embeddings', True)),
-              max_position_embeddings=cfg.get('max_len', 2048), attention_bias=False, mlp_bias=False,
-              attention_dropout=0.0)
+  return dict(
+    model_type='llama',
+    architectures=['LlamaForCausalLM'],
+    vocab_size=cfg.vocab_size,
+    hidden_size=cfg.embed_dim,
+    intermediate_size=cfg.mlp_dim,
+    num_hidden_layers=cfg.num_layers,
+    num_attention_heads=H,
+    num_key_value_heads=cfg.get('num_kv_heads') or H,
+    head_dim=cfg.get('head_dim') or cfg.embed_dim // H,
+    hidden_act='silu',
+    rms_norm_eps=cfg.norm_eps,
+    rope_parameters=hf_rope_parameters(cfg),
+    tie_word_embeddings=bool(cfg.get('tie_embeddings', True)),
+    max_position_embeddings=cfg.get('max_len', 2048),
+    attention_bias=False,
+    mlp_bias=False,
+    attention_dropout=0.0,
+  )
 
 
 def hf_params(mlp: bool = True) -> list[hf.Param]:
   """HF Linear weights are (out, in): transpose, then split the heads out. mlp=False: all but the MLP rows
   (the MoE family adds its experts)."""
+
   def dims(cfg):  # D, H, G, K
     H = cfg.num_heads
     return cfg.embed_dim, H, cfg.get('num_kv_heads') or H, cfg.get('head_dim') or cfg.embed_dim // H
+
   def heads(heads_dim):  # (D, H*K) -> (D, H, K) after the transpose (heads_dim 1: query; 2: key/value)
     def ops(cfg):
       D, n, K = dims(cfg)[0], dims(cfg)[heads_dim], dims(cfg)[3]
       return [hf.T((1, 0)), hf.R((D, n, K), (D, n * K))]
+
     return ops
+
   q, kv = heads(1), heads(2)
-  out = lambda cfg: [hf.T((1, 0)), hf.R((dims(cfg)[1], dims(cfg)[3], dims(cfg)[0]),
-                                        (dims(cfg)[1] * dims(cfg)[3], dims(cfg)[0]))]
+  out = lambda cfg: [
+    hf.T((1, 0)),
+    hf.R((dims(cfg)[1], dims(cfg)[3], dims(cfg)[0]), (dims(cfg)[1] * dims(cfg)[3], dims(cfg)[0])),
+  ]
   b = 'blocks/layers/{i}'
   rows = [
-      hf.Param('embed_tokens/embed/embedding', 'embed_tokens.weight'),
-      hf.Param('norm/scale', 'norm.weight'),
-      hf.Param('lm_head/layer/kernel', 'lm_head.weight', [hf.T((1, 0))]),  # untied only
-      hf.Param(f'{b}/input_layernorm/scale', 'layers.{i}.input_layernorm.weight'),
-      hf.Param(f'{b}/post_attention_layernorm/scale', 'layers.{i}.post_attention_layernorm.weight'),
-      hf.Param(f'{b}/self_attn/query/layer/kernel', 'layers.{i}.self_attn.q_proj.weight', q),
-      hf.Param(f'{b}/self_attn/key/layer/kernel', 'layers.{i}.self_attn.k_proj.weight', kv),
-      hf.Param(f'{b}/self_attn/value/layer/kernel', 'layers.{i}.self_attn.v_proj.weight', kv),
-      hf.Param(f'{b}/self_attn/out/layer/kernel', 'layers.{i}.self_attn.o_proj.weight', out),
+    hf.Param('embed_tokens/embed/embedding', 'embed_tokens.weight'),
+    hf.Param('norm/scale', 'norm.weight'),
+    hf.Param('lm_head/layer/kernel', 'lm_head.weight', [hf.T((1, 0))]),  # untied only
+    hf.Param(f'{b}/input_layernorm/scale', 'layers.{i}.input_layernorm.weight'),
+    hf.Param(f'{b}/post_attention_layernorm/scale', 'layers.{i}.post_attention_layernorm.weight'),
+    hf.Param(f'{b}/self_attn/query/layer/kernel', 'layers.{i}.self_attn.q_proj.weight', q),
+    hf.Param(f'{b}/self_attn/key/layer/kernel', 'layers.{i}.self_attn.k_proj.weight', kv),
+    hf.Param(f'{b}/self_attn/value/layer/kernel', 'layers.{i}.self_attn.v_proj.weight', kv),
+    hf.Param(f'{b}/self_attn/out/layer/kernel', 'layers.{i}.self_attn.o_proj.weight', out),
   ]
-  rows += [hf.Param(f'{b}/mlp/{n}/layer/kernel', f'layers.{{i}}.mlp.{n}_proj.weight', [hf.T((1, 0))])
-           for n in ('gate', 'up', 'down') if mlp]
+  rows += [
+    hf.Param(f'{b}/mlp/{n}/layer/kernel', f'layers.{{i}}.mlp.{n}_proj.weight', [hf.T((1, 0))])
+    for n in ('gate', 'up', 'down')
+    if mlp
+  ]
   return rows
 
 
@@ -203,11 +261,25 @@ def hf_params(mlp: bool = True) -> list[hf.Param]:
 # an untied one always reads lm_head.weight) accepts a file's lm_head.weight only as a copy of the embedding.
 def _fits_positions(ours: int, theirs: int) -> str | None:
   """max_len: rotary positions have no table, so a shorter (or equal) length works with any checkpoint."""
-  return None if 0 < ours <= theirs else (f'longer than the {theirs} positions the checkpoint was trained for; '
-                                          'extend the context with rope_scaling, or drop the override')
+  return (
+    None
+    if 0 < ours <= theirs
+    else (
+      f'longer than the {theirs} positions the checkpoint was trained for; '
+      'extend the context with rope_scaling, or drop the override'
+    )
+  )
 
 
-HF = hf.Family(model_types=('llama',), config=_hf_config, params=hf_params(), prefixes=('model.', ''),
-               keep={'max_len': _fits_positions}, base_keeps=('max_position_embeddings',),
-               ignore=(r'rotary_emb\.inv_freq$',), tied=(('lm_head.weight', 'embed_tokens.weight'),),
-               to_config=to_hf_config, unprefixed=(r'^lm_head\.',))
+HF = hf.Family(
+  model_types=('llama',),
+  config=_hf_config,
+  params=hf_params(),
+  prefixes=('model.', ''),
+  keep={'max_len': _fits_positions},
+  base_keeps=('max_position_embeddings',),
+  ignore=(r'rotary_emb\.inv_freq$',),
+  tied=(('lm_head.weight', 'embed_tokens.weight'),),
+  to_config=to_hf_config,
+  unprefixed=(r'^lm_head\.',),
+)

@@ -8,6 +8,7 @@ sharded by the same rules as the layer. B starts at zero: the adapted model star
 In a scanned stack the adapters get the leading 'layers' axis like every other parameter.
 `merge(model)` folds the adapters into the base kernels (for export) and removes them.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,15 +48,19 @@ class LoRADense(Dense):
     batch_in = ''.join(c for c in x_spec if c not in k_spec)
     self.down_einsum = f'{x_spec},{"".join(k_spec[i] for i in contract)}{r}->{batch_in}{r}'
     self.up_einsum = f'{batch_in}{r},{r}{"".join(k_spec[i] for i in outs)}->{out_spec}'
-    self.delta_einsum = f'...{"".join(k_spec[i] for i in contract)}{r},...{r}{"".join(k_spec[i] for i in outs)}->...{k_spec}'
+    self.delta_einsum = (
+      f'...{"".join(k_spec[i] for i in contract)}{r},...{r}{"".join(k_spec[i] for i in outs)}->...{k_spec}'
+    )
     a_shape = kernel.shape[:lead] + tuple(k_shape[i] for i in contract) + (rank,)
     b_shape = kernel.shape[:lead] + (rank,) + tuple(k_shape[i] for i in outs)
     fan_in = math.prod(k_shape[i] for i in contract)
-    a_init = nnx.initializers.normal(fan_in ** -0.5)
-    self.lora_a = nnx.Param(a_init(rngs.params(), a_shape, kernel.dtype),
-                            **axes(*names[:lead], *(k_names[i] for i in contract), 'lora_rank'))
-    self.lora_b = nnx.Param(jnp.zeros(b_shape, kernel.dtype),
-                            **axes(*names[:lead], 'lora_rank', *(k_names[i] for i in outs)))
+    a_init = nnx.initializers.normal(fan_in**-0.5)
+    self.lora_a = nnx.Param(
+      a_init(rngs.params(), a_shape, kernel.dtype), **axes(*names[:lead], *(k_names[i] for i in contract), 'lora_rank')
+    )
+    self.lora_b = nnx.Param(
+      jnp.zeros(b_shape, kernel.dtype), **axes(*names[:lead], 'lora_rank', *(k_names[i] for i in outs))
+    )
     self.scale = alpha / rank
     self.dtype = base.layer.dtype or jnp.float32
 
@@ -85,8 +90,11 @@ def _targets(model: nnx.Module, pattern: str, kind: type) -> list[tuple[tuple, n
     regex = re.compile(pattern)
   except re.error as e:
     raise ConfigError(f'config.lora.targets={pattern!r} is not a valid regex: {e}') from None
-  return [(path, node) for path, node in nnx.iter_graph(model)
-          if isinstance(node, kind) and path and regex.search(path_str(path))]
+  return [
+    (path, node)
+    for path, node in nnx.iter_graph(model)
+    if isinstance(node, kind) and path and regex.search(path_str(path))
+  ]
 
 
 def _replace(model: nnx.Module, path: tuple, node: nnx.Module) -> None:

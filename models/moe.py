@@ -24,6 +24,7 @@ assignment contributes nothing; the token keeps its other experts and the residu
 aux['dropped_fraction'] reports the dropped share of assignments; capacity_factor >= E / k drops none.
 Padding tokens are routed like any other and take capacity.
 """
+
 from __future__ import annotations
 
 import math
@@ -39,8 +40,25 @@ from errors import ConfigError
 from models import hf_import as hf
 from models import llama
 from models.layers import (
-    MOE_DISPATCHED, MOE_GATE, MOE_RETURNED, MOE_UP, NORMAL_002, NOT_MODEL_FLOPS, Dense, Embed, RMSNorm, Stack,
-    active_scope, axes, dtypes, mask_padded_vocab, logits_dtype, loss_chunks, padded_vocab, stack_options)
+  MOE_DISPATCHED,
+  MOE_GATE,
+  MOE_RETURNED,
+  MOE_UP,
+  NORMAL_002,
+  NOT_MODEL_FLOPS,
+  Dense,
+  Embed,
+  RMSNorm,
+  Stack,
+  active_scope,
+  axes,
+  dtypes,
+  logits_dtype,
+  loss_chunks,
+  mask_padded_vocab,
+  padded_vocab,
+  stack_options,
+)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -72,9 +90,11 @@ def route(logits_GSE: jax.Array, k: int, capacity: int) -> tuple[jax.Array, jax.
   dispatch_GSEC = jnp.einsum('gske,gskc->gsec', choice_GSKE, slot_GSKC)
   combine_GSEC = jnp.einsum('gsk,gske,gskc->gsec', weights_GSK, choice_GSKE, slot_GSKC)
   share_E = choice_GSKE.mean((0, 1)).sum(0) / k
-  stats = {'load_balance_loss': E * jnp.sum(share_E * probs_GSE.mean((0, 1))),
-           'router_z_loss': jnp.mean(jax.nn.logsumexp(logits_GSE, axis=-1) ** 2),
-           'dropped_fraction': jnp.mean(slot_GSK >= capacity)}
+  stats = {
+    'load_balance_loss': E * jnp.sum(share_E * probs_GSE.mean((0, 1))),
+    'router_z_loss': jnp.mean(jax.nn.logsumexp(logits_GSE, axis=-1) ** 2),
+    'dropped_fraction': jnp.mean(slot_GSK >= capacity),
+  }
   return dispatch_GSEC, combine_GSEC, stats
 
 
@@ -108,8 +128,9 @@ class MoEMLP(nnx.Module):
       raise ConfigError(f'config.model.group_size={cfg.group_size} must be >= 1')
     kw = dtypes(cfg)
     # The router runs in float32 (as Mixtral's softmax does): routing decisions are not bf16 noise.
-    self.router = Dense('gsd,de->gse', (D, E), ('embed', 'expert'), dtype=jnp.float32,
-                        param_dtype=kw['param_dtype'], rngs=rngs)
+    self.router = Dense(
+      'gsd,de->gse', (D, E), ('embed', 'expert'), dtype=jnp.float32, param_dtype=kw['param_dtype'], rngs=rngs
+    )
     expert = lambda shape, names: nnx.Param(NORMAL_002(rngs.params(), shape, kw['param_dtype']), **axes(*names))
     self.gate = expert((E, D, F), ('expert', 'embed', 'mlp'))
     self.up = expert((E, D, F), ('expert', 'embed', 'mlp'))
@@ -134,15 +155,18 @@ class MoEMLP(nnx.Module):
     x_EGCD = checkpoint_name(shard_logical(x_EGCD, EXPERT_ACT), MOE_DISPATCHED)  # remat 'dots' keeps the names
     gate_EDF, up_EDF, down_EFD = (w[...].astype(dt) for w in (self.gate, self.up, self.down))
     with jax.named_scope(active_scope(k * S, E * C)):  # model FLOPs: the top-k assignments, not every slot
-      h_EGCF = (jax.nn.silu(checkpoint_name(jnp.einsum('egcd,edf->egcf', x_EGCD, gate_EDF), MOE_GATE)) *
-                checkpoint_name(jnp.einsum('egcd,edf->egcf', x_EGCD, up_EDF), MOE_UP))
+      h_EGCF = jax.nn.silu(checkpoint_name(jnp.einsum('egcd,edf->egcf', x_EGCD, gate_EDF), MOE_GATE)) * checkpoint_name(
+        jnp.einsum('egcd,edf->egcf', x_EGCD, up_EDF), MOE_UP
+      )
       h_EGCF = shard_logical(h_EGCF, ('expert', 'batch', None, 'mlp'))
       y_EGCD = shard_logical(jnp.einsum('egcf,efd->egcd', h_EGCF, down_EFD), EXPERT_ACT)
     y_EGCD = checkpoint_name(shard_logical(y_EGCD, GROUP_ACT), MOE_RETURNED)
     with jax.named_scope(NOT_MODEL_FLOPS):
       y_GSD = shard_logical(jnp.einsum('gsec,egcd->gsd', combine_GSEC.astype(dt), y_EGCD), ACT)
-    aux_loss = (self.cfg.aux_loss_weight * stats['load_balance_loss'] +
-                self.cfg.get('router_z_loss_weight', 0.0) * stats['router_z_loss'])
+    aux_loss = (
+      self.cfg.aux_loss_weight * stats['load_balance_loss']
+      + self.cfg.get('router_z_loss_weight', 0.0) * stats['router_z_loss']
+    )
     return y_GSD.reshape(B, L, D), {'aux_loss': aux_loss, **stats}
 
 
@@ -153,8 +177,9 @@ class Block(llama.Block):
     self.init_attention(cfg, rngs)
     self.moe = MoEMLP(cfg, rngs=rngs)
 
-  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None,
-               segment_ids_BL: jax.Array | None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def __call__(
+    self, x_BLD: jax.Array, positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     x_BLD = self.attend(x_BLD, positions_BL, segment_ids_BL)
     y_BLD, aux = self.moe(self.post_attention_layernorm(x_BLD))
     return shard_logical(x_BLD + y_BLD, ACT), aux
@@ -175,18 +200,21 @@ class MoE(nnx.Module):
     self.tied = cfg.get('tie_embeddings', False)
     if not self.tied:
       rows = self.embed_tokens.embed.embedding.shape[0]
-      self.lm_head = Dense('bld,dv->blv', (D, rows), ('embed', 'vocab'), preferred_element_type=logits_dtype(cfg),
-                           **kw, rngs=rngs)
+      self.lm_head = Dense(
+        'bld,dv->blv', (D, rows), ('embed', 'vocab'), preferred_element_type=logits_dtype(cfg), **kw, rngs=rngs
+      )
     self.vocab_size, self.num_layers = V, cfg.num_layers
     self.loss_chunks = loss_chunks(cfg)
 
-  def __call__(self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None,
-               segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def __call__(
+    self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     x_BLD, aux = self.hidden_states(tokens_BL, positions_BL=positions_BL, segment_ids_BL=segment_ids_BL)
     return self.head(x_BLD), aux
 
-  def hidden_states(self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None,
-                    segment_ids_BL: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  def hidden_states(
+    self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
+  ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The last block's output after the final RMSNorm, (B, L, D), and aux (the class docstring)."""
     x_BLD = shard_logical(self.embed_tokens(tokens_BL), ACT)
     x_BLD, totals = self.blocks(x_BLD, positions_BL, segment_ids_BL)
@@ -237,21 +265,35 @@ def num_active_params(cfg: Any) -> int:
 # dropless here). Training settings are not read: router_aux_loss_coef (the zoo's aux_loss_weight x num_layers /
 # top_k, see to_hf_config), output_router_logits, dropout.
 
+
 def _hf_config(c: dict) -> dict:
   """config.json (model_type 'mixtral') -> config.model's architecture fields (the inverse of to_hf_config)."""
-  for field, want, why in (('hidden_act', 'silu', "the zoo's MoE experts are SwiGLU (silu)"),
-                           ('sliding_window', None, "the zoo's MoE attends to the whole sequence"),
-                           ('router_jitter_noise', 0.0, "the zoo's router adds no noise to the router logits")):
+  for field, want, why in (
+    ('hidden_act', 'silu', "the zoo's MoE experts are SwiGLU (silu)"),
+    ('sliding_window', None, "the zoo's MoE attends to the whole sequence"),
+    ('router_jitter_noise', 0.0, "the zoo's router adds no noise to the router logits"),
+  ):
     if (c.get(field) or want) != want:
       raise llama._unsupported(c, field, c[field], why)
   H = c['num_attention_heads']
   theta, scaling = llama._hf_rope(c)
   E, k = c['num_local_experts'], c['num_experts_per_tok']
-  return dict(vocab_size=c['vocab_size'], embed_dim=c['hidden_size'], mlp_dim=c['intermediate_size'],
-              num_layers=c['num_hidden_layers'], num_heads=H, num_kv_heads=c.get('num_key_value_heads') or H,
-              head_dim=c.get('head_dim') or c['hidden_size'] // H, num_experts=E, top_k=k,
-              capacity_factor=E / k, rope_theta=theta, rope_scaling=scaling,
-              norm_eps=c.get('rms_norm_eps', 1e-5), tie_embeddings=bool(c.get('tie_word_embeddings', False)))
+  return dict(
+    vocab_size=c['vocab_size'],
+    embed_dim=c['hidden_size'],
+    mlp_dim=c['intermediate_size'],
+    num_layers=c['num_hidden_layers'],
+    num_heads=H,
+    num_kv_heads=c.get('num_key_value_heads') or H,
+    head_dim=c.get('head_dim') or c['hidden_size'] // H,
+    num_experts=E,
+    top_k=k,
+    capacity_factor=E / k,
+    rope_theta=theta,
+    rope_scaling=scaling,
+    norm_eps=c.get('rms_norm_eps', 1e-5),
+    tie_embeddings=bool(c.get('tie_word_embeddings', False)),
+  )
 
 
 def to_hf_config(cfg: Any) -> dict:
@@ -262,15 +304,28 @@ def to_hf_config(cfg: Any) -> dict:
   assignments, where the zoo's sums the layers' losses of assignment shares: the same penalty is
   router_aux_loss_coef = aux_loss_weight x num_layers / top_k (exactly so where the layers route alike)."""
   H = cfg.num_heads
-  out = dict(model_type='mixtral', architectures=['MixtralForCausalLM'], vocab_size=cfg.vocab_size,
-             hidden_size=cfg.embed_dim, intermediate_size=cfg.mlp_dim, num_hidden_layers=cfg.num_layers,
-             num_attention_heads=H, num_key_value_heads=cfg.get('num_kv_heads') or H,
-             head_dim=cfg.get('head_dim') or cfg.embed_dim // H, num_local_experts=cfg.num_experts,
-             num_experts_per_tok=cfg.top_k, hidden_act='silu', rms_norm_eps=cfg.norm_eps,
-             rope_parameters=llama.hf_rope_parameters(cfg), tie_word_embeddings=bool(cfg.get('tie_embeddings', False)),
-             sliding_window=None, attention_dropout=0.0, router_jitter_noise=0.0,
-             router_aux_loss_coef=cfg.get('aux_loss_weight', 0.0) * cfg.num_layers / cfg.top_k,
-             router_z_loss_coef=cfg.get('router_z_loss_weight', 0.0))
+  out = dict(
+    model_type='mixtral',
+    architectures=['MixtralForCausalLM'],
+    vocab_size=cfg.vocab_size,
+    hidden_size=cfg.embed_dim,
+    intermediate_size=cfg.mlp_dim,
+    num_hidden_layers=cfg.num_layers,
+    num_attention_heads=H,
+    num_key_value_heads=cfg.get('num_kv_heads') or H,
+    head_dim=cfg.get('head_dim') or cfg.embed_dim // H,
+    num_local_experts=cfg.num_experts,
+    num_experts_per_tok=cfg.top_k,
+    hidden_act='silu',
+    rms_norm_eps=cfg.norm_eps,
+    rope_parameters=llama.hf_rope_parameters(cfg),
+    tie_word_embeddings=bool(cfg.get('tie_embeddings', False)),
+    sliding_window=None,
+    attention_dropout=0.0,
+    router_jitter_noise=0.0,
+    router_aux_loss_coef=cfg.get('aux_loss_weight', 0.0) * cfg.num_layers / cfg.top_k,
+    router_z_loss_coef=cfg.get('router_z_loss_weight', 0.0),
+  )
   return dict(out, max_position_embeddings=cfg.max_len) if cfg.get('max_len') else out
 
 
@@ -280,30 +335,39 @@ def _hf_params() -> list[hf.Param]:
   per expert w1 (gate), w3 (up): (F, D), w2 (down): (D, F), stacked onto the 'expert' axis ('{e}').
   transformers 5's in-memory one (save_pretrained(save_original_format=False)): mlp.gate (E, D),
   mlp.experts.gate_up_proj (E, 2F, D) holding gate | up, mlp.experts.down_proj (E, D, F)."""
+
   def padded(cfg):  # the vocabulary rows: (rows, real rows)
     return padded_vocab(cfg), cfg.vocab_size
+
   b, h = 'blocks/layers/{i}/moe', 'layers.{i}'
   lin = [hf.T((1, 0))]
   half = lambda part: lambda cfg: [hf.Slice(1, part * cfg.mlp_dim, (part + 1) * cfg.mlp_dim), hf.T((0, 2, 1))]
   return [r for r in llama.hf_params(mlp=False) if not r.zoo.startswith(('embed_tokens/', 'lm_head/'))] + [
-      hf.Param('embed_tokens/embed/embedding', 'embed_tokens.weight', lambda cfg: [hf.Pad(0, *padded(cfg))]),
-      hf.Param('lm_head/layer/kernel', 'lm_head.weight', lambda cfg: [hf.T((1, 0)), hf.Pad(1, *padded(cfg))]),
-      # the hub's layout
-      hf.Param(f'{b}/router/layer/kernel', f'{h}.block_sparse_moe.gate.weight', lin),
-      hf.Param(f'{b}/gate', f'{h}.block_sparse_moe.experts.{{e}}.w1.weight', lin),
-      hf.Param(f'{b}/up', f'{h}.block_sparse_moe.experts.{{e}}.w3.weight', lin),
-      hf.Param(f'{b}/down', f'{h}.block_sparse_moe.experts.{{e}}.w2.weight', lin),
-      # transformers 5's fused experts
-      hf.Param(f'{b}/router/layer/kernel', f'{h}.mlp.gate.weight', lin),
-      hf.Param(f'{b}/gate', f'{h}.mlp.experts.gate_up_proj', half(0)),
-      hf.Param(f'{b}/up', f'{h}.mlp.experts.gate_up_proj', half(1)),
-      hf.Param(f'{b}/down', f'{h}.mlp.experts.down_proj', [hf.T((0, 2, 1))]),
+    hf.Param('embed_tokens/embed/embedding', 'embed_tokens.weight', lambda cfg: [hf.Pad(0, *padded(cfg))]),
+    hf.Param('lm_head/layer/kernel', 'lm_head.weight', lambda cfg: [hf.T((1, 0)), hf.Pad(1, *padded(cfg))]),
+    # the hub's layout
+    hf.Param(f'{b}/router/layer/kernel', f'{h}.block_sparse_moe.gate.weight', lin),
+    hf.Param(f'{b}/gate', f'{h}.block_sparse_moe.experts.{{e}}.w1.weight', lin),
+    hf.Param(f'{b}/up', f'{h}.block_sparse_moe.experts.{{e}}.w3.weight', lin),
+    hf.Param(f'{b}/down', f'{h}.block_sparse_moe.experts.{{e}}.w2.weight', lin),
+    # transformers 5's fused experts
+    hf.Param(f'{b}/router/layer/kernel', f'{h}.mlp.gate.weight', lin),
+    hf.Param(f'{b}/gate', f'{h}.mlp.experts.gate_up_proj', half(0)),
+    hf.Param(f'{b}/up', f'{h}.mlp.experts.gate_up_proj', half(1)),
+    hf.Param(f'{b}/down', f'{h}.mlp.experts.down_proj', [hf.T((0, 2, 1))]),
   ]
 
 
 # Keys are 'model.'-prefixed in MixtralForCausalLM files, bare in MixtralModel ones; lm_head.weight is never
 # prefixed. As for Llama: rotary inv_freq buffers are ignored; a tied model accepts a file's lm_head.weight only
 # as a copy of the embedding.
-HF = hf.Family(model_types=('mixtral',), config=_hf_config, params=_hf_params(), prefixes=('model.', ''),
-               ignore=(r'rotary_emb\.inv_freq$',), tied=(('lm_head.weight', 'embed_tokens.weight'),),
-               to_config=to_hf_config, unprefixed=(r'^lm_head\.',))
+HF = hf.Family(
+  model_types=('mixtral',),
+  config=_hf_config,
+  params=_hf_params(),
+  prefixes=('model.', ''),
+  ignore=(r'rotary_emb\.inv_freq$',),
+  tied=(('lm_head.weight', 'embed_tokens.weight'),),
+  to_config=to_hf_config,
+  unprefixed=(r'^lm_head\.',),
+)

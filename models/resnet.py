@@ -17,6 +17,7 @@ nnx.BatchStat variables (the trainer's `model_state`, named 'norm', placed by th
 
 Shape suffixes: B batch, H/W rows/columns, C channels, K classes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,13 +41,30 @@ BLOCKS = {'basic': 1, 'bottleneck': 4}  # block type -> expansion (output width 
 
 
 def _conv(cfg: Any, c_in: int, c_out: int, k: int, stride: int, rngs: nnx.Rngs, in_axis: str = 'conv_in') -> Conv:
-  return Conv(c_in, c_out, k, strides=stride, padding=[(k // 2, k // 2)] * 2, use_bias=False, in_axis=in_axis,
-              kernel_init=KAIMING_OUT, rngs=rngs, **dtypes(cfg))
+  return Conv(
+    c_in,
+    c_out,
+    k,
+    strides=stride,
+    padding=[(k // 2, k // 2)] * 2,
+    use_bias=False,
+    in_axis=in_axis,
+    kernel_init=KAIMING_OUT,
+    rngs=rngs,
+    **dtypes(cfg),
+  )
 
 
 def _bn(cfg: Any, c: int, rngs: nnx.Rngs) -> BatchNorm:
-  return BatchNorm(c, momentum=cfg.bn_momentum, eps=cfg.bn_eps, fast_variance=cfg.get('bn_fast_variance', False),
-                   fused=cfg.get('bn_fused', False), rngs=rngs, **dtypes(cfg))
+  return BatchNorm(
+    c,
+    momentum=cfg.bn_momentum,
+    eps=cfg.bn_eps,
+    fast_variance=cfg.get('bn_fast_variance', False),
+    fused=cfg.get('bn_fused', False),
+    rngs=rngs,
+    **dtypes(cfg),
+  )
 
 
 class Block(nnx.Module):
@@ -58,8 +76,13 @@ class Block(nnx.Module):
       self.convs = nnx.List([_conv(cfg, c_in, width, 3, stride, rngs), _conv(cfg, width, width, 3, 1, rngs)])
     else:  # v1.5 strides on the 3x3 conv; v1 (stride_in_1x1) on the first 1x1
       s1, s3 = (stride, 1) if cfg.get('stride_in_1x1', False) else (1, stride)
-      self.convs = nnx.List([_conv(cfg, c_in, width, 1, s1, rngs), _conv(cfg, width, width, 3, s3, rngs),
-                             _conv(cfg, width, c_out, 1, 1, rngs)])
+      self.convs = nnx.List(
+        [
+          _conv(cfg, c_in, width, 1, s1, rngs),
+          _conv(cfg, width, width, 3, s3, rngs),
+          _conv(cfg, width, c_out, 1, 1, rngs),
+        ]
+      )
     self.bns = nnx.List([_bn(cfg, conv.out_features, rngs) for conv in self.convs])
     project = stride != 1 or c_in != c_out
     self.downsample_conv = _conv(cfg, c_in, c_out, 1, stride, rngs) if project else None
@@ -79,12 +102,14 @@ class Block(nnx.Module):
 class Stage(nnx.Module):
   """`num` blocks: the first may change width and stride, the rest are identical (a layers.Stack)."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, num: int, c_in: int, width: int, stride: int, *,
-               rngs: nnx.Rngs):
+  def __init__(self, cfg: ml_collections.ConfigDict, num: int, c_in: int, width: int, stride: int, *, rngs: nnx.Rngs):
     self.first = Block(cfg, c_in, width, stride, rngs=rngs)
     c_out = width * BLOCKS[cfg.block]
-    self.rest = Stack(lambda r: Block(cfg, c_out, width, 1, rngs=r), num - 1, **stack_options(cfg),
-                      rngs=rngs) if num > 1 else None
+    self.rest = (
+      Stack(lambda r: Block(cfg, c_out, width, 1, rngs=r), num - 1, **stack_options(cfg), rngs=rngs)
+      if num > 1
+      else None
+    )
 
   def __call__(self, x_BHWC: jax.Array) -> jax.Array:
     x_BHWC = self.first(x_BHWC)
@@ -111,13 +136,20 @@ class ResNet(nnx.Module):
     self.bn1 = _bn(cfg, cfg.width, rngs)
     stages, c = [], cfg.width
     for i, num in enumerate(cfg.stage_sizes):
-      width = cfg.width * 2 ** i
+      width = cfg.width * 2**i
       stages.append(Stage(cfg, num, c, width, 1 if i == 0 else 2, rngs=rngs))
       c = width * BLOCKS[cfg.block]
     self.stages = nnx.List(stages)
-    self.head = Dense('bc,ck->bk', (c, cfg.num_classes), ('conv_in', 'classes'), bias_axes=('classes',),
-                      kernel_init=nnx.initializers.lecun_normal(), preferred_element_type=jnp.float32,
-                      rngs=rngs, **dtypes(cfg))
+    self.head = Dense(
+      'bc,ck->bk',
+      (c, cfg.num_classes),
+      ('conv_in', 'classes'),
+      bias_axes=('classes',),
+      kernel_init=nnx.initializers.lecun_normal(),
+      preferred_element_type=jnp.float32,
+      rngs=rngs,
+      **dtypes(cfg),
+    )
     self.dtype = dtypes(cfg)['dtype']
 
   def __call__(self, image_BHWC: jax.Array) -> jax.Array:
@@ -138,7 +170,7 @@ def num_params(cfg: Any) -> int:
   conv_bn = lambda k, a, b: k * k * a * b + 2 * b
   n, c = conv_bn(7, cfg.channels, cfg.width), cfg.width
   for i, num in enumerate(cfg.stage_sizes):
-    w = cfg.width * 2 ** i
+    w = cfg.width * 2**i
     out = w * BLOCKS[cfg.block]
     for j in range(num):
       c_in, stride = (c, 1 if i == 0 else 2) if j == 0 else (out, 1)
@@ -166,10 +198,14 @@ MAX_STAGES = 8  # the table has rows for stages 0..7 (rows for stages the model 
 
 def _hf_config(c: dict) -> dict:
   """config.json (model_type 'resnet') -> config.model's architecture fields (the inverse of to_hf_config)."""
+
   def refuse(field, why):
     return hf.HFImportError(f'config.json {field}={c.get(field)!r}: {why}')
-  for field, want, why in (('hidden_act', 'relu', "the zoo's ResNet uses ReLU"),
-                           ('downsample_in_first_stage', False, "the zoo's ResNet first stage has stride 1")):
+
+  for field, want, why in (
+    ('hidden_act', 'relu', "the zoo's ResNet uses ReLU"),
+    ('downsample_in_first_stage', False, "the zoo's ResNet first stage has stride 1"),
+  ):
     if c.get(field, want) != want:
       raise refuse(field, why)
   block = c.get('layer_type', 'bottleneck')
@@ -178,22 +214,39 @@ def _hf_config(c: dict) -> dict:
   depths, sizes, width = list(c['depths']), list(c['hidden_sizes']), c['embedding_size']
   if not 1 <= len(depths) <= MAX_STAGES or min(depths) < 1:
     raise refuse('depths', f'the zoo builds 1 to {MAX_STAGES} stages of >= 1 layer')
-  want = [width * 2 ** i * BLOCKS[block] for i in range(len(depths))]
+  want = [width * 2**i * BLOCKS[block] for i in range(len(depths))]
   if sizes != want:
-    raise refuse('hidden_sizes', f'the zoo\'s stage widths double from embedding_size={width}: a {block} ResNet '
-                 f'with {len(depths)} stages has hidden_sizes {want}')
-  return dict(channels=c.get('num_channels', 3), width=width, block=block, stage_sizes=tuple(depths),
-              stride_in_1x1=block == 'bottleneck' and bool(c.get('downsample_in_bottleneck', False)), bn_eps=1e-5)
+    raise refuse(
+      'hidden_sizes',
+      f"the zoo's stage widths double from embedding_size={width}: a {block} ResNet "
+      f'with {len(depths)} stages has hidden_sizes {want}',
+    )
+  return dict(
+    channels=c.get('num_channels', 3),
+    width=width,
+    block=block,
+    stage_sizes=tuple(depths),
+    stride_in_1x1=block == 'bottleneck' and bool(c.get('downsample_in_bottleneck', False)),
+    bn_eps=1e-5,
+  )
 
 
 def to_hf_config(cfg: Any) -> dict:
   """config.model -> config.json of the same ResNetForImageClassification (the inverse of _hf_config, plus
   num_labels = num_classes). Only bn_eps=1e-5 exists there (torch's BatchNorm2d default)."""
-  return dict(model_type='resnet', architectures=['ResNetForImageClassification'], num_channels=cfg.channels,
-              embedding_size=cfg.width, hidden_sizes=[cfg.width * 2 ** i * BLOCKS[cfg.block]
-                                                      for i in range(len(cfg.stage_sizes))],
-              depths=list(cfg.stage_sizes), layer_type=cfg.block, hidden_act='relu', downsample_in_first_stage=False,
-              downsample_in_bottleneck=bool(cfg.get('stride_in_1x1', False)), num_labels=cfg.num_classes)
+  return dict(
+    model_type='resnet',
+    architectures=['ResNetForImageClassification'],
+    num_channels=cfg.channels,
+    embedding_size=cfg.width,
+    hidden_sizes=[cfg.width * 2**i * BLOCKS[cfg.block] for i in range(len(cfg.stage_sizes))],
+    depths=list(cfg.stage_sizes),
+    layer_type=cfg.block,
+    hidden_act='relu',
+    downsample_in_first_stage=False,
+    downsample_in_bottleneck=bool(cfg.get('stride_in_1x1', False)),
+    num_labels=cfg.num_classes,
+  )
 
 
 def _hf_params() -> list[hf.Param]:
@@ -203,22 +256,29 @@ def _hf_params() -> list[hf.Param]:
   conv = [hf.T((2, 3, 1, 0))]
 
   def conv_bn(zoo_conv, zoo_bn, theirs):
-    return [hf.Param(f'{zoo_conv}/kernel', f'{theirs}.convolution.weight', conv),
-            hf.Param(f'{zoo_bn}/scale', f'{theirs}.normalization.weight'),
-            hf.Param(f'{zoo_bn}/bias', f'{theirs}.normalization.bias'),
-            hf.Param(f'{zoo_bn}/mean', f'{theirs}.normalization.running_mean', state=True),
-            hf.Param(f'{zoo_bn}/var', f'{theirs}.normalization.running_var', state=True)]
+    return [
+      hf.Param(f'{zoo_conv}/kernel', f'{theirs}.convolution.weight', conv),
+      hf.Param(f'{zoo_bn}/scale', f'{theirs}.normalization.weight'),
+      hf.Param(f'{zoo_bn}/bias', f'{theirs}.normalization.bias'),
+      hf.Param(f'{zoo_bn}/mean', f'{theirs}.normalization.running_mean', state=True),
+      hf.Param(f'{zoo_bn}/var', f'{theirs}.normalization.running_var', state=True),
+    ]
 
   def block(zoo, theirs):
     rows = [r for n in range(3) for r in conv_bn(f'{zoo}/convs/{n}', f'{zoo}/bns/{n}', f'{theirs}.layer.{n}')]
     return rows + conv_bn(f'{zoo}/downsample_conv', f'{zoo}/downsample_bn', f'{theirs}.shortcut')
+
   rows = conv_bn('conv1', 'bn1', 'embedder.embedder')
   for s in range(MAX_STAGES):
     rows += block(f'stages/{s}/first', f'encoder.stages.{s}.layers.0')
-    rows += [dataclasses.replace(r, first_layer=1)
-             for r in block(f'stages/{s}/rest/layers/{{i}}', f'encoder.stages.{s}.layers.{{i}}')]
-  return rows + [hf.Param('head/layer/kernel', 'classifier.1.weight', [hf.T((1, 0))]),
-                 hf.Param('head/layer/bias', 'classifier.1.bias')]
+    rows += [
+      dataclasses.replace(r, first_layer=1)
+      for r in block(f'stages/{s}/rest/layers/{{i}}', f'encoder.stages.{s}.layers.{{i}}')
+    ]
+  return rows + [
+    hf.Param('head/layer/kernel', 'classifier.1.weight', [hf.T((1, 0))]),
+    hf.Param('head/layer/bias', 'classifier.1.bias'),
+  ]
 
 
 # Keys are 'resnet.'-prefixed in ResNetForImageClassification files, bare in ResNetModel ones (no
@@ -227,10 +287,20 @@ def _hf_params() -> list[hf.Param]:
 # beside each running_mean, so that the file has every buffer transformers expects (torch reads the counter only
 # for momentum=None, a cumulative average).
 def _batches_tracked(keys: Sequence[str]) -> dict[str, np.ndarray]:
-  return {k.removesuffix('running_mean') + 'num_batches_tracked': np.zeros((), np.int64)
-          for k in keys if k.endswith('.running_mean')}
+  return {
+    k.removesuffix('running_mean') + 'num_batches_tracked': np.zeros((), np.int64)
+    for k in keys
+    if k.endswith('.running_mean')
+  }
 
 
-HF = hf.Family(model_types=('resnet',), config=_hf_config, params=_hf_params(), prefixes=('resnet.', ''),
-               ignore=(r'\.num_batches_tracked$',), to_config=to_hf_config,
-               unprefixed=(r'^classifier\.',), constants=_batches_tracked)
+HF = hf.Family(
+  model_types=('resnet',),
+  config=_hf_config,
+  params=_hf_params(),
+  prefixes=('resnet.', ''),
+  ignore=(r'\.num_batches_tracked$',),
+  to_config=to_hf_config,
+  unprefixed=(r'^classifier\.',),
+  constants=_batches_tracked,
+)

@@ -8,6 +8,7 @@ layer over the flattened map (kernel (height, width, conv_in, mlp)), the classif
 
 Shape suffixes: B batch, H/W image rows/columns, C channels, F hidden width, K classes.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -31,9 +32,17 @@ def _hidden_names(n: int) -> list[str]:
 
 def _classifier(dim: int, axis: str, cfg: ml_collections.ConfigDict, rngs: nnx.Rngs) -> Dense:
   """(B, dim) -> float32 logits (B, classes), also under bf16 compute."""
-  return Dense('bf,fk->bk', (dim, cfg.num_classes), (axis, 'classes'), bias_axes=('classes',), kernel_init=LECUN,
-               dtype=dtypes(cfg)['dtype'], param_dtype=dtypes(cfg)['param_dtype'],
-               preferred_element_type=jnp.float32, rngs=rngs)
+  return Dense(
+    'bf,fk->bk',
+    (dim, cfg.num_classes),
+    (axis, 'classes'),
+    bias_axes=('classes',),
+    kernel_init=LECUN,
+    dtype=dtypes(cfg)['dtype'],
+    param_dtype=dtypes(cfg)['param_dtype'],
+    preferred_element_type=jnp.float32,
+    rngs=rngs,
+  )
 
 
 class MLP(nnx.Module):
@@ -43,10 +52,15 @@ class MLP(nnx.Module):
       raise ConfigError('config.model.hidden_dims is empty: the MLP needs at least one hidden layer')
     kw = dict(**dtypes(cfg), kernel_init=HE, rngs=rngs)
     S, C, names = cfg.image_size, cfg.channels, _hidden_names(len(dims))
-    self.input = Dense('bhwc,hwcf->bf', (S, S, C, dims[0]), ('height', 'width', 'channels', names[0]),
-                       bias_axes=(names[0],), **kw)
-    self.hidden = nnx.List([Dense('bf,fg->bg', (dims[i - 1], dims[i]), (names[i - 1], names[i]),
-                                  bias_axes=(names[i],), **kw) for i in range(1, len(dims))])
+    self.input = Dense(
+      'bhwc,hwcf->bf', (S, S, C, dims[0]), ('height', 'width', 'channels', names[0]), bias_axes=(names[0],), **kw
+    )
+    self.hidden = nnx.List(
+      [
+        Dense('bf,fg->bg', (dims[i - 1], dims[i]), (names[i - 1], names[i]), bias_axes=(names[i],), **kw)
+        for i in range(1, len(dims))
+      ]
+    )
     self.head = _classifier(dims[-1], names[-1], cfg, rngs)
     self.names = tuple(names)
     self.dtype = kw['dtype']
@@ -63,13 +77,20 @@ class CNN(nnx.Module):
     feats = tuple(cfg.features)
     S = cfg.image_size // 2 ** len(feats)
     if not feats or S < 1:
-      raise ConfigError(f'config.model.features={feats}: need 1 to {cfg.image_size.bit_length() - 1} conv layers '
-                        f'for image_size {cfg.image_size} (each halves the image)')
+      raise ConfigError(
+        f'config.model.features={feats}: need 1 to {cfg.image_size.bit_length() - 1} conv layers '
+        f'for image_size {cfg.image_size} (each halves the image)'
+      )
     kw = dict(**dtypes(cfg), kernel_init=HE, rngs=rngs)
-    self.convs = nnx.List([Conv(c_in, c_out, 3, in_axis='conv_in' if i else 'channels', **kw)
-                           for i, (c_in, c_out) in enumerate(zip((cfg.channels,) + feats, feats))])
-    self.dense = Dense('bhwc,hwcf->bf', (S, S, feats[-1], cfg.mlp_dim), ('height', 'width', 'conv_in', 'mlp'),
-                       bias_axes=('mlp',), **kw)
+    self.convs = nnx.List(
+      [
+        Conv(c_in, c_out, 3, in_axis='conv_in' if i else 'channels', **kw)
+        for i, (c_in, c_out) in enumerate(zip((cfg.channels,) + feats, feats))
+      ]
+    )
+    self.dense = Dense(
+      'bhwc,hwcf->bf', (S, S, feats[-1], cfg.mlp_dim), ('height', 'width', 'conv_in', 'mlp'), bias_axes=('mlp',), **kw
+    )
     self.head = _classifier(cfg.mlp_dim, 'mlp', cfg, rngs)
     self.dtype = kw['dtype']
 

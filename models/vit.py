@@ -13,6 +13,7 @@ layernorm = ln; classifier = head. (HF's LayerNorm eps is 1e-12: config.model.no
 Shape suffixes: B batch, H/W rows/columns (of patches after the embedding), C channels, N patches,
 L tokens (N + 1), D embed, K classes.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,7 +27,18 @@ from errors import ConfigError
 from models import attention
 from models import hf_import as hf
 from models.layers import (
-    MLP, NORMAL_002, Attention, Conv, Dense, LayerNorm, Stack, axes, dtypes, gelu_erf, stack_options)
+  MLP,
+  NORMAL_002,
+  Attention,
+  Conv,
+  Dense,
+  LayerNorm,
+  Stack,
+  axes,
+  dtypes,
+  gelu_erf,
+  stack_options,
+)
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
@@ -51,8 +63,9 @@ class Block(nnx.Module):
 
 def _num_patches(cfg: Any) -> int:
   if cfg.image_size % cfg.patch_size:
-    raise ConfigError(f'config.model.image_size={cfg.image_size} is not divisible by '
-                      f'config.model.patch_size={cfg.patch_size}')
+    raise ConfigError(
+      f'config.model.image_size={cfg.image_size} is not divisible by config.model.patch_size={cfg.patch_size}'
+    )
   return (cfg.image_size // cfg.patch_size) ** 2
 
 
@@ -60,14 +73,31 @@ class ViT(nnx.Module):
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     D, p, N = cfg.embed_dim, cfg.patch_size, _num_patches(cfg)
-    self.patch = Conv(cfg.channels, D, p, strides=p, padding='VALID', in_axis='channels', out_axis='embed',
-                      kernel_init=NORMAL_002, rngs=rngs, **kw)
+    self.patch = Conv(
+      cfg.channels,
+      D,
+      p,
+      strides=p,
+      padding='VALID',
+      in_axis='channels',
+      out_axis='embed',
+      kernel_init=NORMAL_002,
+      rngs=rngs,
+      **kw,
+    )
     self.cls = nnx.Param(NORMAL_002(rngs.params(), (D,), kw['param_dtype']), **axes('embed'))
     self.pos = nnx.Param(NORMAL_002(rngs.params(), (N + 1, D), kw['param_dtype']), **axes('length', 'embed'))
     self.blocks = Stack(lambda r: Block(cfg, tokens=N + 1, rngs=r), cfg.num_layers, **stack_options(cfg), rngs=rngs)
     self.ln = LayerNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
-    self.head = Dense('bd,dk->bk', (D, cfg.num_classes), ('embed', 'classes'), bias_axes=('classes',),
-                      preferred_element_type=jnp.float32, rngs=rngs, **kw)
+    self.head = Dense(
+      'bd,dk->bk',
+      (D, cfg.num_classes),
+      ('embed', 'classes'),
+      bias_axes=('classes',),
+      preferred_element_type=jnp.float32,
+      rngs=rngs,
+      **kw,
+    )
     self.image_size, self.dtype = cfg.image_size, kw['dtype']
     self.attention_impl, self.head_dim = cfg.get('attention', 'auto'), D // cfg.num_heads
 
@@ -103,63 +133,103 @@ def num_params(cfg: Any) -> int:
 # completely; one with another number is an error naming the classifier's shapes until
 # config.dont_load='^head/' initialises a new head (fine-tuning on new classes).
 
+
 def _hf_config(c: dict) -> dict:
-  for field, want, why in (('hidden_act', 'gelu', "the zoo's ViT MLP uses the exact erf GELU ('gelu')"),
-                           ('qkv_bias', True, "the zoo's ViT attention has q/k/v biases")):
+  for field, want, why in (
+    ('hidden_act', 'gelu', "the zoo's ViT MLP uses the exact erf GELU ('gelu')"),
+    ('qkv_bias', True, "the zoo's ViT attention has q/k/v biases"),
+  ):
     if c.get(field, want) != want:
       raise hf.HFImportError(f'config.json {field}={c[field]!r}: {why}')
-  return dict(embed_dim=c['hidden_size'], num_layers=c['num_hidden_layers'], num_heads=c['num_attention_heads'],
-              mlp_dim=c['intermediate_size'], image_size=c['image_size'], patch_size=c['patch_size'],
-              channels=c.get('num_channels', 3), norm_eps=c.get('layer_norm_eps', 1e-12))
+  return dict(
+    embed_dim=c['hidden_size'],
+    num_layers=c['num_hidden_layers'],
+    num_heads=c['num_attention_heads'],
+    mlp_dim=c['intermediate_size'],
+    image_size=c['image_size'],
+    patch_size=c['patch_size'],
+    channels=c.get('num_channels', 3),
+    norm_eps=c.get('layer_norm_eps', 1e-12),
+  )
 
 
 def to_hf_config(cfg: Any) -> dict:
   """config.model -> config.json of the same ViTForImageClassification (the inverse of _hf_config, plus
   num_labels = num_classes), without dropout (the zoo has none)."""
-  return dict(model_type='vit', architectures=['ViTForImageClassification'], hidden_size=cfg.embed_dim,
-              num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, intermediate_size=cfg.mlp_dim,
-              hidden_act='gelu', image_size=cfg.image_size, patch_size=cfg.patch_size, num_channels=cfg.channels,
-              layer_norm_eps=cfg.norm_eps, qkv_bias=True, num_labels=cfg.num_classes, hidden_dropout_prob=0.0,
-              attention_probs_dropout_prob=0.0)
+  return dict(
+    model_type='vit',
+    architectures=['ViTForImageClassification'],
+    hidden_size=cfg.embed_dim,
+    num_hidden_layers=cfg.num_layers,
+    num_attention_heads=cfg.num_heads,
+    intermediate_size=cfg.mlp_dim,
+    hidden_act='gelu',
+    image_size=cfg.image_size,
+    patch_size=cfg.patch_size,
+    num_channels=cfg.channels,
+    layer_norm_eps=cfg.norm_eps,
+    qkv_bias=True,
+    num_labels=cfg.num_classes,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+  )
 
 
 def _hf_params() -> list[hf.Param]:
   """HF Linear weights are (out, in): transpose, then split the heads out. The patch embedding is a
   torch conv weight (E, C, P, P) -> (P, P, C, E); cls_token (1, 1, E) -> (E,); position_embeddings
   (1, N+1, E) -> (N+1, E)."""
+
   def dims(cfg):  # D, H, K
     return cfg.embed_dim, cfg.num_heads, cfg.embed_dim // cfg.num_heads
+
   lin = [hf.T((1, 0))]
 
   def dense(zoo, theirs, kernel_ops=lin, bias_ops=()):
-    return [hf.Param(f'{zoo}/layer/kernel', f'{theirs}.weight', kernel_ops),
-            hf.Param(f'{zoo}/layer/bias', f'{theirs}.bias', bias_ops)]
+    return [
+      hf.Param(f'{zoo}/layer/kernel', f'{theirs}.weight', kernel_ops),
+      hf.Param(f'{zoo}/layer/bias', f'{theirs}.bias', bias_ops),
+    ]
 
   def ln(zoo, theirs):
     return [hf.Param(f'{zoo}/scale', f'{theirs}.weight'), hf.Param(f'{zoo}/bias', f'{theirs}.bias')]
+
   b, h = 'blocks/layers/{i}', 'encoder.layer.{i}'
   rows = [
-      hf.Param('patch/kernel', 'embeddings.patch_embeddings.projection.weight', [hf.T((2, 3, 1, 0))]),
-      hf.Param('patch/bias', 'embeddings.patch_embeddings.projection.bias'),
-      hf.Param('cls', 'embeddings.cls_token', lambda cfg: [hf.R((cfg.embed_dim,), (1, 1, cfg.embed_dim))]),
-      hf.Param('pos', 'embeddings.position_embeddings', lambda cfg: [hf.R((-1, cfg.embed_dim), (1, -1, cfg.embed_dim))]),
-      *ln(f'{b}/ln1', f'{h}.layernorm_before'),
-      *dense(f'{b}/attn/out', f'{h}.attention.output.dense',
-             lambda cfg: [hf.T((1, 0)), hf.R((*dims(cfg)[1:], dims(cfg)[0]), (cfg.embed_dim,) * 2)]),
-      *ln(f'{b}/ln2', f'{h}.layernorm_after'),
-      *dense(f'{b}/mlp/up', f'{h}.intermediate.dense'),
-      *dense(f'{b}/mlp/down', f'{h}.output.dense'),
-      *ln('ln', 'layernorm'),
-      *dense('head', 'classifier'),
+    hf.Param('patch/kernel', 'embeddings.patch_embeddings.projection.weight', [hf.T((2, 3, 1, 0))]),
+    hf.Param('patch/bias', 'embeddings.patch_embeddings.projection.bias'),
+    hf.Param('cls', 'embeddings.cls_token', lambda cfg: [hf.R((cfg.embed_dim,), (1, 1, cfg.embed_dim))]),
+    hf.Param('pos', 'embeddings.position_embeddings', lambda cfg: [hf.R((-1, cfg.embed_dim), (1, -1, cfg.embed_dim))]),
+    *ln(f'{b}/ln1', f'{h}.layernorm_before'),
+    *dense(
+      f'{b}/attn/out',
+      f'{h}.attention.output.dense',
+      lambda cfg: [hf.T((1, 0)), hf.R((*dims(cfg)[1:], dims(cfg)[0]), (cfg.embed_dim,) * 2)],
+    ),
+    *ln(f'{b}/ln2', f'{h}.layernorm_after'),
+    *dense(f'{b}/mlp/up', f'{h}.intermediate.dense'),
+    *dense(f'{b}/mlp/down', f'{h}.output.dense'),
+    *ln('ln', 'layernorm'),
+    *dense('head', 'classifier'),
   ]
   for n in ('query', 'key', 'value'):
-    rows += dense(f'{b}/attn/{n}', f'{h}.attention.attention.{n}',
-                  lambda cfg: [hf.T((1, 0)), hf.R(dims(cfg), (cfg.embed_dim,) * 2)],
-                  lambda cfg: [hf.R(dims(cfg)[1:], (cfg.embed_dim,))])
+    rows += dense(
+      f'{b}/attn/{n}',
+      f'{h}.attention.attention.{n}',
+      lambda cfg: [hf.T((1, 0)), hf.R(dims(cfg), (cfg.embed_dim,) * 2)],
+      lambda cfg: [hf.R(dims(cfg)[1:], (cfg.embed_dim,))],
+    )
   return rows
 
 
 # Keys are 'vit.'-prefixed in ViTForImageClassification files, bare in ViTModel ones (whose pooler,
 # unused by classification, is ignored); the classifier is never prefixed.
-HF = hf.Family(model_types=('vit',), config=_hf_config, params=_hf_params(), prefixes=('vit.', ''),
-               ignore=(r'^(vit\.)?pooler\.',), to_config=to_hf_config, unprefixed=(r'^classifier\.',))
+HF = hf.Family(
+  model_types=('vit',),
+  config=_hf_config,
+  params=_hf_params(),
+  prefixes=('vit.', ''),
+  ignore=(r'^(vit\.)?pooler\.',),
+  to_config=to_hf_config,
+  unprefixed=(r'^classifier\.',),
+)

@@ -35,23 +35,76 @@ order so that every context shard's causal attention does the same work (partiti
 
 This package never imports a model: it works on trees of shapes and logical names.
 """
+
 from partitioning import context
 from partitioning.audit import audit, collective_shapes, collective_stats
 from partitioning.hlo import replica_groups
 from partitioning.mesh import (
-    accelerator_present, check_platform, dcn_coordinates, dcn_shape, describe_dcn, devices_needed, fit_mesh,
-    fit_mesh_shape, make_mesh, num_slices, resolve_mesh_shape, simulate_cpu_devices, start_mesh)
+  accelerator_present,
+  check_platform,
+  dcn_coordinates,
+  dcn_shape,
+  describe_dcn,
+  devices_needed,
+  fit_mesh,
+  fit_mesh_shape,
+  make_mesh,
+  num_slices,
+  resolve_mesh_shape,
+  simulate_cpu_devices,
+  start_mesh,
+)
 from partitioning.plan import (
-    check_batch, leading_rows, named_shardings, nnx_logical_axes, opt_state_axes, path_str, tree_specs)
+  check_batch,
+  leading_rows,
+  named_shardings,
+  nnx_logical_axes,
+  opt_state_axes,
+  path_str,
+  tree_specs,
+)
 from partitioning.rules import AxisRules, Rule, bytes_per_device, entry_axes, entry_size
 from partitioning.shard import active_mesh, logical_spec, shard, shard_logical, suspend_rules, use_rules
 from partitioning.table import fmt_bytes, sharding_table, tree_bytes_per_device
 
 __all__ = [
-    'AxisRules', 'Rule', 'active_mesh', 'audit', 'bytes_per_device', 'check_batch', 'context',
-    'accelerator_present', 'check_platform', 'collective_shapes', 'collective_stats', 'dcn_coordinates', 'dcn_shape',
-    'describe_dcn', 'entry_axes', 'entry_size', 'leading_rows',
-    'devices_needed', 'fit_mesh', 'fit_mesh_shape', 'fmt_bytes', 'logical_spec', 'make_mesh', 'named_shardings',
-    'nnx_logical_axes', 'num_slices', 'opt_state_axes', 'path_str', 'replica_groups', 'resolve_mesh_shape', 'shard', 'shard_logical', 'sharding_table', 'simulate_cpu_devices',
-    'start_mesh', 'suspend_rules', 'tree_bytes_per_device', 'tree_specs', 'use_rules',
+  'AxisRules',
+  'Rule',
+  'active_mesh',
+  'audit',
+  'bytes_per_device',
+  'check_batch',
+  'context',
+  'accelerator_present',
+  'check_platform',
+  'collective_shapes',
+  'collective_stats',
+  'dcn_coordinates',
+  'dcn_shape',
+  'describe_dcn',
+  'entry_axes',
+  'entry_size',
+  'leading_rows',
+  'devices_needed',
+  'fit_mesh',
+  'fit_mesh_shape',
+  'fmt_bytes',
+  'logical_spec',
+  'make_mesh',
+  'named_shardings',
+  'nnx_logical_axes',
+  'num_slices',
+  'opt_state_axes',
+  'path_str',
+  'replica_groups',
+  'resolve_mesh_shape',
+  'shard',
+  'shard_logical',
+  'sharding_table',
+  'simulate_cpu_devices',
+  'start_mesh',
+  'suspend_rules',
+  'tree_bytes_per_device',
+  'tree_specs',
+  'use_rules',
 ]

@@ -1,5 +1,6 @@
 """What a compiled step costs per device: memory, and the collectives the sharding rules imply (and, on a hybrid
 mesh, which of them cross the slower network between slices: DCN)."""
+
 from __future__ import annotations
 
 import math
@@ -53,5 +54,7 @@ def audit(compiled: Any, slice_of: Sequence[int] | None = None) -> str:
   mem = compiled.memory_analysis()
   text = compiled.as_text()
   dcn = f'; over DCN: {_fmt_stats(collective_stats(text, slice_of))}' if slice_of is not None else ''
-  return (f'arguments {fmt_bytes(mem.argument_size_in_bytes)}, outputs {fmt_bytes(mem.output_size_in_bytes)}, '
-          f'temporaries {fmt_bytes(mem.temp_size_in_bytes)}; collectives: {_fmt_stats(collective_stats(text))}{dcn}')
+  return (
+    f'arguments {fmt_bytes(mem.argument_size_in_bytes)}, outputs {fmt_bytes(mem.output_size_in_bytes)}, '
+    f'temporaries {fmt_bytes(mem.temp_size_in_bytes)}; collectives: {_fmt_stats(collective_stats(text))}{dcn}'
+  )

@@ -15,6 +15,7 @@ its causal masks from natural positions: per shard, the all-gathered keys are pu
 
 With one context shard the order is the natural one. This module never imports a model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,14 +40,20 @@ def balanced_shards(batch: int, length: int) -> int:
   ctx = _CTX.get()
   if ctx is None or not ctx.balance:
     return 1
-  spec = ctx.rules.spec(('batch', 'length'), (batch, length), ctx.mesh.shape,
-                        what=f'batch field of shape {(batch, length)} (context_load_balance)')
+  spec = ctx.rules.spec(
+    ('batch', 'length'),
+    (batch, length),
+    ctx.mesh.shape,
+    what=f'batch field of shape {(batch, length)} (context_load_balance)',
+  )
   entry = spec[1] if len(spec) > 1 else None
   names, shards = entry_axes(entry), entry_size(entry, ctx.mesh.shape)
   if shards > 1 and length % (2 * shards):
-    raise ConfigError(f'config.context_load_balance cuts each row of {length} tokens into 2 x {shards} chunks (the '
-                      f"context shards of 'length', mesh axes {names}), and {length} is not divisible by "
-                      f'{2 * shards}: make the sequence length a multiple of {2 * shards}')
+    raise ConfigError(
+      f'config.context_load_balance cuts each row of {length} tokens into 2 x {shards} chunks (the '
+      f"context shards of 'length', mesh axes {names}), and {length} is not divisible by "
+      f'{2 * shards}: make the sequence length a multiple of {2 * shards}'
+    )
   return shards
 
 
@@ -72,14 +79,14 @@ def from_zigzag(x: Any, shards: int, axis: int = 1) -> Any:
   if shards == 1:
     return x
   pairs = _chunks(x, shards, axis)  # (..., c, 2 L / 2c, ...): shard i's chunks i and 2c - 1 - i
-  pairs = pairs.reshape(*pairs.shape[:axis + 1], 2, -1, *pairs.shape[axis + 2:])
+  pairs = pairs.reshape(*pairs.shape[: axis + 1], 2, -1, *pairs.shape[axis + 2 :])
   first = jax.lax.index_in_dim(pairs, 0, axis=axis + 1, keepdims=False)
   last = jnp.flip(jax.lax.index_in_dim(pairs, 1, axis=axis + 1, keepdims=False), axis=axis)
   return jnp.concatenate([first, last], axis=axis).reshape(x.shape)
 
 
 def _chunks(x: Any, n: int, axis: int) -> Any:
-  return x.reshape(*x.shape[:axis], n, x.shape[axis] // n, *x.shape[axis + 1:])
+  return x.reshape(*x.shape[:axis], n, x.shape[axis] // n, *x.shape[axis + 1 :])
 
 
 @contextlib.contextmanager

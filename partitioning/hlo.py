@@ -18,6 +18,7 @@ known_trip_count), so a scanned stack's per-layer all-gather counts once per lay
 loop's body once: `loop_dot_flops` gives the matmul FLOPs of the other runs, to add.
 This module reads text only: it imports no JAX, no model.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,18 +28,40 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-
 COLLECTIVES = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
-ITEMSIZE = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 'bf16': 2, 'f16': 2, 's16': 2, 'u16': 2,
-            'f32': 4, 's32': 4, 'u32': 4, 'f64': 8, 's64': 8, 'u64': 8, 'c64': 8, 'c128': 16}
+ITEMSIZE = {
+  'pred': 1,
+  's8': 1,
+  'u8': 1,
+  'f8e4m3fn': 1,
+  'f8e5m2': 1,
+  'bf16': 2,
+  'f16': 2,
+  's16': 2,
+  'u16': 2,
+  'f32': 4,
+  's32': 4,
+  'u32': 4,
+  'f64': 8,
+  's64': 8,
+  'u64': 8,
+  'c64': 8,
+  'c128': 16,
+}
 Groups = tuple[tuple[int, ...], ...]
 
-INSTR = re.compile(r'^\s*(?:ROOT\s+)?%(?P<name>\S+)\s*=\s*(?P<shape>.+?)\s+(?P<op>' + '|'.join(COLLECTIVES) +
-                    r')(?P<start>-start)?\((?P<rest>.*)$', re.M)
+INSTR = re.compile(
+  r'^\s*(?:ROOT\s+)?%(?P<name>\S+)\s*=\s*(?P<shape>.+?)\s+(?P<op>'
+  + '|'.join(COLLECTIVES)
+  + r')(?P<start>-start)?\((?P<rest>.*)$',
+  re.M,
+)
 ARRAY = re.compile(r'\b([a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn)?)?)\[([0-9,]*)\]')
 _COMP_HEAD = re.compile(r'^(?:ENTRY\s+)?%(?P<name>[^\s(]+)\s.*\{\s*$')
-_CALLS = re.compile(r'\b(?P<kind>body|condition|calls|to_apply|true_computation|false_computation)=%(?P<c>[\w.\-]+)'
-                    r'|branch_computations=\{(?P<branches>[^}]*)\}')
+_CALLS = re.compile(
+  r'\b(?P<kind>body|condition|calls|to_apply|true_computation|false_computation)=%(?P<c>[\w.\-]+)'
+  r'|branch_computations=\{(?P<branches>[^}]*)\}'
+)
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -60,7 +83,7 @@ def _tuple_elements(shape: str) -> list[str]:
     elif ch == ',' and depth == 1:
       out.append(shape[start:i])
       start = i + 1
-  out.append(shape[start:shape.rindex(')')])
+  out.append(shape[start : shape.rindex(')')])
   return [e for e in out if e.strip()]
 
 
@@ -92,8 +115,9 @@ def _iota_spec(text: str) -> np.ndarray:
 
 
 def _mesh_groups(text: str) -> list[list[int]]:
-  m = re.fullmatch(r"mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<grouped>[^}]*)\}",
-                   text.strip())
+  m = re.fullmatch(
+    r'mesh\[(?P<axes>[^\]]*)\](?:,\s*device_ids=\((?P<ids>[^)]*\)?)\))?\s*\{(?P<grouped>[^}]*)\}', text.strip()
+  )
   if not m:
     raise ValueError(f'cannot read mesh-axes replica groups {text!r}')
   names, sizes = [], []
@@ -101,18 +125,21 @@ def _mesh_groups(text: str) -> list[list[int]]:
     names.append(name)
     sizes.append(int(size))
   n = math.prod(sizes)
-  ids = np.arange(n) if not m['ids'] else (
-      _iota_spec(m['ids']) if m['ids'].lstrip().startswith('[') else np.array(_ints(m['ids'])))
+  ids = (
+    np.arange(n)
+    if not m['ids']
+    else (_iota_spec(m['ids']) if m['ids'].lstrip().startswith('[') else np.array(_ints(m['ids'])))
+  )
   # Split every axis at the breakpoints its grouped sub-axes name (major to minor); group along the chosen factors.
   refs = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m['grouped'])
   cuts = {a: {1, s} for a, s in enumerate(sizes)}
-  for name, pre, size in refs:
+  for name, pre, _size in refs:
     if pre:
       cuts[names.index(name)] |= {int(pre), int(pre) * int(size)}
   factors = [[b / a for a, b in zip(sorted(c), sorted(c)[1:])] or [1] for c in cuts.values()]
   factors = [[int(f) for f in fs] for fs in factors]
   chosen = []  # (axis, factor index)
-  for name, pre, size in refs:
+  for name, pre, _size in refs:
     a = names.index(name)
     if pre:
       chosen.append((a, sorted(cuts[a]).index(int(pre))))
@@ -163,7 +190,7 @@ def _attr(rest: str, key: str) -> str | None:
 
 
 def _mesh_value(rest: str) -> str | None:
-  m = re.search(r"replica_groups=(mesh\[[^\]]*\](?:,\s*device_ids=\([^)]*\)?\))?\s*\{[^}]*\})", rest)
+  m = re.search(r'replica_groups=(mesh\[[^\]]*\](?:,\s*device_ids=\([^)]*\)?\))?\s*\{[^}]*\})', rest)
   return m[1] if m else None
 
 
@@ -198,6 +225,7 @@ def computation_counts(hlo_text: str) -> dict[str, int]:
     counts[comp] = counts.get(comp, 0) + times
     for callee, k in calls.get(comp, []):
       visit(callee, times * k, depth + 1)
+
   if entry is not None:
     visit(entry, 1)
   return counts
@@ -263,8 +291,10 @@ def hosts_spanned(groups: Groups, host_of: Callable[[int], int]) -> int:
   return max((len({host_of(i) for i in g}) for g in groups), default=1)
 
 
-_DEFINE = re.compile(r'^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<type>[a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn)?)?)'
-                     r'\[(?P<dims>[0-9,]*)\]\S*\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$')
+_DEFINE = re.compile(
+  r'^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<type>[a-z]+[0-9]*(?:e[0-9]m[0-9](?:fn)?)?)'
+  r'\[(?P<dims>[0-9,]*)\]\S*\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$'
+)
 
 
 def loop_dot_flops(hlo_text: str, counts: Mapping[str, int] | None = None) -> float:
@@ -293,13 +323,32 @@ def loop_dot_flops(hlo_text: str, counts: Mapping[str, int] | None = None) -> fl
 
 # --- Kernels of a compiled GPU program and the bytes they move -------------------------------------------
 
-NOT_KERNELS = frozenset({'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'while', 'call',
-                         'conditional', 'after-all', 'add-dependency', 'opt-barrier', 'partition-id', 'replica-id',
-                         'async-update'})
-_INSTR_ANY = re.compile(r'^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s+'
-                        r'(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)(?P<rest>.*)$')
-_KERNEL_CALLS = re.compile(r'\b(?:body|condition)=%(?P<c>[\w.\-]+)|branch_computations=\{(?P<branches>[^}]*)\}'
-                           r'|\bto_apply=%(?P<call>[\w.\-]+)')
+NOT_KERNELS = frozenset(
+  {
+    'parameter',
+    'constant',
+    'get-tuple-element',
+    'tuple',
+    'bitcast',
+    'while',
+    'call',
+    'conditional',
+    'after-all',
+    'add-dependency',
+    'opt-barrier',
+    'partition-id',
+    'replica-id',
+    'async-update',
+  }
+)
+_INSTR_ANY = re.compile(
+  r'^\s*(?:ROOT\s+)?%(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s+'
+  r'(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)(?P<rest>.*)$'
+)
+_KERNEL_CALLS = re.compile(
+  r'\b(?:body|condition)=%(?P<c>[\w.\-]+)|branch_computations=\{(?P<branches>[^}]*)\}'
+  r'|\bto_apply=%(?P<call>[\w.\-]+)'
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,15 +366,29 @@ def _kind(op: str, rest: str) -> str:
     backend = re.search(r'"kind":"([^"]+)"', rest)
     if fusion_kind and fusion_kind[1] == 'kCustom':
       what = backend[1] if backend else ''
-      return ('convolution' if 'conv' in what else 'matmul' if 'gemm' in what or 'cublas' in what or 'cudnn' in what
-              else 'fusion ' + what.strip('_'))
+      return (
+        'convolution'
+        if 'conv' in what
+        else 'matmul'
+        if 'gemm' in what or 'cublas' in what or 'cudnn' in what
+        else 'fusion ' + what.strip('_')
+      )
     return {'kInput': 'reduction', 'kLoop': 'elementwise', 'kOutput': 'matmul'}.get(
-        fusion_kind[1] if fusion_kind else '', 'fusion')
+      fusion_kind[1] if fusion_kind else '', 'fusion'
+    )
   if op == 'custom-call':
     target = (re.search(r'custom_call_target="([^"]+)"', rest) or [None, ''])[1]
-    return ('attention' if 'fmha' in target else 'convolution' if 'conv' in target else
-            'matmul' if 'gemm' in target or 'cublas' in target or 'matmul' in target else
-            'pallas' if 'triton' in target or target == 'tpu_custom_call' else 'custom-call ' + target)
+    return (
+      'attention'
+      if 'fmha' in target
+      else 'convolution'
+      if 'conv' in target
+      else 'matmul'
+      if 'gemm' in target or 'cublas' in target or 'matmul' in target
+      else 'pallas'
+      if 'triton' in target or target == 'tpu_custom_call'
+      else 'custom-call ' + target
+    )
   if op in ('copy', 'copy-start', 'transpose'):
     return 'copy'
   if op == 'dot':
@@ -337,18 +400,43 @@ def _kind(op: str, rest: str) -> str:
   return op
 
 
-_PASS_THROUGH = frozenset({'bitcast', 'reshape', 'convert', 'copy', 'select', 'add', 'subtract', 'multiply', 'divide',
-                           'maximum', 'minimum', 'compare', 'negate', 'exponential', 'log', 'abs', 'and', 'or', 'not'})
+_PASS_THROUGH = frozenset(
+  {
+    'bitcast',
+    'reshape',
+    'convert',
+    'copy',
+    'select',
+    'add',
+    'subtract',
+    'multiply',
+    'divide',
+    'maximum',
+    'minimum',
+    'compare',
+    'negate',
+    'exponential',
+    'log',
+    'abs',
+    'and',
+    'or',
+    'not',
+  }
+)
 
 
 def _elements(shape: str, itemsize: bool = False) -> int:
   """The elements (or, with `itemsize`, the bytes) of the arrays an instruction's shape text names."""
-  return sum(math.prod(int(d) for d in dims.split(',') if d) * (ITEMSIZE[dt] if itemsize else 1)
-             for dt, dims in ARRAY.findall(shape) if dt in ITEMSIZE)
+  return sum(
+    math.prod(int(d) for d in dims.split(',') if d) * (ITEMSIZE[dt] if itemsize else 1)
+    for dt, dims in ARRAY.findall(shape)
+    if dt in ITEMSIZE
+  )
 
 
-def _fused_traffic(body: list[re.Match], sizes: Mapping[str, int], reads: list[int], writes: int
-                   ) -> tuple[list[int], int]:
+def _fused_traffic(
+  body: list[re.Match], sizes: Mapping[str, int], reads: list[int], writes: int
+) -> tuple[list[int], int]:
   """A fusion's bytes read per operand and written, from its fused computation: an operand reached only through
   gathers or slices (past elementwise ops) is read where they read it, not whole; a root dynamic-update-slice or
   scatter writes its update in place (its operand 0 is neither read nor written whole)."""
@@ -376,6 +464,7 @@ def _fused_traffic(body: list[re.Match], sizes: Mapping[str, int], reads: list[i
       else:
         return None
     return total
+
   reads = list(reads)
   for m in body:
     if m['op'] == 'parameter' and (i := int(m['args'] or -1)) < len(reads) and reads[i]:
@@ -383,8 +472,11 @@ def _fused_traffic(body: list[re.Match], sizes: Mapping[str, int], reads: list[i
       d = demand(m['name'], n, reads[i] / max(n, 1))
       reads[i] = reads[i] if d is None else min(reads[i], int(d))
   root = next((m for m in body if m.string.lstrip().startswith('ROOT')), None)
-  roots = [root] if root is not None and root['op'] != 'tuple' else [
-      by_name.get(a.strip().lstrip('%')) for a in (root['args'].split(',') if root is not None else [])]
+  roots = (
+    [root]
+    if root is not None and root['op'] != 'tuple'
+    else [by_name.get(a.strip().lstrip('%')) for a in (root['args'].split(',') if root is not None else [])]
+  )
   for r in roots:
     if r is not None and r['op'] in ('dynamic-update-slice', 'scatter'):
       args = [a.strip().lstrip('%') for a in r['args'].split(',')]
@@ -435,6 +527,7 @@ def kernels(hlo_text: str) -> list[Kernel]:
         writes = max(writes - sum(reads), 0)  # its shape is (operands, results[, ...])
       op_name = re.search(r'op_name="([^"]*)"', rest)
       out.append(Kernel(m['name'], _kind(op, rest), sum(reads) + writes, times, op_name[1] if op_name else ''))
+
   if entry is not None:
     visit(entry[1], 1)
   return out

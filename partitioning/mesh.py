@@ -7,6 +7,7 @@ factor, so the rules name the combined axes as before. A slice is what the devic
 else one process (one host), else, in one process (simulated CPU devices, dry runs), a contiguous block
 of devices.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,8 +32,9 @@ def _items(mesh_cfg: Mapping[str, int]) -> list[tuple[str, int]]:
       raise ShardingError(f'config.mesh.{name} = {size!r}: a mesh axis size must be a positive int or -1')
   if sum(size == -1 for _, size in items) > 1:
     raise ShardingError(
-        f'config.mesh ({_fmt_mesh(dict(items))}) has more than one -1; at most one axis may take '
-        '"the rest of the devices"')
+      f'config.mesh ({_fmt_mesh(dict(items))}) has more than one -1; at most one axis may take '
+      '"the rest of the devices"'
+    )
   return items
 
 
@@ -41,11 +43,14 @@ def dcn_shape(mesh_cfg: Mapping[str, int], dcn_cfg: Mapping[str, int] | None) ->
   dcn = dict(dcn_cfg or {})
   for name, size in dcn.items():
     if name not in mesh_cfg:
-      raise ShardingError(f'config.dcn_mesh.{name}: {name!r} is not an axis of config.mesh '
-                          f'({_fmt_mesh(dict(mesh_cfg))}); the DCN mesh splits the same axes across slices')
+      raise ShardingError(
+        f'config.dcn_mesh.{name}: {name!r} is not an axis of config.mesh '
+        f'({_fmt_mesh(dict(mesh_cfg))}); the DCN mesh splits the same axes across slices'
+      )
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-      raise ShardingError(f'config.dcn_mesh.{name} = {size!r}: a DCN axis size must be an int >= 1 '
-                          '(the number of slices along that axis)')
+      raise ShardingError(
+        f'config.dcn_mesh.{name} = {size!r}: a DCN axis size must be an int >= 1 (the number of slices along that axis)'
+      )
   return {name: dcn.get(name, 1) for name in mesh_cfg}
 
 
@@ -61,20 +66,25 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, platform: 
   if any(size == -1 for _, size in items):
     if num_devices % known:
       raise ShardingError(
-          f'config.mesh ({_fmt_mesh(dict(items))}): the fixed axes take {known} devices, which does not '
-          f'divide the {num_devices} {platform} devices available')
+        f'config.mesh ({_fmt_mesh(dict(items))}): the fixed axes take {known} devices, which does not '
+        f'divide the {num_devices} {platform} devices available'
+      )
     items = [(n, num_devices // known if s == -1 else s) for n, s in items]
   shape = dict(items)
   if math.prod(shape.values()) != num_devices:
     raise ShardingError(
-        f'config.mesh ({_fmt_mesh(shape)}) needs {math.prod(shape.values())} devices, but there are '
-        f'{num_devices} {platform} devices; change the mesh sizes so their product is {num_devices} '
-        '(or use -1 for one axis)')
+      f'config.mesh ({_fmt_mesh(shape)}) needs {math.prod(shape.values())} devices, but there are '
+      f'{num_devices} {platform} devices; change the mesh sizes so their product is {num_devices} '
+      '(or use -1 for one axis)'
+    )
   return shape
 
 
-def fit_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, platform: str = 'device',
-                   ) -> tuple[dict[str, int], str | None]:
+def fit_mesh_shape(
+  mesh_cfg: Mapping[str, int],
+  num_devices: int,
+  platform: str = 'device',
+) -> tuple[dict[str, int], str | None]:
   """On real accelerators: (sizes, None) when the config's mesh fits the devices; otherwise the mesh
   fitted to them, its largest axis (the preset's main strategy) taking every device and the others 1,
   with a note that says so and gives the flags that choose another layout."""
@@ -86,9 +96,11 @@ def fit_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, platform: str 
   main = max(items, key=lambda it: math.inf if it[1] == -1 else it[1])[0]
   fitted = {name: num_devices if name == main else 1 for name, _ in items}
   flags = ' '.join(f'--config.mesh.{name}={size}' for name, size in fitted.items())
-  return fitted, (f'config.mesh ({_fmt_mesh(dict(items))}) asks for {devices_needed(mesh_cfg)} devices; there are '
-                  f'{num_devices} {platform} devices, so the mesh is fitted to them: {flags} (set these flags '
-                  'to choose another layout)')
+  return fitted, (
+    f'config.mesh ({_fmt_mesh(dict(items))}) asks for {devices_needed(mesh_cfg)} devices; there are '
+    f'{num_devices} {platform} devices, so the mesh is fitted to them: {flags} (set these flags '
+    'to choose another layout)'
+  )
 
 
 def fit_mesh(mesh_cfg: MutableMapping[str, int], dcn_cfg: Mapping[str, int] | None = None) -> str | None:
@@ -112,12 +124,16 @@ def check_platform() -> None:
     return
   present = accelerator_present()
   if present == 'gpu':
-    raise ShardingError('an NVIDIA GPU is present but JAX found only the CPU (a CPU-only jaxlib?): install the GPU '
-                        f'plugin, pip install "jax[cuda13]=={jax.__version__}" (or jax[cuda12]), or set '
-                        'JAX_PLATFORMS=cpu to run on the CPU on purpose')
+    raise ShardingError(
+      'an NVIDIA GPU is present but JAX found only the CPU (a CPU-only jaxlib?): install the GPU '
+      f'plugin, pip install "jax[cuda13]=={jax.__version__}" (or jax[cuda12]), or set '
+      'JAX_PLATFORMS=cpu to run on the CPU on purpose'
+    )
   if present == 'tpu':
-    raise ShardingError('a TPU is attached but JAX found only the CPU (no libtpu?): pip install '
-                        f'"jax[tpu]=={jax.__version__}", or set JAX_PLATFORMS=cpu to run on the CPU on purpose')
+    raise ShardingError(
+      'a TPU is attached but JAX found only the CPU (no libtpu?): pip install '
+      f'"jax[tpu]=={jax.__version__}", or set JAX_PLATFORMS=cpu to run on the CPU on purpose'
+    )
 
 
 def accelerator_present() -> str | None:
@@ -148,8 +164,9 @@ def simulate_cpu_devices(n: int) -> None:
   jax.config.update('jax_num_cpu_devices', n)
 
 
-def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None,
-              dcn_cfg: Mapping[str, int] | None = None) -> Mesh:
+def make_mesh(
+  mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None, dcn_cfg: Mapping[str, int] | None = None
+) -> Mesh:
   """Builds a mesh with Auto axis types (GSPMD propagation between our explicit constraints); with a
   config.dcn_mesh of more than one slice, the hybrid ICI x DCN mesh (see the module docstring)."""
   devices = list(jax.devices() if devices is None else devices)
@@ -157,15 +174,18 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None 
   slices = math.prod(dcn.values())
   if slices == 1:
     shape = resolve_mesh_shape(mesh_cfg, len(devices), devices[0].platform)
-    return jax.make_mesh(tuple(shape.values()), tuple(shape.keys()),
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(shape), devices=devices)
+    return jax.make_mesh(
+      tuple(shape.values()), tuple(shape.keys()), axis_types=(jax.sharding.AxisType.Auto,) * len(shape), devices=devices
+    )
   platform = devices[0].platform
   per_slice = _devices_per_slice(dcn, len(devices), platform)
   try:
     ici = resolve_mesh_shape(mesh_cfg, per_slice, platform)
   except ShardingError as e:
-    raise ShardingError(f'{e}, per slice: config.dcn_mesh ({_fmt_mesh(dcn)}) splits the {len(devices)} devices '
-                        f'into {slices} slices of {per_slice}') from None
+    raise ShardingError(
+      f'{e}, per slice: config.dcn_mesh ({_fmt_mesh(dcn)}) splits the {len(devices)} devices '
+      f'into {slices} slices of {per_slice}'
+    ) from None
   grid = _hybrid_grid(tuple(ici.values()), tuple(dcn.values()), devices)
   return Mesh(grid, tuple(ici), axis_types=(jax.sharding.AxisType.Auto,) * len(ici))
 
@@ -173,8 +193,10 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None 
 def _devices_per_slice(dcn: Mapping[str, int], num_devices: int, platform: str) -> int:
   slices = math.prod(dcn.values())
   if num_devices % slices:
-    raise ShardingError(f'config.dcn_mesh ({_fmt_mesh(dcn)}) asks for {slices} slices, which does not divide the '
-                        f'{num_devices} {platform} devices')
+    raise ShardingError(
+      f'config.dcn_mesh ({_fmt_mesh(dcn)}) asks for {slices} slices, which does not divide the '
+      f'{num_devices} {platform} devices'
+    )
   return num_devices // slices
 
 
@@ -208,10 +230,15 @@ def describe_dcn(mesh: Mesh, dcn_cfg: Mapping[str, int] | None) -> str:
   """E.g. 'data=2 across slices x data=1 x fsdp=4 within each; a slice is one process'."""
   dcn = dcn_shape(dict(mesh.shape), dcn_cfg)
   ici = {a: mesh.shape[a] // dcn[a] for a in dcn}
-  kind = {'slice': 'a TPU slice', 'process': 'one process',
-          'block': 'a block of devices of this one process (simulated)'}[slice_kind(list(mesh.devices.flat))]
-  return (f"{_fmt_mesh({a: n for a, n in dcn.items() if n > 1})} across slices x {_fmt_mesh(ici)} within each; "
-          f'a slice is {kind}')
+  kind = {
+    'slice': 'a TPU slice',
+    'process': 'one process',
+    'block': 'a block of devices of this one process (simulated)',
+  }[slice_kind(list(mesh.devices.flat))]
+  return (
+    f'{_fmt_mesh({a: n for a, n in dcn.items() if n > 1})} across slices x {_fmt_mesh(ici)} within each; '
+    f'a slice is {kind}'
+  )
 
 
 def dcn_coordinates(mesh: Mesh, dcn_cfg: Mapping[str, int] | None) -> np.ndarray:

@@ -1,4 +1,5 @@
 """Resolving whole pytrees (params, optimizer state, batches) to shardings, with validation."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -26,36 +27,49 @@ def nnx_logical_axes(state: nnx.State) -> dict:
 
   A variable without names maps to None; `tree_specs` reports it (scalars are fine unnamed).
   """
+
   def axes(v):
     names = v.get_metadata().get('out_sharding')
     return tuple(names) if names is not None else None
+
   return nnx.to_pure_dict(jax.tree.map(axes, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
-def tree_specs(shapes: Any, axes: Any, rules: AxisRules, mesh_shape: Mapping[str, int],
-               *, kind: str = 'parameter', seen: set[str] | None = None) -> Any:
+def tree_specs(
+  shapes: Any,
+  axes: Any,
+  rules: AxisRules,
+  mesh_shape: Mapping[str, int],
+  *,
+  kind: str = 'parameter',
+  seen: set[str] | None = None,
+) -> Any:
   """PartitionSpecs for a tree of arrays/ShapeDtypeStructs given a matching tree of logical axes.
 
   Raises ShardingError naming the first offending leaf (path, logical axis, mesh axes, sizes).
   `seen` collects the logical names used, for the unused-rule warning.
   """
+
   def one(path, leaf, names):
     what = f'{kind} {path_str(path)!r}'
     if names is None:
       if len(leaf.shape) == 0:
         return PartitionSpec()
       raise ShardingError(
-          f'{what} of shape {tuple(leaf.shape)} has no logical axis names; declare them in the model '
-          "(e.g. nnx.with_partitioning(init, ('embed', 'mlp')))")
+        f'{what} of shape {tuple(leaf.shape)} has no logical axis names; declare them in the model '
+        "(e.g. nnx.with_partitioning(init, ('embed', 'mlp')))"
+      )
     names = tuple(names)
     if None in names:  # only activations may leave a dim unnamed; stored arrays name every dim
       dim = names.index(None)
       raise ShardingError(
-          f'{what} of shape {tuple(leaf.shape)}: dim {dim} has no logical axis name ({names}); name it in the '
-          "model and give the name a rule (('name', None) replicates it)")
+        f'{what} of shape {tuple(leaf.shape)}: dim {dim} has no logical axis name ({names}); name it in the '
+        "model and give the name a rule (('name', None) replicates it)"
+      )
     if seen is not None:
       seen.update(n for n in names if n is not None)
     return rules.spec(names, leaf.shape, mesh_shape, what=what)
+
   return jax.tree_util.tree_map_with_path(one, shapes, axes)
 
 
@@ -83,8 +97,10 @@ def opt_state_axes(opt_shapes: Any, param_shapes: Any, param_axes: Any) -> Any:
       if hit is not None and hit[0] == tuple(leaf.shape):
         return hit[1]
     raise ShardingError(
-        f'optimizer state {path_str(path)!r} of shape {tuple(leaf.shape)} mirrors no parameter; '
-        'this optimizer keeps state the sharding rules cannot place')
+      f'optimizer state {path_str(path)!r} of shape {tuple(leaf.shape)} mirrors no parameter; '
+      'this optimizer keeps state the sharding rules cannot place'
+    )
+
   return jax.tree_util.tree_map_with_path(one, opt_shapes)
 
 
@@ -107,6 +123,6 @@ def check_batch(global_batch_size: int, batch_spec: PartitionSpec, mesh_shape: M
   if global_batch_size % size:
     parts = ' x '.join(f'{a}={mesh_shape[a]}' for a in axes)
     raise ShardingError(
-        f'global batch size {global_batch_size} is not divisible by the mesh axes of logical axis '
-        f"'batch' ({parts} = {size}); use a multiple of {size}")
-
+      f'global batch size {global_batch_size} is not divisible by the mesh axes of logical axis '
+      f"'batch' ({parts} = {size}); use a multiple of {size}"
+    )

@@ -2,6 +2,7 @@
 
 See the package docstring (`partitioning/__init__.py`) for the semantics.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,9 @@ class Rule:
 def _parse_rule(i: int, rule: Any) -> Rule:
   if not isinstance(rule, (tuple, list)) or len(rule) != 2:
     raise ShardingError(
-        f'logical_axis_rules[{i}] = {rule!r}: each rule must be a pair '
-        '(logical_name, mesh_axis | tuple_of_mesh_axes | None)')
+      f'logical_axis_rules[{i}] = {rule!r}: each rule must be a pair '
+      '(logical_name, mesh_axis | tuple_of_mesh_axes | None)'
+    )
   logical, target = rule
   if not isinstance(logical, str) or not logical:
     raise ShardingError(f'logical_axis_rules[{i}] = {tuple(rule)!r}: the logical name must be a non-empty string')
@@ -64,8 +66,9 @@ def _parse_rule(i: int, rule: Any) -> Rule:
     axes = tuple(target)
   else:
     raise ShardingError(
-        f'logical_axis_rules[{i}] = {tuple(rule)!r}: the target must be a mesh axis name, '
-        'a tuple of mesh axis names, or None')
+      f'logical_axis_rules[{i}] = {tuple(rule)!r}: the target must be a mesh axis name, '
+      'a tuple of mesh axis names, or None'
+    )
   if len(set(axes)) != len(axes):
     raise ShardingError(f'logical_axis_rules[{i}] = {tuple(rule)!r}: a mesh axis appears twice in the target')
   return Rule(i, logical, axes)
@@ -94,11 +97,16 @@ class AxisRules:
     for r in self.rules:
       for a in r.mesh_axes:
         if a not in mesh_shape:
-          raise ShardingError(
-              f'{r} names mesh axis {a!r}, which is not in the mesh ({_fmt_mesh(mesh_shape)})')
+          raise ShardingError(f'{r} names mesh axis {a!r}, which is not in the mesh ({_fmt_mesh(mesh_shape)})')
 
-  def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None,
-           mesh_shape: Mapping[str, int] | None = None, *, what: str = 'array') -> PartitionSpec:
+  def spec(
+    self,
+    logical_axes: Sequence[str | None],
+    shape: Sequence[int] | None = None,
+    mesh_shape: Mapping[str, int] | None = None,
+    *,
+    what: str = 'array',
+  ) -> PartitionSpec:
     """Resolves one array's logical axes to a PartitionSpec.
 
     For each dimension, the first rule for its logical name whose mesh axes are not already
@@ -109,8 +117,9 @@ class AxisRules:
     logical_axes = tuple(logical_axes)
     if shape is not None and len(shape) != len(logical_axes):
       raise ShardingError(
-          f'{what}: has {len(shape)} dimensions (shape {tuple(shape)}) but {len(logical_axes)} '
-          f'logical axis names {logical_axes}')
+        f'{what}: has {len(shape)} dimensions (shape {tuple(shape)}) but {len(logical_axes)} '
+        f'logical axis names {logical_axes}'
+      )
     used: dict[str, int] = {}  # mesh axis -> dim that took it
     out: list[Any] = []
     for dim, name in enumerate(logical_axes):
@@ -120,28 +129,32 @@ class AxisRules:
       candidates = self._by_name.get(name)
       if not candidates:
         raise ShardingError(
-            f"{what}: logical axis {name!r} (dim {dim}) has no rule; add ({name!r}, <mesh axis>) "
-            f"to logical_axis_rules, or ({name!r}, None) to replicate it")
+          f'{what}: logical axis {name!r} (dim {dim}) has no rule; add ({name!r}, <mesh axis>) '
+          f'to logical_axis_rules, or ({name!r}, None) to replicate it'
+        )
       chosen = next((r for r in candidates if not any(a in used for a in r.mesh_axes)), None)
       if chosen is None:
         taken = {a: used[a] for r in candidates for a in r.mesh_axes if a in used}
         taken_s = ', '.join(f'{a!r} by dim {d} ({logical_axes[d]!r})' for a, d in taken.items())
         raise ShardingError(
-            f'{what}: logical axis {name!r} (dim {dim}): every rule for it names a mesh axis '
-            f'already taken ({taken_s}); add a fallback rule ({name!r}, None) to replicate this dim')
+          f'{what}: logical axis {name!r} (dim {dim}): every rule for it names a mesh axis '
+          f'already taken ({taken_s}); add a fallback rule ({name!r}, None) to replicate this dim'
+        )
       for a in chosen.mesh_axes:
         used[a] = dim
       if shape is not None and mesh_shape is not None and chosen.mesh_axes:
         missing = [a for a in chosen.mesh_axes if a not in mesh_shape]
         if missing:
           raise ShardingError(
-              f'{chosen} names mesh axis {missing[0]!r}, which is not in the mesh ({_fmt_mesh(mesh_shape)})')
+            f'{chosen} names mesh axis {missing[0]!r}, which is not in the mesh ({_fmt_mesh(mesh_shape)})'
+          )
         size = math.prod(mesh_shape[a] for a in chosen.mesh_axes)
         if shape[dim] % size:
           parts = ' x '.join(f'{a}={mesh_shape[a]}' for a in chosen.mesh_axes)
           raise ShardingError(
-              f'{what}: dim {dim} ({name!r}) has size {shape[dim]}, not divisible by mesh axes '
-              f'{parts} = {size} (from {chosen})')
+            f'{what}: dim {dim} ({name!r}) has size {shape[dim]}, not divisible by mesh axes '
+            f'{parts} = {size} (from {chosen})'
+          )
       if not chosen.mesh_axes:
         out.append(None)
       elif len(chosen.mesh_axes) == 1:
@@ -158,8 +171,7 @@ class AxisRules:
     return [r for r in self.rules if r.logical not in names_seen]
 
 
-def bytes_per_device(shape: Sequence[int], dtype: Any, spec: PartitionSpec,
-                     mesh_shape: Mapping[str, int]) -> int:
+def bytes_per_device(shape: Sequence[int], dtype: Any, spec: PartitionSpec, mesh_shape: Mapping[str, int]) -> int:
   """Bytes one device holds of an array with this spec (dims assumed divisible)."""
   n = math.prod(shape) * np.dtype(dtype).itemsize
   for entry in spec:

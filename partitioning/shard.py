@@ -1,4 +1,5 @@
 """Placing pytrees on the mesh, and logical activation constraints for model code."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,6 +23,7 @@ def shard(tree: Any, shardings: Any) -> Any:
   resharded with `device_put`, a host value (numpy, scalar) is cut into per-device slices with
   `make_array_from_callback`, so each device (and each process) only copies its own slice.
   """
+
   def one(x, s):
     if isinstance(x, jax.core.Tracer):
       return jax.lax.with_sharding_constraint(x, s)
@@ -29,6 +31,7 @@ def shard(tree: Any, shardings: Any) -> Any:
       return jax.device_put(x, s)
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+
   if isinstance(shardings, jax.sharding.Sharding):
     return jax.tree.map(lambda x: one(x, shardings), tree)
   return jax.tree.map(one, tree, shardings)
@@ -77,16 +80,21 @@ def active_mesh() -> Mesh | None:
   return None if ctx is None else ctx.mesh
 
 
-def logical_spec(logical_axes: Sequence[str | None], shape: Sequence[int],
-                 _depth: int = 2) -> jax.sharding.PartitionSpec | None:
+def logical_spec(
+  logical_axes: Sequence[str | None], shape: Sequence[int], _depth: int = 2
+) -> jax.sharding.PartitionSpec | None:
   """The PartitionSpec the active rules give an activation of this shape, or None outside `use_rules`.
   Errors name the code `_depth` frames up from the message's maker (default: this function's caller)."""
   ctx = _CTX.get()
   if ctx is None:
     return None
   ctx.seen.update(a for a in logical_axes if a is not None)
-  return ctx.rules.spec(logical_axes, shape, ctx.mesh.shape, what=f'activation {tuple(logical_axes)} of shape '
-                        f'{tuple(shape)} at {_caller(_depth)}')
+  return ctx.rules.spec(
+    logical_axes,
+    shape,
+    ctx.mesh.shape,
+    what=f'activation {tuple(logical_axes)} of shape {tuple(shape)} at {_caller(_depth)}',
+  )
 
 
 def _caller(depth: int) -> str:

@@ -1,4 +1,5 @@
 """The sharding table printed at start-up: where every parameter lives and what it costs per device."""
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,14 @@ def tree_bytes_per_device(shapes: Any, specs: Any, mesh_shape: Mapping[str, int]
   return sum(bytes_per_device(l.shape, l.dtype, s, mesh_shape) for l, s in zip(leaves, spec_leaves, strict=True))
 
 
-def sharding_table(param_shapes: Any, param_axes: Any, param_specs: Any, mesh_shape: Mapping[str, int],
-                   opt_shapes: Any = None, opt_specs: Any = None) -> str:
+def sharding_table(
+  param_shapes: Any,
+  param_axes: Any,
+  param_specs: Any,
+  mesh_shape: Mapping[str, int],
+  opt_shapes: Any = None,
+  opt_specs: Any = None,
+) -> str:
   """A text table: path, shape, dtype, logical axes, PartitionSpec, bytes per device; then totals."""
   rows = [('parameter', 'shape', 'dtype', 'logical axes', 'spec', 'bytes/device')]
   total = 0
@@ -44,18 +51,28 @@ def sharding_table(param_shapes: Any, param_axes: Any, param_specs: Any, mesh_sh
     total += b
     n_params += math.prod(leaf.shape)
     names = flat_axes.get(path)
-    rows.append((path_str(path), str(tuple(leaf.shape)), str(leaf.dtype),
-                 '(' + ', '.join(str(n) for n in names) + ')' if names is not None else '-',
-                 _spec_str(spec), fmt_bytes(b)))
+    rows.append(
+      (
+        path_str(path),
+        str(tuple(leaf.shape)),
+        str(leaf.dtype),
+        '(' + ', '.join(str(n) for n in names) + ')' if names is not None else '-',
+        _spec_str(spec),
+        fmt_bytes(b),
+      )
+    )
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = ['  '.join(c.ljust(w) if i < 5 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
   lines.insert(1, '-' * len(lines[0]))
   mesh_s = ' x '.join(f'{k}={v}' for k, v in mesh_shape.items())
   lines.append('-' * len(lines[0]))
-  lines.append(f'parameters: {n_params:,} ({fmt_bytes(sum(math.prod(l.shape) * l.dtype.itemsize for _, l in flat))} '
-               f'in all); per device on mesh {mesh_s}: {fmt_bytes(total)}')
+  lines.append(
+    f'parameters: {n_params:,} ({fmt_bytes(sum(math.prod(l.shape) * l.dtype.itemsize for _, l in flat))} '
+    f'in all); per device on mesh {mesh_s}: {fmt_bytes(total)}'
+  )
   if opt_shapes is not None:
     opt_b = tree_bytes_per_device(opt_shapes, opt_specs, mesh_shape)
-    lines.append(f'optimizer state per device: {fmt_bytes(opt_b)}; params + optimizer per device: '
-                 f'{fmt_bytes(total + opt_b)}')
+    lines.append(
+      f'optimizer state per device: {fmt_bytes(opt_b)}; params + optimizer per device: {fmt_bytes(total + opt_b)}'
+    )
   return '\n'.join(lines)

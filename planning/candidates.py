@@ -6,6 +6,7 @@ several hosts the leading axes are the ones that cross them), `config.logical_ax
 (`rule_variants`). Gradient accumulation / micro-batching does not exist in this trainer, so it is not
 searched. Nothing here imports JAX or a model.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,7 +46,7 @@ def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
 
 def _hosts_along(sizes: Sequence[int], axis: int, per_host: int) -> int:
   """How many hosts one line of devices along `axis` reaches (devices ordered host-major, mesh row-major)."""
-  stride = math.prod(sizes[axis + 1:])
+  stride = math.prod(sizes[axis + 1 :])
   return len({(i * stride) // per_host for i in range(sizes[axis])})
 
 
@@ -106,18 +107,24 @@ def mesh_axes_of(rules_by_name: Mapping[str, Rules], config_mesh: Sequence[str])
   axes = list(config_mesh)
   for rules in rules_by_name.values():
     for _, target in rules:
-      for a in (target if isinstance(target, (tuple, list)) else (target,)):
+      for a in target if isinstance(target, (tuple, list)) else (target,):
         if a is not None and a not in axes:
           axes.append(a)
   return axes
 
 
-def generate(num_devices: int, axes: Sequence[str], rules_by_name: Mapping[str, Rules],
-             remats: Sequence[str | None], hosts: int = 1) -> Iterator[Candidate]:
+def generate(
+  num_devices: int,
+  axes: Sequence[str],
+  rules_by_name: Mapping[str, Rules],
+  remats: Sequence[str | None],
+  hosts: int = 1,
+) -> Iterator[Candidate]:
   """Every (mesh factorisation x axis order over hosts) x rule set x remat policy, mesh-major."""
   if num_devices < 1 or hosts < 1 or num_devices % hosts:
-    raise ConfigError(f'--devices {num_devices} over --hosts {hosts}: the device count must be a positive '
-                      'multiple of the host count')
+    raise ConfigError(
+      f'--devices {num_devices} over --hosts {hosts}: the device count must be a positive multiple of the host count'
+    )
   for sizes in factorisations(num_devices, len(axes)):
     for mesh in axis_orders(dict(zip(axes, sizes)), hosts):
       for (name, rules), remat in itertools.product(rules_by_name.items(), remats):

@@ -14,6 +14,7 @@ On a `shared` chip (simulated CPU devices on one host's cores) every device's wo
 compute and collectives are summed over the devices (x n) against the host's figures.
 The chip's figures and calibration live in training/flops.py CHIPS; this module only reads them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,11 +23,11 @@ from typing import Any
 
 # Bytes each device sends per result byte, for a group of n devices.
 MOVED = {
-    'all-gather': lambda n: (n - 1) / n,
-    'all-reduce': lambda n: 2 * (n - 1) / n,
-    'reduce-scatter': lambda n: float(n - 1),
-    'all-to-all': lambda n: (n - 1) / n,
-    'collective-permute': lambda n: 1.0,
+  'all-gather': lambda n: (n - 1) / n,
+  'all-reduce': lambda n: 2 * (n - 1) / n,
+  'reduce-scatter': lambda n: float(n - 1),
+  'all-to-all': lambda n: (n - 1) / n,
+  'collective-permute': lambda n: 1.0,
 }
 
 
@@ -41,6 +42,7 @@ class CollectiveKey:
 @dataclasses.dataclass
 class Profile:
   """What the plan search reads from one compiled step, per device (times are runs per step)."""
+
   flops: float
   bytes_accessed: float
   memory: float  # arguments + outputs - donated aliases + temporaries
@@ -53,17 +55,28 @@ class Profile:
   kept_written: float = 0.0
   kept_largest: float = 0.0
 
-  def combine(self, other: 'Profile', a: float, b: float) -> 'Profile':
+  def combine(self, other: Profile, a: float, b: float) -> Profile:
     """a x self + b x other, figure by figure (the layer extrapolation: P1 + (L-1)(P2 - P1)), clamped at 0."""
     mix = lambda x, y: max(0.0, a * x + b * y)
     keys = set(self.collectives) | set(other.collectives)
-    coll = {k: (mix(self.collectives.get(k, (0, 0))[0], other.collectives.get(k, (0, 0))[0]),
-                mix(self.collectives.get(k, (0, 0))[1], other.collectives.get(k, (0, 0))[1])) for k in keys}
-    return Profile(mix(self.flops, other.flops), mix(self.bytes_accessed, other.bytes_accessed),
-                   mix(self.memory, other.memory), mix(self.argument_bytes, other.argument_bytes),
-                   mix(self.temp_bytes, other.temp_bytes), {k: v for k, v in coll.items() if v[0] > 0},
-                   mix(self.kept_fused, other.kept_fused), mix(self.kept_written, other.kept_written),
-                   mix(self.kept_largest, other.kept_largest))
+    coll = {
+      k: (
+        mix(self.collectives.get(k, (0, 0))[0], other.collectives.get(k, (0, 0))[0]),
+        mix(self.collectives.get(k, (0, 0))[1], other.collectives.get(k, (0, 0))[1]),
+      )
+      for k in keys
+    }
+    return Profile(
+      mix(self.flops, other.flops),
+      mix(self.bytes_accessed, other.bytes_accessed),
+      mix(self.memory, other.memory),
+      mix(self.argument_bytes, other.argument_bytes),
+      mix(self.temp_bytes, other.temp_bytes),
+      {k: v for k, v in coll.items() if v[0] > 0},
+      mix(self.kept_fused, other.kept_fused),
+      mix(self.kept_written, other.kept_written),
+      mix(self.kept_largest, other.kept_largest),
+    )
 
 
 @dataclasses.dataclass
@@ -78,8 +91,14 @@ class Prediction:
   memory_range: tuple[float, float] | None = None  # the residual model's bounds, GiB
 
 
-def predict(profile: Profile, chip: Any, num_devices: int, memory_headroom: float = 0.9,
-            temporaries_known: bool = True, bytes_known: bool = True) -> Prediction:
+def predict(
+  profile: Profile,
+  chip: Any,
+  num_devices: int,
+  memory_headroom: float = 0.9,
+  temporaries_known: bool = True,
+  bytes_known: bool = True,
+) -> Prediction:
   """The predicted step time of a profile on `num_devices` of `chip` (a training.flops.Chip).
 
   Fits: memory <= headroom x the chip's. `temporaries_known=False` (a GPU/TPU target compiled on CPU: the
@@ -115,8 +134,7 @@ def predict(profile: Profile, chip: Any, num_devices: int, memory_headroom: floa
   else:
     need = state + min(profile.temp_bytes / 2**30, chip.memory_gib / 2)
   step = chip.step_overhead_us * 1e-6 + compute + collective
-  return Prediction(step, compute, collective, by_axes, need <= chip.memory_gib * memory_headroom,
-                    gib, state, bounds)
+  return Prediction(step, compute, collective, by_axes, need <= chip.memory_gib * memory_headroom, gib, state, bounds)
 
 
 def mfu(model_flops: float, step_s: float, num_devices: int, chip: Any) -> float:
@@ -128,7 +146,7 @@ def summarize(profile: Profile) -> Mapping[str, tuple[float, float]]:
   """'all-gather over fsdp' -> (runs, bytes) for the table."""
   out: dict[str, tuple[float, float]] = {}
   for k, (runs, nbytes) in profile.collectives.items():
-    name = f"{k.op} {'+'.join(k.axes)}" + (' DCN' if k.hosts > 1 else '')
+    name = f'{k.op} {"+".join(k.axes)}' + (' DCN' if k.hosts > 1 else '')
     r, b = out.get(name, (0.0, 0.0))
     out[name] = (r + runs, b + nbytes)
   return out

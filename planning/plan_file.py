@@ -4,6 +4,7 @@ The file imports the searched config file, calls its get_config with the same ar
 field that differs from it (the plan's mesh, rules and remat, and any --config.* override the search ran
 with), so the plan stays readable as a diff against the preset it came from.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,14 +39,16 @@ def check_out_path(path: str, *, overwrite: bool = False, config_file: str | Non
   if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
     raise ConfigError(f'--out {path!r}: directory {parent!r} does not exist or is not writable')
   if config_file and os.path.exists(path) and os.path.samefile(path, config_file):
-    raise ConfigError(f'--out {path!r} is the config file the plan is made from (the plan imports it); give '
-                      'another path')
+    raise ConfigError(
+      f'--out {path!r} is the config file the plan is made from (the plan imports it); give another path'
+    )
   if os.path.exists(path) and not overwrite:
     raise ConfigError(f'--out {path!r} exists; give another path, or --overwrite to replace it')
 
 
-def render(config_file: str, arg: str | None, base: ml_collections.ConfigDict, plan: ml_collections.ConfigDict,
-           header: str) -> str:
+def render(
+  config_file: str, arg: str | None, base: ml_collections.ConfigDict, plan: ml_collections.ConfigDict, header: str
+) -> str:
   """The text of the plan file: header (a docstring), then get_config = the base's plus the differences."""
   config_file = os.path.abspath(config_file)
   rel = os.path.relpath(config_file, ROOT)
@@ -59,18 +62,33 @@ def render(config_file: str, arg: str | None, base: ml_collections.ConfigDict, p
       else:
         lines.append(f'  c.{path} = {_value(value)}')
   if module:
-    load = [f'from configs import common, {module.split(".")[-1]} as base', '', '',
-            'def get_config(arg=None):',
-            f'  c = base.get_config({arg!r})']
+    load = [
+      f'from configs import common, {module.split(".")[-1]} as base',
+      '',
+      '',
+      'def get_config(arg=None):',
+      f'  c = base.get_config({arg!r})',
+    ]
   else:
-    load = ['import importlib.util', '', 'from configs import common', '', '',
-            'def get_config(arg=None):',
-            f'  spec = importlib.util.spec_from_file_location("plan_base", {config_file!r})',
-            '  base = importlib.util.module_from_spec(spec)',
-            '  spec.loader.exec_module(base)',
-            f'  c = base.get_config({arg!r})']
-  return '\n'.join([f'r"""{header.strip()}\n"""'] + load + ['  with c.unlocked():'] +
-                   ['  ' + line for line in lines] + ['  return c', ''])
+    load = [
+      'import importlib.util',
+      '',
+      'from configs import common',
+      '',
+      '',
+      'def get_config(arg=None):',
+      f'  spec = importlib.util.spec_from_file_location("plan_base", {config_file!r})',
+      '  base = importlib.util.module_from_spec(spec)',
+      '  spec.loader.exec_module(base)',
+      f'  c = base.get_config({arg!r})',
+    ]
+  return '\n'.join(
+    [f'r"""{header.strip()}\n"""']
+    + load
+    + ['  with c.unlocked():']
+    + ['  ' + line for line in lines]
+    + ['  return c', '']
+  )
 
 
 def write(path: str, text: str, *, overwrite: bool = False, config_file: str | None = None) -> None:

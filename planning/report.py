@@ -1,4 +1,5 @@
 """The ranked table the plan search prints (and the README quotes)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,8 +21,13 @@ def _where(s: Scored, k: int = 2) -> str:
 
 def _what(s: Scored) -> str:
   """Collective kinds by bytes: 'AG 2.1G RS 1.0G'."""
-  short = {'all-gather': 'AG', 'all-reduce': 'AR', 'reduce-scatter': 'RS', 'all-to-all': 'A2A',
-           'collective-permute': 'CP'}
+  short = {
+    'all-gather': 'AG',
+    'all-reduce': 'AR',
+    'reduce-scatter': 'RS',
+    'all-to-all': 'A2A',
+    'collective-permute': 'CP',
+  }
   by_op: dict[str, float] = {}
   for name, (_, nbytes) in summarize(s.profile).items():
     op = short[name.split()[0]]
@@ -30,22 +36,48 @@ def _what(s: Scored) -> str:
 
 
 def table(plans: Sequence[Scored], chip: Any) -> str:
-  rows = [('#', 'plan (mesh | rules | remat)', 'step ms', 'MFU', 'compute', 'collect.', 'costliest groups (ms)',
-           'collective bytes/dev', 'mem GiB (state)', 'measured')]
+  rows = [
+    (
+      '#',
+      'plan (mesh | rules | remat)',
+      'step ms',
+      'MFU',
+      'compute',
+      'collect.',
+      'costliest groups (ms)',
+      'collective bytes/dev',
+      'mem GiB (state)',
+      'measured',
+    )
+  ]
   for i, s in enumerate(plans, 1):
     p = s.prediction
-    rows.append((str(i), s.candidate.label(), _ms(p.step_s), '-' if s.mfu is None else f'{100 * s.mfu:.1f}%',
-                 _ms(p.compute_s), _ms(p.collective_s), _where(s), _what(s),
-                 f'{p.memory_gib:.1f} ({p.state_gib:.1f})' + ('' if p.fits else ' OVER'), _ms(s.measured_s)))
+    rows.append(
+      (
+        str(i),
+        s.candidate.label(),
+        _ms(p.step_s),
+        '-' if s.mfu is None else f'{100 * s.mfu:.1f}%',
+        _ms(p.compute_s),
+        _ms(p.collective_s),
+        _where(s),
+        _what(s),
+        f'{p.memory_gib:.1f} ({p.state_gib:.1f})' + ('' if p.fits else ' OVER'),
+        _ms(s.measured_s),
+      )
+    )
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-  return '\n'.join('  '.join(c.ljust(w) if j in (1, 6, 7) else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
-                   for r in rows)
+  return '\n'.join(
+    '  '.join(c.ljust(w) if j in (1, 6, 7) else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in rows
+  )
 
 
 def pruning(result: Result) -> str:
-  lines = [f'{result.considered} candidates: {len(result.ranked)} scored from {result.compiled} compiled programs '
-           '(the orders of one mesh over hosts share one), '
-           f'{sum(result.pruned.values())} pruned or dropped:']
+  lines = [
+    f'{result.considered} candidates: {len(result.ranked)} scored from {result.compiled} compiled programs '
+    '(the orders of one mesh over hosts share one), '
+    f'{sum(result.pruned.values())} pruned or dropped:'
+  ]
   for reason, n in result.pruned.most_common():
     lines.append(f'  {n:5d}  {reason}   e.g. {result.examples.get(reason, "")[:160]}')
   return '\n'.join(lines)

@@ -35,6 +35,7 @@ policies as the compiled programs do (Llama: none above dots).
 
 This module imports no model: it works on a training.Trainer.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,14 +55,24 @@ import training
 # Primitives XLA fuses into whatever consumes them: a backward that needs their output can recompute it
 # from their inputs inside its own fusion. Not here: what XLA's GPU fusion counts as expensive and will not
 # duplicate into a second consumer (tanh, erf, log, logistic, sin, pow, ...): their outputs are kept.
-FUSED = frozenset('''
+FUSED = frozenset(
+  """
   abs add and broadcast_in_dim convert_element_type copy copy_p div eq exp exp2 expand_dims ge gt integer_pow
   iota is_finite le lt max min mul name ne neg not or reshape rsqrt select_n sharding_constraint sign sqrt
   square squeeze sub transpose xor
-'''.split())
+""".split()
+)
 # Primitives that read their operands from memory (library calls, custom kernels): the forward wrote those.
-READS_MEMORY = frozenset(('dot_general', 'conv_general_dilated', 'custom_vjp_call', 'custom_vjp_call_jaxpr',
-                          'custom_jvp_call', 'ragged_dot_general'))
+READS_MEMORY = frozenset(
+  (
+    'dot_general',
+    'conv_general_dilated',
+    'custom_vjp_call',
+    'custom_vjp_call_jaxpr',
+    'custom_jvp_call',
+    'ragged_dot_general',
+  )
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +91,9 @@ def _kept_values(closed: jcore.ClosedJaxpr) -> tuple[list[Any], list[Any]]:
   """(fused, written-only) variables of a jaxpr whose outputs are the residuals."""
   jaxpr = closed.jaxpr
   producer = {v: e for e in jaxpr.eqns for v in e.outvars}
-  read = {v for e in jaxpr.eqns if e.primitive.name in READS_MEMORY for v in e.invars
-          if not isinstance(v, jcore.Literal)}
+  read = {
+    v for e in jaxpr.eqns if e.primitive.name in READS_MEMORY for v in e.invars if not isinstance(v, jcore.Literal)
+  }
   fused, written, seen = [], [], set()
   stack = [v for v in jaxpr.outvars if not isinstance(v, jcore.Literal)]
   while stack:
@@ -105,6 +117,7 @@ def _kept_values(closed: jcore.ClosedJaxpr) -> tuple[list[Any], list[Any]]:
 def trace(trainer: training.Trainer, stand_in: Callable[[], contextlib.AbstractContextManager] | None = None):
   """The traced (not compiled) function returning the values the backward keeps, and how many are fused-only.
   Trace in the caller's thread (attention's stand-in is a context variable); compile anywhere."""
+
   def residuals(params, model_state, batch):
     with partitioning.use_rules(trainer.rules, trainer.mesh, balance=trainer.balance > 1):
       _, vjp = jax.vjp(lambda p: training.loss_of(trainer, model_state, batch)(p)[0], params)

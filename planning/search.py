@@ -21,6 +21,7 @@ that fingerprint and run on a thread pool. Plans over the chip's memory are kept
 
 This module imports no model: the caller passes `create_fn(model_config, rngs)`.
 """
+
 from __future__ import annotations
 
 import collections
@@ -44,9 +45,8 @@ from jax.sharding import PartitionSpec
 import partitioning
 import training
 from errors import ConfigError, ShardingError, out_of_device_memory
-from partitioning import AxisRules
+from partitioning import AxisRules, hlo
 from partitioning.rules import entry_axes
-from partitioning import hlo
 from planning import cost, residuals
 from planning.candidates import Candidate, split_over_hosts
 from training import flops, profiling
@@ -54,20 +54,23 @@ from training import flops, profiling
 # Pruning reasons, from a ShardingError's or ConfigError's message (partitioning/rules.py, plan.py, mesh.py,
 # training/xent.py wordings).
 _REASONS = (
-    ('global batch size', 'batch not divisible by its mesh axes'),
-    ('not divisible by mesh axes', 'dimension not divisible by its mesh axes'),
-    ('already taken', 'conflicting rules (no free mesh axis)'),
-    ('has no rule', 'logical name without a rule'),
-    ('which is not in the mesh', 'rule names an axis not in the mesh'),
-    ('mirrors no parameter', 'optimizer state the rules cannot place'),
-    ('loss_chunks', 'loss chunks the context shards do not divide'),
+  ('global batch size', 'batch not divisible by its mesh axes'),
+  ('not divisible by mesh axes', 'dimension not divisible by its mesh axes'),
+  ('already taken', 'conflicting rules (no free mesh axis)'),
+  ('has no rule', 'logical name without a rule'),
+  ('which is not in the mesh', 'rule names an axis not in the mesh'),
+  ('mirrors no parameter', 'optimizer state the rules cannot place'),
+  ('loss_chunks', 'loss chunks the context shards do not divide'),
 )
 # The search reads a compiled step's partitioned HLO, buffer assignment and cost analysis, never runs it: on CPU
 # the code generation behind them is done cheaply. LLVM optimisation off and the older (loop) fusion emitters
 # instead of the MLIR ones: the same collectives, memory and FLOPs, one Llama-3-8B proxy on 64 devices in
 # 0.8 s instead of 2.5 s (10-50 s with the defaults).
-FAST_CPU_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive_passes': True,
-                    'xla_cpu_use_fusion_emitters': False}
+FAST_CPU_COMPILE = {
+  'xla_backend_optimization_level': 0,
+  'xla_llvm_disable_expensive_passes': True,
+  'xla_cpu_use_fusion_emitters': False,
+}
 
 
 def reason_of(err: Exception) -> str:
@@ -121,6 +124,7 @@ class _Compiled:
   """One plan's compiled proxies, before its devices are placed on hosts: each proxy's figures (collectives
   left out) and its collectives (groups as partition ids), each with the mesh axes its groups vary along.
   `mesh`: the order of mesh axes it was compiled with (partition i at that mesh's flat position i)."""
+
   profiles: list[cost.Profile]
   collectives: list[list[tuple[hlo.Collective, tuple[str, ...]]]]
   mesh: tuple[tuple[str, int], ...]
@@ -166,8 +170,10 @@ def apply(config: ml_collections.ConfigDict, cand: Candidate, hosts: int = 1) ->
       c.mesh = ml_collections.ConfigDict(ici, sort_keys=False)
       c.dcn_mesh = ml_collections.ConfigDict(dcn, sort_keys=False)
       within = lambda a: 0 if ici.get(a, 1) == 1 else (1 if dcn.get(a, 1) > 1 else 2)
-      rules = [(name, tuple(sorted(t, key=within)), *rest) if name == 'batch' and isinstance(t, tuple) else
-               (name, t, *rest) for name, t, *rest in rules]
+      rules = [
+        (name, tuple(sorted(t, key=within)), *rest) if name == 'batch' and isinstance(t, tuple) else (name, t, *rest)
+        for name, t, *rest in rules
+      ]
     else:
       c.mesh = ml_collections.ConfigDict(dict(cand.mesh), sort_keys=False)
     c.logical_axis_rules = rules
@@ -175,7 +181,7 @@ def apply(config: ml_collections.ConfigDict, cand: Candidate, hosts: int = 1) ->
     if cand.remat is not None:
       c.model.remat = cand.remat
     if 'context_load_balance' in c:  # as the cp presets: causal rows split over devices are load-balanced,
-      shards = _length_shards(cand)     # where the rows cut into 2 x shards chunks (else natural order)
+      shards = _length_shards(cand)  # where the rows cut into 2 x shards chunks (else natural order)
       c.context_load_balance = c.task == 'lm' and shards > 1 and c.dataset.seq_len % (2 * shards) == 0
   return c
 
@@ -197,11 +203,19 @@ def _proxy(config: ml_collections.ConfigDict, layers: int) -> ml_collections.Con
 
 
 class Search:
-  def __init__(self, config: ml_collections.ConfigDict, create_fn: Callable[[Any, Any], Any], chip: Any,
-               num_devices: int, hosts: int = 1, devices: Sequence[Any] | None = None, workers: int = 2,
-               log: Callable[[str], None] = lambda s: None,
-               stand_in: Callable[[], contextlib.AbstractContextManager] | None = None,
-               memory_devices: Sequence[Any] | None = None):
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    create_fn: Callable[[Any, Any], Any],
+    chip: Any,
+    num_devices: int,
+    hosts: int = 1,
+    devices: Sequence[Any] | None = None,
+    workers: int = 2,
+    log: Callable[[str], None] = lambda s: None,
+    stand_in: Callable[[], contextlib.AbstractContextManager] | None = None,
+    memory_devices: Sequence[Any] | None = None,
+  ):
     """`stand_in`: a context the steps are traced in when the devices here are not the target's, making them
     trace closer to the target (models/attention.gpu_stand_in for a GPU compiled on CPU: no L x L scores).
     `memory_devices`: `num_devices` compile-only devices of the target chip, a GPU or a TPU (training/targets.py):
@@ -211,8 +225,10 @@ class Search:
     self.config, self.create_fn, self.chip, self.hosts, self.log = config, create_fn, chip, hosts, log
     self.devices = list(jax.devices() if devices is None else devices)[:num_devices]
     if len(self.devices) != num_devices:
-      raise ShardingError(f'the search needs {num_devices} devices to compile for; JAX has {len(self.devices)} '
-                          '(simulated CPU devices: partitioning.simulate_cpu_devices before JAX starts)')
+      raise ShardingError(
+        f'the search needs {num_devices} devices to compile for; JAX has {len(self.devices)} '
+        '(simulated CPU devices: partitioning.simulate_cpu_devices before JAX starts)'
+      )
     self.num_devices = num_devices
     on_target = chip.shared or self.devices[0].platform != 'cpu'
     self.stand_in = None if on_target else stand_in
@@ -225,8 +241,7 @@ class Search:
     if memory_devices is not None and not on_target:
       self.memory_devices = list(memory_devices)[:num_devices]
       if len(self.memory_devices) != num_devices:
-        raise ShardingError(f'{len(self.memory_devices)} devices to compile the memory for; the plan has '
-                            f'{num_devices}')
+        raise ShardingError(f'{len(self.memory_devices)} devices to compile the memory for; the plan has {num_devices}')
       self.temporaries_known = True
     self.layers = config.model.get('num_layers') if 'model' in config else None
     self.workers = workers
@@ -243,8 +258,10 @@ class Search:
 
   def _memory_steps(self, trainers: list, cand: Candidate) -> list:
     """The proxies' steps traced over the target chip's compile-only devices (their attention chosen as there)."""
-    return [training.trace(t, training.jit_train_step(t))
-            for t in (self._trainer(tr.config, cand, self.memory_devices) for tr in trainers)]
+    return [
+      training.trace(t, training.jit_train_step(t))
+      for t in (self._trainer(tr.config, cand, self.memory_devices) for tr in trainers)
+    ]
 
   def validate(self, cand: Candidate) -> tuple[Any, list, list]:
     """(fingerprint, traced proxy steps, the proxies' trainers) or Pruned."""
@@ -255,12 +272,14 @@ class Search:
     config = apply(self.config, cand)
     try:
       full = self._trainer(config, cand)
-      state_bytes = (partitioning.tree_bytes_per_device(full.abstract.params, full.specs.params, full.mesh.shape)
-                     + partitioning.tree_bytes_per_device(full.abstract.opt_state, full.specs.opt_state,
-                                                          full.mesh.shape))
+      state_bytes = partitioning.tree_bytes_per_device(
+        full.abstract.params, full.specs.params, full.mesh.shape
+      ) + partitioning.tree_bytes_per_device(full.abstract.opt_state, full.specs.opt_state, full.mesh.shape)
       if state_bytes > self.chip.memory_gib * 2**30 * 0.9:
-        raise Pruned('parameters + optimizer state over device memory',
-                     f'{state_bytes / 2**30:.1f} GiB > 0.9 x {self.chip.memory_gib:g} GiB')
+        raise Pruned(
+          'parameters + optimizer state over device memory',
+          f'{state_bytes / 2**30:.1f} GiB > 0.9 x {self.chip.memory_gib:g} GiB',
+        )
       if self.model_flops is None:
         self.model_flops = flops.step_flops(full).causal
       traced, trainers, fps = [], [], []
@@ -276,10 +295,16 @@ class Search:
         if idle:
           raise Pruned('mesh axis of size > 1 that no rule uses (repeated work)', idle[0])
         shape = tr.mesh.shape
-        eff = lambda specs: tuple(effective(s, shape) for s in jax.tree.leaves(
-            specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
-        fps.append((eff(tr.specs), eff({k: v.spec for k, v in tr.batch_shardings.items()}),
-                    tuple(sorted(((n, sh, effective(s, shape)) for n, sh, s in log), key=repr))))
+        eff = lambda specs: tuple(
+          effective(s, shape) for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        )
+        fps.append(
+          (
+            eff(tr.specs),
+            eff({k: v.spec for k, v in tr.batch_shardings.items()}),
+            tuple(sorted(((n, sh, effective(s, shape)) for n, sh, s in log), key=repr)),
+          )
+        )
     except ConfigError as e:  # ShardingError, and what a model or loss option refuses under this plan
       raise Pruned(reason_of(e), str(e)) from None
     mesh_eff = tuple(sorted((a, s) for a, s in cand.mesh if s > 1))  # any order: placed on hosts later
@@ -316,9 +341,14 @@ class Search:
     counts = hlo.computation_counts(text)  # runs per step of each computation (loop trips), read once
     colls = hlo.collectives(text, self.num_devices, counts)
     # loops (blockwise attention's key blocks, a chunked loss) count once in the cost analysis: add the rest
-    profile = cost.Profile(float(ca.get('flops', 0.0)) + hlo.loop_dot_flops(text, counts),
-                           float(ca.get('bytes accessed', 0.0)), float(profiling.compiled_memory(compiled)),
-                           float(mem.argument_size_in_bytes), float(mem.temp_size_in_bytes), {})
+    profile = cost.Profile(
+      float(ca.get('flops', 0.0)) + hlo.loop_dot_flops(text, counts),
+      float(ca.get('bytes accessed', 0.0)),
+      float(profiling.compiled_memory(compiled)),
+      float(mem.argument_size_in_bytes),
+      float(mem.temp_size_in_bytes),
+      {},
+    )
     return profile, colls
 
   def _on_hosts(self, compiled: _Compiled, mesh: Sequence[tuple[str, int]]) -> cost.Profile:
@@ -329,15 +359,17 @@ class Search:
     names, sizes = [a for a, _ in compiled.mesh], [s for _, s in compiled.mesh]
     coords = np.unravel_index(np.arange(self.num_devices), sizes)  # partition -> compiled mesh coordinates
     ici, dcn = split_over_hosts(mesh, self.hosts) if self.hosts > 1 else (dict(mesh), {a: 1 for a, _ in mesh})
-    host_of = np.ravel_multi_index([coords[names.index(a)] // ici[a] for a, _ in mesh],
-                                   [dcn[a] for a, _ in mesh])  # partition -> host, in this order
+    host_of = np.ravel_multi_index(
+      [coords[names.index(a)] // ici[a] for a, _ in mesh], [dcn[a] for a, _ in mesh]
+    )  # partition -> host, in this order
     rank = {a: i for i, (a, _) in enumerate(mesh)}
     profiles = []
     for base, colls in zip(compiled.profiles, compiled.collectives):
       coll: dict[cost.CollectiveKey, list[float]] = {}
       for c, axes in colls:
-        key = cost.CollectiveKey(c.op, tuple(sorted(axes, key=rank.get)), c.group_size,
-                                 hlo.hosts_spanned(c.groups, host_of.__getitem__))
+        key = cost.CollectiveKey(
+          c.op, tuple(sorted(axes, key=rank.get)), c.group_size, hlo.hosts_spanned(c.groups, host_of.__getitem__)
+        )
         v = coll.setdefault(key, [0.0, 0.0])
         v[0] += c.times
         v[1] += c.times * c.bytes
@@ -356,8 +388,9 @@ class Search:
     colls = [[(c, hlo.mesh_axes(c.groups, dict(mesh))) for c in cs] for _, cs in read]
     for i, (fn, num_fused) in enumerate(kept):
       est = residuals.from_compiled(fn.lower().compile(compiler_options=options), num_fused)
-      profiles[i] = dataclasses.replace(profiles[i], kept_fused=est.fused, kept_written=est.written,
-                                        kept_largest=est.largest)
+      profiles[i] = dataclasses.replace(
+        profiles[i], kept_fused=est.fused, kept_written=est.written, kept_largest=est.largest
+      )
     for i, step in enumerate(on_target):
       try:
         compiled = step.lower().compile()
@@ -368,9 +401,12 @@ class Search:
         profiles[i] = dataclasses.replace(profiles[i], memory=profiles[i].argument_bytes + temp, temp_bytes=temp)
         continue
       mem = compiled.memory_analysis()
-      profiles[i] = dataclasses.replace(profiles[i], memory=float(profiling.compiled_memory(compiled)),
-                                        argument_bytes=float(mem.argument_size_in_bytes),
-                                        temp_bytes=float(mem.temp_size_in_bytes))
+      profiles[i] = dataclasses.replace(
+        profiles[i],
+        memory=float(profiling.compiled_memory(compiled)),
+        argument_bytes=float(mem.argument_size_in_bytes),
+        temp_bytes=float(mem.temp_size_in_bytes),
+      )
     return _Compiled(profiles, colls, tuple(mesh)), time.perf_counter() - t0
 
   def run(self, candidates: Iterable[Candidate]) -> Result:
@@ -408,8 +444,12 @@ class Search:
           examples.setdefault(SCATTERED_ROWS, f'{cand.label()}: {rows}')
           continue
         # over hosts, one score per layout as written (orders the host split lays out alike are one plan)
-        placed = (fp, tuple(tuple((a, n) for a, n in d.items() if n > 1)
-                            for d in split_over_hosts(cand.mesh, self.hosts)) if self.hosts > 1 else ())
+        placed = (
+          fp,
+          tuple(tuple((a, n) for a, n in d.items() if n > 1) for d in split_over_hosts(cand.mesh, self.hosts))
+          if self.hosts > 1
+          else (),
+        )
         if placed in self._placed:
           pruned[dup] += 1
           examples.setdefault(dup, cand.label())
@@ -420,16 +460,19 @@ class Search:
       for cand, fut in pending:
         out, secs = fut.result()
         profile = self._on_hosts(out, cand.mesh)
-        pred = cost.predict(profile, self.chip, self.num_devices, temporaries_known=self.temporaries_known,
-                            bytes_known=self.bytes_known)
+        pred = cost.predict(
+          profile, self.chip, self.num_devices, temporaries_known=self.temporaries_known, bytes_known=self.bytes_known
+        )
         m = cost.mfu(self.model_flops, pred.step_s, self.num_devices, self.chip) if self.model_flops else None
         scored.append(Scored(cand, profile, pred, m, secs))
         self.log(f'  {cand.label()}: {1e3 * pred.step_s:.1f} ms predicted ({secs:.1f} s to compile)')
     for s in scored:
       if not s.prediction.fits:
         pruned['over device memory (compiled)'] += 1
-        examples.setdefault('over device memory (compiled)', f'{s.candidate.label()}: {s.prediction.memory_gib:.1f} '
-                            f'GiB ({s.prediction.state_gib:.1f} GiB of state)')
+        examples.setdefault(
+          'over device memory (compiled)',
+          f'{s.candidate.label()}: {s.prediction.memory_gib:.1f} GiB ({s.prediction.state_gib:.1f} GiB of state)',
+        )
     ranked = sorted(scored, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
     return Result(ranked, pruned, examples, considered, compiled, time.perf_counter() - t0, self.model_flops)
 
@@ -469,6 +512,7 @@ class Search:
 
 def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
   """Spearman's rank correlation (average ranks for ties)."""
+
   def ranks(v):
     order = sorted(range(len(v)), key=lambda i: v[i])
     r = [0.0] * len(v)
@@ -481,6 +525,7 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
         r[order[k]] = (i + j) / 2
       i = j + 1
     return r
+
   rx, ry = ranks(xs), ranks(ys)
   mx, my = statistics.fmean(rx), statistics.fmean(ry)
   cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))

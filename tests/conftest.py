@@ -1,4 +1,5 @@
 """Tests run on 8 simulated CPU devices (set before JAX starts its backends)."""
+
 import atexit
 import contextlib
 import os
@@ -51,9 +52,18 @@ BACKEND_COMPILE = '/jax/core/compile/backend_compile_duration'
 
 # The default config shrunk as tiny_config shrinks it, as flat overrides (train.py: --config.<key>=<value>;
 # in process: ConfigDict.update_from_flattened_dict). Tests that run train.py share these sizes (and compilations).
-TINY_FLAGS = {'model.num_layers': 2, 'model.embed_dim': 64, 'model.mlp_dim': 128, 'model.max_len': 16,
-              'dataset.seq_len': 16, 'dataset.num_train': 512, 'dataset.num_eval': 100, 'batch_size': 16,
-              'optim.warmup_steps': 1, 'sample_len': 0}
+TINY_FLAGS = {
+  'model.num_layers': 2,
+  'model.embed_dim': 64,
+  'model.mlp_dim': 128,
+  'model.max_len': 16,
+  'dataset.seq_len': 16,
+  'dataset.num_train': 512,
+  'dataset.num_eval': 100,
+  'batch_size': 16,
+  'optim.warmup_steps': 1,
+  'sample_len': 0,
+}
 # A 12-step run of it with checkpoints at steps 1, 4, 8 and 12 (test_faults' full disk, test_soak).
 TINY_RUN = {**TINY_FLAGS, 'total_steps': 12, 'checkpoint_every': 4, 'log_every': 4, 'eval_every': 12}
 
@@ -163,34 +173,42 @@ def unstack_layers(tree: Any, num: int) -> Any:
   """Scanned -> unrolled parameters (inverse of `stack_layers`), `num` layers per stack."""
   if not isinstance(tree, Mapping):
     return tree
-  return {k: ({i: jax.tree.map(lambda x, i=i: x[i], v) for i in range(num)} if k == 'layers'
-              else unstack_layers(v, num)) for k, v in tree.items()}
+  return {
+    k: ({i: jax.tree.map(lambda x, i=i: x[i], v) for i in range(num)} if k == 'layers' else unstack_layers(v, num))
+    for k, v in tree.items()
+  }
 
 
 # --- Hugging Face export (training/export.py) --------------------------------------------------------
+
 
 def train_steps(trainer: training.Trainer, state: training.TrainState, steps: int = 2) -> training.TrainState:
   """`steps` jitted train steps from `state` on the task's synthetic batches (the weights move)."""
   step = training.jit_train_step(trainer)
   for i in range(steps):
-    state, _ = step(state, jax.device_put(trainer.task.synthetic_batch(trainer.config, seed=i),
-                                          trainer.batch_shardings))
+    state, _ = step(
+      state, jax.device_put(trainer.task.synthetic_batch(trainer.config, seed=i), trainer.batch_shardings)
+    )
   return state
 
 
 def export_hf(trainer: training.Trainer, state: training.TrainState, out_dir: str, **kwargs) -> dict:
   from training import export
+
   return export.write_hf(trainer, state.params, state.model_state, str(out_dir), models.HF_FAMILIES, **kwargs)
 
 
-def assert_hf_round_trip(trainer: training.Trainer, state: training.TrainState, hf_dir: str, out_dir: str,
-                         **kwargs) -> None:
+def assert_hf_round_trip(
+  trainer: training.Trainer, state: training.TrainState, hf_dir: str, out_dir: str, **kwargs
+) -> None:
   """HF -> zoo (`state`, as imported) -> HF: every exported tensor is bitwise the original's, and the
   original's tensors not written are ones the family's importer ignores (tied copies, buffers, other heads)."""
   import re
 
   import numpy as np
+
   from models import hf_import
+
   export_hf(trainer, state, out_dir, **kwargs)
   family = models.HF_FAMILIES[trainer.config.model.name]
   theirs, ours = hf_import.HFDir(hf_dir), hf_import.HFDir(str(out_dir))

@@ -1,4 +1,5 @@
 """The compiled-step audit: collectives parsed from HLO, and what each preset's rules imply."""
+
 import partitioning
 import training
 from tests.conftest import build_trainer, tiny_config
@@ -22,10 +23,10 @@ def test_collective_stats_parses_counts_and_bytes():
   """Async starts count their results once: a combined start (several collectives in one, as XLA's GPU
   combiners make them: reduce-scatter-start's shape is (operands, results)) counts every result."""
   assert partitioning.collective_stats(HLO) == {
-      'all-gather': (2, 16 * 16 * 4 + 32 * 16 * 4),
-      'all-reduce': (2, 4 * 4 + 2 * 2 * 2 + 1003 * 4),
-      'reduce-scatter': (2, 2 * 4 + 32 * 256 * 4 + 8 * 2),
-      'collective-permute': (1, 4 * 4),
+    'all-gather': (2, 16 * 16 * 4 + 32 * 16 * 4),
+    'all-reduce': (2, 4 * 4 + 2 * 2 * 2 + 1003 * 4),
+    'reduce-scatter': (2, 2 * 4 + 32 * 256 * 4 + 8 * 2),
+    'collective-permute': (1, 4 * 4),
   }
 
 
@@ -54,10 +55,12 @@ def test_replica_groups_in_every_hlo_form_and_what_crosses_dcn():
   mesh_form = "mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {%s}"
   assert groups(mesh_form % "'axis_0'", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
   assert groups(mesh_form % "'axis_2'", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-  hlo = ('  %a = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add\n'
-         '  %b = f32[4]{0} all-reduce(%p), channel_id=2, replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add\n'
-         '  %c = f32[2]{0} collective-permute(%p), channel_id=3, source_target_pairs={{0,1},{1,0}}\n'
-         '  %d = f32[16]{0} collective-permute(%p), channel_id=4, source_target_pairs={{1,2},{3,0}}\n')
+  hlo = (
+    '  %a = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1},{2,3}}, to_apply=%add\n'
+    '  %b = f32[4]{0} all-reduce(%p), channel_id=2, replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add\n'
+    '  %c = f32[2]{0} collective-permute(%p), channel_id=3, source_target_pairs={{0,1},{1,0}}\n'
+    '  %d = f32[16]{0} collective-permute(%p), channel_id=4, source_target_pairs={{1,2},{3,0}}\n'
+  )
   slice_of = [0, 0, 1, 1]  # devices 0-1 and 2-3 are two slices
   assert partitioning.collective_stats(hlo, slice_of) == {'all-reduce': (1, 16), 'collective-permute': (1, 64)}
   assert partitioning.collective_stats(hlo)['all-reduce'] == (2, 48)

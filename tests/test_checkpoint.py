@@ -1,4 +1,5 @@
 """Checkpoints: restore exactly, onto other meshes and rules, params only; clear errors for bad input."""
+
 import json
 import os
 import re
@@ -34,12 +35,14 @@ class _Iter:
 def _halve_the_largest_data_file(d):
   # the metadata readable, some arrays not: orbax wraps TensorStore's OUT_OF_RANGE in a bare Exception
   f = max(d.rglob('d/*'), key=lambda f: f.stat().st_size)
-  f.write_bytes(f.read_bytes()[:f.stat().st_size // 2])
+  f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
-CORRUPTIONS = [('metadata', lambda d: (d / '_METADATA').write_text('{not json')),  # of a step's 'state'
-               ('data', lambda d: [f.write_bytes(f.read_bytes()[:20]) for f in d.rglob('d/*')]),
-               ('some array data', _halve_the_largest_data_file)]
+CORRUPTIONS = [
+  ('metadata', lambda d: (d / '_METADATA').write_text('{not json')),  # of a step's 'state'
+  ('data', lambda d: [f.write_bytes(f.read_bytes()[:20]) for f in d.rglob('d/*')]),
+  ('some array data', _halve_the_largest_data_file),
+]
 
 
 @pytest.fixture(scope='module')
@@ -67,16 +70,24 @@ def test_restore_is_exact_and_restores_the_data_position(saved):
     state = ckpt.restore(trainer, it)
   _assert_equal(state, expected)
   assert it.pos == 7 and int(state.step) == 2
-  jax.tree.map(lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(str(x.sharding)),
-               state, trainer.shardings)
+  jax.tree.map(
+    lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(str(x.sharding)), state, trainer.shardings
+  )
 
 
 @pytest.mark.parametrize('preset,num_devices', [('dp', 8), ('tp', 8), ('fsdp', 4), ('dp', 1)])
 def test_restore_onto_other_mesh_and_rules(saved, preset, num_devices):
   directory, expected = saved
   cfg = tiny_config(preset)
-  cfg.mesh = {'dp': dict(data=num_devices, fsdp=1, tensor=1), 'tp': dict(data=2, fsdp=1, tensor=4),
-              'fsdp': dict(data=1, fsdp=4, tensor=1)}[preset] if num_devices != 8 or preset != 'dp' else cfg.mesh
+  cfg.mesh = (
+    {
+      'dp': dict(data=num_devices, fsdp=1, tensor=1),
+      'tp': dict(data=2, fsdp=1, tensor=4),
+      'fsdp': dict(data=1, fsdp=4, tensor=1),
+    }[preset]
+    if num_devices != 8 or preset != 'dp'
+    else cfg.mesh
+  )
   trainer = build_trainer(cfg, jax.devices()[:num_devices])
   with checkpoint.Checkpointer(directory, every_steps=1, keep=2) as ckpt:
     state = ckpt.restore(trainer, _Iter())
@@ -98,10 +109,14 @@ def test_checkpoint_of_another_model_names_the_first_mismatch(saved):
   cfg = tiny_config('fsdp_tp')
   cfg.model.mlp_dim = 256
   trainer = build_trainer(cfg)
-  msg = (r"parameter 'blocks/layers/0/mlp/down/layer/kernel': the model expects shape \(256, 64\), "
-         r"the checkpoint has \(128, 64\)")
-  with checkpoint.Checkpointer(directory, every_steps=1, keep=2) as ckpt, pytest.raises(checkpoint.CheckpointError,
-                                                                                       match=msg):
+  msg = (
+    r"parameter 'blocks/layers/0/mlp/down/layer/kernel': the model expects shape \(256, 64\), "
+    r'the checkpoint has \(128, 64\)'
+  )
+  with (
+    checkpoint.Checkpointer(directory, every_steps=1, keep=2) as ckpt,
+    pytest.raises(checkpoint.CheckpointError, match=msg),
+  ):
     ckpt.restore(trainer, _Iter())
   with pytest.raises(checkpoint.CheckpointError, match=msg):
     checkpoint.load_params(directory, trainer)
@@ -110,8 +125,10 @@ def test_checkpoint_of_another_model_names_the_first_mismatch(saved):
 def test_missing_and_corrupt_checkpoints_are_clear_errors(saved, tmp_path):
   directory, _ = saved
   trainer = build_trainer(tiny_config('fsdp_tp'))
-  with checkpoint.Checkpointer(str(tmp_path / 'empty'), every_steps=1, keep=2) as ckpt, pytest.raises(
-      checkpoint.CheckpointError, match='no checkpoint in'):
+  with (
+    checkpoint.Checkpointer(str(tmp_path / 'empty'), every_steps=1, keep=2) as ckpt,
+    pytest.raises(checkpoint.CheckpointError, match='no checkpoint in'),
+  ):
     ckpt.restore(trainer, _Iter())
   with pytest.raises(checkpoint.CheckpointError, match='no checkpoint there'):
     checkpoint.load_params(str(tmp_path / 'nothing'), trainer)
@@ -120,10 +137,11 @@ def test_missing_and_corrupt_checkpoints_are_clear_errors(saved, tmp_path):
     broken = tmp_path / name
     shutil.copytree(directory, broken)
     corrupt(broken / '2' / 'state')
-    with checkpoint.Checkpointer(str(broken), every_steps=1, keep=2) as ckpt, pytest.raises(
-        checkpoint.CheckpointError, match=r'checkpoint .*/2 (is missing or corrupt|could not be restored)'):
+    with (
+      checkpoint.Checkpointer(str(broken), every_steps=1, keep=2) as ckpt,
+      pytest.raises(checkpoint.CheckpointError, match=r'checkpoint .*/2 (is missing or corrupt|could not be restored)'),
+    ):
       ckpt.restore(trainer, _Iter())
-
 
 
 def test_unreadable_array_data_is_a_one_line_checkpoint_error_when_loading_weights(saved, monkeypatch):
@@ -137,12 +155,19 @@ def test_unreadable_array_data_is_a_one_line_checkpoint_error_when_loading_weigh
       raise ValueError('OUT_OF_RANGE: Error reading "params.embed" in OCDBT database\n[source locations=...]')
     except ValueError as e:
       raise Exception("Encountered error while reading array index: ... TensorStore({'base': ...})") from e
+
   monkeypatch.setattr(checkpoint.ocp.PyTreeCheckpointHandler, 'restore', unreadable)
-  with pytest.raises(checkpoint.CheckpointError, match=r'^checkpoint .*/2 could not be restored: OUT_OF_RANGE: '
-                                                       r'Error reading "params.embed" in OCDBT database$'):
+  with pytest.raises(
+    checkpoint.CheckpointError,
+    match=r'^checkpoint .*/2 could not be restored: OUT_OF_RANGE: '
+    r'Error reading "params.embed" in OCDBT database$',
+  ):
     checkpoint.load_params(directory, trainer)
-  monkeypatch.setattr(checkpoint.ocp.PyTreeCheckpointHandler, 'restore',
-                      lambda *a, **k: (_ for _ in ()).throw(KeyError('a bug, not damage')))
+  monkeypatch.setattr(
+    checkpoint.ocp.PyTreeCheckpointHandler,
+    'restore',
+    lambda *a, **k: (_ for _ in ()).throw(KeyError('a bug, not damage')),
+  )
   with pytest.raises(KeyError, match='a bug, not damage'):
     checkpoint.load_params(directory, trainer)
 
@@ -158,16 +183,22 @@ def test_damaged_latest_checkpoint_falls_back_and_is_kept(saved, tmp_path):
     shutil.copytree(d / '2', d / '4')
     corrupt(d / '4' / 'state')
     ckpt = checkpoint.Checkpointer(str(d), every_steps=1, keep=2)
-    with pytest.raises(checkpoint.CheckpointError, match=rf'checkpoint {d}/4 (is missing or corrupt|could not be '
-                                                         r'restored).*\(config.resume_fallback=True resumes from'):
+    with pytest.raises(
+      checkpoint.CheckpointError,
+      match=rf'checkpoint {d}/4 (is missing or corrupt|could not be '
+      r'restored).*\(config.resume_fallback=True resumes from',
+    ):
       ckpt.restore_latest(trainer, _Iter(), fallback=False)
     assert (d / '4').is_dir()
     it = _Iter()
     state, warnings = ckpt.restore_latest(trainer, it)
     _assert_equal(state, expected)
     assert it.pos == 7 and ckpt.latest_step() == 2, name
-    assert len(warnings) == 1 and re.match(rf'checkpoint {d}/4 (is missing or corrupt|could not be restored).*; '
-                                           rf'moved aside to {d}/4.damaged \(not deleted\); resumed from step 2$', warnings[0]), warnings
+    assert len(warnings) == 1 and re.match(
+      rf'checkpoint {d}/4 (is missing or corrupt|could not be restored).*; '
+      rf'moved aside to {d}/4.damaged \(not deleted\); resumed from step 2$',
+      warnings[0],
+    ), warnings
     assert (d / '4.damaged' / 'state').is_dir() and not (d / '4').exists()
     # Step 4 is free again: the next save there (here the final one, forced) is written, not skipped.
     assert ckpt.due(4, force=True) and ckpt.save(4, state, it, force=True), name
@@ -185,8 +216,13 @@ def test_damaged_latest_checkpoint_falls_back_and_is_kept(saved, tmp_path):
     ckpt.close()
 
 
-@pytest.mark.parametrize('override,first', [({'optim.name': 'sgd'}, '1/0/trace/blocks/layers/0/attn/key/layer/bias'),
-                                            ({'freeze': 'embed'}, 'inner_states/train/inner_state/1/0/count')])
+@pytest.mark.parametrize(
+  'override,first',
+  [
+    ({'optim.name': 'sgd'}, '1/0/trace/blocks/layers/0/attn/key/layer/bias'),
+    ({'freeze': 'embed'}, 'inner_states/train/inner_state/1/0/count'),
+  ],
+)
 def test_checkpoint_of_another_optimizer_is_a_config_error_not_damage(saved, override, first):
   """Another optimizer or freeze (same parameters): one CheckpointError naming the first optimizer state and the
   config fields to compare, before orbax reads anything; not damage, so nothing is moved aside."""
@@ -198,10 +234,13 @@ def test_checkpoint_of_another_optimizer_is_a_config_error_not_damage(saved, ove
     ckpt.restore_latest(build_trainer(cfg), _Iter())
   ckpt.close()
   assert not isinstance(info.value, checkpoint.DamagedCheckpointError)
-  assert re.fullmatch(rf"checkpoint {directory}/2: optimizer state 'opt_state/{first}' \(shape \([\d, ]*\)\) is "
-                      r"missing from the checkpoint; the checkpoint has instead e.g. \['opt_state/1/0/count', .*\]\. Was it "
-                      r'written with another optimizer\? Compare config.optim.name, config.freeze, config.train_only '
-                      r'and the optimizer settings .*', str(info.value)), str(info.value)
+  assert re.fullmatch(
+    rf"checkpoint {directory}/2: optimizer state 'opt_state/{first}' \(shape \([\d, ]*\)\) is "
+    r"missing from the checkpoint; the checkpoint has instead e.g. \['opt_state/1/0/count', .*\]\. Was it "
+    r'written with another optimizer\? Compare config.optim.name, config.freeze, config.train_only '
+    r'and the optimizer settings .*',
+    str(info.value),
+  ), str(info.value)
   assert sorted(os.listdir(directory)) == ['2']
 
 
@@ -226,10 +265,12 @@ def test_a_missing_data_position_is_damage_and_another_batch_size_names_the_chec
   trainer = build_trainer(cfg)
   ckpt = checkpoint.Checkpointer(str(d), every_steps=1, keep=2)
   wide = rows_iter(32)
-  other_batch = (f'checkpoint {d}/2: the saved data position is for a global batch of 16 (unpacked); this run '
-                 'reads 32 (unpacked): resume with the batch size it was saved with')
+  other_batch = (
+    f'checkpoint {d}/2: the saved data position is for a global batch of 16 (unpacked); this run '
+    'reads 32 (unpacked): resume with the batch size it was saved with'
+  )
   with pytest.raises(checkpoint.CheckpointError, match=f'^{re.escape(other_batch)}$'):  # from metadata: train.py
-    ckpt.check(trainer, 2, data_iter=wide)                                               # says so before compiling
+    ckpt.check(trainer, 2, data_iter=wide)  # says so before compiling
   ckpt.check(trainer, 4, data_iter=wide)  # no position there: damage, for the restore to meet
   with pytest.raises(checkpoint.CheckpointError) as info:
     ckpt.restore_latest(trainer, wide)
@@ -274,18 +315,24 @@ def test_small_replicated_arrays_are_written_by_one_replica_and_big_ones_by_all(
   device). Under checkpoint.MIN_REPLICA_SLICE_BYTES per slice an array is written whole (nothing compiled);
   above it every replica writes its slice (8 slice programs here). Both restore exactly."""
   import orbax.checkpoint as ocp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   replicated = NamedSharding(jax.make_mesh((8,), ('data',)), P())
   n_big = 8 * (checkpoint.MIN_REPLICA_SLICE_BYTES // 4 + 3)  # shapes no other test slices
-  tree = {'small': jax.device_put(np.arange(8 * 37, dtype=np.float32), replicated),
-          'big': jax.device_put(np.arange(n_big, dtype=np.float32), replicated)}
+  tree = {
+    'small': jax.device_put(np.arange(8 * 37, dtype=np.float32), replicated),
+    'big': jax.device_put(np.arange(n_big, dtype=np.float32), replicated),
+  }
   with jax.log_compiles(True), caplog.at_level('WARNING'), ocp.StandardCheckpointer() as saver:
     saver.save(tmp_path / 'c', tree)
     saver.wait_until_finished()
-    restored = saver.restore(tmp_path / 'c', jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree))
-  sliced = re.findall(r'Compiling jit\(slice\) with global shapes and types \(ShapedArray\(float32\[(\d+)\]\)',
-                      caplog.text)
+    restored = saver.restore(
+      tmp_path / 'c', jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    )
+  sliced = re.findall(
+    r'Compiling jit\(slice\) with global shapes and types \(ShapedArray\(float32\[(\d+)\]\)', caplog.text
+  )
   assert sliced == [str(n_big)] * 8, sliced
   _assert_equal(restored, jax.device_get(tree))
 
@@ -307,7 +354,9 @@ def test_only_tensorstore_completions_into_a_closed_loop_are_dropped():
   returns None (orbax abandoned the read); any other call into a closed loop raises as asyncio does, and an open
   loop schedules both."""
   import asyncio
+
   import tensorstore as ts
+
   assert getattr(asyncio.BaseEventLoop.call_soon_threadsafe, 'shardzoo_abandoned_reads', False)
   loop = asyncio.new_event_loop()
   ran = []
@@ -333,8 +382,14 @@ def test_falling_back_from_damaged_data_prints_the_warning_and_no_abandoned_read
   shutil.copytree(directory, d)
   shutil.copytree(d / '2', d / '4')
   CORRUPTIONS[corrupt][1](d / '4' / 'state')
-  r = subprocess.run([sys.executable, '-c', _FALL_BACK, str(d)], cwd=ROOT, env=subprocess_env(), capture_output=True,
-                     text=True, timeout=120)
+  r = subprocess.run(
+    [sys.executable, '-c', _FALL_BACK, str(d)],
+    cwd=ROOT,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert r.returncode == 0 and r.stdout == '2 1\n', r.stdout + r.stderr[-3000:]
   assert 'Traceback' not in r.stderr and 'never retrieved' not in r.stderr, r.stderr[-3000:]
   assert sorted(p.name for p in d.iterdir()) == ['2', '4.damaged']

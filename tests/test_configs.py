@@ -6,6 +6,7 @@ automatically.
 A config file is any configs/*.py with a get_config(arg); it must define RULES (its presets) and,
 when it has real sizes, SIZES with a 'tiny' entry that the matrix uses.
 """
+
 import glob
 import importlib
 import math
@@ -20,10 +21,10 @@ import models
 import partitioning
 import train
 import training
-from training import export
 from configs import default
 from tests import conftest
 from tests.conftest import ROOT, assert_every_leaf_named
+from training import export
 
 MAX_TINY_PARAMS = 2_000_000  # keeps the matrix inside the CI budget; shrink a config's 'tiny' size instead
 
@@ -59,8 +60,14 @@ def matrix_presets(module, all_presets: bool) -> list[str]:
 def pytest_generate_tests(metafunc):
   if {'name', 'preset'} <= set(metafunc.fixturenames):
     all_presets = metafunc.config.getoption('--all-presets')
-    metafunc.parametrize('name,preset', [pytest.param(name, preset, id=f'{name}:{preset}') for name, module in MODULES
-                                         for preset in matrix_presets(module, all_presets)])
+    metafunc.parametrize(
+      'name,preset',
+      [
+        pytest.param(name, preset, id=f'{name}:{preset}')
+        for name, module in MODULES
+        for preset in matrix_presets(module, all_presets)
+      ],
+    )
 
 
 def test_every_config_file_is_in_the_matrix_with_two_presets():
@@ -70,7 +77,8 @@ def test_every_config_file_is_in_the_matrix_with_two_presets():
     assert not hasattr(module, 'SIZES') or 'tiny' in module.SIZES, f"configs/{name}.py: SIZES needs 'tiny'"
     doc = (module.__doc__ or '').strip()
     assert f'python train.py --config configs/{name}.py' in doc.split('\n\n')[1] if doc.count('\n\n') else False, (
-        f'configs/{name}.py must start with the command that runs it')
+      f'configs/{name}.py must start with the command that runs it'
+    )
 
 
 def test_config_trains_two_steps(name, preset, tmp_path):
@@ -92,17 +100,20 @@ def test_config_trains_two_steps(name, preset, tmp_path):
   assert jax.tree.leaves(params)[0].sharding.mesh.size == 8
   # Two steps trained what trains and nothing else: each trainable parameter moved from its (seeded)
   # initial value, each frozen one (LoRA's base weights) did not.
-  trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh),
-                           lambda rngs: models.create(cfg.model, rngs, cfg.get('lora')))
+  trainer = training.build(
+    cfg, partitioning.make_mesh(cfg.mesh), lambda rngs: models.create(cfg.model, rngs, cfg.get('lora'))
+  )
   start = jax.device_get(training.init_state(trainer).params)
   # The run's config kept in the workdir (for export.py) rebuilds the same model, shapes and shardings.
   again = export.load_run_config(str(tmp_path))
-  rebuilt = training.build(again, partitioning.make_mesh(again.mesh),
-                           lambda rngs: models.create(again.model, rngs, again.get('lora')))
+  rebuilt = training.build(
+    again, partitioning.make_mesh(again.mesh), lambda rngs: models.create(again.model, rngs, again.get('lora'))
+  )
   assert rebuilt.abstract == trainer.abstract and rebuilt.specs == trainer.specs, f'{name}:{preset}'
   labels = trainer.labels or jax.tree.map(lambda _: 'train', start)
-  for (path, before), after, label in zip(jax.tree_util.tree_leaves_with_path(start), jax.tree.leaves(
-      jax.device_get(params)), jax.tree.leaves(labels)):
+  for (path, before), after, label in zip(
+    jax.tree_util.tree_leaves_with_path(start), jax.tree.leaves(jax.device_get(params)), jax.tree.leaves(labels)
+  ):
     assert np.array_equal(before, after) == (label == 'frozen'), f'{name}:{preset} {partitioning.path_str(path)}'
 
 

@@ -1,12 +1,13 @@
 """The synthetic language's entropy floor, and the grain pipeline's determinism and per-process slicing."""
+
 import jax
 import numpy as np
 import pytest
 
 import data
 import partitioning
-from errors import ShardingError
 from data import MarkovLanguage
+from errors import ShardingError
 
 
 def test_markov_floor_matches_empirical_nll():
@@ -47,8 +48,9 @@ def test_processes_read_disjoint_rows_that_form_the_global_batch():
 def test_same_seed_same_batches_and_resume_from_state():
   source = np.arange(64 * 3).reshape(64, 3)
   assert all((a == b).all() for a, b in zip(_batches(source, slice(0, 8), 12), _batches(source, slice(0, 8), 12)))
-  assert not all((a == b).all() for a, b in zip(_batches(source, slice(0, 8), 4, seed=0),
-                                                 _batches(source, slice(0, 8), 4, seed=1)))
+  assert not all(
+    (a == b).all() for a, b in zip(_batches(source, slice(0, 8), 4, seed=0), _batches(source, slice(0, 8), 4, seed=1))
+  )
   it = iter(data.train_dataset(source, 8, slice(0, 8), 0, data.lm_example))
   for _ in range(5):
     next(it)
@@ -94,8 +96,11 @@ def test_local_rows_follow_the_batch_sharding():
   replicated = jax.sharding.NamedSharding(mesh, jax.P())
   assert data.local_rows(ProcessView(replicated, mesh.devices[1].ravel()), (16, 4)) == slice(0, 16)
   # A process holding fsdp=0 of both data rows holds rows 0-4 and 8-12: not one block, refused.
-  with pytest.raises(ShardingError, match=r'this process holds non-contiguous batch rows \[\(0, 4\), \(8, 12\)\] '
-                                          r'of a global batch of 16; order the mesh'):
+  with pytest.raises(
+    ShardingError,
+    match=r'this process holds non-contiguous batch rows \[\(0, 4\), \(8, 12\)\] '
+    r'of a global batch of 16; order the mesh',
+  ):
     data.local_rows(ProcessView(s, mesh.devices[:, 0].ravel()), (16, 4))
 
 
@@ -111,6 +116,7 @@ def test_to_global_builds_sharded_arrays():
 
 def test_unknown_dataset():
   from tests.conftest import tiny_config
+
   cfg = tiny_config()
   cfg.dataset.name = 'nope'
   with pytest.raises(ValueError, match=r"config.dataset.name='nope' is not a known dataset"):
@@ -120,17 +126,23 @@ def test_unknown_dataset():
 @pytest.mark.parametrize('packed', [False, True])
 def test_a_data_position_resumes_with_another_number_of_processes(packed):
   """Positions saved by 2 processes (rows 0-3, 4-7) resume in 1 process (rows 0-7) and in 4 (2 rows each), and
-  those of the 4 in 2, giving exactly the batches an uninterrupted run reads next (packed: each row's packer continues mid-document);
+  those of the 4 in 2, giving exactly the batches an uninterrupted run reads next (packed: each row's packer
+  continues mid-document);
   another global batch is a CheckpointError naming both."""
-  from errors import CheckpointError  # pylint: disable=g-import-not-at-top
   from data.pipeline import RowsIterator, packed_train_dataset  # pylint: disable=g-import-not-at-top
+  from errors import CheckpointError  # pylint: disable=g-import-not-at-top
+
   docs = [np.arange(i % 7 + 3) + 100 * i for i in range(200)]
   tok = lambda d: {'inputs': d[:-1].astype(np.int32), 'targets': d[1:].astype(np.int32)}
 
   def it(rows, global_batch=8):
-    ds = (packed_train_dataset(docs, global_batch, rows, 0, tok, 6, prefetch=0) if packed else
-          data.train_dataset(np.stack([np.resize(d, 6) for d in docs]), global_batch, rows, 0, data.lm_example,
-                             num_threads=0, prefetch=0))
+    ds = (
+      packed_train_dataset(docs, global_batch, rows, 0, tok, 6, prefetch=0)
+      if packed
+      else data.train_dataset(
+        np.stack([np.resize(d, 6) for d in docs]), global_batch, rows, 0, data.lm_example, num_threads=0, prefetch=0
+      )
+    )
     return RowsIterator(ds, rows, global_batch, packed)
 
   whole = it(slice(0, 8))

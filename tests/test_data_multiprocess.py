@@ -1,5 +1,6 @@
 """Two real processes (4 simulated CPU devices each) assemble the same global batches as one process,
 including packed eval, where the processes' rows run out at different batches."""
+
 import json
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def global_batches():
   it.close()
   return train, [data.to_global(b, shardings, 8) for b in ds.eval_batches(8, rows)]
 '''
-WORKER = r'''
+WORKER = r"""
 import json, sys
 import jax
 from jax.experimental import multihost_utils
@@ -45,15 +46,23 @@ out = {'train': [{k: gather(v).tolist() for k, v in b.items()} for b in train],
 print('RESULT ' + json.dumps(out), flush=True)
 multihost_utils.sync_global_devices('end')
 jax.distributed.shutdown()
-'''
+"""
 
 
 @pytest.mark.slow
 def test_two_processes_assemble_the_batches_of_one():
   port = _free_port()
-  procs = [subprocess.Popen([sys.executable, '-c', WORKER, f'127.0.0.1:{port}', str(i), BATCHES], cwd=ROOT,
-                            env={**subprocess_env(), 'PYTHONPATH': ROOT}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, '-c', WORKER, f'127.0.0.1:{port}', str(i), BATCHES],
+      cwd=ROOT,
+      env={**subprocess_env(), 'PYTHONPATH': ROOT},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   outs = [p.communicate(timeout=300) for p in procs]
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]

@@ -1,5 +1,6 @@
 """Offline datasets through the real pipelines: batch contract per task, packing, per-process reading,
 determinism across device counts, resumption (JSON and orbax), exact eval, and config errors."""
+
 import dataclasses
 import json
 
@@ -8,9 +9,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from errors import ConfigError
 import data
 import partitioning
+from errors import ConfigError
 from training import tasks
 
 
@@ -62,8 +63,9 @@ PACKED = dict(name='markov_text', seq_len=16, num_train=512, num_eval=37, pack=T
 
 
 def test_synthetic_images_contract_and_learnable_signal():
-  cfg = make('classification', name='synthetic_images', image_size=12, channels=3, num_classes=4, num_train=512,
-             num_eval=101)
+  cfg = make(
+    'classification', name='synthetic_images', image_size=12, channels=3, num_classes=4, num_train=512, num_eval=101
+  )
   ds = data.build(cfg)
   assert check(cfg, ds) == {'image': ((12, 12, 3), np.float32), 'label': ((), np.int32), 'mask': ((), np.float32)}
   assert ds.num_classes == 4 and ds.vocab is None
@@ -89,8 +91,13 @@ def test_mlm_batches_follow_the_bert_contract():
   tok = ds.tokenizer
   batches = take(ds, 30)
   for b in batches:
-    assert {k: v.dtype for k, v in b.items()} == {'inputs': np.int32, 'targets': np.int32, 'mask': np.float32,
-                                                   'input_mask': np.int32, 'token_types': np.int32}
+    assert {k: v.dtype for k, v in b.items()} == {
+      'inputs': np.int32,
+      'targets': np.int32,
+      'mask': np.float32,
+      'input_mask': np.int32,
+      'token_types': np.int32,
+    }
     real = b['input_mask'].astype(bool)
     n = real.sum(1)
     assert (b['targets'][:, 0] == tok.cls_id).all() and (b['targets'][np.arange(8), n - 1] == tok.sep_id).all()
@@ -119,6 +126,7 @@ def test_text_classification_label_is_learnable_from_the_text():
       t = np.frombuffer(source[i]['text'].encode(), np.uint8).astype(int)
       np.add.at(out[i], t[:-1] * 256 + t[1:], 1)
     return out / out.sum(1, keepdims=True)
+
   xt, xe = bigrams(ds.train), bigrams(ds.eval)
   yt, ye = ds.train.labels, ds.eval.labels
   pred = np.argmin(((xe[:, None] - np.stack([xt[yt == c].mean(0) for c in (0, 1)])[None]) ** 2).sum(-1), -1)
@@ -129,8 +137,10 @@ def test_packed_rows_keep_documents_apart_and_cover_the_split_exactly():
   cfg = make('lm', **PACKED)
   ds = data.build(cfg)
   tok, B, L = ds.tokenizer, 4, 16
-  assert check(cfg, ds) == {k: ((L,), np.float32 if k == 'mask' else np.int32)
-                            for k in ('inputs', 'targets', 'mask', 'segment_ids', 'positions')}
+  assert check(cfg, ds) == {
+    k: ((L,), np.float32 if k == 'mask' else np.int32)
+    for k in ('inputs', 'targets', 'mask', 'segment_ids', 'positions')
+  }
   batches = list(ds.eval_batches(B, slice(0, B)))
   docs = [tok.encode(ds.eval[i]['text']) for i in range(len(ds.eval))]
   # Every target of every document is counted exactly once: the eval metric is exact.
@@ -150,7 +160,7 @@ def test_packed_rows_keep_documents_apart_and_cover_the_split_exactly():
       np.testing.assert_array_equal(m, (seg > 0).astype(np.float32))
       n = int((seg > 0).sum())
       assert not seg[n:].any()  # padding only at the end of a row
-      ids = doc_of[at:at + n]
+      ids = doc_of[at : at + n]
       at += n
       # A segment is exactly one document's tokens (or the rest of one split at a row end) ...
       for s in np.unique(seg[:n]):
@@ -162,8 +172,11 @@ def test_packed_rows_keep_documents_apart_and_cover_the_split_exactly():
 
 
 def test_two_processes_read_disjoint_rows_that_form_the_global_batch():
-  for cfg in (make('lm', **PACKED), make('classification', name='synthetic_images', image_size=8, num_train=512),
-              make('mlm', name='markov_text', seq_len=16, num_train=512)):
+  for cfg in (
+    make('lm', **PACKED),
+    make('classification', name='synthetic_images', image_size=8, num_train=512),
+    make('mlm', name='markov_text', seq_len=16, num_train=512),
+  ):
     ds = data.build(cfg)
     whole = take(ds, 3)
     parts = []
@@ -200,11 +213,15 @@ def test_order_is_a_function_of_the_seed_and_equal_on_one_or_eight_devices():
   assert_same(got['eight'], got['one'])
 
 
-@pytest.mark.parametrize('cfg', [
+@pytest.mark.parametrize(
+  'cfg',
+  [
     make('lm', **PACKED),
     make('classification', name='synthetic_images', image_size=8, num_train=64, augment='crop_flip'),
     make('mlm', name='markov_text', seq_len=16, num_train=64),
-], ids=['packed_lm', 'augmented_images', 'mlm'])
+  ],
+  ids=['packed_lm', 'augmented_images', 'mlm'],
+)
 def test_resume_from_json_state_equals_an_uninterrupted_run(cfg):
   ds = data.build(cfg)
   it = iter(ds.train_dataset(8, slice(0, 8), 0))
@@ -216,13 +233,14 @@ def test_resume_from_json_state_equals_an_uninterrupted_run(cfg):
   for k in (1, 4, 7, 10):
     fresh = iter(ds.train_dataset(8, slice(0, 8), 0))
     fresh.set_state(states[k])
-    assert_same([next(fresh) for _ in range(6)], run[k:k + 6])
+    assert_same([next(fresh) for _ in range(6)], run[k : k + 6])
     fresh.close()
 
 
 def test_resume_through_orbax_with_the_grain_checkpoint_handler(tmp_path):
   import grain
   import orbax.checkpoint as ocp
+
   ds = data.build(make('lm', **PACKED))
   it = iter(ds.train_dataset(8, slice(0, 8), 0))
   for _ in range(5):
@@ -245,8 +263,9 @@ def test_hugging_face_tokenizer_from_a_local_directory(tmp_path):
   specials = ['[PAD]', '[UNK]', '[CLS]', '[SEP]', '[MASK]']
   vocab = {t: i for i, t in enumerate(specials + list(data.markov.ALPHABET))}
   tk = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], unk_token='[UNK]'))
-  transformers.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token='[PAD]', unk_token='[UNK]', cls_token='[CLS]',
-                                       sep_token='[SEP]', mask_token='[MASK]').save_pretrained(tmp_path)
+  transformers.PreTrainedTokenizerFast(
+    tokenizer_object=tk, pad_token='[PAD]', unk_token='[UNK]', cls_token='[CLS]', sep_token='[SEP]', mask_token='[MASK]'
+  ).save_pretrained(tmp_path)
   ds = data.build(make('mlm', vocab_size=64, name='markov_text', seq_len=16, num_train=64, tokenizer=str(tmp_path)))
   assert ds.tokenizer.vocab_size == len(vocab) and ds.tokenizer.mask_id == 4
   b = take(ds, 1)[0]
@@ -257,17 +276,23 @@ def test_hugging_face_tokenizer_from_a_local_directory(tmp_path):
     data.build(make('mlm', name='markov_text', seq_len=16, tokenizer='bert-base-uncased'))
 
 
-@pytest.mark.parametrize('cfg, message', [
+@pytest.mark.parametrize(
+  'cfg, message',
+  [
     (make('lm', name='nope'), r"config.dataset.name='nope' is not a known dataset"),
     (make('lm', name='synthetic_imags'), r"did you mean \['synthetic_images'"),
-    (make('classification', name='markov_text', seq_len=16), r"config.task='classification' does not fit dataset "
-                                                             r"'markov_text', which serves \['lm', 'mlm'"),
+    (
+      make('classification', name='markov_text', seq_len=16),
+      r"config.task='classification' does not fit dataset "
+      r"'markov_text', which serves \['lm', 'mlm'",
+    ),
     (make('lm', name='markov_text', seq_len=1), r'config.dataset.seq_len=1: must be an integer >= 2'),
     (make('mlm', name='markov_text'), r'config.dataset.seq_len=None: must be an integer >= 3'),
     (make('classification', name='synthetic_images', image_size=0), r'config.dataset.image_size=0: must be a positive'),
     (make('mlm', name='markov_text', seq_len=16, pack=True), r'pack=True packs documents for task lm'),
     (make('classification', name='synthetic_images', augment='mixup'), r"config.dataset.augment='mixup'"),
-])
+  ],
+)
 def test_config_errors(cfg, message):
   with pytest.raises(ConfigError, match=message):
     data.build(cfg)
@@ -277,33 +302,50 @@ def test_the_task_checks_the_dataset_against_itself_and_the_model():
   packed = data.build(make('lm', **PACKED))
   check(make('lm', **PACKED), packed)
   unpacked = make('lm', **{**PACKED, 'pack': False})
-  with pytest.raises(ConfigError, match=r"dataset 'markov_text' makes batch fields .* but task 'lm' takes "
-                                        r"\['inputs', 'mask', 'targets'\] \(missing \[\], unused \['positions', 'segment_ids'\]\)"):
+  with pytest.raises(
+    ConfigError,
+    match=r"dataset 'markov_text' makes batch fields .* but task 'lm' takes "
+    r"\['inputs', 'mask', 'targets'\] \(missing \[\], unused \['positions', 'segment_ids'\]\)",
+  ):
     check(unpacked, packed)
-  with pytest.raises(ConfigError, match=r"makes 'inputs' as int32 \(16,\) per example, but task 'lm' takes int32 \(12,\)"):
+  with pytest.raises(
+    ConfigError, match=r"makes 'inputs' as int32 \(16,\) per example, but task 'lm' takes int32 \(12,\)"
+  ):
     check(make('lm', **{**PACKED, 'seq_len': 12}), packed)
   markov = make('lm', vocab_size=16, name='markov', branching=4, smoothing=0.03, seq_len=16, num_train=64, num_eval=8)
   markov.dataset.vocab_size = 16
   ds = data.build(markov)
   check(markov, ds)
   int_mask = lambda x: {**data.lm_example(x), 'mask': np.ones(16, np.int32)}
-  with pytest.raises(ConfigError, match=r"makes 'mask' as int32 \(16,\) per example, but task 'lm' takes float32 \(16,\)"):
+  with pytest.raises(
+    ConfigError, match=r"makes 'mask' as int32 \(16,\) per example, but task 'lm' takes float32 \(16,\)"
+  ):
     check(markov, dataclasses.replace(ds, transform=int_mask))
   with pytest.raises(ConfigError, match=r"dataset 'markov' makes train examples .* but eval examples"):
     check(markov, dataclasses.replace(ds, eval_transform=int_mask))
   # Token ids and labels the model has: one check, whatever emits them.
   markov.dataset.vocab_size = 20
-  with pytest.raises(ConfigError, match=r'the markov language \(config.dataset.vocab_size\) has 20 ids but '
-                                        r'config.model.vocab_size=16: set config.model.vocab_size >= 20'):
+  with pytest.raises(
+    ConfigError,
+    match=r'the markov language \(config.dataset.vocab_size\) has 20 ids but '
+    r'config.model.vocab_size=16: set config.model.vocab_size >= 20',
+  ):
     check(markov, data.build(markov))
   text = make('lm', vocab_size=16, name='markov_text', seq_len=16)
-  with pytest.raises(ConfigError, match=r'the byte tokenizer has 260 ids but config.model.vocab_size=16: set '
-                                        r'config.model.vocab_size >= 260'):
+  with pytest.raises(
+    ConfigError,
+    match=r'the byte tokenizer has 260 ids but config.model.vocab_size=16: set '
+    r'config.model.vocab_size >= 260',
+  ):
     check(text, data.build(text))
-  for cfg in (make('classification', name='synthetic_images', image_size=8, channels=3, num_classes=4),
-              make('text_classification', name='markov_text', seq_len=16, num_classes=4)):
+  for cfg in (
+    make('classification', name='synthetic_images', image_size=8, channels=3, num_classes=4),
+    make('text_classification', name='markov_text', seq_len=16, num_classes=4),
+  ):
     cfg.model.num_classes = 3
-    with pytest.raises(ConfigError, match=rf"dataset '{cfg.dataset.name}' has 4 classes but config.model.num_classes=3"):
+    with pytest.raises(
+      ConfigError, match=rf"dataset '{cfg.dataset.name}' has 4 classes but config.model.num_classes=3"
+    ):
       check(cfg, data.build(cfg))
     cfg.model.num_classes = 4
     check(cfg, data.build(cfg))

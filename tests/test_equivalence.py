@@ -1,4 +1,5 @@
 """Sharded training equals 1-device training; arrays carry the shardings the rules say; one compile."""
+
 import jax
 import numpy as np
 import pytest
@@ -45,19 +46,20 @@ def test_sharded_equals_single_device(preset, single_device):
   assert trainer.mesh.size == 8
   np.testing.assert_allclose(losses, losses_1, rtol=RTOL, atol=ATOL)
   assert losses[-1] < losses[0]
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), jax.device_get(state.params),
-               params_1)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), jax.device_get(state.params), params_1
+  )
 
 
 EXPECTED = {  # independent of the resolver: what the fsdp_tp rules in configs/default.py must give
-    ('blocks', 'layers', 0, 'mlp', 'up', 'layer', 'kernel'): P('fsdp', 'tensor'),
-    ('blocks', 'layers', 0, 'mlp', 'down', 'layer', 'kernel'): P('tensor', 'fsdp'),
-    ('blocks', 'layers', 1, 'attn', 'query', 'layer', 'kernel'): P('fsdp', 'tensor'),
-    ('blocks', 'layers', 1, 'attn', 'out', 'layer', 'kernel'): P('tensor', None, 'fsdp'),
-    ('blocks', 'layers', 1, 'attn', 'query', 'layer', 'bias'): P('tensor'),
-    ('blocks', 'layers', 0, 'ln1', 'scale'): P(),
-    ('tok', 'embed', 'embedding'): P('tensor', 'fsdp'),
-    ('pos',): P(None, 'fsdp'),
+  ('blocks', 'layers', 0, 'mlp', 'up', 'layer', 'kernel'): P('fsdp', 'tensor'),
+  ('blocks', 'layers', 0, 'mlp', 'down', 'layer', 'kernel'): P('tensor', 'fsdp'),
+  ('blocks', 'layers', 1, 'attn', 'query', 'layer', 'kernel'): P('fsdp', 'tensor'),
+  ('blocks', 'layers', 1, 'attn', 'out', 'layer', 'kernel'): P('tensor', None, 'fsdp'),
+  ('blocks', 'layers', 1, 'attn', 'query', 'layer', 'bias'): P('tensor'),
+  ('blocks', 'layers', 0, 'ln1', 'scale'): P(),
+  ('tok', 'embed', 'embedding'): P('tensor', 'fsdp'),
+  ('pos',): P(None, 'fsdp'),
 }
 
 

@@ -2,6 +2,7 @@
 parameter ('stop', the default) or skips and counts ('skip'); no checkpoint is written after a bad step. Disk
 trouble (a workdir that is not writable, a disk that fills up mid-save) stops the run with one error naming
 the directory and the OS error, and the checkpoints before it stay intact."""
+
 import dataclasses
 import os
 import re
@@ -11,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from orbax.checkpoint._src.serialization import serialization
 
 import errors
 import partitioning
 import train
 import training
 from configs import default
-from orbax.checkpoint._src.serialization import serialization
 from tests.conftest import BACKEND_COMPILE, TINY_RUN, build_trainer, recorded_compile_events, tiny_config
 from training import checkpoint
 
@@ -27,13 +28,17 @@ def _finite(tree) -> bool:
 
 
 def _assert_unchanged(before, after):
-  for a, b in zip(jax.tree.leaves((before.params, before.opt_state, before.model_state)),
-                  jax.tree.leaves((after.params, after.opt_state, after.model_state)), strict=True):
+  for a, b in zip(
+    jax.tree.leaves((before.params, before.opt_state, before.model_state)),
+    jax.tree.leaves((after.params, after.opt_state, after.model_state)),
+    strict=True,
+  ):
     np.testing.assert_array_equal(a, b)
 
 
 def test_a_nan_batch_changes_nothing_and_names_the_first_bad_parameter():
   from configs import resnet
+
   cfg = resnet.get_config('dp,tiny')  # BatchNorm: its running averages must not take the NaNs either
   cfg.model.update(stage_sizes=(1,), width=4)
   cfg.update(batch_size=8)
@@ -52,9 +57,10 @@ def test_a_nan_batch_changes_nothing_and_names_the_first_bad_parameter():
   after = jax.device_get(state)
   _assert_unchanged(good, after)  # Adam's count included: the bad step is not counted as a step of Adam
   assert float(metrics['nonfinite']) == 1 and int(after.step) == 2
+
   def loss(params):  # the poisoned batch's gradients, computed apart: the first non-finite one in path order
-    return trainer.task.loss(nnx.merge(trainer.graphdef, params, jax.tree.map(jnp.asarray, good.model_state)),
-                             batch)[0]
+    return trainer.task.loss(nnx.merge(trainer.graphdef, params, jax.tree.map(jnp.asarray, good.model_state)), batch)[0]
+
   grads = jax.grad(loss)(jax.tree.map(jnp.asarray, good.params))
   bad = [partitioning.path_str(p) for p, g in jax.tree_util.tree_leaves_with_path(grads) if not np.isfinite(g).all()]
   assert bad and trainer.trained_paths()[int(metrics[training.FIRST_NONFINITE])] == bad[0]
@@ -112,9 +118,12 @@ def test_absurd_learning_rate_stops_at_the_step_and_keeps_the_last_good_checkpoi
   with pytest.raises(errors.NonFiniteError) as info:
     train.train_and_evaluate(cfg, str(tmp_path))
   msg = str(info.value)
-  m = re.fullmatch(r"step (\d+): non-finite gradient of '([\w/]+)', loss (nan|inf); the update was skipped and the "
-                   r"run stopped \(config.on_nonfinite='stop'; 'skip' skips such steps\); last good checkpoint: "
-                   r"(.*)/(\d+)", msg)
+  m = re.fullmatch(
+    r"step (\d+): non-finite gradient of '([\w/]+)', loss (nan|inf); the update was skipped and the "
+    r"run stopped \(config.on_nonfinite='stop'; 'skip' skips such steps\); last good checkpoint: "
+    r'(.*)/(\d+)',
+    msg,
+  )
   assert m, msg
   bad, good = int(m.group(1)), int(m.group(5))
   assert good < bad and m.group(4) == str(tmp_path / 'checkpoints')
@@ -125,6 +134,7 @@ def test_absurd_learning_rate_stops_at_the_step_and_keeps_the_last_good_checkpoi
 
 def test_skip_goes_on_past_a_poisoned_batch_and_stops_after_k_in_a_row(monkeypatch):
   from configs import mnist
+
   cfg = mnist.get_config('dp,tiny')
   cfg.update(total_steps=6, log_every=3, eval_every=6, checkpoint_every=0, on_nonfinite='skip', max_nonfinite_skips=2)
   to_global, poisoned = train.data.to_global, {3}
@@ -134,6 +144,7 @@ def test_skip_goes_on_past_a_poisoned_batch_and_stops_after_k_in_a_row(monkeypat
     if poison.step in poisoned:
       local = dict(local, image=np.full_like(local['image'], np.nan))
     return to_global(local, shardings, batch_size)
+
   poison.step = 0
   monkeypatch.setattr(train.data, 'to_global', poison)
   result = train.train_and_evaluate(cfg, None)
@@ -141,9 +152,12 @@ def test_skip_goes_on_past_a_poisoned_batch_and_stops_after_k_in_a_row(monkeypat
   assert _finite(result['state'].params) and np.isfinite(result['train']['loss'])
 
   poison.step, poisoned = 0, {2, 4, 5}  # two in a row at 4-5: stop, naming the second
-  with pytest.raises(errors.NonFiniteError, match=r"^step 5: non-finite gradient of '[\w/]+', loss \S+; .*\(2 "
-                                                  r"non-finite steps in a row \(config.max_nonfinite_skips=2\)\); "
-                                                  r"last good checkpoint: none$"):
+  with pytest.raises(
+    errors.NonFiniteError,
+    match=r"^step 5: non-finite gradient of '[\w/]+', loss \S+; .*\(2 "
+    r'non-finite steps in a row \(config.max_nonfinite_skips=2\)\); '
+    r'last good checkpoint: none$',
+  ):
     train.train_and_evaluate(cfg, None)
 
 
@@ -172,10 +186,13 @@ def _disk_full_at(step: int):
   async def write_or_fail(rslices, spec, **kwargs):
     d, key = spec['kvstore']['base']['path'], spec['kvstore']['path']
     if f'/{step}.orbax-checkpoint-tmp/' in d:
-      raise ValueError(f'RESOURCE_EXHAUSTED: Error writing "{key}/0" in OCDBT database at local file "{d}": Failed '
-                       f'writing: "{d}d/504f78fd3b40efc7": Failed to write 28775 bytes to file 4: No space left on '
-                       "device [os_error_code='28']")
+      raise ValueError(
+        f'RESOURCE_EXHAUSTED: Error writing "{key}/0" in OCDBT database at local file "{d}": Failed '
+        f'writing: "{d}d/504f78fd3b40efc7": Failed to write 28775 bytes to file 4: No space left on '
+        "device [os_error_code='28']"
+      )
     return await write(rslices, spec, **kwargs)
+
   return write_or_fail
 
 
@@ -187,10 +204,11 @@ def test_a_disk_that_fills_up_mid_save_stops_the_run_and_the_rerun_resumes(tmp_p
   with pytest.raises(errors.StorageError) as info:  # found when step 12 is saved
     train.train_and_evaluate(cfg, workdir)
   assert re.fullmatch(
-      rf"checkpoint {ckpts}/8 could not be written: No space left on device \[ENOSPC, errno 28\] \({ckpts}/8\."
-      rf"orbax-checkpoint-tmp/\S+\) \(the disk is full\); [\d.]+ MiB free of [\d.]+ MiB there; {ckpts}/4 is the "
-      r"newest intact checkpoint and a rerun resumes from it \(free space or choose another --workdir\)",
-      str(info.value)), str(info.value)
+    rf'checkpoint {ckpts}/8 could not be written: No space left on device \[ENOSPC, errno 28\] \({ckpts}/8\.'
+    rf'orbax-checkpoint-tmp/\S+\) \(the disk is full\); [\d.]+ MiB free of [\d.]+ MiB there; {ckpts}/4 is the '
+    r'newest intact checkpoint and a rerun resumes from it \(free space or choose another --workdir\)',
+    str(info.value),
+  ), str(info.value)
   assert sorted(os.listdir(ckpts)) == ['1', '4', '8.orbax-checkpoint-tmp']  # nothing deleted, nothing half-done
   monkeypatch.undo()  # space freed: the same command resumes from step 4
   out = train.train_and_evaluate(cfg, workdir)

@@ -1,6 +1,7 @@
 """Fine-tuning mechanics: frozen parameters do not move and carry no optimizer state; LoRA trains
 only its adapters (sharded by the rules), and merged weights reproduce base + adapter outputs (also
 exported to Hugging Face)."""
+
 import os
 
 import jax
@@ -46,8 +47,7 @@ def _lora_config(**lora_overrides):
 
 def test_lora_trains_only_adapters_sharded_by_the_rules_and_exports_merged(tmp_path):
   cfg = _lora_config()
-  trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh),
-                           lambda rngs: models.create(cfg.model, rngs, cfg.lora))
+  trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh), lambda rngs: models.create(cfg.model, rngs, cfg.lora))
   specs = _flat(trainer.specs.params)
   assert specs['blocks/layers/0/attn/query/lora_a'] == jax.sharding.PartitionSpec('fsdp')  # (embed, lora_rank)
   assert specs['blocks/layers/0/attn/query/lora_b'] == jax.sharding.PartitionSpec(None, 'tensor')  # (rank, heads, kv)
@@ -62,8 +62,9 @@ def test_lora_trains_only_adapters_sharded_by_the_rules_and_exports_merged(tmp_p
   assert len([f for f in os.listdir(tmp_path / 'hf') if f.endswith('.safetensors')]) > 1
   assert not any('lora' in k for k in hf.state_dict())
   tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (2, 16))
-  ours = nnx.jit(lambda m, t: tasks.eval_view(m)(t))(nnx.merge(trainer.graphdef, state.params, state.model_state),
-                                                      tokens)
+  ours = nnx.jit(lambda m, t: tasks.eval_view(m)(t))(
+    nnx.merge(trainer.graphdef, state.params, state.model_state), tokens
+  )
   with torch.no_grad():
     theirs = hf(torch.tensor(tokens)).logits.numpy()
   np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=0)
@@ -91,8 +92,11 @@ def test_merged_adapters_equal_base_plus_adapter(scan):
 
 def test_lora_targets_matching_nothing_is_an_error():
   cfg = _lora_config(targets='attn/qkv$')
-  with pytest.raises(ValueError, match=r"config.lora.targets='attn/qkv\$' matches no Dense layer; Dense layers are "
-                                       r"e.g. \['blocks/layers/0/attn/key'"):
+  with pytest.raises(
+    ValueError,
+    match=r"config.lora.targets='attn/qkv\$' matches no Dense layer; Dense layers are "
+    r"e.g. \['blocks/layers/0/attn/key'",
+  ):
     models.create(cfg.model, nnx.Rngs(0), cfg.lora)
 
 
@@ -100,6 +104,7 @@ def test_lora_step_computes_no_frozen_weight_gradients():
   """The logged grad norm is the adapters' (what clipping sees), so XLA drops the frozen weights' gradients:
   the compiled step's FLOPs fall by about a third (measured 0.74x of the step that also takes their norm)."""
   import dataclasses
+
   cfg = _lora_config()
   trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh), lambda rngs: models.create(cfg.model, rngs, cfg.lora))
   flops = lambda t: training.compile_step(t, training.jit_train_step(t)).cost_analysis()['flops']

@@ -1,4 +1,5 @@
 """GPT-2: parameter count, causality, packing, padded vocabulary, dtypes, scan == unrolled."""
+
 import re
 
 import jax
@@ -98,6 +99,7 @@ def test_unknown_model_name():
 def test_scanned_optimizer_state_is_sharded_like_the_params():
   # flax#5112: nnx.Optimizer dropped the stacked 'layers' axis from mu/nu's sharding. Ours must not.
   from tests.conftest import build_trainer
+
   cfg = gpt2_config.get_config('fsdp_tp,tiny')
   trainer = build_trainer(cfg)
   kernel = trainer.specs.params['blocks']['layers']['mlp']['up']['layer']['kernel']
@@ -111,7 +113,8 @@ def test_sampling_runs_on_scanned_and_unrolled_layers_alike():
   # train.py samples after training; a scanned stack (nnx.scan) once refused the Params merged outside the
   # sampling loop ("Cannot extract graph node from different trace level").
   from training import tasks
-  out = {}
+
+  out, scanned = {}, None
   for scan in (True, False):
     model = models.create(tiny(scan_layers=scan), nnx.Rngs(0))
     if not scan:  # the same weights as the scanned model

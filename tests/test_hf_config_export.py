@@ -1,6 +1,7 @@
 """config.model -> Hugging Face config.json (`to_hf_config` in each family's file, the PyTorch peer's
 architecture): the import mapping reads the same architecture back (real and tiny sizes), and the
 transformers model built from it has the zoo's parameter count (tiny sizes)."""
+
 import json
 import os
 
@@ -17,31 +18,51 @@ from configs import resnet as resnet_config  # noqa: E402
 from configs import vit as vit_config  # noqa: E402
 from models import bert, gpt2, hf_import, layers, llama, moe, resnet, vit  # noqa: E402
 
-LLAMA3_ROPE = (('rope_type', 'llama3'), ('factor', 32.0), ('low_freq_factor', 1.0), ('high_freq_factor', 4.0),
-               ('original_max_position_embeddings', 8192))
+LLAMA3_ROPE = (
+  ('rope_type', 'llama3'),
+  ('factor', 32.0),
+  ('low_freq_factor', 1.0),
+  ('high_freq_factor', 4.0),
+  ('original_max_position_embeddings', 8192),
+)
 # name -> (config file, argument, model overrides, family module, transformers Auto class)
 CASES = {
-    'gpt2': (gpt2_config, 'real', {}, gpt2, transformers.AutoModelForCausalLM),
-    'gpt2_tiny': (gpt2_config, 'tiny', {}, gpt2, transformers.AutoModelForCausalLM),
-    'llama': (llama_config, 'real', {}, llama, transformers.AutoModelForCausalLM),
-    'llama_llama3_rope_untied': (llama_config, 'real', dict(rope_scaling=LLAMA3_ROPE, tie_embeddings=False), llama,
-                                 transformers.AutoModelForCausalLM),
-    'llama_tiny': (llama_config, 'tiny', {}, llama, transformers.AutoModelForCausalLM),
-    'llama_tiny_llama3_rope_untied': (llama_config, 'tiny', dict(rope_scaling=LLAMA3_ROPE, tie_embeddings=False),
-                                      llama, transformers.AutoModelForCausalLM),
-    'vit': (vit_config, 'b16', {}, vit, transformers.AutoModelForImageClassification),
-    'vit_tiny': (vit_config, 'tiny', {}, vit, transformers.AutoModelForImageClassification),
-    'bert': (bert_config, 'base', {}, bert, transformers.AutoModelForMaskedLM),
-    'bert_tiny': (bert_config, 'tiny', {}, bert, transformers.AutoModelForMaskedLM),
-    'bert_classify': (bert_config, 'base,classify', {}, bert, transformers.AutoModelForSequenceClassification),
-    'bert_tiny_classify': (bert_config, 'tiny,classify', {}, bert, transformers.AutoModelForSequenceClassification),
-    'moe': (moe_config, 'small', {}, moe, transformers.AutoModelForCausalLM),
-    'moe_tiny': (moe_config, 'tiny', {}, moe, transformers.AutoModelForCausalLM),
-    'resnet50': (resnet_config, 'resnet50', {}, resnet, transformers.AutoModelForImageClassification),
-    'resnet18': (resnet_config, 'resnet18', {}, resnet, transformers.AutoModelForImageClassification),
-    'resnet_tiny': (resnet_config, 'tiny', {}, resnet, transformers.AutoModelForImageClassification),
-    'resnet_tiny_bottleneck_v1': (resnet_config, 'tiny', dict(block='bottleneck', stride_in_1x1=True), resnet,
-                                  transformers.AutoModelForImageClassification),
+  'gpt2': (gpt2_config, 'real', {}, gpt2, transformers.AutoModelForCausalLM),
+  'gpt2_tiny': (gpt2_config, 'tiny', {}, gpt2, transformers.AutoModelForCausalLM),
+  'llama': (llama_config, 'real', {}, llama, transformers.AutoModelForCausalLM),
+  'llama_llama3_rope_untied': (
+    llama_config,
+    'real',
+    dict(rope_scaling=LLAMA3_ROPE, tie_embeddings=False),
+    llama,
+    transformers.AutoModelForCausalLM,
+  ),
+  'llama_tiny': (llama_config, 'tiny', {}, llama, transformers.AutoModelForCausalLM),
+  'llama_tiny_llama3_rope_untied': (
+    llama_config,
+    'tiny',
+    dict(rope_scaling=LLAMA3_ROPE, tie_embeddings=False),
+    llama,
+    transformers.AutoModelForCausalLM,
+  ),
+  'vit': (vit_config, 'b16', {}, vit, transformers.AutoModelForImageClassification),
+  'vit_tiny': (vit_config, 'tiny', {}, vit, transformers.AutoModelForImageClassification),
+  'bert': (bert_config, 'base', {}, bert, transformers.AutoModelForMaskedLM),
+  'bert_tiny': (bert_config, 'tiny', {}, bert, transformers.AutoModelForMaskedLM),
+  'bert_classify': (bert_config, 'base,classify', {}, bert, transformers.AutoModelForSequenceClassification),
+  'bert_tiny_classify': (bert_config, 'tiny,classify', {}, bert, transformers.AutoModelForSequenceClassification),
+  'moe': (moe_config, 'small', {}, moe, transformers.AutoModelForCausalLM),
+  'moe_tiny': (moe_config, 'tiny', {}, moe, transformers.AutoModelForCausalLM),
+  'resnet50': (resnet_config, 'resnet50', {}, resnet, transformers.AutoModelForImageClassification),
+  'resnet18': (resnet_config, 'resnet18', {}, resnet, transformers.AutoModelForImageClassification),
+  'resnet_tiny': (resnet_config, 'tiny', {}, resnet, transformers.AutoModelForImageClassification),
+  'resnet_tiny_bottleneck_v1': (
+    resnet_config,
+    'tiny',
+    dict(block='bottleneck', stride_in_1x1=True),
+    resnet,
+    transformers.AutoModelForImageClassification,
+  ),
 }
 TINY = sorted(k for k in CASES if 'tiny' in k)
 
@@ -60,8 +81,10 @@ def test_import_mapping_reads_the_same_architecture_back(name):
   fields = family.HF.config(d)
   expected = {k: cfg.get(k) for k in fields}
   if 'head_dim' in fields:  # MoE configs leave these to the defaults the model derives
-    expected.update(head_dim=cfg.get('head_dim') or cfg.embed_dim // cfg.num_heads,
-                    num_kv_heads=cfg.get('num_kv_heads') or cfg.num_heads)
+    expected.update(
+      head_dim=cfg.get('head_dim') or cfg.embed_dim // cfg.num_heads,
+      num_kv_heads=cfg.get('num_kv_heads') or cfg.num_heads,
+    )
   if 'rope_scaling' in fields:  # configs hold it as pairs or None; the importer gives the checked form
     expected['rope_scaling'] = layers.rope_scaling_params(cfg.get('rope_scaling'))
   if family is moe:  # no config.json field: the importer makes it dropless, like Mixtral
@@ -79,18 +102,20 @@ def test_import_mapping_reads_the_same_architecture_back(name):
 def test_moe_exported_aux_loss_coefficient_gives_mixtral_the_same_penalty():
   """Where every layer routes alike, transformers' Mixtral load-balancing loss with the exported coefficient
   equals the zoo's weighted aux loss (Mixtral: over all layers' tokens, counting top_k assignments each)."""
-  import torch  # pylint: disable=g-import-not-at-top
-  from transformers.models.mixtral import modeling_mixtral  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  from transformers.models.mixtral import modeling_mixtral  # pylint: disable=g-import-not-at-top
+
   cfg = moe_config.get_config('tiny').model
   cfg.update(num_layers=4, num_experts=6, top_k=2, aux_loss_weight=0.01)
   logits = np.random.default_rng(0).standard_normal((1, 32, cfg.num_experts)).astype(np.float32) * 2
   _, _, stats = moe.route(jnp.asarray(logits), cfg.top_k, 32)
   ours = cfg.aux_loss_weight * cfg.num_layers * float(stats['load_balance_loss'])
   coef = moe.to_hf_config(cfg)['router_aux_loss_coef']
-  theirs = coef * float(modeling_mixtral.load_balancing_loss_func(
-      (torch.tensor(logits[0]),) * cfg.num_layers, cfg.num_experts, cfg.top_k))
+  theirs = coef * float(
+    modeling_mixtral.load_balancing_loss_func((torch.tensor(logits[0]),) * cfg.num_layers, cfg.num_experts, cfg.top_k)
+  )
   np.testing.assert_allclose(theirs, ours, rtol=1e-5)
 
 
@@ -122,8 +147,12 @@ def test_vocab_padding_is_the_only_parameter_difference(name):
   cfg, family, auto = case(name)
   cfg.pad_vocab_to = 128
   rows = -(-cfg.vocab_size // 128) * 128 - cfg.vocab_size
-  per_row = {'gpt2_tiny': cfg.embed_dim, 'bert_tiny': cfg.embed_dim + 1, 'bert_tiny_classify': cfg.embed_dim,
-             'moe_tiny': 2 * cfg.embed_dim}[name]  # MoE: embedding and untied head
+  per_row = {
+    'gpt2_tiny': cfg.embed_dim,
+    'bert_tiny': cfg.embed_dim + 1,
+    'bert_tiny_classify': cfg.embed_dim,
+    'moe_tiny': 2 * cfg.embed_dim,
+  }[name]  # MoE: embedding and untied head
   assert family.num_params(cfg) - num_hf_params(family.to_hf_config(cfg), auto) == rows * per_row
 
 

@@ -1,6 +1,7 @@
 """Hugging Face export end to end (the README's fine-tune): a hub id -> train.py -> export.py -> a directory
 that transformers' Auto classes load, giving the zoo's logits; errors that name their culprit. (Per-family
 round trips: tests/test_hf_import.py and tests/test_hf_families.py; LoRA exported merged: tests/test_finetune.py.)"""
+
 import json
 import os
 import re
@@ -35,13 +36,24 @@ def tiny_gpt2_with_tokenizer(path):
   tk = tokenizers.Tokenizer(tokenizers.models.BPE())
   tk.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   tk.decoder = tokenizers.decoders.ByteLevel()
-  tk.train_from_iterator(['the quick brown fox jumps over the lazy dog'] * 4, tokenizers.trainers.BpeTrainer(
-      vocab_size=300, special_tokens=['<|endoftext|>'], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()))
+  tk.train_from_iterator(
+    ['the quick brown fox jumps over the lazy dog'] * 4,
+    tokenizers.trainers.BpeTrainer(
+      vocab_size=300, special_tokens=['<|endoftext|>'], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    ),
+  )
   tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token='<|endoftext|>', bos_token='<|endoftext|>')
   tok.save_pretrained(path)
   torch.manual_seed(0)
-  cfg = transformers.GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=2, n_head=4,
-                                bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id)
+  cfg = transformers.GPT2Config(
+    vocab_size=len(tok),
+    n_positions=64,
+    n_embd=32,
+    n_layer=2,
+    n_head=4,
+    bos_token_id=tok.eos_token_id,
+    eos_token_id=tok.eos_token_id,
+  )
   transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
   return len(tok)
 
@@ -51,6 +63,7 @@ def test_finetune_from_a_hub_id_then_export_py_loads_in_transformers(tmp_path, m
   (here a hand-populated Hugging Face cache, offline), then `export.py --workdir W --out H`: transformers'
   AutoModelForCausalLM and AutoTokenizer load H, and the model gives the zoo's logits."""
   import huggingface_hub
+
   cache, commit = tmp_path / 'hub', '0123456789abcdef0123456789abcdef01234567'
   snapshot = cache / 'models--tiny-org--gpt2' / 'snapshots' / commit
   snapshot.mkdir(parents=True)
@@ -69,12 +82,23 @@ def test_finetune_from_a_hub_id_then_export_py_loads_in_transformers(tmp_path, m
     state = train.train_and_evaluate(cfg, str(workdir))['state']
   assert cfg.model.vocab_size == vocab and cfg.dataset.tokenizer == str(snapshot)
 
-  run = subprocess.run([sys.executable, 'export.py', '--workdir', str(workdir), '--out', str(out)], cwd=ROOT,
-                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  run = subprocess.run(
+    [sys.executable, 'export.py', '--workdir', str(workdir), '--out', str(out)],
+    cwd=ROOT,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert run.returncode == 0, run.stderr[-3000:]
   assert f'exported {workdir}/checkpoints/3 -> {out}: 28 tensors' in run.stdout, run.stdout
-  assert {'tokenizer.json', 'tokenizer_config.json', 'generation_config.json', 'config.json',
-          'model.safetensors'} <= set(os.listdir(out))
+  assert {
+    'tokenizer.json',
+    'tokenizer_config.json',
+    'generation_config.json',
+    'config.json',
+    'model.safetensors',
+  } <= set(os.listdir(out))
   tok = transformers.AutoTokenizer.from_pretrained(str(out))
   model = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
   tokens = np.asarray([tok('the lazy fox')['input_ids'] * 4])
@@ -93,21 +117,32 @@ def test_finetune_from_a_hub_id_then_export_py_loads_in_transformers(tmp_path, m
 def test_export_errors_name_the_culprit(tmp_path):
   gpt2 = models.HF_FAMILIES['gpt2']
   cfg = gpt2_finetune.get_config('tiny').model
-  with pytest.raises(HFExportError, match=r"zoo tensor\(s\) \['extra/kernel'\] have no Hugging Face counterpart in "
-                                          r'the gpt2 table'):
+  with pytest.raises(
+    HFExportError,
+    match=r"zoo tensor\(s\) \['extra/kernel'\] have no Hugging Face counterpart in "
+    r'the gpt2 table',
+  ):
     hf_export.plan(gpt2, cfg, {'ln_f/scale': (64,), 'extra/kernel': (2, 2)})
   with pytest.raises(HFExportError, match=r'wte.weight: the table pads it without saying its real length'):
-    hf_export.plan(hf_import.Family(('x',), dict, [hf_import.Param('e', 'wte.weight', [hf_import.Pad(0, 8)])]),
-                   cfg, {'e': (8, 4)})
+    hf_export.plan(
+      hf_import.Family(('x',), dict, [hf_import.Param('e', 'wte.weight', [hf_import.Pad(0, 8)])]), cfg, {'e': (8, 4)}
+    )
   with pytest.raises(HFExportError, match=r'cannot write dtype complex64'):
     hf_export.write(gpt2, cfg, {}, None, str(tmp_path), dtype=np.complex64)
-  with pytest.raises(ConfigError, match=r"config.model.name='cnn' has no Hugging Face layout to export to; families "
-                                        r"with one: \['bert', 'gpt2', 'llama', 'moe', 'resnet', 'vit'\]"):
+  with pytest.raises(
+    ConfigError,
+    match=r"config.model.name='cnn' has no Hugging Face layout to export to; families "
+    r"with one: \['bert', 'gpt2', 'llama', 'moe', 'resnet', 'vit'\]",
+  ):
     from configs import mnist
+
     c = mnist.get_config()
     export.write_hf(build_trainer(c), {}, {}, str(tmp_path), models.HF_FAMILIES)
-  with pytest.raises(ConfigError, match=rf'{tmp_path}/run_config.json does not exist .* give the run.s config '
-                                        'with --config'):
+  with pytest.raises(
+    ConfigError,
+    match=rf'{tmp_path}/run_config.json does not exist .* give the run.s config '
+    'with --config',
+  ):
     export.load_run_config(str(tmp_path))
   shutil.rmtree(tmp_path)
 
@@ -115,6 +150,7 @@ def test_export_errors_name_the_culprit(tmp_path):
 def imported_gpt2(hf_dir):
   """(trainer, state) of the tiny GPT-2 in hf_dir, imported (no train step: nothing compiles)."""
   from configs import gpt2 as gpt2_config
+
   trainer = build_trainer(zoo_config(gpt2_config, 'fsdp,tiny', hf_dir))
   return trainer, pretrained.init_state(trainer, models.HF_FAMILIES)
 
@@ -128,18 +164,26 @@ def test_export_into_a_non_empty_directory_needs_overwrite_which_removes_only_ex
   assert export_hf(trainer, state, out)['removed'] == []
   (out / 'notes.txt').write_text('not ours')
   (out / 'tokenizer.json').write_text('{}')  # e.g. left by an export of a run with another tokenizer
-  with pytest.raises(ConfigError, match=(
+  with pytest.raises(
+    ConfigError,
+    match=(
       rf"^export directory '{out}' is not empty \(config.json, generation_config.json, model.safetensors, notes.txt, "
-      r"...\): pass --overwrite \(overwrite=True\)")):
+      r'...\): pass --overwrite \(overwrite=True\)'
+    ),
+  ):
     export_hf(trainer, state, out, max_shard_size='50KB')
   trained = state.replace(params=jax.tree.map(lambda x: x + 1, state.params))
   stats = export_hf(trainer, trained, out, max_shard_size='50KB', overwrite=True)
   assert stats['removed'] == ['config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json']
-  assert sorted(os.listdir(out)) == sorted(stats['files'] + stats['copied'] + [
-      'config.json', 'model.safetensors.index.json', 'notes.txt']) and len(stats['files']) > 1
+  assert (
+    sorted(os.listdir(out))
+    == sorted(stats['files'] + stats['copied'] + ['config.json', 'model.safetensors.index.json', 'notes.txt'])
+    and len(stats['files']) > 1
+  )
   model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
-  np.testing.assert_array_equal(model.transformer.wte.weight.detach().numpy(),
-                                np.asarray(trained.params['tok']['embed']['embedding'])[:100])
+  np.testing.assert_array_equal(
+    model.transformer.wte.weight.detach().numpy(), np.asarray(trained.params['tok']['embed']['embedding'])[:100]
+  )
   with pytest.raises(ConfigError, match=rf"^export directory '{out}/notes.txt' is an existing file, not a directory"):
     export_hf(trainer, state, out / 'notes.txt', overwrite=True)
 
@@ -157,11 +201,16 @@ def test_export_refuses_to_write_into_what_it_reads(gpt2_dir, tmp_path):
   trainer.config.dataset.tokenizer = str(tok)
   (tmp_path / 'link').symlink_to(src)
   before = {f: (src / f).read_bytes() for f in os.listdir(src)}
-  for out, field, source in ((src, 'config.init_from', src), (tok, 'config.dataset.tokenizer', tok),
-                             (tmp_path / 'link', 'config.init_from', src)):
+  for out, field, source in (
+    (src, 'config.init_from', src),
+    (tok, 'config.dataset.tokenizer', tok),
+    (tmp_path / 'link', 'config.init_from', src),
+  ):
     for overwrite in (False, True):
-      with pytest.raises(ConfigError, match=re.escape(f"export directory '{out}' is the run's {field} ({source}), "
-                                                      'which the export reads')):
+      with pytest.raises(
+        ConfigError,
+        match=re.escape(f"export directory '{out}' is the run's {field} ({source}), which the export reads"),
+      ):
         export_hf(trainer, state, out, overwrite=overwrite)
   assert {f: (src / f).read_bytes() for f in os.listdir(src)} == before
   checkpoints = tmp_path / 'run' / 'checkpoints'
@@ -169,8 +218,12 @@ def test_export_refuses_to_write_into_what_it_reads(gpt2_dir, tmp_path):
   root = os.path.realpath(checkpoints)
   for out in (checkpoints, checkpoints / '3', checkpoints / '3' / 'hf'):
     for step in (checkpoints, checkpoints / '3'):
-      with pytest.raises(ConfigError, match=re.escape(f"export directory '{out}' is ") + '(inside )?' +
-                         re.escape(f'the checkpoint directory {root}, which the export reads')):
+      with pytest.raises(
+        ConfigError,
+        match=re.escape(f"export directory '{out}' is ")
+        + '(inside )?'
+        + re.escape(f'the checkpoint directory {root}, which the export reads'),
+      ):
         export.export_hf(trainer, str(step), str(out), models.HF_FAMILIES, overwrite=True)
   assert sorted(os.listdir(checkpoints / '3')) == ['state']
 
@@ -181,29 +234,55 @@ def test_export_py_checks_dtype_and_max_shard_size_before_anything_else(tmp_path
   with pytest.raises(ConfigError, match=r"^--dtype='bf16': one of float32, bfloat16, float16, float64"):
     export.check_options('bf16', '5GB')
   for bad in ('5XB', '0GB', '5', 'GB', '-1MB', '1e3MB'):
-    with pytest.raises(ConfigError, match=rf"^--max_shard_size='{bad}': a positive number with a unit KB, MB, GB or "
-                                          r'TB, e.g. 5GB or 500MB$'):
+    with pytest.raises(
+      ConfigError,
+      match=rf"^--max_shard_size='{bad}': a positive number with a unit KB, MB, GB or "
+      r'TB, e.g. 5GB or 500MB$',
+    ):
       export.check_options(None, bad)
   for dtype, size in ((None, '5GB'), ('bfloat16', '500MB'), ('float16', '0.05mb'), ('float32', '1.5 GB')):
     export.check_options(dtype, size)
-  run = subprocess.run([sys.executable, 'export.py', '--workdir', str(tmp_path / 'none'), '--out', str(tmp_path / 'hf'),
-                        '--max_shard_size=5XB'], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                       timeout=120)
+  run = subprocess.run(
+    [
+      sys.executable,
+      'export.py',
+      '--workdir',
+      str(tmp_path / 'none'),
+      '--out',
+      str(tmp_path / 'hf'),
+      '--max_shard_size=5XB',
+    ],
+    cwd=ROOT,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert run.returncode == 1 and 'Traceback' not in run.stderr, run.stderr[-3000:]
-  assert run.stderr.strip().splitlines()[-1] == ("shardzoo: export error: --max_shard_size='5XB': a positive number "
-                                                 'with a unit KB, MB, GB or TB, e.g. 5GB or 500MB'), run.stderr[-3000:]
+  assert run.stderr.strip().splitlines()[-1] == (
+    "shardzoo: export error: --max_shard_size='5XB': a positive number with a unit KB, MB, GB or TB, e.g. 5GB or 500MB"
+  ), run.stderr[-3000:]
   assert not os.path.exists(tmp_path / 'hf')
 
 
 def test_export_py_refuses_a_non_empty_out_before_building_the_model(tmp_path):
   from configs import gpt2 as gpt2_config
+
   export.save_run_config(gpt2_config.get_config('fsdp,tiny'), str(tmp_path / 'run'))
   (tmp_path / 'hf').mkdir()
   (tmp_path / 'hf' / 'model.safetensors').write_text('an earlier export')
-  run = subprocess.run([sys.executable, 'export.py', '--workdir', str(tmp_path / 'run'), '--out', str(tmp_path / 'hf')],
-                       cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+  run = subprocess.run(
+    [sys.executable, 'export.py', '--workdir', str(tmp_path / 'run'), '--out', str(tmp_path / 'hf')],
+    cwd=ROOT,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert run.returncode == 1 and 'Traceback' not in run.stderr, run.stderr[-3000:]
-  assert run.stderr.strip().splitlines()[-1] == (f"shardzoo: export error: export directory '{tmp_path}/hf' is not "
-                                                 'empty (model.safetensors): pass --overwrite (overwrite=True) to '
-                                                 'replace the files of an earlier export there, or give an empty '
-                                                 'directory'), run.stderr[-3000:]
+  assert run.stderr.strip().splitlines()[-1] == (
+    f"shardzoo: export error: export directory '{tmp_path}/hf' is not "
+    'empty (model.safetensors): pass --overwrite (overwrite=True) to '
+    'replace the files of an earlier export there, or give an empty '
+    'directory'
+  ), run.stderr[-3000:]

@@ -4,6 +4,7 @@ and unrolled stacks; sharded checkpoints (model.safetensors.index.json); Llama 3
 replaced for another number of classes; ResNet's running statistics imported as model state; Mixtral's
 per-expert hub layout and transformers 5's fused one, each device reading only its experts; unsupported
 config.json settings name the field."""
+
 import copy
 import json
 import os
@@ -34,14 +35,17 @@ from training import pretrained, tasks  # noqa: E402
 # ViT 6.6e-7 (2.81); ResNet basic 9.5e-7 (4.34), bottleneck v1 7.2e-7 (2.06); Mixtral hub layout 1.2e-6
 # (2.82), fused experts in a sharded file 1.7e-6 (2.82).
 PARITY_ATOL = 1e-4
-LLAMA3_ROPE = dict(rope_type='llama3', factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=64)
+LLAMA3_ROPE = dict(
+  rope_type='llama3', factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+)
 
 
 def forward(trainer, state, *args, **kwargs):
   """The model's output (eval mode) under the trainer's shardings."""
+
   def run(params, rest, *a):
     return tasks.eval_view(nnx.merge(trainer.graphdef, params, rest))(*a, **kwargs)
+
   return np.asarray(jax.jit(run)(state.params, state.model_state, *args))
 
 
@@ -73,9 +77,13 @@ def save(model, path, **kwargs):
 # --- Llama ------------------------------------------------------------------------------------------
 
 LLAMA_CASES = {  # name -> (LlamaConfig overrides, save_pretrained kwargs, zoo preset, scan_layers)
-    'gqa_untied_sharded_file': (dict(tie_word_embeddings=False), dict(max_shard_size='20KB'), 'fsdp_tp,tiny', True),
-    'tied_llama3_rope': (dict(tie_word_embeddings=True, rope_parameters=dict(rope_theta=10_000.0, **LLAMA3_ROPE)),
-                         {}, 'tp,tiny', False),
+  'gqa_untied_sharded_file': (dict(tie_word_embeddings=False), dict(max_shard_size='20KB'), 'fsdp_tp,tiny', True),
+  'tied_llama3_rope': (
+    dict(tie_word_embeddings=True, rope_parameters=dict(rope_theta=10_000.0, **LLAMA3_ROPE)),
+    {},
+    'tp,tiny',
+    False,
+  ),
 }
 
 
@@ -84,8 +92,17 @@ def llama_case(request, tmp_path_factory):
   overrides, save_kw, arg, scan = LLAMA_CASES[request.param]
   torch.manual_seed(0)
   hf_cfg = transformers.LlamaConfig(
-      vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-      num_key_value_heads=4, head_dim=8, rms_norm_eps=1e-5, max_position_embeddings=128, **overrides)
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=128,
+    **overrides,
+  )
   path, model = save(transformers.LlamaForCausalLM(hf_cfg).eval(), tmp_path_factory.mktemp('hf_llama'), **save_kw)
   return request.param, path, model, arg, scan
 
@@ -102,11 +119,16 @@ def test_llama_logits_match_transformers_and_export_back(llama_case, tmp_path):
   assert m.tie_embeddings == tied and m.max_len == 64  # the preset's 64 fits the 128 positions: kept
   trainer, state = import_hf(cfg)
   assert ('lm_head' in state.params) != tied
-  q = state.params['blocks']['layers']['self_attn']['query']['layer']['kernel'] if scan else \
-      state.params['blocks']['layers'][0]['self_attn']['query']['layer']['kernel']
+  q = (
+    state.params['blocks']['layers']['self_attn']['query']['layer']['kernel']
+    if scan
+    else state.params['blocks']['layers'][0]['self_attn']['query']['layer']['kernel']
+  )
   assert q.sharding.spec != jax.P() and q.sharding.spec == (
-      trainer.specs.params['blocks']['layers']['self_attn']['query']['layer']['kernel'] if scan else
-      trainer.specs.params['blocks']['layers'][0]['self_attn']['query']['layer']['kernel'])
+    trainer.specs.params['blocks']['layers']['self_attn']['query']['layer']['kernel']
+    if scan
+    else trainer.specs.params['blocks']['layers'][0]['self_attn']['query']['layer']['kernel']
+  )
   if 'llama3' in name:
     assert dict(m.rope_scaling) == {**LLAMA3_ROPE, 'original_max_position_embeddings': 64.0}
     ours = np.asarray(layers.rope_frequencies(m.head_dim, m.rope_theta, m.rope_scaling))
@@ -126,6 +148,7 @@ def test_llama_logits_match_transformers_and_export_back(llama_case, tmp_path):
     e = float(np.abs(ours - theirs).max())
     print(f'llama {name} {what}: max |logits diff| {e:.2e} (logits up to {np.abs(theirs).max():.2f})')
     return e
+
   assert err(state, hf_model, 'import') < PARITY_ATOL
   # Export: HF -> zoo -> HF is bitwise; trained -> HF -> transformers gives the zoo's logits (the sharded case
   # is written in several files with an index, like its source).
@@ -148,8 +171,11 @@ def test_llama_keeps_a_compatible_max_len_and_refuses_a_longer_one(llama_case):
   assert cfg.model.max_len == 32 and kept == {'max_len': (32, 128)}
   assert taken['embed_dim'] == 64 and taken['num_kv_heads'] == 4 and 'max_len' not in taken  # every field logged
   cfg.model.max_len = 256
-  with pytest.raises(ValueError, match=r"config.model.max_len=256 does not fit .* \(config.json gives 128\): longer "
-                                       'than the 128 positions the checkpoint was trained for'):
+  with pytest.raises(
+    ValueError,
+    match=r'config.model.max_len=256 does not fit .* \(config.json gives 128\): longer '
+    'than the 128 positions the checkpoint was trained for',
+  ):
     pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
 
 
@@ -168,8 +194,8 @@ def test_llama_rope_scaling_default_is_unchanged():
 # --- BERT -------------------------------------------------------------------------------------------
 
 BERT_CASES = {  # head -> (HF class, zoo preset, scan_layers, model overrides)
-    'mlm': (transformers.BertForMaskedLM, 'tp,tiny', True, dict(pad_vocab_to=8)),  # 100 rows padded to 104
-    'classify': (transformers.BertForSequenceClassification, 'fsdp_tp,tiny,classify', False, dict(num_classes=3)),
+  'mlm': (transformers.BertForMaskedLM, 'tp,tiny', True, dict(pad_vocab_to=8)),  # 100 rows padded to 104
+  'classify': (transformers.BertForSequenceClassification, 'fsdp_tp,tiny,classify', False, dict(num_classes=3)),
 }
 
 
@@ -178,8 +204,16 @@ def bert_case(request, tmp_path_factory):
   cls = BERT_CASES[request.param][0]
   torch.manual_seed(0)
   hf_cfg = transformers.BertConfig(
-      vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-      max_position_embeddings=64, type_vocab_size=2, num_labels=3, initializer_range=0.1)  # logits of O(1)
+    vocab_size=100,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    max_position_embeddings=64,
+    type_vocab_size=2,
+    num_labels=3,
+    initializer_range=0.1,
+  )  # logits of O(1)
   path, model = save(cls(hf_cfg).eval(), tmp_path_factory.mktemp('hf_bert'))
   return request.param, path, model
 
@@ -198,14 +232,16 @@ def test_bert_logits_match_transformers_and_export_back(bert_case, tmp_path):
   def err(state, hf_model, what):
     ours = forward(trainer, state, tokens, valid_BL=valid, token_types_BL=types)
     with torch.no_grad():
-      theirs = hf_model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(valid),
-                        token_type_ids=torch.tensor(types)).logits.numpy()
+      theirs = hf_model(
+        input_ids=torch.tensor(tokens), attention_mask=torch.tensor(valid), token_type_ids=torch.tensor(types)
+      ).logits.numpy()
     if head == 'mlm':  # real positions and real vocabulary only (padded positions are never scored)
       assert ours.shape == (2, 16, 104) and (ours[..., 100:] < -1e8).all()
       ours, theirs = ours[valid == 1][:, :100], theirs[valid == 1]
     e = float(np.abs(ours - theirs).max())
     print(f'bert {head} {what}: max |logits diff| {e:.2e} (logits up to {np.abs(theirs).max():.2f})')
     return e
+
   assert err(state, hf_model, 'import') < PARITY_ATOL
   assert_hf_round_trip(trainer, state, path, tmp_path / 'round_trip')
   trained = train_steps(trainer, state)
@@ -215,11 +251,21 @@ def test_bert_logits_match_transformers_and_export_back(bert_case, tmp_path):
 
 # --- ViT --------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope='module')
 def vit_dir(tmp_path_factory):
   torch.manual_seed(0)
-  hf_cfg = transformers.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                                  image_size=16, patch_size=4, num_channels=3, num_labels=5, initializer_range=0.1)
+  hf_cfg = transformers.ViTConfig(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    image_size=16,
+    patch_size=4,
+    num_channels=3,
+    num_labels=5,
+    initializer_range=0.1,
+  )
   return save(transformers.ViTForImageClassification(hf_cfg).eval(), tmp_path_factory.mktemp('hf_vit'))
 
 
@@ -229,8 +275,7 @@ def images(n=2):
 
 def test_vit_logits_match_transformers_and_export_back(vit_dir, tmp_path):
   path, hf_model = vit_dir
-  cfg = zoo_config(vit_config, 'tp,tiny', path, dataset=dict(num_classes=5), num_classes=5, embed_dim=32,
-                   patch_size=8)
+  cfg = zoo_config(vit_config, 'tp,tiny', path, dataset=dict(num_classes=5), num_classes=5, embed_dim=32, patch_size=8)
   assert (cfg.model.embed_dim, cfg.model.patch_size, cfg.model.num_layers) == (64, 4, 2)
   trainer, state = import_hf(cfg)
   x = images()
@@ -242,6 +287,7 @@ def test_vit_logits_match_transformers_and_export_back(vit_dir, tmp_path):
     e = float(np.abs(ours - theirs).max())
     print(f'vit {what}: max |logits diff| {e:.2e} (logits up to {np.abs(theirs).max():.2f})')
     return e
+
   assert err(state, hf_model, 'import') < PARITY_ATOL
   assert_hf_round_trip(trainer, state, path, tmp_path / 'round_trip')
   trained = train_steps(trainer, state)
@@ -255,8 +301,11 @@ def test_vit_new_head_for_other_classes(vit_dir):
   path, hf_model = vit_dir
   cfg = zoo_config(vit_config, 'fsdp,tiny', path, dataset=dict(num_classes=3), num_classes=3, scan_layers=False)
   trainer = build_trainer(cfg)
-  with pytest.raises(hf_import.HFImportError, match=r"classifier.weight \(5, 64\) gives shape \(64, 5\) for zoo "
-                                                    r"parameter 'head/layer/kernel', which expects \(64, 3\)"):
+  with pytest.raises(
+    hf_import.HFImportError,
+    match=r'classifier.weight \(5, 64\) gives shape \(64, 5\) for zoo '
+    r"parameter 'head/layer/kernel', which expects \(64, 3\)",
+  ):
     pretrained.init_state(trainer, models.HF_FAMILIES)
   cfg.dont_load = '^head/'
   state = pretrained.init_state(trainer, models.HF_FAMILIES)
@@ -280,8 +329,8 @@ def test_vit_new_head_for_other_classes(vit_dir):
 # --- ResNet ------------------------------------------------------------------------------------------
 
 RESNET_CASES = {  # name -> (layer_type, downsample_in_bottleneck, zoo preset, scan_layers)
-    'basic': ('basic', False, 'tp,tiny', True),
-    'bottleneck_v1': ('bottleneck', True, 'fsdp,tiny', False),  # stride on the first 1x1 conv
+  'basic': ('basic', False, 'tp,tiny', True),
+  'bottleneck_v1': ('bottleneck', True, 'fsdp,tiny', False),  # stride on the first 1x1 conv
 }
 
 
@@ -289,17 +338,26 @@ RESNET_CASES = {  # name -> (layer_type, downsample_in_bottleneck, zoo preset, s
 def resnet_case(request, tmp_path_factory):
   block, v1, arg, scan = RESNET_CASES[request.param]
   x = 4 if block == 'bottleneck' else 1
-  hf_cfg = transformers.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8 * x, 16 * x, 32 * x],
-                                     depths=[1, 2, 3], layer_type=block, downsample_in_bottleneck=v1, num_labels=5)
+  hf_cfg = transformers.ResNetConfig(
+    num_channels=3,
+    embedding_size=8,
+    hidden_sizes=[8 * x, 16 * x, 32 * x],
+    depths=[1, 2, 3],
+    layer_type=block,
+    downsample_in_bottleneck=v1,
+    num_labels=5,
+  )
   torch.manual_seed(0)
   model = transformers.ResNetForImageClassification(hf_cfg)
   gen = torch.Generator().manual_seed(0)
   for m in model.modules():  # non-trivial BatchNorm weights and running statistics
     if isinstance(m, torch.nn.BatchNorm2d):
-      for t, v in ((m.running_mean, torch.randn(m.num_features, generator=gen) * 0.1),
-                   (m.running_var, torch.rand(m.num_features, generator=gen) + 0.5),
-                   (m.weight.data, torch.rand(m.num_features, generator=gen) + 0.5),
-                   (m.bias.data, torch.randn(m.num_features, generator=gen) * 0.1)):
+      for t, v in (
+        (m.running_mean, torch.randn(m.num_features, generator=gen) * 0.1),
+        (m.running_var, torch.rand(m.num_features, generator=gen) + 0.5),
+        (m.weight.data, torch.rand(m.num_features, generator=gen) + 0.5),
+        (m.bias.data, torch.randn(m.num_features, generator=gen) * 0.1),
+      ):
         t.copy_(v)
   path, model = save(model.eval(), tmp_path_factory.mktemp('hf_resnet'))
   return request.param, path, model, arg, scan
@@ -329,6 +387,7 @@ def test_resnet_logits_match_transformers_and_export_back(resnet_case, tmp_path)
     e = float(np.abs(ours - theirs).max())
     print(f'resnet {name} {what}: max |logits diff| {e:.2e} (logits up to {np.abs(theirs).max():.2f})')
     return e
+
   assert err(state, hf_model, 'import') < PARITY_ATOL
   theirs = hf_model(pixel_values=pixels).logits.detach().numpy()
   if m.stride_in_1x1:  # the case tells v1 from v1.5: the same weights striding on the 3x3 conv differ
@@ -349,8 +408,8 @@ def test_resnet_logits_match_transformers_and_export_back(resnet_case, tmp_path)
 # --- MoE from Mixtral -------------------------------------------------------------------------------
 
 MIXTRAL_CASES = {  # name -> (save_pretrained kwargs, zoo preset, scan_layers)
-    'hub_layout': ({}, 'ep,tiny', True),  # per-expert w1/w2/w3: what save_pretrained writes, and the hub has
-    'fused_sharded_file': (dict(save_original_format=False, max_shard_size='20KB'), 'ep_tp,tiny', False),
+  'hub_layout': ({}, 'ep,tiny', True),  # per-expert w1/w2/w3: what save_pretrained writes, and the hub has
+  'fused_sharded_file': (dict(save_original_format=False, max_shard_size='20KB'), 'ep_tp,tiny', False),
 }
 
 
@@ -358,9 +417,19 @@ MIXTRAL_CASES = {  # name -> (save_pretrained kwargs, zoo preset, scan_layers)
 def mixtral_case(request, tmp_path_factory):
   torch.manual_seed(0)
   hf_cfg = transformers.MixtralConfig(
-      vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-      num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5,
-      tie_word_embeddings=False, initializer_range=0.1)
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    initializer_range=0.1,
+  )
   save_kw, arg, scan = MIXTRAL_CASES[request.param]
   path, model = save(transformers.MixtralForCausalLM(hf_cfg).eval(), tmp_path_factory.mktemp('hf_mixtral'), **save_kw)
   return request.param, path, model, arg, scan
@@ -374,8 +443,11 @@ def test_mixtral_logits_match_transformers_and_export_back(mixtral_case, monkeyp
   assert m.capacity_factor == 4.0  # the preset's 1.25 replaced: dropless, like Mixtral (num_experts / top_k)
   reads = {}  # HF key -> the regions read from it
   read = hf_import.HFDir.read
-  monkeypatch.setattr(hf_import.HFDir, 'read', lambda self, key, region: (
-      reads.setdefault(key, []).append(tuple(region)), read(self, key, region))[1])
+  monkeypatch.setattr(
+    hf_import.HFDir,
+    'read',
+    lambda self, key, region: (reads.setdefault(key, []).append(tuple(region)), read(self, key, region))[1],
+  )
   trainer, state = import_hf(cfg)
   # Each device reads only its own experts' tensors: expert e's by the devices holding it, not all 8.
   stack = state.params['blocks']['layers']
@@ -392,6 +464,7 @@ def test_mixtral_logits_match_transformers_and_export_back(mixtral_case, monkeyp
 
   def run(params, rest, x):
     return tasks.eval_view(nnx.merge(trainer.graphdef, params, rest))(x)
+
   ours, aux = jax.jit(run)(state.params, state.model_state, tokens)
   assert float(aux['dropped_fraction']) == 0.0
   with torch.no_grad():
@@ -425,18 +498,29 @@ def test_mixtral_checkpoint_missing_an_expert_names_it(mixtral_case, tmp_path):
     json.dump(hf_config_json(path), f)
   cfg = zoo_config(moe_config, arg, str(tmp_path))
   trainer = build_trainer(cfg)
-  with pytest.raises(hf_import.HFImportError, match=r'has model.layers.0.block_sparse_moe.experts.0.w3.weight but '
-                                                    r'not layers.1.block_sparse_moe.experts.5.w3.weight .* '
-                                                    r"'blocks/layers/moe/up'"):
+  with pytest.raises(
+    hf_import.HFImportError,
+    match=r'has model.layers.0.block_sparse_moe.experts.0.w3.weight but '
+    r'not layers.1.block_sparse_moe.experts.5.w3.weight .* '
+    r"'blocks/layers/moe/up'",
+  ):
     pretrained.init_state(trainer, models.HF_FAMILIES)
 
 
 # --- config.json settings the zoo does not implement ------------------------------------------------
 
+
 def test_unsupported_settings_name_the_field(vit_dir, tmp_path):
-  llama = hf_config_json(save(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-      vocab_size=8, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)),
-      tmp_path / 'llama')[0])
+  llama = hf_config_json(
+    save(
+      transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+          vocab_size=8, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
+        )
+      ),
+      tmp_path / 'llama',
+    )[0]
+  )
   resnet = transformers.ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512], layer_type='basic').to_dict()
   mixtral = transformers.MixtralConfig().to_dict()
   gpt2 = transformers.GPT2Config().to_dict()
@@ -444,33 +528,51 @@ def test_unsupported_settings_name_the_field(vit_dir, tmp_path):
   assert models.HF_FAMILIES['resnet'].config(resnet)['stage_sizes'] == (3, 4, 6, 3)  # the defaults are supported
   assert models.HF_FAMILIES['moe'].config(mixtral)['num_experts'] == 8
   cases = [
-      ('llama', dict(llama, hidden_act='gelu'), r"config.json hidden_act='gelu'"),
-      ('llama', dict(llama, attention_bias=True), r'config.json attention_bias=True'),
-      ('llama', dict(llama, rope_parameters=dict(rope_type='yarn', rope_theta=1e4, factor=2.0)),
-       r"config.json rope_parameters.rope_type='yarn'"),
-      ('llama', dict(llama, rope_parameters=dict(rope_type='llama3', rope_theta=1e4, factor=2.0)),
-       r"config.json rope_parameters: .*missing \['low_freq_factor', 'high_freq_factor'\]"),
-      ('bert', dict(hidden_act='gelu_new'), r"config.json hidden_act='gelu_new'"),
-      ('bert', dict(position_embedding_type='relative_key'), r"config.json position_embedding_type='relative_key'"),
-      ('vit', dict(hf_config_json(vit_dir[0]), qkv_bias=False), r'config.json qkv_bias=False'),
-      ('resnet', dict(resnet, hidden_act='gelu'), r"config.json hidden_act='gelu'"),
-      ('resnet', dict(resnet, downsample_in_first_stage=True), r'config.json downsample_in_first_stage=True'),
-      ('resnet', dict(resnet, hidden_sizes=[64, 128, 256, 256]),
-       r'config.json hidden_sizes=\[64, 128, 256, 256\]: .* has hidden_sizes \[64, 128, 256, 512\]'),
-      ('resnet', dict(resnet, layer_type='preactivation'), r"config.json layer_type='preactivation'"),
-      ('moe', dict(mixtral, router_jitter_noise=0.1), r'config.json router_jitter_noise=0.1'),
-      ('moe', dict(mixtral, sliding_window=4096), r'config.json sliding_window=4096'),
-      ('moe', dict(mixtral, hidden_act='gelu'), r"config.json hidden_act='gelu'"),
-      ('gpt2', dict(gpt2, scale_attn_by_inverse_layer_idx=True),
-       r'config.json scale_attn_by_inverse_layer_idx=True: .* 1 / sqrt\(head_dim\) only'),
-      ('gpt2', dict(gpt2, scale_attn_weights=False), r'config.json scale_attn_weights=False'),
-      ('gpt2', dict(gpt2, add_cross_attention=True), r'config.json add_cross_attention=True'),
+    ('llama', dict(llama, hidden_act='gelu'), r"config.json hidden_act='gelu'"),
+    ('llama', dict(llama, attention_bias=True), r'config.json attention_bias=True'),
+    (
+      'llama',
+      dict(llama, rope_parameters=dict(rope_type='yarn', rope_theta=1e4, factor=2.0)),
+      r"config.json rope_parameters.rope_type='yarn'",
+    ),
+    (
+      'llama',
+      dict(llama, rope_parameters=dict(rope_type='llama3', rope_theta=1e4, factor=2.0)),
+      r"config.json rope_parameters: .*missing \['low_freq_factor', 'high_freq_factor'\]",
+    ),
+    ('bert', dict(hidden_act='gelu_new'), r"config.json hidden_act='gelu_new'"),
+    ('bert', dict(position_embedding_type='relative_key'), r"config.json position_embedding_type='relative_key'"),
+    ('vit', dict(hf_config_json(vit_dir[0]), qkv_bias=False), r'config.json qkv_bias=False'),
+    ('resnet', dict(resnet, hidden_act='gelu'), r"config.json hidden_act='gelu'"),
+    ('resnet', dict(resnet, downsample_in_first_stage=True), r'config.json downsample_in_first_stage=True'),
+    (
+      'resnet',
+      dict(resnet, hidden_sizes=[64, 128, 256, 256]),
+      r'config.json hidden_sizes=\[64, 128, 256, 256\]: .* has hidden_sizes \[64, 128, 256, 512\]',
+    ),
+    ('resnet', dict(resnet, layer_type='preactivation'), r"config.json layer_type='preactivation'"),
+    ('moe', dict(mixtral, router_jitter_noise=0.1), r'config.json router_jitter_noise=0.1'),
+    ('moe', dict(mixtral, sliding_window=4096), r'config.json sliding_window=4096'),
+    ('moe', dict(mixtral, hidden_act='gelu'), r"config.json hidden_act='gelu'"),
+    (
+      'gpt2',
+      dict(gpt2, scale_attn_by_inverse_layer_idx=True),
+      r'config.json scale_attn_by_inverse_layer_idx=True: .* 1 / sqrt\(head_dim\) only',
+    ),
+    ('gpt2', dict(gpt2, scale_attn_weights=False), r'config.json scale_attn_weights=False'),
+    ('gpt2', dict(gpt2, add_cross_attention=True), r'config.json add_cross_attention=True'),
   ]
   for family, c, message in cases:
     with pytest.raises(hf_import.HFImportError, match=message):
       models.HF_FAMILIES[family].config(c)
   # Older config.json files: top-level rope_theta and rope_scaling {type: llama3}.
   old = {k: v for k, v in llama.items() if k != 'rope_parameters'}
-  fields = models.HF_FAMILIES['llama'].config(dict(old, rope_theta=5e5, max_position_embeddings=4096, rope_scaling=dict(
-      type='llama3', factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)))
+  fields = models.HF_FAMILIES['llama'].config(
+    dict(
+      old,
+      rope_theta=5e5,
+      max_position_embeddings=4096,
+      rope_scaling=dict(type='llama3', factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0),
+    )
+  )
   assert fields['rope_theta'] == 5e5 and dict(fields['rope_scaling'])['original_max_position_embeddings'] == 4096

@@ -1,5 +1,6 @@
 """Hugging Face import: logits match transformers (torch, fp32) with the model sharded on 8 devices;
 each device reads only its slice; unexplained tensors and bad directories are clear errors."""
+
 import itertools
 import json
 import os
@@ -26,8 +27,10 @@ PARITY_ATOL = 1e-4  # max |logits difference| allowed (fp32 both sides)
 
 def forward(trainer, state, *args, **kwargs):
   """The model's output (eval mode) under the trainer's shardings."""
+
   def run(params, rest, *a):
     return tasks.eval_view(nnx.merge(trainer.graphdef, params, rest))(*a, **kwargs)
+
   return np.asarray(jax.jit(run)(state.params, state.model_state, *args))
 
 
@@ -67,6 +70,7 @@ def test_gpt2_logits_match_transformers_and_export_back(gpt2_dir, arg, scan, tmp
     with torch.no_grad():
       theirs = hf_model(torch.tensor(tokens)).logits.numpy()
     return float(np.abs(ours - theirs).max())
+
   assert err(state, hf_model) < PARITY_ATOL
   emb = state.params['tok']['embed']['embedding']
   assert emb.shape == (104, 64) and emb.sharding.spec == trainer.specs.params['tok']['embed']['embedding']
@@ -86,6 +90,7 @@ def test_unexplained_parameters_are_listed_and_dont_load_initialises_them(gpt2_d
   trainer = build_trainer(cfg)
   # Drop ln_f from a copy of the checkpoint: the zoo's ln_f is then unexplained.
   from safetensors.numpy import load_file, save_file
+
   broken = tmp_path / 'broken'
   broken.mkdir()
   (broken / 'config.json').write_text(open(os.path.join(path, 'config.json')).read())
@@ -93,12 +98,16 @@ def test_unexplained_parameters_are_listed_and_dont_load_initialises_them(gpt2_d
   tensors['transformer.extra.weight'] = np.zeros(3, np.float32)
   save_file({k: v for k, v in tensors.items() if 'ln_f' not in k}, str(broken / 'model.safetensors'))
   cfg.init_from = str(broken)
-  with pytest.raises(hf_import.HFImportError, match=r"Zoo parameters with no HF tensor \(2\): \['ln_f/bias', "
-                                                    r"'ln_f/scale'\].*HF tensors the model does not use \(1\): "
-                                                    r"\['transformer.extra.weight'\]"):
+  with pytest.raises(
+    hf_import.HFImportError,
+    match=r"Zoo parameters with no HF tensor \(2\): \['ln_f/bias', "
+    r"'ln_f/scale'\].*HF tensors the model does not use \(1\): "
+    r"\['transformer.extra.weight'\]",
+  ):
     pretrained.init_state(trainer, models.HF_FAMILIES)
-  save_file({k: v for k, v in tensors.items() if 'ln_f' not in k and 'extra' not in k},
-            str(broken / 'model.safetensors'))
+  save_file(
+    {k: v for k, v in tensors.items() if 'ln_f' not in k and 'extra' not in k}, str(broken / 'model.safetensors')
+  )
   cfg.dont_load = '^ln_f/'
   state = pretrained.init_state(trainer, models.HF_FAMILIES)
   np.testing.assert_array_equal(np.asarray(state.params['ln_f']['scale']), 1.0)  # fresh init
@@ -130,21 +139,26 @@ class _FakeHF:
     return self.x[tuple(slice(a, b) for a, b in region)]
 
 
-@pytest.mark.parametrize('shape,ops', [
+@pytest.mark.parametrize(
+  'shape,ops',
+  [
     ((6, 12), [T((1, 0)), R((3, 4, 6))]),  # Linear (out=H*K, in=D) -> (D, H, K)
     ((8, 36), [Slice(1, 12, 24), R((8, 3, 4))]),  # fused q|k|v, key part
     ((10, 4), [Pad(0, 16)]),  # padded vocabulary
     ((4, 6), [R((4, 2, 3)), T((1, 2, 0))]),
     ((2, 3, 4, 5), [R((6, 20))]),  # merged dims
     ((5, 3, 2, 2), [T((2, 3, 1, 0)), R((12, 5))]),  # conv (O, I, kh, kw) -> flattened patches
-])
+  ],
+)
 def test_ops_read_only_the_region_a_slice_needs(shape, ops):
   x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
   full = x
   for op in ops:
     full = op(full)
+
   def slices(n):
     return [slice(0, n)] + [slice(a, a + w) for w in range(1, n) if n % w == 0 for a in range(0, n, w)]
+
   for index in itertools.product(*(slices(n) for n in full.shape)):
     fake = _FakeHF(x)
     got = hf_import._read_through(fake, 'k', ops, index, np.float32)
@@ -159,8 +173,10 @@ def test_hub_ids_resolve_through_the_cache_and_a_missing_one_says_how_to_fetch_i
   """init_from='org/name': the snapshot in huggingface_hub's cache (populated here from a tiny local model,
   offline); train.py adopts its config.json. A missing id: one line with the id, the cache and the command."""
   import huggingface_hub
+
   import train
   from configs import gpt2_finetune
+
   cache, commit = tmp_path / 'hub', '0123456789abcdef0123456789abcdef01234567'
   repo = cache / 'models--tiny-org--gpt2'
   (repo / 'refs').mkdir(parents=True)
@@ -178,18 +194,24 @@ def test_hub_ids_resolve_through_the_cache_and_a_missing_one_says_how_to_fetch_i
   out = train.train_and_evaluate(cfg, None, dry_run=True)
   assert cfg.init_from == path and cfg.dataset.tokenizer == path and cfg.model.vocab_size == 100
   assert out['num_params'] > 0
-  with pytest.raises(hf_import.HFImportError, match=(
+  with pytest.raises(
+    hf_import.HFImportError,
+    match=(
       rf"^init_from='tiny-org/missing': no such directory, and as a hub id not in the Hugging Face cache {cache} "
-      r"and not downloadable \(.*\); fetch "
-      r"it where the hub can be reached with `hf download tiny-org/missing --include 'config.json' '\*.safetensors'")):
+      r'and not downloadable \(.*\); fetch '
+      r"it where the hub can be reached with `hf download tiny-org/missing --include 'config.json' '\*.safetensors'"
+    ),
+  ):
     hf_import.resolve('tiny-org/missing')
 
 
 # --- config.json that disagrees with the weights; tied heads ------------------------------------------
 
+
 def variant(src, dst, config=None, tensors=None):
   """A copy of the single-file HF directory src at dst, with config.json fields and tensors replaced."""
   from safetensors.numpy import load_file, save_file
+
   shutil.copytree(src, dst)
   c = json.loads((dst / 'config.json').read_text())
   (dst / 'config.json').write_text(json.dumps({**c, **(config or {})}))
@@ -220,9 +242,13 @@ def test_gpt2_vocab_size_that_disagrees_with_wte_is_refused(gpt2_dir, tmp_path):
   for vocab, pad in ((120, 8), (90, 1)):
     path = variant(gpt2_dir[0], tmp_path / str(vocab), config=dict(vocab_size=vocab))
     cfg = zoo_config(gpt2_config, 'fsdp,tiny', path, pad_vocab_to=pad)
-    with pytest.raises(hf_import.HFImportError, match=(
-        rf"{path}: transformer.wte.weight \(100, 64\): holds 100 entries along axis 0, not {vocab}.*, for zoo "
-        rf"parameter 'tok/embed/embedding', which expects \({-(-vocab // pad) * pad}, 64\); does config.json match")):
+    with pytest.raises(
+      hf_import.HFImportError,
+      match=(
+        rf'{path}: transformer.wte.weight \(100, 64\): holds 100 entries along axis 0, not {vocab}.*, for zoo '
+        rf"parameter 'tok/embed/embedding', which expects \({-(-vocab // pad) * pad}, 64\); does config.json match"
+      ),
+    ):
       pretrained.init_state(build_trainer(cfg), models.HF_FAMILIES)
 
 
@@ -230,15 +256,20 @@ def test_gpt2_head_in_the_file_must_be_a_copy_of_wte(gpt2_dir, tmp_path):
   """The zoo's GPT-2 is tied: a file's lm_head.weight equal to wte (a tied checkpoint's copy) is accepted, another
   one (an untied checkpoint: its logits would silently differ) is one error, and so is tie_word_embeddings=false."""
   from safetensors.numpy import load_file
+
   wte = load_file(os.path.join(gpt2_dir[0], 'model.safetensors'))['transformer.wte.weight']
   cfg = zoo_config(gpt2_config, 'fsdp,tiny', variant(gpt2_dir[0], tmp_path / 'copy', tensors={'lm_head.weight': wte}))
   trainer = build_trainer(cfg)
   state = pretrained.init_state(trainer, models.HF_FAMILIES)
   np.testing.assert_array_equal(np.asarray(state.params['tok']['embed']['embedding'])[:100], wte)
   cfg.init_from = variant(gpt2_dir[0], tmp_path / 'untied', tensors={'lm_head.weight': wte + 1})
-  with pytest.raises(hf_import.HFImportError, match=(
-      rf"^{cfg.init_from}: lm_head.weight \(100, 64\) is not a copy of the embedding transformer.wte.weight "
-      r"\(100, 64\), but the model ties its head to the embedding \(config.json tie_word_embeddings=")):
+  with pytest.raises(
+    hf_import.HFImportError,
+    match=(
+      rf'^{cfg.init_from}: lm_head.weight \(100, 64\) is not a copy of the embedding transformer.wte.weight '
+      r'\(100, 64\), but the model ties its head to the embedding \(config.json tie_word_embeddings='
+    ),
+  ):
     pretrained.init_state(trainer, models.HF_FAMILIES)
   cfg.dont_load = '^tok/'  # a fresh embedding: the tied head is fresh too, the file's head is not wanted
   pretrained.init_state(trainer, models.HF_FAMILIES)
@@ -250,27 +281,45 @@ def test_llama_config_json_that_disagrees_with_the_weights_is_refused(tmp_path):
   """Tied in config.json but a different lm_head.weight in the file; kv heads, heads or head_dim that do not
   divide the projections (an IndexError from the reshape before): each one error naming the HF key."""
   from configs import llama as llama_config
+
   torch.manual_seed(0)
-  hf_cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+  hf_cfg = transformers.LlamaConfig(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+  )
   src = str(tmp_path / 'src')
   transformers.LlamaForCausalLM(hf_cfg).save_pretrained(src)
   from safetensors.numpy import load_file
+
   emb = load_file(os.path.join(src, 'model.safetensors'))['model.embed_tokens.weight']
   cfg = zoo_config(llama_config, 'fsdp,tiny', variant(src, tmp_path / 'copy', tensors={'lm_head.weight': emb}))
   assert cfg.model.tie_embeddings
   trainer = build_trainer(cfg)
   pretrained.init_state(trainer, models.HF_FAMILIES)  # a tied checkpoint's copy of the embedding
   cfg.init_from = variant(src, tmp_path / 'untied', tensors={'lm_head.weight': emb * 2})
-  with pytest.raises(hf_import.HFImportError, match=(
-      r"lm_head.weight \(96, 64\) is not a copy of the embedding model.embed_tokens.weight \(96, 64\), but the model "
-      r"ties its head to the embedding \(config.json tie_word_embeddings=True\)")):
+  with pytest.raises(
+    hf_import.HFImportError,
+    match=(
+      r'lm_head.weight \(96, 64\) is not a copy of the embedding model.embed_tokens.weight \(96, 64\), but the model '
+      r'ties its head to the embedding \(config.json tie_word_embeddings=True\)'
+    ),
+  ):
     pretrained.init_state(trainer, models.HF_FAMILIES)
   for name, edit, key, shapes in (
-      ('kv', dict(num_key_value_heads=4), 'k_proj', r'\(32, 64\): cannot reshape \(64, 32\) to \(64, 4, 16\)'),
-      ('heads', dict(num_attention_heads=2), 'q_proj', r'\(64, 64\): cannot reshape \(64, 64\) to \(64, 2, 16\)'),
-      ('head_dim', dict(head_dim=32), 'q_proj', r'\(64, 64\): cannot reshape \(64, 64\) to \(64, 4, 32\)')):
+    ('kv', dict(num_key_value_heads=4), 'k_proj', r'\(32, 64\): cannot reshape \(64, 32\) to \(64, 4, 16\)'),
+    ('heads', dict(num_attention_heads=2), 'q_proj', r'\(64, 64\): cannot reshape \(64, 64\) to \(64, 2, 16\)'),
+    ('head_dim', dict(head_dim=32), 'q_proj', r'\(64, 64\): cannot reshape \(64, 64\) to \(64, 4, 32\)'),
+  ):
     cfg = zoo_config(llama_config, 'fsdp,tiny', variant(src, tmp_path / name, config=edit))
-    with pytest.raises(hf_import.HFImportError, match=rf"model.layers.0.self_attn.{key}.weight {shapes}, for zoo "
-                                                      r"parameter .* does config.json match the model config\?"):
+    with pytest.raises(
+      hf_import.HFImportError,
+      match=rf'model.layers.0.self_attn.{key}.weight {shapes}, for zoo '
+      r'parameter .* does config.json match the model config\?',
+    ):
       pretrained.init_state(build_trainer(cfg), models.HF_FAMILIES)

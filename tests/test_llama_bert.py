@@ -1,5 +1,6 @@
 """Llama and BERT: logical names, parameter counts, sharded == 1 device, scan == unrolled, causality,
 packing, rotary, padding masks, float32 logits, config errors, and equality with Hugging Face."""
+
 import functools
 import re
 
@@ -9,14 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
 import errors
+import models
 import partitioning
 from configs import bert as bert_config
 from configs import llama as llama_config
 from models import bert, llama
-from tests.conftest import stack_layers, unstack_layers
-from tests.conftest import build_trainer
+from tests.conftest import build_trainer, stack_layers, unstack_layers
 
 # fp32 logits, 8 devices vs 1 device (sharded matmuls sum in another order), scanned vs unrolled,
 # ours vs Hugging Face's (torch CPU). Measured worst cases: 2.4e-7 absolute (llama:tp, logits up to
@@ -24,10 +24,10 @@ from tests.conftest import build_trainer
 RTOL, ATOL = 1e-5, 1e-5
 
 VARIANTS = {  # name -> (config file, arg, model overrides)
-    'llama': (llama_config, 'tiny', {}),
-    'llama_untied': (llama_config, 'tiny', {'tie_embeddings': False}),
-    'bert_mlm': (bert_config, 'tiny', {}),
-    'bert_classify': (bert_config, 'tiny,classify', {}),
+  'llama': (llama_config, 'tiny', {}),
+  'llama_untied': (llama_config, 'tiny', {'tie_embeddings': False}),
+  'bert_mlm': (bert_config, 'tiny', {}),
+  'bert_classify': (bert_config, 'tiny,classify', {}),
 }
 
 
@@ -107,6 +107,7 @@ def forward_on_mesh(cfg, devices, batch, m):
   def forward(params, batch):
     with partitioning.use_rules(trainer.rules, trainer.mesh, seen=trainer.seen):
       return trainer.task.forward(nnx.merge(trainer.graphdef, params, rest), batch)[0]
+
   return np.asarray(forward(params, batch))
 
 
@@ -118,12 +119,16 @@ def random_batch(cfg, B=8):
     pos = jnp.where(seg == 1, jnp.arange(L), jnp.arange(L) - cut).astype(jnp.int32)
     return {'inputs': tokens((B, L), V), 'segment_ids': seg, 'positions': pos}
   n = jax.random.randint(jax.random.key(3), (B, 1), 2, L + 1)
-  return {'inputs': tokens((B, L), V), 'input_mask': (jnp.arange(L) < n).astype(jnp.int32),
-          'token_types': (jnp.arange(L) >= n // 2).astype(jnp.int32)}
+  return {
+    'inputs': tokens((B, L), V),
+    'input_mask': (jnp.arange(L) < n).astype(jnp.int32),
+    'token_types': (jnp.arange(L) >= n // 2).astype(jnp.int32),
+  }
 
 
-@pytest.mark.parametrize('variant, arg', [('llama', 'tp,tiny'), ('bert_mlm', 'fsdp_tp,tiny'),
-                                          ('bert_classify', 'tp,tiny,classify')])
+@pytest.mark.parametrize(
+  'variant, arg', [('llama', 'tp,tiny'), ('bert_mlm', 'fsdp_tp,tiny'), ('bert_classify', 'tp,tiny,classify')]
+)
 def test_sharded_forward_equals_single_device(variant, arg):
   cfg = VARIANTS[variant][0].get_config(arg)
   cfg.dataset.seq_len = 16
@@ -228,30 +233,53 @@ def test_llama_equals_hugging_face():
   transformers = pytest.importorskip('transformers')
   cfg = model_cfg('llama_untied')
   D, H, G, K = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-      vocab_size=cfg.vocab_size, hidden_size=D, intermediate_size=cfg.mlp_dim,
-      num_hidden_layers=cfg.num_layers, num_attention_heads=H, num_key_value_heads=G, head_dim=K,
-      rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False)).eval()
+  hf = transformers.LlamaForCausalLM(
+    transformers.LlamaConfig(
+      vocab_size=cfg.vocab_size,
+      hidden_size=D,
+      intermediate_size=cfg.mlp_dim,
+      num_hidden_layers=cfg.num_layers,
+      num_attention_heads=H,
+      num_key_value_heads=G,
+      head_dim=K,
+      rope_theta=cfg.rope_theta,
+      rms_norm_eps=cfg.norm_eps,
+      tie_word_embeddings=False,
+    )
+  ).eval()
   sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
 
   def layer(i):
     p = f'model.layers.{i}'
     kernel = lambda name, *shape: {'layer': {'kernel': _hf_linear(sd[f'{p}.{name}.weight'], *shape)}}
-    return {'input_layernorm': {'scale': sd[f'{p}.input_layernorm.weight']},
-            'post_attention_layernorm': {'scale': sd[f'{p}.post_attention_layernorm.weight']},
-            'self_attn': {'query': kernel('self_attn.q_proj', H, K), 'key': kernel('self_attn.k_proj', G, K),
-                          'value': kernel('self_attn.v_proj', G, K),
-                          'out': {'layer': {'kernel': sd[f'{p}.self_attn.o_proj.weight'].T.reshape(H, K, D)}}},
-            'mlp': {'gate': kernel('mlp.gate_proj', cfg.mlp_dim), 'up': kernel('mlp.up_proj', cfg.mlp_dim),
-                    'down': kernel('mlp.down_proj', D)}}
-  params = {'embed_tokens': {'embed': {'embedding': sd['model.embed_tokens.weight']}},
-            'blocks': {'layers': stack_layers({'layers': {i: layer(i) for i in range(cfg.num_layers)}})['layers']},
-            'norm': {'scale': sd['model.norm.weight']}, 'lm_head': {'layer': {'kernel': sd['lm_head.weight'].T}}}
+    return {
+      'input_layernorm': {'scale': sd[f'{p}.input_layernorm.weight']},
+      'post_attention_layernorm': {'scale': sd[f'{p}.post_attention_layernorm.weight']},
+      'self_attn': {
+        'query': kernel('self_attn.q_proj', H, K),
+        'key': kernel('self_attn.k_proj', G, K),
+        'value': kernel('self_attn.v_proj', G, K),
+        'out': {'layer': {'kernel': sd[f'{p}.self_attn.o_proj.weight'].T.reshape(H, K, D)}},
+      },
+      'mlp': {
+        'gate': kernel('mlp.gate_proj', cfg.mlp_dim),
+        'up': kernel('mlp.up_proj', cfg.mlp_dim),
+        'down': kernel('mlp.down_proj', D),
+      },
+    }
+
+  params = {
+    'embed_tokens': {'embed': {'embedding': sd['model.embed_tokens.weight']}},
+    'blocks': {'layers': stack_layers({'layers': {i: layer(i) for i in range(cfg.num_layers)}})['layers']},
+    'norm': {'scale': sd['model.norm.weight']},
+    'lm_head': {'layer': {'kernel': sd['lm_head.weight'].T}},
+  }
   x = np.asarray(tokens((2, 16), cfg.vocab_size))
   with torch.no_grad():
     expected = hf(torch.tensor(x)).logits.numpy()
-  np.testing.assert_allclose(run(merged(model('llama_untied'), params), jnp.asarray(x), {}), expected,
-                             rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(
+    run(merged(model('llama_untied'), params), jnp.asarray(x), {}), expected, rtol=RTOL, atol=ATOL
+  )
 
 
 @pytest.mark.parametrize('variant', ['bert_mlm', 'bert_classify'])
@@ -262,42 +290,71 @@ def test_bert_equals_hugging_face(variant):
   D, H = cfg.embed_dim, cfg.num_heads
   K = D // H
   hf_cfg = transformers.BertConfig(
-      vocab_size=cfg.vocab_size, hidden_size=D, num_hidden_layers=cfg.num_layers, num_attention_heads=H,
-      intermediate_size=cfg.mlp_dim, max_position_embeddings=cfg.max_len, type_vocab_size=cfg.type_vocab_size,
-      layer_norm_eps=cfg.norm_eps, hidden_act='gelu', num_labels=cfg.get('num_classes') or 2)
+    vocab_size=cfg.vocab_size,
+    hidden_size=D,
+    num_hidden_layers=cfg.num_layers,
+    num_attention_heads=H,
+    intermediate_size=cfg.mlp_dim,
+    max_position_embeddings=cfg.max_len,
+    type_vocab_size=cfg.type_vocab_size,
+    layer_norm_eps=cfg.norm_eps,
+    hidden_act='gelu',
+    num_labels=cfg.get('num_classes') or 2,
+  )
   hf = (transformers.BertForMaskedLM if cfg.head == 'mlm' else transformers.BertForSequenceClassification)(hf_cfg)
   hf.eval()
   sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
   ln = lambda p: {'scale': sd[f'{p}.weight'], 'bias': sd[f'{p}.bias']}
-  dense = lambda p, *shape: {'layer': {'kernel': _hf_linear(sd[f'{p}.weight'], *shape),
-                                       'bias': sd[f'{p}.bias'].reshape(shape)}}
+  dense = lambda p, *shape: {
+    'layer': {'kernel': _hf_linear(sd[f'{p}.weight'], *shape), 'bias': sd[f'{p}.bias'].reshape(shape)}
+  }
 
   def layer(i):
     p = f'bert.encoder.layer.{i}'
     attn = {n: dense(f'{p}.attention.self.{n}', H, K) for n in ('query', 'key', 'value')}
-    attn['out'] = {'layer': {'kernel': sd[f'{p}.attention.output.dense.weight'].T.reshape(H, K, D),
-                             'bias': sd[f'{p}.attention.output.dense.bias']}}
-    return {'attention': attn, 'attention_ln': ln(f'{p}.attention.output.LayerNorm'),
-            'mlp': {'up': dense(f'{p}.intermediate.dense', cfg.mlp_dim), 'down': dense(f'{p}.output.dense', D)},
-            'output_ln': ln(f'{p}.output.LayerNorm')}
+    attn['out'] = {
+      'layer': {
+        'kernel': sd[f'{p}.attention.output.dense.weight'].T.reshape(H, K, D),
+        'bias': sd[f'{p}.attention.output.dense.bias'],
+      }
+    }
+    return {
+      'attention': attn,
+      'attention_ln': ln(f'{p}.attention.output.LayerNorm'),
+      'mlp': {'up': dense(f'{p}.intermediate.dense', cfg.mlp_dim), 'down': dense(f'{p}.output.dense', D)},
+      'output_ln': ln(f'{p}.output.LayerNorm'),
+    }
+
   e = 'bert.embeddings'
-  params = {'word_embeddings': {'embed': {'embedding': sd[f'{e}.word_embeddings.weight']}},
-            'position_embeddings': sd[f'{e}.position_embeddings.weight'],
-            'token_type_embeddings': sd[f'{e}.token_type_embeddings.weight'], 'embeddings_ln': ln(f'{e}.LayerNorm'),
-            'encoder': stack_layers({'layers': {i: layer(i) for i in range(cfg.num_layers)}})}
+  params = {
+    'word_embeddings': {'embed': {'embedding': sd[f'{e}.word_embeddings.weight']}},
+    'position_embeddings': sd[f'{e}.position_embeddings.weight'],
+    'token_type_embeddings': sd[f'{e}.token_type_embeddings.weight'],
+    'embeddings_ln': ln(f'{e}.LayerNorm'),
+    'encoder': stack_layers({'layers': {i: layer(i) for i in range(cfg.num_layers)}}),
+  }
   if cfg.head == 'mlm':
-    params.update(transform=dense('cls.predictions.transform.dense', D),
-                  transform_ln=ln('cls.predictions.transform.LayerNorm'), decoder_bias=sd['cls.predictions.bias'])
+    params.update(
+      transform=dense('cls.predictions.transform.dense', D),
+      transform_ln=ln('cls.predictions.transform.LayerNorm'),
+      decoder_bias=sd['cls.predictions.bias'],
+    )
   else:
     params.update(pooler=dense('bert.pooler.dense', D), classifier=dense('classifier', cfg.num_classes))
   x = np.asarray(tokens((2, 16), cfg.vocab_size))
   valid = (np.arange(16) < np.array([[16], [11]])).astype(np.int32)
   types = (np.arange(16) >= 6)[None].repeat(2, 0).astype(np.int32)
   with torch.no_grad():
-    expected = hf(input_ids=torch.tensor(x), attention_mask=torch.tensor(valid),
-                  token_type_ids=torch.tensor(types)).logits.numpy()
-  got = np.asarray(run(merged(model(variant), params), jnp.asarray(x),
-                       dict(valid_BL=jnp.asarray(valid), token_types_BL=jnp.asarray(types))))
+    expected = hf(
+      input_ids=torch.tensor(x), attention_mask=torch.tensor(valid), token_type_ids=torch.tensor(types)
+    ).logits.numpy()
+  got = np.asarray(
+    run(
+      merged(model(variant), params),
+      jnp.asarray(x),
+      dict(valid_BL=jnp.asarray(valid), token_types_BL=jnp.asarray(types)),
+    )
+  )
   if cfg.head == 'mlm':  # compare real positions (padded ones are never scored)
     got, expected = got[valid == 1], expected[valid == 1]
   np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
@@ -319,7 +376,10 @@ def test_config_errors_name_the_culprit():
   # 2 kv heads cannot be split over tensor=4 (the tp preset): the rules say which array and why.
   cfg = llama_config.get_config('tp,tiny')
   cfg.model.num_kv_heads = 2
-  with pytest.raises(errors.ShardingError, match=r"parameter 'blocks/layers/self_attn/key/layer/kernel': "
-                                                       r"dim 2 \('kv_heads'\) has size 2, not divisible by mesh axes "
-                                                       r"tensor=4"):
+  with pytest.raises(
+    errors.ShardingError,
+    match=r"parameter 'blocks/layers/self_attn/key/layer/kernel': "
+    r"dim 2 \('kv_heads'\) has size 2, not divisible by mesh axes "
+    r'tensor=4',
+  ):
     build_trainer(cfg)

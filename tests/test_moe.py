@@ -1,5 +1,6 @@
 """MoE: routing, capacity and drops, the load-balancing loss, counts, expert parallelism (sharded
 expert weights, no all-gather of them in the compiled step, sharded == 1-device), scan == unrolled."""
+
 import re
 
 import jax
@@ -9,14 +10,13 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from errors import ConfigError, ShardingError
 import models
 import partitioning
 import training
 from configs import moe as moe_config
+from errors import ConfigError, ShardingError
 from models import moe
-from tests.conftest import stack_layers
-from tests.conftest import assert_every_leaf_named, build_trainer
+from tests.conftest import assert_every_leaf_named, build_trainer, stack_layers
 
 # fp32 forward, ep (8 devices) vs 1 device: measured max abs difference 1.7e-7 on logits up to 0.53
 # (reductions in another order); routing, including the 29% of assignments dropped at capacity factor
@@ -54,8 +54,9 @@ def test_every_parameter_has_logical_names():
   assert layers['router']['layer']['kernel'] == ('layers', 'embed', 'expert')
 
 
-@pytest.mark.parametrize('overrides', [{}, {'scan_layers': False},
-                                       {'tie_embeddings': True, 'vocab_size': 13, 'pad_vocab_to': 8}])
+@pytest.mark.parametrize(
+  'overrides', [{}, {'scan_layers': False}, {'tie_embeddings': True, 'vocab_size': 13, 'pad_vocab_to': 8}]
+)
 def test_parameter_count_matches_formula(overrides):
   cfg = tiny_cfg(**overrides).model
   assert count(cfg) == moe.num_params(cfg)
@@ -64,8 +65,9 @@ def test_parameter_count_matches_formula(overrides):
 def test_formula_gives_published_counts():
   # Mixtral-8x7B (Mistral AI; Hugging Face MixtralForCausalLM): 46,702,792,704 parameters ("46.7B"),
   # 12.9B active per token. V=32000, D=4096, 32 layers, 32 heads, 8 kv heads, F=14336, 8 experts, top-2.
-  mixtral = dict(vocab_size=32000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, mlp_dim=14336,
-                 num_experts=8, top_k=2)
+  mixtral = dict(
+    vocab_size=32000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, mlp_dim=14336, num_experts=8, top_k=2
+  )
   c = type('C', (), mixtral)
   assert moe.num_params(c) == 46_702_792_704
   assert moe.num_active_params(c) == 12_879_925_248
@@ -94,7 +96,7 @@ def test_top_k_picks_the_largest_logits_and_renormalises():
 def test_capacity_keeps_first_choices_before_second_choices():
   # One group, 4 tokens, 4 experts, k=2, capacity 2. First choices: token 0 -> expert 0, tokens 1, 2, 3
   # -> expert 1. Second choices: token 0 -> expert 1, tokens 1, 2, 3 -> expert 2.
-  logits = jnp.array([[[9., 5., 0., 0.], [0., 9., 5., 0.], [0., 9., 5., 0.], [0., 9., 5., 0.]]])
+  logits = jnp.array([[[9.0, 5.0, 0.0, 0.0], [0.0, 9.0, 5.0, 0.0], [0.0, 9.0, 5.0, 0.0], [0.0, 9.0, 5.0, 0.0]]])
   dispatch, combine, stats = route(logits, 2, 2)
   kept = np.asarray(dispatch).sum(-1)[0]  # (S, E)
   # Expert 1: the first choices of tokens 1 and 2 fill it; token 3's first and token 0's second choice drop.
@@ -106,7 +108,7 @@ def test_capacity_keeps_first_choices_before_second_choices():
   np.testing.assert_array_equal(np.asarray(dispatch)[0, :, 1], [[0, 0], [1, 0], [0, 1], [0, 0]])
   # A dropped assignment carries no weight (the kept ones are not renormalised again); token 3 lost both
   # experts and passes through the residual connection alone.
-  w0 = float(jax.nn.softmax(jnp.array([9., 5.]))[0])
+  w0 = float(jax.nn.softmax(jnp.array([9.0, 5.0]))[0])
   assert float(combine[0, 0].sum()) == pytest.approx(w0, rel=1e-6) and float(combine[0, 3].sum()) == 0.0
 
 
@@ -129,10 +131,10 @@ def test_load_balance_loss_equals_the_formula_and_is_one_when_uniform():
   assert lb > 0
   np.testing.assert_allclose(lb, load_balance_by_hand(logits, 2), rtol=1e-6)
   lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
-  np.testing.assert_allclose(float(stats['router_z_loss']), np.mean(lse ** 2), rtol=1e-6)
+  np.testing.assert_allclose(float(stats['router_z_loss']), np.mean(lse**2), rtol=1e-6)
   # Uniform routing: token t's logits are a fixed vector rolled by t, so over 4 tokens every expert gets
   # the same share of assignments and the same mean probability: E * sum_e (1/E)(1/E) = 1, the minimum.
-  base = jnp.array([3., 2., 1., 0.])
+  base = jnp.array([3.0, 2.0, 1.0, 0.0])
   uniform = jnp.stack([jnp.roll(base, t) for t in range(8)])[None]
   _, _, stats = route(uniform, 2, 8)
   np.testing.assert_allclose(float(stats['load_balance_loss']), 1.0, rtol=1e-6)
@@ -166,6 +168,7 @@ def test_moe_layer_without_drops_equals_the_dense_mixture():
     expert = lambda i: (jax.nn.silu(x @ layer.gate[i]) * (x @ layer.up[i])) @ layer.down[i]
     all_experts = jnp.stack([expert(i) for i in range(cfg.num_experts)], -2)  # (B, L, E, D)
     return (jnp.take_along_axis(all_experts, e[..., None], -2) * w[..., None]).sum(-2)
+
   ref = dense_mixture(layer, x)
   np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
 
@@ -175,6 +178,7 @@ def forward(trainer, state, toks):
   def run(params, toks):
     with partitioning.use_rules(trainer.rules, trainer.mesh):
       return nnx.merge(trainer.graphdef, params, state.model_state)(toks)
+
   return jax.device_get(run(state.params, partitioning.shard(toks, trainer.batch_shardings['inputs'])))
 
 
@@ -241,12 +245,15 @@ def test_bf16_compute_gives_f32_logits_and_is_causal():
   assert (diff[:, :10] == 0).all() and (diff[:, 10:] > 0).all()
 
 
-@pytest.mark.parametrize('field,value,msg', [
+@pytest.mark.parametrize(
+  'field,value,msg',
+  [
     ('top_k', 0, 'config.model.top_k=0 must be in [1, num_experts=8]'),
     ('top_k', 9, 'config.model.top_k=9 must be in [1, num_experts=8]'),
     ('capacity_factor', 0.0, 'config.model.capacity_factor=0.0 must be > 0'),
     ('group_size', 0, 'config.model.group_size=0 must be >= 1'),
-])
+  ],
+)
 def test_bad_config_values(field, value, msg):
   with pytest.raises(ConfigError, match=re.escape(msg)):
     models.create(tiny_cfg(**{field: value}).model, nnx.Rngs(0))
@@ -259,8 +266,11 @@ def test_group_size_must_divide_the_sequence():
 
 
 def test_experts_must_divide_the_expert_mesh_axis():
-  with pytest.raises(ShardingError, match=r"parameter 'blocks/layers/moe/down': dim 1 \('expert'\) has size 6, "
-                                          r"not divisible by mesh axes expert=4"):
+  with pytest.raises(
+    ShardingError,
+    match=r"parameter 'blocks/layers/moe/down': dim 1 \('expert'\) has size 6, "
+    r'not divisible by mesh axes expert=4',
+  ):
     build_trainer(tiny_cfg('ep', num_experts=6))
 
 
@@ -271,26 +281,50 @@ def test_equals_hugging_face_mixtral_when_nothing_is_dropped():
   D, H, G, F, E = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.mlp_dim, cfg.num_experts
   K = D // H
   torch.manual_seed(0)
-  hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-      vocab_size=cfg.vocab_size, hidden_size=D, intermediate_size=F, num_hidden_layers=cfg.num_layers,
-      num_attention_heads=H, num_key_value_heads=G, num_local_experts=E, num_experts_per_tok=cfg.top_k,
-      rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False)).eval()
+  hf = transformers.MixtralForCausalLM(
+    transformers.MixtralConfig(
+      vocab_size=cfg.vocab_size,
+      hidden_size=D,
+      intermediate_size=F,
+      num_hidden_layers=cfg.num_layers,
+      num_attention_heads=H,
+      num_key_value_heads=G,
+      num_local_experts=E,
+      num_experts_per_tok=cfg.top_k,
+      rope_theta=cfg.rope_theta,
+      rms_norm_eps=cfg.norm_eps,
+      tie_word_embeddings=False,
+    )
+  ).eval()
   sd = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
 
   def layer(i):
     p = f'model.layers.{i}'
     kernel = lambda name, *shape: {'layer': {'kernel': sd[f'{p}.{name}.weight'].T.reshape(D, *shape)}}
     gate_up = sd[f'{p}.mlp.experts.gate_up_proj'].transpose(0, 2, 1)  # (E, 2F, D) -> (E, D, 2F)
-    return {'input_layernorm': {'scale': sd[f'{p}.input_layernorm.weight']},
-            'post_attention_layernorm': {'scale': sd[f'{p}.post_attention_layernorm.weight']},
-            'self_attn': {'query': kernel('self_attn.q_proj', H, K), 'key': kernel('self_attn.k_proj', G, K),
-                          'value': kernel('self_attn.v_proj', G, K),
-                          'out': {'layer': {'kernel': sd[f'{p}.self_attn.o_proj.weight'].T.reshape(H, K, D)}}},
-            'moe': {'router': {'layer': {'kernel': sd[f'{p}.mlp.gate.weight'].T}}, 'gate': gate_up[..., :F],
-                    'up': gate_up[..., F:], 'down': sd[f'{p}.mlp.experts.down_proj'].transpose(0, 2, 1)}}
-  params = {'embed_tokens': {'embed': {'embedding': sd['model.embed_tokens.weight']}},
-            'blocks': {'layers': stack_layers({'layers': {i: layer(i) for i in range(cfg.num_layers)}})['layers']},
-            'norm': {'scale': sd['model.norm.weight']}, 'lm_head': {'layer': {'kernel': sd['lm_head.weight'].T}}}
+    return {
+      'input_layernorm': {'scale': sd[f'{p}.input_layernorm.weight']},
+      'post_attention_layernorm': {'scale': sd[f'{p}.post_attention_layernorm.weight']},
+      'self_attn': {
+        'query': kernel('self_attn.q_proj', H, K),
+        'key': kernel('self_attn.k_proj', G, K),
+        'value': kernel('self_attn.v_proj', G, K),
+        'out': {'layer': {'kernel': sd[f'{p}.self_attn.o_proj.weight'].T.reshape(H, K, D)}},
+      },
+      'moe': {
+        'router': {'layer': {'kernel': sd[f'{p}.mlp.gate.weight'].T}},
+        'gate': gate_up[..., :F],
+        'up': gate_up[..., F:],
+        'down': sd[f'{p}.mlp.experts.down_proj'].transpose(0, 2, 1),
+      },
+    }
+
+  params = {
+    'embed_tokens': {'embed': {'embedding': sd['model.embed_tokens.weight']}},
+    'blocks': {'layers': stack_layers({'layers': {i: layer(i) for i in range(cfg.num_layers)}})['layers']},
+    'norm': {'scale': sd['model.norm.weight']},
+    'lm_head': {'layer': {'kernel': sd['lm_head.weight'].T}},
+  }
   model = models.create(cfg, nnx.Rngs(0))
   nnx.update(model, jax.tree.map(jnp.asarray, params))
   x = np.asarray(tokens(2))

@@ -3,6 +3,7 @@ that starts 2 processes with SLURM's environment (jax.distributed detects it), o
 are the processes; their checkpoint resumed by 1 process of 8 devices and by 2 of 2 (data position exact, other
 meshes); a killed
 process stops its peer. The Kubernetes manifest is checked for consistency."""
+
 import os
 import re
 import shutil
@@ -16,10 +17,21 @@ import pytest
 
 from tests.conftest import ROOT, subprocess_env
 
-TINY = ['--config', 'configs/default.py', '--config.model.num_layers=2', '--config.model.embed_dim=64',
-        '--config.model.mlp_dim=128', '--config.model.max_len=16', '--config.dataset.seq_len=16',
-        '--config.dataset.num_train=512', '--config.dataset.num_eval=100', '--config.batch_size=16',
-        '--config.log_every=3', '--config.sample_len=0', '--config.optim.warmup_steps=1']
+TINY = [
+  '--config',
+  'configs/default.py',
+  '--config.model.num_layers=2',
+  '--config.model.embed_dim=64',
+  '--config.model.mlp_dim=128',
+  '--config.model.max_len=16',
+  '--config.dataset.seq_len=16',
+  '--config.dataset.num_train=512',
+  '--config.dataset.num_eval=100',
+  '--config.batch_size=16',
+  '--config.log_every=3',
+  '--config.sample_len=0',
+  '--config.optim.warmup_steps=1',
+]
 SLURM_PORTS = 61440  # JAX's SLURM detection puts the coordinator on port 61440 + SLURM_JOB_ID % 4096
 FAKE_SRUN = r"""#!/usr/bin/env python3
 # srun as far as launch/slurm.sbatch needs it: SLURM_NTASKS local tasks, one per "node", with srun's variables.
@@ -36,7 +48,7 @@ sys.exit(max(p.wait() for p in procs))
 
 
 def _free_port(lo: int = 0) -> int:
-  for port in ([0] if not lo else range(lo + os.getpid() % 2000, lo + 4096)):
+  for port in [0] if not lo else range(lo + os.getpid() % 2000, lo + 4096):
     with socket.socket() as s:
       try:
         s.bind(('127.0.0.1', port))
@@ -54,9 +66,17 @@ def _start(args: list[str], n: int) -> list[subprocess.Popen]:
   """n train.py processes joined by the manual flags (one process: none)."""
   port = _free_port()
   flags = [f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={n}'] if n > 1 else []
-  return [subprocess.Popen([sys.executable, 'train.py', *TINY, *args, *flags, *([f'--process_id={i}'] if n > 1 else [])],
-                           cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-          for i in range(n)]
+  return [
+    subprocess.Popen(
+      [sys.executable, 'train.py', *TINY, *args, *flags, *([f'--process_id={i}'] if n > 1 else [])],
+      cwd=ROOT,
+      env=subprocess_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(n)
+  ]
 
 
 def _only_steps(src, dst, keep: int) -> str:
@@ -70,8 +90,12 @@ def _only_steps(src, dst, keep: int) -> str:
 
 @pytest.mark.slow
 def test_slurm_launch_hybrid_mesh_and_resume_on_other_process_and_device_counts(tmp_path):
-  run = ['--config.total_steps=9', '--config.eval_every=9', '--config.checkpoint_every=3',
-         '--config.keep_checkpoints=3']
+  run = [
+    '--config.total_steps=9',
+    '--config.eval_every=9',
+    '--config.checkpoint_every=3',
+    '--config.keep_checkpoints=3',
+  ]
   # launch/slurm.sbatch on 2 "nodes": srun starts one process per node, no flags, SLURM's variables (the
   # coordinator on localhost); the script adds --config.dcn_mesh.data=2 (data parallel across the nodes).
   bin_dir, out_dir = tmp_path / 'bin', tmp_path / 'srun'
@@ -79,17 +103,37 @@ def test_slurm_launch_hybrid_mesh_and_resume_on_other_process_and_device_counts(
   (bin_dir / 'srun').write_text(FAKE_SRUN)
   (bin_dir / 'srun').chmod(0o755)
   (bin_dir / 'python').symlink_to(sys.executable)
-  env = {**subprocess_env(), 'PATH': f'{bin_dir}:{os.environ["PATH"]}', 'FAKE_SRUN_OUT': str(out_dir),
-         'SLURM_JOB_ID': str(_free_port(SLURM_PORTS) - SLURM_PORTS), 'SLURM_NTASKS': '2', 'SLURM_JOB_NUM_NODES': '2',
-         'SLURM_SUBMIT_DIR': str(ROOT)}
-  sbatch = subprocess.run(['bash', 'launch/slurm.sbatch', 'configs/default.py', str(tmp_path / 'two'), *TINY[2:], *run,
-                           '--config.mesh.data=1', '--config.mesh.fsdp=4', '--config.mesh.tensor=1'],
-                          cwd=ROOT, env=env, timeout=400)
+  env = {
+    **subprocess_env(),
+    'PATH': f'{bin_dir}:{os.environ["PATH"]}',
+    'FAKE_SRUN_OUT': str(out_dir),
+    'SLURM_JOB_ID': str(_free_port(SLURM_PORTS) - SLURM_PORTS),
+    'SLURM_NTASKS': '2',
+    'SLURM_JOB_NUM_NODES': '2',
+    'SLURM_SUBMIT_DIR': str(ROOT),
+  }
+  sbatch = subprocess.run(
+    [
+      'bash',
+      'launch/slurm.sbatch',
+      'configs/default.py',
+      str(tmp_path / 'two'),
+      *TINY[2:],
+      *run,
+      '--config.mesh.data=1',
+      '--config.mesh.fsdp=4',
+      '--config.mesh.tensor=1',
+    ],
+    cwd=ROOT,
+    env=env,
+    timeout=400,
+  )
   two = [(out_dir / f'{i}.out').read_text() for i in range(2)]
   assert sbatch.returncode == 0, (out_dir / '0.err').read_text()[-3000:] + (out_dir / '1.err').read_text()[-3000:]
   assert 'processes: 2 processes (slurm environment, detected by jax.distributed)' in two[0]
-  assert ('2 DCN slices (data=2 across slices x data=1 x fsdp=4 x tensor=1 within each; a slice is one process)'
-          in two[0])
+  assert (
+    '2 DCN slices (data=2 across slices x data=1 x fsdp=4 x tensor=1 within each; a slice is one process)' in two[0]
+  )
   # Data parallel over DCN, FSDP inside each slice: only gradient all-reduces cross DCN.
   # The payload is about the gradient bytes per device (the parameters per device), its analytic minimum.
   over_dcn = re.search(r'over DCN: (.*)', two[0])[1]
@@ -107,8 +151,9 @@ def test_slurm_launch_hybrid_mesh_and_resume_on_other_process_and_device_counts(
   one_dir = _only_steps(tmp_path / 'two', tmp_path / 'one', 3)
   pair_dir = _only_steps(tmp_path / 'two', tmp_path / 'pair', 6)
   one = _start([*run, '--workdir', one_dir], 1)
-  pair = _start([*run, '--config.mesh.data=-1', '--config.mesh.fsdp=4', '--config.mesh.tensor=1', '--workdir',
-                 pair_dir], 2)
+  pair = _start(
+    [*run, '--config.mesh.data=-1', '--config.mesh.fsdp=4', '--config.mesh.tensor=1', '--workdir', pair_dir], 2
+  )
   outs = [p.communicate(timeout=400) for p in one + pair]
   for p, (_, err) in zip(one + pair, outs):
     assert p.returncode == 0, err[-3000:]
@@ -146,9 +191,17 @@ def test_a_killed_process_stops_its_peer_within_the_timeout():
   model around it. (kill -9 of process 0, the coordinator, makes JAX's client abort process 1 within a second:
   README.)"""
   timeout, port = 5, _free_port()
-  procs = [subprocess.Popen([sys.executable, '-c', PEER, f'127.0.0.1:{port}', str(i), str(timeout)], cwd=ROOT,
-                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, '-c', PEER, f'127.0.0.1:{port}', str(i), str(timeout)],
+      cwd=ROOT,
+      env=subprocess_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   for p in procs:
     assert p.stdout.readline() == 'training\n'
   time.sleep(1)
@@ -185,9 +238,17 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_soon():
   """SIGTERM to one of two processes: JAX's preemption service tells the other and both stop at the same step,
   a few steps later (train.py saves there), not at the next multiple of a sync interval."""
   port = _free_port()
-  procs = [subprocess.Popen([sys.executable, '-c', PREEMPTED, f'127.0.0.1:{port}', str(i)], cwd=ROOT,
-                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, '-c', PREEMPTED, f'127.0.0.1:{port}', str(i)],
+      cwd=ROOT,
+      env=subprocess_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   outs = [p.communicate(timeout=120) for p in procs]
   for p, (_, err) in zip(procs, outs):
     assert p.returncode == 0, err[-3000:]
@@ -201,6 +262,7 @@ def test_bad_launches_are_one_error_each(monkeypatch):
   environment cannot be read are one ConfigError naming the flag or variable to change."""
   from errors import ConfigError  # pylint: disable=g-import-not-at-top
   from training import cluster  # pylint: disable=g-import-not-at-top
+
   assert cluster.Launch(None, 1, 0).how == 'one process'
   with pytest.raises(ConfigError, match=r'--coordinator_address=h:1 needs --num_processes >= 2'):
     cluster.Launch('h:1', 1, 0)
@@ -210,11 +272,15 @@ def test_bad_launches_are_one_error_each(monkeypatch):
     cluster.Launch(None, 1, 0, 'bogus')
   with pytest.raises(ConfigError, match=r'--cluster=slurm: this process does not run in a slurm environment'):
     cluster.Launch(None, 1, 0, 'slurm')
-  for k, v in dict(SLURM_JOB_ID='5', SLURM_STEP_NODELIST='n1', SLURM_NTASKS='x', SLURM_PROCID='0',
-                   SLURM_LOCALID='0').items():
+  for k, v in dict(
+    SLURM_JOB_ID='5', SLURM_STEP_NODELIST='n1', SLURM_NTASKS='x', SLURM_PROCID='0', SLURM_LOCALID='0'
+  ).items():
     monkeypatch.setenv(k, v)
-  with pytest.raises(ConfigError, match=r'detected a slurm environment but could not read its process count .* '
-                                        r'--cluster=none'):
+  with pytest.raises(
+    ConfigError,
+    match=r'detected a slurm environment but could not read its process count .* '
+    r'--cluster=none',
+  ):
     cluster.Launch(None, 1, 0)
   assert cluster.Launch(None, 1, 0, 'none').num_processes == 1
 
@@ -223,6 +289,7 @@ def test_kubernetes_manifest_is_consistent():
   """launch/k8s.yaml: an Indexed Job whose pods find pod 0 through the headless Service (JAX's Kubernetes
   detection), may read pods and jobs, and ask for as many DCN slices as there are pods."""
   import yaml  # pylint: disable=g-import-not-at-top
+
   with open(os.path.join(ROOT, 'launch', 'k8s.yaml')) as f:
     docs = {d['kind']: d for d in yaml.safe_load_all(f)}
   job, svc = docs['Job'], docs['Service']
@@ -234,4 +301,4 @@ def test_kubernetes_manifest_is_consistent():
   assert pod['serviceAccountName'] == docs['ServiceAccount']['metadata']['name']
   assert {'pods'} <= set(docs['Role']['rules'][0]['resources']) and 'jobs' in docs['Role']['rules'][1]['resources']
   cmd = pod['containers'][0]['command']
-  assert cmd[:2] == ['python', 'train.py'] and f"--config.dcn_mesh.data={job['spec']['parallelism']}" in cmd
+  assert cmd[:2] == ['python', 'train.py'] and f'--config.dcn_mesh.data={job["spec"]["parallelism"]}' in cmd

@@ -1,5 +1,6 @@
 """train.py end to end with checkpoints: SIGTERM saves and stops; rerunning resumes and ends bitwise
 equal to an uninterrupted run; fine-tuning from a Hugging Face directory and from our own checkpoint."""
+
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ def _config(**overrides):
 
 def _sigterm_when(path, min_step):
   """Sends SIGTERM to this process once a checkpoint >= min_step exists (the train loop is running)."""
+
   def watch():
     while True:
       steps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
@@ -33,6 +35,7 @@ def _sigterm_when(path, min_step):
         os.kill(os.getpid(), signal.SIGTERM)
         return
       time.sleep(0.01)
+
   thread = threading.Thread(target=watch, daemon=True)
   thread.start()
   return thread
@@ -69,8 +72,11 @@ def test_sigterm_saves_and_resume_is_bitwise_equal(tmp_path, capsys):
   with open(run_config) as f:
     written = f.read()
   os.remove(os.path.join(ckpts, '24', 'data', 'process_0-of-1.json'))
-  with pytest.raises(errors.DamagedCheckpointError, match=rf'^checkpoint {ckpts}/24 is missing or corrupt: the data '
-                                                          rf'position in {ckpts}/24/data is missing'):
+  with pytest.raises(
+    errors.DamagedCheckpointError,
+    match=rf'^checkpoint {ckpts}/24 is missing or corrupt: the data '
+    rf'position in {ckpts}/24/data is missing',
+  ):
     train.train_and_evaluate(_config(resume_fallback=False), workdir)
   with open(run_config) as f:
     assert f.read() == written
@@ -85,6 +91,7 @@ def test_sigterm_saves_and_resume_is_bitwise_equal(tmp_path, capsys):
 def hf_gpt2(tmp_path_factory):
   import torch
   import transformers
+
   torch.manual_seed(0)
   path = str(tmp_path_factory.mktemp('hf_gpt2'))
   cfg = transformers.GPT2Config(vocab_size=16, n_positions=64, n_embd=64, n_layer=2, n_head=4)

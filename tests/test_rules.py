@@ -1,4 +1,5 @@
 """Rule resolution semantics: first free match, fallbacks, None, tuples, and every error."""
+
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -6,14 +7,16 @@ from errors import ShardingError
 from partitioning import AxisRules
 
 MESH = {'data': 2, 'fsdp': 2, 'tensor': 2}
-RULES = AxisRules([
+RULES = AxisRules(
+  [
     ('batch', ('data', 'fsdp')),
     ('embed', 'fsdp'),
     ('embed', None),
     ('mlp', 'tensor'),
     ('heads', 'tensor'),
     ('kv', None),
-])
+  ]
+)
 
 
 def test_first_match():
@@ -37,8 +40,11 @@ def test_fallback_to_a_different_mesh_axis():
 
 def test_all_rules_blocked_is_an_error_not_silent_replication():
   rules = AxisRules([('embed', 'fsdp'), ('vocab', 'fsdp')])
-  with pytest.raises(ShardingError, match=r"param 'w'.*logical axis 'vocab' \(dim 1\).*'fsdp' by dim 0 \('embed'\)"
-                                          r".*\('vocab', None\)"):
+  with pytest.raises(
+    ShardingError,
+    match=r"param 'w'.*logical axis 'vocab' \(dim 1\).*'fsdp' by dim 0 \('embed'\)"
+    r".*\('vocab', None\)",
+  ):
     rules.spec(('embed', 'vocab'), what="param 'w'")
 
 
@@ -72,32 +78,44 @@ def test_unknown_logical_name_is_never_taken_as_a_mesh_axis():
 
 def test_rule_naming_a_missing_mesh_axis():
   rules = AxisRules([('mlp', 'model')])
-  with pytest.raises(ShardingError, match=r"rule #0 \('mlp', 'model'\) names mesh axis 'model', which is not in "
-                                          r"the mesh \(data=2 x fsdp=2 x tensor=2\)"):
+  with pytest.raises(
+    ShardingError,
+    match=r"rule #0 \('mlp', 'model'\) names mesh axis 'model', which is not in "
+    r'the mesh \(data=2 x fsdp=2 x tensor=2\)',
+  ):
     rules.check_mesh(MESH)
 
 
 def test_divisibility_error_names_sizes():
-  with pytest.raises(ShardingError, match=r"parameter 'mlp/w': dim 1 \('mlp'\) has size 33, not divisible by "
-                                          r"mesh axes tensor=2 = 2"):
+  with pytest.raises(
+    ShardingError,
+    match=r"parameter 'mlp/w': dim 1 \('mlp'\) has size 33, not divisible by "
+    r'mesh axes tensor=2 = 2',
+  ):
     RULES.spec(('embed', 'mlp'), (64, 33), MESH, what="parameter 'mlp/w'")
-  with pytest.raises(ShardingError, match=r"dim 0 \('batch'\) has size 6, not divisible by mesh axes "
-                                          r"data=2 x fsdp=2 = 4"):
+  with pytest.raises(
+    ShardingError,
+    match=r"dim 0 \('batch'\) has size 6, not divisible by mesh axes "
+    r'data=2 x fsdp=2 = 4',
+  ):
     RULES.spec(('batch', 'embed'), (6, 64), MESH)
 
 
 def test_rank_mismatch():
-  with pytest.raises(ShardingError, match=r"has 3 dimensions \(shape \(1, 2, 3\)\) but 2 logical axis names"):
+  with pytest.raises(ShardingError, match=r'has 3 dimensions \(shape \(1, 2, 3\)\) but 2 logical axis names'):
     RULES.spec(('embed', 'mlp'), (1, 2, 3), MESH)
 
 
-@pytest.mark.parametrize('bad, msg', [
+@pytest.mark.parametrize(
+  'bad, msg',
+  [
     ([('embed',)], r'logical_axis_rules\[0\].*must be a pair'),
     ([('embed', 3)], r'logical_axis_rules\[0\].*target must be'),
     ([('', 'fsdp')], r'logical name must be a non-empty string'),
     ([('a', None), ('b', ('x', 'x'))], r'logical_axis_rules\[1\].*appears twice'),
     ('embed', r'must be a list of pairs'),
-])
+  ],
+)
 def test_malformed_rules(bad, msg):
   with pytest.raises(ShardingError, match=msg):
     AxisRules(bad)

@@ -1,4 +1,5 @@
 """The plan search (planning/, search.py): candidates, pruning, the HLO parser, the cost model, the plan file."""
+
 import dataclasses
 import os
 
@@ -23,6 +24,7 @@ LLAMA = os.path.join(ROOT, 'configs', 'llama.py')
 
 # --- Candidates -------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize('family', ['llama', 'gpt2', 'moe', 'vit', 'bert'])
 def test_candidates_cover_every_preset(family):
   path = os.path.join(ROOT, 'configs', f'{family}.py')
@@ -42,8 +44,12 @@ def test_a_plan_that_splits_rows_balances_them():
   config = candidates.load_module(LLAMA).get_config('fsdp_tp,tiny')
   assert not config.context_load_balance
   rules = candidates.presets_of(LLAMA, 'fsdp_tp,tiny', config)
-  plan = lambda name, **mesh: search_lib.apply(config, candidates.Candidate(
-      tuple({'data': 1, 'fsdp': 1, 'context': 1, 'tensor': 1, **mesh}.items()), name, tuple(rules[name]), None))
+  plan = lambda name, **mesh: search_lib.apply(
+    config,
+    candidates.Candidate(
+      tuple({'data': 1, 'fsdp': 1, 'context': 1, 'tensor': 1, **mesh}.items()), name, tuple(rules[name]), None
+    ),
+  )
   assert plan('cp', fsdp=2, context=4).context_load_balance
   assert not plan('cp', fsdp=8).context_load_balance and not plan('fsdp_tp', fsdp=4, tensor=2).context_load_balance
   with config.unlocked():
@@ -63,8 +69,7 @@ def test_a_plan_that_a_model_option_refuses_is_pruned_with_its_reason():
     config.model.loss_chunks = 16  # 4 positions per chunk: fine on one device, not over 8 context shards
   rules = candidates.presets_of(path, 'tiny', config)
   search = search_lib.Search(config, models.create, flops.chip('cpu'), 8)
-  cand = candidates.Candidate((('data', 1), ('fsdp', 1), ('context', 8), ('tensor', 1)), 'cp', tuple(rules['cp']),
-                              None)
+  cand = candidates.Candidate((('data', 1), ('fsdp', 1), ('context', 8), ('tensor', 1)), 'cp', tuple(rules['cp']), None)
   with pytest.raises(search_lib.Pruned, match='loss chunks the context shards do not divide') as pruned:
     search.validate(cand)
   assert 'loss_chunks=16' in pruned.value.detail
@@ -80,8 +85,10 @@ def test_factorisations_and_host_orders():
     list(candidates.generate(12, ['data'], {'dp': ()}, [None], hosts=8))
   # a plan over hosts as config.mesh (inside a host) x config.dcn_mesh (across them)
   split = candidates.split_over_hosts
-  assert split((('data', 8), ('fsdp', 8), ('tensor', 1)), 8) == ({'data': 1, 'fsdp': 8, 'tensor': 1},
-                                                                 {'data': 8, 'fsdp': 1, 'tensor': 1})
+  assert split((('data', 8), ('fsdp', 8), ('tensor', 1)), 8) == (
+    {'data': 1, 'fsdp': 8, 'tensor': 1},
+    {'data': 8, 'fsdp': 1, 'tensor': 1},
+  )
   assert split((('fsdp', 16), ('tensor', 4)), 8) == ({'fsdp': 2, 'tensor': 4}, {'fsdp': 8, 'tensor': 1})
   assert split((('data', 2), ('fsdp', 32)), 8) == ({'data': 1, 'fsdp': 8}, {'data': 2, 'fsdp': 4})
   with pytest.raises(ConfigError, match='cannot be split over 4 hosts'):
@@ -109,6 +116,7 @@ def test_bad_input_names_the_culprit(tmp_path):
 
 
 # --- The HLO replica-group parser -------------------------------------------------------------------------------
+
 
 def test_replica_group_forms():
   assert hlo.replica_groups('{{0,1},{2,3}}') == [[0, 1], [2, 3]]
@@ -166,19 +174,21 @@ def test_loop_flops_are_counted_once_per_trip():
   scanned chain of matmuls counts as the unrolled one does."""
   x, w = jax.numpy.ones((16, 32)), jax.numpy.ones((32, 32))
   scanned = lambda x, w: jax.lax.scan(lambda c, _: (jax.numpy.tanh(c @ w), None), x, None, length=6)[0]
+
   def unrolled(x, w):
     for _ in range(6):
       x = jax.numpy.tanh(x @ w)
     return x
+
   def flops_of(f):
     compiled = jax.jit(f).lower(x, w).compile(compiler_options=search_lib.FAST_CPU_COMPILE)
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     return ca['flops'], hlo.loop_dot_flops(compiled.as_text())
+
   (body_once, extra), (ref, none) = flops_of(scanned), flops_of(unrolled)
   assert none == 0 and extra == 5 * 2 * 16 * 32 * 32
   assert body_once + extra == pytest.approx(ref, rel=1e-3)
-
 
 
 GPU_HLO = """HloModule g
@@ -286,7 +296,9 @@ def test_kernels_and_their_bytes_of_a_gpu_program():
   assert summary['matmul'] == (4, 4 * got['mm'].bytes)
   assert summary['total'][0] == 4 + 4 + 4 + 7  # 4 matmuls, 4 updates, 4 loop tests, 7 entry kernels
 
+
 # --- The cost model ---------------------------------------------------------------------------------------------
+
 
 def test_cost_model_ranks_a_bad_plan_below_a_good_one():
   h100 = flops.chip('h100')
@@ -306,6 +318,7 @@ def test_cost_model_ranks_a_bad_plan_below_a_good_one():
 
 # --- A search on 8 simulated devices: pruning reasons, compiled scores, the plan file ----------------------------
 
+
 def _tiny_llama():
   c = llama.get_config('fsdp,tiny')
   c.model.num_layers = 1  # one proxy compile per plan
@@ -319,15 +332,25 @@ def searched():
   cpu = flops.chip('cpu')
   s = search_lib.Search(config, lambda m, r: models.create(m, r), cpu, 8)
   mesh = lambda **kw: tuple((a, kw.get(a, 1)) for a in ('data', 'fsdp', 'tensor'))
-  conflict = (('batch', 'data'), ('length', 'data'), ('embed', None), ('mlp', None), ('heads', None),
-              ('kv_heads', None), ('kv', None), ('vocab', None), ('norm', None), ('layers', None))
+  conflict = (
+    ('batch', 'data'),
+    ('length', 'data'),
+    ('embed', None),
+    ('mlp', None),
+    ('heads', None),
+    ('kv_heads', None),
+    ('kv', None),
+    ('vocab', None),
+    ('norm', None),
+    ('layers', None),
+  )
   cands = [
-      candidates.Candidate(mesh(fsdp=8), 'fsdp', rules['fsdp'], 'none'),
-      candidates.Candidate(mesh(data=8), 'dp', rules['dp'], 'none'),
-      candidates.Candidate(mesh(data=8), 'fsdp', rules['fsdp'], 'none'),  # same shardings as dp
-      candidates.Candidate(mesh(tensor=8), 'dp', rules['dp'], 'none'),  # tensor unused
-      candidates.Candidate(mesh(tensor=8), 'tp', rules['tp'], 'none'),  # 4 kv heads over 8
-      candidates.Candidate(mesh(data=8), 'conflict', conflict, 'none'),  # 'length' finds 'data' taken
+    candidates.Candidate(mesh(fsdp=8), 'fsdp', rules['fsdp'], 'none'),
+    candidates.Candidate(mesh(data=8), 'dp', rules['dp'], 'none'),
+    candidates.Candidate(mesh(data=8), 'fsdp', rules['fsdp'], 'none'),  # same shardings as dp
+    candidates.Candidate(mesh(tensor=8), 'dp', rules['dp'], 'none'),  # tensor unused
+    candidates.Candidate(mesh(tensor=8), 'tp', rules['tp'], 'none'),  # 4 kv heads over 8
+    candidates.Candidate(mesh(data=8), 'conflict', conflict, 'none'),  # 'length' finds 'data' taken
   ]
   return s, s.run(cands)
 
@@ -336,10 +359,11 @@ def test_pruning_reasons_are_counted_and_named(searched):
   _, result = searched
   assert result.considered == 6 and result.compiled == 2
   assert result.pruned == {
-      'same shardings as an earlier plan (compiled once)': 1,
-      'mesh axis of size > 1 that no rule uses (repeated work)': 1,
-      'dimension not divisible by its mesh axes': 1,
-      'conflicting rules (no free mesh axis)': 1}
+    'same shardings as an earlier plan (compiled once)': 1,
+    'mesh axis of size > 1 that no rule uses (repeated work)': 1,
+    'dimension not divisible by its mesh axes': 1,
+    'conflicting rules (no free mesh axis)': 1,
+  }
   assert 'kv_heads' in result.examples['dimension not divisible by its mesh axes']
 
 
@@ -411,6 +435,7 @@ def test_gpu_target_compiled_on_cpu_traces_attention_as_on_the_gpu(monkeypatch):
   where the GPU would run cuDNN, without XLA's L x L scores: fewer temporaries, the same FLOPs. They stay an
   upper bound (not the GPU's), and the bytes term stays off."""
   from models import attention
+
   monkeypatch.setattr(attention, 'BLOCKWISE_KEYS', 32)  # 8 blocks of keys
   config = _tiny_llama()
   config.model.update(dtype='bfloat16', max_len=256)
@@ -458,19 +483,24 @@ def test_a_plan_the_target_compiler_refuses_for_memory_is_over_memory():
   """The TPU compiler refuses a program over the chip's memory (RESOURCE_EXHAUSTED, at compile time): the plan is
   scored as over memory, with the temporaries the compiler said it needed, instead of ending the search."""
   import jax
+
   config = _tiny_llama()
   mesh = (('data', 2), ('fsdp', 4), ('tensor', 1))
   plan = candidates.Candidate(mesh, 'fsdp', tuple(llama.RULES['fsdp']), 'none')
-  s = search_lib.Search(config, lambda m, r: models.create(m, r), flops.chip('tpu_v5e'), 8,
-                        memory_devices=jax.devices()[::-1])
+  s = search_lib.Search(
+    config, lambda m, r: models.create(m, r), flops.chip('tpu_v5e'), 8, memory_devices=jax.devices()[::-1]
+  )
 
   class Refused:
     def lower(self):
       return self
 
     def compile(self):
-      raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for '
-                                       'HLO temporaries (25.33G) exceeds available HBM (15.75G).')
+      raise jax.errors.JaxRuntimeError(
+        'RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for '
+        'HLO temporaries (25.33G) exceeds available HBM (15.75G).'
+      )
+
   s._memory_steps = lambda trainers, cand: [Refused() for _ in trainers]
   result = s.run([plan])
   scored = result.ranked[0]
@@ -481,6 +511,7 @@ def test_a_plan_the_target_compiler_refuses_for_memory_is_over_memory():
 
 def test_which_target_the_memory_is_compiled_for():
   from training import targets
+
   assert targets.memory_target('h100', 8, 'none') == (None, '--compile_target=none')
   assert targets.memory_target('h100', 8, 'h100_sxm')[0] == 'h100_sxm'
   assert targets.memory_target('a100', 8)[0] is None and 'no GPU target for a100' in targets.memory_target('a100', 8)[1]
@@ -490,8 +521,10 @@ def test_which_target_the_memory_is_compiled_for():
   if targets.plugin_installed():
     assert target == 'h100_sxm'
     # 9 GPUs do not lay out over hosts of 8: 'auto' falls back to the model and says why
-    assert targets.memory_target('h100', 9) == (None, '9 GPUs do not fill 2 hosts of 8: ask for a multiple of 8, '
-                                                      'or at most 8')
+    assert targets.memory_target('h100', 9) == (
+      None,
+      '9 GPUs do not fill 2 hosts of 8: ask for a multiple of 8, or at most 8',
+    )
   else:  # CI: one line saying what to install
     assert target is None and 'pip install "jax[cuda13]==' in why
   # TPU chips compile as one slice of that many chips, where libtpu is installed
@@ -507,6 +540,7 @@ def test_which_target_the_memory_is_compiled_for():
 
 # --- The GPU memory model: what the backward keeps (planning/residuals.py) ----------------------------------------
 
+
 def test_residual_walk_keeps_what_fusion_cannot_recompute():
   """exp is recomputed inside the backward's fusion from tanh's output, which is kept (XLA's GPU fusion will not
   duplicate tanh); the scaled input a matmul read from memory is kept as written; inputs are never counted."""
@@ -516,6 +550,7 @@ def test_residual_walk_keeps_what_fusion_cannot_recompute():
     def loss(w):
       h = x * 2.0  # read by the matmul: written
       return jnp.sum(jnp.exp(jnp.tanh(h @ w)))
+
     return jax.tree.leaves(jax.vjp(loss, w)[1])
 
   w, x = jax.ShapeDtypeStruct((8, 16), 'float32'), jax.ShapeDtypeStruct((4, 8), 'float32')
@@ -530,7 +565,7 @@ def _llama_kept(remat, mesh_shape, batch=16, **model):
   config = _tiny_llama()
   config.model.update(dtype='bfloat16', remat=remat, vocab_size=512, num_layers=2, **model)
   config.batch_size = batch
-  mesh = partitioning.make_mesh(dict(mesh_shape), jax.devices()[:8 if any(s > 1 for _, s in mesh_shape) else 1])
+  mesh = partitioning.make_mesh(dict(mesh_shape), jax.devices()[: 8 if any(s > 1 for _, s in mesh_shape) else 1])
   tr = training.build(config, mesh, lambda rngs: models.create(config.model, rngs))
   return residuals.estimate(tr, compiler_options=search_lib.FAST_CPU_COMPILE)
 
@@ -550,12 +585,14 @@ def test_residual_model_sees_remat_and_sharding():
   assert fsdp.largest == est['dots'].largest / 8
   # the model's estimate: state + (fused + written) / 2 + largest, the range from fused to written
   gib = 2**30
-  p = cost.Profile(1e12, 1e9, 30 * gib, 10 * gib, 20 * gib, {}, kept_fused=20 * gib, kept_written=40 * gib,
-                   kept_largest=8 * gib)
+  p = cost.Profile(
+    1e12, 1e9, 30 * gib, 10 * gib, 20 * gib, {}, kept_fused=20 * gib, kept_written=40 * gib, kept_largest=8 * gib
+  )
   pred = cost.predict(p, flops.chip('h100'), 8, temporaries_known=False, bytes_known=False)
   assert pred.memory_gib == 10 + 30 + 8 and pred.memory_range == (38, 58) and pred.fits
-  assert not cost.predict(dataclasses.replace(p, kept_written=100 * gib), flops.chip('h100'), 8,
-                          temporaries_known=False).fits  # 10 + 60 + 8 > 0.9 x 80
+  assert not cost.predict(
+    dataclasses.replace(p, kept_written=100 * gib), flops.chip('h100'), 8, temporaries_known=False
+  ).fits  # 10 + 60 + 8 > 0.9 x 80
 
 
 def test_plan_file_round_trips_through_train_py(searched, tmp_path):
@@ -571,6 +608,7 @@ def test_plan_file_round_trips_through_train_py(searched, tmp_path):
   loaded = fv.config
   assert loaded.to_dict() == plan.to_dict()
   import train
+
   assert train.train_and_evaluate(loaded, None, dry_run=True)['num_params'] > 0
   mesh = training.build(loaded, s._trainer(loaded, win.candidate).mesh, lambda r: models.create(loaded.model, r))
   ours = s._trainer(plan, win.candidate)
@@ -597,22 +635,39 @@ def test_accuracy_fit_recovers_a_known_ranking_and_overhead(tmp_path):
   import json
   import subprocess
   import sys
-  true = dataclasses.replace(flops.chip('cpu'), compute_eff=0.3, latency_us=400.0, dcn_latency_us=400.0,
-                             link_eff=0.5, step_overhead_us=20000.0)
+
+  true = dataclasses.replace(
+    flops.chip('cpu'), compute_eff=0.3, latency_us=400.0, dcn_latency_us=400.0, link_eff=0.5, step_overhead_us=20000.0
+  )
   plans = []
   for i in range(8):
     key = cost.CollectiveKey('all-reduce' if i % 2 else 'all-gather', ('data',), 8, 1)
     profile = cost.Profile(2e8 * (1 + i % 3), 1e6, 1e9, 5e8, 5e8, {key: (float(4 + 3 * i), 1e6 * (8 - i))})
-    plans.append(dict(plan=f'plan {i}', predicted_s=0.0, measured_s=cost.predict(profile, true, 8).step_s,
-                      times=[], profile=dict(flops=profile.flops, bytes_accessed=profile.bytes_accessed,
-                                             memory=profile.memory, argument_bytes=profile.argument_bytes,
-                                             temp_bytes=profile.temp_bytes,
-                                             collectives=[[dataclasses.asdict(key), list(v)]
-                                                          for key, v in profile.collectives.items()])))
+    plans.append(
+      dict(
+        plan=f'plan {i}',
+        predicted_s=0.0,
+        measured_s=cost.predict(profile, true, 8).step_s,
+        times=[],
+        profile=dict(
+          flops=profile.flops,
+          bytes_accessed=profile.bytes_accessed,
+          memory=profile.memory,
+          argument_bytes=profile.argument_bytes,
+          temp_bytes=profile.temp_bytes,
+          collectives=[[dataclasses.asdict(key), list(v)] for key, v in profile.collectives.items()],
+        ),
+      )
+    )
   path = tmp_path / 'synthetic.json'
   path.write_text(json.dumps(dict(config='synthetic', devices=8, search_s=0.0, plans=plans)))
-  out = subprocess.run([sys.executable, 'benchmarks/search_accuracy.py', '--fit', str(path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+  out = subprocess.run(
+    [sys.executable, 'benchmarks/search_accuracy.py', '--fit', str(path)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   fitted = out.stdout.split('fitted on')[1]
   assert 'Spearman 1.000' in fitted and '(+0.0%)' in fitted, out.stdout

@@ -1,8 +1,10 @@
 """shard() places data outside jit and constrains inside jit; shard_logical resolves via the active rules."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import partitioning
 from partitioning import AxisRules, shard, shard_logical, use_rules
@@ -14,9 +16,12 @@ def _mesh():
 
 def test_shard_places_host_and_device_values():
   mesh = _mesh()
-  tree = {'a': np.arange(16.).reshape(4, 4), 'b': jnp.ones((8,)), 'c': 3.0}
-  shardings = {'a': NamedSharding(mesh, P('fsdp', 'tensor')), 'b': NamedSharding(mesh, P('data')),
-               'c': NamedSharding(mesh, P())}
+  tree = {'a': np.arange(16.0).reshape(4, 4), 'b': jnp.ones((8,)), 'c': 3.0}
+  shardings = {
+    'a': NamedSharding(mesh, P('fsdp', 'tensor')),
+    'b': NamedSharding(mesh, P('data')),
+    'c': NamedSharding(mesh, P()),
+  }
   out = shard(tree, shardings)
   for k in tree:
     assert out[k].sharding == shardings[k]
@@ -43,5 +48,6 @@ def test_shard_logical_outside_rules_is_identity_and_inside_constrains():
   def f(x):
     with use_rules(rules, mesh, seen=seen):
       return shard_logical(x + 1, ('batch', 'embed'))
+
   assert f(x).sharding.spec == P(('data', 'fsdp'), 'tensor')
   assert seen == {'batch', 'embed'}

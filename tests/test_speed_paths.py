@@ -1,5 +1,6 @@
 """The GPU speed paths, tested where CI runs (CPU): attention selection and its fallback, remat policies,
 bf16 logits, FLOP counting, chip peaks, mesh fitting, MFU and profiles in train.py, the benchmark."""
+
 import contextlib
 import functools
 import glob
@@ -15,14 +16,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from errors import ConfigError, ShardingError
 import models
 import partitioning
-from partitioning import hlo
 import train
 import training
 from configs import resnet as resnet_config
+from errors import ConfigError, ShardingError
 from models import attention, layers, resnet
+from partitioning import hlo
 from tests.conftest import ROOT, all_eqns, build_trainer, subprocess_env, tiny_config, train_on_random_batches
 from training import flops, profiling
 
@@ -36,19 +37,26 @@ def test_auto_attention_on_cpu_runs_xla_and_says_why():
   q, k, v = _qkv()
   assert attention.choose('auto', q, k, causal=True, packed=False, padded=False) == ('xla', None)
   why = [d for d in attention.decisions() if d.startswith('xla (causal, float32, L=16, head_dim 8)')]
-  assert why and 'cpu backend (cuDNN and Pallas run on GPUs)' in why[0] and 'float32 compute' in why[0], \
-      attention.decisions()
+  assert why and 'cpu backend (cuDNN and Pallas run on GPUs)' in why[0] and 'float32 compute' in why[0], (
+    attention.decisions()
+  )
 
 
 def test_cudnn_where_it_cannot_run_is_one_error_naming_why():
   q, k, v = _qkv(K=12)
-  with pytest.raises(ConfigError, match=r"config.model.attention=cudnn cannot run this attention .*cpu backend.*"
-                                        r"head_dim 12 \(fused kernels take a multiple of 8"):
+  with pytest.raises(
+    ConfigError,
+    match=r'config.model.attention=cudnn cannot run this attention .*cpu backend.*'
+    r'head_dim 12 \(fused kernels take a multiple of 8',
+  ):
     attention.choose('cudnn', q, k, causal=True, packed=False, padded=False)
   q, k, v = _qkv(L=24, K=24)
-  with pytest.raises(ConfigError, match=r"config.model.attention=pallas cannot run this attention .*cpu backend.*"
-                                        r"length 24 \(Pallas takes a multiple of 128\); "
-                                        r"head_dim 24 \(Pallas takes a power"):
+  with pytest.raises(
+    ConfigError,
+    match=r'config.model.attention=pallas cannot run this attention .*cpu backend.*'
+    r'length 24 \(Pallas takes a multiple of 128\); '
+    r'head_dim 24 \(Pallas takes a power',
+  ):
     attention.choose('pallas', q, k, causal=True, packed=True, padded=False)
   with pytest.raises(ConfigError, match=r"config.model.attention='flash' is not known; choose one of"):
     attention.choose('flash', q, k, causal=True, packed=False, padded=False)
@@ -78,9 +86,11 @@ def test_pallas_kernel_equals_xla_for_packed_padded_grouped_heads():
   seg = jnp.asarray([[1] * 6 + [2] * 17 + [0] * 9, [1] * 32])
   valid = jnp.asarray([[1] * 32, [1] * 20 + [0] * 12])
   real = (valid * (seg > 0))[:, :, None, None]
+
   def loss(kernel, q, k, v):
     o = kernel(q, k, v, seg, valid, causal=True)
     return (o * real * jnp.cos(jnp.arange(o.size).reshape(o.shape))).sum(), o
+
   pallas = functools.partial(attention._pallas, interpret=True)
   (_, out), grads = jax.value_and_grad(functools.partial(loss, pallas), (0, 1, 2), has_aux=True)(q, k, v)
   (_, ref), ref_grads = jax.value_and_grad(functools.partial(loss, attention._xla), (0, 1, 2), has_aux=True)(q, k, v)
@@ -100,6 +110,7 @@ def test_splash_kernel_equals_xla_for_packed_padded_grouped_heads():
   def loss(kernel, q, k, v):
     o = kernel(q, k, v, seg, valid, causal=True) + 2 * kernel(q, k, v, None, valid, causal=False)
     return (o * real * jnp.cos(jnp.arange(o.size).reshape(o.shape))).sum(), o
+
   with attention.splash_interpret():
     (_, out), grads = jax.value_and_grad(functools.partial(loss, attention._splash), (0, 1, 2), has_aux=True)(q, k, v)
   (_, ref), ref_grads = jax.value_and_grad(functools.partial(loss, attention._xla), (0, 1, 2), has_aux=True)(q, k, v)
@@ -115,13 +126,17 @@ def test_splash_is_chosen_as_on_a_tpu_and_refused_where_it_cannot_run():
   with attention.splash_interpret():
     assert attention.choose('auto', q, k, causal=True, packed=True, padded=True) == ('splash', None)
     assert attention.choose('auto', *_qkv(L=100)[:2], causal=False, packed=False, padded=False) == ('xla', None)
-  assert {'splash (causal, packed, padding, float32, L=128, head_dim 16) in the Pallas TPU interpreter '
-          '(splash_interpret)', 'xla (full, float32, L=100, head_dim 8): splash: length 100 (splash takes a '
-          'multiple of 128)'} <= set(attention.decisions())
+  assert {
+    'splash (causal, packed, padding, float32, L=128, head_dim 16) in the Pallas TPU interpreter (splash_interpret)',
+    'xla (full, float32, L=100, head_dim 8): splash: length 100 (splash takes a multiple of 128)',
+  } <= set(attention.decisions())
   assert attention.choose('auto', q, k, causal=True, packed=False, padded=False) == ('xla', None)  # a CPU
-  with pytest.raises(ConfigError, match=r'^config.model.attention=splash cannot run this attention \(causal, '
-                                        r'float32, L=128, head_dim 16\): cpu backend \(splash attention is a TPU '
-                                        r'kernel\)$'):
+  with pytest.raises(
+    ConfigError,
+    match=r'^config.model.attention=splash cannot run this attention \(causal, '
+    r'float32, L=128, head_dim 16\): cpu backend \(splash attention is a TPU '
+    r'kernel\)$',
+  ):
     attention.choose('splash', q, k, causal=True, packed=False, padded=False)
 
 
@@ -130,6 +145,7 @@ def test_a_train_step_on_splash_per_shard_equals_xla():
   over 'tensor', rows over 'data'; the interpreter standing in for the TPU) trains to XLA's parameters (SGD:
   the update is the gradient, scaled)."""
   from configs import gpt2
+
   cfg = gpt2.get_config('tp,tiny')
   cfg.optim.update(name='sgd', lr=1.0, warmup_steps=1)
   cfg.model.update(max_len=128, num_layers=1)
@@ -141,8 +157,9 @@ def test_a_train_step_on_splash_per_shard_equals_xla():
     with attention.splash_interpret():
       start, end = train_on_random_batches(build_trainer(cfg), 2)  # the first step's learning rate is 0
     results[impl] = end
-  assert any(d.startswith('splash (causal, float32, L=128, head_dim 16) per shard (shard_map)')
-             for d in attention.decisions()), attention.decisions()
+  assert any(
+    d.startswith('splash (causal, float32, L=128, head_dim 16) per shard (shard_map)') for d in attention.decisions()
+  ), attention.decisions()
   splash, xla = (jax.tree.leaves(results[i].params) for i in ('auto', 'xla'))
   for a, b in zip(splash, xla):
     np.testing.assert_allclose(a, b, atol=1e-5)
@@ -160,14 +177,22 @@ def test_blockwise_attention_equals_xla(monkeypatch):
   real = (valid * (seg > 0))[:, :, None, None]
 
   def loss(impl, q, k, v):
-    o = (attention.attend(q, k, v, causal=True, impl=impl, segment_ids_BL=seg, valid_BL=valid)
-         + 2 * attention.attend(q, k, v, causal=False, impl=impl, valid_BL=valid))
+    o = attention.attend(q, k, v, causal=True, impl=impl, segment_ids_BL=seg, valid_BL=valid) + 2 * attention.attend(
+      q, k, v, causal=False, impl=impl, valid_BL=valid
+    )
     return (o * real * jnp.cos(jnp.arange(o.size).reshape(o.shape))).sum(), o
-  both = jax.jit(lambda q, k, v: [jax.value_and_grad(functools.partial(loss, impl), (0, 1, 2), has_aux=True)(q, k, v)
-                                  for impl in ('blockwise', 'xla')])
+
+  both = jax.jit(
+    lambda q, k, v: [
+      jax.value_and_grad(functools.partial(loss, impl), (0, 1, 2), has_aux=True)(q, k, v)
+      for impl in ('blockwise', 'xla')
+    ]
+  )
   ((_, out), grads), ((_, ref), ref_grads) = both(q, k, v)
-  assert 'blockwise (causal, packed, padding, float32, L=21, head_dim 8): config.model.attention=blockwise' \
-      in attention.decisions()
+  assert (
+    'blockwise (causal, packed, padding, float32, L=21, head_dim 8): config.model.attention=blockwise'
+    in attention.decisions()
+  )
   np.testing.assert_allclose(out * real, ref * real, atol=2e-5)
   for g, r in zip(grads, ref_grads):
     np.testing.assert_allclose(g, r, atol=2e-5)
@@ -182,9 +207,10 @@ def test_gpu_stand_in_traces_attention_as_on_a_gpu():
     assert attention.choose('auto', q, k, causal=True, packed=True, padded=False) == ('blockwise', None)
     assert attention.choose('auto', *_qkv(L=128, K=64)[:2], causal=True, packed=False, padded=False)[0] == 'xla'
   assert attention.choose('auto', q, k, causal=True, packed=False, padded=False) == ('xla', None)
-  assert {'blockwise (causal, bfloat16, L=128, head_dim 64) standing in for cudnn (gpu_stand_in)',
-          'blockwise (causal, packed, bfloat16, L=128, head_dim 64) standing in for pallas (gpu_stand_in)'} \
-      <= set(attention.decisions())
+  assert {
+    'blockwise (causal, bfloat16, L=128, head_dim 64) standing in for cudnn (gpu_stand_in)',
+    'blockwise (causal, packed, bfloat16, L=128, head_dim 64) standing in for pallas (gpu_stand_in)',
+  } <= set(attention.decisions())
 
 
 def test_keys_padded_by_the_model_are_masked_and_keep_fused_attention():
@@ -207,8 +233,10 @@ def test_keys_padded_by_the_model_are_masked_and_keep_fused_attention():
     with attention.forced('xla'):  # FLOP counting: the model's own length
       assert attention.length_multiple('auto', jnp.bfloat16, 64) == 1
   assert attention.length_multiple('auto', jnp.bfloat16, 64) == 1  # CPU
-  assert 'blockwise (full, bfloat16, L=128, 125 real keys, head_dim 64) standing in for cudnn (gpu_stand_in)' \
-      in attention.decisions()
+  assert (
+    'blockwise (full, bfloat16, L=128, 125 real keys, head_dim 64) standing in for cudnn (gpu_stand_in)'
+    in attention.decisions()
+  )
   with pytest.raises(ValueError, match='kv_length=17 for 13 queries'):
     attention.attend(q, k, v, causal=False, kv_length=17)
 
@@ -221,8 +249,9 @@ def test_cudnn_would_run_per_shard_also_with_the_sequence_sharded():
     q_spec, kv_spec, row_spec = attention._local_specs(q, k)
   assert q_spec == jax.P(('data', 'fsdp'), None, 'tensor', None) == kv_spec
   assert row_spec == jax.P(('data', 'fsdp'), None)
-  rules = partitioning.AxisRules([('batch', ('data', 'fsdp')), ('length', 'tensor'), ('heads', None),
-                                  ('kv_heads', None), ('kv', None)])
+  rules = partitioning.AxisRules(
+    [('batch', ('data', 'fsdp')), ('length', 'tensor'), ('heads', None), ('kv_heads', None), ('kv', None)]
+  )
   with partitioning.use_rules(rules, trainer.mesh):  # context parallelism: per shard too (tests/test_context.py)
     q_spec, kv_spec, row_spec = attention._local_specs(q, k)
   assert q_spec == jax.P(('data', 'fsdp'), 'tensor', None, None) == kv_spec
@@ -233,6 +262,7 @@ def test_unrolled_stack_initialises_as_the_scanned_one():
   """Unrolled blocks come from the scanned stack's one vmapped initialiser (fast to compile) and hold
   exactly its values, each with its own logical axes (no 'layers')."""
   from tests.conftest import unstack_layers
+
   cfg = _gpt2_tiny()
   params = {}
   for scan in (True, False):
@@ -249,7 +279,7 @@ def test_max_pool_by_slices_equals_reduce_window():
   ref = lambda x: nnx.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
   ours = lambda x: layers.max_pool(x, 3, stride=2, pad=1)
   np.testing.assert_array_equal(ours(x), ref(x))
-  grad = lambda f: jax.grad(lambda x: (f(x) * jnp.arange(64 * 3.).reshape(8, 8, 3)).sum())(x)
+  grad = lambda f: jax.grad(lambda x: (f(x) * jnp.arange(64 * 3.0).reshape(8, 8, 3)).sum())(x)
   np.testing.assert_array_equal(grad(ours), grad(ref))
 
 
@@ -261,11 +291,13 @@ def _loss_and_grads(cfg):
 
   def loss(params):
     return trainer.task.loss(nnx.merge(trainer.graphdef, params, state.model_state), batch)[0]
+
   return jax.jit(jax.value_and_grad(loss))(jax.device_get(state.params))
 
 
 def _gpt2_tiny(**model):
   from configs import gpt2
+
   cfg = gpt2.get_config('dp,tiny')
   cfg.update(batch_size=8)
   cfg.model.update(model)
@@ -298,17 +330,24 @@ def test_dots_policy_keeps_expert_matmuls_and_convolutions():
       jaxpr = jax.make_jaxpr(jax.grad(f))(*args)
       out[policy] = sum(map(is_counted, all_eqns(jaxpr.jaxpr)))
     return out
+
   cfg = moe_config.get_config('fsdp_ep,tiny').model
   graphdef, params = nnx.split(moe.MoEMLP(cfg, rngs=nnx.Rngs(0)))
   x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16, cfg.embed_dim)), jnp.float32)
   weights = {(cfg.num_experts, cfg.embed_dim, cfg.mlp_dim), (cfg.num_experts, cfg.mlp_dim, cfg.embed_dim)}
-  experts = count(lambda p, x: nnx.merge(graphdef, p)(x)[0].sum(), (params, x),
-                  lambda e: e.primitive.name == 'dot_general' and any(v.aval.shape in weights for v in e.invars))
+  experts = count(
+    lambda p, x: nnx.merge(graphdef, p)(x)[0].sum(),
+    (params, x),
+    lambda e: e.primitive.name == 'dot_general' and any(v.aval.shape in weights for v in e.invars),
+  )
   assert experts['dots'] == experts['none'] < experts['full'], experts
   block = resnet.Block(resnet_config.get_config('dp,tiny').model, 16, 16, 1, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(block)
-  convs = count(lambda s, x: nnx.merge(graphdef, s)(x).sum(), (state, jnp.ones((2, 8, 8, 16)) * jnp.arange(16.)),
-                lambda e: e.primitive.name == 'conv_general_dilated')
+  convs = count(
+    lambda s, x: nnx.merge(graphdef, s)(x).sum(),
+    (state, jnp.ones((2, 8, 8, 16)) * jnp.arange(16.0)),
+    lambda e: e.primitive.name == 'conv_general_dilated',
+  )
   assert convs['dots'] == convs['none'] < convs['full'], convs
 
 
@@ -317,24 +356,32 @@ def test_dots_policy_keeps_fused_attention_instead_of_rerunning_it(monkeypatch):
   block with cuDNN attention runs the forward kernel once, and twice under 'full'. Fails if JAX renames the
   kernel's primitive (layers.CUDNN_ATTENTION_FORWARD). Likewise for 'blockwise' and splash."""
   from jax._src.cudnn import fused_attention_stablehlo
+
   monkeypatch.setattr(fused_attention_stablehlo, 'check_cudnn_version', lambda *a, **k: 91000)
   q, k, v = _qkv(B=2, L=128, H=4, G=4, K=64, dtype=jnp.bfloat16)
 
   def forward_kernels(policy):
-    block = jax.checkpoint(lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, implementation='cudnn').astype(jnp.float32).sum(), policy=policy)
+    block = jax.checkpoint(
+      lambda q, k, v: (
+        jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation='cudnn').astype(jnp.float32).sum()
+      ),
+      policy=policy,
+    )
     jaxpr = jax.make_jaxpr(jax.grad(block, argnums=(0, 1, 2)))(q, k, v)
     return sum(e.primitive.name == layers.CUDNN_ATTENTION_FORWARD for e in all_eqns(jaxpr.jaxpr))
+
   assert forward_kernels(layers.REMAT_POLICIES['dots']) == 1
   assert forward_kernels(layers.REMAT_POLICIES['full']) == 2
 
   # 'blockwise' (the GPU stand-in): its forward loop over key blocks runs once under 'dots' (its output and
   # log-sum-exp kept by name), twice under 'full' and under a policy that keeps weight matmuls only
   def blockwise_loops(policy):
-    block = jax.checkpoint(lambda q, k, v: attention._blockwise(q, k, v, None, None, causal=True).astype(
-        jnp.float32).sum(), policy=policy)
+    block = jax.checkpoint(
+      lambda q, k, v: attention._blockwise(q, k, v, None, None, causal=True).astype(jnp.float32).sum(), policy=policy
+    )
     jaxpr = jax.make_jaxpr(jax.grad(block, argnums=(0, 1, 2)))(q, k, v)
     return sum(e.primitive.name == 'scan' for e in all_eqns(jaxpr.jaxpr))  # forward loops + the backward's one
+
   assert blockwise_loops(layers.REMAT_POLICIES['dots']) == 2
   assert blockwise_loops(layers.REMAT_POLICIES['full']) == 3
   assert blockwise_loops(jax.checkpoint_policies.dots_with_no_batch_dims_saveable) == 3
@@ -342,12 +389,14 @@ def test_dots_policy_keeps_fused_attention_instead_of_rerunning_it(monkeypatch):
   # splash (the TPU kernel; interpreted here): under 'dots' its forward's output and log-sum-exp are kept (named
   # attention.SPLASH_FORWARD), so the backward does not rerun it; under 'full' they are not
   def splash_kept(policy):
-    block = jax.checkpoint(lambda q, k, v: attention._splash(q, k, v, None, None, causal=True).astype(
-        jnp.float32).sum(), policy=policy)
+    block = jax.checkpoint(
+      lambda q, k, v: attention._splash(q, k, v, None, None, causal=True).astype(jnp.float32).sum(), policy=policy
+    )
     out = io.StringIO()
     with attention.splash_interpret(), contextlib.redirect_stdout(out):
       jax.ad_checkpoint.print_saved_residuals(block, q, k, v)
     return sorted(line.split()[0] for line in out.getvalue().splitlines() if '_splash_attention' in line)
+
   assert splash_kept(layers.REMAT_POLICIES['dots']) == ['bf16[2,4,128,64]', 'f32[2,4,128]']
   assert splash_kept(layers.REMAT_POLICIES['full']) == []
 
@@ -359,8 +408,11 @@ def test_mlp_keeps_only_its_pre_activations(gated):
   input), two for SwiGLU (gate and up), the same gradients as plain autodiff, and no matmul run twice."""
   B, L, D, F = 2, 4, 8, 32
   kw = dict(rngs=nnx.Rngs(0))
-  mlp = (layers.GatedMLP(D, F, **kw) if gated else
-         layers.MLP(D, F, activation=functools.partial(jax.nn.gelu, approximate=False), **kw))
+  mlp = (
+    layers.GatedMLP(D, F, **kw)
+    if gated
+    else layers.MLP(D, F, activation=functools.partial(jax.nn.gelu, approximate=False), **kw)
+  )
   graphdef, params = nnx.split(mlp)
   x = jnp.asarray(np.random.default_rng(0).standard_normal((B, L, D)), jnp.float32)
   run = lambda p, x: nnx.merge(graphdef, p)(x).sum()
@@ -369,13 +421,18 @@ def test_mlp_keeps_only_its_pre_activations(gated):
     m = nnx.merge(graphdef, p)
     h = m.activation(m.gate(x)) * m.up(x) if gated else m.activation(m.up(x))
     return m.down(h).sum()
+
   wide = lambda f: [r.shape for r in jax.tree.leaves(jax.vjp(f, params, x)[1]) if r.shape == (B, L, F)]  # residuals
   assert len(wide(run)) == (2 if gated else 1), wide(run)
   assert len(wide(plain)) > len(wide(run))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-               jax.grad(run, argnums=(0, 1))(params, x), jax.grad(plain, argnums=(0, 1))(params, x))
-  dots = lambda f: sum(e.primitive.name == 'dot_general' for e in all_eqns(
-      jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(params, x).jaxpr))
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+    jax.grad(run, argnums=(0, 1))(params, x),
+    jax.grad(plain, argnums=(0, 1))(params, x),
+  )
+  dots = lambda f: sum(
+    e.primitive.name == 'dot_general' for e in all_eqns(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(params, x).jaxpr)
+  )
   assert dots(run) == dots(plain)
 
 
@@ -386,6 +443,7 @@ def test_gelu_with_written_out_derivative_equals_autodiff(approximate):
   gradient than autodiff's bfloat16 one; the backward keeps only the input (autodiff of jax.nn.gelu keeps more);
   and the zoo's GELU models use them."""
   from models import bert, gpt2, vit
+
   ours = layers.gelu_tanh if approximate else layers.gelu_erf
   ref = functools.partial(jax.nn.gelu, approximate=approximate)
   x = np.concatenate([np.linspace(-12, 12, 4001), [0, 1e19, -1e19, 1e30, -1e30, np.inf, -np.inf, np.nan]])
@@ -401,6 +459,7 @@ def test_gelu_with_written_out_derivative_equals_autodiff(approximate):
   residuals = lambda f: jax.tree.leaves(jax.vjp(f, x32)[1])
   assert len(residuals(ours)) == 1 < len(residuals(ref))
   import ml_collections
+
   cfg = ml_collections.ConfigDict(dict(num_layers=1, embed_dim=8, mlp_dim=16, num_heads=2, norm_eps=1e-5))
   block = lambda family: family.Block(cfg, rngs=nnx.Rngs(0)).mlp.activation
   assert block(gpt2) is layers.gelu_tanh and block(vit) is block(bert) is layers.gelu_erf
@@ -411,6 +470,7 @@ def test_compiling_for_a_gpu_without_one():
   (cuDNN's attention chosen as on the GPU); without it (as in CI), one ConfigError naming the install. An unknown
   target names the known ones."""
   from training import targets
+
   with pytest.raises(ConfigError, match=r"GPU target 'b300' is neither one of \['h100_sxm'\]"):
     targets.gpu_devices('b300')
   if not targets.plugin_installed():
@@ -436,13 +496,17 @@ def test_compiling_for_a_tpu_without_one(monkeypatch):
   (as in CI); with libtpu installed, a sharded step compiles for 8 v5e chips on this machine, splash attention
   chosen as on a TPU."""
   from training import targets
+
   assert targets.tpu_topology('tpu_v5e', 8) == ('v5e:2x4', dict(chips_per_host_bounds=[2, 4, 1]))
   assert targets.tpu_topology('tpu_v5e', 32) == ('v5e:4x8', dict(chips_per_host_bounds=[2, 4, 1]))
   assert targets.tpu_topology('tpu_v5p', 16) == ('v5p:2x2x4', dict(chips_per_host_bounds=[2, 2, 1]))
   assert targets.tpu_topology('tpu_v5p', 64)[0] == 'v5p:4x4x4' and targets.tpu_topology('tpu_v4', 2)[0] == 'v4:1x2x1'
   assert targets.tpu_topology('tpu_v6e', 1) == ('v6e:1x1', dict(chips_per_host_bounds=[1, 1, 1]))
-  with pytest.raises(ConfigError, match=r'^12 tpu_v5e chips make no slice: ask for 1 to 8 chips \(one host\) or a '
-                                        r'multiple of 8 \(hosts of 2x4 chips\)$'):
+  with pytest.raises(
+    ConfigError,
+    match=r'^12 tpu_v5e chips make no slice: ask for 1 to 8 chips \(one host\) or a '
+    r'multiple of 8 \(hosts of 2x4 chips\)$',
+  ):
     targets.tpu_topology('tpu_v5e', 12)
   with pytest.raises(ConfigError, match=r'^3 tpu_v5p chips make no slice: on one host ask for a power of 2 up to 4$'):
     targets.tpu_topology('tpu_v5p', 3)
@@ -450,8 +514,11 @@ def test_compiling_for_a_tpu_without_one(monkeypatch):
     targets.compile_devices('tpu_v7')
   installed = targets.libtpu_installed()
   monkeypatch.setattr(targets, 'libtpu_installed', lambda: False)
-  with pytest.raises(ConfigError, match=r"TPU target 'tpu_v5e' needs libtpu \(no TPU needed\): pip install "
-                                        r'"jax\[tpu\]=='):
+  with pytest.raises(
+    ConfigError,
+    match=r"TPU target 'tpu_v5e' needs libtpu \(no TPU needed\): pip install "
+    r'"jax\[tpu\]==',
+  ):
     targets.compile_devices('tpu_v5e', 8)
   if not installed:
     return
@@ -472,7 +539,9 @@ def test_softmax_xent_gradient_scatters_nothing():
   (autodiff of optax's scatters the targets' gradient into a zero array of the logits' shape: an extra pass
   over the largest activation of a language model)."""
   import optax
+
   from training import xent
+
   rng = np.random.default_rng(0)
   logits = jnp.asarray(3 * rng.standard_normal((4, 6, 40)), jnp.float32)
   targets = jnp.asarray(rng.integers(0, 40, (4, 6)), jnp.int32)
@@ -490,6 +559,7 @@ def test_logsumexp_and_argmax_read_the_logits_once_on_gpus():
   and ties), and the loss lowered for a GPU reduces over the logits once (maximum, sum and the accuracy's argmax
   together) where the CPU lowering keeps jax.nn.logsumexp's two passes and jnp.argmax's."""
   from training import xent
+
   rng = np.random.default_rng(0)
   x = 5 * rng.standard_normal((7, 3000)).astype(np.float32)
   x[0], x[1, :7], x[2, 5], x[3] = -np.inf, np.inf, np.nan, -1e9
@@ -506,9 +576,11 @@ def test_logsumexp_and_argmax_read_the_logits_once_on_gpus():
   targets = jnp.asarray([3, 2999, 10], jnp.int32)
   np.testing.assert_allclose(xent.softmax_xent(logits, targets), ref[4:] - x[[4, 5, 6], [3, 2999, 10]], rtol=1e-6)
   loss = lambda l: sum(y.sum() for y in xent.loss_and_hits(l, targets, None)[:2])  # loss and hits
+
   def reductions_over_logits(platform):
     text = jax.export.export(jax.jit(jax.value_and_grad(loss)), platforms=[platform])(logits).mlir_module()
     return [l for l in text.splitlines() if 'stablehlo.reduce' in l and 'tensor<3x3000xf32>' in l]
+
   on_gpu, on_cpu = reductions_over_logits('cuda'), reductions_over_logits('cpu')
   assert len(on_gpu) == 1 and len(on_cpu) == 3, (on_gpu, on_cpu)  # one vs maximum, sum, argmax
   with xent.logsumexp_passes('one'):  # forced (benchmarks/throughput.py --logsumexp)
@@ -541,6 +613,7 @@ def test_moe_flops_count_the_active_experts_only():
   """A mixture of experts: 6 N_active + 12 layers d_attn L per token, N_active counting k of E experts' weights
   (not the E x C capacity slots the experts run over, nor the one-hot dispatch and combine matmuls)."""
   from configs import moe as moe_config  # pylint: disable=g-import-not-at-top
+
   cfg = moe_config.get_config('dp,tiny')
   trainer = build_trainer(cfg)
   m, B, L = cfg.model, cfg.batch_size, cfg.dataset.seq_len
@@ -563,10 +636,11 @@ def test_flops_count_only_the_gradients_a_step_computes():
   ViT's patch embedding twice (its input is the image), every other matmul three times; a linear probe
   (train_only='^head/') the forward once and the head's weight gradient."""
   from configs import vit as vit_config  # pylint: disable=g-import-not-at-top
+
   cfg = vit_config.get_config('dp,tiny')
   full = flops.step_flops(build_trainer(cfg))
   m, B = cfg.model, cfg.batch_size
-  patch = 2 * B * (m.image_size // m.patch_size) ** 2 * m.patch_size ** 2 * m.channels * m.embed_dim
+  patch = 2 * B * (m.image_size // m.patch_size) ** 2 * m.patch_size**2 * m.channels * m.embed_dim
   forward = (full.palm + patch) / 3  # 3 x forward, less the patch embedding's input gradient
   cfg.train_only = '^head/'
   probe = flops.step_flops(build_trainer(cfg))
@@ -588,8 +662,11 @@ def test_mesh_is_fitted_to_the_accelerators_found(monkeypatch):
   assert sizes == {'data': 1, 'fsdp': 1, 'tensor': 1}
   assert note.startswith('config.mesh (data=1 x fsdp=8 x tensor=1) asks for 8 devices; there are 1 gpu devices')
   assert '--config.mesh.data=1 --config.mesh.fsdp=1 --config.mesh.tensor=1' in note
-  assert partitioning.fit_mesh_shape({'data': 2, 'fsdp': 2, 'tensor': 2}, 4, 'gpu')[0] == {'data': 4, 'fsdp': 1,
-                                                                                              'tensor': 1}
+  assert partitioning.fit_mesh_shape({'data': 2, 'fsdp': 2, 'tensor': 2}, 4, 'gpu')[0] == {
+    'data': 4,
+    'fsdp': 1,
+    'tensor': 1,
+  }
   mesh = tiny_config('fsdp_tp').mesh  # fit_mesh: the config's mesh, in place, on accelerators only
   assert partitioning.fit_mesh(mesh) is None and dict(mesh) == {'data': 2, 'fsdp': 2, 'tensor': 2}
   monkeypatch.setattr(jax, 'devices', lambda *a: [type('Gpu', (), {'platform': 'gpu'})()])
@@ -600,15 +677,21 @@ def test_mesh_is_fitted_to_the_accelerators_found(monkeypatch):
 
 def test_no_silent_cpu_run_beside_a_gpu_or_a_tpu(monkeypatch):
   from jax._src import hardware_utils
+
   monkeypatch.setenv('JAX_PLATFORMS', '')
   partitioning.check_platform()  # this machine: neither
   with monkeypatch.context() as m:
     m.setattr(os.path, 'exists', lambda p: p == '/dev/nvidiactl')
     with pytest.raises(ShardingError, match=r'an NVIDIA GPU is present but JAX found only the CPU .*jax\[cuda13\]'):
       partitioning.check_platform()
-  monkeypatch.setattr(hardware_utils, 'num_available_tpu_chips_and_device_id', lambda: (4, hardware_utils.TpuVersion.v5e))
-  with pytest.raises(ShardingError, match=r'^a TPU is attached but JAX found only the CPU \(no libtpu\?\): pip install '
-                                          r'"jax\[tpu\]==0.10.2", or set JAX_PLATFORMS=cpu'):
+  monkeypatch.setattr(
+    hardware_utils, 'num_available_tpu_chips_and_device_id', lambda: (4, hardware_utils.TpuVersion.v5e)
+  )
+  with pytest.raises(
+    ShardingError,
+    match=r'^a TPU is attached but JAX found only the CPU \(no libtpu\?\): pip install '
+    r'"jax\[tpu\]==0.10.2", or set JAX_PLATFORMS=cpu',
+  ):
     partitioning.check_platform()
   monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
   partitioning.check_platform()  # the CPU on purpose
@@ -616,6 +699,7 @@ def test_no_silent_cpu_run_beside_a_gpu_or_a_tpu(monkeypatch):
 
 def test_synthetic_batches_match_every_task_batch():
   from configs import bert, llama, vit
+
   for cfg in (tiny_config(), llama.get_config('tiny'), vit.get_config('tiny'), bert.get_config('tiny')):
     cfg.dataset.pack = cfg.dataset.get('pack', False)
     trainer_task = training.tasks.get(cfg.task)
@@ -627,8 +711,9 @@ def test_synthetic_batches_match_every_task_batch():
 
 
 def test_train_reports_mfu_and_captures_a_profile(tmp_path, capsys):
-  cfg = tiny_config('dp', total_steps=4, log_every=2, eval_every=4, checkpoint_every=0, profile_first_step=2,
-                    profile_steps=2)
+  cfg = tiny_config(
+    'dp', total_steps=4, log_every=2, eval_every=4, checkpoint_every=0, profile_first_step=2, profile_steps=2
+  )
   train.train_and_evaluate(cfg, str(tmp_path), peak_tflops=1.0)
   out = capsys.readouterr().out
   assert 'model FLOPs per step:' in out and 'MFU against 1 TFLOP/s (given)' in out
@@ -645,21 +730,39 @@ def test_device_time_merges_streams_and_counts_short_ops(tmp_path):
   is left out, and 3 us ops count as short."""
   import gzip
   import json
+
   meta = lambda pid, name: {'ph': 'M', 'name': 'process_name', 'pid': pid, 'args': {'name': name}}
   op = lambda pid, ts, dur, name='k': {'ph': 'X', 'pid': pid, 'ts': ts, 'dur': dur, 'name': name}
-  events = [meta(1, '/device:GPU:0 stream 7'), meta(2, '/device:GPU:0 stream 9'), meta(3, '/host:CPU'),
-            op(1, 0, 100), op(2, 50, 100), op(1, 200, 3), op(1, 210, 3, 'small'), op(3, 0, 1000), op(2, 300, 50)]
+  events = [
+    meta(1, '/device:GPU:0 stream 7'),
+    meta(2, '/device:GPU:0 stream 9'),
+    meta(3, '/host:CPU'),
+    op(1, 0, 100),
+    op(2, 50, 100),
+    op(1, 200, 3),
+    op(1, 210, 3, 'small'),
+    op(3, 0, 1000),
+    op(2, 300, 50),
+  ]
   with gzip.open(tmp_path / 'x.perfetto_trace.json.gz', 'wt') as f:
     json.dump({'traceEvents': events}, f)
   t = profiling.device_time(str(tmp_path))
   assert t == dict(span=0.35, busy=0.206, idle=0.144, ops=5, short=2, short_ms=0.006), t
   assert profiling.top_ops(str(tmp_path), k=1) == [('k', 0.253, 4)]
   # Ops back to back at large timestamps: busy is the whole span, not a rounding error past it.
-  starts = [130976.87987161666, 130979.47133722108, 131012.69524455354, 131016.99720252871, 131051.04899988144,
-            131052.67545144659, 131087.67810199748]
+  starts = [
+    130976.87987161666,
+    130979.47133722108,
+    131012.69524455354,
+    131016.99720252871,
+    131051.04899988144,
+    131052.67545144659,
+    131087.67810199748,
+  ]
   with gzip.open(tmp_path / 'x.perfetto_trace.json.gz', 'wt') as f:
-    json.dump({'traceEvents': [meta(1, '/device:GPU:0 stream 7')] + [
-        op(1, a, b - a) for a, b in zip(starts, starts[1:])]}, f)
+    json.dump(
+      {'traceEvents': [meta(1, '/device:GPU:0 stream 7')] + [op(1, a, b - a) for a, b in zip(starts, starts[1:])]}, f
+    )
   t = profiling.device_time(str(tmp_path))
   assert t['busy'] == t['span'] and t['idle'] == 0, t
 
@@ -703,20 +806,23 @@ def test_fused_batchnorm_equals_flax_values_statistics_and_gradients(fast):
     def loss(params, x, rest):
       y = nnx.merge(graphdef, params, rest)(x)
       return (y * ct).sum(), y
+
     (_, y), (g_params, g_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x, rest)
     bn(x)  # eager: updates the running averages
     results[fused] = (y, g_x, g_params, bn.mean[...], bn.var[...])
   for name, a, b in zip(('y', 'dx', 'dparams', 'mean', 'var'), results[True], results[False]):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name), a, b)
-  y, mean, var = layers.batch_norm_train(x.astype(jnp.bfloat16), jnp.ones(16), jnp.zeros(16), eps=1e-5,
-                                         fast_variance=fast, out_dtype=jnp.bfloat16)
+  y, mean, var = layers.batch_norm_train(
+    x.astype(jnp.bfloat16), jnp.ones(16), jnp.zeros(16), eps=1e-5, fast_variance=fast, out_dtype=jnp.bfloat16
+  )
   assert y.dtype == jnp.bfloat16 and mean.dtype == var.dtype == jnp.float32
 
 
 def test_batchnorm_then_keeps_only_its_input_for_the_stem_pool():
   """ResNet's stem, BatchNorm -> ReLU -> 3x3/2 max pool, with `then`: the same values and gradients as applying
   them after the BatchNorm, and only x and per-channel statistics kept for the backward pass, where plain
-  autodiff keeps the normalised full-resolution output as well (ResNet-50 at 256 images: 392 MiB). The recomputation is tied to the cotangent by an optimization barrier,
+  autodiff keeps the normalised full-resolution output as well (ResNet-50 at 256 images: 392 MiB). The
+  recomputation is tied to the cotangent by an optimization barrier,
   without which XLA merges it back into the forward pass (as it did: compiled for an H100, no change)."""
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(0.3, 2.0, (4, 12, 12, 8)), jnp.float32)
@@ -739,8 +845,7 @@ def test_batchnorm_then_keeps_only_its_input_for_the_stem_pool():
   graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: resnet.ResNet(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
   params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
   image = jax.ShapeDtypeStruct((2, 16, 16, cfg.channels), jnp.float32)
-  residuals = jax.eval_shape(lambda p, r, x: jax.vjp(lambda p: nnx.merge(graphdef, p, r)(x), p)[1], params, rest,
-                             image)
+  residuals = jax.eval_shape(lambda p, r, x: jax.vjp(lambda p: nnx.merge(graphdef, p, r)(x), p)[1], params, rest, image)
   stem = [r for r in jax.tree.leaves(residuals) if r.shape == (2, 8, 8, cfg.width)]
   assert len(stem) == 1, [r.shape for r in jax.tree.leaves(residuals)]
 
@@ -773,9 +878,30 @@ def test_wide_output_heads_run_their_backward_in_the_compute_dtype():
 
 @pytest.mark.slow
 def test_benchmark_smoke_with_torch_peer():
-  r = subprocess.run([sys.executable, 'benchmarks/throughput.py', '--config', 'configs/gpt2.py:tiny', '--steps', '2',
-                      '--warmup', '1', '--peer', 'torch', '--peer_compile=false', '--peak_tflops', '1', '--logsumexp', 'one'],
-                     cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  r = subprocess.run(
+    [
+      sys.executable,
+      'benchmarks/throughput.py',
+      '--config',
+      'configs/gpt2.py:tiny',
+      '--steps',
+      '2',
+      '--warmup',
+      '1',
+      '--peer',
+      'torch',
+      '--peer_compile=false',
+      '--peak_tflops',
+      '1',
+      '--logsumexp',
+      'one',
+    ],
+    cwd=ROOT,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert r.returncode == 0, r.stderr[-3000:]
   assert 'FLOPs/step:' in r.stdout and 'peak: 1 TFLOP/s (given)' in r.stdout
   rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith(('shardzoo', 'torch'))}
@@ -836,8 +962,9 @@ for present in ('gpu', 'tpu', None):
 def test_benchmark_runs_the_torch_peer_beside_gpus_and_cpus_not_tpus():
   """benchmarks/throughput.py --peer torch: on CUDA beside an NVIDIA GPU, on the CPU beside a CPU run, and none on
   a TPU (a CPU peer would be no comparison), saying so. In a child process: the script defines its own flags."""
-  r = subprocess.run([sys.executable, '-c', _PEER_DEVICE], cwd=ROOT, env=subprocess_env(), capture_output=True,
-                     text=True, timeout=120)
+  r = subprocess.run(
+    [sys.executable, '-c', _PEER_DEVICE], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120
+  )
   assert r.returncode == 0, r.stderr[-2000:]
   tpu = "(None, 'no PyTorch peer on TPUs: the peer is torch.compile on a CUDA GPU, or on the CPU beside a CPU run')"
   assert r.stdout.splitlines() == ["('cpu', '')", "('cuda', '')", tpu, "('cpu', '')"], r.stdout

@@ -1,5 +1,6 @@
 """TFDS pipelines under tfds.testing.mock_data (no network), a tiny dataset prepared offline for the
 split and file-format errors, the fast failure of an unprepared dataset, and train.py on mock lm1b."""
+
 import dataclasses
 import json
 import time
@@ -11,11 +12,11 @@ import optax
 import pytest
 import tensorflow_datasets as tfds
 
-from errors import ConfigError
 import data
 import partitioning
 import train
 from data import vision
+from errors import ConfigError
 from tests.conftest import tiny_config
 from tests.test_data_offline import Recorder, assert_same, check, make, take
 
@@ -46,7 +47,9 @@ def test_vision_pipelines(name, mock):
   assert [int(e['mask'].sum()) for e in evals] == [8, 8, 5]
   # Eval is deterministic and un-augmented: exactly the eval transform of each example, in order.
   expected = [ds.eval_transform.map(ds.eval[i]) for i in range(N)]
-  np.testing.assert_array_equal(np.concatenate([e['image'] for e in evals])[:N], np.stack([x['image'] for x in expected]))
+  np.testing.assert_array_equal(
+    np.concatenate([e['image'] for e in evals])[:N], np.stack([x['image'] for x in expected])
+  )
   np.testing.assert_array_equal(np.concatenate([e['label'] for e in evals])[:N], [x['label'] for x in expected])
   # Augmentation on train only: mnist has none; cifar10 and imagenet2012 draw a different view per rng.
   ex = ds.train[3]
@@ -77,8 +80,12 @@ def test_packed_text_pipelines(name, mock):
   tok = ds.tokenizer
   for b in take(ds, 3):
     assert {k: (v.shape, v.dtype) for k, v in b.items()} == {
-        'inputs': ((8, L), np.int32), 'targets': ((8, L), np.int32), 'mask': ((8, L), np.float32),
-        'segment_ids': ((8, L), np.int32), 'positions': ((8, L), np.int32)}
+      'inputs': ((8, L), np.int32),
+      'targets': ((8, L), np.int32),
+      'mask': ((8, L), np.float32),
+      'segment_ids': ((8, L), np.int32),
+      'positions': ((8, L), np.int32),
+    }
     seg = b['segment_ids']
     np.testing.assert_array_equal(b['mask'], seg > 0)
     same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
@@ -114,8 +121,11 @@ def test_eval_metric_is_exact_when_the_split_is_not_a_multiple_of_the_batch(mock
     logits = b['image'].reshape(8, -1) @ W
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, b['label'])
     return jnp.stack([(loss * b['mask']).sum(), ((logits.argmax(-1) == b['label']) * b['mask']).sum(), b['mask'].sum()])
-  total = sum(np.asarray(sums(data.to_global(b, {k: s for k in b}, 8)), np.float64)
-              for b in ds.eval_batches(8, data.local_rows(s, (8,))))
+
+  total = sum(
+    np.asarray(sums(data.to_global(b, {k: s for k in b}, 8)), np.float64)
+    for b in ds.eval_batches(8, data.local_rows(s, (8,)))
+  )
   # Plain numpy, one example at a time, straight from the source.
   x = np.stack([(ds.eval[i]['image'] / 255 - 0.1307) / 0.3081 for i in range(N)]).reshape(N, -1) @ W.astype(np.float64)
   y = np.array([ds.eval[i]['label'] for i in range(N)])
@@ -126,7 +136,10 @@ def test_eval_metric_is_exact_when_the_split_is_not_a_multiple_of_the_batch(mock
 
 
 def test_processes_read_disjoint_parts_of_a_tfds_split(mock):
-  for cfg in (make('lm', name='lm1b', seq_len=16, pack=True), make('classification', name='imagenet2012', image_size=16)):
+  for cfg in (
+    make('lm', name='lm1b', seq_len=16, pack=True),
+    make('classification', name='imagenet2012', image_size=16),
+  ):
     ds = data.build(cfg)
     reads = []
     for rows in (slice(0, 2), slice(2, 4)):
@@ -136,8 +149,11 @@ def test_processes_read_disjoint_parts_of_a_tfds_split(mock):
     assert not (reads[0] & reads[1]) - {N - 1} and reads[0] | reads[1] == set(range(N))
 
 
-@pytest.mark.parametrize('cfg', [make('lm', name='lm1b', seq_len=16, pack=True),
-                                 make('classification', name='imagenet2012', image_size=16)], ids=['lm1b', 'imagenet2012'])
+@pytest.mark.parametrize(
+  'cfg',
+  [make('lm', name='lm1b', seq_len=16, pack=True), make('classification', name='imagenet2012', image_size=16)],
+  ids=['lm1b', 'imagenet2012'],
+)
 def test_tfds_resume_equals_an_uninterrupted_run(cfg, mock):
   ds = data.build(cfg)
   it = iter(ds.train_dataset(4, slice(0, 4), 0))
@@ -166,11 +182,16 @@ def test_unprepared_dataset_fails_within_seconds_saying_how_to_prepare(tmp_path)
 
 class ShardzooTinyText(tfds.core.GeneratorBasedBuilder):
   """A real (not mocked) TFDS dataset, prepared offline in a test."""
+
   VERSION = tfds.core.Version('1.0.0')
 
   def _info(self):
-    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
-        {'text': tfds.features.Text(), 'label': tfds.features.ClassLabel(num_classes=3)}))
+    return tfds.core.DatasetInfo(
+      builder=self,
+      features=tfds.features.FeaturesDict(
+        {'text': tfds.features.Text(), 'label': tfds.features.ClassLabel(num_classes=3)}
+      ),
+    )
 
   def _split_generators(self, dl_manager):
     return {'train': self._generate_examples(40), 'test': self._generate_examples(11)}
@@ -195,14 +216,22 @@ def test_prepared_dataset_reads_and_rejects_unknown_splits(prepared):
   b = list(ds.eval_batches(8, slice(0, 8)))
   assert sum(e['mask'].sum() for e in b) == 11
   np.testing.assert_array_equal(np.concatenate([e['label'] for e in b])[:11], [ds.eval[i]['label'] for i in range(11)])
-  with pytest.raises(ConfigError, match=r"config.dataset.eval_split='validation': shardzoo_tiny_text has no split "
-                                        r"'validation'; its splits: \['test', 'train'\]"):
-    data.build(make('lm', name='shardzoo_tiny_text', data_dir=str(prepared / 'ar'), seq_len=32, eval_split='validation'))
-  with pytest.raises(ConfigError, match=r'is stored as tfrecord, which has no random access; convert it: tfds convert_format'):
+  with pytest.raises(
+    ConfigError,
+    match=r"config.dataset.eval_split='validation': shardzoo_tiny_text has no split "
+    r"'validation'; its splits: \['test', 'train'\]",
+  ):
+    data.build(
+      make('lm', name='shardzoo_tiny_text', data_dir=str(prepared / 'ar'), seq_len=32, eval_split='validation')
+    )
+  with pytest.raises(
+    ConfigError, match=r'is stored as tfrecord, which has no random access; convert it: tfds convert_format'
+  ):
     data.build(make('lm', name='shardzoo_tiny_text', data_dir=str(prepared / 'tfr'), seq_len=32))
   with pytest.raises(ConfigError, match=r'config.dataset.num_classes=5 but shardzoo_tiny_text has 3'):
-    data.build(make('text_classification', name='shardzoo_tiny_text', data_dir=str(prepared / 'ar'), seq_len=32,
-                    num_classes=5))
+    data.build(
+      make('text_classification', name='shardzoo_tiny_text', data_dir=str(prepared / 'ar'), seq_len=32, num_classes=5)
+    )
 
 
 def test_tfds_dataset_errors(mock):
@@ -210,7 +239,9 @@ def test_tfds_dataset_errors(mock):
     data.build(make('classification', name='mnits'))
   with pytest.raises(ConfigError, match=r'config.dataset.channels=3 but mnist has 1'):
     data.build(make('classification', name='mnist', channels=3))
-  with pytest.raises(ConfigError, match=r"config.task='classification' does not fit dataset 'lm1b', which serves \['lm', 'mlm'\]"):
+  with pytest.raises(
+    ConfigError, match=r"config.task='classification' does not fit dataset 'lm1b', which serves \['lm', 'mlm'\]"
+  ):
     data.build(make('classification', name='lm1b'))
   with pytest.raises(ConfigError, match=r"config.task='lm' does not fit dataset 'cifar10'"):
     data.build(make('lm', name='cifar10', seq_len=16))

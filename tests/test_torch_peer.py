@@ -2,6 +2,7 @@
 the throughput benchmark runs them (a child process); its first loss is our model's loss on the same
 weights and batch (mask-weighted, no label shifting); the other families and tasks start near ln(classes);
 what it cannot do (no torchvision, no GPU, a bad spec) is reported in RESULT.json, not a crash."""
+
 import importlib.util
 import json
 import math
@@ -46,8 +47,17 @@ def spec_for(config_file, arg, **overrides):
   """(spec, config) as the throughput benchmark builds them, for CPU smoke runs."""
   c = config_file.get_config(arg)
   m = c.model
-  spec = dict(family=m.name, task=c.task, optim=c.optim.to_dict(), remat=False, dtype='float32', steps=2, warmup=1,
-              compile=False, device='cpu')
+  spec = dict(
+    family=m.name,
+    task=c.task,
+    optim=c.optim.to_dict(),
+    remat=False,
+    dtype='float32',
+    steps=2,
+    warmup=1,
+    compile=False,
+    device='cpu',
+  )
   if m.name == 'resnet':
     spec['resnet'] = dict(block=m.block, stage_sizes=list(m.stage_sizes), width=m.width, num_classes=m.num_classes)
   else:
@@ -62,12 +72,15 @@ def make_batch(c, seed=0):
   m, task = c.model, c.task
   if task == 'classification':
     s, k = m.image_size, m.num_classes
-    return dict(image=rng.normal(size=(B, s, s, m.channels)).astype(np.float32),
-                label=rng.integers(0, k, B).astype(np.int32), mask=np.array([1, 1, 1, 0], np.float32))
+    return dict(
+      image=rng.normal(size=(B, s, s, m.channels)).astype(np.float32),
+      label=rng.integers(0, k, B).astype(np.int32),
+      mask=np.array([1, 1, 1, 0], np.float32),
+    )
   L = c.dataset.seq_len
   tokens = lambda: rng.integers(0, m.vocab_size, (B, L)).astype(np.int32)
   mask = np.ones((B, L), np.float32)
-  mask[1::2, L // 2:] = 0  # half the rows padded after the middle
+  mask[1::2, L // 2 :] = 0  # half the rows padded after the middle
   if task == 'lm':
     return dict(inputs=tokens(), targets=tokens(), mask=mask)
   batch = dict(inputs=tokens(), input_mask=mask.astype(np.int32), token_types=np.zeros((B, L), np.int32))
@@ -114,8 +127,9 @@ def our_loss(cfg, hf_dir, batch):
   graphdef, state = nnx.split(nnx.eval_shape(lambda: models.create(cfg.model, nnx.Rngs(0))))
   abstract = nnx.to_pure_dict(state)
   shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), abstract)
-  loaded, _ = hf_import.import_params(hf_import.HFDir(hf_dir), models.HF_FAMILIES[cfg.model.name], cfg.model,
-                                      abstract, shardings)
+  loaded, _ = hf_import.import_params(
+    hf_import.HFDir(hf_dir), models.HF_FAMILIES[cfg.model.name], cfg.model, abstract, shardings
+  )
   nnx.replace_by_pure_dict(state, loaded)
   logits = np.asarray(jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, batch['inputs']), np.float64)
   top = logits.max(-1, keepdims=True)
@@ -150,9 +164,15 @@ def test_vit_script_starts_near_ln_classes(tmp_path):
   assert abs(result['losses'][0] - math.log(c.model.num_classes)) < 0.3
 
 
-@pytest.mark.parametrize('config_file,arg,classes', [
-    (llama_config, 'tiny', None), (moe_config, 'tiny', None), (bert_config, 'tiny', None),
-    (bert_config, 'tiny,classify', 2)])
+@pytest.mark.parametrize(
+  'config_file,arg,classes',
+  [
+    (llama_config, 'tiny', None),
+    (moe_config, 'tiny', None),
+    (bert_config, 'tiny', None),
+    (bert_config, 'tiny,classify', 2),
+  ],
+)
 def test_other_families_run_in_process(config_file, arg, classes):
   spec, c = spec_for(config_file, arg, remat=True)
   result = peer.run(spec, make_batch(c))
@@ -165,8 +185,12 @@ def test_other_families_run_in_process(config_file, arg, classes):
 def test_the_peer_recomputes_what_our_policy_recomputes_or_says_how_it_differs():
   """HF's only recomputation is whole layers: off for 'none' and 'dots' (which reruns no matmul), on for 'full'
   and 'attention' (noted: ours reruns the MLPs only); a ResNet v1 (stride on the 1x1 conv) has no torchvision peer."""
-  for policy, layers_rerun, note in (('none', False, None), ('dots', False, 'no gradient checkpointing'),
-                                     ('attention', True, 'reruns whole layers'), ('full', True, None)):
+  for policy, layers_rerun, note in (
+    ('none', False, None),
+    ('dots', False, 'no gradient checkpointing'),
+    ('attention', True, 'reruns whole layers'),
+    ('full', True, None),
+  ):
     spec, _ = spec_for(llama_config, 'tiny', remat=policy in ('full', 'attention'), remat_policy=policy)
     notes = []
     model = peer.build_hf(torch, spec, notes)

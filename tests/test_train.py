@@ -1,4 +1,5 @@
 """train.py end to end: the loss falls, metrics land in the workdir, the CLI validates before compiling."""
+
 import glob
 import math
 import subprocess
@@ -33,17 +34,22 @@ def test_default_config_learns(tmp_path):
 
 
 def _cli(*args, timeout=300):
-  return subprocess.run([sys.executable, 'train.py', '--config', 'configs/default.py', *args], cwd=ROOT,
-                        env=subprocess_env(),
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, 'train.py', '--config', 'configs/default.py', *args],
+    cwd=ROOT,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 @pytest.mark.slow
 def test_cli_dry_run_on_one_device():
   r = _cli('--dry_run', '--config.mesh.data=1', '--config.mesh.fsdp=1', '--config.mesh.tensor=1')
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "on 1 cpu devices" in r.stdout
-  assert "blocks/layers/0/mlp/up/layer/kernel" in r.stdout and "P('fsdp', 'tensor')" in r.stdout
+  assert 'on 1 cpu devices' in r.stdout
+  assert 'blocks/layers/0/mlp/up/layer/kernel' in r.stdout and "P('fsdp', 'tensor')" in r.stdout
   assert 'parameters: 803,584' in r.stdout and 'optimizer state per device' in r.stdout
   assert 'step ' not in r.stdout  # nothing trained
 
@@ -62,7 +68,8 @@ def test_cli_bad_model_name_is_one_clear_error():
   r = _cli('--dry_run', '--config.model.name=gtp')
   assert r.returncode == 1
   assert r.stderr.strip().splitlines()[-1] == (
-      f"shardzoo: config error: config.model.name='gtp': must be one of {sorted(models.MODELS)}")
+    f"shardzoo: config error: config.model.name='gtp': must be one of {sorted(models.MODELS)}"
+  )
 
 
 @pytest.mark.slow
@@ -70,8 +77,9 @@ def test_cli_bad_batch_is_one_clear_error():
   r = _cli('--dry_run', '--config.batch_size=6')
   assert r.returncode == 1
   assert r.stderr.strip().splitlines()[-1] == (
-      "shardzoo: sharding error: global batch size 6 is not divisible by the mesh axes of logical axis 'batch' "
-      "(data=2 x fsdp=2 = 4); use a multiple of 4")
+    "shardzoo: sharding error: global batch size 6 is not divisible by the mesh axes of logical axis 'batch' "
+    '(data=2 x fsdp=2 = 4); use a multiple of 4'
+  )
   assert 'Traceback' not in r.stderr
 
 
@@ -79,7 +87,9 @@ def test_an_exception_in_the_loop_releases_everything_and_a_corrupt_checkpoint_s
   """The SIGTERM handler is restored and the save in flight completes when the loop raises; rerunning on
   that checkpoint, corrupted, stops with a 'checkpoint error' (not a config error)."""
   import signal
+
   import data as data_pkg
+
   handler = signal.getsignal(signal.SIGTERM)
   calls, real = [], data_pkg.to_global
 
@@ -88,6 +98,7 @@ def test_an_exception_in_the_loop_releases_everything_and_a_corrupt_checkpoint_s
     if len(calls) == 2:
       raise RuntimeError('input pipeline broke')
     return real(*args)
+
   monkeypatch.setattr(train.data, 'to_global', failing)
   cfg = tiny_config('fsdp_tp', checkpoint_every=1, total_steps=3)
   with pytest.raises(RuntimeError, match='input pipeline broke'):
@@ -97,11 +108,18 @@ def test_an_exception_in_the_loop_releases_everything_and_a_corrupt_checkpoint_s
   assert (state_dir / '_METADATA').is_file()  # step 1's asynchronous save finished before the error surfaced
   # Another model, another optimizer, or checkpointing off in this workdir: one error before compiling.
   for overrides, error in (
-      ({'model.mlp_dim': 256}, r"parameter 'blocks/layers/0/mlp/down/layer/kernel': the model expects shape "
-                               r'\(256, 64\), the checkpoint has \(128, 64\)'),
-      ({'optim.name': 'sgd'}, r"optimizer state '.*' .*Was it written with another optimizer"),
-      ({'checkpoint_every': 0}, rf'config.checkpoint_every=0, but {tmp_path}/checkpoints holds checkpoints '
-                                r'\(steps \[1\]\): set config.checkpoint_every to resume from them')):
+    (
+      {'model.mlp_dim': 256},
+      r"parameter 'blocks/layers/0/mlp/down/layer/kernel': the model expects shape "
+      r'\(256, 64\), the checkpoint has \(128, 64\)',
+    ),
+    ({'optim.name': 'sgd'}, r"optimizer state '.*' .*Was it written with another optimizer"),
+    (
+      {'checkpoint_every': 0},
+      rf'config.checkpoint_every=0, but {tmp_path}/checkpoints holds checkpoints '
+      r'\(steps \[1\]\): set config.checkpoint_every to resume from them',
+    ),
+  ):
     other = tiny_config('fsdp_tp', checkpoint_every=1, total_steps=3)
     other.update_from_flattened_dict(overrides)
     with recorded_compile_events() as compiles, pytest.raises(errors.ConfigError, match=error):
@@ -109,30 +127,53 @@ def test_an_exception_in_the_loop_releases_everything_and_a_corrupt_checkpoint_s
     assert compiles.count(BACKEND_COMPILE) == 0, (overrides, compiles)
   # Likewise starting another run from it (init_from): a missing path, a workdir for its checkpoints, another model.
   for init_from, mlp_dim, error in (
-      (tmp_path / 'nowhere', 128, r'is neither a checkpoint directory of this project nor a Hugging Face model'),
-      (tmp_path, 128, rf"no checkpoint there .*; a run's checkpoints are in its workdir's checkpoints/: "
-                      rf'{tmp_path}/checkpoints$'),
-      (tmp_path / 'checkpoints', 256, r"parameter 'blocks/layers/0/mlp/down/layer/kernel': the model expects shape")):
+    (tmp_path / 'nowhere', 128, r'is neither a checkpoint directory of this project nor a Hugging Face model'),
+    (
+      tmp_path,
+      128,
+      rf"no checkpoint there .*; a run's checkpoints are in its workdir's checkpoints/: "
+      rf'{tmp_path}/checkpoints$',
+    ),
+    (tmp_path / 'checkpoints', 256, r"parameter 'blocks/layers/0/mlp/down/layer/kernel': the model expects shape"),
+  ):
     other = tiny_config('fsdp_tp', init_from=str(init_from), total_steps=3)
     other.model.mlp_dim = mlp_dim
     with recorded_compile_events() as compiles, pytest.raises(errors.ConfigError, match=error):
       train.train_and_evaluate(other, str(tmp_path / 'finetune'))
     assert compiles.count(BACKEND_COMPILE) == 0, (init_from, compiles)
   (state_dir / '_METADATA').write_text('{not json')
-  flags = ['--config.model.num_layers=2', '--config.model.embed_dim=64', '--config.model.mlp_dim=128',
-           '--config.model.max_len=16', '--config.dataset.seq_len=16', '--config.dataset.num_train=512',
-           '--config.dataset.num_eval=100', '--config.batch_size=16', '--config.total_steps=3',
-           '--config.sample_len=0', '--config.checkpoint_every=1']
+  flags = [
+    '--config.model.num_layers=2',
+    '--config.model.embed_dim=64',
+    '--config.model.mlp_dim=128',
+    '--config.model.max_len=16',
+    '--config.dataset.seq_len=16',
+    '--config.dataset.num_train=512',
+    '--config.dataset.num_eval=100',
+    '--config.batch_size=16',
+    '--config.total_steps=3',
+    '--config.sample_len=0',
+    '--config.checkpoint_every=1',
+  ]
   r = _cli('--workdir', str(tmp_path), *flags)
   assert r.returncode == 1, r.stderr[-2000:]
-  assert r.stderr.strip().splitlines()[-1].startswith('shardzoo: checkpoint error: checkpoint ') and 'corrupt' in r.stderr
+  assert (
+    r.stderr.strip().splitlines()[-1].startswith('shardzoo: checkpoint error: checkpoint ') and 'corrupt' in r.stderr
+  )
 
 
 def test_a_sample_longer_than_the_model_is_refused_before_compiling(tmp_path):
   cfg = tiny_config(sample_len=15)  # 2 prompt tokens + 15 > max_len 16
-  with recorded_compile_events() as compiles, pytest.raises(errors.ConfigError, match=(
-      r'^config.sample_len=15: the sample after training \(2 prompt tokens \+ sample_len\) would be 17 tokens, '
-      r'over config.model.max_len=16$')):
+  with (
+    recorded_compile_events() as compiles,
+    pytest.raises(
+      errors.ConfigError,
+      match=(
+        r'^config.sample_len=15: the sample after training \(2 prompt tokens \+ sample_len\) would be 17 tokens, '
+        r'over config.model.max_len=16$'
+      ),
+    ),
+  ):
     train.train_and_evaluate(cfg, str(tmp_path))
   assert compiles.count(BACKEND_COMPILE) == 0, compiles
 
@@ -140,9 +181,14 @@ def test_a_sample_longer_than_the_model_is_refused_before_compiling(tmp_path):
 @pytest.mark.slow
 def test_cli_empty_workdir_is_a_usage_error():
   r = _cli('--workdir=', '--config.total_steps=1')  # e.g. an unset $WORKDIR: once ran with no checkpoints
-  assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
-      'shardzoo: usage error: --workdir is required (metrics and checkpoints are written there; --help for all '
-      'flags)') and 'USAGE' not in r.stderr, r.stderr[-2000:]
+  assert (
+    r.returncode == 1
+    and r.stderr.strip().splitlines()[-1]
+    == (
+      'shardzoo: usage error: --workdir is required (metrics and checkpoints are written there; --help for all flags)'
+    )
+    and 'USAGE' not in r.stderr
+  ), r.stderr[-2000:]
 
 
 def test_progress_lines_are_written_whole(monkeypatch):
@@ -156,6 +202,7 @@ def test_progress_lines_are_written_whole(monkeypatch):
 
     def flush(self):
       pass
+
   monkeypatch.setattr(sys, 'stdout', Stdout())
   train.say('step     1 | loss 2.7')
   assert writes == ['step     1 | loss 2.7\n']

@@ -1,15 +1,16 @@
 """Validation of a whole model+optimizer+batch against the rules, before anything compiles."""
+
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from errors import ShardingError
-from models.layers import axes
 import errors
 import partitioning
 import training
+from errors import ShardingError
+from models.layers import axes
 from tests.conftest import build_trainer, tiny_config
 
 
@@ -19,8 +20,11 @@ def without_rule(rules, name):
 
 def test_parameter_logical_name_without_rule():
   cfg = tiny_config(logical_axis_rules=without_rule(tiny_config().logical_axis_rules, 'mlp'))
-  with pytest.raises(ShardingError, match=r"parameter 'blocks/layers/0/mlp/down/layer/kernel'.*logical axis 'mlp' "
-                                          r"\(dim 0\) has no rule; add \('mlp', <mesh axis>\)"):
+  with pytest.raises(
+    ShardingError,
+    match=r"parameter 'blocks/layers/0/mlp/down/layer/kernel'.*logical axis 'mlp' "
+    r"\(dim 0\) has no rule; add \('mlp', <mesh axis>\)",
+  ):
     build_trainer(cfg)
 
 
@@ -37,9 +41,12 @@ class ActivationOnlyName(nnx.Module):
 def test_activation_logical_name_without_rule_fails_at_trace_time():
   cfg = tiny_config()
   trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh), ActivationOnlyName)  # params are fine
-  with pytest.raises(ShardingError, match=r"activation \('batch', 'length', 'hidden'\) of shape \(16, 16, 16\) "
-                                          r"at tests/test_validation.py:\d+ \(__call__\): logical axis 'hidden' "
-                                          r"\(dim 2\) has no rule"):
+  with pytest.raises(
+    ShardingError,
+    match=r"activation \('batch', 'length', 'hidden'\) of shape \(16, 16, 16\) "
+    r"at tests/test_validation.py:\d+ \(__call__\): logical axis 'hidden' "
+    r'\(dim 2\) has no rule',
+  ):
     training.trace(trainer, training.jit_train_step(trainer))
 
 
@@ -59,14 +66,20 @@ def test_mesh_product_must_match_device_count():
 def test_parameter_not_divisible():
   cfg = tiny_config()
   cfg.model.mlp_dim = 129  # 'mlp' is sharded over tensor=2
-  with pytest.raises(ShardingError, match=r"parameter 'blocks/layers/0/mlp/down/layer/kernel': dim 0 \('mlp'\) has size "
-                                          r"129, not divisible by mesh axes tensor=2 = 2"):
+  with pytest.raises(
+    ShardingError,
+    match=r"parameter 'blocks/layers/0/mlp/down/layer/kernel': dim 0 \('mlp'\) has size "
+    r'129, not divisible by mesh axes tensor=2 = 2',
+  ):
     build_trainer(cfg)
 
 
 def test_global_batch_not_divisible():
-  with pytest.raises(ShardingError, match=r"global batch size 6 is not divisible by the mesh axes of logical axis "
-                                          r"'batch' \(data=2 x fsdp=2 = 4\)"):
+  with pytest.raises(
+    ShardingError,
+    match=r'global batch size 6 is not divisible by the mesh axes of logical axis '
+    r"'batch' \(data=2 x fsdp=2 = 4\)",
+  ):
     build_trainer(tiny_config(batch_size=6))
 
 
@@ -103,6 +116,7 @@ def test_unnamed_parameter_is_rejected():
 
 def test_parameter_dim_named_none_is_rejected():
   """None leaves an activation's dim unsharded; a stored array must name every dim (never replicated silently)."""
+
   class Bad(nnx.Module):
     def __init__(self, rngs):
       self.w = nnx.Param(jnp.zeros((4, 8)), out_sharding=(None, 'embed'), eager_sharding=False)
@@ -111,8 +125,11 @@ def test_parameter_dim_named_none_is_rejected():
       return x @ self.w
 
   cfg = tiny_config()
-  with pytest.raises(ShardingError, match=r"parameter 'w' of shape \(4, 8\): dim 0 has no logical axis name "
-                                          r"\(\(None, 'embed'\)\); name it in the model"):
+  with pytest.raises(
+    ShardingError,
+    match=r"parameter 'w' of shape \(4, 8\): dim 0 has no logical axis name "
+    r"\(\(None, 'embed'\)\); name it in the model",
+  ):
     training.build(cfg, partitioning.make_mesh(cfg.mesh), Bad)
 
 
@@ -132,11 +149,14 @@ def test_opt_state_leaf_that_mirrors_no_param():
     partitioning.opt_state_axes(opt, params, {'w': ('embed', 'mlp')})
 
 
-@pytest.mark.parametrize('field, value, msg', [
+@pytest.mark.parametrize(
+  'field, value, msg',
+  [
     ('dataset.seq_len', 32, r'config.dataset.seq_len=32 exceeds config.model.max_len=16'),
     ('optim.name', 'adam', r"config.optim.name='adam' is not known"),
     ('task', 'translate', r"config.task='translate' is not a known task"),
-])
+  ],
+)
 def test_config_errors_name_the_field(field, value, msg):
   cfg = tiny_config()
   section, _, key = field.rpartition('.')

@@ -4,6 +4,7 @@ batch, train vs eval, scan == unrolled, bf16 compute, Hugging Face ViT layout, b
 To keep compiles few, each model is initialised once (`single_device`) and other tests rebuild it from
 those arrays (`build`); jitted forwards are cached by model structure.
 """
+
 import functools
 import re
 
@@ -14,20 +15,23 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from errors import ConfigError, ShardingError
 import models
 import partitioning
 import training
 from configs import mnist
 from configs import resnet as resnet_config
 from configs import vit as vit_config
+from errors import ConfigError, ShardingError
 from models import attention, resnet, simple, vit
-from tests.conftest import stack_layers, unstack_layers
-from tests.conftest import assert_every_leaf_named, build_trainer
+from tests.conftest import assert_every_leaf_named, build_trainer, stack_layers, unstack_layers
 from training import tasks
 
-TINY = {'cnn': (mnist, 'tiny'), 'mlp': (mnist, 'mlp_tiny'), 'resnet': (resnet_config, 'tiny'),
-        'vit': (vit_config, 'tiny')}
+TINY = {
+  'cnn': (mnist, 'tiny'),
+  'mlp': (mnist, 'mlp_tiny'),
+  'resnet': (resnet_config, 'tiny'),
+  'vit': (vit_config, 'tiny'),
+}
 FORMULA = {'cnn': simple, 'mlp': simple, 'resnet': resnet, 'vit': vit}
 # fp32, sharded vs 1 device. Logits: rtol 1e-5, atol 1e-5; ResNet's atol 5e-5 (measured worst 1.8e-5: the
 # all-reduced batch statistics sum in another order, and the tiny ResNet's last stage normalises 8 values
@@ -58,8 +62,9 @@ def build(model_cfg, params, state):
 
 def split(model):
   """(parameters, other state) as the trainer's pure dicts, on the host."""
-  return jax.device_get((nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-                         nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))))
+  return jax.device_get(
+    (nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
+  )
 
 
 def count(model_cfg):
@@ -89,10 +94,12 @@ def sharded(name, preset):
 
 def sharded_forward(trainer, params, state, image):
   """Train-mode logits and updated state under the trainer's rules, inputs placed by its shardings."""
+
   def f(params, state, image):
     with partitioning.use_rules(trainer.rules, trainer.mesh):
       model = nnx.merge(trainer.graphdef, params, state)
       return model(image), nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+
   shardings = (trainer.shardings.params, trainer.shardings.model_state, trainer.batch_shardings['image'])
   return jax.jit(f, in_shardings=shardings)(params, state, image)
 
@@ -117,9 +124,12 @@ def test_parameter_count_matches_formula(name):
 def test_formula_and_model_give_published_counts():
   # Published: torchvision resnet18 11,689,512 and resnet50 25,557,032; ViT-B/16 (224, 1000 classes)
   # 86,567,656 (google/vit-base-patch16-224). Flax's MNIST CNN example: 824,458.
-  for module, size, published, formula in [(resnet_config, 'resnet18', 11_689_512, resnet),
-                                           (resnet_config, 'resnet50', 25_557_032, resnet),
-                                           (vit_config, 'b16', 86_567_656, vit), (mnist, 'cnn', 824_458, simple)]:
+  for module, size, published, formula in [
+    (resnet_config, 'resnet18', 11_689_512, resnet),
+    (resnet_config, 'resnet50', 25_557_032, resnet),
+    (vit_config, 'b16', 86_567_656, vit),
+    (mnist, 'cnn', 824_458, simple),
+  ]:
     cfg = module.get_config(size).model
     assert formula.num_params(cfg) == published, size
     assert count(cfg) == published, size
@@ -160,8 +170,9 @@ def test_batchnorm_statistics_are_over_the_global_batch():
 
   start = training.TrainState(jnp.zeros((), jnp.int32), params, trainer.tx.init(params), state)
   batch = {'image': image, 'label': jnp.arange(8), 'mask': jnp.ones(8)}
-  new, _ = training.jit_train_step(trainer)(jax.device_put(start, trainer.shardings),
-                                            partitioning.shard(batch, trainer.batch_shardings))
+  new, _ = training.jit_train_step(trainer)(
+    jax.device_put(start, trainer.shardings), partitioning.shard(batch, trainer.batch_shardings)
+  )
   assert_close_tree(jax.device_get(new.model_state), state1)
 
   # The stem's statistics are those of the whole batch (momentum 0.9 from mean 0, var 1) ...
@@ -243,27 +254,46 @@ def test_vit_matches_hugging_face_layout():
   torch = pytest.importorskip('torch')
   transformers = pytest.importorskip('transformers')
   cfg = tiny('vit', scan_layers=False).model
-  hf = transformers.ViTForImageClassification(transformers.ViTConfig(
-      hidden_size=cfg.embed_dim, num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-      intermediate_size=cfg.mlp_dim, image_size=cfg.image_size, patch_size=cfg.patch_size,
-      num_channels=cfg.channels, num_labels=cfg.num_classes)).eval()
+  hf = transformers.ViTForImageClassification(
+    transformers.ViTConfig(
+      hidden_size=cfg.embed_dim,
+      num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads,
+      intermediate_size=cfg.mlp_dim,
+      image_size=cfg.image_size,
+      patch_size=cfg.patch_size,
+      num_channels=cfg.channels,
+      num_labels=cfg.num_classes,
+    )
+  ).eval()
   assert count(cfg) == sum(p.numel() for p in hf.parameters())
   w = {k: v.numpy() for k, v in hf.state_dict().items()}
   H, K, D = cfg.num_heads, cfg.embed_dim // cfg.num_heads, cfg.embed_dim
-  dense = lambda k, kernel=None, bias=None: {'layer': {'kernel': w[k + '.weight'].T.reshape(kernel or (-1, D)),
-                                                       'bias': w[k + '.bias'].reshape(bias or (-1,))}}
+  dense = lambda k, kernel=None, bias=None: {
+    'layer': {'kernel': w[k + '.weight'].T.reshape(kernel or (-1, D)), 'bias': w[k + '.bias'].reshape(bias or (-1,))}
+  }
   norm = lambda k: {'scale': w[k + '.weight'], 'bias': w[k + '.bias']}
   layers = {}
   for i in range(cfg.num_layers):
     p = f'vit.layers.{i}.'
     attn = {n: dense(p + f'attention.{n[0]}_proj', (D, H, K), (H, K)) for n in ('query', 'key', 'value')}
-    layers[i] = {'ln1': norm(p + 'layernorm_before'), 'ln2': norm(p + 'layernorm_after'),
-                 'attn': {**attn, 'out': dense(p + 'attention.o_proj', (H, K, D))},
-                 'mlp': {'up': dense(p + 'mlp.fc1', (D, -1)), 'down': dense(p + 'mlp.fc2')}}
-  params = {'cls': w['vit.embeddings.cls_token'][0, 0], 'pos': w['vit.embeddings.position_embeddings'][0],
-            'patch': {'kernel': w['vit.embeddings.patch_embeddings.projection.weight'].transpose(2, 3, 1, 0),
-                      'bias': w['vit.embeddings.patch_embeddings.projection.bias']},
-            'blocks': {'layers': layers}, 'ln': norm('vit.layernorm'), 'head': dense('classifier', (D, -1))}
+    layers[i] = {
+      'ln1': norm(p + 'layernorm_before'),
+      'ln2': norm(p + 'layernorm_after'),
+      'attn': {**attn, 'out': dense(p + 'attention.o_proj', (H, K, D))},
+      'mlp': {'up': dense(p + 'mlp.fc1', (D, -1)), 'down': dense(p + 'mlp.fc2')},
+    }
+  params = {
+    'cls': w['vit.embeddings.cls_token'][0, 0],
+    'pos': w['vit.embeddings.position_embeddings'][0],
+    'patch': {
+      'kernel': w['vit.embeddings.patch_embeddings.projection.weight'].transpose(2, 3, 1, 0),
+      'bias': w['vit.embeddings.patch_embeddings.projection.bias'],
+    },
+    'blocks': {'layers': layers},
+    'ln': norm('vit.layernorm'),
+    'head': dense('classifier', (D, -1)),
+  }
   x = np.asarray(single_device('vit')[2])
   with torch.no_grad():
     expected = hf(pixel_values=torch.tensor(x.transpose(0, 3, 1, 2))).logits.numpy()
@@ -276,9 +306,16 @@ def test_resnet_matches_hugging_face_layout():
   torch = pytest.importorskip('torch')
   transformers = pytest.importorskip('transformers')
   cfg = tiny('resnet').model
-  hf = transformers.ResNetForImageClassification(transformers.ResNetConfig(
-      num_channels=cfg.channels, embedding_size=cfg.width, hidden_sizes=[cfg.width * 2 ** i for i in range(4)],
-      depths=list(cfg.stage_sizes), layer_type=cfg.block, num_labels=cfg.num_classes))
+  hf = transformers.ResNetForImageClassification(
+    transformers.ResNetConfig(
+      num_channels=cfg.channels,
+      embedding_size=cfg.width,
+      hidden_sizes=[cfg.width * 2**i for i in range(4)],
+      depths=list(cfg.stage_sizes),
+      layer_type=cfg.block,
+      num_labels=cfg.num_classes,
+    )
+  )
   assert count(cfg) == sum(p.numel() for p in hf.parameters())
   gen = torch.Generator().manual_seed(0)
   for m in hf.modules():  # non-trivial running statistics
@@ -287,8 +324,12 @@ def test_resnet_matches_hugging_face_layout():
       m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
   w = {k: v.numpy() for k, v in hf.eval().state_dict().items()}
   conv = lambda k: {'kernel': w[k + '.convolution.weight'].transpose(2, 3, 1, 0)}
-  bn = lambda k: {'scale': w[k + '.normalization.weight'], 'bias': w[k + '.normalization.bias'],
-                  'mean': w[k + '.normalization.running_mean'], 'var': w[k + '.normalization.running_var']}
+  bn = lambda k: {
+    'scale': w[k + '.normalization.weight'],
+    'bias': w[k + '.normalization.bias'],
+    'mean': w[k + '.normalization.running_mean'],
+    'var': w[k + '.normalization.running_var'],
+  }
 
   def block(k):
     n = 2 if cfg.block == 'basic' else 3
@@ -296,15 +337,21 @@ def test_resnet_matches_hugging_face_layout():
     if f'{k}.shortcut.convolution.weight' in w:
       out.update(downsample_conv=conv(k + '.shortcut'), downsample_bn=bn(k + '.shortcut'))
     return out
+
   stages = {}
   for i, num in enumerate(cfg.stage_sizes):
     k = f'resnet.encoder.stages.{i}.layers'
     stages[i] = {'first': block(f'{k}.0')}
     if num > 1:
       stages[i]['rest'] = {'layers': {j - 1: block(f'{k}.{j}') for j in range(1, num)}}
-  weights = stack_layers({'conv1': conv('resnet.embedder.embedder'), 'bn1': bn('resnet.embedder.embedder'),
-                          'stages': stages, 'head': {'layer': {'kernel': w['classifier.1.weight'].T,
-                                                               'bias': w['classifier.1.bias']}}})
+  weights = stack_layers(
+    {
+      'conv1': conv('resnet.embedder.embedder'),
+      'bn1': bn('resnet.embedder.embedder'),
+      'stages': stages,
+      'head': {'layer': {'kernel': w['classifier.1.weight'].T, 'bias': w['classifier.1.bias']}},
+    }
+  )
   params, state, image, _, _ = single_device('resnet')
   model = build(cfg, params, state)
   nnx.update(model, jax.tree.map(jnp.asarray, weights))
@@ -318,9 +365,11 @@ def test_bad_configs_name_the_culprit():
   def fails(name, message, **model):
     with pytest.raises(ConfigError, match=re.escape(message)):
       abstract(tiny(name, **model).model)
+
   fails('vit', 'config.model.image_size=18 is not divisible by config.model.patch_size=4', image_size=18)
-  fails('resnet', "config.model.block='wide' is not a ResNet block; choose one of ['basic', 'bottleneck']",
-        block='wide')
+  fails(
+    'resnet', "config.model.block='wide' is not a ResNet block; choose one of ['basic', 'bottleneck']", block='wide'
+  )
   fails('resnet', 'config.model.stage_sizes=(2, 0): need one or more stages of >= 1 block', stage_sizes=(2, 0))
   fails('cnn', 'config.model.features=(8, 8, 8, 8, 8): need 1 to 4 conv layers for image_size 28', features=(8,) * 5)
   fails('mlp', 'config.model.hidden_dims is empty: the MLP needs at least one hidden layer', hidden_dims=())

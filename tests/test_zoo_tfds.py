@@ -1,5 +1,6 @@
 """Zoo tiny configs train through train.py on TFDS datasets (tfds.testing.mock_data: no network),
 switched only by config fields, as `--config.dataset.name=...` would."""
+
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds

@@ -2,15 +2,18 @@
 (train state + each process's data-iterator position), restore onto any mesh and rules, and
 params-only initialisation for fine-tuning. A damaged newest checkpoint is moved aside and the previous
 one resumed (restore_latest). Disk trouble (a directory that is not writable, a disk that fills up
-mid-save) is one StorageError naming the directory, the step and the OS error. (SIGTERM handling: training/preemption.py; merged LoRA
+mid-save) is one StorageError naming the directory, the step and the OS error. (SIGTERM handling:
+training/preemption.py; merged LoRA
 export: training/export.py.)
 
 Layout: <workdir>/checkpoints/<step>/{state, data}. 'state' is the TrainState as a dict of
 global jax.Arrays (orbax writes each process's shards); 'data' is each process's data position
-(one JSON file per process, naming the rows of the global batch it holds: DataPositionHandler). Orbax writes a step into <step>.orbax-checkpoint-tmp and renames it to
+(one JSON file per process, naming the rows of the global batch it holds: DataPositionHandler). Orbax writes
+a step into <step>.orbax-checkpoint-tmp and renames it to
 <step> once every item is written, so a save cut short (killed, disk full) never shows as a step: the
 tmp directory is ignored by every listing, and removed when the next Checkpointer opens the directory.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,9 +52,14 @@ from training.trainer import Trainer, TrainState
 # about 7 s, for the tiny ResNet on 8 CPU devices. Arrays whose slice per replica would be under this size are
 # written whole by one replica; bigger ones (a replicated embedding table under data parallelism) stay parallel.
 MIN_REPLICA_SLICE_BYTES = 1 << 20
-type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(jax.Array, ocp.type_handlers.ArrayHandler(
-    array_metadata_store=array_metadata_store.Store(), min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES),
-    override=True, ignore_warnings=True)
+type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
+  jax.Array,
+  ocp.type_handlers.ArrayHandler(
+    array_metadata_store=array_metadata_store.Store(), min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES
+  ),
+  override=True,
+  ignore_warnings=True,
+)
 
 
 class _AbandonedReads(logging.Filter):
@@ -93,6 +101,7 @@ class _AbandonedReads(logging.Filter):
         if loop.is_closed() and any(type(a).__module__ == 'tensorstore' for a in args[1:]):
           return None  # a read orbax abandoned when it closed its loop: its result can never be delivered
         raise
+
     call_soon_threadsafe.shardzoo_abandoned_reads = True
     asyncio.BaseEventLoop.call_soon_threadsafe = call_soon_threadsafe
 
@@ -116,8 +125,7 @@ _abandoned_reads.install()
 
 
 def state_dict(state: TrainState) -> dict[str, Any]:
-  return {'step': state.step, 'params': state.params, 'opt_state': state.opt_state,
-          'model_state': state.model_state}
+  return {'step': state.step, 'params': state.params, 'opt_state': state.opt_state, 'model_state': state.model_state}
 
 
 def _abstract(trainer: Trainer) -> dict[str, Any]:
@@ -132,27 +140,32 @@ def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 ANOTHER_MODEL = 'Was it written by another model or config?'
-ANOTHER_OPTIMIZER = ('Was it written with another optimizer? Compare config.optim.name, config.freeze, '
-                     'config.train_only and the optimizer settings (config.optim.*, e.g. grad_clip) with the run '
-                     'that wrote it')
+ANOTHER_OPTIMIZER = (
+  'Was it written with another optimizer? Compare config.optim.name, config.freeze, '
+  'config.train_only and the optimizer settings (config.optim.*, e.g. grad_clip) with the run '
+  'that wrote it'
+)
 
 
 def check_compatible(expected: Any, found: Any, *, what: str, source: str, hint: str = ANOTHER_MODEL) -> None:
   """Raises CheckpointError naming the first parameter (or optimizer state) whose path or shape differs."""
   exp, got = _shapes(expected), _shapes(found)
-  for path, (shape, dtype) in exp.items():
+  for path, (shape, _dtype) in exp.items():
     if path not in got:
       extra = sorted(set(got) - set(exp))
       instead = f'; the checkpoint has instead e.g. {extra[:3]}' if extra else ''
-      raise CheckpointError(f'{source}: {what} {path!r} (shape {shape}) is missing from the checkpoint{instead}. '
-                            f'{hint}')
+      raise CheckpointError(
+        f'{source}: {what} {path!r} (shape {shape}) is missing from the checkpoint{instead}. {hint}'
+      )
     if got[path][0] != shape:
-      raise CheckpointError(f'{source}: {what} {path!r}: the model expects shape {shape}, the checkpoint has '
-                            f'{got[path][0]}. {hint}')
+      raise CheckpointError(
+        f'{source}: {what} {path!r}: the model expects shape {shape}, the checkpoint has {got[path][0]}. {hint}'
+      )
   extra = sorted(set(got) - set(exp))
   if extra:
-    raise CheckpointError(f'{source}: the checkpoint has {what}s the model does not: {extra[:5]}'
-                          f'{" ..." if len(extra) > 5 else ""}. {hint}')
+    raise CheckpointError(
+      f'{source}: the checkpoint has {what}s the model does not: {extra[:5]}{" ..." if len(extra) > 5 else ""}. {hint}'
+    )
 
 
 def ensure_writable(directory: str, what: str = 'workdir') -> None:
@@ -164,8 +177,9 @@ def ensure_writable(directory: str, what: str = 'workdir') -> None:
       f.write(b'0')
       f.flush()
   except OSError as e:
-    raise StorageError(f'{what} {os.path.abspath(directory)} is not writable: {_describe(e.errno, e.strerror, e.filename)}'
-                       ) from e
+    raise StorageError(
+      f'{what} {os.path.abspath(directory)} is not writable: {_describe(e.errno, e.strerror, e.filename)}'
+    ) from e
 
 
 def _describe(code: int | None, strerror: str | None, filename: str | None) -> str:
@@ -202,7 +216,8 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
     if not isinstance(item, RowsIterator):
       return super().save(directory, item=item)
     (directory / f'process_{jax.process_index()}-of-{jax.process_count()}.json').write_text(
-        json.dumps(item.get_state(), indent=1))
+      json.dumps(item.get_state(), indent=1)
+    )
 
   def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
     item = item or args.item
@@ -217,8 +232,10 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
     if 'global_batch' not in saved[0]:  # written before positions named their rows: same layout only
       mine = directory / f'process_{jax.process_index()}-of-{jax.process_count()}.json'
       if not mine.exists():
-        raise CheckpointError(f'the data position in {directory} was written by {len(saved)} process(es) in an older '
-                         f'format; resume it with {len(saved)} process(es)')
+        raise CheckpointError(
+          f'the data position in {directory} was written by {len(saved)} process(es) in an older '
+          f'format; resume it with {len(saved)} process(es)'
+        )
       item.set_grain_state(json.loads(mine.read_text()))
     else:
       item.set_state(saved)
@@ -245,10 +262,17 @@ class Checkpointer:
     self.directory = os.path.abspath(directory)
     ensure_writable(self.directory, 'checkpoint directory')
     self.manager = ocp.CheckpointManager(
-        self.directory, item_names=('state', 'data'),
-        item_handlers={'state': ocp.StandardCheckpointHandler(), 'data': DataPositionHandler()},
-        options=ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every_steps, create=True,
-                                             enable_async_checkpointing=async_save, cleanup_tmp_directories=True))
+      self.directory,
+      item_names=('state', 'data'),
+      item_handlers={'state': ocp.StandardCheckpointHandler(), 'data': DataPositionHandler()},
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        save_interval_steps=every_steps,
+        create=True,
+        enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=True,
+      ),
+    )
     self._last_saved = self.manager.latest_step()
     self._in_flight: int | None = None  # the step of the asynchronous save not yet known to be complete
 
@@ -267,11 +291,15 @@ class Checkpointer:
       return False
     self.wait()  # orbax would wait here anyway; waiting first tells which step's save failed
     try:
-      saved = self.manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state_dict(state)), data=DataSave(data_iter)),
-          force=force)
+      saved = self.manager.save(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state_dict(state)), data=DataSave(data_iter)),
+        force=force,
+      )
     except Exception as e:
-      raise self._storage_error(step, e) or e
+      if (err := self._storage_error(step, e)) is None:
+        raise
+      raise err from e
     if saved:
       self._last_saved, self._in_flight = step, step
     return saved
@@ -287,8 +315,13 @@ class Checkpointer:
     found = _read_metadata(self.manager, step, source)  # DamagedCheckpointError if unreadable
     check_compatible(abstract['params'], found['params'], what='parameter', source=source)
     check_compatible(abstract['model_state'], found.get('model_state', {}), what='model state', source=source)
-    check_compatible({'opt_state': abstract['opt_state']}, {'opt_state': found.get('opt_state', {})},
-                     what='optimizer state', source=source, hint=ANOTHER_OPTIMIZER)  # not damage either
+    check_compatible(
+      {'opt_state': abstract['opt_state']},
+      {'opt_state': found.get('opt_state', {})},
+      what='optimizer state',
+      source=source,
+      hint=ANOTHER_OPTIMIZER,
+    )  # not damage either
     if isinstance(data_iter, RowsIterator):
       try:
         saved = _data_positions(epath.Path(self.directory) / str(step) / 'data')
@@ -309,8 +342,9 @@ class Checkpointer:
     source = f'checkpoint {self.directory}/{step}'
     abstract = self.check(trainer, step)
     try:
-      restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract), data=DataRestore(data_iter)))
+      restored = self.manager.restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), data=DataRestore(data_iter))
+      )
     except DamagedCheckpointError as e:  # the data position missing or unreadable
       raise DamagedCheckpointError(f'{source} is missing or corrupt: {e}') from e
     except CheckpointError as e:  # a data position this run cannot take (another batch size): not damage
@@ -319,15 +353,22 @@ class Checkpointer:
       if (cause := _read_failure(e)) is None:
         raise
       if 'tree structures do not match' in str(e):  # readable, but (empty) optimizer states differ: not damage
-        raise CheckpointError(f"{source}: the train state's structure differs from this run's "
-                              f"({' '.join(str(e).split('If this mismatch')[0].split())}). {ANOTHER_OPTIMIZER}") from e
+        raise CheckpointError(
+          f"{source}: the train state's structure differs from this run's "
+          f'({" ".join(str(e).split("If this mismatch")[0].split())}). {ANOTHER_OPTIMIZER}'
+        ) from e
       _abandoned_reads.met(self.directory)
       raise DamagedCheckpointError(f'{source} could not be restored: {cause}') from e
     s = restored['state']
     return TrainState(s['step'], s['params'], s['opt_state'], s['model_state'])
 
-  def restore_latest(self, trainer: Trainer, data_iter: Any, *, fallback: bool = True,
-                     ) -> tuple[TrainState, list[str]]:
+  def restore_latest(
+    self,
+    trainer: Trainer,
+    data_iter: Any,
+    *,
+    fallback: bool = True,
+  ) -> tuple[TrainState, list[str]]:
     """Restores the newest checkpoint that can be read: (state, warnings). Damaged newer ones (unreadable
     metadata, array data or data position) are then moved aside to <step>.damaged (kept, never deleted; their
     step numbers are free for the next saves), each with a warning naming it. With fallback=False
@@ -343,8 +384,9 @@ class Checkpointer:
           raise DamagedCheckpointError(f'{e} (config.resume_fallback=True resumes from the previous one)') from e
         damaged.append((step, e))
         continue
-      warnings = [f'{e}; moved aside to {self._move_aside(s)} (not deleted); resumed from step {step}'
-                  for s, e in damaged]
+      warnings = [
+        f'{e}; moved aside to {self._move_aside(s)} (not deleted); resumed from step {step}' for s, e in damaged
+      ]
       return state, warnings
     if damaged:
       raise DamagedCheckpointError(f'{damaged[0][1]}; no older checkpoint can be read either') from damaged[0][1]
@@ -370,7 +412,9 @@ class Checkpointer:
     try:
       self.manager.wait_until_finished()
     except Exception as e:
-      raise self._storage_error(step, e) or e
+      if (err := self._storage_error(step, e)) is None:
+        raise
+      raise err from e
 
   def _storage_error(self, step: int | None, e: Exception) -> StorageError | None:
     """The StorageError for a save of `step` that failed for `e`, if an OS error is to blame (else None)."""
@@ -381,10 +425,16 @@ class Checkpointer:
     usage = shutil.disk_usage(self.directory)
     full = ' (the disk is full)' if found[0] in (errno.ENOSPC, errno.EDQUOT) else ''
     newest = self.manager.latest_step()
-    kept = f'{self.directory}/{newest} is the newest intact checkpoint' if newest is not None else 'no checkpoint was written'
-    err = StorageError(f'checkpoint {self.directory}/{step} could not be written: {_describe(*found)}{full}; '
-                       f'{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB there; {kept} and a '
-                       'rerun resumes from it (free space or choose another --workdir)')
+    kept = (
+      f'{self.directory}/{newest} is the newest intact checkpoint'
+      if newest is not None
+      else 'no checkpoint was written'
+    )
+    err = StorageError(
+      f'checkpoint {self.directory}/{step} could not be written: {_describe(*found)}{full}; '
+      f'{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB there; {kept} and a '
+      'rerun resumes from it (free space or choose another --workdir)'
+    )
     err.__cause__ = e
     return err
 
@@ -442,13 +492,18 @@ def step_directory(path: str) -> str:
   steps = steps_in(path)
   if not steps:
     run = os.path.join(path, 'checkpoints')  # a run's workdir given for its checkpoint directory
-    hint = f'; a run\'s checkpoints are in its workdir\'s checkpoints/: {run}' if os.path.isdir(run) else ''
+    hint = f"; a run's checkpoints are in its workdir's checkpoints/: {run}" if os.path.isdir(run) else ''
     raise CheckpointError(f'{path!r}: no checkpoint there (expected <dir>/<step>/state){hint}')
   return os.path.join(path, str(steps[-1]))
 
 
-def check_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, model_state: bool = False,
-                  ) -> tuple[str, dict[str, Any]]:
+def check_weights(
+  path: str,
+  trainer: Trainer,
+  *,
+  dont_load: str | None = None,
+  model_state: bool = False,
+) -> tuple[str, dict[str, Any]]:
   """load_weights' checks, from the checkpoint's metadata alone (train.py runs them before compiling): (the step
   directory, the abstract tree to restore); CheckpointError naming the first parameter that differs."""
   step_dir = step_directory(path)
@@ -486,8 +541,13 @@ def _read_failure(e: BaseException) -> str | None:
   return lines[0] if len(lines[0]) <= 600 else lines[0][:600] + ' ...'
 
 
-def load_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, model_state: bool = False,
-                 ) -> tuple[dict[str, Any], str]:
+def load_weights(
+  path: str,
+  trainer: Trainer,
+  *,
+  dont_load: str | None = None,
+  model_state: bool = False,
+) -> tuple[dict[str, Any], str]:
   """({'params': ..., ['model_state': ...]}, the step directory read) from a checkpoint of this project,
   without the optimizer state: see load_params. model_state=True also reads the non-parameter variables
   (BatchNorm statistics), for export."""
@@ -497,8 +557,9 @@ def load_weights(path: str, trainer: Trainer, *, dont_load: str | None = None, m
   abstract = {k: v for k, v in abstract.items() if v}  # orbax restores no empty subtrees
   restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
   try:
-    out = handler.restore(item, args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args,
-                                                            partial_restore=True))
+    out = handler.restore(
+      item, args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True)
+    )
   except Exception as e:  # pylint: disable=broad-except
     if (cause := _read_failure(e)) is None:
       raise

@@ -23,6 +23,7 @@ the others at once with its own message ("the leader task was preempted/died").
 A process that fails skips JAX's exit-time shutdown barrier, which would otherwise wait for the dead peer
 (up to 5 minutes).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -50,18 +51,29 @@ def scheduler() -> Any | None:
   jax.distributed.initialize() with no arguments uses the same detection; asking first tells how many processes
   to expect before JAX starts (simulated CPU devices are sized per process)."""
   from jax._src import clusters  # pylint: disable=g-import-not-at-top  # JAX's detection, registered on import
-  return next((env for env in clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
-               if not env.opt_in_only_method and env.is_env_present()), None)
+
+  return next(
+    (
+      env
+      for env in clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
+      if not env.opt_in_only_method and env.is_env_present()
+    ),
+    None,
+  )
 
 
 def _method(cluster: str) -> Any:
   from jax._src import clusters  # pylint: disable=g-import-not-at-top
+
   known = {env.name: env for env in clusters.ClusterEnv._cluster_types if env.name}  # pylint: disable=protected-access
   if cluster not in known:
-    raise ConfigError(f'--cluster={cluster!r} is not a cluster JAX detects; choose auto, none or one of {sorted(known)}')
+    raise ConfigError(
+      f'--cluster={cluster!r} is not a cluster JAX detects; choose auto, none or one of {sorted(known)}'
+    )
   if not known[cluster].is_env_present():
-    raise ConfigError(f'--cluster={cluster}: this process does not run in a {cluster} environment (its variables '
-                      'are missing)')
+    raise ConfigError(
+      f'--cluster={cluster}: this process does not run in a {cluster} environment (its variables are missing)'
+    )
   return known[cluster]
 
 
@@ -76,16 +88,21 @@ class Launch:
     if self.manual and num_processes < 2:
       raise ConfigError(f'--coordinator_address={coordinator_address} needs --num_processes >= 2 (got {num_processes})')
     if self.manual and coordinator_address is None:
-      raise ConfigError(f'--num_processes={num_processes} needs --coordinator_address=host:port (process 0\'s address; '
-                        'and --process_id on each process); under a scheduler (SLURM, Open MPI, Kubernetes, Cloud TPU) '
-                        'leave out both: the scheduler gives them')
+      raise ConfigError(
+        f"--num_processes={num_processes} needs --coordinator_address=host:port (process 0's address; "
+        'and --process_id on each process); under a scheduler (SLURM, Open MPI, Kubernetes, Cloud TPU) '
+        'leave out both: the scheduler gives them'
+      )
     if not 0 <= process_id < num_processes:
-      raise ConfigError(f'--process_id={process_id} is not in 0..{num_processes - 1} (--num_processes={num_processes})'
-                        + ('' if self.manual else '; to start processes by hand give --num_processes and '
-                                                  '--coordinator_address too'))
+      raise ConfigError(
+        f'--process_id={process_id} is not in 0..{num_processes - 1} (--num_processes={num_processes})'
+        + ('' if self.manual else '; to start processes by hand give --num_processes and --coordinator_address too')
+      )
     if self.manual and cluster not in ('auto', 'none'):
-      raise ConfigError(f'--cluster={cluster} and --coordinator_address/--num_processes both say how processes start; '
-                        f'give one: --cluster={cluster} alone (the scheduler gives the rest), or the manual flags')
+      raise ConfigError(
+        f'--cluster={cluster} and --coordinator_address/--num_processes both say how processes start; '
+        f'give one: --cluster={cluster} alone (the scheduler gives the rest), or the manual flags'
+      )
     self.coordinator_address, self.process_id, self.cluster = coordinator_address, process_id, cluster
     self.env = None
     if self.manual or cluster == 'none':
@@ -95,9 +112,11 @@ class Launch:
       try:
         self.num_processes = self.env.get_process_count() if self.env is not None else 1
       except Exception as e:  # e.g. a Kubernetes pod that is not part of a Job
-        raise ConfigError(f'jax.distributed detected a {self.env.name} environment but could not read its process '
-                          f'count ({type(e).__name__}: {str(e).splitlines()[0][:200]}); run with --cluster=none for '
-                          'one process, or give --coordinator_address/--num_processes/--process_id') from e
+        raise ConfigError(
+          f'jax.distributed detected a {self.env.name} environment but could not read its process '
+          f'count ({type(e).__name__}: {str(e).splitlines()[0][:200]}); run with --cluster=none for '
+          'one process, or give --coordinator_address/--num_processes/--process_id'
+        ) from e
 
   @property
   def how(self) -> str:
@@ -113,11 +132,15 @@ class Launch:
     if self.num_processes == 1:
       return
     if self.manual:
-      jax.distributed.initialize(self.coordinator_address, self.num_processes, self.process_id,
-                                 heartbeat_timeout_seconds=heartbeat_timeout_s)
+      jax.distributed.initialize(
+        self.coordinator_address, self.num_processes, self.process_id, heartbeat_timeout_seconds=heartbeat_timeout_s
+      )
     else:
-      jax.distributed.initialize(cluster_detection_method=self.env.name, heartbeat_timeout_seconds=heartbeat_timeout_s,
-                                 local_device_ids=self._local_device_ids())
+      jax.distributed.initialize(
+        cluster_detection_method=self.env.name,
+        heartbeat_timeout_seconds=heartbeat_timeout_s,
+        local_device_ids=self._local_device_ids(),
+      )
 
   def _local_device_ids(self) -> list[int] | None:
     """JAX's SLURM detection assumes one process per GPU (it shows process k of a node GPU k only). With one
@@ -132,6 +155,7 @@ class Launch:
 
 def _client() -> Any:
   from jax._src import distributed  # pylint: disable=g-import-not-at-top  # the coordination service's client
+
   return distributed.global_state.client
 
 
@@ -176,8 +200,10 @@ class PeerWatch:
         now = time.monotonic()
         self._unreachable_since = self._unreachable_since or now
         if now - self._unreachable_since >= self.timeout_s:
-          _stop(f'process {self.me} of {self.n}: lost the coordinator (process 0) for {self.timeout_s:g} s '
-                f'({type(e).__name__}: {str(e).splitlines()[0][:200]}); stopping. Resume from the last checkpoint.')
+          _stop(
+            f'process {self.me} of {self.n}: lost the coordinator (process 0) for {self.timeout_s:g} s '
+            f'({type(e).__name__}: {str(e).splitlines()[0][:200]}); stopping. Resume from the last checkpoint.'
+          )
         continue
       self._check({int(k.rsplit('/', 1)[-1]): v for k, v in found.items()})
 
@@ -188,17 +214,21 @@ class PeerWatch:
         continue
       value = values.get(peer, '')
       if value.startswith(_FAILED):
-        _stop(f'process {peer} of {self.n} failed ({value[len(_FAILED) + 1:]}); process {self.me} stops too. '
-              f"See process {peer}'s log; resume from the last checkpoint.")
+        _stop(
+          f'process {peer} of {self.n} failed ({value[len(_FAILED) + 1 :]}); process {self.me} stops too. '
+          f"See process {peer}'s log; resume from the last checkpoint."
+        )
       if value == _DONE:
         continue
       last, since = self._seen.get(peer, (None, now))
       if value != last:
         self._seen[peer] = (value, now)
       elif now - since >= self.timeout_s:
-        _stop(f'process {peer} of {self.n} stopped responding (no heartbeat for {now - since:.0f} s: killed, out of '
-              f'memory or its host lost); process {self.me} stops too instead of waiting in a collective. Resume '
-              'from the last checkpoint (rerun the same command).')
+        _stop(
+          f'process {peer} of {self.n} stopped responding (no heartbeat for {now - since:.0f} s: killed, out of '
+          f'memory or its host lost); process {self.me} stops too instead of waiting in a collective. Resume '
+          'from the last checkpoint (rerun the same command).'
+        )
 
   def await_verdict(self) -> None:
     """Gives PeerWatch the time to find a dead peer (it then ends this process); returns if it finds none."""

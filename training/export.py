@@ -4,6 +4,7 @@ backwards, models/hf_export.py), or with LoRA adapters merged as a params-only c
 A run's final config is kept beside its checkpoints (<workdir>/run_config.json, written by train.py), so
 `export.py --workdir DIR` rebuilds the same model, mesh and rules without the config file and overrides.
 """
+
 from __future__ import annotations
 
 import glob
@@ -30,8 +31,13 @@ RUN_CONFIG = 'run_config.json'
 DTYPES = ('float32', 'bfloat16', 'float16', 'float64')  # the weights' dtypes on disk (export.py --dtype)
 SHARD_SIZE = re.compile(r'(\d+(\.\d*)?|\.\d+)\s*[KMGT]B', re.IGNORECASE)  # huggingface_hub's sizes: 5GB, 500MB
 # What write_hf writes or copies into its directory (glob patterns): the files `overwrite` removes first.
-WRITTEN = ('model*.safetensors', 'model.safetensors.index.json', 'config.json', 'generation_config.json',
-           *hf_import.TOKENIZER_FILES)
+WRITTEN = (
+  'model*.safetensors',
+  'model.safetensors.index.json',
+  'config.json',
+  'generation_config.json',
+  *hf_import.TOKENIZER_FILES,
+)
 
 
 def save_run_config(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -45,17 +51,21 @@ def save_run_config(config: ml_collections.ConfigDict, workdir: str) -> None:
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   path = os.path.join(workdir, RUN_CONFIG)
   if not os.path.isfile(path):
-    raise ConfigError(f'{path} does not exist (runs before export existed did not write it): give the run\'s '
-                      'config with --config (and the same --config.* overrides)')
+    raise ConfigError(
+      f"{path} does not exist (runs before export existed did not write it): give the run's "
+      'config with --config (and the same --config.* overrides)'
+    )
   with open(path) as f:
     return ml_collections.ConfigDict(json.load(f))
 
 
 def _merged_weights(trainer: Trainer, params: Any, model_state: Any) -> Any:
   """Params with LoRA adapters folded into the base kernels (the base model's parameter paths)."""
+
   def merge(params, rest):
     model = lora.merge(nnx.merge(trainer.graphdef, params, rest))
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
   return jax.jit(merge)(params, model_state)
 
 
@@ -75,15 +85,17 @@ def check_options(dtype: str | None, max_shard_size: str) -> None:
   """export.py's --dtype and --max_shard_size, before anything is built (numpy and huggingface_hub would raise
   a TypeError / ValueError mid-export)."""
   if dtype is not None and dtype not in DTYPES:
-    raise ConfigError(f'--dtype={dtype!r}: one of {", ".join(DTYPES)} (default: the parameters\' dtype)')
+    raise ConfigError(f"--dtype={dtype!r}: one of {', '.join(DTYPES)} (default: the parameters' dtype)")
   size = SHARD_SIZE.fullmatch(str(max_shard_size).strip())
   if not size or float(size[1]) <= 0:
-    raise ConfigError(f'--max_shard_size={max_shard_size!r}: a positive number with a unit KB, MB, GB or TB, '
-                      'e.g. 5GB or 500MB')
+    raise ConfigError(
+      f'--max_shard_size={max_shard_size!r}: a positive number with a unit KB, MB, GB or TB, e.g. 5GB or 500MB'
+    )
 
 
-def check_out_dir(config: ml_collections.ConfigDict, out_dir: str, *, overwrite: bool = False,
-                  checkpoints: str | None = None) -> None:
+def check_out_dir(
+  config: ml_collections.ConfigDict, out_dir: str, *, overwrite: bool = False, checkpoints: str | None = None
+) -> None:
   """Refuses (ConfigError), before anything is read or written, an export directory that is a file, one that
   the export reads from (config.init_from, a local tokenizer directory config.dataset.tokenizer, the checkpoint
   directory `checkpoints` or anything inside it), or a non-empty one unless `overwrite`."""
@@ -93,43 +105,80 @@ def check_out_dir(config: ml_collections.ConfigDict, out_dir: str, *, overwrite:
   tok = config.get('dataset', {}).get('tokenizer')
   for field, source in (('config.init_from', config.get('init_from')), ('config.dataset.tokenizer', tok)):
     if isinstance(source, str) and source and os.path.isdir(source) and os.path.realpath(source) == out:
-      raise ConfigError(f'export directory {out_dir!r} is the run\'s {field} ({source}), which the export reads: '
-                        'writing there would replace its files; give another directory')
+      raise ConfigError(
+        f"export directory {out_dir!r} is the run's {field} ({source}), which the export reads: "
+        'writing there would replace its files; give another directory'
+      )
   root = os.path.realpath(checkpoints) if checkpoints else None
   if root and (out == root or out.startswith(root + os.sep)):
-    raise ConfigError(f'export directory {out_dir!r} is {"" if out == root else "inside "}the checkpoint directory '
-                      f'{root}, which the export reads; give another directory')
+    raise ConfigError(
+      f'export directory {out_dir!r} is {"" if out == root else "inside "}the checkpoint directory '
+      f'{root}, which the export reads; give another directory'
+    )
   present = sorted(os.listdir(out)) if os.path.isdir(out) else []
   if present and not overwrite:
-    raise ConfigError(f'export directory {out_dir!r} is not empty ({", ".join(present[:4])}'
-                      f'{", ..." if len(present) > 4 else ""}): pass --overwrite (overwrite=True) to replace the '
-                      'files of an earlier export there, or give an empty directory')
+    raise ConfigError(
+      f'export directory {out_dir!r} is not empty ({", ".join(present[:4])}'
+      f'{", ..." if len(present) > 4 else ""}): pass --overwrite (overwrite=True) to replace the '
+      'files of an earlier export there, or give an empty directory'
+    )
 
 
 def _clear_out_dir(out_dir: str) -> list[str]:
   """Removes the files an export writes or copies (WRITTEN) from out_dir, nothing else; returns their names."""
-  paths = sorted({p for pattern in WRITTEN for p in glob.glob(os.path.join(glob.escape(out_dir), pattern))
-                  if os.path.isfile(p) or os.path.islink(p)})
+  paths = sorted(
+    {
+      p
+      for pattern in WRITTEN
+      for p in glob.glob(os.path.join(glob.escape(out_dir), pattern))
+      if os.path.isfile(p) or os.path.islink(p)
+    }
+  )
   for path in paths:
     os.remove(path)
   return [os.path.basename(p) for p in paths]
 
 
-def export_hf(trainer: Trainer, checkpoints: str, out_dir: str, families: dict[str, hf_import.Family], *,
-              dtype: Any = None, max_shard_size: int | str = '5GB', overwrite: bool = False) -> dict[str, Any]:
+def export_hf(
+  trainer: Trainer,
+  checkpoints: str,
+  out_dir: str,
+  families: dict[str, hf_import.Family],
+  *,
+  dtype: Any = None,
+  max_shard_size: int | str = '5GB',
+  overwrite: bool = False,
+) -> dict[str, Any]:
   """Writes a checkpoint (`checkpoints`: a run's checkpoint directory, latest step, or one step's) as a
   Hugging Face directory (see write_hf); the optimizer state is not read. out_dir is checked (check_out_dir:
   not the run's checkpoints or source directories; empty unless `overwrite`) before anything is restored."""
   root = os.path.dirname(checkpoint.step_directory(checkpoints))  # the run's checkpoint directory
   check_out_dir(trainer.config, out_dir, overwrite=overwrite, checkpoints=root)
   weights, step_dir = checkpoint.load_weights(checkpoints, trainer, model_state=True)
-  stats = write_hf(trainer, weights['params'], weights['model_state'], out_dir, families, dtype=dtype,
-                   max_shard_size=max_shard_size, overwrite=overwrite)
+  stats = write_hf(
+    trainer,
+    weights['params'],
+    weights['model_state'],
+    out_dir,
+    families,
+    dtype=dtype,
+    max_shard_size=max_shard_size,
+    overwrite=overwrite,
+  )
   return dict(stats, step_dir=step_dir)
 
 
-def write_hf(trainer: Trainer, params: Any, model_state: Any, out_dir: str, families: dict[str, hf_import.Family],
-             *, dtype: Any = None, max_shard_size: int | str = '5GB', overwrite: bool = False) -> dict[str, Any]:
+def write_hf(
+  trainer: Trainer,
+  params: Any,
+  model_state: Any,
+  out_dir: str,
+  families: dict[str, hf_import.Family],
+  *,
+  dtype: Any = None,
+  max_shard_size: int | str = '5GB',
+  overwrite: bool = False,
+) -> dict[str, Any]:
   """Writes the model's weights (sharded arrays, as the trainer holds them) as a Hugging Face directory:
   config.json, safetensors (sharded with an index above max_shard_size), the tokenizer files of a local
   Hugging Face tokenizer the run used, and generation_config.json of the Hugging Face model it started
@@ -140,8 +189,9 @@ def write_hf(trainer: Trainer, params: Any, model_state: Any, out_dir: str, fami
   config = trainer.config
   name = config.model.name
   if name not in families:
-    raise ConfigError(f'config.model.name={name!r} has no Hugging Face layout to export to; families with one: '
-                      f'{sorted(families)}')
+    raise ConfigError(
+      f'config.model.name={name!r} has no Hugging Face layout to export to; families with one: {sorted(families)}'
+    )
   family = families[name]
   check_out_dir(config, out_dir, overwrite=overwrite)
   multihost_utils.sync_global_devices('shardzoo:export_out_checked')  # every process checked before one writes
@@ -152,9 +202,16 @@ def write_hf(trainer: Trainer, params: Any, model_state: Any, out_dir: str, fami
   leaves = jax.tree_util.tree_leaves_with_path(params) + jax.tree_util.tree_leaves_with_path(model_state)
   flat = {path_str(p): x for p, x in leaves}
   dtype = np.dtype(dtype or jax.tree.leaves(params)[0].dtype)
-  stats = hf_export.write(family, config.model, {k: tuple(x.shape) for k, x in flat.items()},
-                          lambda path: _host(flat[path]), out_dir, dtype=dtype, max_shard_size=max_shard_size,
-                          is_writer=writer)
+  stats = hf_export.write(
+    family,
+    config.model,
+    {k: tuple(x.shape) for k, x in flat.items()},
+    lambda path: _host(flat[path]),
+    out_dir,
+    dtype=dtype,
+    max_shard_size=max_shard_size,
+    is_writer=writer,
+  )
   source = config.get('init_from') or ''
   source = source if hf_import.is_hf_dir(source) else None
   if writer:
@@ -166,8 +223,10 @@ def write_hf(trainer: Trainer, params: Any, model_state: Any, out_dir: str, fami
       json.dump(hf_export.config_json(family, config.model, dtype, base), f, indent=2, sort_keys=True)
     copied = []
     tok = config.get('dataset', {}).get('tokenizer')
-    for src, patterns in ((tok if isinstance(tok, str) and os.path.isdir(tok) else None, hf_import.TOKENIZER_FILES),
-                          (source, ('generation_config.json',))):
+    for src, patterns in (
+      (tok if isinstance(tok, str) and os.path.isdir(tok) else None, hf_import.TOKENIZER_FILES),
+      (source, ('generation_config.json',)),
+    ):
       for path in sorted({p for pattern in patterns for p in glob.glob(os.path.join(src, pattern))} if src else ()):
         target = os.path.join(out_dir, os.path.basename(path))
         if not (os.path.exists(target) and os.path.samefile(path, target)):  # never a file onto itself

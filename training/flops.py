@@ -14,6 +14,7 @@ hardware FLOPs. A mixture of experts counts the experts of each token's top-k as
 token, as dropless MoEs report), not its experts' empty capacity slots, and not the one-hot matmuls that
 dispatch and combine tokens (models/layers.py NOT_MODEL_FLOPS, active_scope).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,8 @@ import re
 from typing import Any
 
 import jax
-from jax.extend import core as jcore
 from flax import nnx
+from jax.extend import core as jcore
 
 from errors import ConfigError
 from models import attention, layers
@@ -32,11 +33,21 @@ _ACTIVE = re.compile(layers.active_scope(r'(\d+)', r'(\d+)'))
 
 # Dense bf16 peak TFLOP/s per chip (no sparsity), matched against jax's device_kind in order.
 PEAK_TFLOPS: list[tuple[str, float]] = [
-    (r'H100.*PCIe|H800.*PCIe', 756.0), (r'H100.*NVL|H200.*NVL', 835.0), (r'H100|H200|H800', 989.0),
-    (r'B200', 2250.0), (r'A100', 312.0), (r'L40S', 362.0),
-    (r'L4\b', 121.0), (r'A10\b|A10G', 125.0),
-    (r'TPU v6', 918.0), (r'TPU v5p', 459.0), (r'TPU v5 ?lite|TPU v5e', 197.0), (r'TPU v5', 459.0),
-    (r'TPU v4', 275.0), (r'TPU v3', 123.0), (r'TPU v2', 45.0),
+  (r'H100.*PCIe|H800.*PCIe', 756.0),
+  (r'H100.*NVL|H200.*NVL', 835.0),
+  (r'H100|H200|H800', 989.0),
+  (r'B200', 2250.0),
+  (r'A100', 312.0),
+  (r'L40S', 362.0),
+  (r'L4\b', 121.0),
+  (r'A10\b|A10G', 125.0),
+  (r'TPU v6', 918.0),
+  (r'TPU v5p', 459.0),
+  (r'TPU v5 ?lite|TPU v5e', 197.0),
+  (r'TPU v5', 459.0),
+  (r'TPU v4', 275.0),
+  (r'TPU v3', 123.0),
+  (r'TPU v2', 45.0),
 ]
 
 
@@ -127,7 +138,7 @@ def _count_sub(eqn, ins: list[bool]) -> tuple[float, float, list[bool]]:
     t, c, outs = _loop_body(_closed(p['jaxpr']), list(ins), slice(p['num_consts'], p['num_consts'] + p['num_carry']))
     return p['length'] * t, p['length'] * c, outs
   if name == 'while':  # invars: cond consts, body consts, carry; outvars: carry (trips unknown: counted once)
-    return _loop_body(_closed(p['body_jaxpr']), ins[p['cond_nconsts']:], slice(p['body_nconsts'], None))
+    return _loop_body(_closed(p['body_jaxpr']), ins[p['cond_nconsts'] :], slice(p['body_nconsts'], None))
   if name == 'cond':  # invars: the index, then the branches' operands; one branch runs: the costliest
     runs = [_count(_closed(b), ins[1:]) for b in p['branches']]
     t, c, _ = max(runs, key=lambda r: r[0])
@@ -153,13 +164,18 @@ def matmul_flops(jaxpr) -> float:
 
 def step_flops(trainer: Any) -> StepFlops:
   """Model FLOPs of one train step on the trainer's global batch (abstract: nothing is computed)."""
+
   def forward(params, model_state, batch):
     model = nnx.merge(trainer.graphdef, params, model_state)
     return trainer.task.loss(model, batch)[0]
+
   with attention.forced('xla'):
     jaxpr = jax.make_jaxpr(forward)(trainer.abstract.params, trainer.abstract.model_state, trainer.batch_abstract)
-  labels = (jax.tree.leaves(trainer.labels) if trainer.labels is not None
-            else ['train'] * len(jax.tree.leaves(trainer.abstract.params)))
+  labels = (
+    jax.tree.leaves(trainer.labels)
+    if trainer.labels is not None
+    else ['train'] * len(jax.tree.leaves(trainer.abstract.params))
+  )
   others = len(jaxpr.jaxpr.invars) - len(labels)  # model state and batch: nothing trains them
   total, causal, _ = _count(jaxpr.jaxpr, [label == 'train' for label in labels] + [False] * others)
   return StepFlops(palm=total, causal=total - causal / 2)
@@ -175,13 +191,13 @@ def describe_peak(device: Any, override: float | None = None) -> tuple[float | N
   return peak, f'{peak:g} TFLOP/s dense bf16 ({device.device_kind})'
 
 
-
 # --- Chips, for the plan search's cost model (planning/cost.py) ------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Chip:
   """One device kind's figures, per device. Bandwidths in GB/s, one direction. `shared`: the figures are
   the whole host's, shared by all its devices (simulated CPU devices run on the same cores).
   The last four fields are the cost model's calibration (planning/cost.py says how each is used)."""
+
   name: str
   peak_tflops: float  # dense bf16 (cpu: fp32) FLOP/s
   hbm_gbps: float  # memory bandwidth
@@ -215,7 +231,9 @@ class Chip:
 # cpu: this project's 2-core test machine, whose simulated devices share both cores (160 GFLOP/s fp32 matmul,
 # shared/NOTES.md); its efficiencies and latency are fitted by benchmarks/search_accuracy.py (README "Plan search"):
 # a step of a tiny model there is dominated by per-op and per-collective overheads, not by FLOPs.
-CHIPS: dict[str, Chip] = {c.name: c for c in (
+CHIPS: dict[str, Chip] = {
+  c.name: c
+  for c in (
     Chip('h100', 989.0, 3350.0, 80.0, 450.0, 50.0, compute_eff=0.54),
     Chip('h200', 989.0, 4800.0, 141.0, 450.0, 50.0, compute_eff=0.54),
     Chip('a100', 312.0, 2039.0, 80.0, 300.0, 25.0, compute_eff=0.5),
@@ -228,9 +246,22 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     # 2026-11-23): shape constants for the ranking, then a scale and the per-step overhead for the times; its
     # bandwidths are nominal (simulated devices share memory), so the fitted efficiencies are not fractions of a
     # real link. GPT-2 and ViT are reported against these constants, not fitted (README "Plan search").
-    Chip('cpu', 0.16, 78.6, 16.0, 5.0, 5.0, shared=True, compute_eff=0.93, link_eff=1.28, latency_us=153.0,
-         dcn_latency_us=153.0, step_overhead_us=18725.0),
-)}
+    Chip(
+      'cpu',
+      0.16,
+      78.6,
+      16.0,
+      5.0,
+      5.0,
+      shared=True,
+      compute_eff=0.93,
+      link_eff=1.28,
+      latency_us=153.0,
+      dcn_latency_us=153.0,
+      step_overhead_us=18725.0,
+    ),
+  )
+}
 
 
 def chip(name: str) -> Chip:

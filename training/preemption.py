@@ -1,4 +1,5 @@
 """Preemption: SIGTERM (what schedulers send before taking machines back) asks the loop to save and stop."""
+
 from __future__ import annotations
 
 import signal
@@ -12,6 +13,7 @@ from jax.experimental import multihost_utils
 def _jax_preemption_service() -> bool:
   """Whether jax.distributed started JAX's preemption sync manager (jax_enable_preemption_service, the default)."""
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
+
   return getattr(distributed.global_state, 'preemption_sync_manager', None) is not None
 
 

@@ -6,6 +6,7 @@ and model state such as BatchNorm running statistics).
 freshly initialised (a new head with another number of classes). Everything else must be explained:
 missing or unexpected parameters are an error that lists them.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,13 +28,17 @@ from training.trainer import Trainer, TrainState, _split
 def hf_family(config: ml_collections.ConfigDict, families: dict[str, hf_import.Family]) -> hf_import.Family:
   name = config.model.name
   if name not in families:
-    raise ConfigError(f'init_from={config.init_from!r} is a Hugging Face directory, but config.model.name={name!r} '
-                      f'has no Hugging Face importer; families with one: {sorted(families)}')
+    raise ConfigError(
+      f'init_from={config.init_from!r} is a Hugging Face directory, but config.model.name={name!r} '
+      f'has no Hugging Face importer; families with one: {sorted(families)}'
+    )
   return families[name]
 
 
-def adopt_hf_config(config: ml_collections.ConfigDict, families: dict[str, hf_import.Family],
-                    ) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+def adopt_hf_config(
+  config: ml_collections.ConfigDict,
+  families: dict[str, hf_import.Family],
+) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
   """Reads the architecture (sizes, heads, eps, ...) from the HF config.json into config.model.
 
   A field the family lets differ (`Family.keep`, e.g. Llama's max_len: rotary positions have no table)
@@ -44,8 +49,10 @@ def adopt_hf_config(config: ml_collections.ConfigDict, families: dict[str, hf_im
   family = hf_family(config, families)
   model_type = hf.config.get('model_type')
   if model_type not in family.model_types:
-    raise ConfigError(f'{config.init_from}/config.json has model_type={model_type!r}, but config.model.name='
-                      f'{config.model.name!r} imports {list(family.model_types)}')
+    raise ConfigError(
+      f'{config.init_from}/config.json has model_type={model_type!r}, but config.model.name='
+      f'{config.model.name!r} imports {list(family.model_types)}'
+    )
   fields = family.config(hf.config)
   unknown = sorted(k for k in fields if k not in config.model)
   if unknown:
@@ -56,8 +63,9 @@ def adopt_hf_config(config: ml_collections.ConfigDict, families: dict[str, hf_im
     if name in fields and ours is not None and ours != theirs:
       why = check(ours, theirs)
       if why:
-        raise ConfigError(f'config.model.{name}={ours!r} does not fit {config.init_from} (config.json gives '
-                          f'{theirs!r}): {why}')
+        raise ConfigError(
+          f'config.model.{name}={ours!r} does not fit {config.init_from} (config.json gives {theirs!r}): {why}'
+        )
       kept[name] = (ours, fields.pop(name))
   config.model.update(fields)
   return fields, kept
@@ -75,8 +83,10 @@ def check_dont_load(trainer: Trainer) -> None:
     raise ConfigError(f'config.dont_load={dont_load!r} is not a valid regex: {e}') from None
   paths = list(_flat(trainer.abstract.params)) + list(_flat(trainer.abstract.model_state))
   if not any(pattern.search(p) for p in paths):
-    raise ConfigError(f'config.dont_load={dont_load!r} matches no parameter path (everything would be loaded); paths '
-                      f'are e.g. {optim.example_paths(paths)}')
+    raise ConfigError(
+      f'config.dont_load={dont_load!r} matches no parameter path (everything would be loaded); paths '
+      f'are e.g. {optim.example_paths(paths)}'
+    )
 
 
 def _not_loaded(config: ml_collections.ConfigDict) -> str | None:
@@ -104,8 +114,10 @@ def _is_hf_dir(path: str) -> bool:
   if hf_import.is_hf_dir(path):
     return True
   if not os.path.isdir(path):
-    raise ConfigError(f'config.init_from={path!r} is neither a checkpoint directory of this project nor a '
-                      'Hugging Face model directory (config.json + *.safetensors)')
+    raise ConfigError(
+      f'config.init_from={path!r} is neither a checkpoint directory of this project nor a '
+      'Hugging Face model directory (config.json + *.safetensors)'
+    )
   return False
 
 
@@ -117,9 +129,16 @@ def init_state(trainer: Trainer, families: dict[str, hf_import.Family]) -> Train
   check_dont_load(trainer)
   loaded_state = None
   if _is_hf_dir(path):
-    got = hf_import.import_weights(hf_import.HFDir(path), hf_family(config, families), config.model,
-                                   trainer.abstract.params, trainer.shardings.params, trainer.abstract.model_state,
-                                   trainer.shardings.model_state, dont_load)
+    got = hf_import.import_weights(
+      hf_import.HFDir(path),
+      hf_family(config, families),
+      config.model,
+      trainer.abstract.params,
+      trainer.shardings.params,
+      trainer.abstract.model_state,
+      trainer.shardings.model_state,
+      dont_load,
+    )
     loaded, loaded_state = got.params, got.model_state
   else:
     loaded = checkpoint.load_params(path, trainer, dont_load=dont_load)
@@ -147,7 +166,11 @@ def with_params(trainer: Trainer, loaded: Any, loaded_state: Any = None) -> Trai
     fresh_state = dict(zip(state_paths, jax.tree.leaves(rest), strict=True))
     rest = jax.tree.unflatten(state_treedef, [state_flat.get(p, fresh_state[p]) for p in state_paths])
     return TrainState(jnp.zeros((), jnp.int32), merged, trainer.tx.init(merged), rest)
-  in_shardings = ({p: s for p, s in _flat(trainer.shardings.params).items() if p in loaded_flat},
-                  {p: s for p, s in _flat(trainer.shardings.model_state).items() if p in state_flat})
-  return jax.jit(init, in_shardings=in_shardings, out_shardings=trainer.shardings,
-                 donate_argnums=(0, 1))(loaded_flat, state_flat)
+
+  in_shardings = (
+    {p: s for p, s in _flat(trainer.shardings.params).items() if p in loaded_flat},
+    {p: s for p, s in _flat(trainer.shardings.model_state).items() if p in state_flat},
+  )
+  return jax.jit(init, in_shardings=in_shardings, out_shardings=trainer.shardings, donate_argnums=(0, 1))(
+    loaded_flat, state_flat
+  )

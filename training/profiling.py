@@ -1,5 +1,6 @@
 """Measuring a compiled step: step times, device memory, profiles (jax.profiler) with a top-ops summary, and the
 loss curve of a few train steps (the fast paths' loss parity)."""
+
 from __future__ import annotations
 
 import collections
@@ -18,12 +19,12 @@ import models
 import partitioning
 from training import trainer as trainer_lib
 
-
 TIMINGS = ('pipelined', 'blocking')
 
 
-def time_steps(step: Any, state: Any, batch: Any, *, warmup: int, steps: int, timing: str = 'pipelined'
-               ) -> tuple[Any, list[float], list[float]]:
+def time_steps(
+  step: Any, state: Any, batch: Any, *, warmup: int, steps: int, timing: str = 'pipelined'
+) -> tuple[Any, list[float], list[float]]:
   """Runs `warmup` untimed then `steps` timed calls of a (donating) train step on one batch. Returns the final
   state, the step times and the host's dispatch times (how long each call took to return), in seconds.
 
@@ -112,9 +113,10 @@ def check_fits(programs: dict[str, Any], device: Any, config: Any, limit: int | 
       change.append('compute the loss in chunks (config.model.loss_chunks)')
     change.append('shard the state and activations over more devices (config.mesh, config.logical_axis_rules)')
     raise errors.DeviceMemoryError(
-        f'the {name} needs {gib(need)} per device (arguments {gib(m.argument_size_in_bytes)}, temporaries '
-        f'{gib(m.temp_size_in_bytes)}, outputs {gib(m.output_size_in_bytes - m.alias_size_in_bytes)} beyond the '
-        f'donated state), more than the {gib(limit)} a {device.device_kind} holds for it: ' + ', or '.join(change))
+      f'the {name} needs {gib(need)} per device (arguments {gib(m.argument_size_in_bytes)}, temporaries '
+      f'{gib(m.temp_size_in_bytes)}, outputs {gib(m.output_size_in_bytes - m.alias_size_in_bytes)} beyond the '
+      f'donated state), more than the {gib(limit)} a {device.device_kind} holds for it: ' + ', or '.join(change)
+    )
 
 
 class StepProfiler:
@@ -149,15 +151,17 @@ class StepProfiler:
 def _device_events(logdir: str) -> list[dict]:
   """The complete ('X') events of device ops in the newest perfetto trace under `logdir` (device streams only
   when the trace has them, e.g. GPU kernels; every op otherwise)."""
-  files = sorted(glob.glob(os.path.join(logdir, '**', '*perfetto_trace.json.gz'), recursive=True),
-                 key=os.path.getmtime)
+  files = sorted(glob.glob(os.path.join(logdir, '**', '*perfetto_trace.json.gz'), recursive=True), key=os.path.getmtime)
   if not files:
     return []
   with gzip.open(files[-1], 'rt') as f:
     trace = json.load(f)
   events = trace['traceEvents'] if isinstance(trace, dict) else trace
-  names = {e['pid']: e.get('args', {}).get('name', '') for e in events
-           if e.get('ph') == 'M' and e.get('name') == 'process_name'}
+  names = {
+    e['pid']: e.get('args', {}).get('name', '')
+    for e in events
+    if e.get('ph') == 'M' and e.get('name') == 'process_name'
+  }
   device_pids = {pid for pid, name in names.items() if '/device:' in name and 'CPU' not in name.upper()}
   return [e for e in events if e.get('ph') == 'X' and (not device_pids or e.get('pid') in device_pids)]
 
@@ -192,17 +196,23 @@ def device_time(logdir: str, short_us: float = 5.0) -> dict[str, float]:
   # span); the union of intervals inside the span is never longer than it.
   busy = min(sum(b - a for a, b in blocks), span)
   short = [b - a for a, b in spans if b - a < short_us]
-  return dict(span=span / 1e3, busy=busy / 1e3, idle=(span - busy) / 1e3, ops=len(spans), short=len(short),
-              short_ms=sum(short) / 1e3)
+  return dict(
+    span=span / 1e3,
+    busy=busy / 1e3,
+    idle=(span - busy) / 1e3,
+    ops=len(spans),
+    short=len(short),
+    short_ms=sum(short) / 1e3,
+  )
 
 
 OP_KINDS = (  # (kind, name fragments), first match wins; names as GPU traces show kernels
-    ('attention', ('fmha', 'flash', 'attention', 'sdpa', 'mha')),
-    ('convolution', ('conv', 'fprop', 'dgrad', 'wgrad')),
-    ('matmul', ('gemm', 'nvjet', 'cublas', 'cutlass', 'matmul', 'dot')),
-    ('copy', ('memcpy', 'memset', 'copy', 'dynamic_update_slice', 'dynamic-update-slice')),
-    ('reduction', ('reduce',)),
-    ('elementwise fusion', ('fusion', 'loop_', 'input_')),
+  ('attention', ('fmha', 'flash', 'attention', 'sdpa', 'mha')),
+  ('convolution', ('conv', 'fprop', 'dgrad', 'wgrad')),
+  ('matmul', ('gemm', 'nvjet', 'cublas', 'cutlass', 'matmul', 'dot')),
+  ('copy', ('memcpy', 'memset', 'copy', 'dynamic_update_slice', 'dynamic-update-slice')),
+  ('reduction', ('reduce',)),
+  ('elementwise fusion', ('fusion', 'loop_', 'input_')),
 )
 
 

@@ -18,6 +18,7 @@ checked against a real TPU here (none was lent). With no TPU present libtpu stil
 queries a metadata server nor prints warnings, and lets several processes load it (its lockfile is for real
 chips).
 """
+
 from __future__ import annotations
 
 import glob
@@ -37,13 +38,18 @@ CHIP_TARGETS = {'h100': 'h100_sxm'}
 PLUGINS = ('jax_plugins.xla_cuda13', 'jax_plugins.xla_cuda12')
 # TPU targets, named as training/flops.py's chips -> (libtpu's generation name, dimensions of its chip grid,
 # chips per host: v5e and v6e hosts hold 2x4 chips, v4 and v5p hosts 2x2x1; v4 as megacore, one device per chip)
-TPU_TARGETS = {'tpu_v4': ('v4', 3, (2, 2, 1)), 'tpu_v5e': ('v5e', 2, (2, 4, 1)), 'tpu_v5p': ('v5p', 3, (2, 2, 1)),
-               'tpu_v6e': ('v6e', 2, (2, 4, 1))}
+TPU_TARGETS = {
+  'tpu_v4': ('v4', 3, (2, 2, 1)),
+  'tpu_v5e': ('v5e', 2, (2, 4, 1)),
+  'tpu_v5p': ('v5p', 3, (2, 2, 1)),
+  'tpu_v6e': ('v6e', 2, (2, 4, 1)),
+}
 
 
 def plugin_installed() -> bool:
   """Whether JAX's CUDA plugin is installed (found without importing it)."""
   import importlib.util
+
   for name in PLUGINS:
     try:
       if importlib.util.find_spec(name) is not None:
@@ -56,6 +62,7 @@ def plugin_installed() -> bool:
 def libtpu_installed() -> bool:
   """Whether libtpu is installed (found without importing it)."""
   import importlib.util
+
   return importlib.util.find_spec('libtpu') is not None
 
 
@@ -102,21 +109,25 @@ def _hosts(count: int) -> int:
     raise ConfigError(f'{count} GPUs asked for: compile for at least 1')
   hosts = math.ceil(count / DEVICES_PER_HOST)
   if count % hosts:
-    raise ConfigError(f'{count} GPUs do not fill {hosts} hosts of {DEVICES_PER_HOST}: ask for a multiple of '
-                      f'{DEVICES_PER_HOST}, or at most {DEVICES_PER_HOST}')
+    raise ConfigError(
+      f'{count} GPUs do not fill {hosts} hosts of {DEVICES_PER_HOST}: ask for a multiple of '
+      f'{DEVICES_PER_HOST}, or at most {DEVICES_PER_HOST}'
+    )
   return hosts
 
 
 def known_targets() -> list[str]:
-  return sorted(os.path.basename(p)[:-len('.txtpb')] for p in glob.glob(os.path.join(TARGETS_DIR, '*.txtpb')))
+  return sorted(os.path.basename(p)[: -len('.txtpb')] for p in glob.glob(os.path.join(TARGETS_DIR, '*.txtpb')))
 
 
 def target_config(target: str) -> str:
   """The text of a target description: a name from training/gpu_targets, or a path to a .txtpb file."""
   path = target if os.path.isfile(target) else os.path.join(TARGETS_DIR, f'{target}.txtpb')
   if not os.path.isfile(path):
-    raise ConfigError(f'GPU target {target!r} is neither one of {known_targets()} (training/gpu_targets) nor a '
-                      f'file holding a GpuTargetConfigProto in text format (TPU chips: {sorted(TPU_TARGETS)})')
+    raise ConfigError(
+      f'GPU target {target!r} is neither one of {known_targets()} (training/gpu_targets) nor a '
+      f'file holding a GpuTargetConfigProto in text format (TPU chips: {sorted(TPU_TARGETS)})'
+    )
   with open(path) as f:
     return f.read()
 
@@ -127,13 +138,16 @@ def gpu_devices(target: str, count: int = 1) -> list[jax.Device]:
   text = target_config(target)
   hosts = _hosts(count)
   from jax.experimental import topologies
+
   try:
     topology = topologies.get_topology_desc('', 'cuda', target_config=text, topology=f'1x{hosts}x{count // hosts}')
   except (NotImplementedError, RuntimeError) as e:  # no 'cuda' topology factory: the plugin is not installed
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    raise ConfigError(f'compiling for GPU target {target!r} needs JAX\'s CUDA plugin (no GPU needed): pip install '
-                      f'"jax[cuda13]=={jax.__version__}", and run with JAX_PLATFORMS=cpu on a machine without a GPU '
-                      f'({first})') from None
+    raise ConfigError(
+      f"compiling for GPU target {target!r} needs JAX's CUDA plugin (no GPU needed): pip install "
+      f'"jax[cuda13]=={jax.__version__}", and run with JAX_PLATFORMS=cpu on a machine without a GPU '
+      f'({first})'
+    ) from None
   return list(topology.devices)
 
 
@@ -146,8 +160,10 @@ def tpu_topology(target: str, count: int) -> tuple[str, dict]:
   generation, rank, host = TPU_TARGETS[target]
   per_host = math.prod(host)
   if count < 1 or (count > per_host and count % per_host):
-    raise ConfigError(f'{count} {target} chips make no slice: ask for 1 to {per_host} chips (one host) or a '
-                      f'multiple of {per_host} (hosts of {"x".join(map(str, host[:rank]))} chips)')
+    raise ConfigError(
+      f'{count} {target} chips make no slice: ask for 1 to {per_host} chips (one host) or a '
+      f'multiple of {per_host} (hosts of {"x".join(map(str, host[:rank]))} chips)'
+    )
   if count <= per_host:  # one host holding just these chips: its grid halved, largest side first
     dims = list(host)
     while math.prod(dims) > count and max(dims) % 2 == 0:
@@ -162,6 +178,7 @@ def tpu_topology(target: str, count: int) -> tuple[str, dict]:
 def _grid(count: int, rank: int, tile: tuple[int, ...]) -> tuple[int, ...]:
   """`rank` sizes whose product is `count`, each a multiple of its `tile` size, sorted, the largest smallest."""
   best = None
+
   def grids(left: int, dims: tuple[int, ...]):
     if len(dims) == rank - 1:
       yield dims + (left,)
@@ -169,6 +186,7 @@ def _grid(count: int, rank: int, tile: tuple[int, ...]) -> tuple[int, ...]:
     for d in range(1, left + 1):
       if left % d == 0:
         yield from grids(left // d, dims + (d,))
+
   for dims in grids(count, ()):
     if all(d % t == 0 for d, t in zip(dims, tile)) and list(dims) == sorted(dims):
       if best is None or max(dims) < max(best):
@@ -180,8 +198,12 @@ def _grid(count: int, rank: int, tile: tuple[int, ...]) -> tuple[int, ...]:
 
 # No TPU here: tell libtpu so as it loads (only where unset), instead of its querying a metadata server and
 # printing warnings; several processes (test workers, a search beside a benchmark) may load it at once.
-_NO_TPU_ENV = dict(TPU_SKIP_MDS_QUERY='1', TPU_ACCELERATOR_TYPE='v5litepod-8', TPU_WORKER_HOSTNAMES='localhost',
-                   ALLOW_MULTIPLE_LIBTPU_LOAD='1')
+_NO_TPU_ENV = dict(
+  TPU_SKIP_MDS_QUERY='1',
+  TPU_ACCELERATOR_TYPE='v5litepod-8',
+  TPU_WORKER_HOSTNAMES='localhost',
+  ALLOW_MULTIPLE_LIBTPU_LOAD='1',
+)
 
 
 def tpu_devices(target: str, count: int = 1) -> list[jax.Device]:
@@ -189,11 +211,14 @@ def tpu_devices(target: str, count: int = 1) -> list[jax.Device]:
   install where libtpu is missing."""
   name, options = tpu_topology(target, count)
   if not libtpu_installed():
-    raise ConfigError(f'compiling for TPU target {target!r} needs libtpu (no TPU needed): pip install '
-                      f'"jax[tpu]=={jax.__version__}", and run with JAX_PLATFORMS=cpu on a machine without a TPU')
+    raise ConfigError(
+      f'compiling for TPU target {target!r} needs libtpu (no TPU needed): pip install '
+      f'"jax[tpu]=={jax.__version__}", and run with JAX_PLATFORMS=cpu on a machine without a TPU'
+    )
   if TPU_TARGETS[target][0] == 'v4':
     options['chip_config_name'] = 'megacore'  # one device per chip, as JAX uses a v4
   for k, v in _NO_TPU_ENV.items():
     os.environ.setdefault(k, v)
   from jax.experimental import topologies
+
   return list(topologies.get_topology_desc(name, 'tpu', **options).devices)

@@ -13,6 +13,7 @@ length (`xent.chunked_softmax_xent`): the model gives its final hidden states (`
 (x, aux) convention) and its output head as a function of them (`model.head`), so the (B, L, V) logits
 never exist in full, in the forward pass or the backward.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,8 +53,9 @@ class Task:
     """Batch field -> its logical axes (the first is 'batch')."""
     return dict(self.batch_axes)
 
-  def check_data(self, config: Any, produced: FieldSpec, vocab: tuple[int, str] | None = None,
-                 num_classes: int | None = None) -> None:
+  def check_data(
+    self, config: Any, produced: FieldSpec, vocab: tuple[int, str] | None = None, num_classes: int | None = None
+  ) -> None:
     """The one check of a dataset against this task and the model, before anything compiles.
 
     `produced`: field -> (shape, dtype) of one example as the dataset makes it; `vocab`: (number of
@@ -64,21 +66,29 @@ class Task:
     name, want = config.dataset.name, self.example_shapes(config)
     missing, unused = sorted(want.keys() - produced.keys()), sorted(produced.keys() - want.keys())
     if missing or unused:
-      raise ConfigError(f'dataset {name!r} makes batch fields {sorted(produced)}, but task {config.task!r} takes '
-                        f'{sorted(want)} (missing {missing}, unused {unused})')
+      raise ConfigError(
+        f'dataset {name!r} makes batch fields {sorted(produced)}, but task {config.task!r} takes '
+        f'{sorted(want)} (missing {missing}, unused {unused})'
+      )
     for k, (shape, dtype) in want.items():
       got_shape, got_dtype = produced[k]
       if tuple(got_shape) != tuple(shape) or np.dtype(got_dtype) != np.dtype(dtype):
-        raise ConfigError(f'dataset {name!r} makes {k!r} as {np.dtype(got_dtype).name} {tuple(got_shape)} per '
-                          f'example, but task {config.task!r} takes {np.dtype(dtype).name} {tuple(shape)}')
+        raise ConfigError(
+          f'dataset {name!r} makes {k!r} as {np.dtype(got_dtype).name} {tuple(got_shape)} per '
+          f'example, but task {config.task!r} takes {np.dtype(dtype).name} {tuple(shape)}'
+        )
     model_vocab = config.model.get('vocab_size')
     if vocab is not None and model_vocab is not None and vocab[0] > model_vocab:
-      raise ConfigError(f'{vocab[1]} has {vocab[0]} ids but config.model.vocab_size={model_vocab}: set '
-                        f'config.model.vocab_size >= {vocab[0]} (token ids would fall outside the embedding)')
+      raise ConfigError(
+        f'{vocab[1]} has {vocab[0]} ids but config.model.vocab_size={model_vocab}: set '
+        f'config.model.vocab_size >= {vocab[0]} (token ids would fall outside the embedding)'
+      )
     model_classes = config.model.get('num_classes')
     if num_classes is not None and model_classes is not None and num_classes > model_classes:
-      raise ConfigError(f'dataset {name!r} has {num_classes} classes but config.model.num_classes={model_classes}: '
-                        'labels would fall outside the classifier')
+      raise ConfigError(
+        f'dataset {name!r} has {num_classes} classes but config.model.num_classes={model_classes}: '
+        'labels would fall outside the classifier'
+      )
 
   def synthetic_batch(self, config: Any, seed: int = 0) -> dict[str, np.ndarray]:
     """A random global batch of this task's fields (benchmarks): token ids below the model's vocabulary,
@@ -128,8 +138,7 @@ def _sums(loss: jax.Array, correct: jax.Array, weight: jax.Array, aux: dict[str,
 
 
 def _metrics(loss_sum: jax.Array, correct_sum: jax.Array, weight: jax.Array, aux: dict[str, jax.Array]) -> Metrics:
-  return {'loss_sum': loss_sum, 'correct_sum': correct_sum, 'weight': weight,
-          **{f'aux/{k}': v for k, v in aux.items()}}
+  return {'loss_sum': loss_sum, 'correct_sum': correct_sum, 'weight': weight, **{f'aux/{k}': v for k, v in aux.items()}}
 
 
 def _check_length(config: Any) -> int:
@@ -194,8 +203,15 @@ class LanguageModeling(Task):
     return xent.loss_and_hits(logits, batch['targets'], batch['mask'])
 
   @staticmethod
-  def generate(graphdef: Any, params: Any, model_state: Any, prompt_BP: np.ndarray, length: int,
-               seed: int, out_sharding: Any = None) -> jax.Array:
+  def generate(
+    graphdef: Any,
+    params: Any,
+    model_state: Any,
+    prompt_BP: np.ndarray,
+    length: int,
+    seed: int,
+    out_sharding: Any = None,
+  ) -> jax.Array:
     """Samples `length` tokens after the prompt at temperature 1 (fixed shapes: one compile)."""
     P = prompt_BP.shape[1]
 
@@ -212,7 +228,9 @@ class LanguageModeling(Task):
         logits_BLV, _ = _split_output(model(tokens_BL))
         nxt_B = jax.random.categorical(sub, logits_BLV[:, i - 1].astype(jnp.float32))
         return tokens_BL.at[:, i].set(nxt_B), key
+
       return jax.lax.fori_loop(P, P + length, body, (tokens_BL, key))[0]
+
     return run(params, model_state, prompt_BP, jax.random.key(seed))
 
 
@@ -224,12 +242,17 @@ class Classification(Task):
   def example_shapes(self, config: Any) -> FieldSpec:
     d, m = config.dataset, config.model
     if m.get('image_size') is not None and d.image_size != m.image_size:
-      raise ConfigError(f'config.dataset.image_size={d.image_size} does not match config.model.image_size='
-                        f'{m.image_size} (the model was built for that size)')
+      raise ConfigError(
+        f'config.dataset.image_size={d.image_size} does not match config.model.image_size='
+        f'{m.image_size} (the model was built for that size)'
+      )
     if m.get('channels') is not None and d.channels != m.channels:
       raise ConfigError(f'config.dataset.channels={d.channels} does not match config.model.channels={m.channels}')
-    return {'image': ((d.image_size, d.image_size, d.channels), jnp.float32), 'label': ((), jnp.int32),
-            'mask': ((), jnp.float32)}
+    return {
+      'image': ((d.image_size, d.image_size, d.channels), jnp.float32),
+      'label': ((), jnp.int32),
+      'mask': ((), jnp.float32),
+    }
 
   @staticmethod
   def forward(model: Any, batch: dict[str, jax.Array]):
@@ -243,8 +266,13 @@ class Classification(Task):
 class MaskedLanguageModeling(Task):
   """BERT-style MLM: predict 'targets' where 'mask' is 1, from 'inputs' with padding ('input_mask')."""
 
-  batch_axes = {'inputs': ('batch', 'length'), 'targets': ('batch', 'length'), 'mask': ('batch', 'length'),
-                'input_mask': ('batch', 'length'), 'token_types': ('batch', 'length')}
+  batch_axes = {
+    'inputs': ('batch', 'length'),
+    'targets': ('batch', 'length'),
+    'mask': ('batch', 'length'),
+    'input_mask': ('batch', 'length'),
+    'token_types': ('batch', 'length'),
+  }
   unit = 'tokens'
   unit_field = 'inputs'
 
@@ -264,23 +292,33 @@ class MaskedLanguageModeling(Task):
 class TextClassification(MaskedLanguageModeling):
   """Sequence classification (BERT's pooled [CLS] head): one 'label' per row."""
 
-  batch_axes = {'inputs': ('batch', 'length'), 'input_mask': ('batch', 'length'),
-                'token_types': ('batch', 'length'), 'label': ('batch',), 'mask': ('batch',)}
+  batch_axes = {
+    'inputs': ('batch', 'length'),
+    'input_mask': ('batch', 'length'),
+    'token_types': ('batch', 'length'),
+    'label': ('batch',),
+    'mask': ('batch',),
+  }
   unit = 'examples'
   unit_field = 'mask'
 
   def example_shapes(self, config: Any) -> FieldSpec:
     L = _check_length(config)
-    return {k: (() if k in ('label', 'mask') else (L,), jnp.float32 if k == 'mask' else jnp.int32)
-            for k in self.batch_axes}
+    return {
+      k: (() if k in ('label', 'mask') else (L,), jnp.float32 if k == 'mask' else jnp.int32) for k in self.batch_axes
+    }
 
   @staticmethod
   def per_example(logits, batch):
     return xent.loss_and_hits(logits, batch['label'], batch['mask'])
 
 
-TASKS = {'lm': LanguageModeling, 'classification': Classification, 'mlm': MaskedLanguageModeling,
-         'text_classification': TextClassification}
+TASKS = {
+  'lm': LanguageModeling,
+  'classification': Classification,
+  'mlm': MaskedLanguageModeling,
+  'text_classification': TextClassification,
+}
 
 
 def get(name: str) -> Task:

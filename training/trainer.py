@@ -5,6 +5,7 @@ logical axes, PartitionSpecs, NamedShardings, and validation of every parameter,
 leaf and batch field against the rules. Activations are validated when a step is traced
 (`compile_step`), still before anything compiles.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import partitioning
-from partitioning import AxisRules, context
 from errors import ConfigError, NonFiniteError
+from partitioning import AxisRules, context
 from training import optim, tasks
 
 FIRST_NONFINITE = 'first_nonfinite_param'  # train metrics key: index into Trainer.trained_paths(), -1 if none
@@ -39,6 +40,7 @@ class TrainState:
 @dataclasses.dataclass
 class Trainer:
   """Everything derived from (config, mesh) before any array is allocated."""
+
   config: ml_collections.ConfigDict
   mesh: Mesh
   rules: AxisRules
@@ -71,13 +73,17 @@ class Trainer:
     """Unused rules, and mesh axes no rule uses (everything is replicated over them)."""
     out = [f'{r} is used by no parameter or activation' for r in self.rules.unused(self.seen)]
     if self.config.get('context_load_balance') and self.balance == 1:
-      out.append("config.context_load_balance is set, but no rule shards 'length' over more than one device: "
-                 'rows keep their natural order')
+      out.append(
+        "config.context_load_balance is set, but no rule shards 'length' over more than one device: "
+        'rows keep their natural order'
+      )
     used_mesh = {a for r in self.rules.rules if r.logical in self.seen for a in r.mesh_axes}
     for name, size in self.mesh.shape.items():
       if size > 1 and name not in used_mesh:
-        out.append(f'mesh axis {name!r} (size {size}) is used by no rule: every array is replicated over '
-                   'it and its devices repeat the same work')
+        out.append(
+          f'mesh axis {name!r} (size {size}) is used by no rule: every array is replicated over '
+          'it and its devices repeat the same work'
+        )
     return out
 
 
@@ -104,19 +110,40 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   axes = TrainState((), param_axes, opt_axes, rest_axes)
   seen: set[str] = set()
   resolve = lambda shapes, names, kind: partitioning.tree_specs(shapes, names, rules, mesh.shape, kind=kind, seen=seen)
-  specs = TrainState(PartitionSpec(), resolve(param_shapes, param_axes, 'parameter'),
-                     resolve(opt_shapes, opt_axes, 'optimizer state'), resolve(rest_shapes, rest_axes, 'model state'))
+  specs = TrainState(
+    PartitionSpec(),
+    resolve(param_shapes, param_axes, 'parameter'),
+    resolve(opt_shapes, opt_axes, 'optimizer state'),
+    resolve(rest_shapes, rest_axes, 'model state'),
+  )
 
   # Batches: check the global batch against the 'batch' rule first, for the clearest message.
   B = config.batch_size
   partitioning.check_batch(B, rules.spec(('batch',), what='the global batch'), mesh.shape)
-  batch_abstract = {k: jax.ShapeDtypeStruct((B,) + tuple(shape), dtype)
-                    for k, (shape, dtype) in task.example_shapes(config).items()}
+  batch_abstract = {
+    k: jax.ShapeDtypeStruct((B,) + tuple(shape), dtype) for k, (shape, dtype) in task.example_shapes(config).items()
+  }
   batch_axes = task.fields(config)
   batch_specs = resolve(batch_abstract, {k: batch_axes[k] for k in batch_abstract}, 'batch field')
-  return Trainer(config, mesh, rules, task, make_model, graphdef, tx, schedule, abstract, axes, specs,
-                 partitioning.named_shardings(specs, mesh), batch_abstract,
-                 partitioning.named_shardings(batch_specs, mesh), seen, labels, _balance(config, rules, mesh))
+  return Trainer(
+    config,
+    mesh,
+    rules,
+    task,
+    make_model,
+    graphdef,
+    tx,
+    schedule,
+    abstract,
+    axes,
+    specs,
+    partitioning.named_shardings(specs, mesh),
+    batch_abstract,
+    partitioning.named_shardings(batch_specs, mesh),
+    seen,
+    labels,
+    _balance(config, rules, mesh),
+  )
 
 
 def _balance(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh) -> int:
@@ -125,9 +152,11 @@ def _balance(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh) ->
   if not config.get('context_load_balance', False):
     return 1
   if config.task != 'lm':
-    raise ConfigError(f'config.context_load_balance balances causal attention across context shards, and task '
-                      f"{config.task!r} has none (its attention sees every token, so its shards' work is already "
-                      'equal): set it to False')
+    raise ConfigError(
+      f'config.context_load_balance balances causal attention across context shards, and task '
+      f"{config.task!r} has none (its attention sees every token, so its shards' work is already "
+      'equal): set it to False'
+    )
   with partitioning.use_rules(rules, mesh, balance=True):
     return context.balanced_shards(config.batch_size, config.dataset.seq_len)
 
@@ -153,6 +182,7 @@ def jit_init(trainer: Trainer, seed: int | None = None):
     with partitioning.use_rules(trainer.rules, trainer.mesh):  # model code may place what it creates
       _, params, rest = _split(trainer.make_model(nnx.Rngs(seed)))
     return TrainState(jnp.zeros((), jnp.int32), params, trainer.tx.init(params), rest)
+
   return jax.jit(init, out_shardings=trainer.shardings)
 
 
@@ -171,10 +201,12 @@ def init_state(trainer: Trainer, seed: int | None = None) -> TrainState:
 def loss_of(trainer: Trainer, model_state: Any, batch: dict) -> Callable[[Any], tuple[Any, tuple[dict, Any]]]:
   """params -> (loss, (metrics, new model state)): what the train step differentiates (trace it under
   partitioning.use_rules)."""
+
   def loss_fn(params):
     model = nnx.merge(trainer.graphdef, params, model_state)
     loss, metrics = trainer.task.loss(model, batch)
     return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
+
   return loss_fn
 
 
@@ -190,8 +222,11 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     # The norm of what trains (the one clipping sees): frozen weights' gradients stay dead code that XLA removes.
-    trained = grads if trainer.labels is None else [
-        g for g, label in zip(jax.tree.leaves(grads), jax.tree.leaves(trainer.labels)) if label == 'train']
+    trained = (
+      grads
+      if trainer.labels is None
+      else [g for g, label in zip(jax.tree.leaves(grads), jax.tree.leaves(trainer.labels)) if label == 'train']
+    )
     # One flag: the loss and every trained gradient finite. Otherwise the step changes nothing but the step
     # counter: params, optimizer state and model state (BatchNorm averages) stay as they were. train.py reads it.
     # A gradient is finite where its sum of squares is: the sums the norm (and clipping) reduce anyway, so the
@@ -202,15 +237,22 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
     leaf_finite = jnp.isfinite(jnp.stack(squares))
     finite = jnp.all(leaf_finite) & jnp.isfinite(metrics['loss'])
     keep_if_bad = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    params, opt_state, model_state = keep_if_bad((params, opt_state, model_state),
-                                                 (state.params, state.opt_state, state.model_state))
+    params, opt_state, model_state = keep_if_bad(
+      (params, opt_state, model_state), (state.params, state.opt_state, state.model_state)
+    )
     first_bad = jnp.where(jnp.all(leaf_finite), -1, jnp.argmin(leaf_finite))
     # The rate this step applies (or would have): the schedule runs on the optimizer's count of applied updates,
     # which skipped steps do not advance, not on state.step.
     lr = schedule(optim.schedule_step(state.opt_state, state.step))
-    metrics = {**metrics, 'grad_norm': jnp.sqrt(sum(squares)), 'lr': lr,
-               'nonfinite': 1.0 - finite.astype(jnp.float32), FIRST_NONFINITE: first_bad}
+    metrics = {
+      **metrics,
+      'grad_norm': jnp.sqrt(sum(squares)),
+      'lr': lr,
+      'nonfinite': 1.0 - finite.astype(jnp.float32),
+      FIRST_NONFINITE: first_bad,
+    }
     return TrainState(state.step + 1, params, opt_state, model_state), metrics
+
   return step
 
 
@@ -219,18 +261,24 @@ def eval_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], dict]:
     with partitioning.use_rules(trainer.rules, trainer.mesh, seen=trainer.seen, balance=trainer.balance > 1):
       model = tasks.eval_view(nnx.merge(trainer.graphdef, state.params, state.model_state))
       return trainer.task.metric_sums(model, batch)
+
   return step
 
 
 def jit_train_step(trainer: Trainer):
   """One jax.jit with explicit in/out shardings and the state donated."""
-  return jax.jit(train_step_fn(trainer), in_shardings=(trainer.shardings, trainer.batch_shardings),
-                 out_shardings=(trainer.shardings, trainer.replicated), donate_argnums=0)
+  return jax.jit(
+    train_step_fn(trainer),
+    in_shardings=(trainer.shardings, trainer.batch_shardings),
+    out_shardings=(trainer.shardings, trainer.replicated),
+    donate_argnums=0,
+  )
 
 
 def jit_eval_step(trainer: Trainer):
-  return jax.jit(eval_step_fn(trainer), in_shardings=(trainer.shardings, trainer.batch_shardings),
-                 out_shardings=trainer.replicated)
+  return jax.jit(
+    eval_step_fn(trainer), in_shardings=(trainer.shardings, trainer.batch_shardings), out_shardings=trainer.replicated
+  )
 
 
 def trace(trainer: Trainer, jitted) -> Any:
@@ -276,7 +324,12 @@ class NonFiniteGuard:
       if self.policy == 'stop' or self.in_a_row >= self.max_skips:
         leaf = int(m[FIRST_NONFINITE])
         what = f'gradient of {self.paths[leaf]!r}' if leaf >= 0 else 'loss (gradients finite)'
-        why = ("config.on_nonfinite='stop'; 'skip' skips such steps" if self.policy == 'stop' else
-               f'{self.in_a_row} non-finite steps in a row (config.max_nonfinite_skips={self.max_skips})')
-        raise NonFiniteError(f'step {step}: non-finite {what}, loss {float(m["loss"]):.4g}; the update was '
-                             f'skipped and the run stopped ({why}); last good checkpoint: {last_good}')
+        why = (
+          "config.on_nonfinite='stop'; 'skip' skips such steps"
+          if self.policy == 'stop'
+          else f'{self.in_a_row} non-finite steps in a row (config.max_nonfinite_skips={self.max_skips})'
+        )
+        raise NonFiniteError(
+          f'step {step}: non-finite {what}, loss {float(m["loss"]):.4g}; the update was '
+          f'skipped and the run stopped ({why}); last good checkpoint: {last_good}'
+        )

@@ -2,6 +2,7 @@
 over the logits on GPUs, and the language-model loss in chunks along the length (`chunked_softmax_xent`,
 config.model.loss_chunks), so the (B, L, V) logits never exist in full, in the forward pass or the backward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from errors import ConfigError
 from partitioning import active_mesh, logical_spec, shard_logical, suspend_rules
@@ -62,6 +64,7 @@ def logsumexp_argmax_one_pass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     scale = jnp.exp(jnp.where(m1 == m2, 0.0, jnp.minimum(m1, m2) - hi))  # m1 == m2 == -inf: 1, not exp(nan)
     total = jnp.where(m1 >= m2, s1 + s2 * scale, s1 * scale + s2)
     return hi, total, jnp.where(m1 > m2, i1, jnp.where(m2 > m1, i2, jnp.minimum(i1, i2)))  # ties: the first
+
   axis = x.ndim - 1
   index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
   init = (np.float32(-np.inf), np.float32(0.0), np.int32(np.iinfo(np.int32).max))
@@ -70,8 +73,11 @@ def logsumexp_argmax_one_pass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 LOGSUMEXP_CHOICES = ('auto', 'one', 'two')
-LOGSUMEXP_SAID = {'auto': 'in one pass on GPUs (running maximum and sum), two passes (maximum, then sum) on other '
-                          'platforms', 'one': 'in one pass (forced)', 'two': 'in two passes (forced)'}  # logged
+LOGSUMEXP_SAID = {
+  'auto': 'in one pass on GPUs (running maximum and sum), two passes (maximum, then sum) on other platforms',
+  'one': 'in one pass (forced)',
+  'two': 'in two passes (forced)',
+}  # logged
 
 
 @contextlib.contextmanager
@@ -102,8 +108,9 @@ def _logsumexp_argmax(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     logging.info('loss: log-sum-exp of the logits %s', said)
   if forced != 'auto':
     return logsumexp_argmax_one_pass(logits) if forced == 'one' else _two_passes(logits)
-  return jax.lax.platform_dependent(logits, cuda=logsumexp_argmax_one_pass, rocm=logsumexp_argmax_one_pass,
-                                    default=_two_passes)
+  return jax.lax.platform_dependent(
+    logits, cuda=logsumexp_argmax_one_pass, rocm=logsumexp_argmax_one_pass, default=_two_passes
+  )
 
 
 def _softmax_xent_fwd(logits, targets):
@@ -126,14 +133,17 @@ _xent_and_argmax.defvjp(_softmax_xent_fwd, _softmax_xent_bwd)
 def check_loss_chunks(chunks: int, L: int) -> int:
   """The tokens of a row in one loss chunk, L / chunks; a length the chunks do not divide is a ConfigError."""
   if L % chunks:
-    raise ConfigError(f'config.model.loss_chunks={chunks} does not divide the sequence length {L} '
-                      f'(config.dataset.seq_len): {L} tokens per row cannot be cut into {chunks} equal chunks; use a '
-                      f'divisor of {L}, or 0 (no chunking)')
+    raise ConfigError(
+      f'config.model.loss_chunks={chunks} does not divide the sequence length {L} '
+      f'(config.dataset.seq_len): {L} tokens per row cannot be cut into {chunks} equal chunks; use a '
+      f'divisor of {L}, or 0 (no chunking)'
+    )
   return L // chunks
 
 
-def chunked_softmax_xent(model: Any, x_BLD: jax.Array, targets_BL: jax.Array, weight_BL: jax.Array,
-                         weight_sum: jax.Array, chunks: int) -> tuple[jax.Array, jax.Array]:
+def chunked_softmax_xent(
+  model: Any, x_BLD: jax.Array, targets_BL: jax.Array, weight_BL: jax.Array, weight_sum: jax.Array, chunks: int
+) -> tuple[jax.Array, jax.Array]:
   """(sum of weight x float32 softmax cross-entropy, sum of weight x argmax hit) of logits `model.head(x_BLD)`,
   computed `chunks` chunks of B x L/chunks tokens at a time, so only one chunk's (B, L/chunks, V) logits exist
   at once. `weight_sum` is the caller's sum of `weight_BL` (one reduction of it serves both).
@@ -160,9 +170,11 @@ def chunked_softmax_xent(model: Any, x_BLD: jax.Array, targets_BL: jax.Array, we
   length_axes = jax.tree.leaves(spec[1]) if spec is not None and len(spec) > 1 else []  # trailing Nones dropped
   n = math.prod(active_mesh().shape[a] for a in length_axes)
   if Lc % n:
-    raise ConfigError(f'config.model.loss_chunks={chunks}: a chunk holds {Lc} positions of each row, which the '
-                      f'{n} shards of the sequence (\'length\' over mesh axes {", ".join(length_axes)}) do not divide; '
-                      f'use a loss_chunks that divides {L // n} (the positions per shard)')
+    raise ConfigError(
+      f'config.model.loss_chunks={chunks}: a chunk holds {Lc} positions of each row, which the '
+      f"{n} shards of the sequence ('length' over mesh axes {', '.join(length_axes)}) do not divide; "
+      f'use a loss_chunks that divides {L // n} (the positions per shard)'
+    )
   act = (None, 'batch', 'length', 'embed')
   cut = lambda y_BL: shard_logical(y_BL.reshape(B, Lc, chunks).transpose(2, 0, 1), act[:3])
   x_CBlD = shard_logical(x_BLD.reshape(B, Lc, chunks, D).transpose(2, 0, 1, 3), act)
@@ -170,7 +182,7 @@ def chunked_softmax_xent(model: Any, x_BLD: jax.Array, targets_BL: jax.Array, we
   return _fused_xent(head, head.weights, x_CBlD, cut(targets_BL), cut(weight_BL.astype(jnp.float32)), weight_sum)
 
 
-def _chunk_logits(head: '_Head', weights: list[jax.Array], x_BlD: jax.Array) -> jax.Array:
+def _chunk_logits(head: _Head, weights: list[jax.Array], x_BlD: jax.Array) -> jax.Array:
   """One chunk's float32 logits."""
   return head.apply(weights, shard_logical(x_BlD, ('batch', 'length', 'embed'))).astype(jnp.float32)
 
@@ -184,6 +196,7 @@ def _fused_xent(head, weights, x_CBlD, t_CBl, w_CBl, total):
     x_BlD, t_Bl, w_Bl = xs
     loss_Bl, correct_Bl, _ = loss_and_hits(_chunk_logits(head, weights, x_BlD), t_Bl, None)
     return None, (loss_Bl * w_Bl, correct_Bl * w_Bl)
+
   return _summed(jax.lax.scan(body, None, (x_CBlD, t_CBl, w_CBl))[1])
 
 
@@ -208,6 +221,7 @@ def _fused_xent_fwd(head, weights, x_CBlD, t_CBl, w_CBl, total):
     dw, dx_BlD = vjp(dlogits_BlV)
     dweights = head.constrain([a + b.astype(jnp.float32) for a, b in zip(dweights, dw)])
     return dweights, (loss_Bl * w_Bl, (argmax_Bl == t_Bl).astype(jnp.float32) * w_Bl, dx_BlD)
+
   zeros = head.constrain([jnp.zeros(w.shape, jnp.float32) for w in weights])
   dweights, (loss_CBl, correct_CBl, dx_CBlD) = jax.lax.scan(body, zeros, (x_CBlD, t_CBl, w_CBl))
   return _summed((loss_CBl, correct_CBl)), (dweights, dx_CBlD, scale)
@@ -259,7 +273,7 @@ class _Head:
     return [self.leaves[i].dtype for i in self.used]
 
   @classmethod
-  def of(cls, model: Any, B: int, x_BlD: jax.ShapeDtypeStruct) -> '_Head':
+  def of(cls, model: Any, B: int, x_BlD: jax.ShapeDtypeStruct) -> _Head:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     variables = jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))
     leaves, treedef = jax.tree.flatten(params)
@@ -268,18 +282,20 @@ class _Head:
     apply = lambda ls, x: nnx.merge(graphdef, jax.tree.unflatten(treedef, ls), rest).head(x)
     jaxpr = jax.make_jaxpr(apply)([jax.ShapeDtypeStruct(l.shape, l.dtype) for l in leaves], x_BlD).jaxpr
     read = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
-    used = tuple(i for i, v in enumerate(jaxpr.invars[:len(leaves)]) if id(v) in read)
+    used = tuple(i for i, v in enumerate(jaxpr.invars[: len(leaves)]) if id(v) in read)
     narrow = tuple(_only_cast_to(jaxpr, jaxpr.invars[i]) for i in used)
     constants = tuple(jax.lax.stop_gradient(l) for l in leaves)
     weights, shardings, size = [leaves[i] for i in used], None, 1
     spec = logical_spec(('batch',), (B,))
     if spec is not None:  # else no rules: one device, or sharding left to the compiler
       mesh = active_mesh()
-      specs = [logical_spec(variables[i].get_metadata().get('out_sharding') or (None,) * leaves[i].ndim,
-                            leaves[i].shape) for i in used]
+      specs = [
+        logical_spec(variables[i].get_metadata().get('out_sharding') or (None,) * leaves[i].ndim, leaves[i].shape)
+        for i in used
+      ]
       taken = {a for s in specs for a in jax.tree.leaves(tuple(s))}
       axes = []
-      for a in (jax.tree.leaves(spec[0]) if len(spec) else []):  # the leading batch axes no head weight is split over
+      for a in jax.tree.leaves(spec[0]) if len(spec) else []:  # the leading batch axes no head weight is split over
         if a in taken:
           break
         axes.append(a)
@@ -289,8 +305,10 @@ class _Head:
       else:
         group = tuple(axes) if len(axes) > 1 else axes[0]
         shardings = tuple(NamedSharding(mesh, P(group, *s)) for s in specs)
-        weights = [jax.lax.with_sharding_constraint(jnp.broadcast_to(w, (size, *w.shape)), sh)
-                   for w, sh in zip(weights, shardings)]
+        weights = [
+          jax.lax.with_sharding_constraint(jnp.broadcast_to(w, (size, *w.shape)), sh)
+          for w, sh in zip(weights, shardings)
+        ]
     return cls(graphdef, constants, treedef, rest, used, weights, shardings, size, narrow)
 
   def cast(self, weights: list[jax.Array]) -> list[jax.Array]:
@@ -319,5 +337,6 @@ class _Head:
     def one(weights, x_blD):
       with suspend_rules():
         return self._one(weights, x_blD)
+
     logits_GblV = jax.vmap(one)(weights, x_BlD.reshape(self.size, B // self.size, l, D))
     return shard_logical(logits_GblV.reshape(B, l, -1), ('batch', 'length', 'vocab'))
