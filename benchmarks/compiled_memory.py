@@ -2,7 +2,7 @@ r"""Per-device memory of the train step train.py compiles, for GPUs or TPUs, on 
 
   python benchmarks/compiled_memory.py --config configs/gpt2.py --config.batch_size=16 --config.dataset.pack=False
   python benchmarks/compiled_memory.py --config configs/llama.py --devices 8      # the config's mesh over 8 H100s
-  python benchmarks/compiled_memory.py --cases      # the README's table: ours vs the torch peer
+  python benchmarks/compiled_memory.py --cases      # docs/performance.md's table: ours vs the torch peer
   python benchmarks/compiled_memory.py --config configs/llama.py --target tpu_v5p  # over a v5p slice of 8 chips
   python benchmarks/compiled_memory.py --cases --kernels 0                    # + kernels and memory traffic per step
   python benchmarks/compiled_memory.py --config configs/gpt2.py --kernels 20  # by kind, and the 20 that move the most
@@ -18,7 +18,7 @@ With --kernels, also the kernels one step launches and the bytes they read and w
 program (partitioning.hlo.kernels: every fusion, library call and copy, loop bodies once per trip), by kind (matmul,
 attention, reduction, elementwise, ...): what the step moves through memory, where a GPU is bandwidth-bound.
 
---cases compiles the batches of the issue-9 benchmark (README "On GPUs") and, for an H100, prints them beside the
+--cases compiles the batches of the GPU benchmark (docs/performance.md, "GPUs") and, for an H100, prints them beside the
 peak the torch peer measured on an H100 on 2026-11-23 (`benchmarks/throughput.py --peer torch`; constants here)
 and the peak our step measured there that day, before the changes since (training/targets.py's validation).
 
@@ -48,7 +48,7 @@ CASES = {
   'gpt2-16': ('configs/gpt2.py', {'batch_size': 16, 'dataset.pack': False}, 9.97, 13.45),
   'gpt2-32': ('configs/gpt2.py', {'batch_size': 32, 'dataset.pack': False}, None, 24.7),
   'llama-8': ('configs/llama.py', {'batch_size': 8, 'dataset.pack': False}, 20.9, 42.6),
-  # within the peer's memory (README "On GPUs"): MLPs recomputed, the loss in 8 chunks
+  # within the peer's memory (docs/performance.md): MLPs recomputed, the loss in 8 chunks
   'llama-8-a8': (
     'configs/llama.py',
     {'batch_size': 8, 'dataset.pack': False, 'model.remat': 'attention', 'model.loss_chunks': 8},

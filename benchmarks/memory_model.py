@@ -8,7 +8,7 @@ a GPU (models.attention.gpu_stand_in), and the residual model compiled on one CP
 arguments (parameters, optimizer state, batch), the kept residuals (fused: what fusion cannot recompute;
 written: with the values the forward wrote for a matmul/convolution/kernel), the backward's largest new
 array (planning/residuals.py), and the estimate args + (fused + written) / 2 + largest beside the H100's peak
-(`benchmarks/throughput.py`, 2026-11-23, jax 0.11.2; docs/gpu.md, "Memory"). The measured figures are constants
+(`benchmarks/throughput.py`, 2026-11-23, jax 0.11.2; docs/performance.md, "GPUs"). The measured figures are constants
 here: this script cannot see a GPU. They were measured before the MLPs kept only their pre-activations and
 the softmax cross-entropy got its own
 gradient (both later that day), which lowered GPT-2's and ViT's peaks. So where JAX's CUDA plugin is installed

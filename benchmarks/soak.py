@@ -1,6 +1,6 @@
 r"""Soak: train.py killed (SIGKILL, i.e. kill -9) and preempted (SIGTERM) at random seeded moments, many of
 them in the middle of an asynchronous checkpoint save, and restarted each time: it must end bitwise equal to
-one uninterrupted run (issue 12, items 2 and 4). tests/test_soak.py runs a short version.
+one uninterrupted run (docs/checkpoints.md). tests/test_soak.py runs a short version.
 
   python benchmarks/soak.py --workdir /tmp/soak                            # default config, 2,000 steps
   python benchmarks/soak.py --workdir /tmp/soak --steps 300 --faults 8     # a shorter one

@@ -74,7 +74,7 @@ def peer_spec(config, device: str) -> dict:
   m = config.model
   # The peer's only recomputation is whole layers (HF gradient checkpointing): for our policies that rerun
   # matmuls ('full', 'attention'); 'dots' reruns none, nor does the peer without it (the same work, not the same
-  # memory: README "On GPUs").
+  # memory: docs/performance.md).
   policy = layers.remat_policy(m.get('remat'))
   spec = dict(
     family=m.name,

@@ -6,7 +6,8 @@ size, in any order, comma-separated:
   --config configs/gpt2.py:tp           tensor parallel, real size
   --config configs/gpt2.py:tiny         default preset, tiny size (trains in seconds on CPU)
   --config configs/gpt2.py:fsdp,tiny
-The rules and meshes live in each config file, where users edit them.
+The transformer presets' rules and meshes live here (TRANSFORMER_RULES, TRANSFORMER_MESHES); each config file
+takes a copy as RULES / MESHES, where users edit them. docs/rules.md explains rules; docs/parallelism.md the presets.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ def parse_arg(
 # takes a copy (`transformer_presets`) and may edit it, e.g. RULES['tp'] = [...], where users run it.
 # What real sizes (run on accelerators) change in config.model: bf16 compute (params and optimizer state stay
 # f32) and unrolled layers. Scanned layers compile one block instead of `num_layers` but cost step time on GPUs
-# (one H100, benchmarks/throughput.py: GPT-2 124M B=16 263.0k tokens/s scanned vs 329.8k unrolled, compile
-# 10.9 s vs 21.5 s). Tiny sizes keep scanned layers: one block to compile is what the CPU tests want.
+# (docs/performance.md). Tiny sizes keep scanned layers: one block to compile is what the CPU tests want.
 # Set --config.model.scan_layers=True to trade step time for compile time (e.g. very deep models).
 REAL_SIZE_MODEL = dict(dtype='bfloat16', scan_layers=False)
 
@@ -178,7 +178,7 @@ def base(preset: str, size: str) -> ml_collections.ConfigDict:
 
 
 def add_run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Checkpointing and fine-tuning fields (README: "Checkpoints" and "Fine-tune a pretrained model")."""
+  """Checkpointing and fine-tuning fields (docs/checkpoints.md, docs/finetuning.md)."""
   c.checkpoint_every = 1000  # steps between asynchronous checkpoints in <workdir>/checkpoints; 0 = never
   c.keep_checkpoints = 2  # the last K are kept; rerunning the same command resumes from the latest
   c.resume_fallback = True  # a damaged latest checkpoint: moved aside (kept) and the previous one resumed; False: error

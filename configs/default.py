@@ -48,7 +48,7 @@ def get_config(arg: str | None = 'fsdp_tp'):
       dtype='float32',
       param_dtype='float32',
       attention='auto',
-      # the speed and memory options of README's model options table, at the values the model takes without them
+      # the speed and memory options of docs/model_options.md, at the values the model takes without them
       scan_layers=False,
       remat='none',
       logits_dtype='float32',

@@ -104,15 +104,14 @@ def get_config(arg: str | None = None):
       remat='none',
       attention='auto',
       logits_dtype='float32',
-      loss_chunks=0,  # > 1: the LM loss in chunks (README, model options)
+      loss_chunks=0,  # > 1: the LM loss in chunks (docs/model_options.md)
       rope_scaling=None,
     )
   )  # None, or Llama 3 scaling as (key, value) pairs (models/layers.rope_scaling_params)
   if size == 'real':
-    # bf16 compute, f32 params and optimizer state. remat='dots' keeps the weight matmuls' outputs: on one H100
-    # at 8 x 2048 tokens per device, 62.7k tokens/s (49.6% MFU causal-correct) in 42.6 GiB (benchmarks/throughput.py,
-    # 2026-11-23; compiled for an H100 since: 38.70 GiB). Within the torch peer's 20.9 GiB (README "On GPUs"):
-    # --config.model.remat=attention --config.model.loss_chunks=8, 20.44 GiB compiled, its speed not measured.
+    # bf16 compute, f32 params and optimizer state. remat='dots' keeps the weight matmuls' outputs: no matmul runs
+    # twice, in less memory than 'none'. For less memory still: --config.model.remat=attention
+    # --config.model.loss_chunks=8 (docs/model_options.md; figures in docs/performance.md).
     c.model.update(common.REAL_SIZE_MODEL, remat='dots')
     c.dataset = common.ConfigDict(
       dict(

@@ -159,10 +159,10 @@ def get_config(arg: str | None = None):
       logits_dtype='float32',
       loss_chunks=0,
     )
-  )  # > 1: the LM loss in that many chunks along the length (README, model options)
+  )  # > 1: the LM loss in that many chunks along the length (docs/model_options.md)
   if size == 'small':
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
-    c.model.remat = 'full'  # ep train step temporaries per device: 39 GiB without, 4.5 GiB with
+    c.model.remat = 'full'  # without it the ep train step's temporaries are about 9x larger (docs/performance.md)
     c.dataset = common.ConfigDict(
       dict(
         name='lm1b',

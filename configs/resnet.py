@@ -82,7 +82,7 @@ def get_config(arg: str | None = None):
   else:
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute (f32 params, BatchNorm statistics), unrolled stages
     # One-pass BatchNorm variance (E[x^2] - mean^2 in f32): one read of each activation fewer; conv outputs
-    # have |mean| of the order of their std, far from where it cancels. 7% faster on an H100.
+    # have |mean| of the order of their std, far from where it cancels.
     c.model.bn_fast_variance = True
     c.dataset = common.ConfigDict(
       dict(name='imagenet2012', data_dir=common.placeholder(str), image_size=224, channels=3, num_classes=1000)

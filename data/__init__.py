@@ -1,5 +1,5 @@
 """Datasets and input pipelines: per-process slices of deterministic global batches (grain on
-random-access sources: `tfds.data_source` or arrays in memory). The README's "Data" section lists the
+random-access sources: `tfds.data_source` or arrays in memory). docs/data.md lists the
 datasets, the config.dataset fields and the batch of each task.
 
   ds = data.build(config)                 # config.dataset for config.task (registry.py)

@@ -1,29 +1,8 @@
 """The model zoo. Models name logical axes only; `partitioning` maps them to mesh axes via config rules.
 
-Logical-axis vocabulary (one set of names across the zoo; every config's rules cover the names
-its model uses, and a name without a rule is an error, never a silent replication):
-
-| name       | meaning                                                        | typical rule            |
-|------------|----------------------------------------------------------------|-------------------------|
-| batch      | examples in a batch (activations, batch fields)                | ('data', 'fsdp')        |
-| length     | sequence positions (activations; position-table rows)          | None (or 'context')     |
-| embed      | model width d_model (params and activations)                   | 'fsdp', fallback None   |
-| mlp        | feed-forward hidden width                                      | 'tensor'                |
-| heads      | query attention heads                                          | 'tensor'                |
-| kv_heads   | key/value heads (fewer than heads under grouped-query attn)    | 'tensor', fallback None |
-| kv         | width of one attention head                                    | None                    |
-| vocab      | vocabulary entries (embedding rows, logits)                    | 'tensor'                |
-| norm       | LayerNorm/RMSNorm/BatchNorm scale, bias and statistics         | None                    |
-| layers     | the stacked-layer axis of scanned blocks (`scan_layers=True`)  | None                    |
-| lora_rank  | the rank of LoRA adapters (models/lora.py)                     | None                    |
-| expert     | experts of a mixture-of-experts layer                          | 'expert'                |
-| classes    | classifier outputs                                             | None                    |
-| token_types| token-type (segment A/B) embedding rows (BERT)                 | None                    |
-| height     | image rows (activations; rows of conv and image-input kernels) | None                    |
-| width      | image columns (activations; kernel columns likewise)           | None                    |
-| channels   | input image channels (and the kernel dim that reads them)      | None                    |
-| conv_in    | input features of a conv kernel (or of a dense over conv maps) | None or 'fsdp'          |
-| conv_out   | output features of a convolution kernel (and its activations)  | None or 'tensor'        |
+The logical-axis names the models use (batch, length, embed, mlp, heads, kv_heads, kv, vocab, norm, layers,
+expert, ...) are one vocabulary across the zoo, listed with their meanings and typical rules in docs/rules.md.
+Every config's rules cover the names its model uses; a name without a rule is an error, never a silent replication.
 
 A model is chosen by `config.model.name`; `create(config.model, rngs, config.lora)` builds it. Compute dtype and
 parameter dtype come from `config.model.dtype` / `config.model.param_dtype` (e.g. bfloat16 compute

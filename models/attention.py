@@ -1,62 +1,11 @@
-"""The attention kernel: a fused cuDNN flash attention on GPUs where it applies, XLA everywhere else.
+"""The attention kernel: a fused flash attention where one applies (cuDNN or Pallas on GPUs, splash on TPUs), XLA
+everywhere else, or `blockwise` flash attention written in JAX on any backend.
 
-`config.model.attention` picks it:
-  'auto'  (default) cuDNN when every condition below holds, else XLA; the choice and its reason are
-          logged once per distinct decision (`decisions()`; train.py and the benchmark print them);
-  'xla'   always XLA (`jax.nn.dot_product_attention(implementation='xla')`: materialises the L x L scores);
-  'cudnn' always cuDNN; a condition that fails is a ConfigError naming it;
-  'pallas' always JAX's Pallas (Triton) flash attention (jax.experimental.pallas.ops.gpu.attention); likewise;
-  'splash' always splash attention, JAX's Pallas flash attention for TPUs; likewise;
-  'blockwise' flash attention written in JAX (`_blockwise`: keys in blocks under an online softmax, its own
-          VJP keeping only the output and the log-sum-exp), on any backend and dtype: O(L x block) temporaries
-          where XLA's are O(L x L), at XLA matmul speed (not fused). For long sequences off GPUs; the plan
-          search also traces it in place of the GPU kernels when it compiles for a GPU on CPU (`gpu_stand_in`).
-
-cuDNN (flash attention: O(L) memory, no L x L scores or mask) applies on a GPU, with bfloat16/float16
-compute and head_dim a multiple of 8 (<= 256). It covers:
-  * causal or full attention (`is_causal`, no materialised mask);
-  * sequence lengths it does not take (e.g. ViT's 197 tokens): padded to a multiple of
-    CUDNN_LENGTH_MULTIPLE with the padded keys masked by length, the padded queries dropped. A model can pad
-    once instead of every layer doing it (`length_multiple`, then `attend(kv_length=...)`; ViT does);
-  * not packed documents (segment ids): JAX's cuDNN packed layout allocates as if each segment were a
-    full row (130 GiB for 2 rows of 2048 tokens on an H100). Those run on Pallas (below);
-  * padding masks (BERT) only when asked for ('cudnn'): the mask becomes key lengths, exact for right-padded
-    rows (what the zoo's pipelines produce); 'auto' keeps XLA for them.
-Pallas: JAX's own flash attention kernel in Pallas (Triton), shipped with jax, so it always matches the
-installed version; it takes segment ids (packed documents; padding as segment 0), on GPUs of compute
-capability >= 8.0, with power-of-two head_dim and the length a multiple of PALLAS_BLOCK. 'auto' picks it for
-packed documents, which cuDNN does not take (benchmarks/attention_parity.py compares the kernels).
-(tokamax 0.0.12's kernels failed on
-jax 0.11.2: its Mosaic GPU kernel passes a removed Mesh argument, its Triton kernel calls the removed pl.dot.)
-Under a mesh, cuDNN and Pallas run per shard inside `jax.shard_map` (batch and heads may be sharded).
-
-On TPUs 'auto' picks splash attention (jax.experimental.pallas.ops.tpu.splash_attention, as MaxText does): a
-flash attention kernel that skips the masked blocks of causal attention, takes packed documents as segment ids
-(padding as segment 0) and any dtype, for lengths that are a multiple of SPLASH_BLOCK; per shard under a mesh,
-grouped kv heads repeated, the kernel built once per (length, heads, mask). Under context parallelism it runs per
-shard (keys and values all-gathered), one kernel per shard whose causal mask is offset to the shard's queries,
-chosen by lax.switch (splash's masks are static). Elsewhere on TPUs XLA (e.g. ViT's 197 tokens). Compiled for a
-v5e on a CPU-only machine (training/targets.py), a causal attention layer's forward and backward at 16 x 1024
-tokens, 12 heads of 64, needs 288 MiB of temporaries against XLA's 1154; it has not run on a TPU here. The tests
-run it in Pallas' TPU interpreter on the CPU (`splash_interpret`).
-
-Context (sequence) parallelism: when the queries' 'length' is sharded (a rule such as ('length', 'context')),
-'auto' and 'cudnn' run attention per shard inside `jax.shard_map` (`_per_shard_context`): keys, values and
-the key-side segment ids / padding are all-gathered over the context axes, and each shard attends its chunk
-of queries against every key under one mask built from positions (causal: key position <= the query's
-global position; packed: same segment; padding: real keys). The kernel inside is cuDNN on a GPU where the
-fused conditions hold (the mask becomes cuDNN's bias: (B, 1, L/c, L) in the compute dtype instead of XLA's
-(B, H, L/c, L) float32 scores), else XLA in the same shard_map (CPU, float32), which is how the tests cover
-the per-shard
-logic exactly (under `per_shard_xla()`; otherwise XLA attention on a sharded sequence is left to GSPMD, which
-needed fewer temporaries). 'xla' always keeps GSPMD's own partitioning (no shard_map). 'pallas' cannot run
-sharded sequences: its kernel takes one segment-id array for queries and keys and aligns causality at
-position 0 of both. Causal load balancing (config.context_load_balance, partitioning/context.py): rows in zigzag
-order (`zigzag_shards()` > 1) put the gathered keys back in natural order and give each shard's queries their
-natural positions for the causal mask (splash: as its mask's q_sequence), so that with splash, which skips masked
-tiles, every shard computes the same number of tiles (`splash_tiles`); the kernels that compute a shard's block
-densely (cuDNN's bias, XLA per shard, blockwise) attend the shard's first chunk of queries to the first half of
-the keys only, all it can see: 3/4 of the dense work on every shard.
+`config.model.attention` picks it ('auto', 'xla', 'cudnn', 'pallas', 'splash', 'blockwise'); 'auto' logs each
+distinct choice and its reason once (`decisions()`), and a named kernel that cannot run is a ConfigError saying why.
+Under a mesh the fused kernels run per shard in `jax.shard_map`; a sharded sequence (context parallelism) runs per
+shard with keys and values all-gathered (`_per_shard_context`), rows optionally in zigzag order
+(partitioning/context.py). What each kernel takes and when to use it: docs/model_options.md.
 
 Shape suffixes: B batch, L length, H query heads, G kv heads, K head dim.
 """
@@ -83,7 +32,7 @@ IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'pallas', 'splash', 'blockwise')
 PALLAS_BLOCK = 128  # the Pallas kernel's query/key block: lengths must be a multiple
 SPLASH_FORWARD = 'attn_splash_forward'  # the splash kernel's output and log-sum-exp, named for remat policies
 SPLASH_BLOCK = 128  # splash attention's query/key block (its default block sizes): lengths must be a multiple
-CUDNN_LENGTH_MULTIPLE = 8  # non-causal lengths that are not a multiple are padded (masked keys); 197 failed on an H100
+CUDNN_LENGTH_MULTIPLE = 8  # non-causal lengths that are not a multiple are padded (masked keys): cuDNN rejects them
 Q_AXES, KV_AXES = ('batch', 'length', 'heads', 'kv'), ('batch', 'length', 'kv_heads', 'kv')
 
 _decisions: dict[str, None] = {}  # every distinct choice made while tracing, in order
@@ -98,8 +47,7 @@ _splash_interpret: contextvars.ContextVar[bool] = contextvars.ContextVar(
 @contextlib.contextmanager
 def per_shard_xla():
   """Runs XLA attention on a sharded sequence per shard in shard_map, the path cuDNN takes on GPUs (tests,
-  benchmarks/context_memory.py); without it XLA attention is left to GSPMD, which needed fewer temporaries
-  (Llama 1.24B, 2 x 32k tokens, context=4: 128 GiB per device against 160 GiB per shard)."""
+  benchmarks/context_memory.py); without it XLA attention is left to GSPMD, which needs fewer temporaries."""
   token = _per_shard_xla.set(True)
   try:
     yield
@@ -260,7 +208,7 @@ def choose(
     cudnn_why.append(
       "a per-token padding mask (cuDNN takes lengths; attention='cudnn' uses them for right-padded rows)"
     )
-  if packed:  # JAX's cuDNN packed layout allocates as if every segment were a full row (B=2, L=2048: 130 GiB)
+  if packed:  # JAX's cuDNN packed layout allocates as if every segment were a full row
     cudnn_why.append('packed documents (segment ids; cuDNN through JAX has no memory-sane packed layout)')
   if not fused and (why := pallas_support()):
     pallas_why.append(why)
@@ -728,8 +676,7 @@ def length_multiple(impl: str, dtype: Any, head_dim: int) -> int:
   kernel `impl` would choose here runs on it unpadded: CUDNN_LENGTH_MULTIPLE where that is cuDNN (a GPU, or
   `gpu_stand_in`; bf16/fp16; head_dim a multiple of 8), else 1. `_cudnn` pads shorter lengths itself, but per
   layer: ViT-B/16's 197 tokens cost a pad of q, k and v and a slice of the output in every layer, forward and
-  backward. Padded once by the model: 136.0 -> 130.9 GB of memory traffic per step at 256 images, compiled for
-  an H100."""
+  backward; padded once by the model, that traffic is gone."""
   if _forced.get() is not None or impl not in ('auto', 'cudnn') or _fused_blockers(dtype, head_dim):
     return 1
   return CUDNN_LENGTH_MULTIPLE

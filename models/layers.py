@@ -40,9 +40,9 @@ def wide_einsum(
   float32 output heads) the forward returns the wide type but the backward pass stays in the operands' dtype.
 
   Plain autodiff would transpose the einsum with the float32 cotangent against a bf16 operand, which XLA
-  upcasts: two float32 (TF32) GEMMs. For Llama's 128k-vocabulary head on an H100 those took 61 of a 303 ms step;
-  in bf16 (float32 accumulation inside the GEMM, as torch autocast runs it) they are ~2.5x faster. The
-  cotangent is rounded to bf16 first; the gradients were rounded to the operands' dtype before anyway."""
+  upcasts: two float32 (TF32) GEMMs, a large share of a big-vocabulary head's step. In bf16 (float32 accumulation
+  inside the GEMM, as torch autocast runs it) they are several times faster. The cotangent is rounded to bf16
+  first; the gradients were rounded to the operands' dtype before anyway."""
   wide = preferred_element_type is not None and jnp.dtype(preferred_element_type).itemsize > max(
     jnp.dtype(x.dtype).itemsize, jnp.dtype(w.dtype).itemsize
   )
@@ -262,7 +262,7 @@ def batch_norm_train(
 
   `then(y)` is returned instead of y when given, and only x and the statistics are kept for the backward
   pass, which recomputes y: for ResNet's stem (ReLU then max pool), whose normalised output at full resolution
-  is otherwise kept for the pool's gradient alone (ResNet-50, 256 images: 392 MiB)."""
+  is otherwise kept for the pool's gradient alone."""
   return _batch_norm_train(x, scale, bias, float(eps), bool(fast_variance), jnp.dtype(out_dtype), then)
 
 
@@ -271,8 +271,8 @@ def max_pool(x_BHWC: jax.Array, window: int, stride: int, pad: int) -> jax.Array
   nnx.max_pool's values. Its gradient is written out from the input and the output alone: each window's
   output gradient goes to the inputs equal to its maximum, split evenly between ties, all in one elementwise
   pass that XLA fuses. reduce_window's gradient is a select_and_scatter (slow on GPUs), and autodiff of the
-  slices' running maximum keeps every partial maximum and makes two masks per slice (ResNet-50's stem at 256
-  images: 784 MiB of masks written and read back). After a ReLU, ties are zeros, whose gradient the ReLU
+  slices' running maximum keeps every partial maximum and makes two masks per slice, written and read back.
+  After a ReLU, ties are zeros, whose gradient the ReLU
   drops either way."""
   return _max_pool(x_BHWC, int(window), int(stride), int(pad))
 
@@ -567,9 +567,9 @@ def activation_then(down: Callable[..., jax.Array], *pre: jax.Array) -> jax.Arra
   backward pass, which recomputes the activation (elementwise) before the matmul's weight gradient.
 
   Plain autodiff keeps what the activation's derivative reads as well: for the exact GELU, the GELU output,
-  erfc(-x/sqrt 2) and -x/sqrt 2, three (B, L, F) arrays per layer where one suffices (ViT-B/16 at 256 images:
-  6.9 of 23.2 GiB on an H100); for SwiGLU, silu(gate) and the product beside gate and up. The second matmul is
-  not recomputed (its output is not needed for the gradients), so this costs elementwise work only."""
+  erfc(-x/sqrt 2) and -x/sqrt 2, three (B, L, F) arrays per layer where one suffices; for SwiGLU, silu(gate) and
+  the product beside gate and up. The second matmul is not recomputed (its output is not needed for the
+  gradients), so this costs elementwise work only."""
   return jax.checkpoint(down, policy=jax.checkpoint_policies.nothing_saveable)(*pre)
 
 
@@ -581,12 +581,10 @@ def with_derivative(
 
   What autodiff makes of jax.nn.gelu's derivative shares subexpressions (tanh(...) for the tanh form; erf and
   exp for the exact one) with the forward that `activation_then` recomputes in the backward, and XLA's GPU
-  fusion writes those shared arrays out rather than compute them twice: per GPT-2 layer at 16 x 1024 an extra
-  (B, L, F) kernel and 0.3 GB of traffic. With the derivative written out, the recomputed activation, its
-  derivative and the bias gradient are one pass over the pre-activation and the incoming gradient. Compiled for
-  one H100: GPT-2 16 x 1024 68.1 -> 64.5 GB and 12 fewer kernels per step, ViT-B/16 at 256 147.1 -> 136.0 GB
-  (docs/gpu.md). Gradients equal autodiff's in float32, and in bf16 are closer to float32's than autodiff's
-  (tests/test_speed_paths.py)."""
+  fusion writes those shared arrays out rather than compute them twice: an extra (B, L, F) kernel per layer. With
+  the derivative written out, the recomputed activation, its derivative and the bias gradient are one pass over
+  the pre-activation and the incoming gradient (docs/performance.md). Gradients equal autodiff's in float32, and
+  in bf16 are closer to float32's than autodiff's (tests/test_speed_paths.py)."""
 
   @jax.custom_vjp
   def g(x):
@@ -787,7 +785,7 @@ class Stack(nnx.Module):
   ):
     self.scan, self.remat, self.num = scan, remat_policy(remat), num
     # Both layouts come from one vmapped initialiser (same values): unrolled blocks are split from it, since
-    # num separate initialisers compiled slowly (unrolled GPT-2's init program: 96 s on an H100, 3 s so).
+    # num separate initialisers compile far more slowly.
     metadata = {nnx.PARTITION_NAME: 'layers'} if scan else {}  # unrolled: each block keeps its own axes
     stacked = nnx.vmap(make_block, in_axes=0, out_axes=0, transform_metadata=metadata)(rngs.split(num))
     if scan:

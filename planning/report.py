@@ -1,4 +1,4 @@
-"""The ranked table the plan search prints (and the README quotes)."""
+"""The ranked table the plan search prints (docs/plan_search.md explains its columns)."""
 
 from __future__ import annotations
 

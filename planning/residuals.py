@@ -1,10 +1,9 @@
 """What a train step keeps for its backward pass, per device, read from JAX's autodiff instead of a compiler.
 
 The plan search's memory model for a GPU/TPU target compiled on CPU. There the CPU's buffer assignment is no
-guide: it reports 2-3.4x the temporaries an H100 measured, and it does not see remat (Llama 1.24B per layer:
-3.74 GiB with `none`, 3.81 with `dots`, 3.77 with `full`; the H100 measured 50.4 vs 42.6 GiB in all for none
-vs dots). What the backward needs is decided by JAX, not by the backend: `jax.vjp`'s residuals, which the
-remat policies choose. So:
+guide: it reports several times a GPU's temporaries, and it does not see remat (the CPU's per-layer figures
+barely change between policies that change a GPU's peak by gigabytes). What the backward needs is decided by
+JAX, not by the backend: `jax.vjp`'s residuals, which the remat policies choose. So:
 
     est = residuals.estimate(trainer, stand_in=attention.gpu_stand_in, compiler_options=...)
     est.fused, est.written, est.largest        # bytes per device
@@ -27,11 +26,8 @@ remat policies choose. So:
    propagation, as for the step itself; nothing runs) and each output's shard shape read.
 
 Device memory of a step ~ its arguments (parameters, optimizer state, batch) + (fused + written) / 2 + largest.
-Against the current step compiled for one H100 (benchmarks/memory_model.py prints the table where JAX's CUDA
-plugin is installed: the configs' defaults at the benchmark batches, 2026-11-24) the error is -2%..+20%, the
-median +7%: GPT-2 16/32/64 x 1024 +7/+8/+9% (bf16 logits +10%), Llama 1.24B remat dots 0% (bf16 logits 0%),
-remat none +20%, ViT-B/16 -2%, ResNet-50 -2%. The CPU compile's figures were +100% to +240%. It ranks remat
-policies as the compiled programs do (Llama: none above dots).
+benchmarks/memory_model.py compares it with the step compiled for one H100 where JAX's CUDA plugin is installed;
+its measured error is on docs/performance.md ("Plan search").
 
 This module imports no model: it works on a training.Trainer.
 """

@@ -232,10 +232,9 @@ class Search:
     self.num_devices = num_devices
     on_target = chip.shared or self.devices[0].platform != 'cpu'
     self.stand_in = None if on_target else stand_in
-    # Compiled on CPU for a GPU/TPU, the temporaries are no guide: 2-3x a GPU's even with attention's stand-in,
-    # and blind to remat (Llama 1.24B's per-layer temporaries: none 3.74, dots 3.81, full 3.77 GiB on CPU; the
-    # GPU measured 50.4 vs 42.6 GiB in all for none vs dots). The memory is then modelled from what JAX's
-    # backward keeps (planning/residuals.py). The bytes accessed are the CPU's fusion's.
+    # Compiled on CPU for a GPU/TPU, the temporaries are no guide: several times a GPU's even with attention's
+    # stand-in, and blind to remat. The memory is then modelled from what JAX's backward keeps
+    # (planning/residuals.py). The bytes accessed are the CPU's fusion's.
     self.temporaries_known = self.bytes_known = on_target
     self.memory_devices = None
     if memory_devices is not None and not on_target:

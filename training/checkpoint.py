@@ -69,7 +69,7 @@ class _AbandonedReads(logging.Filter):
   sys.unraisablehook, or printed bare when it lands while the interpreter exits), fails itself when collected
   unfinished (its own read error, through sys.unraisablehook) or is logged by asyncio once collected
   ('Task/Future exception was never retrieved'): hundreds of tracebacks after the one error or
-  warning that already names the damaged checkpoint (measured: 326 for the default model's resume). A
+  warning that already names the damaged checkpoint. A
   TensorStore completion into a closed loop is dropped instead of raising (`install`: its result could never be
   delivered), and once a checkpoint is found damaged (`met`) what still reaches the hooks from those reads is
   filtered."""

@@ -222,15 +222,13 @@ class Chip:
 # ConnectX NIC per GPU (DGX H100 / A100 system specs), i.e. 50 (25) GB/s. TPUs: cloud.google.com/tpu/docs
 # system-architecture pages (v4, v5e, v5p, v6e: peak bf16, HBM capacity and bandwidth, ICI bandwidth per chip);
 # their DCN share per chip is a rough 12.5 GB/s (no public per-chip figure). compute_eff on H100/H200: calibrated
-# on one H100 (2026-11-23): the search's compute term for Llama 1.24B (configs/llama.py, 8 x 2048 tokens, one
-# device; the FLOPs of the step as compiled on CPU, remat recomputation included) against benchmarks/throughput.py's
-# measured 261.2 ms: 0.45 x 314.3 / 261.2 = 0.54. Held out, the same constant predicts GPT-2 (16 x 1024) and
-# ViT-B/16 (256 images) 1.64x and ResNet-50 (256 images) 4.3x faster than measured: their non-matmul work
-# (norms, softmax, BatchNorm) is a larger share, which a FLOPs-only term does not see (docs/plan_search.md).
-# H200: the H100's compute (same die), not measured. Others: 0.45-0.55 by analogy, not measured.
-# cpu: this project's 2-core test machine, whose simulated devices share both cores (160 GFLOP/s fp32 matmul,
-# shared/NOTES.md); its efficiencies and latency are fitted by benchmarks/search_accuracy.py (README "Plan search"):
-# a step of a tiny model there is dominated by per-op and per-collective overheads, not by FLOPs.
+# on one H100 so that the search's compute term for Llama 1.24B (configs/llama.py, 8 x 2048 tokens, one device)
+# equals benchmarks/throughput.py's measured step; models whose non-matmul work (norms, softmax, BatchNorm) is a
+# larger share run slower than it predicts, which a FLOPs-only term does not see (docs/performance.md, "Plan
+# search"). H200: the H100's compute (same die), not measured. Others: 0.45-0.55 by analogy, not measured.
+# cpu: this project's 2-core test machine, whose simulated devices share both cores; its efficiencies and latency
+# are fitted by benchmarks/search_accuracy.py: a step of a tiny model there is dominated by per-op and
+# per-collective overheads, not by FLOPs.
 CHIPS: dict[str, Chip] = {
   c.name: c
   for c in (
@@ -242,10 +240,10 @@ CHIPS: dict[str, Chip] = {
     Chip('tpu_v5e', 197.0, 819.0, 16.0, 200.0, 12.5, compute_eff=0.55),
     Chip('tpu_v5p', 459.0, 2765.0, 95.0, 600.0, 12.5, compute_eff=0.55),
     Chip('tpu_v6e', 918.0, 1640.0, 32.0, 448.0, 12.5, compute_eff=0.55),
-    # cpu: fitted on Llama tiny's 26 plans measured on a quiet machine (benchmarks/search_accuracy.py --fit,
-    # 2026-11-23): shape constants for the ranking, then a scale and the per-step overhead for the times; its
-    # bandwidths are nominal (simulated devices share memory), so the fitted efficiencies are not fractions of a
-    # real link. GPT-2 and ViT are reported against these constants, not fitted (README "Plan search").
+    # cpu: fitted on Llama tiny's plans measured on a quiet machine (benchmarks/search_accuracy.py --fit): shape
+    # constants for the ranking, then a scale and the per-step overhead for the times; its bandwidths are nominal
+    # (simulated devices share memory), so the fitted efficiencies are not fractions of a real link. GPT-2 and
+    # ViT are held out (docs/performance.md, "Plan search").
     Chip(
       'cpu',
       0.16,

@@ -86,8 +86,8 @@ def memory_limit(device: Any) -> int | None:
 
 
 # How far over the device's limit a compiled program's memory may be before check_fits refuses it: the compiled
-# figure overstated one measured H100 peak by 2.3% (GPT-2, 32 x 1024: 25.28 against 24.70 GiB; docs/gpu.md), and a
-# run that would fit must not be refused. A program between the two fails at allocation, in XLA's own words.
+# figure can overstate a measured peak by a few percent (docs/performance.md), and a run that would fit must not
+# be refused. A program between the two fails at allocation, in XLA's own words.
 FIT_MARGIN = 1.05
 
 

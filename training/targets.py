@@ -4,16 +4,16 @@ XLA's GPU compiler needs no GPU: given a description of the target (compute capa
 memory, memory size: `training/gpu_targets/<name>.txtpb`), JAX's CUDA plugin makes compile-only devices of
 that GPU, and a step jitted over a mesh of them compiles to the program that GPU would run: the same fusions,
 kernels and buffer assignment. Nothing can run on them, but `compiled.memory_analysis()` is the GPU's memory:
-arguments + temporaries + outputs not aliased to donated inputs matched the 9 peaks measured on an H100 80GB
-(docs/gpu.md, "Memory"): 7 to 0.01 GiB, ViT-B/16 0.29 GiB under (-1.2%), GPT-2 at 32 x 1024 0.58 GiB over (+2.3%).
+arguments + temporaries + outputs not aliased to donated inputs (how closely that matched peaks measured on an
+H100: docs/performance.md).
 Needs the CUDA plugin beside jaxlib, on any machine (`pip install "jax[cuda13]==<jax version>"`, a few GB of
 NVIDIA libraries), and JAX_PLATFORMS=cpu where there is no GPU. Autotuning needs a GPU, so the kernels'
 tile sizes are XLA's defaults; memory does not depend on them.
 
-TPUs likewise: libtpu (`pip install "jax[tpu]==<jax version>"`, 0.7 GB) makes compile-only devices of a TPU
+TPUs likewise: libtpu (`pip install "jax[tpu]==<jax version>"`) makes compile-only devices of a TPU
 slice from its generation and chip grid (`jax.experimental.topologies`, as MaxText's ahead-of-time compile
-does), and the step compiled over them is the TPU's program, with the TPU compiler's memory analysis. Not
-checked against a real TPU here (none was lent). With no TPU present libtpu still looks for one when it loads:
+does), and the step compiled over them is the TPU's program, with the TPU compiler's memory analysis, not yet
+checked against a real TPU. With no TPU present libtpu still looks for one when it loads:
 `tpu_devices` tells it there is none to find (environment variables, only where unset) so that it neither
 queries a metadata server nor prints warnings, and lets several processes load it (its lockfile is for real
 chips).

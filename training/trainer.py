@@ -186,9 +186,8 @@ def jit_init(trainer: Trainer, seed: int | None = None):
   return jax.jit(init, out_shardings=trainer.shardings)
 
 
-# The initialiser runs once per run: on CPU, LLVM's optimisation of its machine code costs more than it saves
-# (ResNet's tiny initialiser on 8 simulated devices: 11.7 s to compile with it, 3.0 s without; a 2-step run of
-# it 31-36 s -> 25-27 s).
+# The initialiser runs once per run: on CPU, LLVM's optimisation of its machine code costs more compile time
+# than it saves.
 INIT_CPU_COMPILE = {'xla_backend_optimization_level': 0, 'xla_llvm_disable_expensive_passes': True}
 
 
@@ -230,9 +229,9 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
     # One flag: the loss and every trained gradient finite. Otherwise the step changes nothing but the step
     # counter: params, optimizer state and model state (BatchNorm averages) stay as they were. train.py reads it.
     # A gradient is finite where its sum of squares is: the sums the norm (and clipping) reduce anyway, so the
-    # check reads no gradient again (separate isfinite reductions, compiled for an H100: 98 more kernels for
-    # GPT-2's 148 gradients, 194 and 2 GB more traffic for Llama 1.24B's). A finite gradient whose squares
-    # overflow float32 (an entry over ~1e19) counts as non-finite: its norm is inf, clipping by it would zero it.
+    # check reads no gradient again (separate isfinite reductions compiled to a kernel per gradient). A finite
+    # gradient whose squares overflow float32 (an entry over ~1e19) counts as non-finite: its norm is inf, and
+    # clipping by it would zero it.
     squares = [jnp.sum(jnp.square(g)) for g in jax.tree.leaves(trained)]
     leaf_finite = jnp.isfinite(jnp.stack(squares))
     finite = jnp.all(leaf_finite) & jnp.isfinite(metrics['loss'])

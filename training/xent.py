@@ -33,8 +33,7 @@ def loss_and_hits(logits: jax.Array, targets: jax.Array, mask: Any) -> tuple[jax
 def softmax_xent(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """Softmax cross-entropy of integer targets over the last axis, as optax's, with its gradient written out:
   g (softmax - one_hot(targets)) in one elementwise pass over the logits. Autodiff of optax's scatters the
-  target's gradient into a zero array of the logits' shape first: for GPT-2 (16k tokens x 50k vocabulary,
-  float32) one more 6.6 GB pass over memory per step, compiled for an H100."""
+  target's gradient into a zero array of the logits' shape first: one more pass over the whole logits."""
   return _xent_and_argmax(logits, targets)[0]
 
 
@@ -51,11 +50,9 @@ _lse_passes: contextvars.ContextVar[str] = contextvars.ContextVar('shardzoo_logs
 def logsumexp_argmax_one_pass(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """(log(sum(exp(x))) in float32, argmax) over the last axis, reading x once: one reduction carries the running
   maximum, the sum of exp(x - maximum), rescaled when the maximum grows (flash attention's online softmax), and
-  the maximum's first index. jax.nn.logsumexp reads x twice, the maximum first, and jnp.argmax once more: for
-  GPT-2's 16k x 50k float32 logits 3.3 GB per extra pass, counted in the step compiled for an H100 (XLA merged
-  the argmax into the sum's pass on the whole logits, not in the loss_chunks loop). On CPU it measured less
-  accurate than two passes (4e-6 relative against float64 for 50k standard-normal logits x 5; two passes 5e-8),
-  so softmax_xent uses it on GPUs only."""
+  the maximum's first index. jax.nn.logsumexp reads x twice, the maximum first, and jnp.argmax once more (XLA
+  merges the argmax into the sum's pass on the whole logits, not in the loss_chunks loop). On CPU it is less
+  accurate than two passes (docs/performance.md), so softmax_xent uses it on GPUs only."""
   x = x.astype(jnp.float32)
 
   def combine(a, b):
@@ -313,8 +310,8 @@ class _Head:
 
   def cast(self, weights: list[jax.Array]) -> list[jax.Array]:
     """The weights the head only converts (a float32 table read in bf16) converted once, before the chunk loop:
-    inside it XLA converted the whole table again for every chunk (Llama 1.24B's 128k x 2048 embedding: 1.6 GB
-    read and written per chunk, and the bf16 copy alive beside the logits)."""
+    inside it XLA converts the whole table again for every chunk (read and written per chunk, and the bf16 copy
+    alive beside the logits)."""
     return self.constrain([w if d is None else w.astype(d) for w, d in zip(weights, self.narrow)])
 
   def constrain(self, arrays: list[jax.Array]) -> list[jax.Array]:
