@@ -133,7 +133,7 @@ def _mesh_groups(text: str) -> list[list[int]]:
   # Split every axis at the breakpoints its grouped sub-axes name (major to minor); group along the chosen factors.
   refs = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m['grouped'])
   cuts = {a: {1, s} for a, s in enumerate(sizes)}
-  for name, pre, _size in refs:
+  for name, pre, size in refs:
     if pre:
       cuts[names.index(name)] |= {int(pre), int(pre) * int(size)}
   factors = [[b / a for a, b in zip(sorted(c), sorted(c)[1:])] or [1] for c in cuts.values()]
