@@ -2,6 +2,7 @@ r"""Bytes per step that cross DCN: a pipeline across hosts against FSDP across h
 
   python benchmarks/pipeline_dcn.py                       # Llama-3-8B-shaped, 64 devices over 8 hosts
   python benchmarks/pipeline_dcn.py --layers 8 --batch 64 # fewer layers (same per-layer shapes), quicker
+  python benchmarks/pipeline_dcn.py --plans pipeline --repeats 2   # the circular schedule
 
 Both plans are the Llama config's presets on 64 simulated CPU devices, 8 to a host (config.dcn_mesh: a host is
 a contiguous block of 8 devices), scanned layers, bf16 compute, full remat; the train step is built and compiled
@@ -40,6 +41,7 @@ def main() -> None:
   p.add_argument('--batch', type=int, default=128, help='global batch rows (micro-batch rows must divide by fsdp)')
   p.add_argument('--seq_len', type=int, default=2048)
   p.add_argument('--microbatches', type=int, default=16)
+  p.add_argument('--repeats', type=int, default=1, help='> 1: the circular schedule')
   p.add_argument('--plans', default='pipeline,fsdp')
   args = p.parse_args()
   partitioning.simulate_cpu_devices(HOSTS * PER_HOST)
@@ -58,7 +60,7 @@ def main() -> None:
     c.model.update(num_layers=args.layers, scan_layers=True, dtype='bfloat16', remat='full')
     c.dataset.seq_len = args.seq_len
     c.batch_size = args.batch
-    c.pipeline.microbatches = micro
+    c.pipeline.update(microbatches=micro, repeats=args.repeats if name == 'pipeline' else 1)
     c.mesh = mesh_cfg
     c.dcn_mesh = {a: dcn_cfg.get(a, 1) for a in mesh_cfg}
     mesh = partitioning.make_mesh(c.mesh, jax.devices(), dcn_cfg=c.dcn_mesh)

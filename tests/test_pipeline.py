@@ -15,7 +15,7 @@ from errors import ConfigError
 from partitioning import hlo, pipeline
 from planning import candidates
 from planning import search as search_lib
-from tests.conftest import build_trainer, train_on_random_batches
+from tests.conftest import all_eqns, build_trainer, train_on_random_batches
 from training import checkpoint, flops
 
 FAMILIES = {'gpt2': gpt2, 'llama': llama}
@@ -24,11 +24,11 @@ FAMILIES = {'gpt2': gpt2, 'llama': llama}
 RTOL, ATOL = 1e-5, 1e-5
 
 
-def config(family: str, mesh: dict | None = None, microbatches: int = 4, repeats: int = 1):
+def config(family: str, mesh: dict | None = None, microbatches: int = 4, repeats: int = 1, remat: str = 'none'):
   """The family's tiny size with 4 layers and 16 rows; with a mesh, the pp preset's rules on it."""
   c = FAMILIES[family].get_config('pp,tiny')
   c.update(batch_size=16, total_steps=2)
-  c.model.num_layers = 4
+  c.model.update(num_layers=4, remat=remat)
   c.dataset.seq_len = 16
   c.pipeline.update(microbatches=microbatches, repeats=repeats)
   c.mesh = dict(stage=1, data=1, fsdp=1, tensor=1) if mesh is None else {'data': 1, 'fsdp': 1, 'tensor': 1, **mesh}
@@ -52,29 +52,30 @@ def config(family: str, mesh: dict | None = None, microbatches: int = 4, repeats
 _TRAINED: dict = {}
 
 
-def trained(family: str, mesh: dict | None = None, repeats: int = 1):
+def trained(family: str, mesh: dict | None = None, repeats: int = 1, remat: str = 'none'):
   """(trainer, params after 2 steps on the task's synthetic batches, initial params), built once per case."""
-  key = (family, json.dumps(mesh, sort_keys=True), repeats)
+  key = (family, json.dumps(mesh, sort_keys=True), repeats, remat)
   if key not in _TRAINED:
-    trainer = build_trainer(config(family, mesh, repeats=repeats), None if mesh else jax.devices()[:1])
+    trainer = build_trainer(config(family, mesh, repeats=repeats, remat=remat), None if mesh else jax.devices()[:1])
     start, state = train_on_random_batches(trainer, 2)
     _TRAINED[key] = trainer, jax.device_get(state.params), start.params
   return _TRAINED[key]
 
 
-# stage = 2 and 4, GPipe and circular, alone (the rest of the devices data parallel) and with fsdp or tensor.
+# stage = 2 and 4, GPipe and circular, alone (the rest of the devices data parallel) and with fsdp or tensor; one
+# with remat per stage iteration (the 1-device reference keeps everything).
 CASES = [
-  ('gpt2', dict(stage=2, fsdp=4), 1),
-  ('gpt2', dict(stage=4, data=2), 1),
-  ('gpt2', dict(stage=2, tensor=4), 2),
-  ('llama', dict(stage=4, fsdp=2), 1),
-  ('llama', dict(stage=2, data=2, tensor=2), 2),
+  ('gpt2', dict(stage=2, fsdp=4), 1, 'none'),
+  ('gpt2', dict(stage=4, data=2), 1, 'none'),
+  ('gpt2', dict(stage=2, tensor=4), 2, 'none'),
+  ('llama', dict(stage=4, fsdp=2), 1, 'full'),
+  ('llama', dict(stage=2, data=2, tensor=2), 2, 'none'),
 ]
 
 
-@pytest.mark.parametrize('family,mesh,repeats', CASES, ids=lambda v: str(v).replace(' ', ''))
-def test_pipeline_trains_as_one_device(family, mesh, repeats):
-  trainer, params, start = trained(family, mesh, repeats)
+@pytest.mark.parametrize('family,mesh,repeats,remat', CASES, ids=lambda v: str(v).replace(' ', ''))
+def test_pipeline_trains_as_one_device(family, mesh, repeats, remat):
+  trainer, params, start = trained(family, mesh, repeats, remat)
   assert trainer.pipeline == pipeline.Schedule(mesh['stage'], 4, repeats)
   _, params_1, _ = trained(family)
   kernel = lambda p: p['blocks']['layers']['mlp']['up']['layer']['kernel']
@@ -83,6 +84,10 @@ def test_pipeline_trains_as_one_device(family, mesh, repeats):
   # each device holds its stage's 1/S of the stack
   kernel = trainer.specs.params['blocks']['layers']['mlp']['up']['layer']['kernel']
   assert kernel[0] == 'stage'
+  if remat != 'none':  # the stage iteration is rematerialised: a remat around the stage's scan over its layers
+    jaxpr = training.trace(trainer, training.jit_train_step(trainer)).jaxpr.jaxpr
+    remats = [e for e in all_eqns(jaxpr) if e.primitive.name.startswith('remat')]
+    assert any(s.primitive.name == 'scan' for e in remats for s in all_eqns(e.params['jaxpr']))
 
 
 def test_only_collective_permutes_cross_stage_inside_the_pipeline():
