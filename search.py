@@ -147,13 +147,13 @@ def main(argv) -> None:
 
     # --- Stage 1: every mesh x preset, the config's remat (or the given ones) ------------------------------
     presets = {k: v for k, v in rules.items() if '-' not in k}
-    result = search.run(candidates.generate(n, axes, presets, first, hosts))
+    result = search.run(candidates.generate(n, axes, presets, first, hosts, config.batch_size))
     say(f'stage 1: {len(result.ranked)} plans scored ({result.compiled} compiled) in {result.wall_s:.0f} s')
     # --- Stage 2: the best plans' meshes with their presets' variants and every remat policy -------------
     if result.ranked and FLAGS.stage2:
       remats = choices if FLAGS.remat == 'staged' else first
       more = [
-        candidates.Candidate(c.mesh, name, r, remat)
+        candidates.Candidate(c.mesh, name, r, remat, c.microbatches)
         for c in (s.candidate for s in result.ranked[: FLAGS.stage2])
         for name, r in rules.items()
         if name.split('-')[0] == c.rules_name

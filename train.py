@@ -215,7 +215,7 @@ def _train_and_evaluate(
   slice_of = partitioning.dcn_coordinates(mesh, dcn) if slices > 1 else None  # which collectives cross DCN
   say(
     f'compiled train+eval steps in {time.perf_counter() - t0:.1f}s; train step per device: '
-    f'{partitioning.audit(train_step, slice_of)}'
+    f'{partitioning.audit(train_step, slice_of, trainer.pipeline)}'
   )
   profiling.check_fits({'train step': train_step, 'eval step': eval_step}, device, config)  # before allocating
   peak, peak_from = flops.describe_peak(device, peak_tflops)  # MFU where the chip's peak is known

@@ -102,6 +102,22 @@ TRANSFORMER_RULES = {
     ('vocab', None),
     ('norm', None),
   ],
+  # Pipeline parallelism (docs/pipelines.md): the scanned layer stack cut into 'stage' contiguous stages, the batch
+  # in config.pipeline.microbatches micro-batches flowing through them; only activations cross 'stage', by
+  # collective-permute. Outside the stack (embeddings, head, loss) 'stage' is one more batch axis. FSDP inside.
+  'pp': [
+    ('batch', ('data', 'fsdp', 'stage')),
+    ('layers', 'stage'),
+    ('embed', 'fsdp'),
+    ('embed', None),
+    ('length', None),
+    ('mlp', None),
+    ('heads', None),
+    ('kv_heads', None),
+    ('kv', None),
+    ('vocab', None),
+    ('norm', None),
+  ],
   'fsdp_tp': [
     ('batch', ('data', 'fsdp')),
     ('embed', 'fsdp'),
@@ -121,21 +137,37 @@ TRANSFORMER_MESHES = {
   'fsdp': dict(data=1, fsdp=8, tensor=1),
   'tp': dict(data=2, fsdp=1, tensor=4),
   'cp': dict(data=1, fsdp=2, context=4, tensor=1),
+  'pp': dict(stage=4, data=1, fsdp=2, tensor=1),  # 'stage' outermost: across hosts where there are several
   'fsdp_tp': dict(data=1, fsdp=4, tensor=2),
 }
 CONTEXT_PRESETS = ('cp',)  # presets for decoder LMs only (transformer_presets(context=True))
+PIPELINE_PRESETS = ('pp',)  # presets for scanned decoder LMs only (transformer_presets(pipeline=True))
+PIPELINE_MICROBATCHES = {'real': 16, 'tiny': 8}  # config.pipeline.microbatches of the pp preset: bubble 3/19, 3/11
 
 
 def transformer_presets(
-  extra: Sequence[tuple] = (), drop: Sequence[str] = (), context: bool = False
+  extra: Sequence[tuple] = (), drop: Sequence[str] = (), context: bool = False, pipeline: bool = False
 ) -> tuple[dict, dict]:
   """Copies of (TRANSFORMER_RULES, TRANSFORMER_MESHES) for one config file: `extra` rules appended to every
   preset (e.g. ('token_types', None)), rules for the logical names in `drop` left out; the context-parallel
-  preset ('cp') only with `context` (decoder LMs). The last preset stays fsdp_tp (tests/test_configs.py trains
-  each file's last preset)."""
-  keep = [k for k in TRANSFORMER_RULES if context or k not in CONTEXT_PRESETS]
+  preset ('cp') only with `context` (decoder LMs), the pipeline preset ('pp') only with `pipeline`. The last
+  preset stays fsdp_tp (tests/test_configs.py trains each file's last preset)."""
+  keep = [
+    k for k in TRANSFORMER_RULES if (context or k not in CONTEXT_PRESETS) and (pipeline or k not in PIPELINE_PRESETS)
+  ]
   rules = {k: [r for r in TRANSFORMER_RULES[k] if r[0] not in drop] + list(extra) for k in keep}
   return rules, copy.deepcopy({k: TRANSFORMER_MESHES[k] for k in keep})
+
+
+def pipeline_preset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The pp preset's model and pipeline settings (a no-op for other presets): scanned layers (the stacked
+  dimension is what the stages cut), the micro-batches, and 4 layers at tiny size (one per stage)."""
+  if c.preset in PIPELINE_PRESETS:
+    c.model.scan_layers = True
+    c.pipeline.microbatches = PIPELINE_MICROBATCHES.get(c.size, PIPELINE_MICROBATCHES['tiny'])
+    if c.size == 'tiny':
+      c.model.num_layers = 4
+  return c
 
 
 def mesh(sizes: Mapping[str, int]) -> ml_collections.ConfigDict:
@@ -161,6 +193,9 @@ def base(preset: str, size: str) -> ml_collections.ConfigDict:
   # Causal load balancing under context parallelism (partitioning/context.py): rows in zigzag order, so every
   # context shard's queries see as many keys as any other's; a no-op where 'length' is not sharded.
   c.context_load_balance = preset in CONTEXT_PRESETS
+  # Pipeline parallelism where a rule maps 'layers' to the 'stage' mesh axis (docs/pipelines.md): the batch is
+  # split into `microbatches` (at least the stages); `repeats` > 1 runs the circular schedule.
+  c.pipeline = ml_collections.ConfigDict(dict(microbatches=1, repeats=1))
   c.optim = ml_collections.ConfigDict(
     dict(
       name='adamw',

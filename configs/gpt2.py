@@ -9,6 +9,8 @@ Presets (one word switches the strategy; rules and meshes below stay editable):
   :fsdp     fully sharded (default)  mesh data=1, fsdp=8
   :tp       tensor parallel + data   mesh data=2, tensor=4
   :cp       context parallel         mesh fsdp=2, context=4 (each row split in 4 along the sequence)
+  :pp       pipeline + FSDP          mesh stage=4, fsdp=2: the scanned layers cut into 4 stages, 16 micro-batches
+            (8 at tiny size, which has 4 layers), GPipe; config.pipeline.repeats=2 for circular (docs/pipelines.md)
   :fsdp_tp  FSDP + tensor            mesh data=1, fsdp=4, tensor=2
 Sizes: real (GPT-2 small, 124M: 12 layers, 12 heads, d=768), tiny (2 layers, d=64, on the offline
 Markov language). Combine with a comma: configs/gpt2.py:tp,tiny.
@@ -17,7 +19,7 @@ Markov language). Combine with a comma: configs/gpt2.py:tp,tiny.
 from configs import common
 
 # The transformer presets (configs/common.py), copied here to edit for this family, e.g. RULES['tp'] = [...].
-RULES, MESHES = common.transformer_presets(context=True)
+RULES, MESHES = common.transformer_presets(context=True, pipeline=True)
 SIZES = {
   # pad_vocab_to: 50257 rows padded to 50304 so 'vocab' divides any mesh axis up to 128 (padded logits masked).
   'real': dict(
@@ -73,4 +75,4 @@ def get_config(arg: str | None = None):
     c.total_steps = 400  # enough to come close to the language's entropy floor (docs/performance.md)
     c.optim.update(lr=1e-2, warmup_steps=30)
     c.log_every, c.eval_every = 50, 400
-  return c
+  return common.pipeline_preset(c)

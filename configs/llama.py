@@ -14,6 +14,8 @@ Presets (one word switches the strategy; rules and meshes below stay editable):
             size this is the long-context run: 2 rows of 32,768 tokens (Llama 3.2's rope scaling, as its
             config.json has it), 8,192 tokens of each row per device (benchmarks/context_memory.py); rows in
             zigzag order so every shard's causal attention does the same work (context_load_balance)
+  :pp       pipeline + FSDP          mesh stage=4, fsdp=2: the scanned layers cut into 4 stages, 16 micro-batches
+            (8 at tiny size, which has 4 layers), GPipe; config.pipeline.repeats=2 for circular (docs/pipelines.md)
   :fsdp_tp  FSDP + tensor            mesh data=1, fsdp=4, tensor=2
 Sizes: real (vocab 128256, d=2048, 16 layers, 32 heads, 8 kv heads, mlp 8192, rope_theta 5e5, tied
 embeddings), tiny (2 layers, d=64, 8 heads, 4 kv heads, on the offline Markov language).
@@ -29,7 +31,7 @@ directory holding the Llama 3 tokenizer, saved on a machine with access by
 from configs import common
 
 # The transformer presets (configs/common.py), copied here to edit for this family, e.g. RULES['tp'] = [...].
-RULES, MESHES = common.transformer_presets(context=True)
+RULES, MESHES = common.transformer_presets(context=True, pipeline=True)
 SIZES = {
   # Llama-3.2-1B: 1,235,814,400 parameters (HF config: hidden_size 2048, intermediate_size 8192,
   # num_key_value_heads 8, rms_norm_eps 1e-5, tie_word_embeddings True). head_dim = 2048 / 32 = 64.
@@ -140,4 +142,4 @@ def get_config(arg: str | None = None):
     c.total_steps = 300
     c.optim.update(lr=3e-3, warmup_steps=30)
     c.log_every, c.eval_every = 50, 300
-  return c
+  return common.pipeline_preset(c)

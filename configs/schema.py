@@ -226,6 +226,8 @@ FIELDS: dict[str, Field] = {
   'dcn_mesh': Field('dcn'),
   'logical_axis_rules': Field('rules'),
   'context_load_balance': Field(bool),
+  'pipeline.microbatches': POSITIVE,  # under ('layers', 'stage'): micro-batches per step (docs/pipelines.md)
+  'pipeline.repeats': POSITIVE,  # 1: GPipe; > 1: circular, each device holding that many non-adjacent stages
   # starting from pretrained weights, what trains
   'init_from': Field(str),
   'dont_load': Field('regex'),

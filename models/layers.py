@@ -16,7 +16,7 @@ from flax import nnx
 
 from errors import ConfigError
 from models import attention
-from partitioning import shard_logical
+from partitioning import pipeline, shard_logical
 
 Initializer = Callable[..., jax.Array]
 NORMAL_002 = nnx.initializers.normal(0.02)  # GPT-2's initialiser for kernels and embeddings
@@ -804,6 +804,8 @@ class Stack(nnx.Module):
       out = block(x, *args)
       return out if isinstance(out, tuple) else (out, {})
 
+    if self.scan and pipeline.active() is not None:  # the rules cut the stack into pipeline stages
+      return self._pipelined(apply, x, *args), {}
     if self.remat != 'none':
       apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
     if not self.scan:
@@ -823,6 +825,21 @@ class Stack(nnx.Module):
 
     x, aux = body(x, self.layers, *args)
     return x, {k: v.sum() for k, v in aux.items()}
+
+  def _pipelined(self, apply: Callable[..., Any], x: jax.Array, *args: Any) -> jax.Array:
+    """The scanned stack as the active pipeline (partitioning/pipeline.py), remat per stage iteration."""
+    graphdef, weights = nnx.split(self.layers)
+
+    def layer(w, x, *args):
+      x, aux = apply(nnx.merge(graphdef, w), x, *args)
+      if aux:
+        raise ConfigError(
+          f'a pipelined layer stack returns per-layer losses {sorted(aux)} (a mixture of experts), which the '
+          "pipeline does not collect: map 'layers' to None for this model"
+        )
+      return x
+
+    return pipeline.run(layer, weights, x, *args, x_axes=('batch',), policy=REMAT_POLICIES[self.remat])
 
 
 def _shard_stacked(v: Any) -> Any:

@@ -36,7 +36,7 @@ order so that every context shard's causal attention does the same work (partiti
 This package never imports a model: it works on trees of shapes and logical names.
 """
 
-from partitioning import context
+from partitioning import context, pipeline
 from partitioning.audit import audit, collective_shapes, collective_stats
 from partitioning.hlo import replica_groups
 from partitioning.mesh import (
@@ -75,6 +75,7 @@ __all__ = [
   'bytes_per_device',
   'check_batch',
   'context',
+  'pipeline',
   'accelerator_present',
   'check_platform',
   'collective_shapes',

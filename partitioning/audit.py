@@ -48,13 +48,15 @@ def _fmt_stats(stats: dict[str, tuple[int, int]]) -> str:
   return ', '.join(f'{op} x{c} ({fmt_bytes(b)})' for op, (c, b) in stats.items()) or 'none'
 
 
-def audit(compiled: Any, slice_of: Sequence[int] | None = None) -> str:
+def audit(compiled: Any, slice_of: Sequence[int] | None = None, schedule: Any = None) -> str:
   """One line: per-device memory of a compiled step and its collectives; with `slice_of` (several DCN slices),
-  also those that cross DCN."""
+  also those that cross DCN; with a pipeline `schedule` (partitioning.pipeline.Schedule), its stages,
+  micro-batches and bubble."""
   mem = compiled.memory_analysis()
   text = compiled.as_text()
   dcn = f'; over DCN: {_fmt_stats(collective_stats(text, slice_of))}' if slice_of is not None else ''
   return (
     f'arguments {fmt_bytes(mem.argument_size_in_bytes)}, outputs {fmt_bytes(mem.output_size_in_bytes)}, '
     f'temporaries {fmt_bytes(mem.temp_size_in_bytes)}; collectives: {_fmt_stats(collective_stats(text))}{dcn}'
+    + (f'; {schedule.describe()}' if schedule is not None else '')
   )

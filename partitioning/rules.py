@@ -88,6 +88,17 @@ class AxisRules:
   def __repr__(self) -> str:
     return 'AxisRules([' + ', '.join(f'({r.logical!r}, {_fmt_target(r.mesh_axes)})' for r in self.rules) + '])'
 
+  def without(self, mesh_axis: str) -> AxisRules:
+    """The same rules with `mesh_axis` taken out of every target (a pipeline's stage dimension is vmapped over
+    it: inside, nothing else may use it)."""
+    out = AxisRules([])
+    out.rules = tuple(
+      dataclasses.replace(r, mesh_axes=tuple(a for a in r.mesh_axes if a != mesh_axis)) for r in self.rules
+    )
+    for r in out.rules:
+      out._by_name.setdefault(r.logical, []).append(r)
+    return out
+
   @property
   def logical_names(self) -> set[str]:
     return set(self._by_name)

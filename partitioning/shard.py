@@ -43,19 +43,23 @@ class _Context:
   mesh: Mesh
   seen: set[str]  # logical names used by activations while this context was active
   balance: bool = False  # causal load balancing of a sharded 'length' (partitioning/context.py)
+  pipeline: Any = None  # the pipeline.Schedule scanned layer stacks run as (partitioning/pipeline.py), or None
 
 
 _CTX: contextvars.ContextVar[_Context | None] = contextvars.ContextVar('shardzoo_rules', default=None)
 
 
 @contextlib.contextmanager
-def use_rules(rules: AxisRules, mesh: Mesh, seen: set[str] | None = None, balance: bool = False) -> Iterator[_Context]:
+def use_rules(
+  rules: AxisRules, mesh: Mesh, seen: set[str] | None = None, balance: bool = False, pipeline: Any = None
+) -> Iterator[_Context]:
   """Activates `rules` on `mesh` for `shard_logical` calls made while tracing model code.
 
   Logical names used by activations are added to `seen` (for the unused-rule warning). `balance`: causal
-  load balancing of a sharded sequence (config.context_load_balance; partitioning/context.py).
+  load balancing of a sharded sequence (config.context_load_balance; partitioning/context.py). `pipeline`: the
+  schedule (partitioning/pipeline.py) scanned layer stacks run as where the rules map 'layers' to 'stage'.
   """
-  ctx = _Context(rules, mesh, set() if seen is None else seen, balance)
+  ctx = _Context(rules, mesh, set() if seen is None else seen, balance, pipeline)
   token = _CTX.set(ctx)
   try:
     yield ctx

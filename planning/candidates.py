@@ -3,8 +3,9 @@
 A plan is what a config file says about parallelism: `config.mesh` (ordered, outermost axis first: with
 several hosts the leading axes are the ones that cross them), `config.logical_axis_rules` and
 `config.model.remat`. Rule sets are the config file's presets plus variants generated from them
-(`rule_variants`). Gradient accumulation / micro-batching does not exist in this trainer, so it is not
-searched. Nothing here imports JAX or a model.
+(`rule_variants`). Where a rule set pipelines the layers (('layers', 'stage'), docs/pipelines.md), the
+pipeline's micro-batch count is searched too (`microbatch_counts`): the stage count is the mesh's 'stage' size.
+Nothing here imports JAX or a model.
 """
 
 from __future__ import annotations
@@ -27,14 +28,36 @@ class Candidate:
   rules_name: str  # 'fsdp', 'tp', 'tp-vocab_replicated', ...
   rules: Rules
   remat: str | None  # None: the config's own (families without remat)
+  microbatches: int = 0  # config.pipeline.microbatches where the rules pipeline the layers over 'stage'; else 0
 
   @property
   def mesh_dict(self) -> dict[str, int]:
     return dict(self.mesh)
 
+  @property
+  def stages(self) -> int:
+    """The pipeline stages of the plan: 'stage''s size where the first 'layers' rule names it, else 1."""
+    target = next((t for name, t in self.rules if name == 'layers'), None)
+    named = (target,) if isinstance(target, str) else (target or ())
+    return self.mesh_dict.get('stage', 1) if 'stage' in named else 1
+
   def label(self) -> str:
     mesh = ' '.join(f'{a}={s}' for a, s in self.mesh if s > 1) or 'one device'
-    return f'{mesh} | {self.rules_name}' + (f' | remat={self.remat}' if self.remat else '')
+    return (
+      f'{mesh} | {self.rules_name}'
+      + (f' | micro={self.microbatches}' if self.microbatches else '')
+      + (f' | remat={self.remat}' if self.remat else '')
+    )
+
+
+# A pipeline of S stages is searched with S, 2 S and 4 S micro-batches (bubble (S - 1) / (M + S - 1): about 1/2,
+# 1/3 and 1/5 of the iterations for large S), those that divide the batch.
+MICROBATCH_FACTORS = (1, 2, 4)
+
+
+def microbatch_counts(stages: int, batch: int | None) -> list[int]:
+  """The micro-batch counts searched for a pipeline of `stages` (a global batch they do not divide is left out)."""
+  return [f * stages for f in MICROBATCH_FACTORS if batch is None or batch % (f * stages) == 0]
 
 
 def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
@@ -119,8 +142,10 @@ def generate(
   rules_by_name: Mapping[str, Rules],
   remats: Sequence[str | None],
   hosts: int = 1,
+  batch: int | None = None,
 ) -> Iterator[Candidate]:
-  """Every (mesh factorisation x axis order over hosts) x rule set x remat policy, mesh-major."""
+  """Every (mesh factorisation x axis order over hosts) x rule set x remat policy, mesh-major; pipelined plans
+  once per micro-batch count (`microbatch_counts` of a global batch of `batch` rows)."""
   if num_devices < 1 or hosts < 1 or num_devices % hosts:
     raise ConfigError(
       f'--devices {num_devices} over --hosts {hosts}: the device count must be a positive multiple of the host count'
@@ -128,7 +153,9 @@ def generate(
   for sizes in factorisations(num_devices, len(axes)):
     for mesh in axis_orders(dict(zip(axes, sizes)), hosts):
       for (name, rules), remat in itertools.product(rules_by_name.items(), remats):
-        yield Candidate(mesh, name, rules, remat)
+        stages = Candidate(mesh, name, rules, remat).stages
+        for micro in microbatch_counts(stages, batch) if stages > 1 else [0]:
+          yield Candidate(mesh, name, rules, remat, micro)
 
 
 def load_module(config_file: str):

@@ -54,6 +54,9 @@ class Profile:
   kept_fused: float = 0.0
   kept_written: float = 0.0
   kept_largest: float = 0.0
+  # a pipeline's bubble, (S - 1) / (M + S - 1): the share of its iterations in which a stage computes on nothing.
+  # The compiled program runs every stage in every iteration, so the FLOPs (and the predicted time) include it.
+  bubble: float = 0.0
 
   def combine(self, other: Profile, a: float, b: float) -> Profile:
     """a x self + b x other, figure by figure (the layer extrapolation: P1 + (L-1)(P2 - P1)), clamped at 0."""

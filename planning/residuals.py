@@ -115,7 +115,7 @@ def trace(trainer: training.Trainer, stand_in: Callable[[], contextlib.AbstractC
   Trace in the caller's thread (attention's stand-in is a context variable); compile anywhere."""
 
   def residuals(params, model_state, batch):
-    with partitioning.use_rules(trainer.rules, trainer.mesh, balance=trainer.balance > 1):
+    with partitioning.use_rules(trainer.rules, trainer.mesh, balance=trainer.balance > 1, pipeline=trainer.pipeline):
       _, vjp = jax.vjp(lambda p: training.loss_of(trainer, model_state, batch)(p)[0], params)
     return jax.tree.leaves(vjp)
 

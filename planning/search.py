@@ -180,6 +180,9 @@ def apply(config: ml_collections.ConfigDict, cand: Candidate, hosts: int = 1) ->
     c.preset = cand.rules_name
     if cand.remat is not None:
       c.model.remat = cand.remat
+    if cand.microbatches:  # a pipeline: its micro-batches, over the scanned stack its stages cut
+      c.pipeline.microbatches = cand.microbatches
+      c.model.scan_layers = True
     if 'context_load_balance' in c:  # as the cp presets: causal rows split over devices are load-balanced,
       shards = _length_shards(cand)  # where the rows cut into 2 x shards chunks (else natural order)
       c.context_load_balance = c.task == 'lm' and shards > 1 and c.dataset.seq_len % (2 * shards) == 0
@@ -193,11 +196,12 @@ def _length_shards(cand: Candidate) -> int:
   return math.prod(mesh.get(a, 1) for a in entry_axes(entry))
 
 
-def _proxy(config: ml_collections.ConfigDict, layers: int) -> ml_collections.ConfigDict:
+def _proxy(config: ml_collections.ConfigDict, layers: int, pipelined: bool = False) -> ml_collections.ConfigDict:
+  """The config with `layers` layers, unrolled (a pipeline's stay scanned: the stages cut the stack)."""
   c = copy.deepcopy(config)
   with c.unlocked():
     c.model.num_layers = layers
-    if 'scan_layers' in c.model:
+    if 'scan_layers' in c.model and not pipelined:
       c.model.scan_layers = False
   return c
 
@@ -282,8 +286,8 @@ class Search:
       if self.model_flops is None:
         self.model_flops = flops.step_flops(full).causal
       traced, trainers, fps = [], [], []
-      for layers in self._proxy_layers():
-        pc = _proxy(config, layers) if layers else config
+      for layers in self._proxy_layers(cand):
+        pc = _proxy(config, layers, cand.microbatches > 0) if layers else config
         tr = self._trainer(pc, cand)
         log: set = set()
         tr.rules = _RecordingRules(pc.logical_axis_rules, log)
@@ -307,7 +311,7 @@ class Search:
     except ConfigError as e:  # ShardingError, and what a model or loss option refuses under this plan
       raise Pruned(reason_of(e), str(e)) from None
     mesh_eff = tuple(sorted((a, s) for a, s in cand.mesh if s > 1))  # any order: placed on hosts later
-    return (mesh_eff, cand.remat, tuple(fps)), traced, trainers
+    return (mesh_eff, cand.remat, cand.microbatches, tuple(fps)), traced, trainers
 
   def _scattered_rows(self, cand: Candidate) -> str | None:
     """Over several hosts, which rows of the global batch a host would hold if they are not one contiguous
@@ -325,10 +329,12 @@ class Search:
         return f'host {host} would hold rows {spans} of {B}'
     return None
 
-  def _proxy_layers(self) -> list[int | None]:
+  def _proxy_layers(self, cand: Candidate) -> list[int | None]:
+    """The proxies' layer counts: 1 and 2, or for a pipeline of S stages S and 2 S (one and two layers per stage)."""
     if not self.layers:
       return [None]
-    return [1] if self.layers == 1 else [1, 2]
+    unit = cand.stages if cand.microbatches else 1
+    return [unit] if self.layers == unit else [unit, 2 * unit]
 
   # --- scoring (compiles) ------------------------------------------------------------------------
   def _read(self, compiled) -> tuple[cost.Profile, list[hlo.Collective]]:
@@ -350,7 +356,7 @@ class Search:
     )
     return profile, colls
 
-  def _on_hosts(self, compiled: _Compiled, mesh: Sequence[tuple[str, int]]) -> cost.Profile:
+  def _on_hosts(self, compiled: _Compiled, mesh: Sequence[tuple[str, int]], unit: int = 1) -> cost.Profile:
     """The plan's profile with the devices laid out as `mesh` orders its axes (the same axes and sizes as
     the compiled order): each collective keyed by the mesh axes its groups vary along and the hosts one
     group reaches, the hosts laid out as the plan is written (split_over_hosts: each axis's outer part across
@@ -373,8 +379,9 @@ class Search:
         v[0] += c.times
         v[1] += c.times * c.bytes
       profiles.append(dataclasses.replace(base, collectives={k: (v[0], v[1]) for k, v in coll.items()}))
-    if len(profiles) == 2:  # X(L) = X1 + (L - 1)(X2 - X1)
-      return profiles[0].combine(profiles[1], 2 - self.layers, self.layers - 1)
+    if len(profiles) == 2:  # X(L) = X1 + (L - 1)(X2 - X1), in units of `unit` layers (a pipeline's stages)
+      n = self.layers / unit
+      return profiles[0].combine(profiles[1], 2 - n, n - 1)
     return profiles[0]
 
   def _compile(self, traced: list, kept: list, on_target: list, mesh) -> tuple[_Compiled, float]:
@@ -419,7 +426,7 @@ class Search:
       for cand in candidates:
         considered += 1
         # another order of a mesh already validated: the same devices' work, on other hosts
-        group = (tuple(sorted(cand.mesh)), cand.rules, cand.remat)
+        group = (tuple(sorted(cand.mesh)), cand.rules, cand.remat, cand.microbatches)
         if group not in self._validated:
           try:
             fp, traced, trainers = self.validate(cand)
@@ -458,7 +465,9 @@ class Search:
       scored = []
       for cand, fut in pending:
         out, secs = fut.result()
-        profile = self._on_hosts(out, cand.mesh)
+        profile = self._on_hosts(out, cand.mesh, cand.stages if cand.microbatches else 1)
+        if cand.microbatches:  # its idle iterations are in the compiled FLOPs already (every stage runs each one)
+          profile.bubble = (cand.stages - 1) / (cand.microbatches + cand.stages - 1)
         pred = cost.predict(
           profile, self.chip, self.num_devices, temporaries_known=self.temporaries_known, bytes_known=self.bytes_known
         )

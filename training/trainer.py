@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import partitioning
 from errors import ConfigError, NonFiniteError
-from partitioning import AxisRules, context
+from partitioning import AxisRules, context, pipeline
 from training import optim, tasks
 
 FIRST_NONFINITE = 'first_nonfinite_param'  # train metrics key: index into Trainer.trained_paths(), -1 if none
@@ -58,6 +58,7 @@ class Trainer:
   seen: set[str]  # logical names used by params, state, batches and (once traced) activations
   labels: Any = None  # 'train' / 'frozen' per parameter (config.freeze, train_only, LoRA); None: all train
   balance: int = 1  # context shards the rows are load-balanced over (config.context_load_balance); 1: natural order
+  pipeline: Any = None  # the partitioning.pipeline.Schedule of a ('layers', 'stage') rule, or None
 
   @property
   def replicated(self) -> NamedSharding:
@@ -95,6 +96,7 @@ def _split(model: nnx.Module) -> tuple[Any, dict, dict]:
 def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[nnx.Rngs], nnx.Module]) -> Trainer:
   rules = AxisRules(config.logical_axis_rules)
   rules.check_mesh(mesh.shape)
+  schedule_ = pipeline.schedule(config, rules, dict(mesh.shape))  # its bad numbers before the rules' errors
   task = tasks.get(config.task)
 
   abs_model = nnx.eval_shape(lambda: make_model(nnx.Rngs(config.seed)))
@@ -143,6 +145,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
     seen,
     labels,
     _balance(config, rules, mesh),
+    schedule_,
   )
 
 
@@ -213,7 +216,9 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
   tx, schedule = trainer.tx, trainer.schedule
 
   def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    with partitioning.use_rules(trainer.rules, trainer.mesh, seen=trainer.seen, balance=trainer.balance > 1):
+    with partitioning.use_rules(
+      trainer.rules, trainer.mesh, seen=trainer.seen, balance=trainer.balance > 1, pipeline=trainer.pipeline
+    ):
       loss_fn = loss_of(trainer, state.model_state, batch)
       (_, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
       # Gradients live where their parameters live (lets XLA reduce-scatter them under FSDP).
@@ -257,7 +262,9 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
 
 def eval_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], dict]:
   def step(state: TrainState, batch: dict) -> dict:
-    with partitioning.use_rules(trainer.rules, trainer.mesh, seen=trainer.seen, balance=trainer.balance > 1):
+    with partitioning.use_rules(
+      trainer.rules, trainer.mesh, seen=trainer.seen, balance=trainer.balance > 1, pipeline=trainer.pipeline
+    ):
       model = tasks.eval_view(nnx.merge(trainer.graphdef, state.params, state.model_state))
       return trainer.task.metric_sums(model, batch)
 

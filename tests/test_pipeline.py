@@ -1,0 +1,188 @@
+"""Pipeline parallelism (partitioning/pipeline.py): pipelined training equals 1 device; only collective-permutes
+cross 'stage' inside the pipeline; checkpoints move between pipeline and FSDP; bad numbers fail before compiling."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import models
+import partitioning
+import training
+from configs import gpt2, llama
+from errors import ConfigError
+from partitioning import hlo, pipeline
+from planning import candidates
+from planning import search as search_lib
+from tests.conftest import all_eqns, build_trainer, train_on_random_batches
+from training import checkpoint, flops
+
+FAMILIES = {'gpt2': gpt2, 'llama': llama}
+# fp32, 2 AdamW steps: the pipeline sums each weight's gradient over micro-batches and iterations, in another
+# order than one device (measured worst case 2e-6 on the parameters).
+RTOL, ATOL = 1e-5, 1e-5
+
+
+def config(family: str, mesh: dict | None = None, microbatches: int = 4, repeats: int = 1, remat: str = 'none'):
+  """The family's tiny size with 4 layers and 16 rows; with a mesh, the pp preset's rules on it."""
+  c = FAMILIES[family].get_config('pp,tiny')
+  c.update(batch_size=16, total_steps=2)
+  c.model.update(num_layers=4, remat=remat)
+  c.dataset.seq_len = 16
+  c.pipeline.update(microbatches=microbatches, repeats=repeats)
+  c.mesh = dict(stage=1, data=1, fsdp=1, tensor=1) if mesh is None else {'data': 1, 'fsdp': 1, 'tensor': 1, **mesh}
+  # the pp preset's rules, with tensor parallelism where the mesh has it
+  c.logical_axis_rules = [
+    ('batch', ('data', 'fsdp', 'stage')),
+    ('layers', 'stage'),
+    ('embed', 'fsdp'),
+    ('embed', None),
+    ('mlp', 'tensor'),
+    ('heads', 'tensor'),
+    ('kv_heads', 'tensor'),
+    ('vocab', 'tensor'),
+    ('length', None),
+    ('kv', None),
+    ('norm', None),
+  ]
+  return c
+
+
+_TRAINED: dict = {}
+
+
+def trained(family: str, mesh: dict | None = None, repeats: int = 1, remat: str = 'none'):
+  """(trainer, params after 2 steps on the task's synthetic batches, initial params), built once per case."""
+  key = (family, json.dumps(mesh, sort_keys=True), repeats, remat)
+  if key not in _TRAINED:
+    trainer = build_trainer(config(family, mesh, repeats=repeats, remat=remat), None if mesh else jax.devices()[:1])
+    start, state = train_on_random_batches(trainer, 2)
+    _TRAINED[key] = trainer, jax.device_get(state.params), start.params
+  return _TRAINED[key]
+
+
+# stage = 2 and 4, GPipe and circular, alone (the rest of the devices data parallel) and with fsdp or tensor; one
+# with remat per stage iteration (the 1-device reference keeps everything).
+CASES = [
+  ('gpt2', dict(stage=2, fsdp=4), 1, 'none'),
+  ('gpt2', dict(stage=4, data=2), 1, 'none'),
+  ('gpt2', dict(stage=2, tensor=4), 2, 'none'),
+  ('llama', dict(stage=4, fsdp=2), 1, 'full'),
+  ('llama', dict(stage=2, data=2, tensor=2), 2, 'none'),
+]
+
+
+@pytest.mark.parametrize('family,mesh,repeats,remat', CASES, ids=lambda v: str(v).replace(' ', ''))
+def test_pipeline_trains_as_one_device(family, mesh, repeats, remat):
+  trainer, params, start = trained(family, mesh, repeats, remat)
+  assert trainer.pipeline == pipeline.Schedule(mesh['stage'], 4, repeats)
+  _, params_1, _ = trained(family)
+  kernel = lambda p: p['blocks']['layers']['mlp']['up']['layer']['kernel']
+  assert np.abs(kernel(params) - kernel(start)).min() > 0  # every layer's weights moved
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, params_1)
+  # each device holds its stage's 1/S of the stack
+  kernel = trainer.specs.params['blocks']['layers']['mlp']['up']['layer']['kernel']
+  assert kernel[0] == 'stage'
+  if remat != 'none':  # the stage iteration is rematerialised: a remat around the stage's scan over its layers
+    jaxpr = training.trace(trainer, training.jit_train_step(trainer)).jaxpr.jaxpr
+    remats = [e for e in all_eqns(jaxpr) if e.primitive.name.startswith('remat')]
+    assert any(s.primitive.name == 'scan' for e in remats for s in all_eqns(e.params['jaxpr']))
+
+
+def test_only_collective_permutes_cross_stage_inside_the_pipeline():
+  """In the loops of the compiled step (the pipeline's iterations and their layers, forward and backward), the
+  only collectives whose groups differ along 'stage' are collective-permutes; the circular schedule re-lays the
+  weights (an all-to-all over 'stage') once per step, outside them."""
+  trainer, _, _ = trained('gpt2', dict(stage=2, tensor=4), 2)
+  text = training.compile_step(trainer, training.jit_train_step(trainer)).as_text()
+  mesh_shape = dict(trainer.mesh.shape)
+  crossing = [c for c in hlo.collectives(text, 8) if 'stage' in hlo.mesh_axes(c.groups, mesh_shape)]
+  in_loops = {c.op for c in crossing if c.times > 1}
+  assert in_loops == {'collective-permute'}, in_loops
+  iterations = trainer.pipeline.iterations
+  permutes = [c for c in crossing if c.op == 'collective-permute' and c.times > 1]
+  assert {c.times for c in permutes} == {iterations}  # one rotation per iteration, forward and backward
+  assert len(permutes) >= 2
+  # the bubble printed with the audit
+  line = partitioning.audit(training.compile_step(trainer, training.jit_train_step(trainer)), None, trainer.pipeline)
+  assert 'pipeline: 2 stages x 4 micro-batches (circular, 2 repeats), 9 iterations, bubble 11.1%' in line
+
+
+class _Iter:  # a data iterator's state for the checkpoint (test_checkpoint has the same stand-in)
+  pos = 0
+
+  def get_state(self):
+    return b'{}'
+
+  def set_state(self, state):
+    pass
+
+  def start_prefetch(self):
+    pass
+
+
+@pytest.mark.parametrize('saved_under,restored_under', [('pp', 'fsdp'), ('fsdp', 'pp')])
+def test_checkpoint_moves_between_pipeline_and_fsdp(tmp_path, saved_under, restored_under):
+  def trainer(under):
+    c = config('gpt2', dict(stage=4, fsdp=2))
+    if under == 'fsdp':  # the fsdp preset: no 'stage' axis, layers replicated
+      c.mesh, c.logical_axis_rules = dict(data=1, fsdp=8, tensor=1), list(gpt2.RULES['fsdp'])
+    return build_trainer(c)
+
+  saver = trainer(saved_under)
+  state = training.init_state(saver)
+  with checkpoint.Checkpointer(str(tmp_path), every_steps=1, keep=1) as ckpt:
+    ckpt.save(1, state, _Iter())
+    ckpt.wait()
+  expected = jax.device_get(state)
+  restorer = trainer(restored_under)
+  with checkpoint.Checkpointer(str(tmp_path), every_steps=1, keep=1) as ckpt:
+    restored = ckpt.restore(restorer, _Iter())
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), expected)
+  kernel = restored.params['blocks']['layers']['mlp']['up']['layer']['kernel']
+  assert kernel.sharding.spec == restorer.specs.params['blocks']['layers']['mlp']['up']['layer']['kernel']
+  assert (kernel.sharding.spec[0] == 'stage') == (restored_under == 'pp')
+
+
+@pytest.mark.parametrize(
+  'change,message',
+  [
+    (dict(num_layers=6), 'config.model.num_layers=6 is not divisible by stage=4 x config.pipeline.repeats=1 = 4'),
+    (dict(repeats=2), 'config.model.num_layers=4 is not divisible by stage=4 x config.pipeline.repeats=2 = 8'),
+    (dict(microbatches=2), 'config.pipeline.microbatches=2 is fewer than the 4 pipeline stages'),
+    (dict(microbatches=6), 'config.batch_size=16 is not divisible by config.pipeline.microbatches=6'),
+    (dict(scan_layers=False), "the rule ('layers', 'stage') pipelines a scanned layer stack over stage=4"),
+  ],
+)
+def test_bad_pipeline_numbers_fail_before_building(change, message):
+  c = config('gpt2', dict(stage=4, fsdp=2))
+  for k, v in change.items():
+    (c.pipeline if k in ('microbatches', 'repeats') else c.model)[k] = v
+  with pytest.raises(ConfigError, match=message.replace('(', r'\(').replace(')', r'\)')):
+    build_trainer(c)
+
+
+def test_plan_search_scores_micro_batch_counts_with_the_bubble():
+  """Pipelined plans are searched once per micro-batch count; the compiled step runs every stage in every
+  iteration, so fewer micro-batches (a larger bubble) cost more FLOPs per device and more predicted compute."""
+  c = config('llama')
+  c.model.num_layers = 2  # one proxy per plan: 2 stages of one layer
+  mesh = (('stage', 2), ('data', 1), ('fsdp', 4), ('tensor', 1))
+  rules = {'pp': tuple(tuple(r) for r in c.logical_axis_rules)}
+  generated = {
+    (cand.stages, cand.microbatches)
+    for cand in candidates.generate(8, ['stage', 'data', 'fsdp', 'tensor'], rules, [None], 1, 16)
+  }
+  # S, 2 S and 4 S micro-batches where they divide the 16 rows; 0 where stage=1 (nothing to pipeline)
+  assert generated == {(1, 0), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16)}
+  search = search_lib.Search(c, models.create, flops.chip('cpu'), 8)
+  plans = [candidates.Candidate(mesh, 'pp', rules['pp'], None, m) for m in (2, 4)]  # 8: 2 rows over fsdp=4
+  result = search.run(plans)
+  assert result.compiled == 2 and not result.pruned
+  by_micro = {s.candidate.microbatches: s for s in result.ranked}
+  assert by_micro[2].profile.bubble == pytest.approx(1 / 3) and by_micro[4].profile.bubble == pytest.approx(1 / 5)
+  # FLOPs per device ~ (M + S - 1) / M of the work; the predicted time weighs them against the collectives (under
+  # FSDP each iteration gathers its stage's weights again, so more micro-batches are not always faster)
+  assert by_micro[4].profile.flops < by_micro[2].profile.flops
+  assert by_micro[4].prediction.compute_s < by_micro[2].prediction.compute_s
