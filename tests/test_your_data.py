@@ -149,6 +149,15 @@ def test_every_source_reads_the_same_rows(tmp_path, tok_dir):
     for a, b in zip(got['json'], got[name]):
       for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=f'{name} {k}')
+  # A dataset repository laid out as on the hub (train/test files), by its directory, and a hub id that is not
+  # in the Hugging Face cache (offline): one line.
+  (tmp_path / 'repo').mkdir()
+  write_jsonl(tmp_path / 'repo' / 'train.jsonl', rows)
+  write_jsonl(tmp_path / 'repo' / 'test.jsonl', rows[:5])
+  repo = make(name='hf', path=str(tmp_path / 'repo'), train_files='train', eval_files='test', **common)
+  assert len(data.build(repo).eval) == 5
+  with pytest.raises(ConfigError, match=r"config.dataset.path='nobody/no_such_dataset' .*not loadable"):
+    data.build(make(name='hf', path='nobody/no_such_dataset', train_files='train', eval_files='test', **common))
   # Plain text files: one document per line (or per file), language modelling on every token.
   (tmp_path / 't1.txt').write_text('hello there\nsecond line\n')
   (tmp_path / 't2.txt').write_text('third\n')
