@@ -23,7 +23,12 @@ ConcatThenSplit packer (documents are concatenated into rows of `seq_len`, a doc
 fit continues in the next row of the same stream). So the packing depends on the seed and the
 global batch size only, never on the number of processes, and a process packs only the documents
 of its own rows. (Packing one global stream and slicing rows would make every process read every
-document; packing per process would make the batches depend on the process count.)
+document; packing per process would make the batches depend on the process count.) Documents with a loss
+mask (prompt/completion pairs, chats) are packed whole instead: one that does not fit the rest of a row
+starts the next (grain's first-fit packer with one bin), so an answer never loses its prompt.
+
+Mixtures: several sources, each shuffled and repeated on its own, interleaved by weight (grain's
+MapDataset.mix); the result is one random-access stream, so all of the above holds for it unchanged.
 """
 
 from __future__ import annotations
