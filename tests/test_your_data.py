@@ -2,6 +2,7 @@
 prompt/completion and chat SFT with the loss on the answers only; chat rendering against transformers; packed
 against unpacked loss; a tiny model learning completions end to end; exact resumption; mixtures; bad input."""
 
+import dataclasses
 import gzip
 import json
 import logging
@@ -13,12 +14,15 @@ import numpy as np
 import pytest
 
 import data
+import models
+import partitioning
 import train
 import training
+from configs import llama, llama_sft
 from data import pipeline, text
 from errors import ConfigError
 from tests import conftest
-from training import tasks
+from training import export, tasks
 
 datasets = pytest.importorskip('datasets')
 tokenizers = pytest.importorskip('tokenizers')
@@ -242,8 +246,6 @@ def test_packed_rows_give_the_loss_of_one_document_per_row(tmp_path, tok_dir, fa
   for pack in (True, False):
     cfg = sft_config(tmp_path, tok_dir, pack)
     if family == 'llama':
-      from configs import llama  # noqa: PLC0415
-
       cfg.model = llama.get_config('tiny').model
       cfg.model.update(vocab_size=VOCAB, max_len=16, scan_layers=False)
       cfg.logical_axis_rules = llama.get_config('fsdp_tp,tiny').logical_axis_rules
@@ -296,6 +298,29 @@ def test_the_data_position_resumes_exactly_with_another_process_count(tmp_path, 
         np.testing.assert_array_equal(got[k], e[k], err_msg=f'pack={pack} {k}')
     for it in (whole, resumed, *halves):
       it.close()
+
+
+def test_each_process_reads_only_its_rows(tmp_path, tok_dir):
+  path = write_jsonl(tmp_path / 'p.jsonl', pairs(200))
+  cfg = make(name='json', train_files=path, eval_files=path, prompt_key='prompt', completion_key='completion')
+  cfg.dataset.update(seq_len=16, tokenizer=tok_dir, pack=True)
+  ds = data.build(cfg)
+  read = []
+  for rows in (slice(0, 4), slice(4, 8)):
+    source = ds.train
+    seen = set()
+
+    class Recorder:  # the rows' indices this process reads
+      def __len__(self):
+        return len(source)
+
+      def __getitem__(self, i):
+        seen.add(int(i))
+        return source[i]
+
+    take(dataclasses.replace(ds, train=Recorder(), prefetch=1), 5, rows=rows)
+    read.append(seen)
+  assert read[0] and read[1] and not read[0] & read[1]
 
 
 def test_a_mixture_draws_by_weight_deterministically_and_resumes(tmp_path, tok_dir):
@@ -379,3 +404,47 @@ def test_rows_longer_than_seq_len_are_truncated_and_counted_in_the_log(tmp_path,
     assert b['inputs'].shape == (4, 16)
     logged = [r.getMessage() for r in caplog.records if 'truncated' in r.getMessage()]
     assert logged and re.search(r'long.jsonl line \d+ has 45 tokens, truncated to 17', logged[0]), logged
+
+
+# --- configs/llama_sft.py: a model directory and chat JSONL -> train.py -> an export transformers loads -----
+
+
+def test_llama_sft_from_a_model_directory_to_an_export_transformers_loads(tmp_path):
+  """The walk-through of docs/your_data.md on a tiny Llama saved by transformers, with the chat tokenizer in its
+  directory: the config's real branch (init_from's config.json and tokenizer, chats, LoRA by the word 'lora')
+  trains, and export writes a directory transformers loads, adapters merged and the chat template kept."""
+  hf_dir = tmp_path / 'llama'
+  hf_cfg = transformers.LlamaConfig(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+  )
+  original = transformers.LlamaForCausalLM(hf_cfg)
+  original.save_pretrained(hf_dir)
+  save_tokenizer(hf_dir)
+  path = write_jsonl(tmp_path / 'chats.jsonl', chats(40))
+  cfg = llama_sft.get_config('dp,lora')
+  cfg.init_from = str(hf_dir)  # the tokenizer follows (a field reference)
+  cfg.dataset.update(train_files=path, eval_files=path, seq_len=32)
+  cfg.model.update(dtype='float32', max_len=32)
+  cfg.update(batch_size=8, total_steps=2, checkpoint_every=2, eval_every=2, log_every=1)
+  workdir = str(tmp_path / 'run')
+  result = train.train_and_evaluate(cfg, workdir)
+  assert result['eval']['weight'] > 0 and np.isfinite(result['eval']['loss'])
+  run = export.load_run_config(workdir)
+  trainer = training.build(
+    run, partitioning.make_mesh(run.mesh), lambda rngs: models.create(run.model, rngs, run.get('lora'))
+  )
+  out = str(tmp_path / 'hf_out')
+  export.export_hf(trainer, f'{workdir}/checkpoints', out, models.HF_FAMILIES)
+  model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+  assert not (info['missing_keys'] or info['unexpected_keys'] or info['mismatched_keys']), info
+  assert transformers.AutoTokenizer.from_pretrained(out).chat_template == TEMPLATE
+  q = lambda m: m.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+  assert not np.allclose(q(model), q(original))  # the adapters, trained, are merged in
