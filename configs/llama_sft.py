@@ -10,7 +10,7 @@ The chats are rendered by the tokenizer's own chat template (init_from's, token 
 apply_chat_template) and only the assistant turns are trained on; chats without an assistant turn are left out
 and counted (--config.dataset.no_assistant=error refuses them). Whole chats are packed into rows of 2048 tokens
 (segment ids: no attention across chats, positions restart); a longer chat is truncated, and counted in the log.
-Prompt/completion files instead: --config.dataset.messages_key=None --config.dataset.prompt_key=prompt
+Prompt/completion files instead: --config.dataset.messages_key= --config.dataset.prompt_key=prompt
 --config.dataset.completion_key=completion. docs/your_data.md walks from a hub id and a JSONL file to a
 fine-tuned model, generate.py and an export that transformers loads.
 
@@ -23,7 +23,7 @@ Markov language, as configs/llama.py:tiny).
 
 import ml_collections
 
-from configs import llama
+from configs import common, llama
 from configs.llama import SIZES  # noqa: F401  (the sizes of this config)
 from configs.llama_lora import RULES  # the presets: llama's, with the ('lora_rank', None) rule
 
@@ -47,6 +47,9 @@ def get_config(arg: str | None = None):
       train_files='chats/train*.jsonl',
       eval_files='chats/eval.jsonl',
       messages_key='messages',
+      prompt_key=common.placeholder(str),  # prompt/completion files: set both, and messages_key= (empty)
+      completion_key=common.placeholder(str),
+      mixture=common.placeholder(tuple),  # ((glob, weight), ...) instead of train_files
       no_assistant='skip',
       tokenizer=c.get_ref('init_from'),  # follows --config.init_from
       seq_len=c.model.max_len,  # 2048 (cp: 32768)

@@ -12,13 +12,15 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
+from absl import flags
+from ml_collections import config_flags
 
 import data
 import models
 import partitioning
 import train
 import training
-from configs import llama, llama_sft
+from configs import llama, llama_sft, schema
 from data import pipeline, text
 from errors import ConfigError
 from tests import conftest
@@ -448,3 +450,30 @@ def test_llama_sft_from_a_model_directory_to_an_export_transformers_loads(tmp_pa
   assert transformers.AutoTokenizer.from_pretrained(out).chat_template == TEMPLATE
   q = lambda m: m.model.layers[0].self_attn.q_proj.weight.detach().numpy()
   assert not np.allclose(q(model), q(original))  # the adapters, trained, are merged in
+
+
+def test_the_documented_command_line_overrides_make_a_prompt_completion_mixture(tmp_path, tok_dir):
+  """docs/your_data.md's flags on configs/llama_sft.py: prompt/completion files instead of chats, a mixture
+  instead of train_files; they parse, pass the schema and build the dataset."""
+  write_jsonl(tmp_path / 'a1.jsonl', pairs(30))
+  write_jsonl(tmp_path / 'b.jsonl', pairs(10, seed=2))
+  argv = [
+    'train.py',
+    f'--config={conftest.ROOT}/configs/llama_sft.py',
+    f'--config.init_from={tok_dir}',
+    '--config.dataset.messages_key=',
+    '--config.dataset.prompt_key=prompt',
+    '--config.dataset.completion_key=completion',
+    '--config.dataset.train_files=',
+    f"--config.dataset.mixture=(('{tmp_path}/a*.jsonl', 3.0), ('{tmp_path}/b.jsonl', 1))",
+    f'--config.dataset.eval_files={tmp_path}/b.jsonl',
+    '--config.dataset.seq_len=32',
+  ]
+  fv = flags.FlagValues()  # a fresh flag set reading these arguments, as app.run does
+  config_flags.DEFINE_config_file('config', None, '', flag_values=fv, lock_config=True, sys_argv=argv)
+  schema.parse_flags(argv, fv)
+  cfg = fv.config
+  schema.check(cfg)
+  ds = data.build(cfg)
+  assert ds.tokenizer.name == tok_dir and isinstance(ds.train, pipeline.Mixture) and len(ds.train) == 40
+  assert 'prompt/completion pairs' in ds.description
