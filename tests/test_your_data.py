@@ -7,6 +7,8 @@ import gzip
 import json
 import logging
 import re
+import subprocess
+import sys
 
 import jax
 import ml_collections
@@ -323,6 +325,59 @@ def test_each_process_reads_only_its_rows(tmp_path, tok_dir):
     take(dataclasses.replace(ds, train=Recorder(), prefetch=1), 5, rows=rows)
     read.append(seen)
   assert read[0] and read[1] and not read[0] & read[1]
+
+
+# Two real processes build the Arrow cache of one file at once (one shared cache_dir) and each reads its rows.
+CHAT_BATCHES = r"""
+import jax, ml_collections
+import data, partitioning
+
+def global_batches():
+  cfg = ml_collections.ConfigDict(dict(task='lm', dataset=dict(name='json', train_files=PATH, eval_files=PATH,
+      messages_key='messages', tokenizer=TOKENIZER, seq_len=24, pack=True, cache_dir=CACHE)))
+  ds = data.build(cfg)
+  s = jax.sharding.NamedSharding(partitioning.make_mesh({'data': 8}), jax.P('data'))
+  rows = data.local_rows(s, (8, 24))
+  shardings = {k: s for k in ds.example_spec()}
+  it = iter(ds.train_dataset(8, rows, 0))
+  train = [data.to_global(next(it), shardings, 8) for _ in range(3)]
+  it.close()
+  return train, [data.to_global(b, shardings, 8) for b in ds.eval_batches(8, rows)]
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_share_the_cache_and_assemble_the_batches_of_one(tmp_path, tok_dir):
+  from tests.test_data_multiprocess import WORKER  # noqa: PLC0415
+  from tests.test_multiprocess import _free_port  # noqa: PLC0415
+
+  path = write_jsonl(tmp_path / 'c.jsonl', chats(60))
+  code = f'PATH, TOKENIZER, CACHE = {path!r}, {tok_dir!r}, {str(tmp_path / "cache")!r}\n' + CHAT_BATCHES
+  port = _free_port()
+  env = {**conftest.subprocess_env(), 'PYTHONPATH': conftest.ROOT, 'HF_HUB_OFFLINE': '1'}
+  procs = [
+    subprocess.Popen(
+      [sys.executable, '-c', WORKER, f'127.0.0.1:{port}', str(i), code],
+      cwd=conftest.ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outs = [p.communicate(timeout=300) for p in procs]
+  for p, (_, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  results = [json.loads(next(line for line in o.splitlines() if line.startswith('RESULT '))[7:]) for o, _ in outs]
+  assert results[0] == results[1]
+  namespace = {}
+  exec(code, namespace)
+  train, evals = namespace['global_batches']()  # this process: 8 devices
+  for got, want in zip(results[0]['train'], train):
+    for k in want:
+      np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+  assert results[0]['eval_sums'] == [float(np.asarray(b['mask']).sum()) for b in evals]
 
 
 def test_a_mixture_draws_by_weight_deterministically_and_resumes(tmp_path, tok_dir):
