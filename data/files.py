@@ -59,11 +59,16 @@ class Rows:
   the file and line of row i for errors."""
 
   def __init__(self, tables: Sequence[Any], names: Sequence[str], columns: Sequence[str], unit: str = 'line'):
-    ds = _datasets()
     self.files, self.unit = list(names), unit
     self.starts = np.cumsum([0] + [len(t) for t in tables])
-    whole = tables[0] if len(tables) == 1 else ds.concatenate_datasets(list(tables))
-    self.data = whole.select_columns(list(columns))
+    tables = [t.select_columns(list(columns)) for t in tables]  # other columns may differ between files
+    for t, name in zip(tables[1:], names[1:]):
+      if t.features != tables[0].features:
+        raise ConfigError(
+          f'{name} holds {dict(t.features)}, but {names[0]} holds {dict(tables[0].features)}: the files of one '
+          'source must have the same types in the columns read'
+        )
+    self.data = tables[0] if len(tables) == 1 else _datasets().concatenate_datasets(tables)
     self.keep: np.ndarray | None = None
 
   def __len__(self) -> int:

@@ -411,6 +411,7 @@ def test_bad_input_is_one_line_naming_the_file_and_line(tmp_path, tok_dir):
   del rows[4]['completion']
   missing = write_jsonl(tmp_path / 'missing.jsonl', rows)
   (tmp_path / 'empty.jsonl').write_text('')
+  numbers = write_jsonl(tmp_path / 'numbers.jsonl', [{'prompt': 'a', 'completion': 7, 'id': 'x'}])
   (tmp_path / 'broken.jsonl').write_text('{"prompt": "a", "completion": "b"}\n{"prompt": \n')
   base = dict(name='json', prompt_key='prompt', completion_key='completion', seq_len=16, tokenizer=tok_dir)
   cases = [
@@ -418,6 +419,7 @@ def test_bad_input_is_one_line_naming_the_file_and_line(tmp_path, tok_dir):
     (dict(train_files=str(tmp_path / 'empty.jsonl'), eval_files=good), r'empty.jsonl is empty'),
     (dict(train_files=str(tmp_path / 'nothing*.jsonl'), eval_files=good), r"'.*nothing\*.jsonl' matches no file"),
     (dict(train_files=str(tmp_path / 'broken.jsonl'), eval_files=good), r'broken.jsonl cannot be read as json: .*row'),
+    (dict(train_files=f'{good},{numbers}', eval_files=good), r"numbers.jsonl holds .*'completion': Value\('int64'\)"),
     (dict(train_files=good), r'needs config.dataset.eval_files'),
     (dict(train_files=good, eval_files=good, completion_key=None), r'prompt/completion pairs need both'),
     (dict(train_files=good, eval_files=good, prompt_key='question'), r"good.jsonl has no column 'question'"),
