@@ -261,6 +261,7 @@ def test_packed_rows_give_the_loss_of_one_document_per_row(tmp_path, tok_dir, fa
   assert packed['correct_sum'] == unpacked['correct_sum']
 
 
+@pytest.mark.slow
 def test_a_tiny_model_learns_the_completions_end_to_end(tmp_path, tok_dir):
   """train.py on prompt/completion JSONL: eval accuracy on the completions (reversed prompts) reaches ~1."""
   cfg = sft_config(tmp_path, tok_dir, pack=True)
@@ -271,6 +272,25 @@ def test_a_tiny_model_learns_the_completions_end_to_end(tmp_path, tok_dir):
 
 
 # --- Exact resumption, any number of processes; mixtures ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_train_py_resumes_an_sft_run_bitwise(tmp_path, tok_dir):
+  """6 steps in one run, and 3 + 3 steps in two (the second resumes model, optimizer and data position from the
+  checkpoint): the same weights, bit for bit. A constant learning rate after warmup (min_lr_ratio=1), so the
+  schedule does not depend on total_steps."""
+
+  def run(workdir, steps):
+    cfg = sft_config(tmp_path, tok_dir, pack=True)
+    cfg.update(total_steps=steps, checkpoint_every=3, eval_every=6, log_every=3)
+    cfg.optim.update(warmup_steps=1, min_lr_ratio=1.0)
+    return train.train_and_evaluate(cfg, str(tmp_path / workdir))['state']
+
+  full = run('full', 6)
+  run('split', 3)
+  resumed = run('split', 6)
+  assert int(resumed.step) == 6
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.params), jax.device_get(full.params))
 
 
 def test_the_data_position_resumes_exactly_with_another_process_count(tmp_path, tok_dir):
@@ -468,6 +488,7 @@ def test_rows_longer_than_seq_len_are_truncated_and_counted_in_the_log(tmp_path,
 # --- configs/llama_sft.py: a model directory and chat JSONL -> train.py -> an export transformers loads -----
 
 
+@pytest.mark.slow
 def test_llama_sft_from_a_model_directory_to_an_export_transformers_loads(tmp_path):
   """The walk-through of docs/your_data.md on a tiny Llama saved by transformers, with the chat tokenizer in its
   directory: the config's real branch (init_from's config.json and tokenizer, chats, LoRA by the word 'lora')
