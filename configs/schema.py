@@ -34,8 +34,8 @@ RULE = '(logical name, mesh axis | tuple of mesh axes | None) pair'  # one of co
 
 @dataclasses.dataclass(frozen=True)
 class Field:
-  """A field's type (int, float, bool, str, 'regex', 'ints', 'mesh', 'dcn', 'rules', 'rope', 'remat', 'info') and
-  range."""
+  """A field's type (int, float, bool, str, 'regex', 'ints', 'mesh', 'dcn', 'rules', 'rope', 'remat', 'info',
+  'mixture') and range."""
 
   kind: Any
   lo: float = -INF
@@ -67,6 +67,7 @@ class Field:
         'rope': "None or Llama 3 scaling: (name, value) pairs of rope_type='llama3', factor, low_freq_factor, "
         'high_freq_factor, original_max_position_embeddings',
         'info': 'a string',
+        'mixture': 'a non-empty list of (file glob, weight > 0) pairs',
       }[self.kind]
     return text + (' (or None)' if self.optional else '')
 
@@ -121,6 +122,20 @@ class Field:
       )
     if kind == 'rules':
       return not isinstance(value, (tuple, list)) or any(_rule_problem(r) for r in value)
+    if kind == 'mixture':
+      return (
+        not isinstance(value, (tuple, list))
+        or not value
+        or any(
+          not isinstance(p, (tuple, list))
+          or len(p) != 2
+          or not isinstance(p[0], str)
+          or isinstance(p[1], bool)
+          or not isinstance(p[1], (int, float))
+          or not (math.isfinite(p[1]) and p[1] > 0)
+          for p in value
+        )
+      )
     if kind == 'rope':
       from models import layers
 
@@ -146,6 +161,7 @@ class Field:
       'dcn': {'data': -1},
       'rules': [('batch',)],
       'rope': dict(rope_type='yarn'),
+      'mixture': [('a.jsonl', 0)],
     }[self.kind]
     out = [wrong_type]
     if self.choices is not None:
@@ -317,6 +333,17 @@ FIELDS: dict[str, Field] = {
   'dataset.num_threads': POSITIVE,
   'dataset.prefetch': COUNT,
   'dataset.augment': Field(str, choices=_owned('data.vision', 'AUGMENTATIONS')),
+  # your own files (data/files.py): 'json', 'parquet', 'text', 'hf'
+  'dataset.train_files': Field(str),  # globs, comma-separated ('hf': a split name)
+  'dataset.eval_files': Field(str),
+  'dataset.mixture': Field('mixture', optional=True),  # (glob, weight) pairs instead of train_files
+  'dataset.path': Field(str),  # 'hf': a hub id or a save_to_disk directory
+  'dataset.cache_dir': Field(str, optional=True),  # the Arrow cache (None: Hugging Face's)
+  'dataset.sample_by': Field(str, choices=_owned('data.files', 'SAMPLE_BY')),  # 'text' files' rows
+  'dataset.prompt_key': Field(str, optional=True),
+  'dataset.completion_key': Field(str, optional=True),
+  'dataset.messages_key': Field(str, optional=True),
+  'dataset.no_assistant': Field(str, choices=_owned('data.files', 'NO_ASSISTANT')),
 }
 OPAQUE = (
   'mesh',

@@ -1,5 +1,6 @@
 """Datasets and input pipelines: per-process slices of deterministic global batches (grain on
-random-access sources: `tfds.data_source` or arrays in memory). docs/data.md lists the
+random-access sources: `tfds.data_source`, your own files through memory-mapped Arrow caches, or arrays in
+memory). docs/data.md and docs/your_data.md list the
 datasets, the config.dataset fields and the batch of each task.
 
   ds = data.build(config)                 # config.dataset for config.task (registry.py)
@@ -10,7 +11,8 @@ datasets, the config.dataset fields and the batch of each task.
 
 Modules: registry (the datasets and build), dataset (Dataset), pipeline (grain: shuffling, per-process
 rows, packing, global arrays), markov (offline Markov languages), text (tokenizers, text transforms),
-vision (image transforms, offline images), tfds_source (opening prepared TFDS datasets, offline).
+vision (image transforms, offline images), tfds_source (opening prepared TFDS datasets, offline), files
+(JSON Lines, parquet, text and Hugging Face datasets; docs/your_data.md).
 The batch fields, their logical axes, shapes and dtypes belong to the tasks (training/tasks.py).
 """
 

@@ -28,6 +28,7 @@ class Dataset:
   transform: pipeline.Transform  # per example (for packed text: example -> one tokenized document)
   eval_transform: pipeline.Transform | None = None  # default: transform
   pack_len: int | None = None  # packed text: rows of this many tokens
+  pack_whole: bool = False  # packed documents with a loss mask: never split across rows (pipeline._packed_rows)
   num_threads: int = 1
   prefetch: int = 4
   description: str = ''
@@ -40,7 +41,14 @@ class Dataset:
     """This process's `rows` of every global batch, forever; `iter()` of it has get_state/set_state."""
     if self.pack_len:
       return pipeline.packed_train_dataset(
-        self.train, global_batch, rows, seed, self.transform, self.pack_len, prefetch=self.prefetch
+        self.train,
+        global_batch,
+        rows,
+        seed,
+        self.transform,
+        self.pack_len,
+        prefetch=self.prefetch,
+        whole=self.pack_whole,
       )
     return pipeline.train_dataset(
       self.train, global_batch, rows, seed, self.transform, num_threads=self.num_threads, prefetch=self.prefetch
@@ -54,15 +62,22 @@ class Dataset:
     """This process's rows of the whole eval split; padding rows have mask 0."""
     t = self.eval_transform or self.transform
     if self.pack_len:
-      return pipeline.packed_eval_batches(self.eval, global_batch, rows, t, self.pack_len)
+      return pipeline.packed_eval_batches(self.eval, global_batch, rows, t, self.pack_len, whole=self.pack_whole)
     return pipeline.eval_batches(self.eval, global_batch, rows, t, num_threads=self.num_threads, prefetch=self.prefetch)
 
   def example_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Field -> (shape, dtype) of one example as the pipelines make it, measured on the first train and
     eval examples (their transforms must agree)."""
-    train = pipeline.example_spec(self.train, self.transform, self.pack_len, what=f'the train split of {self.name!r}')
+    whole = self.pack_whole
+    train = pipeline.example_spec(
+      self.train, self.transform, self.pack_len, what=f'the train split of {self.name!r}', whole=whole
+    )
     eval_ = pipeline.example_spec(
-      self.eval, self.eval_transform or self.transform, self.pack_len, what=f'the eval split of {self.name!r}'
+      self.eval,
+      self.eval_transform or self.transform,
+      self.pack_len,
+      what=f'the eval split of {self.name!r}',
+      whole=whole,
     )
     if train != eval_:
       raise ConfigError(f'dataset {self.name!r} makes train examples {train} but eval examples {eval_}')

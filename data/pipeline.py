@@ -23,7 +23,12 @@ ConcatThenSplit packer (documents are concatenated into rows of `seq_len`, a doc
 fit continues in the next row of the same stream). So the packing depends on the seed and the
 global batch size only, never on the number of processes, and a process packs only the documents
 of its own rows. (Packing one global stream and slicing rows would make every process read every
-document; packing per process would make the batches depend on the process count.)
+document; packing per process would make the batches depend on the process count.) Documents with a loss
+mask (prompt/completion pairs, chats) are packed whole instead: one that does not fit the rest of a row
+starts the next (grain's first-fit packer with one bin), so an answer never loses its prompt.
+
+Mixtures: several sources, each shuffled and repeated on its own, interleaved by weight (grain's
+MapDataset.mix); the result is one random-access stream, so all of the above holds for it unchanged.
 """
 
 from __future__ import annotations
@@ -80,6 +85,32 @@ def _check_rows(rows: slice, global_batch: int) -> int:
   return local
 
 
+class Mixture:
+  """Several training sources drawn from in proportion to `weights`, each shuffled (reshuffled every epoch) and
+  repeated on its own, then interleaved by grain's MapDataset.mix: still a random-access stream, so per-process
+  rows and data positions work as for one source. Indexing it directly (example_spec) reads the sources one after
+  another."""
+
+  def __init__(self, sources: Sequence[Any], weights: Sequence[float]):
+    self.sources, self.weights = list(sources), [float(w) for w in weights]
+    self._starts = np.cumsum([0] + [len(s) for s in self.sources])
+
+  def __len__(self) -> int:
+    return int(self._starts[-1])
+
+  def __getitem__(self, i: int) -> Any:
+    k = int(np.searchsorted(self._starts, int(i), side='right')) - 1
+    return self.sources[k][int(i) - int(self._starts[k])]
+
+
+def _stream(source: Any, seed: int) -> grain.MapDataset:
+  """The endless training stream of `source`: shuffled, reshuffled every epoch (a Mixture: per source)."""
+  if isinstance(source, Mixture):
+    parts = [grain.MapDataset.source(s).shuffle(seed=seed + k).repeat() for k, s in enumerate(source.sources)]
+    return grain.MapDataset.mix(parts, source.weights)
+  return grain.MapDataset.source(source).shuffle(seed=seed).repeat()
+
+
 def _apply(ds: grain.MapDataset, transform: Transform, seed: int) -> grain.MapDataset:
   if isinstance(transform, grain.transforms.RandomMap):
     return ds.random_map(transform, seed=seed)
@@ -127,7 +158,7 @@ def train_dataset(
   local = _check_rows(rows, global_batch)
   if len(source) < global_batch:
     raise ConfigError(f'the training split has {len(source)} examples, fewer than one global batch ({global_batch})')
-  ds = _apply(grain.MapDataset.source(source).shuffle(seed=seed).repeat(), transform, seed)
+  ds = _apply(_stream(source, seed), transform, seed)
   ds = ds.batch(local, drop_remainder=True, batch_fn=_stack)[rows.start // local :: global_batch // local]
   return ds.to_iter_dataset(_read_options(num_threads, prefetch))
 
@@ -181,11 +212,20 @@ class _JsonSafeStateIterator(grain.DatasetIterator):
     self._parent.set_state({**state, 'remainder_slices': slices})
 
 
-def _packed_rows(docs: grain.MapDataset, global_batch: int, rows: slice, seq_len: int) -> list[grain.IterDataset]:
-  """One packer per row of this process: row r packs documents r, r+B, r+2B, ... of `docs`."""
+def _packed_rows(
+  docs: grain.MapDataset, global_batch: int, rows: slice, seq_len: int, whole: bool = False
+) -> list[grain.IterDataset]:
+  """One packer per row of this process: row r packs documents r, r+B, r+2B, ... of `docs`.
+
+  `whole` (documents with a loss mask, at most seq_len targets each): a document that does not fit the rest of
+  a row starts the next row instead of being split (grain's first-fit packing with one bin: rows in stream
+  order), so an answer is never trained on without its prompt."""
 
   def stream(r: int) -> grain.IterDataset:
     ds = docs[r::global_batch].to_iter_dataset(_read_options(0, 0))
+    if whole:
+      length = {'inputs': seq_len, 'targets': seq_len, 'mask': seq_len}
+      return grain_exp.FirstFitPackIterDataset(ds, length_struct=length, num_packing_bins=1, shuffle_bins=False)
     return _JsonSafeState(
       grain_exp.ConcatThenSplitIterDataset(ds, length_struct={'inputs': seq_len, 'targets': seq_len})
     )
@@ -194,27 +234,38 @@ def _packed_rows(docs: grain.MapDataset, global_batch: int, rows: slice, seq_len
 
 
 def _stack_packed(rows: tuple[Mapping[str, np.ndarray] | None, ...], seq_len: int) -> dict[str, np.ndarray]:
-  """Local batch from packed rows (None = padding row): mask 1 on every packed target."""
+  """Local batch from packed rows (None = padding row): mask 1 on every packed target, or the documents' own
+  loss mask where they carry one; 0 on padding."""
   pad = np.zeros(seq_len, np.int32)
   get = lambda r, k: pad if r is None else r[k]
   seg = np.stack([get(r, 'inputs_segment_ids') for r in rows]).astype(np.int32)
+  loss = np.stack([(r or {}).get('mask', np.ones(seq_len)) for r in rows])
   return {
     'inputs': np.stack([get(r, 'inputs') for r in rows]).astype(np.int32),
     'targets': np.stack([get(r, 'targets') for r in rows]).astype(np.int32),
-    'mask': (seg > 0).astype(np.float32),
+    'mask': ((seg > 0) * loss).astype(np.float32),
     'segment_ids': seg,
     'positions': np.stack([get(r, 'inputs_positions') for r in rows]).astype(np.int32),
   }
 
 
 def packed_train_dataset(
-  source: Any, global_batch: int, rows: slice, seed: int, tokenize: Transform, seq_len: int, *, prefetch: int = 4
+  source: Any,
+  global_batch: int,
+  rows: slice,
+  seed: int,
+  tokenize: Transform,
+  seq_len: int,
+  *,
+  prefetch: int = 4,
+  whole: bool = False,
 ) -> grain.IterDataset:
   """Infinite stream of this process's rows of packed global batches (see the module docstring).
 
   `tokenize` maps an example to one document {'inputs': ids[:-1], 'targets': ids[1:]}; rows hold
   inputs, targets, mask, segment_ids (1, 2, .. per document in a row, 0 = padding) and positions
-  (within the document). Packing runs in one background thread with `prefetch` batches buffered.
+  (within the document). Packing runs in one background thread with `prefetch` batches buffered. `whole`:
+  documents carry a loss mask ('mask') and are never split (`_packed_rows`).
   """
   _check_rows(rows, global_batch)
   if len(source) < global_batch:
@@ -222,14 +273,14 @@ def packed_train_dataset(
       f'the training split has {len(source)} documents, fewer than one global batch '
       f'({global_batch}): every row of a batch packs documents of its own'
     )
-  docs = _apply(grain.MapDataset.source(source).shuffle(seed=seed).repeat(), tokenize, seed)
-  ds = grain_exp.ZipIterDataset(_packed_rows(docs, global_batch, rows, seq_len))
+  docs = _apply(_stream(source, seed), tokenize, seed)
+  ds = grain_exp.ZipIterDataset(_packed_rows(docs, global_batch, rows, seq_len, whole))
   ds = ds.map(lambda r: _stack_packed(r, seq_len))
   return grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
 
 
 def packed_eval_batches(
-  source: Any, global_batch: int, rows: slice, tokenize: Transform, seq_len: int, *, seed: int = 0
+  source: Any, global_batch: int, rows: slice, tokenize: Transform, seq_len: int, *, seed: int = 0, whole: bool = False
 ) -> Iterator[dict[str, np.ndarray]]:
   """Every document of the split, packed in order; rows whose stream has ended are padding (mask 0).
 
@@ -238,7 +289,7 @@ def packed_eval_batches(
   """
   _check_rows(rows, global_batch)
   docs = _apply(grain.MapDataset.source(source), tokenize, seed)
-  streams = [iter(s) for s in _packed_rows(docs, global_batch, rows, seq_len)]
+  streams = [iter(s) for s in _packed_rows(docs, global_batch, rows, seq_len, whole)]
   while True:
     batch = tuple(next(s, None) for s in streams)
     more = any(r is not None for r in batch)
@@ -250,7 +301,13 @@ def packed_eval_batches(
 
 
 def example_spec(
-  source: Any, transform: Transform, pack_len: int | None = None, *, seed: int = 0, what: str = 'the split'
+  source: Any,
+  transform: Transform,
+  pack_len: int | None = None,
+  *,
+  seed: int = 0,
+  what: str = 'the split',
+  whole: bool = False,
 ) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
   """Field -> (shape, dtype) of the first example of `source` as the pipeline makes it (for packed
   text, `transform` makes a document and the example is the first packed row)."""
@@ -258,7 +315,7 @@ def example_spec(
   if not len(examples):
     raise ConfigError(f'{what} is empty: no examples to train or evaluate on')
   if pack_len:
-    row = next(iter(_packed_rows(examples, 1, slice(0, 1), pack_len)[0]))
+    row = next(iter(_packed_rows(examples, 1, slice(0, 1), pack_len, whole)[0]))
     example = {k: v[0] for k, v in _stack_packed((row,), pack_len).items()}
   else:
     example = examples[0]

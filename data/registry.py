@@ -1,5 +1,10 @@
 """The datasets `config.dataset.name` can pick, and `build(config)`, which makes one for `config.task`.
 
+Your own files (data/files.py): 'json' (JSON Lines, also .gz), 'parquet', 'text' (config.dataset.train_files /
+eval_files: globs; config.dataset.mixture: (glob, weight) pairs), or 'hf', a Hugging Face dataset
+(config.dataset.path: a hub id or a save_to_disk directory; train_files / eval_files: split names). Rows are read
+by text_key (lm, mlm), prompt_key + completion_key, or messages_key (lm, the loss on the answers).
+
 Offline datasets (no files; deterministic from config.dataset.seed): 'markov', 'markov_text',
 'synthetic_images'. Any other name is a TFDS dataset prepared in config.dataset.data_dir: image
 datasets (features 'image' + 'label') serve 'classification', text datasets (feature `text_key`)
@@ -8,7 +13,9 @@ take the dataset's defaults (TFDS_DEFAULTS for well-known TFDS datasets).
 
 config.dataset fields: name, data_dir, train_split, eval_split, seq_len, image_size, channels,
 num_classes, tokenizer ('byte' or a local Hugging Face tokenizer directory), pack, augment, text_key,
-mlm_probability, num_threads, prefetch, and the offline datasets' own (num_train, num_eval, seed, ...).
+mlm_probability, num_threads, prefetch, the offline datasets' own (num_train, num_eval, seed, ...), and the
+files' own (train_files, eval_files, mixture, path, cache_dir, sample_by, prompt_key, completion_key,
+messages_key, no_assistant).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any
 
 import ml_collections
 
-from data import text, tfds_source, vision
+from data import files, pipeline, text, tfds_source, vision
 from data.dataset import Dataset
 from data.markov import MarkovLanguage, MarkovText
 from data.text import lm_example
@@ -72,7 +79,7 @@ def _text_dataset(
   if task == 'lm':
     if tok.eos_id is None:
       raise ConfigError(f'tokenizer {tok.name!r} has no end-of-text token: LM documents need one')
-    transform = text.LMDocument(tok, key) if pack else text.LMRow(tok, L, key)
+    transform = text.LMDocument(tok, key) if pack else text.LMRow(text.LMDocument(tok, key, text.Truncations(L + 1)), L)
     layout = f'packed rows of {L} tokens' if pack else f'one document per row (truncated to {L} tokens)'
   elif task == 'mlm':
     if tok.mask_id is None:
@@ -232,6 +239,83 @@ def _tfds(cfg, task: str) -> Dataset:
   )
 
 
+def _sft_keys(cfg) -> tuple[str | None, str | None, str | None]:
+  """(prompt_key, completion_key, messages_key) as set; ConfigError for a half-set pair or both kinds at once."""
+  prompt, completion, messages = cfg.get('prompt_key'), cfg.get('completion_key'), cfg.get('messages_key')
+  if bool(prompt) != bool(completion):
+    raise ConfigError(
+      f'config.dataset.prompt_key={prompt!r}, completion_key={completion!r}: prompt/completion pairs need both'
+    )
+  if prompt and messages:
+    raise ConfigError('config.dataset sets both prompt_key/completion_key and messages_key: rows are one or the other')
+  return prompt or None, completion or None, messages or None
+
+
+def _files(cfg, task: str) -> Dataset:
+  """JSON Lines / parquet / text files or a Hugging Face dataset (data/files.py): plain text by `text_key` for
+  'lm' and 'mlm'; prompt/completion pairs or chats for 'lm' with the loss on the answers (SFT)."""
+  name = cfg.name
+  prompt, completion, messages = _sft_keys(cfg)
+  keys = [prompt, completion] if prompt else [messages] if messages else [_opt(cfg, 'text_key', 'text')]
+  mixture = cfg.get('mixture')
+  if mixture and cfg.get('train_files'):
+    raise ConfigError('config.dataset.mixture replaces config.dataset.train_files: set one of them')
+  default_train = 'train' if name == 'hf' else None
+  train_spec, eval_spec = _opt(cfg, 'train_files', default_train), cfg.get('eval_files')
+  if not mixture and not train_spec:
+    raise ConfigError(f'config.dataset.name={name!r} needs config.dataset.train_files (a glob) or .mixture')
+  if not eval_spec:
+    raise ConfigError(
+      f'config.dataset.name={name!r} needs config.dataset.eval_files: a glob of held-out files'
+      + (' (a split of config.dataset.path)' if name == 'hf' else '')
+    )
+  skipped = {}
+
+  def rows(spec: str, what: str) -> files.Rows:
+    r = files.open_rows(cfg, spec, what, keys)
+    if messages:
+      r, skipped[what] = files.with_assistant(r, messages, _opt(cfg, 'no_assistant', 'skip'))
+    return r
+
+  if mixture:
+    parts = [rows(spec, f'mixture[{i}]') for i, (spec, _) in enumerate(mixture)]
+    train = pipeline.Mixture(parts, [w for _, w in mixture])
+    where = 'mixture ' + ', '.join(f'{spec} x{w:g}' for spec, w in mixture)
+  else:
+    train, where = rows(train_spec, 'train_files'), f'{train_spec}; eval {eval_spec}'
+  eval_ = rows(eval_spec, 'eval_files')
+  if name == 'hf':
+    where = f'{cfg.path}: {where}'
+  where += ''.join(f'; {n:,} chats without an assistant turn left out of {w}' for w, n in skipped.items() if n)
+  if not (prompt or messages):
+    _check_task(name, task, ('lm', 'mlm'))
+    return _text_dataset(cfg, task, name, train, eval_, where)
+  _check_task(name, task, ('lm',))
+  L = _seq_len(cfg, task)
+  tok = text.tokenizer(_opt(cfg, 'tokenizer', 'byte'))
+  if tok.eos_id is None:
+    raise ConfigError(f'tokenizer {tok.name!r} has no end-of-text token: LM documents need one')
+  cut = text.Truncations(L + 1)
+  doc = text.ChatDocument(tok, messages, cut) if messages else text.PromptCompletion(tok, prompt, completion, cut)
+  pack = bool(cfg.get('pack', False))
+  kind = 'chats (loss on the assistant turns)' if messages else 'prompt/completion pairs (loss on the completions)'
+  layout = f'whole documents packed into rows of {L} tokens' if pack else f'one document per row of {L} tokens'
+  return Dataset(
+    name,
+    train,
+    eval_,
+    doc if pack else text.LMRow(doc, L),
+    pack_len=L if pack else None,
+    pack_whole=True,
+    num_threads=_opt(cfg, 'num_threads', 1),
+    prefetch=_opt(cfg, 'prefetch', 4),
+    tokenizer=tok,
+    vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
+    description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} {kind}; {tok.name} tokenizer '
+    f'({tok.vocab_size} ids); {layout}; longer ones truncated (counted in the log)',
+  )
+
+
 def build(config: ml_collections.ConfigDict) -> Dataset:
   """The dataset of `config.dataset` for `config.task` (the whole config; `config.model` is not read:
   the task checks the dataset against the model, training.tasks.Task.check_data).
@@ -240,7 +324,10 @@ def build(config: ml_collections.ConfigDict) -> Dataset:
   an unprepared TFDS dataset fails at once with the command that prepares it.
   """
   cfg, task = config.dataset, config.task
-  ds = _offline(cfg, task) if cfg.name in OFFLINE else _tfds(cfg, task)
+  if cfg.name in files.NAMES:
+    ds = _files(cfg, task)
+  else:
+    ds = _offline(cfg, task) if cfg.name in OFFLINE else _tfds(cfg, task)
   if not len(ds.eval):
     raise ConfigError(f'the eval split of {cfg.name!r} is empty')
   return ds

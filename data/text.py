@@ -8,7 +8,10 @@ a Hugging Face tokenizer (loaded with `local_files_only=True`: never a hub downl
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
+import threading
 from typing import Any
 
 import grain
@@ -113,33 +116,123 @@ def lm_example(seqs: np.ndarray) -> dict[str, np.ndarray]:
   }
 
 
-class LMDocument(grain.transforms.Map):
-  """One document for packing: ids = <bos> text <eos>; inputs ids[:-1], targets ids[1:]."""
+class Truncations:
+  """Counts the documents cut to the row length, and says so in the log at the 1st, 10th, 100th ... of them
+  (per process; transforms run in grain's threads)."""
 
-  def __init__(self, tok, key: str = 'text'):
-    self.tok, self.key = tok, key
+  def __init__(self, max_ids: int):
+    self.max_ids, self.count, self._lock = max_ids, 0, threading.Lock()
+
+  def cut(self, ids: np.ndarray, example: Any) -> np.ndarray:
+    if len(ids) <= self.max_ids:
+      return ids
+    with self._lock:
+      self.count += 1
+      n = self.count
+    if n == 10 ** int(math.log10(n)):
+      where = example.get('_where', 'a row') if isinstance(example, dict) else 'a row'
+      logging.warning(
+        'data: %s has %d tokens, truncated to %d (config.dataset.seq_len + 1); %d document(s) truncated so far',
+        where,
+        len(ids),
+        self.max_ids,
+        n,
+      )
+    return ids[: self.max_ids]
+
+
+def _document(ids: np.ndarray, loss: np.ndarray | None, truncations: Truncations | None, example: Any) -> dict:
+  """inputs ids[:-1], targets ids[1:]; with `loss` (per id, 1 = trained on), mask = loss[1:] (per target)."""
+  if truncations is not None:
+    ids = truncations.cut(ids, example)
+  doc = {'inputs': ids[:-1].astype(np.int32), 'targets': ids[1:].astype(np.int32)}
+  if loss is not None:
+    doc['mask'] = loss[1 : len(ids)].astype(np.float32)
+  return doc
+
+
+class LMDocument(grain.transforms.Map):
+  """One document: ids = <bos> text <eos>; inputs ids[:-1], targets ids[1:] (every target trained on)."""
+
+  def __init__(self, tok, key: str = 'text', truncations: Truncations | None = None):
+    self.tok, self.key, self.truncations = tok, key, truncations
 
   def map(self, example: Any) -> dict[str, np.ndarray]:
     t = self.tok
-    ids = np.concatenate([[t.bos_id] if t.bos_id is not None else [], t.encode(example[self.key]), [t.eos_id]]).astype(
-      np.int32
-    )
-    return {'inputs': ids[:-1], 'targets': ids[1:]}
+    bos = [t.bos_id] if t.bos_id is not None else []
+    ids = np.concatenate([bos, t.encode(example[self.key]), [t.eos_id]]).astype(np.int32)
+    return _document(ids, None, self.truncations, example)
+
+
+class PromptCompletion(grain.transforms.Map):
+  """<bos> prompt completion <eos>, the loss on the completion and <eos> only (mask 0 on the prompt's targets)."""
+
+  def __init__(self, tok, prompt_key: str, completion_key: str, truncations: Truncations | None = None):
+    self.tok, self.keys, self.truncations = tok, (prompt_key, completion_key), truncations
+
+  def map(self, example: Any) -> dict[str, np.ndarray]:
+    t = self.tok
+    bos = [t.bos_id] if t.bos_id is not None else []
+    prompt = np.concatenate([bos, t.encode(example[self.keys[0]])])
+    answer = np.concatenate([t.encode(example[self.keys[1]]), [t.eos_id]])
+    ids = np.concatenate([prompt, answer]).astype(np.int32)
+    loss = np.concatenate([np.zeros(len(prompt)), np.ones(len(answer))])
+    return _document(ids, loss, self.truncations, example)
+
+
+class ChatDocument(grain.transforms.Map):
+  """A chat (a list of {'role', 'content'}) as the tokenizer's chat template renders it (transformers'
+  apply_chat_template, token for token), the loss on the assistant turns only.
+
+  An assistant turn's tokens are those that rendering the chat up to and including it adds to the chat before
+  it rendered with the generation prompt (so the header the template writes before an answer is not trained on;
+  the end-of-turn token after it is). Templates that do not render a chat's beginning as a prefix of the whole
+  (some drop earlier turns' reasoning) are refused, naming the row."""
+
+  def __init__(self, tok, key: str, truncations: Truncations | None = None):
+    if getattr(getattr(tok, 'tok', None), 'chat_template', None) is None:
+      raise ConfigError(
+        f"config.dataset.messages_key={key!r} renders chats with the tokenizer's chat template, and tokenizer "
+        f'{tok.name!r} has none (config.dataset.tokenizer: a Hugging Face tokenizer directory whose '
+        'tokenizer_config.json or chat_template.jinja holds one)'
+      )
+    self.tok, self.key, self.truncations = tok, key, truncations
+
+  def _render(self, messages: list, prompt: bool = False) -> list[int]:
+    return list(self.tok.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt)['input_ids'])
+
+  def map(self, example: Any) -> dict[str, np.ndarray]:
+    messages = [{'role': m['role'], 'content': m['content']} for m in example[self.key]]
+    ids = self._render(messages)
+    loss = np.zeros(len(ids))
+    for i, m in enumerate(messages):
+      if m['role'] != 'assistant':
+        continue
+      before = self._render(messages[:i], prompt=True) if i else []
+      upto = self._render(messages[: i + 1])
+      if upto != ids[: len(upto)] or before != upto[: len(before)]:
+        raise ConfigError(
+          f'{example.get("_where", "a chat")}: the chat template of {self.tok.name} does not render the chat up '
+          f'to turn {i} as the beginning of the whole chat, so its assistant tokens cannot be told apart'
+        )
+      loss[len(before) : len(upto)] = 1
+    return _document(np.asarray(ids, np.int32), loss, self.truncations, example)
 
 
 class LMRow(grain.transforms.Map):
-  """One document per row (no packing): truncated to seq_len targets, padding masked."""
+  """One document per row (no packing): `doc` (LMDocument, PromptCompletion, ChatDocument) truncated to seq_len
+  targets, padding masked (mask = the document's loss mask, 0 on padding)."""
 
-  def __init__(self, tok, seq_len: int, key: str = 'text'):
-    self.doc, self.seq_len = LMDocument(tok, key), seq_len
+  def __init__(self, doc: grain.transforms.Map, seq_len: int):
+    self.doc, self.seq_len = doc, seq_len
 
   def map(self, example: Any) -> dict[str, np.ndarray]:
     d, L = self.doc.map(example), self.seq_len
     n = min(len(d['inputs']), L)
     out = {k: np.zeros(L, np.int32) for k in ('inputs', 'targets')}
+    out['mask'] = np.zeros(L, np.float32)
     for k in out:
-      out[k][:n] = d[k][:n]
-    out['mask'] = (np.arange(L) < n).astype(np.float32)
+      out[k][:n] = d[k][:n] if k in d else 1.0
     return out
 
 

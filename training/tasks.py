@@ -151,7 +151,9 @@ def _check_length(config: Any) -> int:
 
 class LanguageModeling(Task):
   """Next-token prediction on {'inputs', 'targets', 'mask'} (batch, length); packed datasets
-  (`config.dataset.pack=True`) add 'segment_ids' and 'positions' so documents do not attend to each other."""
+  (`config.dataset.pack=True`) add 'segment_ids' and 'positions' so documents do not attend to each other.
+  'mask' is each target's weight in the loss and accuracy: the loss mask times the padding mask (SFT datasets
+  give prompt tokens 0, data/text.py), so the batch's total weight counts exactly the tokens trained on."""
 
   batch_axes = {'inputs': ('batch', 'length'), 'targets': ('batch', 'length'), 'mask': ('batch', 'length')}
   packed_axes = {'segment_ids': ('batch', 'length'), 'positions': ('batch', 'length')}

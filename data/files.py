@@ -1,0 +1,188 @@
+"""Your own data: JSON Lines (also gzipped), parquet, plain text and Hugging Face datasets, as random-access
+sources of rows for the grain pipelines (pipeline.py), and the language-model documents made of them.
+
+Why Hugging Face `datasets`: it converts JSON Lines, parquet and text once into Arrow files in a cache
+(config.dataset.cache_dir, default Hugging Face's) and memory-maps them. A row is then read by its index without
+loading the rest: each process reads only the rows of its part of every global batch, the data position is a
+few integers that any number of processes resumes, and a file larger than memory stays on disk (the OS pages in
+what is read). Its columns are Arrow arrays, so the checks below (a row without the key, a chat without an
+assistant turn) run over whole columns before training, without decoding the rows one by one.
+
+Files are opened one by one (one Arrow cache each, then concatenated), so a bad row is named by its file and
+line. The fields a row is read by: `text_key` (plain language modelling), `prompt_key` + `completion_key`
+(the loss on the completion), `messages_key` (chats rendered by the tokenizer's own chat template, the loss on
+the assistant turns).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from errors import ConfigError
+
+FORMATS = ('json', 'parquet', 'text')  # config.dataset.name for files; 'hf' for a Hugging Face dataset
+NAMES = (*FORMATS, 'hf')
+NO_ASSISTANT = ('skip', 'error')  # config.dataset.no_assistant: what a chat without an assistant turn gets
+SAMPLE_BY = ('line', 'paragraph', 'document')  # config.dataset.sample_by: the rows of a plain text file
+
+
+def _datasets():
+  import datasets  # noqa: PLC0415 (only for these sources)
+
+  return datasets
+
+
+def expand(spec: str, what: str) -> list[str]:
+  """The files of `spec`: one or more globs separated by commas (`**` reaches into folders), each sorted."""
+  if not isinstance(spec, str) or not spec.strip():
+    raise ConfigError(f'config.dataset.{what}={spec!r}: give the files as a glob, e.g. data/train-*.jsonl')
+  files = []
+  for pattern in (p.strip() for p in spec.split(',')):
+    found = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(f))
+    if not found:
+      raise ConfigError(f'config.dataset.{what}={spec!r}: {pattern!r} matches no file')
+    files += found
+  return files
+
+
+class Rows:
+  """Random-access rows (dicts) of one or more files, read through their memory-mapped Arrow caches.
+
+  `keep` (optional) lists the rows served, in order (a chat without an assistant turn left out); `where(i)` names
+  the file and line of row i for errors."""
+
+  def __init__(self, tables: Sequence[Any], names: Sequence[str], columns: Sequence[str], unit: str = 'line'):
+    self.files, self.unit = list(names), unit
+    self.starts = np.cumsum([0] + [len(t) for t in tables])
+    tables = [t.select_columns(list(columns)) for t in tables]  # other columns may differ between files
+    for t, name in zip(tables[1:], names[1:]):
+      if t.features != tables[0].features:
+        raise ConfigError(
+          f'{name} holds {dict(t.features)}, but {names[0]} holds {dict(tables[0].features)}: the files of one '
+          'source must have the same types in the columns read'
+        )
+    self.data = tables[0] if len(tables) == 1 else _datasets().concatenate_datasets(tables)
+    self.keep: np.ndarray | None = None
+
+  def __len__(self) -> int:
+    return len(self.data) if self.keep is None else len(self.keep)
+
+  def __getitem__(self, i: int) -> dict[str, Any]:
+    i = int(i)
+    row = self.data[int(self.keep[i]) if self.keep is not None else i]
+    row['_where'] = self.where(i)  # for the transforms' messages (a truncated or unrenderable row)
+    return row
+
+  def where(self, i: int) -> str:
+    """'file line n' of row i (of the rows served)."""
+    j = int(self.keep[i]) if self.keep is not None else int(i)
+    f = int(np.searchsorted(self.starts, j, side='right')) - 1
+    return f'{self.files[f]} {self.unit} {j - self.starts[f] + 1}'
+
+
+def _load(fmt: str, file: str, cfg: Any) -> Any:
+  """One file as a memory-mapped datasets.Dataset (built into the Arrow cache the first time)."""
+  if os.path.getsize(file) == 0:
+    raise ConfigError(f'{file} is empty (config.dataset.name={fmt!r})')
+  kwargs = {'sample_by': cfg.get('sample_by') or 'line'} if fmt == 'text' else {}
+  try:
+    return _datasets().load_dataset(fmt, data_files=[file], split='train', cache_dir=cfg.get('cache_dir'), **kwargs)
+  except StopIteration:
+    raise ConfigError(f'{file} has no rows (config.dataset.name={fmt!r})') from None
+  except Exception as e:  # datasets wraps the reader's error (e.g. pyarrow's JSON parse error and its row)
+    cause = e.__cause__ or e
+    raise ConfigError(f'{file} cannot be read as {fmt}: {type(cause).__name__}: {str(cause).splitlines()[0]}') from None
+
+
+def _hf(cfg: Any, split: str, what: str) -> Any:
+  """A split of a Hugging Face dataset: a directory written by save_to_disk, or a hub id through the cache."""
+  path = cfg.get('path')
+  if not path:
+    raise ConfigError("config.dataset.name='hf' needs config.dataset.path: a hub id or a save_to_disk directory")
+  ds = _datasets()
+  try:
+    saved = ('dataset_dict.json', 'state.json')  # what save_to_disk writes (a DatasetDict, a Dataset)
+    if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in saved):
+      loaded = ds.load_from_disk(path)
+      if isinstance(loaded, ds.DatasetDict):
+        if split not in loaded:
+          raise ConfigError(f'config.dataset.{what}={split!r}: {path} has splits {sorted(loaded)}')
+        loaded = loaded[split]
+      return loaded
+    return ds.load_dataset(path, split=split, cache_dir=cfg.get('cache_dir'))
+  except ConfigError:
+    raise
+  except Exception as e:
+    raise ConfigError(
+      f'config.dataset.path={path!r} ({what}={split!r}): no such save_to_disk directory, and not loadable as a '
+      f'Hugging Face dataset ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}); a hub dataset '
+      'is read from the Hugging Face cache: load it once where the hub can be reached'
+    ) from None
+
+
+def _column(table: Any, key: str, source: str) -> pa.ChunkedArray:
+  if key not in table.column_names:
+    raise ConfigError(f'{source} has no column {key!r} (its columns: {table.column_names}): set config.dataset.*_key')
+  return table.data.column(key)
+
+
+def _first_null(col: pa.ChunkedArray) -> int:
+  return int(pc.index(pc.is_null(col), True).as_py())
+
+
+def open_rows(cfg: Any, spec: str, what: str, keys: Sequence[str]) -> Rows:
+  """The rows of `spec` (a glob of files, or a split of config.dataset.path for 'hf'); ConfigError, naming the
+  file and line, for a glob matching nothing, an empty or unreadable file, a row without one of `keys`."""
+  fmt = cfg.name
+  if fmt == 'hf':
+    tables, names, unit = [_hf(cfg, spec, what)], [f'{cfg.path} split {spec}'], 'row'
+  else:
+    names = expand(spec, what)
+    tables, unit = [_load(fmt, f, cfg) for f in names], 'row' if fmt == 'parquet' else 'line'
+  for t, name in zip(tables, names):
+    if not len(t):
+      raise ConfigError(f'{name} has no rows')
+    for key in keys:
+      col = _column(t, key, name)
+      if col.null_count:
+        raise ConfigError(f'{name} {unit} {_first_null(col) + 1} has no {key!r} (config.dataset.*_key)')
+  return Rows(tables, names, keys, unit)
+
+
+def with_assistant(rows: Rows, key: str, policy: str) -> tuple[Rows, int]:
+  """Rows whose chat (`key`: a list of {'role', 'content'}) has an assistant turn; the others are left out and
+  counted ('skip') or the first is a ConfigError naming its file and line ('error')."""
+  if policy not in NO_ASSISTANT:
+    raise ConfigError(f'config.dataset.no_assistant={policy!r}; choose one of {list(NO_ASSISTANT)}')
+  col = rows.data.data.column(key)
+  kind = col.type.value_type if pa.types.is_list(col.type) or pa.types.is_large_list(col.type) else None
+  if kind is None or not pa.types.is_struct(kind) or {'role', 'content'} - {f.name for f in kind}:
+    raise ConfigError(
+      f'column {key!r} of {rows.files[0]} is {col.type}, not a chat (a list of {{"role", "content"}} messages)'
+    )
+  has = np.zeros(len(rows.data), bool)
+  start = 0
+  for chunk in col.chunks:  # chunk by chunk: bounded memory for any file size
+    parents = np.asarray(pc.list_parent_indices(chunk))
+    roles = pc.struct_field(pc.list_flatten(chunk), 'role')
+    has[start + parents[np.asarray(pc.fill_null(pc.equal(roles, 'assistant'), False))]] = True
+    start += len(chunk)
+  if has.all():
+    return rows, 0
+  missing = np.flatnonzero(~has)
+  if policy == 'error':
+    raise ConfigError(
+      f'{rows.where(int(missing[0]))} is a chat without an assistant turn ({len(missing)} such rows; '
+      "config.dataset.no_assistant='skip' leaves them out)"
+    )
+  if len(missing) == len(has):
+    raise ConfigError(f'no chat of {", ".join(rows.files)} has an assistant turn: nothing to train on')
+  rows.keep = np.flatnonzero(has)
+  return rows, len(missing)
