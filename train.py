@@ -249,7 +249,9 @@ def _train_and_evaluate(
   cleanup.callback(profiler.close)
 
   # --- Train loop -------------------------------------------------------------------------------
-  writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  writer = checkpoint.GuardedWriter(  # a full disk under the event files: one line, like a checkpoint's
+    metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0), workdir, last_good
+  )
   cleanup.callback(writer.flush)
   writer.write_hparams({k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str))})
   progress = periodic_actions.ReportProgress(

@@ -204,6 +204,38 @@ def os_error_of(e: BaseException) -> tuple[int, str, str | None] | None:
   return None
 
 
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT, errno.EIO)
+
+
+class GuardedWriter:
+  """A clu metric writer whose failures to write the event files (TensorFlow's writer reports a full disk, a quota,
+  a read-only or vanished workdir as its own errors, at the next write) are one StorageError naming the workdir,
+  the cause and the last good checkpoint (`last_good()`); clu's traceback for them is logged in its thread."""
+
+  def __init__(self, writer: Any, workdir: str, last_good: Any):
+    self._writer, self._workdir, self._last_good = writer, os.path.abspath(workdir or '.'), last_good
+
+  def __getattr__(self, name: str) -> Any:
+    method = getattr(self._writer, name)
+    if not callable(method):
+      return method
+
+    def guarded(*args, **kwargs):
+      try:
+        return method(*args, **kwargs)
+      except Exception as e:  # pylint: disable=broad-except
+        text = f'{e} {e.__cause__ or ""}'
+        code = next((c for c in _STORAGE_ERRNOS if os.strerror(c) in text), None)
+        if code is None:
+          raise
+        raise StorageError(
+          f'the event files in {self._workdir} could not be written: {_describe(code, os.strerror(code), None)}; '
+          f'the last good checkpoint is {self._last_good()} (free space or choose another --workdir)'
+        ) from e
+
+    return guarded
+
+
 def _data_positions(directory: epath.Path) -> list[dict[str, Any]]:
   """Every process's data position in a step's data directory (process_<i>-of-<n>.json, by process).
   DamagedCheckpointError when one is missing (the names say how many processes wrote them) or unreadable."""
@@ -324,7 +356,8 @@ class DataRestore(ocp.args.CheckpointArgs):
 
 class _OrbaxTracebacks(logging.Filter):
   """A save that fails (a full disk) fails in several of orbax's background threads, and each logs the error with
-  its traceback: hundreds of lines for the one StorageError the run stops with. Orbax's errors are kept here (in
+  its traceback: hundreds of lines for the one StorageError the run stops with (clu's event writer logs one per
+  failed write). Orbax's errors are kept here (in
   memory: the disk may be the one that is full) and written to `path` when the StorageError is raised, once the
   partial checkpoint is removed, or when the Checkpointer closes. Orbax's warnings still reach the terminal."""
 
@@ -338,7 +371,7 @@ class _OrbaxTracebacks(logging.Filter):
       logger.addFilter(self)
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if record.levelno < logging.ERROR or '/orbax/' not in record.pathname:
+    if record.levelno < logging.ERROR or not ('/orbax/' in record.pathname or '/clu/asynclib' in record.pathname):
       return True
     if len(self.records) < self.MAX_RECORDS:
       self.records.append(record)
@@ -534,6 +567,7 @@ class Checkpointer:
       except CheckpointError as e:  # a position this run cannot take (older format, other process count)
         raise CheckpointError(f'{source}: {e}') from e
     except DamagedCheckpointError as e:
+      _abandoned_reads.met(self.directory)
       return None, f'damaged:{e}', None
     except CheckpointError as e:
       return None, f'error:{e}', e
@@ -544,6 +578,7 @@ class Checkpointer:
           f'({" ".join(str(e).split("If this mismatch")[0].split())}). {ANOTHER_OPTIMIZER}'
         )
         return None, f'error:{err}', err
+      _abandoned_reads.met(self.directory)  # orbax's reads still in flight fail too: quietly
       return None, f'damaged:{source} could not be restored: {_read_failure(e) or _first_line(e)}', None
     return (state, sums), 'ok' if sums is not None else 'unverified', None
 
