@@ -2,7 +2,7 @@
 simulated CPU devices) saved and restored by a Checkpointer; the checksums' own time on the devices, and the time
 save() blocks for and a full restore takes, with and without them.
 
-  python benchmarks/checksum_cost.py --mib 256
+  PYTHONPATH=. python benchmarks/checksum_cost.py --mib 256
 """
 
 import argparse

@@ -1,17 +1,22 @@
 """Checkpoints with orbax: asynchronous saves every N steps, keep the last K, exact resumption
 (train state + each process's data-iterator position), restore onto any mesh and rules, and
-params-only initialisation for fine-tuning. A damaged newest checkpoint is moved aside and the previous
-one resumed (restore_latest). Disk trouble (a directory that is not writable, a disk that fills up
-mid-save) is one StorageError naming the directory, the step and the OS error. (SIGTERM handling:
-training/preemption.py; merged LoRA
-export: training/export.py.)
+params-only initialisation for fine-tuning. (SIGTERM handling: training/preemption.py; merged LoRA export:
+training/export.py.)
 
-Layout: <workdir>/checkpoints/<step>/{state, data}. 'state' is the TrainState as a dict of
+Faults (docs/checkpoint_faults.md). Every array's checksum is computed on the devices and saved with it. A restore
+is agreed between processes: each reads the step, says whether it could, and all take the same step or all fall
+back; a damaged step (any failure to read its files on any process, or a checksum that does not hold) is moved
+aside by process 0 and the previous one resumed (restore_latest). Disk trouble (a directory that is not writable, too
+little space for the checkpoints to come, a disk that fills up mid-save) is one StorageError naming the directory,
+the step, the OS error and the last good checkpoint; orbax's own tracebacks go to <workdir>/orbax_errors.log.
+
+Layout: <workdir>/checkpoints/<step>/{state, data, checksums}. 'state' is the TrainState as a dict of
 global jax.Arrays (orbax writes each process's shards); 'data' is each process's data position
-(one JSON file per process, naming the rows of the global batch it holds: DataPositionHandler). Orbax writes
-a step into <step>.orbax-checkpoint-tmp and renames it to
+(one JSON file per process, naming the rows of the global batch it holds: DataPositionHandler); 'checksums' one
+uint32 per array of 'state'. Orbax writes a step into <step>.orbax-checkpoint-tmp and renames it to
 <step> once every item is written, so a save cut short (killed, disk full) never shows as a step: the
-tmp directory is ignored by every listing, and removed when the next Checkpointer opens the directory.
+tmp directory is ignored by every listing, removed when a save fails for lack of space, and when the next
+Checkpointer opens the directory.
 """
 
 from __future__ import annotations
