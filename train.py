@@ -185,9 +185,12 @@ def _train_and_evaluate(
   if workdir:
     checkpoint.ensure_writable(workdir)
   if workdir and config.get('checkpoint_every', 0) > 0:
-    ckpt = checkpoint.Checkpointer(
-      os.path.join(workdir, 'checkpoints'), every_steps=config.checkpoint_every, keep=config.get('keep_checkpoints', 2)
-    )
+    keep, directory = config.get('keep_checkpoints', 2), os.path.join(workdir, 'checkpoints')
+    if note := checkpoint.check_space(
+      directory, checkpoint.state_bytes(trainer), keep, config.get('checkpoint_space', 'refuse')
+    ):
+      say(f'WARNING {note}')
+    ckpt = checkpoint.Checkpointer(directory, every_steps=config.checkpoint_every, keep=keep)
     cleanup.callback(ckpt.close)
     cleanup.callback(ckpt.wait)  # runs first: a save in flight completes
   elif workdir and (steps := checkpoint.steps_in(os.path.join(workdir, 'checkpoints'))):  # never a silent fresh start
@@ -236,17 +239,19 @@ def _train_and_evaluate(
     say(f'initialised from {config.init_from}' + (f' except {config.dont_load!r}' if config.get('dont_load') else ''))
   else:
     state = training.init_state(trainer)
-  if workdir:  # what export.py rebuilds the model from; written once the run has started (a failed resume keeps it)
-    export.save_run_config(config, workdir)
-  guard = training.NonFiniteGuard(trainer, config.get('on_nonfinite', 'stop'), config.get('max_nonfinite_skips', 10))
   last_good = lambda: 'none' if ckpt is None or ckpt.latest_step() is None else f'{ckpt.directory}/{ckpt.latest_step()}'
+  if workdir:  # what export.py rebuilds the model from; written once the run has started (a failed resume keeps it)
+    export.save_run_config(config, workdir, last_good())
+  guard = training.NonFiniteGuard(trainer, config.get('on_nonfinite', 'stop'), config.get('max_nonfinite_skips', 10))
   preemption = Preemption(sync_every=config.log_every)
   cleanup.callback(preemption.close)  # restores the SIGTERM handler
   profiler = profiling.StepProfiler(workdir or '.', config.get('profile_first_step', 0), config.get('profile_steps', 5))
   cleanup.callback(profiler.close)
 
   # --- Train loop -------------------------------------------------------------------------------
-  writer = metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  writer = checkpoint.GuardedWriter(  # a full disk under the event files: one line, like a checkpoint's
+    metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0), workdir, last_good
+  )
   cleanup.callback(writer.flush)
   writer.write_hparams({k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str))})
   progress = periodic_actions.ReportProgress(
@@ -262,6 +267,8 @@ def _train_and_evaluate(
     wait_s += (time.perf_counter() - t_in) if idle else 0.0
     profiler.before(step)
     state, metrics = train_step(state, batch)
+    if ckpt is not None:
+      ckpt.poll()  # a save that failed in the background stops the run now, not at the next save
     pending.append(metrics)
     guard.add(step, metrics)
     progress(step)

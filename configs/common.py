@@ -217,6 +217,7 @@ def add_run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.checkpoint_every = 1000  # steps between asynchronous checkpoints in <workdir>/checkpoints; 0 = never
   c.keep_checkpoints = 2  # the last K are kept; rerunning the same command resumes from the latest
   c.resume_fallback = True  # a damaged latest checkpoint: moved aside (kept) and the previous one resumed; False: error
+  c.checkpoint_space = 'refuse'  # free space short of keep_checkpoints + 1 checkpoints at start: 'refuse' or 'warn'
   c.init_from = ''  # a checkpoint dir of this project (params only) or a Hugging Face model dir
   c.dont_load = ''  # regex over parameter paths left freshly initialised (e.g. a new head: '^classifier/')
   c.freeze = ''  # regex over parameter paths that get no updates and no optimizer state

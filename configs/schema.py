@@ -236,6 +236,7 @@ FIELDS: dict[str, Field] = {
   'on_nonfinite': Field(str, choices=lambda: ['stop', 'skip']),
   'max_nonfinite_skips': COUNT,
   'resume_fallback': Field(bool),
+  'checkpoint_space': Field(str, choices=lambda: ['refuse', 'warn']),
   'preset': Field('info'),
   'size': Field('info'),  # set by get_config(arg): what the file built
   'mesh': Field('mesh'),

@@ -393,3 +393,24 @@ def test_falling_back_from_damaged_data_prints_the_warning_and_no_abandoned_read
   assert r.returncode == 0 and r.stdout == '2 1\n', r.stdout + r.stderr[-3000:]
   assert 'Traceback' not in r.stderr and 'never retrieved' not in r.stderr, r.stderr[-3000:]
   assert sorted(p.name for p in d.iterdir()) == ['2', '4.damaged']
+
+
+def test_any_error_reading_a_data_position_is_damage_and_falls_back(saved, tmp_path):
+  """A data position whose file parses but cannot be taken (here a TypeError from the iterator's set_state) is damage
+  like any other failure to read a checkpoint's own files: the previous step is restored, the damaged one moved aside
+  (before, the TypeError went through the restore and stopped the run)."""
+  directory, expected = saved
+  d = tmp_path / 'run'
+  shutil.copytree(directory, d)
+  shutil.copytree(d / '2', d / '4')
+  (d / '4' / 'data' / 'process_0-of-1.json').write_text('[1, 2]')
+  it = _Iter()
+  with checkpoint.Checkpointer(str(d), every_steps=1, keep=2) as ckpt:
+    state, warnings = ckpt.restore_latest(build_trainer(tiny_config('fsdp_tp')), it)
+  _assert_equal(state, expected)
+  assert it.pos == 7 and len(warnings) == 1, warnings
+  assert re.fullmatch(
+    rf'checkpoint {d}/4 could not be restored: TypeError: .*; moved aside to {d}/4.damaged \(not deleted\); '
+    r'resumed from step 2',
+    warnings[0],
+  ), warnings[0]

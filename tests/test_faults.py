@@ -6,6 +6,9 @@ the directory and the OS error, and the checkpoints before it stay intact."""
 import dataclasses
 import os
 import re
+import shutil
+import subprocess
+import time
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +22,7 @@ import partitioning
 import train
 import training
 from configs import default
-from tests.conftest import BACKEND_COMPILE, TINY_RUN, build_trainer, recorded_compile_events, tiny_config
+from tests.conftest import BACKEND_COMPILE, TINY_FLAGS, TINY_RUN, build_trainer, recorded_compile_events, tiny_config
 from training import checkpoint
 
 
@@ -196,21 +199,195 @@ def _disk_full_at(step: int):
   return write_or_fail
 
 
-def test_a_disk_that_fills_up_mid_save_stops_the_run_and_the_rerun_resumes(tmp_path, monkeypatch):
+def test_a_disk_that_fills_up_mid_save_stops_the_run_and_the_rerun_resumes(tmp_path, monkeypatch, capfd):
   cfg = default.get_config()  # test_soak's run: the compilations are shared
   cfg.update_from_flattened_dict(TINY_RUN)  # checkpoints at steps 1, 4, 8 and 12
   workdir, ckpts = str(tmp_path), str(tmp_path / 'checkpoints')
   monkeypatch.setattr(serialization, 'async_serialize_from_host', _disk_full_at(8))
-  with pytest.raises(errors.StorageError) as info:  # found when step 12 is saved
+  capfd.readouterr()
+  with pytest.raises(errors.StorageError) as info:  # found by the step after the failure, before step 12's save
     train.train_and_evaluate(cfg, workdir)
   assert re.fullmatch(
     rf'checkpoint {ckpts}/8 could not be written: No space left on device \[ENOSPC, errno 28\] \({ckpts}/8\.'
-    rf'orbax-checkpoint-tmp/\S+\) \(the disk is full\); [\d.]+ MiB free of [\d.]+ MiB there; {ckpts}/4 is the '
-    r'newest intact checkpoint and a rerun resumes from it \(free space or choose another --workdir\)',
+    rf'orbax-checkpoint-tmp/\S+\) \(the disk is full\); [\d.]+ MiB free of [\d.]+ MiB there; the last good checkpoint '
+    rf'is {ckpts}/4 and a rerun resumes from it \(free space or choose another --workdir; the partial checkpoint was '
+    rf"removed, orbax's tracebacks are in {workdir}/orbax_errors.log\)",
     str(info.value),
   ), str(info.value)
-  assert sorted(os.listdir(ckpts)) == ['1', '4', '8.orbax-checkpoint-tmp']  # nothing deleted, nothing half-done
+  assert sorted(os.listdir(ckpts)) == ['1', '4']  # nothing deleted, nothing half-done left
+  out, err = capfd.readouterr()
+  assert 'Traceback' not in err  # orbax's threads' tracebacks went to the log file
+  assert 'step     8 |' in out and 'step    12 |' not in out  # stopped within steps of the failure, not at 12
+  with open(os.path.join(workdir, 'orbax_errors.log')) as f:
+    assert 'No space left on device' in f.read()
   monkeypatch.undo()  # space freed: the same command resumes from step 4
   out = train.train_and_evaluate(cfg, workdir)
   assert int(out['state'].step) == 12 and 'preempted_at' not in out
-  assert sorted(os.listdir(ckpts)) == ['12', '8']  # the tmp directory was replaced by step 8's checkpoint
+  assert sorted(os.listdir(ckpts)) == ['12', '8']
+
+
+def test_too_little_space_for_the_checkpoints_is_refused_before_training_or_a_warning(tmp_path):
+  """keep_checkpoints + 1 checkpoints (less those already written) must fit in the free space: one line naming
+  both figures, before anything compiles ('refuse'), or the same as a warning ('warn')."""
+  cfg = default.get_config()
+  cfg.update_from_flattened_dict(TINY_RUN)
+  nbytes = checkpoint.state_bytes(build_trainer(cfg))
+  assert nbytes == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(training.init_state(build_trainer(cfg))))
+  free = shutil.disk_usage(tmp_path).free
+  huge = free // 2  # 3 of them do not fit; 1 does
+  msg = (
+    rf'checkpoint directory {tmp_path} has [\d.]+ MiB free, but the run needs {3 * huge / 2**20:.1f} MiB there: 3 '
+    rf'checkpoint\(s\) of {huge / 2**20:.1f} MiB \(config.keep_checkpoints=2, plus the one being written\)'
+  )
+  with pytest.raises(errors.StorageError, match=f'^{msg}: free space, choose another --workdir or lower'):
+    checkpoint.check_space(str(tmp_path), huge, 2)
+  assert re.fullmatch(
+    f"{msg}; training anyway \\(config.checkpoint_space='warn'\\)",
+    checkpoint.check_space(str(tmp_path), huge, 2, 'warn'),
+  )
+  for step in (4, 8):  # two kept already: one more is needed
+    (tmp_path / str(step)).mkdir()
+  assert checkpoint.check_space(str(tmp_path), huge, 2) is None
+
+
+def test_a_full_filesystem_stops_the_first_save_in_one_line_and_the_rerun_resumes_bitwise(tmp_path, capfd):
+  """A real full disk: a 4 MiB tmpfs (mounted here when the tests run as root) whose space is taken but for less
+  than one checkpoint. The run stops at the first save with one line, the partial checkpoint removed; with space
+  freed, the same command ends bitwise where an uninterrupted run ends."""
+  cfg = default.get_config()
+  cfg.update_from_flattened_dict({**TINY_RUN, 'checkpoint_space': 'warn'})
+  mount = tmp_path / 'small'
+  mount.mkdir()
+  if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=4m', 'tmpfs', str(mount)], capture_output=True).returncode:
+    pytest.skip('cannot mount a tmpfs here (not root): the full disk is injected in the test above')
+  try:
+    ballast = mount / 'ballast'
+    ballast.write_bytes(b'0' * (shutil.disk_usage(mount).free - 256 * 1024))
+    workdir, ckpts = mount / 'run', mount / 'run' / 'checkpoints'
+    capfd.readouterr()
+    with pytest.raises(errors.StorageError) as info:
+      train.train_and_evaluate(cfg, str(workdir))
+    assert re.fullmatch(
+      rf'checkpoint {ckpts}/1 could not be written: No space left on device \[ENOSPC, errno 28\] .* \(the disk is '
+      r'full\); [\d.]+ MiB free of 4.0 MiB there; no checkpoint was written before it \(free space or choose another '
+      rf"--workdir; the partial checkpoint was removed, orbax's tracebacks are in {workdir}/orbax_errors.log\)",
+      str(info.value),
+    ), str(info.value)
+    assert os.listdir(ckpts) == [] and 'Traceback' not in capfd.readouterr().err
+    ballast.unlink()
+    resumed = train.train_and_evaluate(cfg, str(workdir))['state']
+  finally:
+    subprocess.run(['umount', '-l', str(mount)], check=False)
+  full = train.train_and_evaluate(cfg, str(tmp_path / 'full'))['state']
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(full))
+
+
+def test_a_flipped_byte_fails_the_checksum_and_the_rerun_resumes_bitwise(tmp_path, capsys):
+  """64 bytes flipped inside an array file of the newest checkpoint read back without a read error; the checksums
+  saved with it differ, so it is damage: moved aside, the one before resumed, and the run ends bitwise where the
+  uninterrupted run ended (before, the corrupted step was resumed and trained on)."""
+  cfg = default.get_config()
+  cfg.update_from_flattened_dict(TINY_RUN)
+  workdir, ckpts = str(tmp_path), tmp_path / 'checkpoints'
+  full = jax.device_get(train.train_and_evaluate(cfg, workdir)['state'])
+  f = max((ckpts / '12' / 'state').rglob('d/*'), key=lambda f: f.stat().st_size)
+  raw = bytearray(f.read_bytes())
+  middle = len(raw) // 2
+  raw[middle : middle + 64] = bytes(b ^ 0xFF for b in raw[middle : middle + 64])
+  f.write_bytes(bytes(raw))
+  capsys.readouterr()
+  resumed = train.train_and_evaluate(cfg, workdir)['state']
+  out = capsys.readouterr().out
+  assert re.search(
+    rf'^WARNING checkpoint: checkpoint {ckpts}/12 is corrupt: the checksums of 1 of \d+ arrays differ from those '
+    rf'saved with it \(e.g. [\w/]+\); moved aside to {ckpts}/12.damaged \(not deleted\); resumed from step 8$',
+    out,
+    re.M,
+  ), out
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), full)
+  assert sorted(os.listdir(ckpts)) == ['12', '12.damaged', '8']
+
+
+def _checkpoint_params(directory: str, cfg) -> dict:
+  return jax.device_get(checkpoint.load_params(directory, build_trainer(cfg)))
+
+
+@pytest.mark.slow
+def test_damage_one_process_sees_is_agreed_both_ways_and_the_rerun_resumes_bitwise(tmp_path):
+  """Two processes, FSDP over both (each writes its own shards under state/ocdbt.process_<i>), checkpoints 2, 4, 6
+  and 8: step 8's shards that only process 1 reads truncated, step 6's largest array file (shards only process 0
+  reads) truncated, step 4's process_1-of-2.json deleted. Each process alone would have restored another step
+  (before the processes agreed, they then waited on each other until a crash, every rerun alike); now both print
+  the same three warnings, process 0 moves the three steps aside, and both resume step 2 and end bitwise where the
+  uninterrupted run ended."""
+  from tests.test_multiprocess import _losses, _start
+
+  mesh = ['--config.mesh.data=1', '--config.mesh.fsdp=8', '--config.mesh.tensor=1']
+  run = [
+    '--config.total_steps=8',
+    '--config.eval_every=8',
+    '--config.checkpoint_every=2',
+    '--config.keep_checkpoints=4',
+  ]
+  full, d = tmp_path / 'full', tmp_path / 'damaged'
+  procs = _start([*run, *mesh, '--config.log_every=2', '--workdir', str(full)], 2)
+  outs = [p.communicate(timeout=400) for p in procs]
+  assert all(p.returncode == 0 for p in procs), outs[0][1][-3000:] + outs[1][1][-3000:]
+  expected = _losses(outs[0][0])  # steps 2, 4, 6, 8 and the eval at 8
+  shutil.copytree(full, d)
+  ckpts = d / 'checkpoints'
+  for f in (ckpts / '8/state/ocdbt.process_1/d').iterdir():
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+  f = max((ckpts / '6/state/ocdbt.process_0/d').iterdir(), key=lambda f: f.stat().st_size)
+  f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+  (ckpts / '4/data/process_1-of-2.json').unlink()
+  t0 = time.monotonic()
+  procs = _start([*run, *mesh, '--config.log_every=2', '--workdir', str(d)], 2)
+  outs = [p.communicate(timeout=400) for p in procs]
+  took = time.monotonic() - t0
+  assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+  printed = [re.findall(r'\] checkpoint: (.*)', err) for _, err in outs]  # logged by every process
+  assert printed[0] == printed[1] == re.findall(r'WARNING checkpoint: (.*)', outs[0][0]), printed
+  assert len(printed[0]) == 3, printed[0]
+  for step, line in zip((8, 6), printed[0]):
+    assert re.fullmatch(
+      rf'checkpoint {ckpts}/{step} could not be restored: OUT_OF_RANGE: Error reading .* \(seen by process '
+      rf'{1 if step == 8 else 0} of 2\); moved aside to {ckpts}/{step}.damaged \(not deleted\); resumed from step 2',
+      line,
+    ), line
+  assert printed[0][2] == (
+    f'checkpoint {ckpts}/4 is missing or corrupt: the data position in {ckpts}/4/data is incomplete: '
+    f'process_1-of-2.json missing; moved aside to {ckpts}/4.damaged (not deleted); resumed from step 2'
+  )
+  assert f'resumed from {ckpts}/2' in outs[0][0] and _losses(outs[0][0]) == expected[1:]
+  assert sorted(os.listdir(ckpts)) == ['2', '4', '4.damaged', '6', '6.damaged', '8', '8.damaged']
+  cfg = default.get_config()
+  cfg.update_from_flattened_dict(TINY_FLAGS)
+  cfg.mesh.update(data=1, fsdp=8, tensor=1)
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    _checkpoint_params(str(ckpts), cfg),
+    _checkpoint_params(str(full / 'checkpoints'), cfg),
+  )
+  print(f'the damaged run resumed and finished in {took:.0f} s')
+
+
+def test_event_files_on_a_full_filesystem_stop_the_run_in_one_line(tmp_path, capfd):
+  """TensorBoard's event files (clu's writer) on a full disk: one StorageError naming the workdir, the cause and the
+  last good checkpoint (none here: checkpoints off), and no traceback on the terminal."""
+  cfg = tiny_config('dp', total_steps=40, log_every=1, eval_every=40, checkpoint_every=0)
+  mount = tmp_path / 'small'
+  mount.mkdir()
+  if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', str(mount)], capture_output=True).returncode:
+    pytest.skip('cannot mount a tmpfs here (not root)')
+  try:
+    (mount / 'ballast').write_bytes(b'0' * (shutil.disk_usage(mount).free - 12 * 1024))
+    capfd.readouterr()
+    with pytest.raises(errors.StorageError) as info:
+      train.train_and_evaluate(cfg, str(mount / 'run'))
+  finally:
+    subprocess.run(['umount', '-l', str(mount)], check=False)
+  assert str(info.value) == (
+    f'the event files in {mount}/run could not be written: No space left on device [ENOSPC, errno 28]; the last '
+    'good checkpoint is none (free space or choose another --workdir)'
+  )

@@ -1,17 +1,22 @@
 """Checkpoints with orbax: asynchronous saves every N steps, keep the last K, exact resumption
 (train state + each process's data-iterator position), restore onto any mesh and rules, and
-params-only initialisation for fine-tuning. A damaged newest checkpoint is moved aside and the previous
-one resumed (restore_latest). Disk trouble (a directory that is not writable, a disk that fills up
-mid-save) is one StorageError naming the directory, the step and the OS error. (SIGTERM handling:
-training/preemption.py; merged LoRA
-export: training/export.py.)
+params-only initialisation for fine-tuning. (SIGTERM handling: training/preemption.py; merged LoRA export:
+training/export.py.)
 
-Layout: <workdir>/checkpoints/<step>/{state, data}. 'state' is the TrainState as a dict of
+Faults (docs/checkpoint_faults.md). Every array's checksum is computed on the devices and saved with it. A restore
+is agreed between processes: each reads the step, says whether it could, and all take the same step or all fall
+back; a damaged step (any failure to read its files on any process, or a checksum that does not hold) is moved
+aside by process 0 and the previous one resumed (restore_latest). Disk trouble (a directory that is not writable, too
+little space for the checkpoints to come, a disk that fills up mid-save) is one StorageError naming the directory,
+the step, the OS error and the last good checkpoint; orbax's own tracebacks go to <workdir>/orbax_errors.log.
+
+Layout: <workdir>/checkpoints/<step>/{state, data, checksums}. 'state' is the TrainState as a dict of
 global jax.Arrays (orbax writes each process's shards); 'data' is each process's data position
-(one JSON file per process, naming the rows of the global batch it holds: DataPositionHandler). Orbax writes
-a step into <step>.orbax-checkpoint-tmp and renames it to
+(one JSON file per process, naming the rows of the global batch it holds: DataPositionHandler); 'checksums' one
+uint32 per array of 'state'. Orbax writes a step into <step>.orbax-checkpoint-tmp and renames it to
 <step> once every item is written, so a save cut short (killed, disk full) never shows as a step: the
-tmp directory is ignored by every listing, and removed when the next Checkpointer opens the directory.
+tmp directory is ignored by every listing, removed when a save fails for lack of space, and when the next
+Checkpointer opens the directory.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import functools
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -31,10 +38,10 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.experimental import multihost_utils
 
 # orbax's own pieces for its default jax.Array handler (no public path): the array-metadata store it keeps, and
 # the registry's add() that replaces a handler without logging a warning on every start.
@@ -44,6 +51,7 @@ from orbax.checkpoint._src.serialization import type_handler_registry
 from data.pipeline import RowsIterator
 from errors import CheckpointError, DamagedCheckpointError, StorageError
 from partitioning import path_str
+from training import cluster
 from training.trainer import Trainer, TrainState
 
 # Orbax writes a replicated array in slices, one per replica ("replica-parallel"), each cut by an eager
@@ -201,9 +209,98 @@ def os_error_of(e: BaseException) -> tuple[int, str, str | None] | None:
   return None
 
 
+_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT, errno.EIO)
+
+
+class GuardedWriter:
+  """A clu metric writer whose failures to write the event files (TensorFlow's writer reports a full disk, a quota,
+  a read-only or vanished workdir as its own errors, at the next write) are one StorageError naming the workdir,
+  the cause and the last good checkpoint (`last_good()`); clu's traceback for them is logged in its thread."""
+
+  def __init__(self, writer: Any, workdir: str, last_good: Any):
+    self._writer, self._workdir, self._last_good = writer, os.path.abspath(workdir or '.'), last_good
+
+  def __getattr__(self, name: str) -> Any:
+    method = getattr(self._writer, name)
+    if not callable(method):
+      return method
+
+    def guarded(*args, **kwargs):
+      try:
+        return method(*args, **kwargs)
+      except Exception as e:  # pylint: disable=broad-except
+        text = f'{e} {e.__cause__ or ""}'
+        code = next((c for c in _STORAGE_ERRNOS if os.strerror(c) in text), None)
+        if code is None:
+          raise
+        raise StorageError(
+          f'the event files in {self._workdir} could not be written: {_describe(code, os.strerror(code), None)}; '
+          f'the last good checkpoint is {self._last_good()} (free space or choose another --workdir)'
+        ) from e
+
+    return guarded
+
+
 def _data_positions(directory: epath.Path) -> list[dict[str, Any]]:
-  """Every process's data position in a step's data directory (process_<i>-of-<n>.json, by process)."""
-  return [json.loads(f.read_text()) for f in sorted(directory.glob('process_*-of-*.json'))]
+  """Every process's data position in a step's data directory (process_<i>-of-<n>.json, by process).
+  DamagedCheckpointError when one is missing (the names say how many processes wrote them) or unreadable."""
+  found = {}
+  for f in directory.glob('process_*-of-*.json'):
+    if m := re.fullmatch(r'process_(\d+)-of-(\d+)\.json', f.name):
+      found[int(m[1]), int(m[2])] = f
+  if not found:
+    raise DamagedCheckpointError(f'the data position in {directory} is missing (no process_*-of-*.json there)')
+  n = max(count for _, count in found)
+  missing = [f'process_{i}-of-{n}.json' for i in range(n) if (i, n) not in found]
+  if missing or len(found) != n:
+    raise DamagedCheckpointError(
+      f'the data position in {directory} is incomplete: '
+      + (f'{", ".join(missing)} missing' if missing else f'files of different process counts {sorted(found)}')
+    )
+  try:
+    return [json.loads(found[i, n].read_text()) for i in range(n)]
+  except Exception as e:  # any failure to read or parse the checkpoint's own file is damage
+    raise DamagedCheckpointError(f'the data position in {directory} cannot be read ({type(e).__name__}: {e})') from e
+
+
+# Integrity. Each array's checksum is the sum, modulo 2**32, of its 32-bit words (one per element; two per 64-bit
+# element; 8- and 16-bit elements widened) each times an odd weight derived from the word's position in the whole
+# array. A sum is the same however the array is split: every device sums its own shard inside one jitted program
+# (no copy to the host, so the save stays asynchronous) and XLA adds the partial sums; the figure is independent of
+# the mesh, rules and process count, so a checkpoint restored onto another layout is checked all the same. An odd
+# weight makes any change to a single word change the sum; several changes escape with odds of about 2**-32.
+_WEIGHT = 0x9E3779B1  # odd; Knuth's multiplicative hash constant spreads neighbouring positions apart
+
+
+def _words(x: jax.Array) -> jax.Array:
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[np.dtype(x.dtype).itemsize]
+  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+  w = _words(x)
+  index, stride = jnp.zeros(w.shape, jnp.uint32), 1
+  for d in reversed(range(w.ndim)):  # the word's flat position, from per-dimension iotas (each device makes its own)
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
+    stride *= w.shape[d]
+  return jnp.sum(w * (index * jnp.uint32(_WEIGHT) | jnp.uint32(1)), dtype=jnp.uint32)
+
+
+@functools.cache
+def _checksums_on(mesh: Any) -> Any:
+  replicated = jax.sharding.NamedSharding(mesh, jax.P()) if mesh is not None else None
+  return jax.jit(lambda tree: jnp.stack([_checksum(x) for x in jax.tree.leaves(tree)]), out_shardings=replicated)
+
+
+def checksums(tree: Any) -> jax.Array:
+  """One uint32 per leaf of `tree` (jax.Arrays, in jax.tree.leaves order), computed on the devices that hold them;
+  the result is replicated. Dispatched asynchronously like any jitted call."""
+  sharding = jax.tree.leaves(tree)[0].sharding
+  return _checksums_on(getattr(sharding, 'mesh', None))(tree)
 
 
 class DataPositionHandler(grain.checkpoint.CheckpointHandler):
@@ -223,24 +320,31 @@ class DataPositionHandler(grain.checkpoint.CheckpointHandler):
     item = item or args.item
     if not isinstance(item, RowsIterator):
       return super().restore(directory, item=item)
-    try:  # missing or unreadable: damage (restore_latest falls back); other mismatches are CheckpointErrors
-      saved = _data_positions(directory)
-    except (OSError, ValueError) as e:
-      raise DamagedCheckpointError(f'the data position in {directory} cannot be read ({e})') from e
-    if not saved:
-      raise DamagedCheckpointError(f'the data position in {directory} is missing (no process_*-of-*.json there)')
-    if 'global_batch' not in saved[0]:  # written before positions named their rows: same layout only
-      mine = directory / f'process_{jax.process_index()}-of-{jax.process_count()}.json'
-      if not mine.exists():
-        raise CheckpointError(
-          f'the data position in {directory} was written by {len(saved)} process(es) in an older '
-          f'format; resume it with {len(saved)} process(es)'
-        )
-      item.set_grain_state(json.loads(mine.read_text()))
-    else:
-      item.set_state(saved)
+    _set_position(item, directory, _data_positions(directory))
     item.start_prefetch()
     return item
+
+
+def _set_position(item: RowsIterator, directory: epath.Path, saved: list[dict[str, Any]]) -> None:
+  """Moves `item` to the saved positions (not yet prefetching). CheckpointError when they are for another global
+  batch, or in the older format (grain's own state per process) for another process count: this run's config, not
+  damage; DamagedCheckpointError when the files, though complete, do not add up to one position."""
+  item.check_batch(s for s in saved if 'global_batch' in s)
+  if 'global_batch' not in saved[0]:  # written before positions named their rows: same layout only
+    mine = directory / f'process_{jax.process_index()}-of-{jax.process_count()}.json'
+    if len(saved) != jax.process_count():
+      raise CheckpointError(
+        f'the data position in {directory} was written by {len(saved)} process(es) in an older '
+        f'format; resume it with {len(saved)} process(es)'
+      )
+    saved = [json.loads(mine.read_text())]
+    set_state = lambda s: item.set_grain_state(s[0])
+  else:
+    set_state = item.set_state
+  try:
+    set_state(saved)
+  except Exception as e:  # the processes' files contradict each other, or grain cannot take its own state back
+    raise DamagedCheckpointError(f'the data position in {directory} cannot be applied ({type(e).__name__}: {e})') from e
 
 
 @ocp.args.register_with_handler(DataPositionHandler, for_save=True)
@@ -255,16 +359,104 @@ class DataRestore(ocp.args.CheckpointArgs):
   item: Any
 
 
-class Checkpointer:
-  """An orbax CheckpointManager for one run directory."""
+class _OrbaxTracebacks(logging.Filter):
+  """A save that fails (a full disk) fails in several of orbax's background threads, and each logs the error with
+  its traceback: hundreds of lines for the one StorageError the run stops with (clu's event writer logs one per
+  failed write). Orbax's errors are kept here (in
+  memory: the disk may be the one that is full) and written to `path` when the StorageError is raised, once the
+  partial checkpoint is removed, or when the Checkpointer closes. Orbax's warnings still reach the terminal."""
 
-  def __init__(self, directory: str, *, every_steps: int, keep: int, async_save: bool = True):
+  MAX_RECORDS = 100
+
+  def __init__(self, path: str):
+    super().__init__()
+    self.path, self.records, self.written = path, [], 0
+    self.format = logging.Formatter('%(asctime)s %(threadName)s %(pathname)s:%(lineno)d %(levelname)s %(message)s')
+    for logger in (logging.getLogger('absl'), logging.getLogger()):  # orbax logs through absl, or plain logging
+      logger.addFilter(self)
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno < logging.ERROR or not ('/orbax/' in record.pathname or '/clu/asynclib' in record.pathname):
+      return True
+    if len(self.records) < self.MAX_RECORDS:
+      self.records.append(record)
+    return False
+
+  def flush(self) -> str | None:
+    """Writes what was kept to the log file: its path, or None if nothing was logged (or it cannot be written)."""
+    if self.records:
+      try:
+        with open(self.path, 'a') as f:
+          f.writelines(self.format.format(r) + '\n' for r in self.records)
+        self.written += len(self.records)
+      except OSError:
+        return None
+      self.records = []
+    return self.path if self.written else None
+
+  def close(self) -> None:
+    self.flush()
+    for logger in (logging.getLogger('absl'), logging.getLogger()):
+      logger.removeFilter(self)
+
+
+def state_bytes(trainer: Trainer) -> int:
+  """The train state's size: what one checkpoint takes on disk (orbax stores the arrays uncompressed)."""
+  return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(trainer.abstract))
+
+
+def check_space(directory: str, nbytes: int, keep: int, policy: str = 'refuse') -> str | None:
+  """Before training: whether `directory`'s free space holds the checkpoints still to be written, each of
+  `nbytes` (state_bytes): `keep` of them, plus the one being written before the oldest is deleted, less those
+  already there. StorageError naming both figures ('refuse'), or that message to print ('warn'); None if they fit."""
+  directory = os.path.abspath(directory)
+  ensure_writable(directory, 'checkpoint directory')
+  count = max(1, keep + 1 - len(steps_in(directory)))
+  free = shutil.disk_usage(directory).free
+  if count * nbytes <= free:
+    return None
+  msg = (
+    f'checkpoint directory {directory} has {free / 2**20:.1f} MiB free, but the run needs '
+    f'{count * nbytes / 2**20:.1f} MiB there: {count} checkpoint(s) of {nbytes / 2**20:.1f} MiB '
+    f'(config.keep_checkpoints={keep}, plus the one being written)'
+  )
+  if policy == 'warn':
+    return f"{msg}; training anyway (config.checkpoint_space='warn')"
+  raise StorageError(
+    f'{msg}: free space, choose another --workdir or lower config.keep_checkpoints '
+    "(config.checkpoint_space='warn' trains anyway)"
+  )
+
+
+def _free_name(src: str) -> str:
+  dst, n = f'{src}.damaged', 1
+  while os.path.exists(dst):
+    n += 1
+    dst = f'{src}.damaged{n}'
+  return dst
+
+
+def _first_line(e: BaseException) -> str:
+  lines = str(e).strip().splitlines() or ['']
+  return f'{type(e).__name__}: {lines[0][:600]}'
+
+
+class Checkpointer:
+  """An orbax CheckpointManager for one run directory. Restores are agreed between processes: each reads what it
+  needs, says whether it could (cluster.gather_strings), and all then take the same checkpoint or all fall back."""
+
+  def __init__(self, directory: str, *, every_steps: int, keep: int, async_save: bool = True, log: str | None = None):
     self.directory = os.path.abspath(directory)
     ensure_writable(self.directory, 'checkpoint directory')
+    self.keep = keep
     self.manager = ocp.CheckpointManager(
       self.directory,
-      item_names=('state', 'data'),
-      item_handlers={'state': ocp.StandardCheckpointHandler(), 'data': DataPositionHandler()},
+      item_names=('state', 'data', 'checksums'),
+      item_handlers={
+        'state': ocp.StandardCheckpointHandler(),
+        'data': DataPositionHandler(),
+        'checksums': ocp.StandardCheckpointHandler(),
+      },
       options=ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         save_interval_steps=every_steps,
@@ -273,6 +465,8 @@ class Checkpointer:
         cleanup_tmp_directories=True,
       ),
     )
+    self._reader = ocp.StandardCheckpointHandler()  # its restore has no barrier: processes agree on their own
+    self._tracebacks = _OrbaxTracebacks(log or os.path.join(os.path.dirname(self.directory), 'orbax_errors.log'))
     self._last_saved = self.manager.latest_step()
     self._in_flight: int | None = None  # the step of the asynchronous save not yet known to be complete
 
@@ -285,15 +479,21 @@ class Checkpointer:
 
   def save(self, step: int, state: TrainState, data_iter: Any, *, force: bool = False) -> bool:
     """Starts an asynchronous save (when due or forced; once per step); training continues while
-    it writes. Orbax copies the arrays to host memory before returning, so donating them is safe.
-    A failure of the previous save (found now) or of this one is a StorageError when the disk is to blame."""
+    it writes. Orbax copies the arrays to host memory before returning, so donating them is safe. The arrays'
+    checksums are computed on the devices and saved with them (an item of their own). A failure of the previous
+    save (found now) or of this one is a StorageError when the disk is to blame."""
     if not self.due(step, force=force):
       return False
     self.wait()  # orbax would wait here anyway; waiting first tells which step's save failed
+    tree = state_dict(state)
     try:
       saved = self.manager.save(
         step,
-        args=ocp.args.Composite(state=ocp.args.StandardSave(state_dict(state)), data=DataSave(data_iter)),
+        args=ocp.args.Composite(
+          state=ocp.args.StandardSave(tree),
+          data=DataSave(data_iter),
+          checksums=ocp.args.StandardSave({'sums': checksums(tree)}),
+        ),
         force=force,
       )
     except Exception as e:
@@ -303,6 +503,11 @@ class Checkpointer:
     if saved:
       self._last_saved, self._in_flight = step, step
     return saved
+
+  def poll(self) -> None:
+    """Once per step: a StorageError as soon as the save in flight has failed (not at the next save)."""
+    if self._in_flight is not None and not self.manager.is_saving_in_progress():
+      self.wait()
 
   def check(self, trainer: Trainer, step: int | None = None, data_iter: Any = None) -> Any:
     """Checks a checkpoint's shapes against the trainer's from its metadata alone (train.py: before compiling):
@@ -325,42 +530,107 @@ class Checkpointer:
     if isinstance(data_iter, RowsIterator):
       try:
         saved = _data_positions(epath.Path(self.directory) / str(step) / 'data')
-      except (OSError, ValueError):
-        saved = []  # unreadable: damage, which the restore meets and falls back from
+      except DamagedCheckpointError:
+        saved = []  # damage, which the restore meets and falls back from
       try:
         data_iter.check_batch(s for s in saved if 'global_batch' in s)
       except CheckpointError as e:
         raise CheckpointError(f'{source}: {e}') from None
     return abstract
 
+  def _read(self, trainer: Trainer, data_iter: Any, step: int) -> tuple[Any, str, CheckpointError | None]:
+    """This process's read of `step`: (restored, outcome, error). outcome is 'ok' (checksums read too),
+    'unverified' (a checkpoint written without checksums), 'damaged:<why>' (any failure to read the checkpoint's
+    own files), or 'error:<why>' for a checkpoint this run's config cannot take (error: the CheckpointError)."""
+    source, step_dir = f'checkpoint {self.directory}/{step}', epath.Path(self.directory) / str(step)
+    try:
+      abstract = self.check(trainer, step)
+      saved = None
+      if isinstance(data_iter, RowsIterator):
+        try:
+          saved = _data_positions(step_dir / 'data')
+        except DamagedCheckpointError as e:
+          raise DamagedCheckpointError(f'{source} is missing or corrupt: {e}') from e
+        try:
+          data_iter.check_batch(s for s in saved if 'global_batch' in s)
+        except CheckpointError as e:
+          raise CheckpointError(f'{source}: {e}') from None
+      state = self._reader.restore(step_dir / 'state', args=ocp.args.StandardRestore(abstract))
+      sums = None
+      if (step_dir / 'checksums').exists():
+        target = {
+          'sums': jax.ShapeDtypeStruct((len(jax.tree.leaves(abstract)),), jnp.uint32, sharding=trainer.replicated)
+        }
+        sums = self._reader.restore(step_dir / 'checksums', args=ocp.args.StandardRestore(target))['sums']
+      try:  # the data position last, once the arrays are read (no prefetching before the processes agree)
+        if saved is None:
+          DataPositionHandler().restore(step_dir / 'data', item=data_iter)  # grain's own iterator state
+        else:
+          _set_position(data_iter, step_dir / 'data', saved)
+      except DamagedCheckpointError as e:
+        raise DamagedCheckpointError(f'{source} is missing or corrupt: {e}') from e
+      except CheckpointError as e:  # a position this run cannot take (older format, other process count)
+        raise CheckpointError(f'{source}: {e}') from e
+    except DamagedCheckpointError as e:
+      _abandoned_reads.met(self.directory)
+      return None, f'damaged:{e}', None
+    except CheckpointError as e:
+      return None, f'error:{e}', e
+    except Exception as e:  # pylint: disable=broad-except  # reading the checkpoint's own files failed: damage
+      if 'tree structures do not match' in str(e):  # readable, but (empty) optimizer states differ: not damage
+        err = CheckpointError(
+          f"{source}: the train state's structure differs from this run's "
+          f'({" ".join(str(e).split("If this mismatch")[0].split())}). {ANOTHER_OPTIMIZER}'
+        )
+        return None, f'error:{err}', err
+      _abandoned_reads.met(self.directory)  # orbax's reads still in flight fail too: quietly
+      return None, f'damaged:{source} could not be restored: {_read_failure(e) or _first_line(e)}', None
+    return (state, sums), 'ok' if sums is not None else 'unverified', None
+
+  def _restore_agreed(self, trainer: Trainer, data_iter: Any, step: int) -> tuple[TrainState | None, str]:
+    """Reads `step` on every process and agrees on it: (state, '') when every process read it and its checksums
+    held, else (None, why it is damaged: the same text on every process). A CheckpointError (this run's config
+    cannot take it) on every process if any process met one."""
+    source, n = f'checkpoint {self.directory}/{step}', jax.process_count()
+    restored, outcome, error = self._read(trainer, data_iter, step)
+    outcomes = cluster.gather_strings(f'restore/{step}', outcome)
+    refused = [o.removeprefix('error:') for o in outcomes if o.startswith('error:')]
+    if refused:
+      raise error or CheckpointError(refused[0])
+    damaged = [(i, o.removeprefix('damaged:')) for i, o in enumerate(outcomes) if o.startswith('damaged:')]
+    if not damaged and len(set(outcomes)) > 1:  # checksums missing where others found them
+      missing = f'{source} is missing or corrupt: its checksums are missing'
+      damaged = [(i, missing) for i, o in enumerate(outcomes) if o == 'unverified']
+    if damaged:
+      _abandoned_reads.met(self.directory)
+      who = [i for i, _ in damaged]
+      seen = f' (seen by process {", ".join(map(str, who))} of {n})' if n > 1 and len(who) < n else ''
+      return None, damaged[0][1] + seen
+    (state, sums) = restored
+    if sums is not None:  # every process computes the same replicated figures: they agree without asking
+      found, expected = np.asarray(jax.device_get(checksums(state))), np.asarray(jax.device_get(sums))
+      if found.shape != expected.shape or (found != expected).any():
+        paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
+        bad = [p for p, f, e in zip(paths, found, expected) if f != e] if found.shape == expected.shape else paths
+        return None, (
+          f'{source} is corrupt: the checksums of {len(bad)} of {len(paths)} arrays differ from those saved with it '
+          f'(e.g. {", ".join(bad[:3])})'
+        )
+    if hasattr(data_iter, 'start_prefetch'):
+      data_iter.start_prefetch()
+    return TrainState(state['step'], state['params'], state['opt_state'], state['model_state']), ''
+
   def restore(self, trainer: Trainer, data_iter: Any, step: int | None = None) -> TrainState:
     """Restores the train state into the trainer's shardings (any mesh, any rules) and the data
-    iterator's position (any process count for a data.RowsIterator), checking shapes first."""
+    iterator's position (any process count for a data.RowsIterator), checking shapes first and the arrays'
+    checksums after. DamagedCheckpointError (on every process) if any process cannot read it or a checksum fails."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f'no checkpoint in {self.directory}')
-    source = f'checkpoint {self.directory}/{step}'
-    abstract = self.check(trainer, step)
-    try:
-      restored = self.manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), data=DataRestore(data_iter))
-      )
-    except DamagedCheckpointError as e:  # the data position missing or unreadable
-      raise DamagedCheckpointError(f'{source} is missing or corrupt: {e}') from e
-    except CheckpointError as e:  # a data position this run cannot take (another batch size): not damage
-      raise CheckpointError(f'{source}: {e}') from e
-    except Exception as e:  # pylint: disable=broad-except
-      if (cause := _read_failure(e)) is None:
-        raise
-      if 'tree structures do not match' in str(e):  # readable, but (empty) optimizer states differ: not damage
-        raise CheckpointError(
-          f"{source}: the train state's structure differs from this run's "
-          f'({" ".join(str(e).split("If this mismatch")[0].split())}). {ANOTHER_OPTIMIZER}'
-        ) from e
-      _abandoned_reads.met(self.directory)
-      raise DamagedCheckpointError(f'{source} could not be restored: {cause}') from e
-    s = restored['state']
-    return TrainState(s['step'], s['params'], s['opt_state'], s['model_state'])
+    state, damage = self._restore_agreed(trainer, data_iter, step)
+    if state is None:
+      raise DamagedCheckpointError(damage)
+    return state
 
   def restore_latest(
     self,
@@ -369,42 +639,50 @@ class Checkpointer:
     *,
     fallback: bool = True,
   ) -> tuple[TrainState, list[str]]:
-    """Restores the newest checkpoint that can be read: (state, warnings). Damaged newer ones (unreadable
-    metadata, array data or data position) are then moved aside to <step>.damaged (kept, never deleted; their
-    step numbers are free for the next saves), each with a warning naming it. With fallback=False
+    """Restores the newest checkpoint that every process can read and whose checksums hold: (state, warnings).
+    Damaged newer ones (unreadable metadata, array data or data position on any process, a failed checksum) are
+    then moved aside to <step>.damaged by process 0 (kept, never deleted; their step numbers are free for the next
+    saves), each with a warning naming it, the same on every process. With fallback=False
     (config.resume_fallback), a damaged newest checkpoint is an error; so is one with no readable checkpoint
     before it (nothing is moved then: a rerun must not silently start afresh). A checkpoint of another model
     or optimizer is an error either way (a config problem, not damage: nothing is moved)."""
-    damaged: list[tuple[int, DamagedCheckpointError]] = []
-    for step in sorted(self.manager.all_steps(), reverse=True):
-      try:
-        state = self.restore(trainer, data_iter, step)
-      except DamagedCheckpointError as e:
+    steps = sorted(self.manager.all_steps(), reverse=True)
+    steps = json.loads(cluster.gather_strings('steps', json.dumps(steps))[0])  # process 0's list, for everyone
+    damaged: list[tuple[int, str]] = []
+    for step in steps:
+      state, damage = self._restore_agreed(trainer, data_iter, step)
+      if state is None:
         if not fallback:
-          raise DamagedCheckpointError(f'{e} (config.resume_fallback=True resumes from the previous one)') from e
-        damaged.append((step, e))
+          raise DamagedCheckpointError(f'{damage} (config.resume_fallback=True resumes from the previous one)')
+        damaged.append((step, damage))
         continue
-      warnings = [
-        f'{e}; moved aside to {self._move_aside(s)} (not deleted); resumed from step {step}' for s, e in damaged
-      ]
-      return state, warnings
+      moved = self._move_aside([s for s, _ in damaged])
+      return state, [f'{d}; moved aside to {moved[s]} (not deleted); resumed from step {step}' for s, d in damaged]
     if damaged:
-      raise DamagedCheckpointError(f'{damaged[0][1]}; no older checkpoint can be read either') from damaged[0][1]
+      raise DamagedCheckpointError(f'{damaged[0][1]}; no older checkpoint can be read either')
     raise CheckpointError(f'no checkpoint in {self.directory}')
 
-  def _move_aside(self, step: int) -> str:
-    src = os.path.join(self.directory, str(step))
-    dst = f'{src}.damaged'
-    n = 1
-    while os.path.exists(dst):
-      n += 1
-      dst = f'{src}.damaged{n}'
+  def _move_aside(self, steps: list[int]) -> dict[int, str]:
+    """Process 0 renames each step to <step>.damaged (or .damaged2 ...) once every process is done reading; all
+    return the same names (chosen before anything is renamed)."""
+    if not steps:
+      return {}
+    moved = {s: _free_name(os.path.join(self.directory, str(s))) for s in steps}
+    cluster.gather_strings('aside/ready', 'ok')  # every process has chosen the names and read what it reads
+    outcome = 'ok'
     if jax.process_index() == 0:
-      os.rename(src, dst)
-    multihost_utils.sync_global_devices(f'shardzoo:checkpoint_aside:{step}')
+      for s, dst in moved.items():
+        try:
+          os.rename(os.path.join(self.directory, str(s)), dst)
+        except OSError as e:
+          outcome = f'{self.directory}/{s} could not be moved aside to {dst}: {_describe(e.errno, e.strerror, None)}'
+          break
+    outcome = cluster.gather_strings('aside/done', outcome)[0]
+    if outcome != 'ok':
+      raise StorageError(f'damaged checkpoint {outcome}')
     self.manager.reload()
     self._last_saved = self.manager.latest_step()  # its step number is free again: the next save there happens
-    return dst
+    return moved
 
   def wait(self) -> None:
     """Blocks until the save in flight is complete; a StorageError if the disk made it fail."""
@@ -417,29 +695,47 @@ class Checkpointer:
       raise err from e
 
   def _storage_error(self, step: int | None, e: Exception) -> StorageError | None:
-    """The StorageError for a save of `step` that failed for `e`, if an OS error is to blame (else None)."""
+    """The StorageError for a save of `step` that failed for `e`, if an OS error is to blame (else None). The
+    partial checkpoint is removed (nothing a rerun could use), and orbax's tracebacks go to the log file."""
     found = os_error_of(e)
     if found is None:
       return None
-    self.manager.reload()
-    usage = shutil.disk_usage(self.directory)
-    full = ' (the disk is full)' if found[0] in (errno.ENOSPC, errno.EDQUOT) else ''
-    newest = self.manager.latest_step()
+    for partial in epath.Path(self.directory).glob(f'{step}.orbax-checkpoint-tmp*'):
+      shutil.rmtree(partial, ignore_errors=True)
+    try:
+      self.manager.reload()
+      newest = self.manager.latest_step()
+    except Exception:  # pylint: disable=broad-except  # the directory itself is gone or unreadable
+      newest = None
     kept = (
-      f'{self.directory}/{newest} is the newest intact checkpoint'
+      f'the last good checkpoint is {self.directory}/{newest} and a rerun resumes from it'
       if newest is not None
-      else 'no checkpoint was written'
+      else 'no checkpoint was written before it'
     )
+    try:
+      usage = shutil.disk_usage(self.directory)
+      space = f'{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB there; '
+    except OSError:
+      space = ''
+    full = ' (the disk is full)' if found[0] in (errno.ENOSPC, errno.EDQUOT) else ''
+    log = self._tracebacks.flush()
     err = StorageError(
-      f'checkpoint {self.directory}/{step} could not be written: {_describe(*found)}{full}; '
-      f'{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB there; {kept} and a '
-      'rerun resumes from it (free space or choose another --workdir)'
+      f'checkpoint {self.directory}/{step} could not be written: {_describe(*found)}{full}; {space}{kept} '
+      '(free space or choose another --workdir; the partial checkpoint was removed'
+      + (f", orbax's tracebacks are in {log})" if log else ')')
     )
     err.__cause__ = e
     return err
 
   def close(self) -> None:
-    self.manager.close()
+    try:
+      # The manager removes leftover *.orbax-checkpoint-tmp directories in a thread it starts when it opens and does
+      # not wait for when it closes: a run stopped right after (bad input) met it at interpreter exit, as a traceback.
+      if (cleanup := getattr(self.manager, '_cleanup_tmp_directory_future', None)) is not None:
+        cleanup.result()
+      self.manager.close()
+    finally:
+      self._tracebacks.close()
 
   def __enter__(self) -> Checkpointer:
     return self

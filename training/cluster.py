@@ -159,6 +159,24 @@ def _client() -> Any:
   return distributed.global_state.client
 
 
+_gathered = 0  # calls of gather_strings so far: every process makes the same calls in the same order
+
+
+def gather_strings(topic: str, value: str, timeout_s: float = 3600) -> list[str]:
+  """Every process's `value` (one per process, by process index), through the coordination service's key-value
+  store: a string each process reports without a collective on the devices, so a process that failed to read
+  something can still take part (and say what failed). Returns once every process has reported; a peer that died
+  meanwhile is PeerWatch's to report. One process: [value]."""
+  global _gathered
+  if jax.process_count() == 1:
+    return [value]
+  _gathered += 1
+  key = f'shardzoo/gather/{_gathered}/{topic}/'
+  client = _client()
+  client.key_value_set(f'{key}{jax.process_index()}', value)
+  return [client.blocking_key_value_get(f'{key}{i}', int(timeout_s * 1000)) for i in range(jax.process_count())]
+
+
 def _exit_now() -> None:
   sys.stdout.flush()
   sys.stderr.flush()

@@ -21,7 +21,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from errors import ConfigError
+from errors import ConfigError, StorageError
 from models import hf_export, hf_import, lora
 from partitioning import path_str
 from training import checkpoint
@@ -40,12 +40,20 @@ WRITTEN = (
 )
 
 
-def save_run_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-  """The run's config as it trained (after --config.* overrides and config.json adoption), for export."""
+def save_run_config(config: ml_collections.ConfigDict, workdir: str, last_good: str = 'none') -> None:
+  """The run's config as it trained (after --config.* overrides and config.json adoption), for export. StorageError
+  naming the file, the OS error and the last good checkpoint if it cannot be written."""
   if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, RUN_CONFIG), 'w') as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    path = os.path.join(workdir, RUN_CONFIG)
+    try:
+      os.makedirs(workdir, exist_ok=True)
+      with open(path, 'w') as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    except OSError as e:  # a full disk, a quota, a read-only or vanished workdir: one line, like a checkpoint's
+      raise StorageError(
+        f'{path} could not be written: {e.strerror} [errno {e.errno}]; the last good checkpoint is {last_good} '
+        '(free space or choose another --workdir)'
+      ) from e
 
 
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
