@@ -439,6 +439,10 @@ class Checkpointer:
     return err
 
   def close(self) -> None:
+    # orbax removes earlier runs' unfinished temporary directories in a thread its constructor starts, and joins
+    # it only before the first save (not in close): a run stopped before that (bad input found once the manager
+    # exists) would leave the thread to outlive the interpreter's executors, printing a traceback after our line.
+    getattr(self.manager, '_maybe_await_cleanup_tmp_directory', lambda: None)()
     self.manager.close()
 
   def __enter__(self) -> Checkpointer:
