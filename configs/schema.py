@@ -486,10 +486,6 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) ->
   raise SystemExit(f'shardzoo: config error: {message}')
 
 
-class _FileError(Exception):
-  """What a config file raised while it ran, as its one line."""
-
-
 @contextlib.contextmanager
 def _file_errors(argv: list[str], flag_values: flags.FlagValues):
   """An exception raised while the --config file ran (found by the innermost frame of the traceback in that file:
@@ -535,10 +531,12 @@ def _describe(error: BaseException) -> str:
     re.DOTALL,
   )
   if cast:
-    key, given, kind = cast.groups()
+    key, given, kind = cast.groups()  # ml_collections names the field by its last part only
     given = 'dict' if given.endswith('ConfigDict') else given
-    must = [f.allowed() for path, f in FIELDS.items() if path.rsplit('.', 1)[-1] == key]
-    return f'config.{key} holds a {kind}, so a {given} cannot replace it' + (f': it must be {must[0]}' if must else '')
+    paths = [path for path in FIELDS if path.rsplit('.', 1)[-1] == key]
+    name = f'config.{paths[0]}' if len(paths) == 1 else f'the config field {key!r}'
+    must = f': it must be {FIELDS[paths[0]].allowed()}' if len(paths) == 1 else ''
+    return f'{name} holds a {kind}, so a {given} cannot replace it{must}'
   field = re.match(r"""[\s'"\\]*(\w+)[\\'"]""", text)
   if isinstance(error, (AttributeError, KeyError)) and field:  # a ConfigDict read of a field it does not have
     hint = re.search(r'Did you mean "(\w+)"', text)

@@ -299,15 +299,29 @@ def test_init_from_that_is_not_there_or_only_pytorch_weights(tmp_path):
     pretrained._is_hf_dir(str(tmp_path))
 
 
-def test_closing_a_checkpointer_joins_orbax_cleanup_thread(tmp_path):
+def test_closing_a_checkpointer_joins_orbax_cleanup_thread(tmp_path, monkeypatch):
   """orbax starts a thread to clean temporary directories when a CheckpointManager is made and joins it only
   before a save: a run stopped by bad input before its first save must not leave it to outlive the interpreter
   (it printed a 40-line traceback after our line in a third of such runs)."""
+  import asyncio
+
+  from orbax.checkpoint._src.path import temporary_paths
+
   from training import checkpoint
 
+  cleanup = temporary_paths.cleanup_temporary_paths
+
+  async def slow_cleanup(*args, **kwargs):  # as on a slow file system: the thread is still running at close
+    await asyncio.sleep(1.0)
+    return await cleanup(*args, **kwargs)
+
+  monkeypatch.setattr(temporary_paths, 'cleanup_temporary_paths', slow_cleanup)
+  before = set(threading.enumerate())
   ckpt = checkpoint.Checkpointer(str(tmp_path / 'checkpoints'), every_steps=1, keep=1)
+  assert set(threading.enumerate()) - before, 'orbax started no cleanup thread: the premise changed'
   ckpt.close()
-  alive = [t.name for t in threading.enumerate() if '_target_setting_result' in t.name]
+  # orbax's thread (run_sync's idle executor workers are joined by concurrent.futures at exit, without error)
+  alive = [t.name for t in set(threading.enumerate()) - before if '_target_setting_result' in t.name]
   assert alive == [], alive
 
 
