@@ -65,6 +65,12 @@ class StorageError(RuntimeError):
   checkpoints written before it are intact, and a rerun resumes from the newest."""
 
 
+def usage(message: str) -> SystemExit:
+  """For entry points: a command line that lacks a required flag or has a stray argument ends with this one line,
+  `shardzoo: usage error: <message>` (absl's app.UsageError would print every flag first)."""
+  return SystemExit(f'shardzoo: usage error: {message} (--help for all flags)')
+
+
 @contextlib.contextmanager
 def one_line():
   """For entry points (train.py, search.py, benchmarks/): these errors end the program with their one line,

@@ -44,13 +44,13 @@ flags.DEFINE_bool(
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  del argv  # schema.parse_flags refused stray arguments
   if not FLAGS.workdir or not FLAGS.out:
-    raise SystemExit('shardzoo: usage error: --workdir and --out are required (--help for all flags)')
+    raise errors.usage('--workdir and --out are required')
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore detail at INFO
   try:
     export.check_options(FLAGS.dtype, FLAGS.max_shard_size)  # before anything is built
+    export.check_workdir(FLAGS.workdir)
     config = FLAGS.config or export.load_run_config(FLAGS.workdir)
     schema.check(config)
     checkpoints = os.path.join(FLAGS.workdir, 'checkpoints')

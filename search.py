@@ -65,11 +65,10 @@ def say(msg: str) -> None:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  del argv  # schema.parse_flags refused stray arguments
   config = FLAGS.config
   if config is None or FLAGS.devices is None or FLAGS.device_kind is None:
-    raise app.UsageError(
+    raise errors.usage(
       '--config, --devices and --device_kind are required, e.g. --config configs/llama.py '
       '--devices 8 --device_kind h100'
     )

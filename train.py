@@ -102,6 +102,8 @@ def _train_and_evaluate(
   config, workdir: str | None, dry_run: bool, peak_tflops: float | None, cleanup: contextlib.ExitStack
 ) -> dict[str, Any]:
   schema.check(config)  # every field's type and range, before anything is built
+  for w in schema.warnings(config):  # valid settings that would not do what they say
+    say(f'WARNING config: {w}')
   # --- Devices and mesh ------------------------------------------------------------------------
   device = jax.devices()[0]
   dcn = config.get('dcn_mesh')  # slices over the slower network (hosts): the outer factor of each mesh axis
@@ -355,17 +357,12 @@ class _QuietOrbax(logging_std.Filter):
 
 def main(argv) -> None:
   logging.get_absl_handler().addFilter(_QuietOrbax())
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  del argv  # schema.parse_flags refused stray arguments
   config = FLAGS.config
   if config is None:
-    raise SystemExit(
-      'shardzoo: usage error: --config is required, e.g. --config configs/default.py (--help for all flags)'
-    )
+    raise errors.usage('--config is required, e.g. --config configs/default.py')
   if not FLAGS.workdir and not FLAGS.dry_run:  # also --workdir= (an unset $WORKDIR in a script)
-    raise SystemExit(
-      'shardzoo: usage error: --workdir is required (metrics and checkpoints are written there; --help for all flags)'
-    )
+    raise errors.usage('--workdir is required: metrics and checkpoints are written there')
   with errors.one_line():  # bad input, disk trouble, divergence: one line, no traceback
     schema.check(config)  # before JAX starts
     if not FLAGS.peer_timeout >= 5:  # beats come every peer_timeout / 5 s; a peer busy compiling is not dead

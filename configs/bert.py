@@ -25,6 +25,7 @@ fails with a message naming that field). Fine-tuning pretrained weights needs th
 """
 
 from configs import common
+from errors import ConfigError
 
 # The transformer presets (configs/common.py) plus BERT's token-type rows, copied here to edit for this family.
 RULES, MESHES = common.transformer_presets(extra=[('token_types', None)])
@@ -52,13 +53,13 @@ def get_config(arg: str | None = None):
   words = [w.strip() for w in (arg or '').split(',') if w.strip()]
   tasks = sorted({w for w in words if w in TASKS})
   if len(tasks) > 1:
-    raise ValueError(f'bert.py: two tasks {tasks[0]!r} and {tasks[1]!r} in {arg!r}; give one task')
+    raise ConfigError(f'bert.py: two tasks {tasks[0]!r} and {tasks[1]!r} in {arg!r}; give one task')
   word = tasks[0] if tasks else 'mlm'
   rest = ','.join(w for w in words if w not in TASKS)
   try:
     preset, size = common.parse_arg(rest, RULES, SIZES, default_preset='fsdp', default_size='base', file='bert.py')
-  except ValueError as e:
-    raise ValueError(f'{e}, tasks: {sorted(TASKS)}') from None
+  except ConfigError as e:
+    raise ConfigError(f'{e}, tasks: {sorted(TASKS)}') from None
   task, head = TASKS[word]
   c = common.base(preset, size)
   c.task = task

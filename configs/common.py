@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 
 import ml_collections
 
+from errors import ConfigError
+
 
 def parse_arg(
   arg: str | None, presets: Sequence[str], sizes: Sequence[str], *, default_preset: str, default_size: str, file: str
@@ -29,9 +31,9 @@ def parse_arg(
     elif word in sizes:
       kind = 'size'
     else:
-      raise ValueError(f'{file}: unknown config argument {word!r}; presets: {sorted(presets)}, sizes: {sorted(sizes)}')
+      raise ConfigError(f'{file}: unknown config argument {word!r}; presets: {sorted(presets)}, sizes: {sorted(sizes)}')
     if given.get(kind, word) != word:
-      raise ValueError(f'{file}: two {kind}s {given[kind]!r} and {word!r} in {arg!r}; give one preset and/or one size')
+      raise ConfigError(f'{file}: two {kind}s {given[kind]!r} and {word!r} in {arg!r}; give one preset and/or one size')
     given[kind] = word
   return given.get('preset', default_preset), given.get('size', default_size)
 

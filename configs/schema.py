@@ -9,16 +9,23 @@ are, still before compiling.
 
 `parse_flags` is absl's command-line parsing for train.py, export.py and search.py, with a bad --config (a missing
 or broken file, an unknown field, a misspelled preset, a value of the wrong type) reported as one line instead
-of a traceback.
+of a traceback. A config file that raises while it runs is named with its line and the error (the traceback's
+innermost frame in that file); one whose get_config() returns something else than a ConfigDict, or leaves out a
+field every config sets (`Field.required`), is named too. `warnings` are the settings that are valid but would
+silently do something else than written (train.py prints them).
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
 import errno
 import importlib
 import math
+import os
 import re
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +33,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
+import errors
 from errors import ConfigError
 
 INF = float('inf')
@@ -44,6 +52,7 @@ class Field:
   hi_open: bool = False
   choices: Callable[[], Sequence[Any]] | None = None
   optional: bool = False  # None is allowed
+  required: bool = False  # every config sets it (train.py reads it without a default)
 
   def allowed(self) -> str:
     if self.choices is not None:
@@ -222,12 +231,12 @@ FRACTION = Field(float, lo=0, hi=1, hi_open=True)  # [0, 1)
 
 FIELDS: dict[str, Field] = {
   # the run
-  'task': Field(str, choices=_owned('training.tasks', 'TASKS', sort=True)),
-  'seed': COUNT,
-  'batch_size': POSITIVE,
-  'total_steps': POSITIVE,
-  'log_every': POSITIVE,
-  'eval_every': POSITIVE,
+  'task': Field(str, choices=_owned('training.tasks', 'TASKS', sort=True), required=True),
+  'seed': Field(int, lo=0, required=True),
+  'batch_size': Field(int, lo=1, required=True),
+  'total_steps': Field(int, lo=1, required=True),
+  'log_every': Field(int, lo=1, required=True),
+  'eval_every': Field(int, lo=1, required=True),
   'checkpoint_every': COUNT,
   'keep_checkpoints': POSITIVE,
   'sample_len': COUNT,
@@ -239,9 +248,9 @@ FIELDS: dict[str, Field] = {
   'checkpoint_space': Field(str, choices=lambda: ['refuse', 'warn']),
   'preset': Field('info'),
   'size': Field('info'),  # set by get_config(arg): what the file built
-  'mesh': Field('mesh'),
+  'mesh': Field('mesh', required=True),
   'dcn_mesh': Field('dcn'),
-  'logical_axis_rules': Field('rules'),
+  'logical_axis_rules': Field('rules', required=True),
   'context_load_balance': Field(bool),
   'pipeline.microbatches': POSITIVE,  # under ('layers', 'stage'): micro-batches per step (docs/pipelines.md)
   'pipeline.repeats': POSITIVE,  # 1: GPipe; > 1: circular, each device holding that many non-adjacent stages
@@ -255,8 +264,8 @@ FIELDS: dict[str, Field] = {
   'lora.targets': Field('regex'),
   'lora.export_merged': Field(bool),
   # optimizer
-  'optim.name': Field(str, choices=_owned('training.optim', 'OPTIMIZERS')),
-  'optim.lr': NONNEG,
+  'optim.name': Field(str, choices=_owned('training.optim', 'OPTIMIZERS'), required=True),
+  'optim.lr': Field(float, lo=0, required=True),
   'optim.warmup_steps': COUNT,
   'optim.min_lr_ratio': Field(float, lo=0, hi=1),
   'optim.weight_decay': NONNEG,
@@ -266,7 +275,7 @@ FIELDS: dict[str, Field] = {
   'optim.grad_clip': NONNEG,
   'optim.momentum': FRACTION,
   # model (every family's fields; a family reads the ones it has)
-  'model.name': Field(str, choices=_owned('models', 'MODELS', sort=True)),
+  'model.name': Field(str, choices=_owned('models', 'MODELS', sort=True), required=True),
   'model.dtype': Field(str, choices=DTYPES),
   'model.param_dtype': Field(str, choices=DTYPES),
   'model.logits_dtype': Field(str, choices=DTYPES),
@@ -309,7 +318,7 @@ FIELDS: dict[str, Field] = {
   'model.bn_fused': Field(bool),
   'model.stride_in_1x1': Field(bool),
   # data
-  'dataset.name': Field(str),
+  'dataset.name': Field(str, required=True),
   'dataset.seq_len': POSITIVE,
   'dataset.vocab_size': POSITIVE,
   'dataset.branching': POSITIVE,
@@ -366,7 +375,11 @@ def leaves(config: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
 
 
 def check(config: ml_collections.ConfigDict) -> None:
-  """Raises one ConfigError for the first field that is unknown or holds a value it does not allow."""
+  """Raises one ConfigError for the first field that is missing, unknown or holds a value it does not allow, a
+  mesh whose axes would not keep the order written, or a model family that does not train on config.task or
+  lacks a field it reads (models.check_config)."""
+  if missing := missing_field(config):
+    raise ConfigError(missing)
   for path, value in leaves(config).items():
     field = FIELDS.get(path)
     if field is None:
@@ -376,6 +389,85 @@ def check(config: ml_collections.ConfigDict) -> None:
       )
     if field.problem(value):
       raise ConfigError(field.message(path, value))
+  for name in MESHES:
+    if _reordered(config.get(name)):
+      value = config[name]
+      raise ConfigError(
+        f'config.{name}={dict(_written(value))!r} is a ConfigDict that sorts its keys: its axes would be laid out '
+        f'as {list(value)}, not in the order written; build it with common.mesh(...) '
+        '(ml_collections.ConfigDict(..., sort_keys=False))'
+      )
+  importlib.import_module('models').check_config(config.model, config.task)
+
+
+def missing_field(config: Any) -> str:
+  """'config.<path> is missing: ...' for the first field every config sets (Field.required) that `config` lacks."""
+  have = leaves(config)
+  for path, field in FIELDS.items():
+    if field.required and path not in have:
+      return f'config.{path} is missing: every config sets it ({field.allowed()})'
+  return ''
+
+
+MESHES = ('mesh', 'dcn_mesh')  # device-layout order: outermost axis first
+
+
+def _written(value: ml_collections.ConfigDict) -> dict[str, Any]:
+  # A ConfigDict keeps its fields in the order they were set and sorts them only when iterated (sort_keys=True,
+  # the default); ml_collections has no public reader of that order.
+  return dict(value._fields)
+
+
+def _reordered(value: Any) -> bool:
+  """Whether `value` is a key-sorting ConfigDict whose axes were written in another order."""
+  return isinstance(value, ml_collections.ConfigDict) and value._sort_keys and list(_written(value)) != list(value)
+
+
+def keep_written_order(config: ml_collections.ConfigDict) -> None:
+  """config.mesh and config.dcn_mesh in the order written, where a plain ConfigDict (in a config file, or from
+  --config.mesh="{...}") would sort the axes and so change the device layout."""
+  for name in MESHES:
+    if _reordered(config.get(name)):
+      config[name] = ml_collections.ConfigDict(_written(config[name]), sort_keys=False)
+
+
+def warnings(config: ml_collections.ConfigDict) -> list[str]:
+  """Settings that are valid but would not do what they say (train.py prints each as a warning line)."""
+  out = []
+  optim, total = config.get('optim') or {}, config.get('total_steps')
+  if total is not None and optim.get('warmup_steps', 0) > max(total - 1, 0):
+    out.append(
+      f'config.optim.warmup_steps={optim.warmup_steps} with config.total_steps={total}: the warmup is cut to '
+      f'{max(total - 1, 0)} steps (the learning rate peaks at the last step)'
+    )
+  if config.get('dont_load') and not config.get('init_from'):
+    out.append(
+      f'config.dont_load={config.dont_load!r} has no effect without config.init_from: nothing is loaded, '
+      'every parameter starts fresh'
+    )
+  return out
+
+
+class _ListParser(flags.ArgumentParser):
+  """--config.<list field>="[...]": a Python list literal, e.g. --config.logical_axis_rules="[('batch', 'data'),
+  ...]" (ml_collections parses no list-valued field from the command line; `check` then reads it like any value)."""
+
+  def parse(self, argument: Any) -> list[Any]:
+    if not isinstance(argument, str):  # the config file's own value, as the flag's default
+      return list(argument)
+    try:
+      value = ast.literal_eval(argument)
+    except (SyntaxError, ValueError):
+      value = None
+    if not isinstance(value, (list, tuple)):
+      raise ValueError("must be a Python list literal, e.g. \"[('batch', 'data'), ('embed', None)]\"")
+    return list(value)
+
+  def flag_type(self) -> str:
+    return 'list literal'
+
+
+config_flags.register_flag_parser_for_type(list, _ListParser())
 
 
 def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) -> list[str]:
@@ -384,10 +476,14 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) ->
   naming a field this config file does not declare), a misspelled preset or size, a value that does not parse."""
   flag_values = flags.FLAGS if flag_values is None else flag_values
   try:
-    rest = flag_values(argv)
-    for name in _config_flags(flag_values):  # ml_collections defers a config file that failed to load until read
-      if flag_values[name].value is not None:
-        hasattr(flag_values[name].value, 'keys')
+    with _file_errors(argv, flag_values):
+      rest = flag_values(argv)
+      for name in _config_flags(flag_values):  # ml_collections defers a config file that failed to load until read
+        if flag_values[name].value is not None or flag_values[name].present:
+          hasattr(flag_values[name].value, 'keys')
+          _check_loaded(flag_values[name].value, argv, flag_values)
+    if len(rest) > 1:
+      raise errors.usage(_stray(rest[1:], argv, flag_values))
     return rest
   except flags.Error as e:  # a value of the wrong type, or the config file's get_config(arg) refused its argument
     text = str(e)
@@ -418,6 +514,87 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) ->
     else:
       message = f'{flag}: the config has no field {name!r}' + (f'; did you mean {hint.group(1)!r}?' if hint else '')
   raise SystemExit(f'shardzoo: config error: {message}')
+
+
+@contextlib.contextmanager
+def _file_errors(argv: list[str], flag_values: flags.FlagValues):
+  """An exception raised while the --config file ran (found by the innermost frame of the traceback in that file:
+  absl and ml_collections rewrap it, or defer it) ends the program naming the file, the line and the error. A
+  ConfigError (a config file refusing its argument: a misspelled preset) keeps its own words."""
+  try:
+    yield
+  except Exception as e:
+    flag, file = _config_flag(argv, flag_values)
+    found = _raised_in(e, file) if file else None
+    if found is None:
+      raise
+    error, frame = found
+    if isinstance(error, ConfigError):
+      message = f'{flag}: {error}'
+    else:
+      code = f' ({frame.line})' if frame.line else ''
+      message = f'{flag}: error at {frame.filename}:{frame.lineno}{code}: {_describe(error)}'
+    raise SystemExit(f'shardzoo: config error: {message}') from None
+
+
+def _raised_in(error: BaseException, file: str) -> tuple[BaseException, traceback.FrameSummary] | None:
+  """The first exception of `error`'s chain (causes and contexts) whose traceback passes through `file`, and its
+  innermost frame there."""
+  target, seen = os.path.realpath(file), set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.realpath(f.filename) == target]
+    if frames:
+      return error, frames[-1]
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _describe(error: BaseException) -> str:
+  """'<ErrorType>: <first line>', with ml_collections' assignment of another type to a field (whose value is
+  shown as a YAML dump) said in a line naming the field and what it must be."""
+  text = str(error)
+  cast = re.search(
+    r"Could not override field '(\w+)'.* is of original type <class '([\w.]+)'> and cannot be casted to type "
+    r"<class '([\w.]+)'>",
+    text,
+    re.DOTALL,
+  )
+  if cast:
+    key, given, kind = cast.groups()  # ml_collections names the field by its last part only
+    given = 'dict' if given.endswith('ConfigDict') else given
+    paths = [path for path in FIELDS if path.rsplit('.', 1)[-1] == key]
+    name = f'config.{paths[0]}' if len(paths) == 1 else f'the config field {key!r}'
+    must = f': it must be {FIELDS[paths[0]].allowed()}' if len(paths) == 1 else ''
+    return f'{name} holds a {kind}, so a {given} cannot replace it{must}'
+  field = re.match(r"""[\s'"\\]*(\w+)[\\'"]""", text)
+  if isinstance(error, (AttributeError, KeyError)) and field:  # a ConfigDict read of a field it does not have
+    hint = re.search(r'Did you mean "(\w+)"', text)
+    text = f'no field {field.group(1)!r}' + (f'; did you mean {hint.group(1)!r}?' if hint else '')
+  return f'{type(error).__name__}: {(text.strip().splitlines() or [""])[0]}'
+
+
+def _check_loaded(config: Any, argv: list[str], flag_values: flags.FlagValues) -> None:
+  """What get_config() returned is a ConfigDict with the fields every config sets; its meshes keep their order."""
+  flag, _ = _config_flag(argv, flag_values)
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise SystemExit(
+      f'shardzoo: config error: {flag}: get_config() returned '
+      f'{"None (no return statement?)" if config is None else "a " + type(config).__name__}, not an '
+      'ml_collections.ConfigDict (configs/<model>.py show how one is built)'
+    )
+  if missing := missing_field(config):
+    raise SystemExit(f'shardzoo: config error: {flag}: {missing}')
+  keep_written_order(config)
+
+
+def _stray(extra: list[str], argv: list[str], flag_values: flags.FlagValues) -> str:
+  """The one line for arguments that are not flags: a word after the config file was likely meant for its ':'."""
+  flag, file = _config_flag(argv, flag_values)
+  hint = ''
+  if file and all(not a.startswith('-') and '/' not in a for a in extra):
+    hint = f'; a preset or size goes after the config file: {flag.split(":", 1)[0]}:{",".join(extra)}'
+  return f'unexpected argument(s) {extra}: everything else is a flag (--name=value){hint}'
 
 
 def _config_flags(flag_values: flags.FlagValues) -> list[str]:

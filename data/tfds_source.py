@@ -8,6 +8,7 @@ command that prepares it on a machine with network access.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -32,9 +33,13 @@ def builder(name: str, data_dir: str | None, offline_names: Sequence[str] = ()) 
     known = list(offline_names) + tfds.list_builders(with_community_datasets=False)
     close = difflib.get_close_matches(name.split('/')[0], known, n=3)
     hint = f'; did you mean {close}?' if close else ''
+    # tfds also reads a dataset prepared in data_dir without its code: a data_dir typo looks like an unknown name
+    looked = data_dir or tfds.core.constants.DATA_DIR
+    where = 'config.dataset.data_dir' if data_dir else 'the TFDS default; config.dataset.data_dir is unset'
+    missing = '' if os.path.isdir(looked) else ', which does not exist'
     raise ConfigError(
-      f'config.dataset.name={name!r} is not a known dataset: not offline '
-      f'({sorted(offline_names)}) and not a TFDS dataset (tfds.list_builders()){hint}'
+      f'config.dataset.name={name!r} is not a known dataset: not offline ({sorted(offline_names)}), not a '
+      f'TFDS dataset (tfds.list_builders()) and not prepared in {looked} ({where}){missing}{hint}'
     ) from None
 
 

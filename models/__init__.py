@@ -41,6 +41,22 @@ HF_FAMILIES = {
 }
 
 
+def check_config(cfg: ml_collections.ConfigDict, task: str) -> None:
+  """The family cfg.name trains on `task` and finds every field it reads in cfg: a config switched to another
+  family or task by an override (--config.model.name=vit on a GPT-2 config) is one ConfigError naming what the
+  family needs, before anything is built."""
+  family = MODELS[cfg.name]
+  missing = [f'config.model.{f}' for f in family.CONFIG_FIELDS if f not in cfg]
+  problems = [] if task in family.TASKS else [f'trains on config.task={" or ".join(map(repr, family.TASKS))} only']
+  if missing:
+    problems.append(f'needs {", ".join(missing)}, which this config does not set')
+  if problems:
+    raise ConfigError(
+      f'config.model.name={cfg.name!r} with config.task={task!r}: {cfg.name} {"; it also ".join(problems)} '
+      f'(start from a config file of the {cfg.name} family)'
+    )
+
+
 def create(
   cfg: ml_collections.ConfigDict, rngs: nnx.Rngs, lora_cfg: ml_collections.ConfigDict | None = None
 ) -> nnx.Module:

@@ -64,6 +64,10 @@ class Bert(nnx.Module):
   (segment A/B) defaults to all zeros.
   """
 
+  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
+  TASKS = ('mlm', 'text_classification')
+  CONFIG_FIELDS = ('vocab_size', 'max_len', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
+
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     D, head = cfg.embed_dim, cfg.get('head', 'mlm')

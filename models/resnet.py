@@ -130,6 +130,10 @@ def _check(cfg: Any) -> None:
 
 
 class ResNet(nnx.Module):
+  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
+  TASKS = ('classification',)
+  CONFIG_FIELDS = ('channels', 'width', 'block', 'stage_sizes', 'bn_eps', 'bn_momentum', 'num_classes')
+
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     _check(cfg)
     self.conv1 = _conv(cfg, cfg.channels, cfg.width, 7, 2, rngs, in_axis='channels')

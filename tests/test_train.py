@@ -185,7 +185,7 @@ def test_cli_empty_workdir_is_a_usage_error():
     r.returncode == 1
     and r.stderr.strip().splitlines()[-1]
     == (
-      'shardzoo: usage error: --workdir is required (metrics and checkpoints are written there; --help for all flags)'
+      'shardzoo: usage error: --workdir is required: metrics and checkpoints are written there (--help for all flags)'
     )
     and 'USAGE' not in r.stderr
   ), r.stderr[-2000:]

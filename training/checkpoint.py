@@ -729,10 +729,10 @@ class Checkpointer:
 
   def close(self) -> None:
     try:
-      # The manager removes leftover *.orbax-checkpoint-tmp directories in a thread it starts when it opens and does
-      # not wait for when it closes: a run stopped right after (bad input) met it at interpreter exit, as a traceback.
-      if (cleanup := getattr(self.manager, '_cleanup_tmp_directory_future', None)) is not None:
-        cleanup.result()
+      # orbax removes earlier runs' unfinished temporary directories in a thread its constructor starts, and joins
+      # it only before the first save (not in close): a run stopped before that (bad input found once the manager
+      # exists) would leave the thread to outlive the interpreter's executors, printing a traceback after our line.
+      getattr(self.manager, '_maybe_await_cleanup_tmp_directory', lambda: None)()
       self.manager.close()
     finally:
       self._tracebacks.close()

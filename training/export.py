@@ -56,6 +56,34 @@ def save_run_config(config: ml_collections.ConfigDict, workdir: str, last_good: 
       ) from e
 
 
+def check_workdir(workdir: str) -> None:
+  """A ConfigError saying what `workdir` is when it is not a run's directory (one train.py wrote: run_config.json
+  and/or checkpoints/): missing, a file, empty, the run's checkpoints/ folder, or one step's folder in it."""
+  expected = 'the directory a run was trained in (train.py --workdir), which holds run_config.json and checkpoints/'
+  path = os.path.abspath(workdir)
+  if not os.path.exists(path):
+    raise ConfigError(f'--workdir {workdir} does not exist: give {expected}')
+  if not os.path.isdir(path):
+    raise ConfigError(f'--workdir {workdir} is a file, not a directory: give {expected}')
+  if os.path.isfile(os.path.join(path, RUN_CONFIG)) or os.path.isdir(os.path.join(path, 'checkpoints')):
+    return
+  parent = os.path.dirname(path)
+  if os.path.isdir(os.path.join(path, 'state')):  # <run>/checkpoints/<step>
+    run = os.path.dirname(parent) if os.path.basename(parent) == 'checkpoints' else parent
+    raise ConfigError(
+      f"--workdir {workdir} is one checkpoint step's directory: give the run's directory and the step, "
+      f'--workdir {run} --step {os.path.basename(path)}'
+    )
+  if steps := checkpoint.steps_in(path):
+    raise ConfigError(
+      f"--workdir {workdir} is a run's checkpoints/ directory (steps {steps}): give the run's directory, "
+      f'--workdir {parent} (and --step N for another step than the latest)'
+    )
+  if not os.listdir(path):
+    raise ConfigError(f'--workdir {workdir} is empty: give {expected}')
+  raise ConfigError(f'--workdir {workdir} holds neither {RUN_CONFIG} nor checkpoints/: give {expected}')
+
+
 def load_run_config(workdir: str) -> ml_collections.ConfigDict:
   path = os.path.join(workdir, RUN_CONFIG)
   if not os.path.isfile(path):
@@ -64,7 +92,12 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
       'config with --config (and the same --config.* overrides)'
     )
   with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+    try:
+      return ml_collections.ConfigDict(json.load(f))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ConfigError(
+        f"{path} is damaged ({e}): give the run's config with --config (and the same --config.* overrides)"
+      ) from None
 
 
 def _merged_weights(trainer: Trainer, params: Any, model_state: Any) -> Any:

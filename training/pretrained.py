@@ -110,13 +110,24 @@ def check_source(trainer: Trainer) -> None:
 
 def _is_hf_dir(path: str) -> bool:
   """Whether init_from is a Hugging Face directory (else a checkpoint directory of this project); ConfigError
-  for a path that is neither."""
+  for a path that is neither, and for a Hugging Face directory without safetensors weights."""
   if hf_import.is_hf_dir(path):
     return True
+  if os.path.isfile(os.path.join(path, 'config.json')):  # PyTorch weights only (pytorch_model.bin)
+    hf_import.HFDir(path)  # its HFImportError says how to convert them
   if not os.path.isdir(path):
+    hub = (
+      ''
+      if '/' in path
+      else (
+        '; as a Hugging Face hub id it needs its owner (owner/name, e.g. openai-community/gpt2: legacy short '
+        'names are not looked up) and is read from the Hugging Face cache (HF_HOME; offline, with '
+        'HF_HUB_OFFLINE=1, fetch it first where the hub can be reached: huggingface-cli download owner/name)'
+      )
+    )
     raise ConfigError(
       f'config.init_from={path!r} is neither a checkpoint directory of this project nor a '
-      'Hugging Face model directory (config.json + *.safetensors)'
+      f'Hugging Face model directory (config.json + *.safetensors): no such directory{hub}'
     )
   return False
 
