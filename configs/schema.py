@@ -209,6 +209,8 @@ FIELDS: dict[str, Field] = {
   'task': Field(str, choices=_owned('training.tasks', 'TASKS', sort=True)),
   'seed': COUNT,
   'batch_size': POSITIVE,
+  'grad_accum_steps': POSITIVE,
+  'accum_gather_once': Field(bool),
   'total_steps': POSITIVE,
   'log_every': POSITIVE,
   'eval_every': POSITIVE,
