@@ -7,6 +7,7 @@ gradient itself (its first step has no momentum), so the parameters compare the 
 """
 
 import importlib
+import os
 
 import jax
 import numpy as np
@@ -197,3 +198,27 @@ def test_split_is_strided_and_keeps_every_device_rows():
   p = np.asarray(parts)
   after = {d.id: set(map(tuple, p[idx].reshape(-1, 3))) for d, idx in stacked.devices_indices_map(p.shape).items()}
   assert before == after
+
+
+def test_checkpoint_resumes_under_another_grad_accum_steps(tmp_path):
+  """2 steps unaccumulated, the checkpoint resumed with 2 micro-batches for steps 3-4 (same global batch, same
+  data positions) ends where 4 unaccumulated steps end."""
+  import shutil
+
+  import train
+
+  def cfg(steps):
+    c = config('gpt2', 'fsdp_tp', grad_accum_steps=steps)
+    c.optim = config('gpt2', 'fsdp_tp').optim  # the AdamW of the config file
+    c.optim.update(name='adamw', lr=1e-3, warmup_steps=1, grad_clip=1.0)
+    c.update(total_steps=4, checkpoint_every=2, log_every=2, eval_every=4)
+    return c
+
+  full = train.train_and_evaluate(cfg(1), str(tmp_path / 'full'))
+  os.makedirs(tmp_path / 'resumed' / 'checkpoints')
+  shutil.copytree(tmp_path / 'full' / 'checkpoints' / '2', tmp_path / 'resumed' / 'checkpoints' / '2')
+  resumed = train.train_and_evaluate(cfg(2), str(tmp_path / 'resumed'))
+  assert int(resumed['state'].step) == 4
+  assert_close(jax.device_get(resumed['state'].params), jax.device_get(full['state'].params), 'parameter')
+  np.testing.assert_allclose(resumed['train']['loss'], full['train']['loss'], rtol=TOL)
+  np.testing.assert_allclose(resumed['eval']['loss'], full['eval']['loss'], rtol=TOL)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from errors import ConfigError
-from partitioning import entry_axes
+from partitioning import entry_axes, fmt_bytes, hlo
 
 SumsFn = Callable[[Any, Any, dict], tuple[dict, Any]]  # (params, model state, batch) -> (metric sums, model state)
 AUX_LOSS = 'aux/aux_loss'
@@ -138,3 +138,29 @@ def gradients(
   sums['weight'] = weight  # the same number, summed once rather than over micro-batches
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), acc, params)
   return grads, metrics_of(sums, steps), model_state
+
+
+def per_step_collectives(hlo_text: str, num_devices: int) -> dict[str, tuple[int, int]]:
+  """{op: (runs, result bytes per device)} of one step of a compiled program: a collective in the micro-batch
+  loop counted once per micro-batch (the audit's static counts take a loop body once)."""
+  out: dict[str, tuple[int, int]] = {}
+  for c in hlo.collectives(hlo_text, num_devices):
+    runs, nbytes = out.get(c.op, (0, 0))
+    out[c.op] = (runs + c.times, nbytes + c.times * c.bytes)
+  return dict(sorted(out.items()))
+
+
+def describe(hlo_text: str, num_devices: int, config: Any) -> str:
+  """One line for the run's log: the collectives of one optimizer step, and what the other gathering choice
+  would gather (an estimate from this program: weights gathered in the loop once per micro-batch, or before it)."""
+  steps, gather_once = config.grad_accum_steps, config.get('accum_gather_once', False)
+  stats = per_step_collectives(hlo_text, num_devices)
+  text = ', '.join(f'{op} x{n} ({fmt_bytes(b)})' for op, (n, b) in stats.items()) or 'none'
+  gathers = [c for c in hlo.collectives(hlo_text, num_devices) if c.op == 'all-gather']
+  in_loop = sum(c.bytes for c in gathers if c.times >= steps)
+  outside = sum(c.bytes * c.times for c in gathers if c.times < steps)
+  if gather_once:
+    other = f'config.accum_gather_once=False would gather about {fmt_bytes(steps * outside + in_loop)} (less memory)'
+  else:
+    other = f'config.accum_gather_once=True would gather about {fmt_bytes(in_loop + outside)} (more memory)'
+  return f'{steps} micro-batches; collectives per optimizer step: {text}; {other}'
