@@ -3,8 +3,9 @@
 A plan is what a config file says about parallelism: `config.mesh` (ordered, outermost axis first: with
 several hosts the leading axes are the ones that cross them), `config.logical_axis_rules` and
 `config.model.remat`. Rule sets are the config file's presets plus variants generated from them
-(`rule_variants`). Gradient accumulation / micro-batching does not exist in this trainer, so it is not
-searched. Nothing here imports JAX or a model.
+(`rule_variants`). A plan that does not fit the device is tried again in micro-batches
+(`config.grad_accum_steps`: the same global batch in 2, 4, ... parts; planning/search.py). Nothing here imports
+JAX or a model.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Candidate:
   rules_name: str  # 'fsdp', 'tp', 'tp-vocab_replicated', ...
   rules: Rules
   remat: str | None  # None: the config's own (families without remat)
+  micro: int = 1  # config.grad_accum_steps: micro-batches per optimizer step
 
   @property
   def mesh_dict(self) -> dict[str, int]:
@@ -34,7 +36,11 @@ class Candidate:
 
   def label(self) -> str:
     mesh = ' '.join(f'{a}={s}' for a, s in self.mesh if s > 1) or 'one device'
-    return f'{mesh} | {self.rules_name}' + (f' | remat={self.remat}' if self.remat else '')
+    return (
+      f'{mesh} | {self.rules_name}'
+      + (f' | remat={self.remat}' if self.remat else '')
+      + (f' | {self.micro} micro-batches' if self.micro > 1 else '')
+    )
 
 
 def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
