@@ -19,7 +19,7 @@ import training
 from errors import ConfigError
 from partitioning.audit import collective_stats
 from tests.conftest import build_trainer, tiny_config
-from training import accumulate
+from training import accumulate, flops
 from training import trainer as trainer_lib
 
 TOL = 1e-5  # fp32; measured worst case over the cases: see docs/gradient_accumulation.md
@@ -151,13 +151,8 @@ def test_batchnorm_normalises_each_micro_batch_and_updates_its_averages_in_order
 
 
 def _per_step_collectives(family, preset, steps, gather_once=False):
-  """{op: (count, bytes)} of a compiled step, each op counted as often as it runs (loops unrolled)."""
-  text = compiled(family, preset, steps, gather_once)[1].as_text()
-  stats: dict = {}
-  for c in partitioning.hlo.collectives(text, 8):
-    n, b = stats.get(c.op, (0, 0))
-    stats[c.op] = (n + c.times, b + c.times * c.bytes)
-  return stats
+  """{op: (runs, bytes)} of a compiled step, each op counted as often as it runs (loop trips)."""
+  return accumulate.per_step_collectives(compiled(family, preset, steps, gather_once)[1].as_text(), 8)
 
 
 def test_the_split_moves_no_row_and_gather_once_gathers_once():
@@ -174,6 +169,18 @@ def test_the_split_moves_no_row_and_gather_once_gathers_once():
   once = _per_step_collectives('default', 'fsdp', 2, gather_once=True)
   assert once['all-gather'][1] <= per1['all-gather'][1]  # once per step, before the loop
   assert once['all-reduce'] == per2['all-reduce']
+  # train.py's line: both choices' gathers per step (the other one estimated from this program)
+  trainer, step = compiled('default', 'fsdp', 2)
+  line = accumulate.describe(step.as_text(), 8, trainer.config)
+  assert f'all-gather x{per2["all-gather"][0]} ({partitioning.fmt_bytes(per2["all-gather"][1])})' in line
+  assert f'accum_gather_once=True would gather about {partitioning.fmt_bytes(per1["all-gather"][1])}' in line
+
+
+def test_model_flops_count_every_micro_batch():
+  """MFU's numerator: the model FLOPs of the whole global batch, whatever the micro-batches."""
+  one, two = compiled('default', 'fsdp', 1)[0], compiled('default', 'fsdp', 2)[0]
+  assert flops.step_flops(two) == flops.step_flops(one)
+  assert flops.step_flops(two).palm == 2 * flops.step_flops(build_trainer(config('default', 'fsdp', batch_size=8))).palm
 
 
 def test_batch_not_divisible_by_micro_batches_times_shards_is_one_error_before_compiling():
