@@ -8,6 +8,7 @@ gradient itself (its first step has no momentum), so the parameters compare the 
 
 import importlib
 import os
+import re
 
 import jax
 import numpy as np
@@ -186,6 +187,24 @@ def test_the_split_moves_no_row_and_gather_once_gathers_once():
   line = accumulate.describe(step.as_text(), 8, trainer.config)
   assert f'all-gather x{per2["all-gather"][0]} ({partitioning.fmt_bytes(per2["all-gather"][1])})' in line
   assert f'accum_gather_once=True would gather about {partitioning.fmt_bytes(per1["all-gather"][1])}' in line
+
+
+def test_the_accumulator_is_float32_and_sharded_like_the_parameters():
+  """FSDP, 2 micro-batches: what the compiled loop carries from one micro-batch to the next (the accumulator, the
+  sharded weights) holds each sharded parameter as its float32 shard, never whole."""
+  trainer, step = compiled('default', 'fsdp', 2)
+  (loop,) = [line for line in step.as_text().splitlines() if ' while(' in line and 'f32[]' in line]
+  carried = re.findall(r'f32\[([0-9,]*)\]', loop.split(' while(')[0])
+  leaves = list(zip(jax.tree.leaves(trainer.abstract.params), jax.tree.leaves(trainer.shardings.params)))
+  shards = {s.shard_shape(leaf.shape) for leaf, s in leaves}
+  text = lambda shape: ','.join(map(str, shape))
+  whole = [leaf.shape for leaf, s in leaves if s.shard_shape(leaf.shape) != leaf.shape]
+  for leaf, sharding in leaves:
+    assert carried.count(text(sharding.shard_shape(leaf.shape))) >= 2  # the parameter's shard, and its gradient's
+  checked = [shape for shape in whole if shape not in shards]  # (a whole shape no other leaf's shard has)
+  assert len(checked) > 5
+  for shape in checked:
+    assert text(shape) not in carried, shape
 
 
 def test_model_flops_count_every_micro_batch():
