@@ -1,4 +1,5 @@
-r"""Searches meshes x logical-axis rules x remat policies for a config, ranks them by predicted step time.
+r"""Searches meshes x logical-axis rules x remat policies (x micro-batches where a plan does not fit) for a config,
+ranks them by predicted step time.
 
   python search.py --config configs/llama.py --devices 8 --device_kind h100 --out /tmp/plan.py
   python search.py --config configs/llama.py:llama3_8b --devices 64 --hosts 8 --device_kind h100
@@ -48,6 +49,12 @@ flags.DEFINE_integer(
   'and, with --remat=staged, every remat policy.',
 )
 flags.DEFINE_integer('workers', 2, 'Compilations run in parallel.')
+flags.DEFINE_list(
+  'micro_batches',
+  ['2', '4', '8'],
+  'A plan over the device memory is tried again with config.grad_accum_steps = each of these (smallest first) '
+  'until it fits; empty: never.',
+)
 flags.DEFINE_string(
   'compile_target',
   'auto',
@@ -146,19 +153,20 @@ def main(argv) -> None:
 
     # --- Stage 1: every mesh x preset, the config's remat (or the given ones) ------------------------------
     presets = {k: v for k, v in rules.items() if '-' not in k}
-    result = search.run(candidates.generate(n, axes, presets, first, hosts, config.batch_size))
+    micro = [int(m) for m in FLAGS.micro_batches]
+    result = search.run(candidates.generate(n, axes, presets, first, hosts, config.batch_size), micro)
     say(f'stage 1: {len(result.ranked)} plans scored ({result.compiled} compiled) in {result.wall_s:.0f} s')
     # --- Stage 2: the best plans' meshes with their presets' variants and every remat policy -------------
     if result.ranked and FLAGS.stage2:
       remats = choices if FLAGS.remat == 'staged' else first
       more = [
-        candidates.Candidate(c.mesh, name, r, remat, c.microbatches)
+        candidates.Candidate(c.mesh, name, r, remat, c.microbatches, c.micro)
         for c in (s.candidate for s in result.ranked[: FLAGS.stage2])
         for name, r in rules.items()
         if name.split('-')[0] == c.rules_name
         for remat in remats
       ]
-      extra = search.run(more)
+      extra = search.run(more, micro)
       say(f'stage 2: {len(extra.ranked)} plans scored ({extra.compiled} compiled) in {extra.wall_s:.0f} s')
       result.ranked = sorted(result.ranked + extra.ranked, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
       result.pruned.update(extra.pruned)

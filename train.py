@@ -30,7 +30,7 @@ import partitioning
 import training
 from configs import schema
 from models import attention, hf_import
-from training import checkpoint, cluster, export, flops, pretrained, profiling
+from training import accumulate, checkpoint, cluster, export, flops, pretrained, profiling
 from training.preemption import Preemption
 
 FLAGS = flags.FLAGS
@@ -222,6 +222,8 @@ def _train_and_evaluate(
     f'compiled train+eval steps in {time.perf_counter() - t0:.1f}s; train step per device: '
     f'{partitioning.audit(train_step, slice_of, trainer.pipeline)}'
   )
+  if config.get('grad_accum_steps', 1) > 1:
+    say(f'gradient accumulation: {accumulate.describe(train_step.as_text(), mesh.size, config)}')
   profiling.check_fits({'train step': train_step, 'eval step': eval_step}, device, config)  # before allocating
   peak, peak_from = flops.describe_peak(device, peak_tflops)  # MFU where the chip's peak is known
   step_flops = flops.step_flops(trainer) if peak else None

@@ -6,10 +6,14 @@ r"""Per-device memory of the train step train.py compiles, for GPUs or TPUs, on 
   python benchmarks/compiled_memory.py --config configs/llama.py --target tpu_v5p  # over a v5p slice of 8 chips
   python benchmarks/compiled_memory.py --cases --kernels 0                    # + kernels and memory traffic per step
   python benchmarks/compiled_memory.py --config configs/gpt2.py --kernels 20  # by kind, and the 20 that move the most
+  python benchmarks/compiled_memory.py --config configs/gpt2.py --config.batch_size=64 --accum 1,2,4,8  # micro-batches
+  python benchmarks/compiled_memory.py --config configs/gpt2.py --target cpu  # this machine's CPU (no plugin needed)
 
 The step is built as train.py builds it and compiled for compile-only devices of the target (training/targets.py):
 a GPU (`--target`, default an H100 SXM 80GB: a name from training/gpu_targets or a .txtpb file) or a TPU slice
-(`--target tpu_v4|tpu_v5e|tpu_v5p|tpu_v6e`); attention makes the choice it makes there (cuDNN, Pallas, XLA).
+(`--target tpu_v4|tpu_v5e|tpu_v5p|tpu_v6e`), or this machine's CPU devices (`--target cpu`: the simulated devices,
+no plugin); attention makes the choice it makes there (cuDNN, Pallas, XLA). `--accum 1,2,4,8` compiles the step at
+each config.grad_accum_steps (the same global batch in that many micro-batches): a row each.
 Printed per case: the peak (arguments + temporaries + outputs not aliased to donated inputs: what XLA's buffer
 assignment reserves), the arguments (parameters, optimizer state, batch), the temporaries, the attention
 kernels chosen and the compile time. With --devices 1 (the default for --cases) every mesh axis is 1; otherwise
@@ -71,6 +75,7 @@ flags.DEFINE_integer(
   'devices', None, 'GPUs or TPU chips to compile for (default: as many as the mesh asks; 1 with --cases).'
 )
 flags.DEFINE_alias('gpus', 'devices')  # its name before TPUs
+flags.DEFINE_list('accum', None, 'config.grad_accum_steps values to compile, a row each (default: as configured).')
 flags.DEFINE_integer(
   'kernels',
   None,
@@ -91,7 +96,12 @@ def compile_for(config, target: str, count: int | None, kernels: bool = False) -
   from training import profiling, targets
 
   n = partitioning.devices_needed(config.mesh) if count is None else count
-  devices = targets.compile_devices(target, n)
+  if target == 'cpu':  # simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N for N > 1)
+    import jax
+
+    devices = jax.devices('cpu')[:n]
+  else:
+    devices = targets.compile_devices(target, n)
   mesh_cfg = {a: 1 for a in config.mesh} if n == 1 else config.mesh
   t0 = time.perf_counter()
   mesh = partitioning.make_mesh(mesh_cfg, devices)
@@ -133,7 +143,14 @@ def main(argv) -> None:
     raise app.UsageError('give one of --config or --cases')
   from planning import candidates
 
-  if FLAGS.config is not None:
+  if FLAGS.config is not None and FLAGS.accum:
+    name = config_flags.get_config_filename(FLAGS['config'])
+    runs = []
+    for steps in FLAGS.accum:
+      config = FLAGS.config.copy_and_resolve_references()
+      config.grad_accum_steps = int(steps)
+      runs.append((f'{name} accum {steps}', config, None, None))
+  elif FLAGS.config is not None:
     runs = [(config_flags.get_config_filename(FLAGS['config']), FLAGS.config, None, None)]
   else:
     runs = []

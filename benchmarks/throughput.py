@@ -87,6 +87,7 @@ def peer_spec(config, device: str) -> dict:
     warmup=FLAGS.warmup,
     compile=FLAGS.peer_compile,
     device=device,
+    grad_accum_steps=config.get('grad_accum_steps', 1),  # the same micro-batches: the same work per step
   )
   if m.name == 'resnet':
     spec['resnet'] = dict(
@@ -221,7 +222,9 @@ def main(argv) -> None:
   m = config.model
   print(
     f'\n{m.name} ({config.get("size", "")}, {training.num_params(trainer):,} params), global batch '
-    f'{config.batch_size}, {units_per_step:,} {unit}/step, mesh {dict(mesh.shape)} on {n} {device.device_kind}'
+    f'{config.batch_size}'
+    + (f' in {config.grad_accum_steps} micro-batches' if config.get('grad_accum_steps', 1) > 1 else '')
+    + f', {units_per_step:,} {unit}/step, mesh {dict(mesh.shape)} on {n} {device.device_kind}'
   )
   print(
     f'model: dtype {m.get("dtype", "float32")}, params {m.get("param_dtype", "float32")}, '

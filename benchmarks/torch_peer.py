@@ -27,6 +27,9 @@ SPEC.json
   device     'cuda' | 'cpu' (default 'cuda')
   tf32       float32 matmuls in TF32 on cuda, as XLA does on GPU by default (default true)
   init_from  optional: a Hugging Face model directory to load instead of a fresh init (same class)
+  grad_accum_steps  micro-batches per optimizer step (default 1), split as ours are (micro-batch i: rows i,
+             i + n, ...): each micro-batch's loss sum over the whole batch's mask sum (aux losses / n) is
+             backpropagated into the summed .grad, then one clip and one optimizer step: the same work as ours
 BATCH.npz: the global batch our train step consumes, as numpy arrays:
   lm                   inputs, targets int32 (B, L), mask float32 (B, L) (segment_ids/positions, if
                        present, are ignored: one document per row)
@@ -120,6 +123,9 @@ def check_spec(spec: dict, batch: dict[str, np.ndarray]) -> dict:
     raise SpecError(f"spec device={out['device']!r} is not known; known: ['cpu', 'cuda']")
   if int(out['steps']) < 1 or int(out['warmup']) < 0:
     raise SpecError(f'spec steps={out["steps"]} must be >= 1 and warmup={out["warmup"]} >= 0')
+  n, rows = int(out.setdefault('grad_accum_steps', 1)), len(next(iter(batch.values())))
+  if n < 1 or rows % n:
+    raise SpecError(f'spec grad_accum_steps={n} must be >= 1 and divide the batch of {rows} rows')
   missing = [f for f in FIELDS[task] if f not in batch]
   if missing:
     raise SpecError(f'batch has no field(s) {missing} that task {task!r} needs; it has {sorted(batch)}')
@@ -219,8 +225,9 @@ def moe_aux_loss(torch: Any, router_logits: Any, k: int, lb_weight: float, z_wei
   return total
 
 
-def loss_fn(torch: Any, spec: dict, model: Any, b: dict[str, Any]) -> Any:
-  """Our loss: mask-weighted mean cross-entropy of float32 logits (no HF label shifting), + MoE aux."""
+def loss_fn(torch: Any, spec: dict, model: Any, b: dict[str, Any], weight: Any = None, parts: int = 1) -> Any:
+  """Our loss: mask-weighted mean cross-entropy of float32 logits (no HF label shifting), + MoE aux. One of
+  `parts` micro-batches: the cross-entropy sum over the whole batch's `weight`, the aux losses over `parts`."""
   task, family, aux = spec['task'], spec['family'], 0.0
   if task == 'lm':
     moe = family == 'moe'
@@ -236,7 +243,8 @@ def loss_fn(torch: Any, spec: dict, model: Any, b: dict[str, Any]) -> Any:
     target = b['targets'] if task == 'mlm' else b['label']
   xent = torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), target.flatten(), reduction='none')
   mask = b['mask'].flatten()
-  return (xent * mask).sum() / mask.sum().clamp(min=1.0) + aux
+  weight = mask.sum().clamp(min=1.0) if weight is None else weight
+  return (xent * mask).sum() / weight + aux / parts
 
 
 def make_optimizer(torch: Any, spec: dict, model: Any, notes: list[str]) -> Any:
@@ -306,14 +314,22 @@ def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
   params = [p for p in model.parameters() if p.requires_grad]
   autocast = dict(device_type=device, dtype=torch.bfloat16, enabled=spec['dtype'] == 'bfloat16')
 
-  def forward(batch):  # model and loss: compiled together, the logits' upcast and cross-entropy fuse too
-    return loss_fn(torch, spec, model, batch)
+  def forward(batch, weight, parts):  # model and loss: compiled together, the logits' upcast and xent fuse too
+    return loss_fn(torch, spec, model, batch, weight, parts)
+
+  parts = int(spec['grad_accum_steps'])
+  layout = lambda v: torch.channels_last if spec['family'] == 'resnet' and v.dim() == 4 else torch.contiguous_format
+  micro = [{k: v[i::parts].contiguous(memory_format=layout(v)) for k, v in b.items()} for i in range(parts)]
+  weight = b['mask'].sum().clamp(min=1.0)
 
   def step(fwd):
     opt.zero_grad(set_to_none=True)
-    with torch.autocast(**autocast):
-      loss = fwd(b)
-    loss.backward()
+    loss = 0.0
+    for mb in micro:  # gradients add up in .grad
+      with torch.autocast(**autocast):
+        part = fwd(mb, weight, parts)
+      part.backward()
+      loss = loss + part.detach()
     if clip > 0:
       torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
     opt.step()

@@ -192,6 +192,11 @@ def base(preset: str, size: str) -> ml_collections.ConfigDict:
   c.log_every = 50
   c.eval_every = 500
   c.sample_len = 0
+  # config.batch_size is the global batch of one optimizer step; grad_accum_steps > 1 runs it as that many
+  # micro-batches in one jitted step (training/accumulate.py), the same update with less activation memory.
+  # accum_gather_once: under FSDP gather the weights once per step, not once per micro-batch (more memory).
+  c.grad_accum_steps = 1
+  c.accum_gather_once = False
   # Causal load balancing under context parallelism (partitioning/context.py): rows in zigzag order, so every
   # context shard's queries see as many keys as any other's; a no-op where 'length' is not sharded.
   c.context_load_balance = preset in CONTEXT_PRESETS

@@ -234,6 +234,8 @@ FIELDS: dict[str, Field] = {
   'task': Field(str, choices=_owned('training.tasks', 'TASKS', sort=True), required=True),
   'seed': Field(int, lo=0, required=True),
   'batch_size': Field(int, lo=1, required=True),
+  'grad_accum_steps': POSITIVE,
+  'accum_gather_once': Field(bool),
   'total_steps': Field(int, lo=1, required=True),
   'log_every': Field(int, lo=1, required=True),
   'eval_every': Field(int, lo=1, required=True),

@@ -5,7 +5,8 @@ several hosts the leading axes are the ones that cross them), `config.logical_ax
 `config.model.remat`. Rule sets are the config file's presets plus variants generated from them
 (`rule_variants`). Where a rule set pipelines the layers (('layers', 'stage'), docs/pipelines.md), the
 pipeline's micro-batch count is searched too (`microbatch_counts`): the stage count is the mesh's 'stage' size.
-Nothing here imports JAX or a model.
+A plan that does not fit the device is tried again in micro-batches (`config.grad_accum_steps`: the same global
+batch in 2, 4, ... parts; planning/search.py). Nothing here imports JAX or a model.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Candidate:
   rules: Rules
   remat: str | None  # None: the config's own (families without remat)
   microbatches: int = 0  # config.pipeline.microbatches where the rules pipeline the layers over 'stage'; else 0
+  micro: int = 1  # config.grad_accum_steps: micro-batches per optimizer step
 
   @property
   def mesh_dict(self) -> dict[str, int]:
@@ -47,6 +49,7 @@ class Candidate:
       f'{mesh} | {self.rules_name}'
       + (f' | micro={self.microbatches}' if self.microbatches else '')
       + (f' | remat={self.remat}' if self.remat else '')
+      + (f' | {self.micro} micro-batches' if self.micro > 1 else '')
     )
 
 

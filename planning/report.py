@@ -39,7 +39,7 @@ def table(plans: Sequence[Scored], chip: Any) -> str:
   rows = [
     (
       '#',
-      'plan (mesh | rules | remat)',
+      'plan (mesh | rules | remat | micro-batches)',
       'step ms',
       'MFU',
       'compute',

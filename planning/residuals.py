@@ -119,7 +119,12 @@ def trace(trainer: training.Trainer, stand_in: Callable[[], contextlib.AbstractC
       _, vjp = jax.vjp(lambda p: training.loss_of(trainer, model_state, batch)(p)[0], params)
     return jax.tree.leaves(vjp)
 
-  args = (trainer.abstract.params, trainer.abstract.model_state, trainer.batch_abstract)
+  # Under gradient accumulation the backward keeps one micro-batch's values at a time.
+  steps = trainer.config.get('grad_accum_steps', 1)
+  micro = {
+    k: jax.ShapeDtypeStruct((v.shape[0] // steps, *v.shape[1:]), v.dtype) for k, v in trainer.batch_abstract.items()
+  }
+  args = (trainer.abstract.params, trainer.abstract.model_state, micro)
   with stand_in() if stand_in else contextlib.nullcontext(), jax.disable_jit():  # nested jits inlined
     closed = jax.make_jaxpr(residuals)(*args)
   fused, written = _kept_values(closed)

@@ -61,6 +61,7 @@ _REASONS = (
   ('which is not in the mesh', 'rule names an axis not in the mesh'),
   ('mirrors no parameter', 'optimizer state the rules cannot place'),
   ('loss_chunks', 'loss chunks the context shards do not divide'),
+  ('grad_accum_steps', 'micro-batches do not split over the batch shards'),
 )
 # The search reads a compiled step's partitioned HLO, buffer assignment and cost analysis, never runs it: on CPU
 # the code generation behind them is done cheaply. LLVM optimisation off and the older (loop) fusion emitters
@@ -178,6 +179,7 @@ def apply(config: ml_collections.ConfigDict, cand: Candidate, hosts: int = 1) ->
       c.mesh = ml_collections.ConfigDict(dict(cand.mesh), sort_keys=False)
     c.logical_axis_rules = rules
     c.preset = cand.rules_name
+    c.grad_accum_steps = cand.micro
     if cand.remat is not None:
       c.model.remat = cand.remat
     if cand.microbatches:  # a pipeline: its micro-batches, over the scanned stack its stages cut
@@ -311,7 +313,7 @@ class Search:
     except ConfigError as e:  # ShardingError, and what a model or loss option refuses under this plan
       raise Pruned(reason_of(e), str(e)) from None
     mesh_eff = tuple(sorted((a, s) for a, s in cand.mesh if s > 1))  # any order: placed on hosts later
-    return (mesh_eff, cand.remat, cand.microbatches, tuple(fps)), traced, trainers
+    return (mesh_eff, cand.remat, cand.microbatches, cand.micro, tuple(fps)), traced, trainers
 
   def _scattered_rows(self, cand: Candidate) -> str | None:
     """Over several hosts, which rows of the global batch a host would hold if they are not one contiguous
@@ -415,10 +417,35 @@ class Search:
       )
     return _Compiled(profiles, colls, tuple(mesh)), time.perf_counter() - t0
 
-  def run(self, candidates: Iterable[Candidate]) -> Result:
+  def run(self, candidates: Iterable[Candidate], micro_batches: Sequence[int] = ()) -> Result:
+    """Ranks `candidates`; the plans over the device memory are tried again in each of `micro_batches` micro-batches
+    (config.grad_accum_steps, smallest first) until they fit: the same global batch, fewer activations at once,
+    scored with what the loop adds (per-micro-batch collectives, counted per trip)."""
     t0 = time.perf_counter()
     pruned: collections.Counter = collections.Counter()
     examples: dict[str, str] = {}
+    scored, considered, compiled = self._score(candidates, pruned, examples)
+    over = [s.candidate for s in scored if not s.prediction.fits]
+    for micro in sorted(m for m in micro_batches if m > 1):
+      if not over:
+        break
+      more, n, k = self._score([dataclasses.replace(c, micro=micro) for c in over], pruned, examples)
+      scored, considered, compiled = scored + more, considered + n, compiled + k
+      over = [s.candidate for s in more if not s.prediction.fits]
+    for s in scored:
+      if not s.prediction.fits:
+        pruned['over device memory (compiled)'] += 1
+        examples.setdefault(
+          'over device memory (compiled)',
+          f'{s.candidate.label()}: {s.prediction.memory_gib:.1f} GiB ({s.prediction.state_gib:.1f} GiB of state)',
+        )
+    ranked = sorted(scored, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
+    return Result(ranked, pruned, examples, considered, compiled, time.perf_counter() - t0, self.model_flops)
+
+  def _score(
+    self, candidates: Iterable[Candidate], pruned: collections.Counter, examples: dict[str, str]
+  ) -> tuple[list[Scored], int, int]:
+    """(scored plans, candidates considered, programs compiled); pruning reasons counted into `pruned`."""
     pending: list[tuple[Candidate, Any]] = []
     considered, compiled = 0, 0
     dup = 'same shardings as an earlier plan (compiled once)'
@@ -426,7 +453,7 @@ class Search:
       for cand in candidates:
         considered += 1
         # another order of a mesh already validated: the same devices' work, on other hosts
-        group = (tuple(sorted(cand.mesh)), cand.rules, cand.remat, cand.microbatches)
+        group = (tuple(sorted(cand.mesh)), cand.rules, cand.remat, cand.microbatches, cand.micro)
         if group not in self._validated:
           try:
             fp, traced, trainers = self.validate(cand)
@@ -474,15 +501,7 @@ class Search:
         m = cost.mfu(self.model_flops, pred.step_s, self.num_devices, self.chip) if self.model_flops else None
         scored.append(Scored(cand, profile, pred, m, secs))
         self.log(f'  {cand.label()}: {1e3 * pred.step_s:.1f} ms predicted ({secs:.1f} s to compile)')
-    for s in scored:
-      if not s.prediction.fits:
-        pruned['over device memory (compiled)'] += 1
-        examples.setdefault(
-          'over device memory (compiled)',
-          f'{s.candidate.label()}: {s.prediction.memory_gib:.1f} GiB ({s.prediction.state_gib:.1f} GiB of state)',
-        )
-    ranked = sorted(scored, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
-    return Result(ranked, pruned, examples, considered, compiled, time.perf_counter() - t0, self.model_flops)
+    return scored, considered, compiled
 
   # --- measuring (real steps) --------------------------------------------------------------------
   def measure(self, plans: Sequence[Scored], steps: int = 3, rounds: int = 1, warmup: int = 1) -> None:

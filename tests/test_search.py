@@ -673,3 +673,33 @@ def test_accuracy_fit_recovers_a_known_ranking_and_overhead(tmp_path):
   assert 'Spearman 1.000' in fitted and '(+0.0%)' in fitted, out.stdout
   overhead = float(fitted.split('step overhead ')[1].split(' us')[0])
   assert 15000 < overhead < 25000, out.stdout
+
+
+def test_a_plan_over_memory_is_tried_in_micro_batches_and_written_with_them(tmp_path):
+  """Data parallel over 8 devices, 64 rows of 64 tokens: on a chip between its memory in 1 and in 2 micro-batches
+  the search keeps the plan in 2 micro-batches (scored with its gradient all-reduce once per micro-batch), and the
+  plan file sets config.grad_accum_steps; 4 is not tried once 2 fits."""
+  config = _tiny_llama()
+  config.batch_size = 64
+  dp = candidates.Candidate(
+    tuple((a, 8 if a == 'data' else 1) for a in ('data', 'fsdp', 'tensor')),
+    'dp',
+    candidates.rule_variants(llama.RULES)['dp'],
+    'none',
+  )
+  cpu = flops.chip('cpu')
+  s = search_lib.Search(config, lambda m, r: models.create(m, r), cpu, 8)
+  one, two = s.run([dp, dataclasses.replace(dp, micro=2)]).ranked
+  one, two = sorted((one, two), key=lambda p: p.candidate.micro)
+  assert two.prediction.memory_gib < one.prediction.memory_gib  # temporaries fall with micro-batches
+  reduce = lambda p: sum(r for k, (r, _) in p.profile.collectives.items() if k.op == 'all-reduce')
+  assert reduce(two) > reduce(one)  # the loop's per-micro-batch gradient reduction is scored
+
+  between = dataclasses.replace(cpu, memory_gib=(one.prediction.memory_gib + two.prediction.memory_gib) / 2 / 0.9)
+  s = search_lib.Search(config, lambda m, r: models.create(m, r), between, 8)
+  result = s.run([dp], micro_batches=[4, 2])
+  assert [(p.candidate.micro, p.prediction.fits) for p in result.ranked] == [(2, True), (1, False)]
+  assert result.pruned['over device memory (compiled)'] == 1
+  plan = search_lib.apply(s.config, result.ranked[0].candidate)
+  text = plan_file.render(LLAMA, 'tiny', llama.get_config('tiny'), plan, 'test plan')
+  assert '  c.grad_accum_steps = 2\n' in text

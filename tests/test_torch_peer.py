@@ -227,3 +227,15 @@ def test_what_cannot_run_is_a_reason(tmp_path):
   if not torch.cuda.is_available():
     with pytest.raises(peer.Skip, match='sees no GPU'):
       peer.run(dict(spec, device='cuda'), batch)
+
+
+def test_the_peer_accumulates_micro_batches_to_the_big_step():
+  """grad_accum_steps=2 (rows split as ours, half the rows padded): the same losses before the first step and after
+  the last as the unsplit batch, in float32 on the CPU."""
+  spec, c = spec_for(gpt2_config, 'tiny')
+  batch = make_batch(c)
+  big = peer.run(dict(spec), batch)
+  acc = peer.run(dict(spec, grad_accum_steps=2), batch)
+  check_ran(acc)
+  np.testing.assert_allclose(acc['losses'], big['losses'], rtol=1e-5)
+  assert big['losses'][1] != big['losses'][0]  # the steps changed the weights

@@ -15,6 +15,7 @@ from training.trainer import (
   jit_train_step,
   loss_of,
   num_params,
+  sums_of,
   trace,
   train_step_fn,
 )
@@ -35,6 +36,7 @@ __all__ = [
   'make_optimizer',
   'make_schedule',
   'num_params',
+  'sums_of',
   'trace',
   'train_step_fn',
 ]

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import partitioning
 from errors import ConfigError, NonFiniteError
 from partitioning import AxisRules, context, pipeline
-from training import optim, tasks
+from training import accumulate, optim, tasks
 
 FIRST_NONFINITE = 'first_nonfinite_param'  # train metrics key: index into Trainer.trained_paths(), -1 if none
 
@@ -121,7 +121,10 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
 
   # Batches: check the global batch against the 'batch' rule first, for the clearest message.
   B = config.batch_size
-  partitioning.check_batch(B, rules.spec(('batch',), what='the global batch'), mesh.shape)
+  batch_spec = rules.spec(('batch',), what='the global batch')
+  partitioning.check_batch(B, batch_spec, mesh.shape)
+  shards = partitioning.entry_size(batch_spec[0] if len(batch_spec) else None, mesh.shape)
+  accumulate.check(B, config.get('grad_accum_steps', 1), shards)  # every micro-batch splits over the shards
   batch_abstract = {
     k: jax.ShapeDtypeStruct((B,) + tuple(shape), dtype) for k, (shape, dtype) in task.example_shapes(config).items()
   }
@@ -212,6 +215,18 @@ def loss_of(trainer: Trainer, model_state: Any, batch: dict) -> Callable[[Any], 
   return loss_fn
 
 
+def sums_of(trainer: Trainer) -> accumulate.SumsFn:
+  """(params, model state, batch) -> (the task's metric sums, new model state): what a train step accumulates
+  (trace it under partitioning.use_rules)."""
+
+  def sums_fn(params, model_state, batch):
+    model = nnx.merge(trainer.graphdef, params, model_state)
+    sums = trainer.task.metric_sums(model, batch)
+    return sums, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
+
+  return sums_fn
+
+
 def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   tx, schedule = trainer.tx, trainer.schedule
 
@@ -219,10 +234,18 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
     with partitioning.use_rules(
       trainer.rules, trainer.mesh, seen=trainer.seen, balance=trainer.balance > 1, pipeline=trainer.pipeline
     ):
-      loss_fn = loss_of(trainer, state.model_state, batch)
-      (_, (metrics, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-      # Gradients live where their parameters live (lets XLA reduce-scatter them under FSDP).
-      grads = partitioning.shard(grads, trainer.shardings.params)
+      # Gradients live where their parameters live (lets XLA reduce-scatter them under FSDP); with
+      # config.grad_accum_steps > 1 they are summed over micro-batches in a scan (training/accumulate.py).
+      grads, metrics, model_state = accumulate.gradients(
+        sums_of(trainer),
+        state.params,
+        state.model_state,
+        batch,
+        steps=trainer.config.get('grad_accum_steps', 1),
+        param_shardings=trainer.shardings.params,
+        batch_shardings=trainer.batch_shardings,
+        gather_once=trainer.config.get('accum_gather_once', False),
+      )
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     # The norm of what trains (the one clipping sees): frozen weights' gradients stay dead code that XLA removes.
