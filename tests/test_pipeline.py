@@ -24,10 +24,12 @@ FAMILIES = {'gpt2': gpt2, 'llama': llama}
 RTOL, ATOL = 1e-5, 1e-5
 
 
-def config(family: str, mesh: dict | None = None, microbatches: int = 4, repeats: int = 1, remat: str = 'none'):
+def config(
+  family: str, mesh: dict | None = None, microbatches: int = 4, repeats: int = 1, remat: str = 'none', accum: int = 1
+):
   """The family's tiny size with 4 layers and 16 rows; with a mesh, the pp preset's rules on it."""
   c = FAMILIES[family].get_config('pp,tiny')
-  c.update(batch_size=16, total_steps=2)
+  c.update(batch_size=16, total_steps=2, grad_accum_steps=accum)
   c.model.update(num_layers=4, remat=remat)
   c.dataset.seq_len = 16
   c.pipeline.update(microbatches=microbatches, repeats=repeats)
@@ -52,11 +54,12 @@ def config(family: str, mesh: dict | None = None, microbatches: int = 4, repeats
 _TRAINED: dict = {}
 
 
-def trained(family: str, mesh: dict | None = None, repeats: int = 1, remat: str = 'none'):
+def trained(family: str, mesh: dict | None = None, repeats: int = 1, remat: str = 'none', accum: int = 1):
   """(trainer, params after 2 steps on the task's synthetic batches, initial params), built once per case."""
-  key = (family, json.dumps(mesh, sort_keys=True), repeats, remat)
+  key = (family, json.dumps(mesh, sort_keys=True), repeats, remat, accum)
   if key not in _TRAINED:
-    trainer = build_trainer(config(family, mesh, repeats=repeats, remat=remat), None if mesh else jax.devices()[:1])
+    c = config(family, mesh, repeats=repeats, remat=remat, accum=accum)
+    trainer = build_trainer(c, None if mesh else jax.devices()[:1])
     start, state = train_on_random_batches(trainer, 2)
     _TRAINED[key] = trainer, jax.device_get(state.params), start.params
   return _TRAINED[key]
@@ -76,6 +79,17 @@ CASES = [
 @pytest.mark.parametrize('family,mesh,repeats,remat', CASES, ids=lambda v: str(v).replace(' ', ''))
 def test_pipeline_trains_as_one_device(family, mesh, repeats, remat):
   trainer, params, start = trained(family, mesh, repeats, remat)
+  _check_as_one_device(family, mesh, repeats, remat, trainer, params, start)
+
+
+def test_pipeline_composes_with_gradient_accumulation():
+  """2 accumulated micro-batches of 8 rows, each pipelined in 4 of 2 rows: the unaccumulated 1-device step."""
+  mesh = dict(stage=2, tensor=4)
+  trainer, params, start = trained('gpt2', mesh, accum=2)
+  _check_as_one_device('gpt2', mesh, 1, 'none', trainer, params, start)
+
+
+def _check_as_one_device(family, mesh, repeats, remat, trainer, params, start):
   assert trainer.pipeline == pipeline.Schedule(mesh['stage'], 4, repeats)
   _, params_1, _ = trained(family)
   kernel = lambda p: p['blocks']['layers']['mlp']['up']['layer']['kernel']
