@@ -257,7 +257,7 @@ FIELDS: dict[str, Field] = {
   'model.scan_layers': Field(bool),
   'model.vocab_size': POSITIVE,
   'model.pad_vocab_to': POSITIVE,
-  'model.max_len': POSITIVE,
+  'model.max_len': Field(int, lo=1, optional=True),  # None: the imported model's (fine-tune configs)
   'model.num_layers': POSITIVE,
   'model.num_heads': POSITIVE,
   'model.num_kv_heads': POSITIVE,
@@ -291,7 +291,7 @@ FIELDS: dict[str, Field] = {
   'model.stride_in_1x1': Field(bool),
   # data
   'dataset.name': Field(str),
-  'dataset.seq_len': POSITIVE,
+  'dataset.seq_len': Field(int, lo=1, optional=True),  # None: the model's max_len (fine-tune configs)
   'dataset.vocab_size': POSITIVE,
   'dataset.branching': POSITIVE,
   'dataset.smoothing': Field(float, lo=0, hi=1),

@@ -14,7 +14,9 @@ from absl import flags
 from ml_collections import config_flags
 
 import errors
+import partitioning
 import train
+import training
 from configs import schema
 from tests.conftest import ROOT, subprocess_env
 from tests.test_configs import MODULES, tiny_config
@@ -69,7 +71,7 @@ def test_every_field_of_every_config_refuses_bad_values_in_one_line():
 
 def test_train_py_checks_the_schema_before_building_anything(monkeypatch):
   cfg = with_value(FAMILIES['gpt2'].get_config('tiny'), 'optim.lr', -1.0)
-  monkeypatch.setattr(train.partitioning, 'fit_mesh', lambda *a: pytest.fail('built before the schema check'))
+  monkeypatch.setattr(partitioning, 'fit_mesh', lambda *a: pytest.fail('built before the schema check'))
   with pytest.raises(errors.ConfigError, match=r'^config.optim.lr=-1.0: must be a finite number >= 0$'):
     train.train_and_evaluate(cfg, None, dry_run=True)
   with pytest.raises(errors.ConfigError, match=r'^config.model.num_haeds is not a field shardzoo knows'):
@@ -84,7 +86,7 @@ def test_a_step_that_does_not_fit_the_device_is_one_error_before_anything_is_all
   from training import profiling
 
   monkeypatch.setattr(profiling, 'memory_limit', lambda device: 2**18)
-  monkeypatch.setattr(train.training, 'init_state', lambda *a: pytest.fail('state allocated before the check'))
+  monkeypatch.setattr(training, 'init_state', lambda *a: pytest.fail('state allocated before the check'))
   with pytest.raises(errors.DeviceMemoryError) as e:
     train.train_and_evaluate(conftest.tiny_config(), None)
   size = r'[0-9.]+ (B|KiB|MiB)'

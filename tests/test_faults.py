@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 from orbax.checkpoint._src.serialization import serialization
 
+import data
 import errors
 import partitioning
 import train
@@ -137,7 +138,7 @@ def test_skip_goes_on_past_a_poisoned_batch_and_stops_after_k_in_a_row(monkeypat
 
   cfg = mnist.get_config('dp,tiny')
   cfg.update(total_steps=6, log_every=3, eval_every=6, checkpoint_every=0, on_nonfinite='skip', max_nonfinite_skips=2)
-  to_global, poisoned = train.data.to_global, {3}
+  to_global, poisoned = data.to_global, {3}
 
   def poison(local, shardings, batch_size):
     poison.step += 1
