@@ -409,20 +409,28 @@ class Search:
       )
     return _Compiled(profiles, colls, tuple(mesh)), time.perf_counter() - t0
 
-  def run(self, candidates: Iterable[Candidate]) -> Result:
+  def run(self, candidates: Iterable[Candidate], announce: Callable[[str], None] | None = None) -> Result:
+    """Every candidate validated, compiled (once per distinct program) and scored. `announce`, if given, is told
+    how many there are and, once the first program has compiled, about how long the whole run will take."""
     t0 = time.perf_counter()
     pruned: collections.Counter = collections.Counter()
     examples: dict[str, str] = {}
     pending: list[tuple[Candidate, Any]] = []
     considered, compiled = 0, 0
     dup = 'same shardings as an earlier plan (compiled once)'
+    candidates = list(candidates)
+    # another order of a mesh already validated: the same devices' work, on other hosts
+    group_of = lambda c: (tuple(sorted(c.mesh)), c.rules, c.remat)
+    todo = len({group_of(c) for c in candidates} - self._validated.keys())
+    if announce:
+      announce(f'{len(candidates)} candidates: {todo} programs at most to trace and compile ({self.workers} workers)')
     with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
       for cand in candidates:
         considered += 1
-        # another order of a mesh already validated: the same devices' work, on other hosts
-        group = (tuple(sorted(cand.mesh)), cand.rules, cand.remat)
+        group = group_of(cand)
         if group not in self._validated:
           try:
+            t_trace = time.perf_counter()
             fp, traced, trainers = self.validate(cand)
             self._validated[group] = fp
             if fp not in self._cache:
@@ -430,8 +438,17 @@ class Search:
               # traced here, where the stand-in is set
               on_target = self._memory_steps(trainers, cand) if self.memory_devices else []
               kept = [] if self.temporaries_known else [residuals.trace(tr, self.stand_in) for tr in trainers]
+              trace_s = time.perf_counter() - t_trace
               self._cache[fp] = pool.submit(self._compile, traced, kept, on_target, cand.mesh)
               compiled += 1
+              first = self._cache[fp]
+              if announce and compiled == 1 and first.exception() is None:  # waits; an error surfaces below
+                compile_s = first.result()[1]  # tracing is serial, compiling runs on the workers
+                total = todo * (trace_s + compile_s / min(self.workers, todo))
+                announce(
+                  f'the first took {trace_s:.1f} s to trace, {compile_s:.1f} s to compile: about '
+                  f'{_duration(total)} for all {todo}'
+                )
           except Pruned as p:
             self._validated[group] = p
         fp = self._validated[group]
@@ -531,3 +548,8 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
   cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
   den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
   return cov / den if den else float('nan')
+
+
+def _duration(s: float) -> str:
+  """'45 s', '3.2 min', '1.5 h'."""
+  return f'{s:.0f} s' if s < 120 else f'{s / 60:.1f} min' if s < 7200 else f'{s / 3600:.1f} h'
