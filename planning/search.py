@@ -446,8 +446,8 @@ class Search:
                 compile_s = first.result()[1]  # tracing is serial, compiling runs on the workers
                 total = todo * (trace_s + compile_s / min(self.workers, todo))
                 announce(
-                  f'the first took {trace_s:.1f} s to trace, {compile_s:.1f} s to compile: about '
-                  f'{_duration(total)} for all {todo}'
+                  f'the first took {trace_s:.1f} s to trace, {compile_s:.1f} s to compile: at most about '
+                  f'{_duration(total)} for all {todo} (pruned ones take less)'
                 )
           except Pruned as p:
             self._validated[group] = p

@@ -520,3 +520,34 @@ def test_every_entry_point_taking_a_config_parses_and_reports_it_as_train_py_doe
   assert r.returncode == 1 and r.stderr.strip() == (
     'shardzoo: config error: --steps=0 --warmup=5: need at least 1 timed step and no negative warm-up'
   ), r.stderr[-2000:]
+
+
+def test_overrides_are_checked_before_ml_collections_applies_them(monkeypatch):
+  """An unknown field or a value of the wrong type is found by reading the config, not ml_collections' error
+  text: its wording can change (here it says nothing useful) and the message stays the same, in either form."""
+  monkeypatch.setattr(ml_collections.ConfigDict, '_generate_did_you_mean_message', lambda *a: 'reworded')
+  path = os.path.join(ROOT, 'configs', 'gpt2.py')
+  for extra in (['--config.model.emebd_dim=3'], ['--config.model.emebd_dim', '3']):
+    with pytest.raises(SystemExit) as e:
+      parse(['train.py', f'--config={path}:tiny', *extra])
+    assert str(e.value) == (
+      "shardzoo: config error: --config.model.emebd_dim=3: the config has no field 'emebd_dim'; "
+      "did you mean 'embed_dim'?"
+    )
+  with pytest.raises(SystemExit) as e:
+    parse(['train.py', f'--config={path}:tiny', '--config.modle.embed_dim=3'])
+  assert str(e.value) == (
+    "shardzoo: config error: --config.modle.embed_dim=3: the config has no section 'modle'; did you mean 'model'?"
+  )
+  for value, kind in (('1.5', 'an integer'), ('yes please', 'an integer')):
+    with pytest.raises(SystemExit) as e:
+      parse(['train.py', f'--config={path}:tiny', f'--config.batch_size={value}'])
+    assert (
+      str(e.value)
+      == f'shardzoo: config error: flag --config.batch_size={value}: cannot parse {value!r} (must be {kind})'
+    )
+  with pytest.raises(SystemExit) as e:
+    parse(['train.py', f'--config={path}:tiny', '--config.model.scan_layers=maybe'])
+  assert str(e.value).endswith("cannot parse 'maybe' (must be True or False)")
+  _, fv = parse(['train.py', f'--config={path}:tiny', '--config.model.embed_dim', '32', '--config.model.scan_layers=f'])
+  assert (fv.config.model.embed_dim, fv.config.model.scan_layers) == (32, False)
