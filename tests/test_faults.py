@@ -147,7 +147,7 @@ def test_skip_goes_on_past_a_poisoned_batch_and_stops_after_k_in_a_row(monkeypat
     return to_global(local, shardings, batch_size)
 
   poison.step = 0
-  monkeypatch.setattr(train.data, 'to_global', poison)
+  monkeypatch.setattr(data, 'to_global', poison)
   result = train.train_and_evaluate(cfg, None)
   assert result['nonfinite_skipped'] == [3]
   assert _finite(result['state'].params) and np.isfinite(result['train']['loss'])
