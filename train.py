@@ -3,6 +3,9 @@ r"""Trains a zoo model with declarative sharding. The one entry point.
   python train.py --config configs/default.py --workdir /tmp/shardzoo [--config.key=value ...]
   python train.py --config configs/default.py:fsdp --workdir /tmp/shardzoo --dry_run
 
+A run prints the sharding table per module (--sharding_table=full, or --dry_run, for a row per parameter) and
+writes the full table to <workdir>/sharding_table.txt.
+
 The config is checked first (configs/schema.py), before JAX, TensorFlow and the data libraries are imported.
 Then `run` takes the steps of training/run.py in order: mesh -> model, optimizer and shardings (validated) ->
 sharding table -> input pipeline (validated) -> starting point (resume, pretrained or scratch) -> compile ->
