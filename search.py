@@ -154,7 +154,7 @@ def main(argv) -> None:
     # --- Stage 1: every mesh x preset, the config's remat (or the given ones) ------------------------------
     presets = {k: v for k, v in rules.items() if '-' not in k}
     micro = [int(m) for m in FLAGS.micro_batches]
-    result = search.run(candidates.generate(n, axes, presets, first, hosts, config.batch_size), micro)
+    result = search.run(candidates.generate(n, axes, presets, first, hosts, config.batch_size), micro, announce=say)
     say(f'stage 1: {len(result.ranked)} plans scored ({result.compiled} compiled) in {result.wall_s:.0f} s')
     # --- Stage 2: the best plans' meshes with their presets' variants and every remat policy -------------
     if result.ranked and FLAGS.stage2:
@@ -166,7 +166,7 @@ def main(argv) -> None:
         if name.split('-')[0] == c.rules_name
         for remat in remats
       ]
-      extra = search.run(more, micro)
+      extra = search.run(more, micro, announce=say)
       say(f'stage 2: {len(extra.ranked)} plans scored ({extra.compiled} compiled) in {extra.wall_s:.0f} s')
       result.ranked = sorted(result.ranked + extra.ranked, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
       result.pruned.update(extra.pruned)
@@ -199,19 +199,21 @@ def main(argv) -> None:
       fastest = min(measured, key=lambda s: s.measured_s)
       say(
         f'measured: the fastest of the top {len(measured)} is {fastest.candidate.label()} '
-        f'({1e3 * fastest.measured_s:.1f} ms); predicted winner {1e3 * win.measured_s:.1f} ms'
+        f'({report.seconds(fastest.measured_s)}); predicted winner {report.seconds(win.measured_s)}'
       )
     wall = time.perf_counter() - t_start
     mfu = f', predicted MFU {100 * win.mfu:.1f}%' if win.mfu else ''
-    mem = f'{win.prediction.memory_gib:.1f} GiB per device'
+    gib = lambda g: partitioning.fmt_bytes(g * 2**30)
+    mem = f'{gib(win.prediction.memory_gib)} per device'
     if memory_devices:
       mem += f' (compiled for {target})'
     elif win.prediction.memory_range:
-      mem += ' (modelled from what the backward keeps, {:.1f}-{:.1f}; {:.1f} of it state)'.format(
-        *win.prediction.memory_range, win.prediction.state_gib
+      low, high = win.prediction.memory_range
+      mem += (
+        f' (modelled from what the backward keeps, {gib(low)}-{gib(high)}; {gib(win.prediction.state_gib)} of it state)'
       )
     say(
-      f'\nchoice: {win.candidate.label()}: {1e3 * win.prediction.step_s:.1f} ms/step predicted{mfu}, '
+      f'\nchoice: {win.candidate.label()}: {report.seconds(win.prediction.step_s)}/step predicted{mfu}, '
       f'{mem}. Search took {wall:.0f} s.'
     )
     if FLAGS.out:
@@ -222,7 +224,7 @@ def main(argv) -> None:
         f'Plan chosen by search.py on {time.strftime("%Y-%m-%d")} for {n} x {chip.name}'
         + (f' over {hosts} hosts' if hosts > 1 else '')
         + f':\n  {win.candidate.label()}\n'
-        f'  predicted {1e3 * win.prediction.step_s:.1f} ms/step{mfu},\n  {mem}.\n\n  {command}\n\n'
+        f'  predicted {report.seconds(win.prediction.step_s)}/step{mfu},\n  {mem}.\n\n  {command}\n\n'
         f'Searched from {config_path}'
         + (f':{config_arg}' if config_arg else '')
         + '; fields below differ from that config.'

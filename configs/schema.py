@@ -20,8 +20,10 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import difflib
 import errno
 import importlib
+import importlib.util
 import math
 import os
 import re
@@ -287,7 +289,7 @@ FIELDS: dict[str, Field] = {
   'model.scan_layers': Field(bool),
   'model.vocab_size': POSITIVE,
   'model.pad_vocab_to': POSITIVE,
-  'model.max_len': POSITIVE,
+  'model.max_len': Field(int, lo=1, optional=True),  # None: the imported model's (fine-tune configs)
   'model.num_layers': POSITIVE,
   'model.num_heads': POSITIVE,
   'model.num_kv_heads': POSITIVE,
@@ -321,7 +323,7 @@ FIELDS: dict[str, Field] = {
   'model.stride_in_1x1': Field(bool),
   # data
   'dataset.name': Field(str, required=True),
-  'dataset.seq_len': POSITIVE,
+  'dataset.seq_len': Field(int, lo=1, optional=True),  # None: the model's max_len (fine-tune configs)
   'dataset.vocab_size': POSITIVE,
   'dataset.branching': POSITIVE,
   'dataset.smoothing': Field(float, lo=0, hi=1),
@@ -474,11 +476,15 @@ config_flags.register_flag_parser_for_type(list, _ListParser())
 
 def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) -> list[str]:
   """absl's flag parsing (app.run's flags_parser) with one line for a bad --config instead of a traceback:
-  a config file that is missing or does not compile, an unknown field (with ml_collections' suggestion, or
-  naming a field this config file does not declare), a misspelled preset or size, a value that does not parse."""
+  a config file that is missing or does not compile, an unknown field (named with the nearest field of its
+  section), a misspelled preset or size, a value that does not parse. The --config.<field> overrides are
+  checked against the loaded config before ml_collections applies them (`_check_overrides`)."""
   flag_values = flags.FLAGS if flag_values is None else flag_values
   try:
     with _file_errors(argv, flag_values):
+      overrides = _overrides(argv, flag_values)
+      if overrides:
+        _check_overrides(overrides, _loaded(argv, flag_values))
       rest = flag_values(argv)
       for name in _config_flags(flag_values):  # ml_collections defers a config file that failed to load until read
         if flag_values[name].value is not None or flag_values[name].present:
@@ -487,34 +493,23 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) ->
     if len(rest) > 1:
       raise errors.usage(_stray(rest[1:], argv, flag_values))
     return rest
-  except flags.Error as e:  # a value of the wrong type, or the config file's get_config(arg) refused its argument
+  except flags.Error as e:  # the config file's get_config(arg) refused its argument, or a value ml_collections refused
     text = str(e)
     cause = [line.strip() for line in text.splitlines() if re.match(r'\s*\w+(Error|Exception): ', line)]
     message = text.splitlines()[0].rstrip(':').strip()
     if cause:
       message += f': {cause[-1].split(": ", 1)[1]}'
-    for pattern, kind in ((r'for int\(\)', 'an integer'), (r'to float', 'a number'), (r'[Bb]oolean', 'True or False')):
-      if re.search(pattern, text):
-        message += f' (must be {kind})'
-        break
   except (OSError, SyntaxError) as e:  # the config file is missing, unreadable or not Python
     message = _load_error(argv, flag_values, e)
-  except (AttributeError, KeyError) as e:  # --config.<field> naming no field
-    text = str(e.args[0] if e.args else e)
-    if "has no attribute 'get_config'" in text:  # ml_collections: the file defines no get_config()
-      raise SystemExit(
-        f'shardzoo: config error: {_config_flag(argv, flag_values)[0]}: the file defines no '
-        'get_config(), so it is not a config file (configs/<model>.py are)'
-      ) from None
-    bad = re.search(r'instead of "([^"]+)"', text) or re.search(r'(\w+)', text)
-    name = bad.group(1) if bad else text
-    flag = next((a for a in argv if re.match(rf'--config\.([\w.]*\.)?{re.escape(name)}(=|$)', a)), f'--config.{name}')
-    path = flag.split('=', 1)[0][len('--config.') :]
-    hint = re.search(r'Did you mean "([^"]+)"', text)
-    if path in FIELDS:  # a field of other config files: a did-you-mean would point at the wrong field
-      message = f'{flag}: this config file does not declare config.{path}'
-    else:
-      message = f'{flag}: the config has no field {name!r}' + (f'; did you mean {hint.group(1)!r}?' if hint else '')
+  except AttributeError as e:
+    if "has no attribute 'get_config'" not in str(e):  # ml_collections: the file defines no get_config()
+      raise
+    raise SystemExit(
+      f'shardzoo: config error: {_config_flag(argv, flag_values)[0]}: the file defines no '
+      'get_config(), so it is not a config file (configs/<model>.py are)'
+    ) from None
+  except _BadOverride as e:
+    message = str(e)
   raise SystemExit(f'shardzoo: config error: {message}')
 
 
@@ -597,6 +592,99 @@ def _stray(extra: list[str], argv: list[str], flag_values: flags.FlagValues) -> 
   if file and all(not a.startswith('-') and '/' not in a for a in extra):
     hint = f'; a preset or size goes after the config file: {flag.split(":", 1)[0]}:{",".join(extra)}'
   return f'unexpected argument(s) {extra}: everything else is a flag (--name=value){hint}'
+
+
+class _BadOverride(Exception):
+  """A --config.<field> override naming no field of the config, or holding a value of the wrong type."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Override:
+  flag: str  # the config flag's name ('config')
+  path: str  # the field's dotted path ('model.embed_dim')
+  value: str | None  # as given (None: a bare boolean --config.<field> / --noconfig.<field>)
+  positions: tuple[int, ...]  # where in argv (the flag, and its value when given apart)
+
+  def __str__(self) -> str:
+    return f'--{self.flag}.{self.path}' + ('' if self.value is None else f'={self.value}')
+
+
+def _overrides(argv: list[str], flag_values: flags.FlagValues) -> list[_Override]:
+  """The --<config flag>.<field>[=value] arguments (also '--<config flag>.<field> value' and the '--no' form)."""
+  names = _config_flags(flag_values)
+  out = []
+  for i, arg in enumerate(argv[1:], 1):
+    if arg == '--':
+      break
+    body = arg.lstrip('-')
+    if not arg.startswith('-') or any(o.positions[-1] == i for o in out):
+      continue
+    for name in names:
+      for prefix, negated in ((f'{name}.', False), (f'no{name}.', True)):
+        if not body.startswith(prefix):
+          continue
+        path, eq, value = body[len(prefix) :].partition('=')
+        if eq or negated or i + 1 >= len(argv) or argv[i + 1].startswith('-'):
+          out.append(_Override(name, path, value if eq else None, (i,)))
+        else:
+          out.append(_Override(name, path, argv[i + 1], (i, i + 1)))
+        break
+      else:
+        continue
+      break
+  return out
+
+
+# How ml_collections parses an override of a field of this type, as a check that needs no error text.
+_PARSES = {
+  int: lambda v: int(v),
+  float: lambda v: float(v),
+  bool: lambda v: {'true': True, 't': True, '1': True, 'false': False, 'f': False, '0': False}[v.lower()],
+}
+_KIND = {int: 'an integer', float: 'a number', bool: 'True or False'}
+
+
+def _loaded(argv: list[str], flag_values: flags.FlagValues) -> ml_collections.ConfigDict | None:
+  """The config the command line's --config=<file>[:arg] builds, before any override; None when there is none or
+  it does not load (ml_collections then reports why, as it loads it itself)."""
+  flag, file = _config_flag(argv, flag_values)
+  if not file or not os.path.isfile(file):
+    return None
+  arg = flag.split('=', 1)[1].partition(':')[2] or None
+  try:
+    spec = importlib.util.spec_from_file_location('_shardzoo_overrides_checked_against', file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg) if arg is not None else module.get_config()
+  except Exception:  # noqa: BLE001  (a file that does not load is reported by ml_collections' own loading)
+    return None
+
+
+def _check_overrides(overrides: list[_Override], config: ml_collections.ConfigDict | None) -> None:
+  """Each override names a field of the config, and a value its type parses; else _BadOverride naming it (with
+  the nearest field of the section for a misspelling)."""
+  if config is None:
+    return
+  for o in overrides:
+    node, names = config, o.path.split('.')
+    for depth, key in enumerate(names):
+      if not isinstance(node, (ml_collections.ConfigDict, Mapping)) or key not in node:
+        if o.path in FIELDS:  # a field of other config files: a did-you-mean would point at the wrong field
+          raise _BadOverride(f'{o}: this config file does not declare config.{o.path}')
+        known = list(node.keys()) if isinstance(node, (ml_collections.ConfigDict, Mapping)) else []
+        near = difflib.get_close_matches(key, known, n=1)
+        raise _BadOverride(
+          f'{o}: the config has no field {key!r}' + (f'; did you mean {near[0]!r}?' if near else '')
+          if depth == len(names) - 1 or not known
+          else f'{o}: the config has no section {key!r}' + (f'; did you mean {near[0]!r}?' if near else '')
+        )
+      parent, node = node, node[key]
+    kind = parent.get_type(names[-1]) if isinstance(parent, ml_collections.ConfigDict) else type(node)
+    if o.value is not None and kind in _PARSES:
+      try:
+        _PARSES[kind](o.value)
+      except (ValueError, KeyError):
+        raise _BadOverride(f'flag {o}: cannot parse {o.value!r} (must be {_KIND[kind]})') from None
 
 
 def _config_flags(flag_values: flags.FlagValues) -> list[str]:

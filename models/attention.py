@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -96,8 +95,7 @@ def forced(impl: str):
 
 def _record(decision: str) -> None:
   if decision not in _decisions:
-    _decisions[decision] = None
-    logging.info('attention: %s', decision)
+    _decisions[decision] = None  # printed by the entry points (decisions()), once
 
 
 def _platform() -> str:

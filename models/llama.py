@@ -270,7 +270,7 @@ def _fits_positions(ours: int, theirs: int) -> str | None:
     if 0 < ours <= theirs
     else (
       f'longer than the {theirs} positions the checkpoint was trained for; '
-      'extend the context with rope_scaling, or drop the override'
+      'extend the context with rope_scaling, or leave config.model.max_len unset (it follows config.json)'
     )
   )
 

@@ -65,7 +65,7 @@ from partitioning.plan import (
 )
 from partitioning.rules import AxisRules, Rule, bytes_per_device, entry_axes, entry_size
 from partitioning.shard import active_mesh, logical_spec, shard, shard_logical, suspend_rules, use_rules
-from partitioning.table import fmt_bytes, sharding_table, tree_bytes_per_device
+from partitioning.table import fmt_bytes, sharding_summary, sharding_table, tree_bytes_per_device
 
 __all__ = [
   'AxisRules',
@@ -101,6 +101,7 @@ __all__ = [
   'resolve_mesh_shape',
   'shard',
   'shard_logical',
+  'sharding_summary',
   'sharding_table',
   'simulate_cpu_devices',
   'start_mesh',

@@ -5,22 +5,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from partitioning import fmt_bytes
 from planning.cost import summarize
 from planning.search import Result, Scored
 
 
-def _ms(s: float | None) -> str:
-  return '-' if s is None else f'{1e3 * s:.1f}'
+def seconds(s: float | None) -> str:
+  """A time in the unit that fits it: '1.23 s', '45.6 ms', '7.89 us'."""
+  if s is None:
+    return '-'
+  for unit, scale in (('s', 1.0), ('ms', 1e-3), ('us', 1e-6)):
+    if abs(s) >= scale or unit == 'us':
+      return f'{s / scale:.3g} {unit}'
+  raise AssertionError
 
 
 def _where(s: Scored, k: int = 2) -> str:
-  """The costliest collective groups: 'fsdp 12.1 ms, data+fsdp 0.4 ms'."""
+  """The costliest collective groups: 'fsdp 12.1 ms, data+fsdp 402 us'."""
   parts = sorted(s.prediction.by_axes.items(), key=lambda kv: -kv[1])[:k]
-  return ', '.join(f'{name} {1e3 * t:.1f}' for name, t in parts) or 'none'
+  return ', '.join(f'{name} {seconds(t)}' for name, t in parts) or 'none'
 
 
 def _what(s: Scored) -> str:
-  """Collective kinds by bytes: 'AG 2.1G RS 1.0G'."""
+  """Collective kinds by bytes: 'AG 2.10 GiB RS 1.00 GiB'."""
   short = {
     'all-gather': 'AG',
     'all-reduce': 'AR',
@@ -32,7 +39,7 @@ def _what(s: Scored) -> str:
   for name, (_, nbytes) in summarize(s.profile).items():
     op = short[name.split()[0]]
     by_op[op] = by_op.get(op, 0.0) + nbytes
-  return ' '.join(f'{op} {b / 2**30:.2g}G' for op, b in sorted(by_op.items(), key=lambda kv: -kv[1])) or '-'
+  return ' '.join(f'{op} {fmt_bytes(b)}' for op, b in sorted(by_op.items(), key=lambda kv: -kv[1])) or '-'
 
 
 def table(plans: Sequence[Scored], chip: Any) -> str:
@@ -40,13 +47,13 @@ def table(plans: Sequence[Scored], chip: Any) -> str:
     (
       '#',
       'plan (mesh | rules | remat | micro-batches)',
-      'step ms',
+      'step',
       'MFU',
       'compute',
       'collect.',
-      'costliest groups (ms)',
+      'costliest groups',
       'collective bytes/dev',
-      'mem GiB (state)',
+      'memory/dev (state)',
       'measured',
     )
   ]
@@ -56,14 +63,14 @@ def table(plans: Sequence[Scored], chip: Any) -> str:
       (
         str(i),
         s.candidate.label(),
-        _ms(p.step_s),
+        seconds(p.step_s),
         '-' if s.mfu is None else f'{100 * s.mfu:.1f}%',
-        _ms(p.compute_s),
-        _ms(p.collective_s),
+        seconds(p.compute_s),
+        seconds(p.collective_s),
         _where(s),
         _what(s),
-        f'{p.memory_gib:.1f} ({p.state_gib:.1f})' + ('' if p.fits else ' OVER'),
-        _ms(s.measured_s),
+        f'{fmt_bytes(p.memory_gib * 2**30)} ({fmt_bytes(p.state_gib * 2**30)})' + ('' if p.fits else ' OVER'),
+        seconds(s.measured_s),
       )
     )
   widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]

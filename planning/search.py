@@ -417,14 +417,20 @@ class Search:
       )
     return _Compiled(profiles, colls, tuple(mesh)), time.perf_counter() - t0
 
-  def run(self, candidates: Iterable[Candidate], micro_batches: Sequence[int] = ()) -> Result:
+  def run(
+    self,
+    candidates: Iterable[Candidate],
+    micro_batches: Sequence[int] = (),
+    announce: Callable[[str], None] | None = None,
+  ) -> Result:
     """Ranks `candidates`; the plans over the device memory are tried again in each of `micro_batches` micro-batches
     (config.grad_accum_steps, smallest first) until they fit: the same global batch, fewer activations at once,
-    scored with what the loop adds (per-micro-batch collectives, counted per trip)."""
+    scored with what the loop adds (per-micro-batch collectives, counted per trip). `announce`, if given, is told
+    how many candidates there are and, once the first program has compiled, about how long they will take."""
     t0 = time.perf_counter()
     pruned: collections.Counter = collections.Counter()
     examples: dict[str, str] = {}
-    scored, considered, compiled = self._score(candidates, pruned, examples)
+    scored, considered, compiled = self._score(candidates, pruned, examples, announce)
     over = [s.candidate for s in scored if not s.prediction.fits]
     for micro in sorted(m for m in micro_batches if m > 1):
       if not over:
@@ -443,19 +449,29 @@ class Search:
     return Result(ranked, pruned, examples, considered, compiled, time.perf_counter() - t0, self.model_flops)
 
   def _score(
-    self, candidates: Iterable[Candidate], pruned: collections.Counter, examples: dict[str, str]
+    self,
+    candidates: Iterable[Candidate],
+    pruned: collections.Counter,
+    examples: dict[str, str],
+    announce: Callable[[str], None] | None = None,
   ) -> tuple[list[Scored], int, int]:
     """(scored plans, candidates considered, programs compiled); pruning reasons counted into `pruned`."""
     pending: list[tuple[Candidate, Any]] = []
     considered, compiled = 0, 0
     dup = 'same shardings as an earlier plan (compiled once)'
+    candidates = list(candidates)
+    # another order of a mesh already validated: the same devices' work, on other hosts
+    group_of = lambda c: (tuple(sorted(c.mesh)), c.rules, c.remat, c.microbatches, c.micro)
+    todo = len({group_of(c) for c in candidates} - self._validated.keys())
+    if announce:
+      announce(f'{len(candidates)} candidates: {todo} programs at most to trace and compile ({self.workers} workers)')
     with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
       for cand in candidates:
         considered += 1
-        # another order of a mesh already validated: the same devices' work, on other hosts
-        group = (tuple(sorted(cand.mesh)), cand.rules, cand.remat, cand.microbatches, cand.micro)
+        group = group_of(cand)
         if group not in self._validated:
           try:
+            t_trace = time.perf_counter()
             fp, traced, trainers = self.validate(cand)
             self._validated[group] = fp
             if fp not in self._cache:
@@ -463,8 +479,17 @@ class Search:
               # traced here, where the stand-in is set
               on_target = self._memory_steps(trainers, cand) if self.memory_devices else []
               kept = [] if self.temporaries_known else [residuals.trace(tr, self.stand_in) for tr in trainers]
+              trace_s = time.perf_counter() - t_trace
               self._cache[fp] = pool.submit(self._compile, traced, kept, on_target, cand.mesh)
               compiled += 1
+              first = self._cache[fp]
+              if announce and compiled == 1 and first.exception() is None:  # waits; an error surfaces below
+                compile_s = first.result()[1]  # tracing is serial, compiling runs on the workers
+                total = todo * (trace_s + compile_s / min(self.workers, todo))
+                announce(
+                  f'the first took {trace_s:.1f} s to trace, {compile_s:.1f} s to compile: at most about '
+                  f'{_duration(total)} for all {todo} (pruned ones take less)'
+                )
           except Pruned as p:
             self._validated[group] = p
         fp = self._validated[group]
@@ -558,3 +583,8 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
   cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
   den = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
   return cov / den if den else float('nan')
+
+
+def _duration(s: float) -> str:
+  """'45 s', '3.2 min', '1.5 h'."""
+  return f'{s:.0f} s' if s < 120 else f'{s / 60:.1f} min' if s < 7200 else f'{s / 3600:.1f} h'

@@ -14,7 +14,9 @@ from absl import flags
 from ml_collections import config_flags
 
 import errors
+import partitioning
 import train
+import training
 from configs import schema
 from tests.conftest import ROOT, subprocess_env
 from tests.test_configs import MODULES, tiny_config
@@ -69,7 +71,7 @@ def test_every_field_of_every_config_refuses_bad_values_in_one_line():
 
 def test_train_py_checks_the_schema_before_building_anything(monkeypatch):
   cfg = with_value(FAMILIES['gpt2'].get_config('tiny'), 'optim.lr', -1.0)
-  monkeypatch.setattr(train.partitioning, 'fit_mesh', lambda *a: pytest.fail('built before the schema check'))
+  monkeypatch.setattr(partitioning, 'fit_mesh', lambda *a: pytest.fail('built before the schema check'))
   with pytest.raises(errors.ConfigError, match=r'^config.optim.lr=-1.0: must be a finite number >= 0$'):
     train.train_and_evaluate(cfg, None, dry_run=True)
   with pytest.raises(errors.ConfigError, match=r'^config.model.num_haeds is not a field shardzoo knows'):
@@ -84,7 +86,7 @@ def test_a_step_that_does_not_fit_the_device_is_one_error_before_anything_is_all
   from training import profiling
 
   monkeypatch.setattr(profiling, 'memory_limit', lambda device: 2**18)
-  monkeypatch.setattr(train.training, 'init_state', lambda *a: pytest.fail('state allocated before the check'))
+  monkeypatch.setattr(training, 'init_state', lambda *a: pytest.fail('state allocated before the check'))
   with pytest.raises(errors.DeviceMemoryError) as e:
     train.train_and_evaluate(conftest.tiny_config(), None)
   size = r'[0-9.]+ (B|KiB|MiB)'
@@ -517,3 +519,34 @@ def test_every_entry_point_taking_a_config_parses_and_reports_it_as_train_py_doe
   assert r.returncode == 1 and r.stderr.strip() == (
     'shardzoo: config error: --steps=0 --warmup=5: need at least 1 timed step and no negative warm-up'
   ), r.stderr[-2000:]
+
+
+def test_overrides_are_checked_before_ml_collections_applies_them(monkeypatch):
+  """An unknown field or a value of the wrong type is found by reading the config, not ml_collections' error
+  text: its wording can change (here it says nothing useful) and the message stays the same, in either form."""
+  monkeypatch.setattr(ml_collections.ConfigDict, '_generate_did_you_mean_message', lambda *a: 'reworded')
+  path = os.path.join(ROOT, 'configs', 'gpt2.py')
+  for extra in (['--config.model.emebd_dim=3'], ['--config.model.emebd_dim', '3']):
+    with pytest.raises(SystemExit) as e:
+      parse(['train.py', f'--config={path}:tiny', *extra])
+    assert str(e.value) == (
+      "shardzoo: config error: --config.model.emebd_dim=3: the config has no field 'emebd_dim'; "
+      "did you mean 'embed_dim'?"
+    )
+  with pytest.raises(SystemExit) as e:
+    parse(['train.py', f'--config={path}:tiny', '--config.modle.embed_dim=3'])
+  assert str(e.value) == (
+    "shardzoo: config error: --config.modle.embed_dim=3: the config has no section 'modle'; did you mean 'model'?"
+  )
+  for value, kind in (('1.5', 'an integer'), ('yes please', 'an integer')):
+    with pytest.raises(SystemExit) as e:
+      parse(['train.py', f'--config={path}:tiny', f'--config.batch_size={value}'])
+    assert (
+      str(e.value)
+      == f'shardzoo: config error: flag --config.batch_size={value}: cannot parse {value!r} (must be {kind})'
+    )
+  with pytest.raises(SystemExit) as e:
+    parse(['train.py', f'--config={path}:tiny', '--config.model.scan_layers=maybe'])
+  assert str(e.value).endswith("cannot parse 'maybe' (must be True or False)")
+  _, fv = parse(['train.py', f'--config={path}:tiny', '--config.model.embed_dim', '32', '--config.model.scan_layers=f'])
+  assert (fv.config.model.embed_dim, fv.config.model.scan_layers) == (32, False)

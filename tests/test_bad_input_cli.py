@@ -16,6 +16,7 @@ from ml_collections import config_flags
 
 import errors
 import models
+import partitioning
 import train
 from configs import schema
 from tests.conftest import ROOT, build_trainer, subprocess_env
@@ -75,7 +76,7 @@ def overridden(argv):
 )
 def test_a_config_switched_to_another_family_or_task_names_what_it_needs(argv, message, monkeypatch):
   config = overridden([argv[0].replace('=', f'={ROOT}/', 1), *argv[1:]])
-  monkeypatch.setattr(train.partitioning, 'fit_mesh', lambda *a: pytest.fail('built before the check'))
+  monkeypatch.setattr(partitioning, 'fit_mesh', lambda *a: pytest.fail('built before the check'))
   with pytest.raises(errors.ConfigError, match=message) as e:
     train.train_and_evaluate(config, None, dry_run=True)
   assert '\n' not in str(e.value)
@@ -218,7 +219,7 @@ def test_settings_that_would_silently_differ_are_warned_about(monkeypatch, capsy
   def stop(*args):  # the warnings come before anything is built
     raise Built
 
-  monkeypatch.setattr(train.partitioning, 'fit_mesh', stop)
+  monkeypatch.setattr(partitioning, 'fit_mesh', stop)
   with pytest.raises(Built):
     train.train_and_evaluate(config, None, dry_run=True)
   assert capsys.readouterr().out.splitlines() == [

@@ -124,6 +124,7 @@ def test_real_size_dry_run_validates_without_allocating(name, capsys):
   module = dict(MODULES)[name]
   out = train.train_and_evaluate(module.get_config(None), None, dry_run=True)
   printed = capsys.readouterr().out
+  assert 'WARNING sharding' not in printed, printed  # e.g. unrolled layers' ('layers', None) rule is not 'unused'
   tiny = train.train_and_evaluate(tiny_config(module, list(module.RULES)[0]), None, dry_run=True)
   assert out['num_params'] > tiny['num_params']
   assert 'params + optimizer per device' in printed
@@ -143,3 +144,25 @@ def test_tokenizer_follows_init_from_overrides(name):
   cfg.lock()
   cfg.init_from = '/elsewhere/model'  # what config_flags does for --config.init_from=/elsewhere/model
   assert cfg.dataset.tokenizer == '/elsewhere/model' == cfg.to_dict()['dataset']['tokenizer']
+
+
+def test_the_sharding_summary_of_real_llama_fits_a_screen():
+  """By default a run prints one row per module, not one per parameter, with the full table's totals."""
+  from configs import llama
+
+  cfg = llama.get_config(None)
+  trainer = training.build(
+    cfg, partitioning.make_mesh(cfg.mesh), lambda rngs: models.create(cfg.model, rngs, cfg.get('lora'))
+  )
+  t = trainer
+  summary = partitioning.sharding_summary(
+    t.abstract.params, t.specs.params, t.mesh.shape, t.abstract.opt_state, t.specs.opt_state
+  ).splitlines()
+  full = partitioning.sharding_table(
+    t.abstract.params, t.axes.params, t.specs.params, t.mesh.shape, t.abstract.opt_state, t.specs.opt_state
+  ).splitlines()
+  assert len(full) > 100 and len(summary) <= 30, (len(full), summary)
+  assert summary[-2:] == full[-2:]  # parameters, per-device bytes, optimizer state
+  rows = summary[2:-3]
+  params = sum(int(row.split()[2].replace(',', '')) for row in rows if row.split()[2] != '-')
+  assert f'parameters: {params:,} ' in summary[-2]

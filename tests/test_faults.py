@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 from orbax.checkpoint._src.serialization import serialization
 
+import data
 import errors
 import partitioning
 import train
@@ -140,7 +141,7 @@ def test_skip_goes_on_past_a_poisoned_batch_and_stops_after_k_in_a_row(monkeypat
 
   cfg = mnist.get_config('dp,tiny')
   cfg.update(total_steps=6, log_every=3, eval_every=6, checkpoint_every=0, on_nonfinite='skip', max_nonfinite_skips=2)
-  to_global, poisoned = train.data.to_global, {3}
+  to_global, poisoned = data.to_global, {3}
 
   def poison(local, shardings, batch_size):
     poison.step += 1
@@ -149,7 +150,7 @@ def test_skip_goes_on_past_a_poisoned_batch_and_stops_after_k_in_a_row(monkeypat
     return to_global(local, shardings, batch_size)
 
   poison.step = 0
-  monkeypatch.setattr(train.data, 'to_global', poison)
+  monkeypatch.setattr(data, 'to_global', poison)
   result = train.train_and_evaluate(cfg, None)
   assert result['nonfinite_skipped'] == [3]
   assert _finite(result['state'].params) and np.isfinite(result['train']['loss'])

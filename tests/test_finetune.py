@@ -2,7 +2,9 @@
 only its adapters (sharded by the rules), and merged weights reproduce base + adapter outputs (also
 exported to Hugging Face)."""
 
+import importlib
 import os
+import re
 
 import jax
 import numpy as np
@@ -116,3 +118,58 @@ def test_lora_step_computes_no_frozen_weight_gradients():
   expected = np.sqrt(sum(np.sum(np.square(g)) for p, g in grads.items() if '/lora_' in p))
   _, metrics = training.jit_train_step(trainer)(state, jax.device_put(batch, trainer.batch_shardings))
   np.testing.assert_allclose(float(metrics['grad_norm']), expected, rtol=1e-5)
+
+
+def _tiny_hf_model(name, path):
+  import torch
+  import transformers
+
+  torch.manual_seed(0)
+  if name == 'gpt2_finetune':
+    cfg = transformers.GPT2Config(vocab_size=16, n_positions=32, n_embd=32, n_layer=1, n_head=2)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+  else:
+    cfg = transformers.LlamaConfig(
+      vocab_size=16,
+      hidden_size=32,
+      intermediate_size=64,
+      num_hidden_layers=1,
+      num_attention_heads=2,
+      num_key_value_heads=1,
+      max_position_embeddings=32,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+  return str(path)
+
+
+@pytest.mark.parametrize('name', ['gpt2_finetune', 'llama_lora'])
+def test_finetune_configs_take_their_lengths_from_the_imported_model(name, tmp_path):
+  """The fine-tune configs fit any imported model: max_len and the training length follow its config.json
+  (32 positions here, not the real models' 1024), unless the command line sets them."""
+  import train
+
+  module = importlib.import_module(f'configs.{name}')
+  path = _tiny_hf_model(name, tmp_path / 'hf')
+  cfg = module.get_config()
+  cfg.init_from = path
+  train.train_and_evaluate(cfg, None, dry_run=True)
+  assert (cfg.model.max_len, cfg.dataset.seq_len) == (32, 32)
+  cfg = module.get_config()
+  cfg.init_from, cfg.dataset.seq_len = path, 16  # what --config.dataset.seq_len=16 does
+  train.train_and_evaluate(cfg, None, dry_run=True)
+  assert (cfg.model.max_len, cfg.dataset.seq_len) == (32, 16)
+
+
+def test_a_wrong_init_from_path_is_named_before_anything_is_built(tmp_path, monkeypatch):
+  """Not reported later as an unprepared dataset or a bad tokenizer directory: the path, at once."""
+  import data
+  import errors
+  import train
+  from configs import gpt2_finetune
+
+  monkeypatch.setattr(training, 'build', lambda *a: pytest.fail('the model was built before init_from was checked'))
+  monkeypatch.setattr(data, 'build', lambda *a: pytest.fail('the dataset was built before init_from was checked'))
+  cfg = gpt2_finetune.get_config()
+  cfg.init_from = missing = str(tmp_path / 'no_such_model')
+  with pytest.raises(errors.ConfigError, match=rf"^config.init_from='{re.escape(missing)}' is neither "):
+    train.train_and_evaluate(cfg, str(tmp_path / 'run'))

@@ -6,6 +6,7 @@ process stops its peer. The Kubernetes manifest is checked for consistency."""
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -102,7 +103,10 @@ def test_slurm_launch_hybrid_mesh_and_resume_on_other_process_and_device_counts(
   bin_dir.mkdir(), out_dir.mkdir()
   (bin_dir / 'srun').write_text(FAKE_SRUN)
   (bin_dir / 'srun').chmod(0o755)
-  (bin_dir / 'python').symlink_to(sys.executable)
+  # A wrapper, not a symlink: Python finds its virtualenv from the path it was started by, so a symlink to a
+  # venv's python would start the base interpreter, without the venv's packages.
+  (bin_dir / 'python').write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+  (bin_dir / 'python').chmod(0o755)
   env = {
     **subprocess_env(),
     'PATH': f'{bin_dir}:{os.environ["PATH"]}',

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import re
 
 import jax
 import pytest
@@ -14,7 +15,7 @@ import training
 from configs import llama
 from errors import ConfigError
 from partitioning import hlo
-from planning import candidates, cost, plan_file, residuals
+from planning import candidates, cost, plan_file, report, residuals
 from planning import search as search_lib
 from tests.conftest import ROOT
 from training import flops
@@ -703,3 +704,32 @@ def test_a_plan_over_memory_is_tried_in_micro_batches_and_written_with_them(tmp_
   plan = search_lib.apply(s.config, result.ranked[0].candidate)
   text = plan_file.render(LLAMA, 'tiny', llama.get_config('tiny'), plan, 'test plan')
   assert '  c.grad_accum_steps = 2\n' in text
+
+
+def test_the_table_uses_units_that_fit_its_figures(searched):
+  """Tiny plans print microseconds and KiB, not '0.0' ms, 'AR 0.0004G' or '0.0 GiB'."""
+  _, result = searched
+  text = report.table(result.ranked, flops.chip('cpu'))
+  assert not re.search(r'\b0\.0+ ?(G|GiB|ms)\b|\b\d\.\d+e-\d', text), text
+  assert re.search(r'\d (KiB|MiB)', text) and re.search(r'\d (us|ms|s)\b', text), text
+  assert [report.seconds(x) for x in (2.5, 0.0123, 4e-5)] == ['2.5 s', '12.3 ms', '40 us']
+
+
+def test_a_search_says_how_long_it_will_take_before_the_bulk(monkeypatch):
+  config = _tiny_llama()
+  rules = candidates.rule_variants(llama.RULES)
+  s = search_lib.Search(config, lambda m, r: models.create(m, r), flops.chip('cpu'), 8)
+  mesh = lambda **kw: tuple((a, kw.get(a, 1)) for a in ('data', 'fsdp', 'tensor'))
+  said = []
+  s.run(
+    [
+      candidates.Candidate(mesh(fsdp=8), 'fsdp', rules['fsdp'], 'none'),
+      candidates.Candidate(mesh(data=8), 'dp', rules['dp'], 'none'),
+    ],
+    announce=said.append,
+  )
+  assert said[0] == '2 candidates: 2 programs at most to trace and compile (2 workers)', said
+  assert re.fullmatch(
+    r'the first took [\d.]+ s to trace, [\d.]+ s to compile: at most about \d+ s for all 2 \(pruned ones take less\)',
+    said[1],
+  ), said

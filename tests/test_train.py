@@ -12,6 +12,7 @@ import errors
 import models
 import train
 from tests.conftest import BACKEND_COMPILE, ROOT, recorded_compile_events, subprocess_env, tiny_config
+from training import run
 
 
 def test_default_config_learns(tmp_path):
@@ -99,7 +100,7 @@ def test_an_exception_in_the_loop_releases_everything_and_a_corrupt_checkpoint_s
       raise RuntimeError('input pipeline broke')
     return real(*args)
 
-  monkeypatch.setattr(train.data, 'to_global', failing)
+  monkeypatch.setattr(data_pkg, 'to_global', failing)
   cfg = tiny_config('fsdp_tp', checkpoint_every=1, total_steps=3)
   with pytest.raises(RuntimeError, match='input pipeline broke'):
     train.train_and_evaluate(cfg, str(tmp_path))
@@ -204,5 +205,84 @@ def test_progress_lines_are_written_whole(monkeypatch):
       pass
 
   monkeypatch.setattr(sys, 'stdout', Stdout())
-  train.say('step     1 | loss 2.7')
+  run.say('step     1 | loss 2.7')
   assert writes == ['step     1 | loss 2.7\n']
+
+
+TINY_CLI = [
+  '--config.mesh.data=1',
+  '--config.mesh.fsdp=1',
+  '--config.mesh.tensor=1',
+  '--config.model.num_layers=2',
+  '--config.model.embed_dim=64',
+  '--config.model.mlp_dim=128',
+  '--config.model.max_len=16',
+  '--config.dataset.seq_len=16',
+  '--config.dataset.num_train=512',
+  '--config.dataset.num_eval=100',
+  '--config.batch_size=16',
+  '--config.sample_len=0',
+  '--config.checkpoint_every=0',
+]
+
+
+@pytest.mark.slow
+def test_cli_says_each_line_once_and_the_full_table_goes_to_the_workdir(tmp_path):
+  """What a run prints: each progress line, warning and attention choice once (no logging writer repeating them,
+  no progress reporter with its own steps/s, no hyperparameter line, TensorFlow's start-up once at most); the
+  sharding table as a per-module summary, the full one in the workdir."""
+  r = _cli(
+    '--workdir', str(tmp_path), *TINY_CLI, '--config.total_steps=4', '--config.log_every=2', '--config.eval_every=4'
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = r.stdout + r.stderr
+  for line in r.stdout.splitlines():
+    if line.startswith(('step ', 'eval @', 'attention:', 'WARNING')):
+      assert out.count(line.split(' | ')[0] if line.startswith(('step ', 'eval @')) else line) == 1, line
+  assert len([line for line in r.stdout.splitlines() if line.startswith('step ')]) == 2
+  assert sum(line.count('attention: ') for line in out.splitlines()) == 1, out[-3000:]
+  for noise in ('Setting work unit notes', 'Hyperparameters', 'steps_per_sec=', 'train/loss='):
+    assert noise not in out, noise
+  assert out.count('absl::InitializeLog') <= 1
+  full = (tmp_path / 'sharding_table.txt').read_text()
+  assert 'mlp/up/layer/kernel' in full and 'mlp/up/layer/kernel' not in r.stdout
+  summary = r.stdout[r.stdout.index('module ') : r.stdout.index('per parameter:')]
+  assert summary.splitlines()[-1] == full.splitlines()[-1]  # the same totals
+  assert len(summary.splitlines()) < len(full.splitlines())
+  assert glob.glob(str(tmp_path / 'events.out.tfevents.*'))  # TensorBoard scalars still written
+
+
+@pytest.mark.slow
+def test_cli_config_error_comes_before_the_heavy_imports(tmp_path):
+  """A misspelled field is reported before JAX, TensorFlow, clu or grain are imported (seconds, not tens)."""
+  r = subprocess.run(
+    [sys.executable, '-X', 'importtime', 'train.py', '--config', 'configs/gpt2.py:tiny']
+    + ['--config.model.emebd_dim=3', '--workdir', str(tmp_path)],
+    cwd=ROOT,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert r.returncode == 1
+  last = r.stderr.strip().splitlines()[-1]
+  assert last.endswith("--config.model.emebd_dim=3: the config has no field 'emebd_dim'; did you mean 'embed_dim'?")
+  imported = {line.split('|')[-1].strip() for line in r.stderr.splitlines() if line.startswith('import time:')}
+  assert not imported & {'jax', 'tensorflow', 'clu', 'grain', 'flax'}, sorted(
+    imported & {'jax', 'tensorflow', 'clu', 'grain', 'flax'}
+  )
+  # A bad value (found by schema.check, after parsing) too.
+  r = subprocess.run(
+    [sys.executable, '-X', 'importtime', 'train.py', '--config', 'configs/gpt2.py:tiny']
+    + ['--config.optim.lr=-1', '--workdir', str(tmp_path)],
+    cwd=ROOT,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert (
+    r.stderr.strip().splitlines()[-1] == 'shardzoo: config error: config.optim.lr=-1.0: must be a finite number >= 0'
+  )
+  imported = {line.split('|')[-1].strip() for line in r.stderr.splitlines() if line.startswith('import time:')}
+  assert not imported & {'tensorflow', 'clu', 'grain'}

@@ -71,6 +71,35 @@ def adopt_hf_config(
   return fields, kept
 
 
+# A length derived from the model is at most this many tokens: a whole context per example (131,072 positions
+# for Llama 3.2) would not fit a fine-tune's memory.
+LONGEST_DERIVED_SEQ_LEN = 1024
+
+
+def derive_lengths(config: ml_collections.ConfigDict, fallback: int | None = None) -> None:
+  """Lengths a config file leaves unset (None: the fine-tune configs) follow the model: config.model.max_len is
+  config.json's (adopt_hf_config), config.dataset.seq_len the model's max_len, at most LONGEST_DERIVED_SEQ_LEN.
+  `fallback` stands in for a max_len no config.json gave (a dry run whose init_from is not there)."""
+  has_max_len = 'max_len' in config.model
+  if has_max_len and config.model.max_len is None:
+    if fallback is None:
+      raise ConfigError(
+        'config.model.max_len is unset: it follows the config.json of a Hugging Face config.init_from; '
+        'set config.init_from to one, or set config.model.max_len'
+      )
+    config.model.max_len = fallback
+  if 'dataset' in config and 'seq_len' in config.dataset and config.dataset.seq_len is None:
+    if not has_max_len:
+      raise ConfigError(f'config.dataset.seq_len is unset, and config.model.name={config.model.name!r} has no max_len')
+    config.dataset.seq_len = min(config.model.max_len, LONGEST_DERIVED_SEQ_LEN)
+
+
+def check_path(path: str) -> None:
+  """config.init_from exists: a Hugging Face model directory or a directory (a checkpoint of this project, whose
+  shapes `check_source` reads). ConfigError naming the path, before anything is built from it."""
+  _is_hf_dir(path)
+
+
 def check_dont_load(trainer: Trainer) -> None:
   """config.dont_load must be a regex that matches some parameter (or model state) path: one that matches none
   would load everything, silently. Cheap (abstract shapes): train.py can call it before compiling."""

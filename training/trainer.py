@@ -72,7 +72,10 @@ class Trainer:
 
   def warnings(self) -> list[str]:
     """Unused rules, and mesh axes no rule uses (everything is replicated over them)."""
-    out = [f'{r} is used by no parameter or activation' for r in self.rules.unused(self.seen)]
+    # The 'layers' axis exists only with scanned (stacked) layers; one rule list serves both settings of
+    # config.model.scan_layers, so its rule is idle, not forgotten, when they are unrolled.
+    idle = {'layers'} if self.config.model.get('scan_layers') is False else set()
+    out = [f'{r} is used by no parameter or activation' for r in self.rules.unused(self.seen | idle)]
     if self.config.get('context_load_balance') and self.balance == 1:
       out.append(
         "config.context_load_balance is set, but no rule shards 'length' over more than one device: "

@@ -1,0 +1,431 @@
+"""The steps of a training run, in the order train.py calls them: mesh, build, input, starting point, compile,
+starting state, loop, finish. Each builds one thing, checks it before anything costly follows, and says what it
+built in a line (`say`); warnings go through `warn`, once each."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from clu import metric_writers
+
+import data
+import errors
+import models
+import partitioning
+import training
+from models import attention, hf_import
+from training import accumulate, checkpoint, export, flops, pretrained, profiling
+from training.preemption import Preemption
+
+TABLE_FILE = 'sharding_table.txt'  # the full per-parameter table, in the workdir
+
+
+def say(msg: str) -> None:
+  """Progress for humans, printed once (by process 0), line and newline in one write: with an unbuffered
+  stdout (PYTHONUNBUFFERED, usual in containers) print() writes them apart, and a logging thread writing
+  between them would glue its line onto ours."""
+  if jax.process_index() == 0:
+    sys.stdout.write(f'{msg}\n')
+    sys.stdout.flush()
+
+
+def warn(topic: str, msg: str) -> None:
+  """A warning, shown once: 'WARNING <topic>: <msg>' among the progress lines."""
+  say(f'WARNING {topic}: {msg}')
+
+
+# --- Mesh ------------------------------------------------------------------------------------------------------
+
+
+def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  """The device mesh of config.mesh (fitted to the devices there are), with config.dcn_mesh's slices outermost."""
+  dcn = config.get('dcn_mesh')  # slices over the slower network (hosts): the outer factor of each mesh axis
+  note = partitioning.fit_mesh(config.mesh, dcn)  # a mesh for more (or fewer) accelerators than there are is fitted
+  if note:
+    warn('mesh', note)
+  mesh = partitioning.make_mesh(config.mesh, dcn_cfg=dcn)
+  slices = partitioning.num_slices(mesh, dcn)
+  say(
+    f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, '
+    f'{jax.process_count()} process(es)'
+    + (f', {slices} DCN slices ({partitioning.describe_dcn(mesh, dcn)})' if slices > 1 else '')
+  )
+  return mesh
+
+
+# --- Model, optimizer and their shardings (validated; nothing allocated yet) -----------------------------------
+
+
+@dataclasses.dataclass
+class Built:
+  trainer: training.Trainer
+  traced_train: Any
+  traced_eval: Any
+
+
+def adopt_pretrained(config: ml_collections.ConfigDict, dry_run: bool) -> None:
+  """config.init_from resolved (a hub id becomes its directory in the Hugging Face cache, downloaded if need be)
+  and checked to exist, at once; a Hugging Face directory's config.json gives the architecture and, where the
+  config leaves them unset, the lengths."""
+  fallback = None
+  if config.get('init_from'):
+    config.init_from = hf_import.resolve(config.init_from, download=not dry_run)
+    if not dry_run:
+      pretrained.check_path(config.init_from)
+    elif not os.path.exists(config.init_from):
+      fallback = pretrained.LONGEST_DERIVED_SEQ_LEN
+      warn(
+        'init_from', f'{config.init_from!r} is neither a directory nor a cached hub id: the dry run uses config.model'
+      )
+    if hf_import.is_hf_dir(config.init_from):
+      taken, kept = pretrained.adopt_hf_config(config, models.HF_FAMILIES)
+      say(
+        f'init_from {config.init_from}: from config.json: '
+        + ', '.join(f'{k}={v!r}' for k, v in taken.items())
+        + ''.join(f'; kept config.model.{k}={ours!r} (config.json: {theirs!r})' for k, (ours, theirs) in kept.items())
+      )
+  pretrained.derive_lengths(config, fallback)
+
+
+def build(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Built:
+  """The abstract model, optimizer and shardings, and both steps traced: tracing runs the model code on abstract
+  inputs, so every rule and activation constraint is validated here."""
+  trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+  built = Built(
+    trainer,
+    training.trace(trainer, training.jit_train_step(trainer)),
+    training.trace(trainer, training.jit_eval_step(trainer)),
+  )
+  for decision in attention.decisions():  # the kernel each attention runs on, and why
+    say(f'attention: {decision}')
+  return built
+
+
+def show_shardings(trainer: training.Trainer, workdir: str | None, full: bool) -> None:
+  """The sharding table: summarised per module (or in full), the full one written to the workdir; then the
+  rules' warnings."""
+  t = trainer
+  shapes = (t.abstract.params, t.specs.params, t.mesh.shape, t.abstract.opt_state, t.specs.opt_state)
+  table = partitioning.sharding_table(
+    t.abstract.params, t.axes.params, t.specs.params, t.mesh.shape, t.abstract.opt_state, t.specs.opt_state
+  )
+  if workdir and jax.process_index() == 0:
+    checkpoint.ensure_writable(workdir)
+    with open(os.path.join(workdir, TABLE_FILE), 'w') as f:
+      f.write(table + '\n')
+  if full:
+    say(table)
+  else:
+    say(partitioning.sharding_summary(*shapes) + (f'\nper parameter: {workdir}/{TABLE_FILE}' if workdir else ''))
+  for w in trainer.warnings():
+    warn('sharding', w)
+
+
+# --- Input pipeline: each process reads only its rows of every global batch -------------------------------------
+
+
+@dataclasses.dataclass
+class Input:
+  ds: Any
+  train_iter: Any
+  rows: slice
+  floor: float | None  # the eval loss's entropy floor (synthetic languages)
+
+
+def make_input(config: ml_collections.ConfigDict, trainer: training.Trainer, cleanup: contextlib.ExitStack) -> Input:
+  """The dataset, checked against the task (fields, shapes, dtypes, vocabulary, classes) before compiling, so a
+  bad dataset, split or size fails in seconds; its train iterator resumes exactly, with any process count."""
+  ds = data.build(config)
+  trainer.task.check_data(config, ds.example_spec(), ds.vocab, ds.num_classes)
+  max_len = config.model.get('max_len')
+  if ds.language is not None and config.get('sample_len') and max_len and 2 + config.sample_len > max_len:
+    raise errors.ConfigError(
+      f'config.sample_len={config.sample_len}: the sample after training (2 prompt tokens '
+      f'+ sample_len) would be {2 + config.sample_len} tokens, over config.model.max_len='
+      f'{max_len}'
+    )
+  rows = data.local_rows(trainer.batch_shardings['mask'], trainer.batch_abstract['mask'].shape)
+  train_iter = ds.train_iterator(config.batch_size, rows, config.seed)
+  cleanup.callback(train_iter.close)  # stops the prefetch threads
+  say(f'data: {ds.description}')
+  floor = None
+  if ds.language is not None:
+    floor = ds.language.loss_floor(config.dataset.seq_len)
+    say(
+      f'data: entropy floor of the eval loss {floor:.4f} nats/token '
+      f'(bigram {ds.language.entropies()["bigram"]:.4f}, uniform {math.log(config.dataset.vocab_size):.4f})'
+    )
+  return Input(ds, train_iter, rows, floor)
+
+
+# --- Starting point: resume this run, else pretrained weights, else scratch -------------------------------------
+
+
+@dataclasses.dataclass
+class Start:
+  kind: str  # 'resume', 'pretrained' or 'scratch'
+  ckpt: checkpoint.Checkpointer | None
+  state: Any = None  # restored already: a finished run's (nothing is compiled for it)
+  done: bool = False  # the restored state is at or past config.total_steps
+
+
+def checkpoints(
+  config: ml_collections.ConfigDict, trainer: training.Trainer, workdir: str | None, cleanup: contextlib.ExitStack
+):
+  """The run's Checkpointer (None without checkpointing); the workdir checked writable and its free space
+  against the checkpoints to keep before compiling, and checkpoints there with checkpointing off an error (never
+  a silent fresh start)."""
+  if not workdir:
+    return None
+  checkpoint.ensure_writable(workdir)
+  if config.get('checkpoint_every', 0) > 0:
+    keep, directory = config.get('keep_checkpoints', 2), os.path.join(workdir, 'checkpoints')
+    space = config.get('checkpoint_space', 'refuse')
+    if note := checkpoint.check_space(directory, checkpoint.state_bytes(trainer), keep, space):
+      warn('checkpoint', note)
+    ckpt = checkpoint.Checkpointer(directory, every_steps=config.checkpoint_every, keep=keep)
+    cleanup.callback(ckpt.close)
+    cleanup.callback(ckpt.wait)  # runs first: a save in flight completes
+    return ckpt
+  if steps := checkpoint.steps_in(os.path.join(workdir, 'checkpoints')):
+    raise errors.ConfigError(
+      f'config.checkpoint_every={config.get("checkpoint_every", 0)}, but {workdir}/checkpoints '
+      f'holds checkpoints (steps {steps}): set config.checkpoint_every to resume from them, '
+      'or give another --workdir'
+    )
+  return None
+
+
+def choose_start(config: ml_collections.ConfigDict, trainer: training.Trainer, ckpt, train_iter) -> Start:
+  """Where the state comes from, checked against the model (and the data position against the batch) from
+  metadata, before compiling. A finished run rerun is restored here, without compiling anything."""
+  if ckpt is not None and ckpt.latest_step() is not None:
+    with contextlib.suppress(errors.DamagedCheckpointError):  # damage: resume falls back to an older one
+      ckpt.check(trainer, data_iter=train_iter)
+    start = Start('resume', ckpt)
+    if ckpt.latest_step() >= config.total_steps:
+      start.state, start.done = resume(ckpt, trainer, train_iter, config)
+    return start
+  if config.get('init_from'):
+    pretrained.check_source(trainer)
+    return Start('pretrained', ckpt)
+  return Start('scratch', ckpt)
+
+
+def resume(ckpt, trainer, train_iter, config) -> tuple[Any, bool]:
+  """The newest readable checkpoint restored (model, optimizer, data position; into the new shardings), and
+  whether it is at or past config.total_steps (a finished run rerun, or total_steps lowered: nothing to train)."""
+  state, damaged = ckpt.restore_latest(trainer, train_iter, fallback=config.get('resume_fallback', True))
+  for w in damaged:
+    warn('checkpoint', w)
+  say(f'resumed from {ckpt.directory}/{int(state.step)}')
+  done = int(state.step) >= config.total_steps
+  if done:
+    say(f'checkpoint step {int(state.step)} >= config.total_steps={config.total_steps}: nothing to train')
+  return state, done
+
+
+def starting_state(start: Start, trainer: training.Trainer, train_iter) -> Any:
+  """The state `choose_start` chose, created or read directly in its shardings."""
+  config = trainer.config
+  if start.state is not None:
+    return start.state
+  if start.kind == 'resume':
+    return resume(start.ckpt, trainer, train_iter, config)[0]
+  if start.kind == 'pretrained':
+    state = pretrained.init_state(trainer, models.HF_FAMILIES)
+    say(f'initialised from {config.init_from}' + (f' except {config.dont_load!r}' if config.get('dont_load') else ''))
+    return state
+  return training.init_state(trainer)
+
+
+# --- Compile once, ahead of time ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Compiled:
+  train_step: Any
+  eval_step: Any
+  step_flops: Any  # flops.StepFlops, where the chip's peak is known (MFU)
+  peak: float | None
+
+
+def compile_steps(built: Built, peak_tflops: float | None) -> Compiled:
+  """Both steps compiled, their collectives and memory reported, and checked to fit before any state exists."""
+  trainer, config = built.trainer, built.trainer.config
+  mesh, dcn = trainer.mesh, config.get('dcn_mesh')
+  t0 = time.perf_counter()
+  train_step, eval_step = built.traced_train.lower().compile(), built.traced_eval.lower().compile()
+  slice_of = partitioning.dcn_coordinates(mesh, dcn) if partitioning.num_slices(mesh, dcn) > 1 else None
+  say(
+    f'compiled train+eval steps in {time.perf_counter() - t0:.1f}s; train step per device: '
+    f'{partitioning.audit(train_step, slice_of, trainer.pipeline)}'
+  )
+  if config.get('grad_accum_steps', 1) > 1:
+    say(f'gradient accumulation: {accumulate.describe(train_step.as_text(), mesh.size, config)}')
+  device = jax.devices()[0]
+  profiling.check_fits({'train step': train_step, 'eval step': eval_step}, device, config)  # before allocating
+  peak, peak_from = flops.describe_peak(device, peak_tflops)  # MFU where the chip's peak is known
+  step_flops = flops.step_flops(trainer) if peak else None
+  if step_flops:
+    say(
+      f'model FLOPs per step: {step_flops.causal / 1e12:.4g} T (causal-correct; PaLM count '
+      f'{step_flops.palm / 1e12:.4g} T); MFU against {peak_from}'
+    )
+  return Compiled(train_step, eval_step, step_flops, peak)
+
+
+# --- Train loop -----------------------------------------------------------------------------------------------
+
+
+def evaluate(eval_step, state, ds, trainer, rows) -> dict[str, float]:
+  """Exact metrics over the whole eval split (the last batch is padded and masked)."""
+  sums = [
+    eval_step(state, data.to_global(local, trainer.batch_shardings, trainer.config.batch_size))
+    for local in ds.eval_batches(trainer.config.batch_size, rows)
+  ]
+  totals = {k: sum(float(s[k]) for s in jax.device_get(sums)) for k in sums[0]}
+  w = totals['weight']
+  return {'loss': totals['loss_sum'] / w, 'accuracy': totals['correct_sum'] / w, 'weight': w}
+
+
+def metric_writer(config: ml_collections.ConfigDict, workdir: str | None, cleanup: contextlib.ExitStack):
+  """TensorBoard events in the workdir (process 0), the config's scalar fields as hyperparameters. Not clu's
+  default writer: its logging half would repeat every progress line and the hyperparameters on the console."""
+  if not workdir or jax.process_index() > 0:
+    return metric_writers.MultiWriter([])
+  writer = metric_writers.AsyncWriter(metric_writers.SummaryWriter(workdir))
+  cleanup.callback(writer.close)
+  writer.write_hparams({k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str))})
+  return writer
+
+
+def train_loop(
+  trainer: training.Trainer,
+  state: Any,
+  compiled: Compiled,
+  inp: Input,
+  ckpt,
+  workdir: str | None,
+  cleanup: contextlib.ExitStack,
+) -> tuple[Any, dict[str, Any], training.NonFiniteGuard]:
+  """Steps from the state's step to config.total_steps: progress every log_every steps, exact eval every
+  eval_every, checkpoints as due, a SIGTERM saves and stops. Returns the last state, what was logged last
+  (train, eval, preempted_at) and the non-finite guard."""
+  config = trainer.config
+  last_good = lambda: 'none' if ckpt is None or ckpt.latest_step() is None else f'{ckpt.directory}/{ckpt.latest_step()}'
+  if workdir:  # what export.py rebuilds the model from; written once the run has started (a failed resume keeps it)
+    export.save_run_config(config, workdir, last_good())
+  guard = training.NonFiniteGuard(trainer, config.get('on_nonfinite', 'stop'), config.get('max_nonfinite_skips', 10))
+  preemption = Preemption(sync_every=config.log_every)
+  cleanup.callback(preemption.close)  # restores the SIGTERM handler
+  profiler = profiling.StepProfiler(workdir or '.', config.get('profile_first_step', 0), config.get('profile_steps', 5))
+  cleanup.callback(profiler.close)
+  # a full disk under the event files: one line, like a checkpoint's
+  writer = checkpoint.GuardedWriter(metric_writer(config, workdir, cleanup), workdir, last_good)
+  B, unit, step_flops = config.batch_size, trainer.task.unit, compiled.step_flops
+  units_per_step = math.prod(trainer.batch_abstract[trainer.task.unit_field].shape)
+  pending, wait_s, t_last, step_last, result = [], 0.0, time.perf_counter(), int(state.step), {}
+  for step in range(int(state.step) + 1, config.total_steps + 1):
+    # Input wait = time the device sat idle for the next batch: next() is timed only when the previous
+    # step had already finished (with asynchronous dispatch, time spent in next() while the device is
+    # still busy costs nothing). A lower bound when the step finishes during next().
+    t_in, idle = time.perf_counter(), not pending or pending[-1]['loss'].is_ready()
+    batch = data.to_global(next(inp.train_iter), trainer.batch_shardings, B)
+    wait_s += (time.perf_counter() - t_in) if idle else 0.0
+    profiler.before(step)
+    state, metrics = compiled.train_step(state, batch)
+    if ckpt is not None:
+      ckpt.poll()  # a save that failed in the background stops the run now, not at the next save
+    pending.append(metrics)
+    guard.add(step, metrics)
+    if profiler.after(step, state):
+      say(f'profile of steps {profiler.first}-{step} in {workdir} (TensorBoard profile tab; perfetto_trace.json.gz)')
+    stop = preemption.requested(step)  # SIGTERM: log the pending steps, save and stop
+    if step % config.log_every == 0 or step == config.total_steps or stop:
+      guard.check(last_good())  # a non-finite step stops the run here ('stop'), or is counted ('skip')
+      logged = {
+        k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0] if k != training.FIRST_NONFINITE
+      }
+      dt, n = time.perf_counter() - t_last, step - step_last
+      logged |= {
+        'steps_per_sec': n / dt,
+        f'{unit}_per_sec': n * units_per_step / dt,
+        'input_wait_fraction': wait_s / dt,
+      }
+      if step_flops:
+        logged['tflops_per_device'] = step_flops.per_device_tflops(dt / n, jax.device_count())
+        logged['mfu'] = logged['tflops_per_device'] / compiled.peak
+      writer.write_scalars(step, {f'train/{k}': v for k, v in logged.items()})
+      say(
+        f'step {step:5d} | loss {logged["loss"]:.4f} | acc {logged["accuracy"]:.3f} | '
+        f'{logged["steps_per_sec"]:.2f} steps/s | {logged[f"{unit}_per_sec"]:,.0f} '
+        f'{unit}/s | input wait {100 * logged["input_wait_fraction"]:.1f}%'
+        + (
+          f' | {logged["tflops_per_device"]:.1f} TFLOP/s/device | MFU {100 * logged["mfu"]:.1f}%' if step_flops else ''
+        )
+      )
+      pending, wait_s, t_last, step_last, result['train'] = [], 0.0, time.perf_counter(), step, logged
+    if step % config.eval_every == 0 or step == config.total_steps:
+      t_eval = time.perf_counter()
+      ev = evaluate(compiled.eval_step, state, inp.ds, trainer, inp.rows)
+      writer.write_scalars(step, {f'eval/{k}': v for k, v in ev.items() if k != 'weight'})
+      gap = f' (floor {inp.floor:.4f}, gap {ev["loss"] - inp.floor:+.4f})' if inp.floor is not None else ''
+      say(f'eval @ {step:5d} | loss {ev["loss"]:.4f}{gap} | acc {ev["accuracy"]:.3f}')
+      result['eval'] = ev
+      t_last += time.perf_counter() - t_eval  # eval time is not train time
+    if ckpt is not None and ckpt.due(step, force=step == config.total_steps):
+      guard.check(last_good())  # no checkpoint is written after a non-finite step under 'stop'
+      ckpt.save(step, state, inp.train_iter, force=step == config.total_steps)  # asynchronous: training goes on
+    if stop:
+      if ckpt is not None:
+        guard.check(last_good())
+        ckpt.save(step, state, inp.train_iter, force=True)
+      say(f'SIGTERM: stopped at step {step}' + (f', checkpoint in {ckpt.directory}' if ckpt else ' (no checkpoints)'))
+      result['preempted_at'] = step
+      break
+  return state, result, guard
+
+
+# --- Finish ---------------------------------------------------------------------------------------------------
+
+
+def finish(
+  trainer: training.Trainer, state: Any, result: dict[str, Any], guard, inp: Input, workdir: str | None
+) -> dict[str, Any]:
+  """After the loop (everything flushed and saved): skipped steps reported, LoRA adapters merged into an export,
+  and a sample from a language model scored under the true language."""
+  config = trainer.config
+  if guard.skipped:
+    say(f'skipped {len(guard.skipped)} non-finite step(s) (config.on_nonfinite=skip): {guard.skipped[:20]}')
+  result['nonfinite_skipped'] = guard.skipped
+  result['state'] = state
+  if result.get('preempted_at'):
+    return result
+  if config.get('lora') and config.lora.get('rank') and config.lora.get('export_merged') and workdir:
+    say(f'LoRA adapters merged into the base weights: {export.export_merged_lora(trainer, state, workdir)}')
+  ds = inp.ds
+  if ds.language is not None and config.sample_len:
+    prompt = np.asarray(ds.eval[:8, :2], np.int32)
+    tokens = np.asarray(
+      trainer.task.generate(
+        trainer.graphdef, state.params, state.model_state, prompt, config.sample_len, config.seed, trainer.replicated
+      )
+    )
+    nll = ds.language.nll(tokens)
+    say(f'sample: {ds.language.decode(tokens[0])}')
+    say(
+      f'sample NLL under the true language: {nll:.4f} nats/token (entropy rate '
+      f'{ds.language.entropies()["order2"]:.4f}; a sampler of the true language scores about that)'
+    )
+    result['sample_nll'] = nll
+  return result
