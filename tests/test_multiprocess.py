@@ -101,7 +101,9 @@ def test_slurm_launch_hybrid_mesh_and_resume_on_other_process_and_device_counts(
   # coordinator on localhost); the script adds --config.dcn_mesh.data=2 (data parallel across the nodes).
   bin_dir, out_dir = tmp_path / 'bin', tmp_path / 'srun'
   bin_dir.mkdir(), out_dir.mkdir()
-  (bin_dir / 'srun').write_text(FAKE_SRUN)
+  # srun runs under this interpreter: '#!/usr/bin/env python3' through pyenv's shim would put the base
+  # interpreter first on PATH, ahead of the python wrapper below.
+  (bin_dir / 'srun').write_text(FAKE_SRUN.replace('/usr/bin/env python3', sys.executable, 1))
   (bin_dir / 'srun').chmod(0o755)
   # A wrapper, not a symlink: Python finds its virtualenv from the path it was started by, so a symlink to a
   # venv's python would start the base interpreter, without the venv's packages.

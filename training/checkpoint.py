@@ -220,25 +220,31 @@ class GuardedWriter:
   def __init__(self, writer: Any, workdir: str, last_good: Any):
     self._writer, self._workdir, self._last_good = writer, os.path.abspath(workdir or '.'), last_good
 
+  @classmethod
+  def create(cls, make_writer: Any, workdir: str, last_good: Any) -> GuardedWriter:
+    """The writer `make_writer()` builds, guarded from its creation on (TensorFlow opens the event file then)."""
+    guarded = cls(None, workdir, last_good)
+    guarded._writer = guarded._call(make_writer)
+    return guarded
+
   def __getattr__(self, name: str) -> Any:
     method = getattr(self._writer, name)
     if not callable(method):
       return method
+    return lambda *args, **kwargs: self._call(method, *args, **kwargs)
 
-    def guarded(*args, **kwargs):
-      try:
-        return method(*args, **kwargs)
-      except Exception as e:  # pylint: disable=broad-except
-        text = f'{e} {e.__cause__ or ""}'
-        code = next((c for c in _STORAGE_ERRNOS if os.strerror(c) in text), None)
-        if code is None:
-          raise
-        raise StorageError(
-          f'the event files in {self._workdir} could not be written: {_describe(code, os.strerror(code), None)}; '
-          f'the last good checkpoint is {self._last_good()} (free space or choose another --workdir)'
-        ) from e
-
-    return guarded
+  def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+      return fn(*args, **kwargs)
+    except Exception as e:  # pylint: disable=broad-except
+      text = f'{e} {e.__cause__ or ""}'
+      code = next((c for c in _STORAGE_ERRNOS if os.strerror(c) in text), None)
+      if code is None:
+        raise
+      raise StorageError(
+        f'the event files in {self._workdir} could not be written: {_describe(code, os.strerror(code), None)}; '
+        f'the last good checkpoint is {self._last_good()} (free space or choose another --workdir)'
+      ) from e
 
 
 def _data_positions(directory: epath.Path) -> list[dict[str, Any]]:

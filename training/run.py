@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import ml_collections
+from absl import logging
 import numpy as np
 from clu import metric_writers
 
@@ -39,8 +40,12 @@ def say(msg: str) -> None:
 
 
 def warn(topic: str, msg: str) -> None:
-  """A warning, shown once: 'WARNING <topic>: <msg>' among the progress lines."""
-  say(f'WARNING {topic}: {msg}')
+  """A warning, shown once: 'WARNING <topic>: <msg>' among process 0's progress lines; the other processes log
+  it, so every process's output says what happened (e.g. which checkpoint all of them fell back from)."""
+  if jax.process_index() == 0:
+    say(f'WARNING {topic}: {msg}')
+  else:
+    logging.warning('%s: %s', topic, msg)
 
 
 # --- Mesh ------------------------------------------------------------------------------------------------------
@@ -298,12 +303,16 @@ def evaluate(eval_step, state, ds, trainer, rows) -> dict[str, float]:
   return {'loss': totals['loss_sum'] / w, 'accuracy': totals['correct_sum'] / w, 'weight': w}
 
 
-def metric_writer(config: ml_collections.ConfigDict, workdir: str | None, cleanup: contextlib.ExitStack):
+def metric_writer(
+  config: ml_collections.ConfigDict, workdir: str | None, cleanup: contextlib.ExitStack, last_good: Any
+) -> Any:
   """TensorBoard events in the workdir (process 0), the config's scalar fields as hyperparameters. Not clu's
-  default writer: its logging half would repeat every progress line and the hyperparameters on the console."""
+  default writer: its logging half would repeat every progress line and the hyperparameters on the console.
+  A full disk under the event files is one line, like a checkpoint's (checkpoint.GuardedWriter)."""
   if not workdir or jax.process_index() > 0:
     return metric_writers.MultiWriter([])
-  writer = metric_writers.AsyncWriter(metric_writers.SummaryWriter(workdir))
+  make = lambda: metric_writers.AsyncWriter(metric_writers.SummaryWriter(workdir))
+  writer = checkpoint.GuardedWriter.create(make, workdir, last_good)
   cleanup.callback(writer.close)
   writer.write_hparams({k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str))})
   return writer
@@ -330,8 +339,7 @@ def train_loop(
   cleanup.callback(preemption.close)  # restores the SIGTERM handler
   profiler = profiling.StepProfiler(workdir or '.', config.get('profile_first_step', 0), config.get('profile_steps', 5))
   cleanup.callback(profiler.close)
-  # a full disk under the event files: one line, like a checkpoint's
-  writer = checkpoint.GuardedWriter(metric_writer(config, workdir, cleanup), workdir, last_good)
+  writer = metric_writer(config, workdir, cleanup, last_good)
   B, unit, step_flops = config.batch_size, trainer.task.unit, compiled.step_flops
   units_per_step = math.prod(trainer.batch_abstract[trainer.task.unit_field].shape)
   pending, wait_s, t_last, step_last, result = [], 0.0, time.perf_counter(), int(state.step), {}

@@ -75,6 +75,8 @@ class Trainer:
     # The 'layers' axis exists only with scanned (stacked) layers; one rule list serves both settings of
     # config.model.scan_layers, so its rule is idle, not forgotten, when they are unrolled.
     idle = {'layers'} if self.config.model.get('scan_layers') is False else set()
+    if not (self.config.get('lora') and self.config.lora.get('rank')):  # likewise the adapters' axis, LoRA off
+      idle.add('lora_rank')
     out = [f'{r} is used by no parameter or activation' for r in self.rules.unused(self.seen | idle)]
     if self.config.get('context_load_balance') and self.balance == 1:
       out.append(
