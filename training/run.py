@@ -14,8 +14,8 @@ from typing import Any
 
 import jax
 import ml_collections
-from absl import logging
 import numpy as np
+from absl import logging
 from clu import metric_writers
 
 import data
