@@ -225,6 +225,7 @@ FIELDS: dict[str, Field] = {
   'mesh': Field('mesh'),
   'dcn_mesh': Field('dcn'),
   'logical_axis_rules': Field('rules'),
+  'decode_rules': Field('rules'),  # generation's rules in place of logical_axis_rules; []: the same
   'context_load_balance': Field(bool),
   # starting from pretrained weights, what trains
   'init_from': Field(str),

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from partitioning.plan import path_str
@@ -38,9 +39,11 @@ def sharding_table(
   mesh_shape: Mapping[str, int],
   opt_shapes: Any = None,
   opt_specs: Any = None,
+  what: str = 'parameter',
 ) -> str:
-  """A text table: path, shape, dtype, logical axes, PartitionSpec, bytes per device; then totals."""
-  rows = [('parameter', 'shape', 'dtype', 'logical axes', 'spec', 'bytes/device')]
+  """A text table: path, shape, dtype, logical axes, PartitionSpec, bytes per device; then totals. `what` names
+  the arrays (parameters; 'KV cache' for generation's)."""
+  rows = [(what, 'shape', 'dtype', 'logical axes', 'spec', 'bytes/device')]
   total = 0
   flat_axes = dict(jax.tree_util.tree_leaves_with_path(param_axes, is_leaf=lambda x: isinstance(x, tuple)))
   flat_specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -66,10 +69,9 @@ def sharding_table(
   lines.insert(1, '-' * len(lines[0]))
   mesh_s = ' x '.join(f'{k}={v}' for k, v in mesh_shape.items())
   lines.append('-' * len(lines[0]))
-  lines.append(
-    f'parameters: {n_params:,} ({fmt_bytes(sum(math.prod(l.shape) * l.dtype.itemsize for _, l in flat))} '
-    f'in all); per device on mesh {mesh_s}: {fmt_bytes(total)}'
-  )
+  in_all = fmt_bytes(sum(math.prod(l.shape) * np.dtype(l.dtype).itemsize for _, l in flat))
+  label = 'parameters' if what == 'parameter' else what
+  lines.append(f'{label}: {n_params:,} ({in_all} in all); per device on mesh {mesh_s}: {fmt_bytes(total)}')
   if opt_shapes is not None:
     opt_b = tree_bytes_per_device(opt_shapes, opt_specs, mesh_shape)
     lines.append(

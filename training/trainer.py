@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import partitioning
 from errors import ConfigError, NonFiniteError
+from models import layers
 from partitioning import AxisRules, context
 from training import optim, tasks
 
@@ -71,7 +72,12 @@ class Trainer:
 
   def warnings(self) -> list[str]:
     """Unused rules, and mesh axes no rule uses (everything is replicated over them)."""
-    out = [f'{r} is used by no parameter or activation' for r in self.rules.unused(self.seen)]
+    # The KV cache's rules serve generation (training/generate.py), which a training step never traces.
+    out = [
+      f'{r} is used by no parameter or activation'
+      for r in self.rules.unused(self.seen)
+      if r.logical not in layers.CACHE_AXES
+    ]
     if self.config.get('context_load_balance') and self.balance == 1:
       out.append(
         "config.context_load_balance is set, but no rule shards 'length' over more than one device: "

@@ -1,0 +1,171 @@
+"""Generation with a KV cache (training/generate.py): greedy tokens of models imported from Hugging Face are
+transformers' generate(do_sample=False) in float32 (GPT-2; Llama with grouped-query attention, tied and untied
+heads and llama3 rope scaling; Mixtral), for a batch of prompts of different lengths decoded together; every
+decode step's logits are a full forward pass's over the same tokens; tensor-parallel and FSDP decoding equal one
+device; scanned and unrolled stacks alike; sampling options are seeded and cut what they say; bad input is one
+line."""
+
+import os
+
+os.environ['HF_HUB_OFFLINE'] = '1'
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import partitioning  # noqa: E402
+from configs import gpt2 as gpt2_config  # noqa: E402
+from configs import llama as llama_config  # noqa: E402
+from configs import moe as moe_config  # noqa: E402
+from tests.test_hf_families import LLAMA3_ROPE, save, zoo_config  # noqa: E402
+from training import generate, tasks  # noqa: E402
+
+STEP_ATOL = 1e-5  # a decode step's logits against a full forward pass over the same tokens (fp32)
+PROMPTS = [[5, 17, 3, 9, 22, 41, 7], [12], [8, 30, 2, 2]]  # different lengths, decoded as one left-padded batch
+NEW = 6
+
+
+def hf_greedy(hf_model, prompt, eos):
+  with torch.no_grad():
+    out = hf_model.generate(
+      torch.tensor([prompt]),
+      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+      do_sample=False,
+      max_new_tokens=NEW,
+      eos_token_id=eos,
+      pad_token_id=0,
+    )
+  return out[0, len(prompt) :].tolist()
+
+
+def zoo(config_file, arg, path, devices=None, **model):
+  cfg = zoo_config(config_file, arg, path, **model)
+  if devices is not None:
+    cfg.mesh.update({k: 1 for k in cfg.mesh})
+  mesh = partitioning.make_mesh(cfg.mesh, devices)
+  return generate.load(cfg, mesh)[1]
+
+
+def full_forward_logits(gen, rows):
+  """Every position's logits of each row of tokens from the model's plain forward pass (no cache), right-padded
+  to one length (causal: the padding changes no earlier position; dropless MoE routing is per token)."""
+
+  @jax.jit
+  def run(params, model_state, tokens_BL):
+    out = tasks.eval_view(nnx.merge(gen.graphdef, params, model_state, copy=True))(tokens_BL)
+    return out[0] if isinstance(out, tuple) else out
+
+  L = -(-max(len(r) for r in rows) // 8) * 8  # a multiple of the MoE's group_size
+  tokens_BL = np.asarray([r + [0] * (L - len(r)) for r in rows], np.int32)
+  return np.asarray(run(gen.params, gen.model_state, tokens_BL))
+
+
+def check_parity(gen, hf_model, eos=None):
+  got = gen.generate(PROMPTS, generate.Sampling(max_new_tokens=NEW, temperature=0.0), eos, keep_logits=True)
+  full = full_forward_logits(gen, [p + g.ids for p, g in zip(PROMPTS, got, strict=True)])
+  for b, (p, g) in enumerate(zip(PROMPTS, got, strict=True)):
+    assert g.ids == hf_greedy(hf_model, p, eos), p
+    # step j's logits (after the prompt and j generated tokens) are the full pass's at position len(p) + j - 1
+    np.testing.assert_allclose(g.logits, full[b, len(p) - 1 : len(p) - 1 + len(g.ids)], atol=STEP_ATOL, rtol=0)
+  return got
+
+
+# --- GPT-2 ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def gpt2_dir(tmp_path_factory):
+  torch.manual_seed(0)
+  hf_cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+  return save(transformers.GPT2LMHeadModel(hf_cfg).eval(), tmp_path_factory.mktemp('hf_gpt2'))
+
+
+@pytest.mark.parametrize('arg,scan', [('fsdp_tp,tiny', True), ('tp,tiny', False)])
+def test_gpt2_greedy_is_transformers_and_steps_are_full_forward_passes(gpt2_dir, arg, scan):
+  path, hf_model = gpt2_dir
+  check_parity(zoo(gpt2_config, arg, path, scan_layers=scan), hf_model)
+
+
+# --- Llama (grouped-query attention; tied and untied heads; llama3 rope scaling) and Mixtral ---------------
+
+LLAMA_CASES = {  # name -> (LlamaConfig overrides, zoo preset, scan_layers)
+  'gqa_untied_scanned': (dict(tie_word_embeddings=False), 'fsdp_tp,tiny', True),
+  'gqa_tied_llama3_rope_unrolled': (
+    dict(tie_word_embeddings=True, rope_parameters=dict(rope_theta=10_000.0, **LLAMA3_ROPE)),
+    'tp,tiny',
+    False,
+  ),
+}
+
+
+@pytest.fixture(scope='module', params=sorted(LLAMA_CASES))
+def llama_dir(request, tmp_path_factory):
+  overrides, arg, scan = LLAMA_CASES[request.param]
+  torch.manual_seed(0)
+  hf_cfg = transformers.LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=128,
+    initializer_range=0.2,  # peaked logits: greedy choices far from ties
+    **overrides,
+  )
+  path, model = save(transformers.LlamaForCausalLM(hf_cfg).eval(), tmp_path_factory.mktemp('hf_llama'))
+  return path, model, arg, scan
+
+
+def test_llama_greedy_is_transformers_and_steps_are_full_forward_passes(llama_dir):
+  path, hf_model, arg, scan = llama_dir
+  gen = zoo(llama_config, arg, path, scan_layers=scan)
+  assert gen.layout.kv_heads == 4 and gen.layout.scanned == scan
+  check_parity(gen, hf_model, eos=hf_model.generation_config.eos_token_id)
+
+
+def test_mixtral_greedy_is_transformers_and_steps_are_full_forward_passes(tmp_path):
+  torch.manual_seed(0)
+  hf_cfg = transformers.MixtralConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    initializer_range=0.2,
+  )
+  path, hf_model = save(transformers.MixtralForCausalLM(hf_cfg).eval(), tmp_path / 'hf_mixtral')
+  gen = zoo(moe_config, 'ep,tiny', path, scan_layers=True, group_size=8)
+  check_parity(gen, hf_model)
+
+
+# --- Sharded decoding equals one device -------------------------------------------------------------
+
+
+def test_tensor_parallel_and_fsdp_decoding_equal_one_device(llama_dir):
+  path, _, _, scan = llama_dir
+  sampling = generate.Sampling(max_new_tokens=NEW, temperature=0.0)
+  one = zoo(llama_config, 'fsdp,tiny', path, jax.devices()[:1], scan_layers=scan)
+  assert one.mesh.size == 1
+  ref = one.generate(PROMPTS, sampling, keep_logits=True)
+  for arg, spec in (('tp,tiny', "None, 'tensor')"), ('fsdp,tiny', "('data', 'fsdp')")):
+    gen = zoo(llama_config, arg, path, scan_layers=scan)
+    assert gen.mesh.size == 8
+    for r, g in zip(ref, gen.generate(PROMPTS, sampling, keep_logits=True), strict=True):
+      assert g.ids == r.ids, arg
+      np.testing.assert_allclose(g.logits, r.logits, atol=STEP_ATOL, rtol=0)
+    rows, _, slots = gen.shapes(PROMPTS, sampling)
+    assert rows == (4 if arg == 'tp,tiny' else 8)  # 3 prompts padded to the devices 'cache_batch' is split over
+    table = gen.cache_table(rows, slots)
+    assert spec in table and 'KV cache: ' in table, table
