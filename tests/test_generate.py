@@ -20,6 +20,8 @@ import partitioning  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
 from configs import llama as llama_config  # noqa: E402
 from configs import moe as moe_config  # noqa: E402
+from configs import vit as vit_config  # noqa: E402
+from errors import ConfigError  # noqa: E402
 from tests.test_hf_families import LLAMA3_ROPE, save, zoo_config  # noqa: E402
 from training import generate, tasks  # noqa: E402
 
@@ -169,3 +171,59 @@ def test_tensor_parallel_and_fsdp_decoding_equal_one_device(llama_dir):
     assert rows == (4 if arg == 'tp,tiny' else 8)  # 3 prompts padded to the devices 'cache_batch' is split over
     table = gen.cache_table(rows, slots)
     assert spec in table and 'KV cache: ' in table, table
+
+
+# --- Sampling, stop tokens, bad input -------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def gpt2_gen(gpt2_dir):
+  return zoo(gpt2_config, 'fsdp_tp,tiny', gpt2_dir[0], scan_layers=True)
+
+
+def test_sampling_is_seeded_and_cut_by_top_k_and_top_p(gpt2_gen):
+  run = lambda **kw: gpt2_gen.generate(PROMPTS, generate.Sampling(NEW, **kw), keep_logits=True)  # one compile each
+  ids = lambda **kw: [g.ids for g in run(**kw)]
+  greedy = ids(temperature=0.0)
+  assert ids(seed=3) == ids(seed=3) != ids(seed=4)
+  assert ids(top_p=1e-6, seed=5) == greedy  # the nucleus of the most probable token alone
+  for kw in (dict(top_k=3, seed=1), dict(top_p=0.5, temperature=0.7, seed=2)):
+    for g in run(**kw):
+      for logits, token in zip(g.logits, g.ids, strict=True):  # step j's logits chose token j
+        order = np.argsort(-logits)
+        rank = int(np.where(order == token)[0][0])
+        if 'top_k' in kw:
+          assert rank < kw['top_k']
+        else:
+          p = jax.nn.softmax(logits[order] / kw['temperature'])
+          assert float(np.sum(p[:rank])) < kw['top_p']  # the tokens before it had not reached top_p
+
+
+def test_a_row_stops_at_its_own_stop_token(gpt2_gen):
+  greedy = [g.ids for g in gpt2_gen.generate(PROMPTS, generate.Sampling(NEW, temperature=0.0))]
+  stop = greedy[0][2]
+  got = gpt2_gen.generate(PROMPTS, generate.Sampling(NEW, temperature=0.0), [stop, None, None])
+  assert got[0].ids == greedy[0][: greedy[0].index(stop) + 1]
+  assert [g.ids for g in got[1:]] == greedy[1:]
+
+
+def test_bad_input_is_one_line(gpt2_gen):
+  cases = [
+    (dict(top_p=0.0), [[1]], r'^top_p=0.0: must be in \(0, 1\]'),
+    (dict(top_p=1.5), [[1]], r'^top_p=1.5: must be in \(0, 1\]'),
+    (dict(temperature=-1.0), [[1]], r'^temperature=-1.0: must be >= 0'),
+    (
+      dict(max_new_tokens=6),
+      [[1], [1] * 27],
+      r"^prompt 1 has 27 tokens: with max_new_tokens=6 that is 33, over the model's 32",
+    ),
+    (dict(max_new_tokens=4), [[1], []], r'^prompt 1 is empty'),
+  ]
+  for kw, prompts, match in cases:
+    with pytest.raises(ConfigError, match=match):
+      gpt2_gen.generate(prompts, generate.Sampling(**kw))
+  cfg = vit_config.get_config('dp,tiny')
+  with pytest.raises(
+    ConfigError, match=r"^config.task='classification' \(model 'vit'\): generation needs a language model"
+  ):
+    generate.decode_config(cfg)
