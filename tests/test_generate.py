@@ -5,11 +5,15 @@ decode step's logits are a full forward pass's over the same tokens; tensor-para
 device; scanned and unrolled stacks alike; sampling options are seeded and cut what they say; bad input is one
 line."""
 
+import json
 import os
+import subprocess
+import sys
 
 os.environ['HF_HUB_OFFLINE'] = '1'
 
 import jax  # noqa: E402
+import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -17,11 +21,14 @@ import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import partitioning  # noqa: E402
+import train  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
 from configs import llama as llama_config  # noqa: E402
 from configs import moe as moe_config  # noqa: E402
 from configs import vit as vit_config  # noqa: E402
 from errors import ConfigError  # noqa: E402
+from tests.conftest import ROOT, build_trainer, subprocess_env  # noqa: E402
+from tests.test_hf_export import tiny_gpt2_with_tokenizer  # noqa: E402
 from tests.test_hf_families import LLAMA3_ROPE, save, zoo_config  # noqa: E402
 from training import generate, tasks  # noqa: E402
 
@@ -30,13 +37,13 @@ PROMPTS = [[5, 17, 3, 9, 22, 41, 7], [12], [8, 30, 2, 2]]  # different lengths, 
 NEW = 6
 
 
-def hf_greedy(hf_model, prompt, eos):
+def hf_greedy(hf_model, prompt, eos, new=NEW):
   with torch.no_grad():
     out = hf_model.generate(
       torch.tensor([prompt]),
       attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
       do_sample=False,
-      max_new_tokens=NEW,
+      max_new_tokens=new,
       eos_token_id=eos,
       pad_token_id=0,
     )
@@ -227,3 +234,77 @@ def test_bad_input_is_one_line(gpt2_gen):
     ConfigError, match=r"^config.task='classification' \(model 'vit'\): generation needs a language model"
   ):
     generate.decode_config(cfg)
+
+
+# --- generate.py ------------------------------------------------------------------------------------
+
+
+def run_generate(*args):
+  return subprocess.run(
+    [sys.executable, 'generate.py', *args], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300
+  )
+
+
+def test_generate_py_from_a_hugging_face_directory_is_transformers_greedy(tmp_path):
+  """--init_from DIR (its family's config chosen from config.json, fp32 by override): the JSONL out holds the
+  prompt's ids from the directory's tokenizer and transformers' greedy tokens; a directory without a tokenizer
+  is one line."""
+  path = str(tmp_path / 'hf')
+  tiny_gpt2_with_tokenizer(path)
+  out = tmp_path / 'out.jsonl'
+  prompts = tmp_path / 'prompts.jsonl'
+  prompts.write_text('{"prompt": "lazy dog jumps", "completion": "ignored"}\n')
+  run = run_generate(
+    '--init_from', path, '--prompt', 'the quick', '--prompts', str(prompts), '--temperature', '0',
+    '--max_new_tokens', '5', '--config.model.dtype=float32', '--out', str(out),
+  )  # fmt: skip
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert 'KV cache: ' in run.stdout and 'cache_batch' in run.stdout, run.stdout
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  tok = transformers.AutoTokenizer.from_pretrained(path)
+  hf_model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+  assert [r['prompt'] for r in rows] == ['the quick', 'lazy dog jumps']
+  for r in rows:
+    assert r['prompt_ids'] == tok(r['prompt'])['input_ids']
+    assert r['ids'] == hf_greedy(hf_model, r['prompt_ids'], tok.eos_token_id, 5), r
+    assert r['text'] == tok.decode([i for i in r['ids'] if i != tok.eos_token_id]) and r['text'] in run.stdout
+  for f in os.listdir(path):
+    if f.startswith('tokenizer'):
+      os.remove(os.path.join(path, f))
+  run = run_generate('--init_from', path, '--prompt', 'the quick')
+  assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].startswith(
+    f'shardzoo: config error: {path} has no tokenizer files'
+  ), run.stderr[-2000:]
+
+
+def test_generate_py_from_a_run_is_greedy_decoding_of_its_checkpoint(tmp_path):
+  """--workdir RUN (run_config.json, the latest checkpoint, the run's byte tokenizer): greedy ids are those of
+  the argmax of full forward passes (no cache) over the restored weights; a prompt too long is one line."""
+  cfg = gpt2_config.get_config('fsdp_tp,tiny')
+  cfg.model.update(vocab_size=260, max_len=32)
+  cfg.dataset = ml_collections.ConfigDict(
+    dict(name='markov_text', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=32, num_train=64,
+         num_eval=16, tokenizer='byte')
+  )  # fmt: skip
+  cfg.update(batch_size=8, total_steps=2, checkpoint_every=2, eval_every=2, log_every=1, sample_len=0)
+  state = train.train_and_evaluate(cfg, str(tmp_path))['state']
+  out = tmp_path / 'out.jsonl'
+  run = run_generate('--workdir', str(tmp_path), '--prompt', 'ab', '--temperature', '0', '--max_new_tokens', '4',
+                     '--out', str(out))  # fmt: skip
+  assert run.returncode == 0, run.stderr[-3000:]
+  (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+  assert row['prompt_ids'] == [97, 98]
+  trainer = build_trainer(cfg)
+  tokens = [97, 98]
+  for _ in range(4):  # the reference: argmax of a full forward pass, one token at a time
+    tokens.append(int(np.argmax(full_forward_logits_of(trainer, state, tokens))))
+  assert row['ids'] == tokens[2:], row
+  run = run_generate('--workdir', str(tmp_path), '--prompt', 'a' * 30, '--max_new_tokens', '4')
+  assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].startswith(
+    "shardzoo: config error: prompt 0 has 30 tokens: with max_new_tokens=4 that is 34, over the model's 32"
+  ), run.stderr[-2000:]
+
+
+def full_forward_logits_of(trainer, state, tokens):
+  run = lambda p, s, t: tasks.eval_view(nnx.merge(trainer.graphdef, p, s, copy=True))(t)
+  return np.asarray(jax.jit(run)(state.params, state.model_state, np.asarray([tokens], np.int32))[0, -1])

@@ -20,7 +20,10 @@ and the row: the same seed gives the same tokens.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import json
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import models
 import partitioning
+from data import text
 from errors import ConfigError
 from models import hf_import
 from models.layers import CACHE_AXES, Attention, Decoding
@@ -358,3 +362,49 @@ def load(
   else:
     raise ConfigError('nothing to generate from: give a run (its checkpoints) or config.init_from')
   return tr, for_trainer(tr, params, model_state)
+
+
+# The config file a Hugging Face directory's model_type is generated with, when none is given (generate.py).
+FAMILY_CONFIGS = {'gpt2': 'configs/gpt2.py', 'llama': 'configs/llama.py', 'mixtral': 'configs/moe.py'}
+
+
+def family_config(hf_dir: str) -> str:
+  """configs/<family>.py for a Hugging Face directory (its config.json's model_type)."""
+  with open(os.path.join(hf_dir, 'config.json')) as f:
+    model_type = json.load(f).get('model_type')
+  if model_type not in FAMILY_CONFIGS:
+    raise ConfigError(
+      f'{hf_dir}: model_type={model_type!r} is not a language model the zoo generates with; '
+      f'known: {sorted(FAMILY_CONFIGS)}'
+    )
+  return FAMILY_CONFIGS[model_type]
+
+
+def tokenizer(config: ml_collections.ConfigDict, *, given: str | None = None, hf_dir: str | None = None) -> Any:
+  """What prompts are encoded and ids decoded with: `given` ('byte' or a local Hugging Face tokenizer directory),
+  else the Hugging Face directory's own tokenizer, else the run's (config.dataset.tokenizer). ConfigError naming
+  what is missing."""
+  if given:
+    return text.tokenizer(given)
+  if hf_dir:
+    if not any(glob.glob(os.path.join(glob.escape(hf_dir), p)) for p in hf_import.TOKENIZER_FILES):
+      raise ConfigError(
+        f'{hf_dir} has no tokenizer files ({", ".join(hf_import.TOKENIZER_FILES)}): save the tokenizer there '
+        '(tokenizer.save_pretrained) or give --tokenizer DIR'
+      )
+    return text.HFTokenizer(hf_dir)
+  spec = (config.get('dataset') or {}).get('tokenizer')
+  if not spec:
+    raise ConfigError(
+      f'the run has no tokenizer (config.dataset.name={config.dataset.get("name")!r} makes token ids, not text): '
+      'give --tokenizer DIR (a local Hugging Face tokenizer) or --tokenizer byte'
+    )
+  return text.tokenizer(spec)
+
+
+def encode(tok: Any, prompt: str) -> list[int]:
+  """A prompt's ids: a Hugging Face tokenizer adds its special tokens (e.g. Llama's <s>) as transformers does when
+  it generates; the byte tokenizer gives the bytes."""
+  if isinstance(tok, text.HFTokenizer):
+    return list(tok.tok(prompt)['input_ids'])
+  return [int(i) for i in tok.encode(prompt)]
