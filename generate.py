@@ -15,20 +15,15 @@ The mesh is the config's, fitted to the devices there are; the KV cache's shardi
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 import errors
-import models
-import partitioning
 from configs import schema
-from models import hf_import
-from training import export, generate, pretrained
+from training import generate
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, "The config (default: the run's, or the family's).", lock_config=True)
@@ -71,22 +66,7 @@ def main(argv) -> None:
     sampling = generate.Sampling(FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed)
     sampling.check()
     prompts = read_prompts()
-    checkpoints, hf_dir = None, None
-    if FLAGS.workdir:
-      config = FLAGS.config or export.load_run_config(FLAGS.workdir)
-      checkpoints = os.path.join(FLAGS.workdir, 'checkpoints', *([str(FLAGS.step)] if FLAGS.step is not None else []))
-    else:
-      config = FLAGS.config  # main_with_family_config chose the family's file when none was given
-      config.init_from = hf_dir = hf_import.resolve(FLAGS.init_from)
-      config.dont_load = ''
-      pretrained.adopt_hf_config(config, models.HF_FAMILIES)
-    schema.check(config)
-    tok = generate.tokenizer(config, given=FLAGS.tokenizer, hf_dir=hf_dir)
-    mesh, note = partitioning.start_mesh(config.mesh)
-    if note:
-      print(f'WARNING {note}')
-    print(f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices')
-    _, gen = generate.load(config, mesh, checkpoints=checkpoints)
+    gen, tok = generate.from_flags(FLAGS.config, FLAGS.workdir, FLAGS.step, FLAGS.init_from, FLAGS.tokenizer)
     ids = [generate.encode(tok, p) for p in prompts]
     rows, _, slots = gen.shapes(ids, sampling)
     print(gen.cache_table(rows, slots))
@@ -106,23 +86,5 @@ def main(argv) -> None:
           f.write(json.dumps(r) + '\n')
 
 
-def with_family_config(argv: list[str]) -> list[str]:
-  """--init_from without --config: the family's config file (by config.json's model_type) is given as --config,
-  so --config.* overrides apply to it."""
-  given = lambda name: any(a == f'--{name}' or a.startswith(f'--{name}=') for a in argv)
-  if given('config') or not given('init_from'):
-    return argv
-  i = next(i for i, a in enumerate(argv) if a == '--init_from' or a.startswith('--init_from='))
-  source = argv[i].split('=', 1)[1] if '=' in argv[i] else (argv[i + 1] if i + 1 < len(argv) else '')
-  with errors.one_line():  # HFImportError is a ConfigError
-    path = hf_import.resolve(source)
-    if not hf_import.is_hf_dir(path):
-      raise errors.ConfigError(
-        f'--init_from={source!r} is not a Hugging Face model directory (config.json + safetensors)'
-      )
-    file = generate.family_config(path)
-  return argv[:1] + [f'--config={os.path.join(os.path.dirname(os.path.abspath(__file__)), file)}'] + argv[1:]
-
-
 if __name__ == '__main__':
-  app.run(main, argv=with_family_config(sys.argv), flags_parser=schema.parse_flags)
+  app.run(main, argv=generate.with_family_config(sys.argv), flags_parser=schema.parse_flags)

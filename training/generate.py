@@ -34,13 +34,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+import errors
 import models
 import partitioning
+from configs import schema
 from data import text
 from errors import ConfigError
 from models import hf_import
 from models.layers import CACHE_AXES, Attention, Decoding
-from training import checkpoint, pretrained, tasks, trainer
+from training import checkpoint, export, pretrained, tasks, trainer
 
 MIN_PROMPT_BUCKET = 8
 
@@ -408,3 +410,47 @@ def encode(tok: Any, prompt: str) -> list[int]:
   if isinstance(tok, text.HFTokenizer):
     return list(tok.tok(prompt)['input_ids'])
   return [int(i) for i in tok.encode(prompt)]
+
+
+def with_family_config(argv: list[str]) -> list[str]:
+  """An entry point's argv (generate.py, evaluate.py) with --init_from and no --config: the family's config file
+  (by config.json's model_type) added as --config, so --config.* overrides apply to it."""
+  given = lambda name: any(a == f'--{name}' or a.startswith(f'--{name}=') for a in argv)
+  if given('config') or not given('init_from'):
+    return argv
+  i = next(i for i, a in enumerate(argv) if a == '--init_from' or a.startswith('--init_from='))
+  source = argv[i].split('=', 1)[1] if '=' in argv[i] else (argv[i + 1] if i + 1 < len(argv) else '')
+  with errors.one_line():  # HFImportError is a ConfigError
+    path = hf_import.resolve(source)
+    if not hf_import.is_hf_dir(path):
+      raise ConfigError(f'--init_from={source!r} is not a Hugging Face model directory (config.json + safetensors)')
+    file = family_config(path)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return argv[:1] + [f'--config={os.path.join(root, file)}'] + argv[1:]
+
+
+def from_flags(
+  config: ml_collections.ConfigDict | None,
+  workdir: str | None,
+  step: int | None,
+  init_from: str | None,
+  tokenizer_dir: str | None = None,
+) -> tuple[Generator, Any]:
+  """What generate.py and evaluate.py decode with: (Generator, tokenizer) for a run (`workdir`: its config from
+  run_config.json unless `config` is given; the latest checkpoint, or `step`'s) or a Hugging Face directory / hub
+  id (`init_from`, architecture adopted into `config`), on the config's mesh fitted to the devices here."""
+  hf_dir, checkpoints = None, None
+  if workdir:
+    config = config or export.load_run_config(workdir)
+    checkpoints = os.path.join(workdir, 'checkpoints', *([str(step)] if step is not None else []))
+  else:
+    config.init_from = hf_dir = hf_import.resolve(init_from)
+    config.dont_load = ''
+    pretrained.adopt_hf_config(config, models.HF_FAMILIES)
+  schema.check(config)
+  tok = tokenizer(config, given=tokenizer_dir, hf_dir=hf_dir)
+  mesh, note = partitioning.start_mesh(config.mesh)
+  if note:
+    print(f'WARNING {note}')
+  print(f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices')
+  return load(config, mesh, checkpoints=checkpoints)[1], tok
