@@ -127,18 +127,17 @@ def main(argv) -> None:
       h_total, h_out = timed(lambda: theirs(N))
     same = [g.ids for g in got] == h_out[:, P:].tolist()
     cache = gen.cache_bytes_per_device(*[gen.shapes(prompts, generate.Sampling(N))[i] for i in (0, 2)])
-    rows.append((B, ttft, total, h_ttft, h_total, same, cache))
+    lat, h_lat = (total - ttft) / (N - 1), (h_total - h_ttft) / (N - 1)
+    rows.append(
+      f'| {B} | {ttft * 1e3:.0f} ms | {B * N / total:,.1f} | {lat * 1e3:.1f} | {h_ttft * 1e3:.0f} ms | '
+      f'{B * N / h_total:,.1f} | {h_lat * 1e3:.1f} | {h_total / total:.2f}x | {same} | {fmt_bytes(cache)} |'
+    )
+    print(rows[-1], flush=True)  # each batch as it is measured (a long run on a CPU)
   head = (
     '| batch | ours TTFT | ours tokens/s | ours ms/token | transformers TTFT | tokens/s | ms/token | speed-up '
     '| same tokens | KV cache |'
   )
-  print(head + '\n|' + '---|' * 10)
-  for B, ttft, total, h_ttft, h_total, same, cache in rows:
-    lat, h_lat = (total - ttft) / (N - 1), (h_total - h_ttft) / (N - 1)
-    print(
-      f'| {B} | {ttft * 1e3:.0f} ms | {B * N / total:,.1f} | {lat * 1e3:.1f} | {h_ttft * 1e3:.0f} ms | '
-      f'{B * N / h_total:,.1f} | {h_lat * 1e3:.1f} | {h_total / total:.2f}x | {same} | {fmt_bytes(cache)} |'
-    )
+  print('\n'.join([head, '|' + '---|' * 10, *rows]))
 
 
 if __name__ == '__main__':
