@@ -225,6 +225,7 @@ def test_bad_input_is_one_line(gpt2_gen):
       r"^prompt 1 has 27 tokens: with max_new_tokens=6 that is 33, over the model's 32",
     ),
     (dict(max_new_tokens=4), [[1], []], r'^prompt 1 is empty'),
+    (dict(max_new_tokens=4), [[1, 64]], r"^prompt 0 has token ids outside the model's vocabulary of 64 \(e.g. 64\)"),
   ]
   for kw, prompts, match in cases:
     with pytest.raises(ConfigError, match=match):

@@ -157,9 +157,10 @@ class Generator:
     rules: partitioning.AxisRules | None = None,
     mesh: jax.sharding.Mesh | None = None,
     max_len: int | None = None,
+    vocab: int | None = None,
   ):
     self.graphdef, self.params, self.model_state = graphdef, params, model_state
-    self.rules, self.mesh, self.max_len = rules, mesh, max_len
+    self.rules, self.mesh, self.max_len, self.vocab = rules, mesh, max_len, vocab
     self.layout = cache_layout(nnx.merge(graphdef, params, model_state, copy=True))
     self._programs: dict[tuple, Any] = {}
 
@@ -178,6 +179,11 @@ class Generator:
     for i, p in enumerate(prompts):
       if not len(p):
         raise ConfigError(f'prompt {i} is empty: generation needs at least one prompt token')
+      if self.vocab and not all(0 <= t < self.vocab for t in p):
+        raise ConfigError(
+          f"prompt {i} has token ids outside the model's vocabulary of {self.vocab} (e.g. "
+          f'{next(t for t in p if not 0 <= t < self.vocab)}): another tokenizer than the model was trained with?'
+        )
       if self.max_len and len(p) + sampling.max_new_tokens > self.max_len:
         raise ConfigError(
           f'prompt {i} has {len(p)} tokens: with max_new_tokens={sampling.max_new_tokens} that is '
@@ -315,6 +321,7 @@ def for_trainer(trainer: Any, params: Any, model_state: Any) -> Generator:
     rules=trainer.rules,
     mesh=trainer.mesh,
     max_len=trainer.config.model.get('max_len'),
+    vocab=trainer.config.model.get('vocab_size'),
   )
 
 
