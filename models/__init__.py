@@ -24,6 +24,10 @@ its model uses, and a name without a rule is an error, never a silent replicatio
 | channels   | input image channels (and the kernel dim that reads them)      | None                    |
 | conv_in    | input features of a conv kernel (or of a dense over conv maps) | None or 'fsdp'          |
 | conv_out   | output features of a convolution kernel (and its activations)  | None or 'tensor'        |
+| cache_batch| rows of a KV cache (generation; training/generate.py)          | like 'batch'            |
+| cache_length| slots of a KV cache                                           | None                    |
+| cache_heads| key/value heads of a KV cache                                  | like 'kv_heads'         |
+| cache_kv   | head width of a KV cache                                       | None                    |
 
 A model is chosen by `config.model.name`; `create(config.model, rngs, config.lora)` builds it. Compute dtype and
 parameter dtype come from `config.model.dtype` / `config.model.param_dtype` (e.g. bfloat16 compute
