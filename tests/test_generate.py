@@ -27,7 +27,7 @@ from configs import llama as llama_config  # noqa: E402
 from configs import moe as moe_config  # noqa: E402
 from configs import vit as vit_config  # noqa: E402
 from errors import ConfigError  # noqa: E402
-from tests.conftest import ROOT, build_trainer, subprocess_env  # noqa: E402
+from tests.conftest import BACKEND_COMPILE, ROOT, build_trainer, recorded_compile_events, subprocess_env  # noqa: E402
 from tests.test_hf_export import tiny_gpt2_with_tokenizer  # noqa: E402
 from tests.test_hf_families import LLAMA3_ROPE, save, zoo_config  # noqa: E402
 from training import generate, tasks  # noqa: E402
@@ -212,6 +212,9 @@ def test_a_row_stops_at_its_own_stop_token(gpt2_gen):
   got = gpt2_gen.generate(PROMPTS, generate.Sampling(NEW, temperature=0.0), [stop, None, None])
   assert got[0].ids == greedy[0][: greedy[0].index(stop) + 1]
   assert [g.ids for g in got[1:]] == greedy[1:]
+  with recorded_compile_events() as compiles:  # max_new_tokens is traced: the bucket's program serves 3 as 6
+    shorter = gpt2_gen.generate(PROMPTS, generate.Sampling(3, temperature=0.0))
+  assert [g.ids for g in shorter] == [g[:3] for g in greedy] and BACKEND_COMPILE not in compiles, compiles
 
 
 def test_bad_input_is_one_line(gpt2_gen):
