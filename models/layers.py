@@ -477,9 +477,10 @@ def rope(x_BLHK: jax.Array, positions_BL: jax.Array, theta: float, scaling: Any 
   return (x * jnp.cos(angles_BLK) + rotated * jnp.sin(angles_BLK)).astype(x_BLHK.dtype)
 
 
-# A layer's KV cache: keys and values (B, S, G, K) of every position decoded so far, in S slots. Its own logical
-# names, so a rule set can place it apart from the projections' activations (training/generate.py).
-CACHE_AXES = ('cache_batch', 'cache_length', 'cache_heads', 'cache_kv')
+# A layer's KV cache: keys and values (B, G, S, K) of every position decoded so far, in S slots; heads before slots:
+# the layout a decode step's two attention matmuls take as operands (batch dims b, g leading), as transformers' cache.
+# Its own logical names, so a rule set can place it apart from the projections' activations (training/generate.py).
+CACHE_AXES = ('cache_batch', 'cache_heads', 'cache_length', 'cache_kv')
 
 
 @flax.struct.dataclass
@@ -560,7 +561,7 @@ class Attention(nnx.Module):
     cache: tuple[jax.Array, jax.Array] | None = None,
     decoding: Decoding | None = None,
   ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """With `cache` (this layer's keys and values, (B, S, G, K) each) and `decoding`: the new keys and values
+    """With `cache` (this layer's keys and values, (B, G, S, K) each) and `decoding`: the new keys and values
     are written into it, and (output, cache) returned."""
     q_BLHK = shard_logical(self.query(x_BLD), ('batch', 'length', 'heads', 'kv'))
     k_BLGK = shard_logical(self.key(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
@@ -590,21 +591,29 @@ class Attention(nnx.Module):
     """Attention of T new queries with the KV cache. Every row writes the same slots (prompts are left-padded),
     so the write is one dynamic_update_slice on the unsharded slot axis, not a per-row scatter (which SPMD
     partitions poorly; T5X's decoder writes per-row slots with a one-hot sum instead)."""
-    k_BSGK, v_BSGK = (
-      shard_logical(jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), d.index, axis=1), CACHE_AXES)
+    k_BGSK, v_BGSK = (
+      shard_logical(
+        jax.lax.dynamic_update_slice_in_dim(c, x.transpose(0, 2, 1, 3).astype(c.dtype), d.index, axis=2), CACHE_AXES
+      )
       for c, x in zip(cache, (k_BTGK, v_BTGK))
     )
-    T, S = q_BTHK.shape[1], k_BSGK.shape[1]
+    B, T, H, K = q_BTHK.shape
+    G, S = k_BGSK.shape[1], k_BGSK.shape[2]
     if d.prefill:  # the prompt alone, causal with its pads masked: attend's kernel choice, no S-long keys
       o_BTHK = attention.attend(q_BTHK, k_BTGK, v_BTGK, causal=True, impl=self.impl, valid_BL=d.valid_BS[:, :T])
-    else:  # a query sees the real slots up to its own
-      seen_TS = jnp.arange(S)[None, :] <= d.index + jnp.arange(T)[:, None]
-      mask_B1TS = (d.valid_BS[:, None, :] & seen_TS[None])[:, None]
-      with jax.named_scope('attention'):
-        o_BTHK = jax.nn.dot_product_attention(
-          q_BTHK, k_BSGK.astype(q_BTHK.dtype), v_BSGK.astype(q_BTHK.dtype), mask=mask_B1TS, implementation='xla'
-        )
-    return o_BTHK, (k_BSGK, v_BSGK)
+      return o_BTHK, (k_BGSK, v_BGSK)
+    # A query sees the real slots up to its own; softmax in float32 (as jax.nn.dot_product_attention's).
+    seen_TS = jnp.arange(S)[None, :] <= d.index + jnp.arange(T)[:, None]
+    mask_B11TS = (d.valid_BS[:, None, :] & seen_TS[None])[:, None, None]
+    q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
+    with jax.named_scope('attention'):
+      s_BGRTS = jnp.einsum(
+        'btgrk,bgsk->bgrts', q_BTGRK, k_BGSK.astype(q_BTHK.dtype), preferred_element_type=jnp.float32
+      )
+      s_BGRTS = jnp.where(mask_B11TS, s_BGRTS * (K**-0.5), jnp.finfo(jnp.float32).min)
+      p_BGRTS = jax.nn.softmax(s_BGRTS, axis=-1).astype(q_BTHK.dtype)
+      o_BTGRK = jnp.einsum('bgrts,bgsk->btgrk', p_BGRTS, v_BGSK.astype(q_BTHK.dtype))
+    return o_BTGRK.reshape(B, T, H, K), (k_BGSK, v_BGSK)
 
 
 def activation_then(down: Callable[..., jax.Array], *pre: jax.Array) -> jax.Array:

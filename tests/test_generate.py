@@ -168,7 +168,7 @@ def test_tensor_parallel_and_fsdp_decoding_equal_one_device(llama_dir):
   one = zoo(llama_config, 'fsdp,tiny', path, jax.devices()[:1], scan_layers=scan)
   assert one.mesh.size == 1
   ref = one.generate(PROMPTS, sampling, keep_logits=True)
-  for arg, spec in (('tp,tiny', "None, 'tensor')"), ('fsdp,tiny', "('data', 'fsdp')")):
+  for arg, spec in (('tp,tiny', "'data', 'tensor')"), ('fsdp,tiny', "('data', 'fsdp')")):
     gen = zoo(llama_config, arg, path, scan_layers=scan)
     assert gen.mesh.size == 8
     for r, g in zip(ref, gen.generate(PROMPTS, sampling, keep_logits=True), strict=True):

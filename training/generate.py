@@ -7,8 +7,8 @@ into the cache and gives the first token; one jitted `lax.while_loop` then decod
 `max_new_tokens` or every row has emitted its stop token. One compile per (rows, P, S, sampling kind): S, the cache
 slots, is P + max_new_tokens rounded up to a power of two, and max_new_tokens itself is a traced bound.
 
-The cache (per layer: keys and values, (B, S, G, K) each; scanned stacks add a leading 'layers' axis) names the
-logical axes of models/layers.CACHE_AXES: 'cache_batch', 'cache_length', 'cache_heads', 'cache_kv'. The config's
+The cache (per layer: keys and values, (B, G, S, K) each; scanned stacks add a leading 'layers' axis) names the
+logical axes of models/layers.CACHE_AXES: 'cache_batch', 'cache_heads', 'cache_length', 'cache_kv'. The config's
 `logical_axis_rules` place it (the presets map them like 'batch', None, 'kv_heads', 'kv'), or `config.decode_rules`,
 a whole rule list used instead of the training rules for decoding (the parameters are loaded in its layout too).
 
@@ -84,7 +84,7 @@ class CacheLayout:
 
   def abstract(self, rows: int, slots: int) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, tuple]]:
     """(shapes, logical axes) of the whole cache, by path, for the sharding table."""
-    one = (rows, slots, self.kv_heads, self.head_dim)
+    one = (rows, self.kv_heads, slots, self.head_dim)
     if self.scanned:
       names = {'key': ('layers', *CACHE_AXES), 'value': ('layers', *CACHE_AXES)}
       return {k: jax.ShapeDtypeStruct((self.layers, *one), self.dtype) for k in names}, names
@@ -93,7 +93,7 @@ class CacheLayout:
 
   def zeros(self, rows: int, slots: int) -> Any:
     """The empty cache, constrained to its logical axes (under partitioning.use_rules)."""
-    one = (rows, slots, self.kv_heads, self.head_dim)
+    one = (rows, self.kv_heads, slots, self.head_dim)
     if self.scanned:
       return tuple(
         partitioning.shard_logical(jnp.zeros((self.layers, *one), self.dtype), ('layers', *CACHE_AXES))
