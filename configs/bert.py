@@ -28,7 +28,7 @@ from configs import common
 from errors import ConfigError
 
 # The transformer presets (configs/common.py) plus BERT's token-type rows, copied here to edit for this family.
-RULES, MESHES = common.transformer_presets(extra=[('token_types', None)])
+RULES, MESHES = common.transformer_presets(extra=[('token_types', None)], drop=common.CACHE_NAMES)  # no decoding
 SIZES = {
   # pad_vocab_to: 30522 = 2 x 3 x 5087 rows padded to 30592 so 'vocab' divides tensor=4 (padded logits masked).
   'base': dict(

@@ -47,6 +47,9 @@ def parse_arg(
 # Set --config.model.scan_layers=True to trade step time for compile time (e.g. very deep models).
 REAL_SIZE_MODEL = dict(dtype='bfloat16', scan_layers=False)
 
+# Decoding's KV cache (training/generate.py) has its own names: rows like 'batch', kv heads like 'kv_heads' (with a
+# fallback, as a cache of fewer kv heads than tensor devices cannot split them), its slots and head width whole.
+# config.decode_rules replaces the whole list for generation where another layout suits decoding better.
 TRANSFORMER_RULES = {
   'dp': [
     ('batch', 'data'),
@@ -59,6 +62,10 @@ TRANSFORMER_RULES = {
     ('kv', None),
     ('vocab', None),
     ('norm', None),
+    ('cache_batch', 'data'),
+    ('cache_length', None),
+    ('cache_heads', None),
+    ('cache_kv', None),
   ],
   'fsdp': [
     ('batch', ('data', 'fsdp')),
@@ -72,6 +79,10 @@ TRANSFORMER_RULES = {
     ('kv', None),
     ('vocab', None),
     ('norm', None),
+    ('cache_batch', ('data', 'fsdp')),
+    ('cache_length', None),
+    ('cache_heads', None),
+    ('cache_kv', None),
   ],
   'tp': [
     ('batch', 'data'),
@@ -84,6 +95,11 @@ TRANSFORMER_RULES = {
     ('embed', None),
     ('kv', None),
     ('norm', None),
+    ('cache_batch', 'data'),
+    ('cache_length', None),
+    ('cache_heads', 'tensor'),
+    ('cache_heads', None),
+    ('cache_kv', None),
   ],
   # Context (sequence) parallelism: every row split into `context` chunks along 'length' (activations, logits,
   # attention's q/k/v; attention all-gathers keys and values per shard, models/attention.py), batch over fsdp.
@@ -103,6 +119,10 @@ TRANSFORMER_RULES = {
     ('kv', None),
     ('vocab', None),
     ('norm', None),
+    ('cache_batch', ('data', 'fsdp')),
+    ('cache_length', None),
+    ('cache_heads', None),
+    ('cache_kv', None),
   ],
   # Pipeline parallelism (docs/pipelines.md): the scanned layer stack cut into 'stage' contiguous stages, the batch
   # in config.pipeline.microbatches micro-batches flowing through them; only activations cross 'stage', by
@@ -119,6 +139,10 @@ TRANSFORMER_RULES = {
     ('kv', None),
     ('vocab', None),
     ('norm', None),
+    ('cache_batch', ('data', 'fsdp', 'stage')),
+    ('cache_length', None),
+    ('cache_heads', None),
+    ('cache_kv', None),
   ],
   'fsdp_tp': [
     ('batch', ('data', 'fsdp')),
@@ -132,8 +156,14 @@ TRANSFORMER_RULES = {
     ('length', None),
     ('kv', None),
     ('norm', None),
+    ('cache_batch', ('data', 'fsdp')),
+    ('cache_length', None),
+    ('cache_heads', 'tensor'),
+    ('cache_heads', None),
+    ('cache_kv', None),
   ],
 }
+CACHE_NAMES = ('cache_batch', 'cache_length', 'cache_heads', 'cache_kv')  # models/layers.CACHE_AXES: decoders only
 TRANSFORMER_MESHES = {
   'dp': dict(data=8, fsdp=1, tensor=1),
   'fsdp': dict(data=1, fsdp=8, tensor=1),
@@ -197,6 +227,7 @@ def base(preset: str, size: str) -> ml_collections.ConfigDict:
   # accum_gather_once: under FSDP gather the weights once per step, not once per micro-batch (more memory).
   c.grad_accum_steps = 1
   c.accum_gather_once = False
+  c.decode_rules = []  # rules used instead of logical_axis_rules to generate (training/generate.py); []: those
   # Causal load balancing under context parallelism (partitioning/context.py): rows in zigzag order, so every
   # context shard's queries see as many keys as any other's; a no-op where 'length' is not sharded.
   c.context_load_balance = preset in CONTEXT_PRESETS

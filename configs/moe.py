@@ -23,7 +23,21 @@ tiny (2 layers, d=64, 8 experts, on the offline Markov language). Combine: confi
 
 from configs import common
 
-_REST = [('layers', None), ('length', None), ('kv', None), ('norm', None)]
+_REST = [('layers', None), ('length', None), ('kv', None), ('norm', None), ('cache_length', None), ('cache_kv', None)]
+# The KV cache of generation (configs/common.py): rows like 'batch', kv heads like 'kv_heads'.
+_CACHE = {
+  'dp': [('cache_batch', 'data'), ('cache_heads', None)],
+  'fsdp': [('cache_batch', ('data', 'fsdp')), ('cache_heads', None)],
+  'ep': [('cache_batch', ('data', 'expert')), ('cache_batch', 'data'), ('cache_heads', None)],
+  'fsdp_ep': [('cache_batch', ('fsdp', 'expert')), ('cache_batch', 'fsdp'), ('cache_heads', None)],
+  'cp': [('cache_batch', ('data', 'fsdp')), ('cache_heads', None), ('cache_length', None), ('cache_kv', None)],
+  'ep_tp': [
+    ('cache_batch', ('data', 'expert')),
+    ('cache_batch', 'data'),
+    ('cache_heads', 'tensor'),
+    ('cache_heads', None),
+  ],
+}
 RULES = {
   'dp': [
     ('batch', 'data'),
@@ -100,6 +114,7 @@ RULES = {
     *_REST,
   ],
 }
+RULES = {name: rules + _CACHE[name] for name, rules in RULES.items()}
 MESHES = {
   'dp': dict(data=8, fsdp=1, expert=1, tensor=1),
   'fsdp': dict(data=1, fsdp=8, expert=1, tensor=1),

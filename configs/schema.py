@@ -255,6 +255,7 @@ FIELDS: dict[str, Field] = {
   'mesh': Field('mesh', required=True),
   'dcn_mesh': Field('dcn'),
   'logical_axis_rules': Field('rules', required=True),
+  'decode_rules': Field('rules'),  # generation's rules in place of logical_axis_rules; []: the same
   'context_load_balance': Field(bool),
   'pipeline.microbatches': POSITIVE,  # under ('layers', 'stage'): micro-batches per step (docs/pipelines.md)
   'pipeline.repeats': POSITIVE,  # 1: GPipe; > 1: circular, each device holding that many non-adjacent stages

@@ -44,10 +44,15 @@ class Block(nnx.Module):
     # HF's "gelu_new" is the tanh approximation.
     self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=gelu_tanh, out_init_scale=scale, **kw)
 
-  def __call__(self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None) -> jax.Array:
-    h_BLD = self.attn(self.ln1(x_BLD), causal=True, segment_ids_BL=segment_ids_BL)
+  def __call__(
+    self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None, *, cache: Any = None, decoding: Any = None
+  ) -> jax.Array | tuple[jax.Array, Any]:
+    h_BLD = self.attn(self.ln1(x_BLD), causal=True, segment_ids_BL=segment_ids_BL, cache=cache, decoding=decoding)
+    if cache is not None:  # decoding (Stack.decode): the attention wrote this layer's KV cache
+      h_BLD, cache = h_BLD
     x_BLD = shard_logical(x_BLD + h_BLD, ACT)
-    return shard_logical(x_BLD + self.mlp(self.ln2(x_BLD)), ACT)
+    x_BLD = shard_logical(x_BLD + self.mlp(self.ln2(x_BLD)), ACT)
+    return x_BLD if cache is None else (x_BLD, cache)
 
 
 class GPT2(nnx.Module):
@@ -90,6 +95,13 @@ class GPT2(nnx.Module):
     x_BLD = shard_logical(self.tok(tokens_BL) + pos_BLD.astype(self.dtype), ACT)
     x_BLD, _ = self.blocks(x_BLD, segment_ids_BL)
     return self.ln_f(x_BLD)
+
+  def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any, decoding: Any) -> tuple[jax.Array, Any]:
+    """The last token's logits (B, V) and the KV cache with tokens_BT written into it (training/generate.py)."""
+    pos_BTD = jnp.take(shard_logical(self.pos[...], (None, None)), positions_BT, axis=0)
+    x_BTD = shard_logical(self.tok(tokens_BT) + pos_BTD.astype(self.dtype), ACT)
+    x_BTD, cache = self.blocks.decode(x_BTD, cache, decoding, None)
+    return self.head(self.ln_f(x_BTD[:, -1:]))[:, 0], cache
 
   def head(self, x_BLD: jax.Array) -> jax.Array:
     """Hidden states (B, L, D) -> logits (B, L, V): the tied embedding, padded rows masked."""

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -476,6 +477,23 @@ def rope(x_BLHK: jax.Array, positions_BL: jax.Array, theta: float, scaling: Any 
   return (x * jnp.cos(angles_BLK) + rotated * jnp.sin(angles_BLK)).astype(x_BLHK.dtype)
 
 
+# A layer's KV cache: keys and values (B, G, S, K) of every position decoded so far, in S slots; heads before slots:
+# the layout a decode step's two attention matmuls take as operands (batch dims b, g leading), as transformers' cache.
+# Its own logical names, so a rule set can place it apart from the projections' activations (training/generate.py).
+CACHE_AXES = ('cache_batch', 'cache_heads', 'cache_length', 'cache_kv')
+
+
+@flax.struct.dataclass
+class Decoding:
+  """What every layer's cached attention shares at one decoding step (training/generate.py): the tokens fed
+  fill cache slots [index, index + T); `valid_BS` marks the slots of real tokens (a left-padded prompt's pads
+  are not); `prefill`: the prompt, written from slot 0, attends to itself alone."""
+
+  index: jax.Array  # int32 scalar
+  valid_BS: jax.Array  # bool (B, S)
+  prefill: bool = flax.struct.field(pytree_node=False, default=False)
+
+
 class Attention(nnx.Module):
   """Multi-head self-attention; grouped-query when num_kv_heads < num_heads; optional rotary
   (rope_theta), optionally with Llama 3 frequency scaling (rope_scaling, see rope_frequencies).
@@ -529,6 +547,7 @@ class Attention(nnx.Module):
     self.rope_theta = rope_theta
     self.rope_scaling = rope_scaling_params(rope_scaling)  # hashable (static): None or (key, value) pairs
     self.impl = impl  # 'auto' | 'xla' | 'cudnn' (models/attention.py)
+    self.kv_heads, self.head_dim, self.dtype = num_kv_heads, K, dtype  # a KV cache's shape (training/generate.py)
 
   def __call__(
     self,
@@ -539,7 +558,11 @@ class Attention(nnx.Module):
     segment_ids_BL: jax.Array | None = None,
     valid_BL: jax.Array | None = None,
     kv_length: int | None = None,
-  ) -> jax.Array:
+    cache: tuple[jax.Array, jax.Array] | None = None,
+    decoding: Decoding | None = None,
+  ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """With `cache` (this layer's keys and values, (B, G, S, K) each) and `decoding`: the new keys and values
+    are written into it, and (output, cache) returned."""
     q_BLHK = shard_logical(self.query(x_BLD), ('batch', 'length', 'heads', 'kv'))
     k_BLGK = shard_logical(self.key(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
     v_BLGK = shard_logical(self.value(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
@@ -548,6 +571,9 @@ class Attention(nnx.Module):
         positions_BL = jnp.arange(x_BLD.shape[1])[None]
       q_BLHK = rope(q_BLHK, positions_BL, self.rope_theta, self.rope_scaling)
       k_BLGK = rope(k_BLGK, positions_BL, self.rope_theta, self.rope_scaling)
+    if cache is not None:
+      o_BLHK, cache = self._cached(q_BLHK, k_BLGK, v_BLGK, cache, decoding)
+      return self.out(shard_logical(o_BLHK, ('batch', 'length', 'heads', 'kv'))), cache
     o_BLHK = attention.attend(
       q_BLHK,
       k_BLGK,
@@ -560,6 +586,34 @@ class Attention(nnx.Module):
     )
     o_BLHK = shard_logical(o_BLHK, ('batch', 'length', 'heads', 'kv'))
     return self.out(o_BLHK)
+
+  def _cached(self, q_BTHK, k_BTGK, v_BTGK, cache, d: Decoding):
+    """Attention of T new queries with the KV cache. Every row writes the same slots (prompts are left-padded),
+    so the write is one dynamic_update_slice on the unsharded slot axis, not a per-row scatter (which SPMD
+    partitions poorly; T5X's decoder writes per-row slots with a one-hot sum instead)."""
+    k_BGSK, v_BGSK = (
+      shard_logical(
+        jax.lax.dynamic_update_slice_in_dim(c, x.transpose(0, 2, 1, 3).astype(c.dtype), d.index, axis=2), CACHE_AXES
+      )
+      for c, x in zip(cache, (k_BTGK, v_BTGK))
+    )
+    B, T, H, K = q_BTHK.shape
+    G, S = k_BGSK.shape[1], k_BGSK.shape[2]
+    if d.prefill:  # the prompt alone, causal with its pads masked: attend's kernel choice, no S-long keys
+      o_BTHK = attention.attend(q_BTHK, k_BTGK, v_BTGK, causal=True, impl=self.impl, valid_BL=d.valid_BS[:, :T])
+      return o_BTHK, (k_BGSK, v_BGSK)
+    # A query sees the real slots up to its own; softmax in float32 (as jax.nn.dot_product_attention's).
+    seen_TS = jnp.arange(S)[None, :] <= d.index + jnp.arange(T)[:, None]
+    mask_B11TS = (d.valid_BS[:, None, :] & seen_TS[None])[:, None, None]
+    q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
+    with jax.named_scope('attention'):
+      s_BGRTS = jnp.einsum(
+        'btgrk,bgsk->bgrts', q_BTGRK, k_BGSK.astype(q_BTHK.dtype), preferred_element_type=jnp.float32
+      )
+      s_BGRTS = jnp.where(mask_B11TS, s_BGRTS * (K**-0.5), jnp.finfo(jnp.float32).min)
+      p_BGRTS = jax.nn.softmax(s_BGRTS, axis=-1).astype(q_BTHK.dtype)
+      o_BTGRK = jnp.einsum('bgrts,bgsk->btgrk', p_BGRTS, v_BGSK.astype(q_BTHK.dtype))
+    return o_BTGRK.reshape(B, T, H, K), (k_BGSK, v_BGSK)
 
 
 def activation_then(down: Callable[..., jax.Array], *pre: jax.Array) -> jax.Array:
@@ -840,6 +894,28 @@ class Stack(nnx.Module):
       return x
 
     return pipeline.run(layer, weights, x, *args, x_axes=('batch',), policy=REMAT_POLICIES[self.remat])
+
+  def decode(self, x: jax.Array, cache: Any, decoding: Decoding, *args: Any) -> tuple[jax.Array, Any]:
+    """x through the blocks, each reading and writing its layer's KV cache: (x, cache). `cache`: scanned, a
+    (keys, values) pair with a leading layers axis; unrolled, a list of per-layer pairs. A block takes
+    (x, *args, cache=, decoding=) and returns (x, its cache)."""
+    if not self.scan:
+      out = []
+      for block, c in zip(self.layers, cache, strict=True):
+        x, c = block(x, *args, cache=c, decoding=decoding)
+        out.append(c)
+      return x, out
+
+    @nnx.scan(
+      in_axes=(nnx.Carry, 0, 0, None) + (None,) * len(args),
+      out_axes=(nnx.Carry, 0),
+      transform_metadata={nnx.PARTITION_NAME: 'layers'},
+    )
+    def body(x, block, c, decoding, *args):
+      return block(x, *args, cache=c, decoding=decoding)
+
+    x, cache = body(x, self.layers, cache, decoding, *args)
+    return x, tuple(shard_logical(c, ('layers', *CACHE_AXES)) for c in cache)
 
 
 def _shard_stacked(v: Any) -> Any:

@@ -61,16 +61,43 @@ class Block(nnx.Module):
     )
     self.post_attention_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
 
-  def attend(self, x_BLD: jax.Array, positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None) -> jax.Array:
-    """x + attention(norm(x)); the feed-forward half follows on post_attention_layernorm."""
+  def attend(
+    self,
+    x_BLD: jax.Array,
+    positions_BL: jax.Array | None,
+    segment_ids_BL: jax.Array | None,
+    cache: Any = None,
+    decoding: Any = None,
+  ) -> jax.Array | tuple[jax.Array, Any]:
+    """x + attention(norm(x)); the feed-forward half follows on post_attention_layernorm. With a KV cache
+    (decoding, Stack.decode): (x, the cache written)."""
     h_BLD = self.self_attn(
-      self.input_layernorm(x_BLD), causal=True, positions_BL=positions_BL, segment_ids_BL=segment_ids_BL
+      self.input_layernorm(x_BLD),
+      causal=True,
+      positions_BL=positions_BL,
+      segment_ids_BL=segment_ids_BL,
+      cache=cache,
+      decoding=decoding,
     )
+    if cache is not None:
+      h_BLD, cache = h_BLD
+      return shard_logical(x_BLD + h_BLD, ACT), cache
     return shard_logical(x_BLD + h_BLD, ACT)
 
-  def __call__(self, x_BLD: jax.Array, positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None) -> jax.Array:
-    x_BLD = self.attend(x_BLD, positions_BL, segment_ids_BL)
-    return shard_logical(x_BLD + self.mlp(self.post_attention_layernorm(x_BLD)), ACT)
+  def __call__(
+    self,
+    x_BLD: jax.Array,
+    positions_BL: jax.Array | None,
+    segment_ids_BL: jax.Array | None,
+    *,
+    cache: Any = None,
+    decoding: Any = None,
+  ) -> jax.Array | tuple[jax.Array, Any]:
+    x_BLD = self.attend(x_BLD, positions_BL, segment_ids_BL, cache, decoding)
+    if cache is not None:
+      x_BLD, cache = x_BLD
+    x_BLD = shard_logical(x_BLD + self.mlp(self.post_attention_layernorm(x_BLD)), ACT)
+    return x_BLD if cache is None else (x_BLD, cache)
 
 
 class Llama(nnx.Module):
@@ -107,6 +134,12 @@ class Llama(nnx.Module):
     x_BLD = shard_logical(self.embed_tokens(tokens_BL), ACT)
     x_BLD, _ = self.blocks(x_BLD, positions_BL, segment_ids_BL)
     return self.norm(x_BLD)
+
+  def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any, decoding: Any) -> tuple[jax.Array, Any]:
+    """The last token's logits (B, V) and the KV cache with tokens_BT written into it (training/generate.py)."""
+    x_BTD = shard_logical(self.embed_tokens(tokens_BT), ACT)
+    x_BTD, cache = self.blocks.decode(x_BTD, cache, decoding, positions_BT, None)
+    return self.head(self.norm(x_BTD[:, -1:]))[:, 0], cache
 
   def head(self, x_BLD: jax.Array) -> jax.Array:
     """Hidden states (B, L, D) -> logits (B, L, V): the tied embedding or lm_head."""

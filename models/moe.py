@@ -178,11 +178,20 @@ class Block(llama.Block):
     self.moe = MoEMLP(cfg, rngs=rngs)
 
   def __call__(
-    self, x_BLD: jax.Array, positions_BL: jax.Array | None, segment_ids_BL: jax.Array | None
-  ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    x_BLD = self.attend(x_BLD, positions_BL, segment_ids_BL)
+    self,
+    x_BLD: jax.Array,
+    positions_BL: jax.Array | None,
+    segment_ids_BL: jax.Array | None,
+    *,
+    cache: Any = None,
+    decoding: Any = None,
+  ) -> tuple[jax.Array, Any]:
+    """(x, aux); decoding with a KV cache (Stack.decode): (x, the cache written)."""
+    x_BLD = self.attend(x_BLD, positions_BL, segment_ids_BL, cache, decoding)
+    if cache is not None:
+      x_BLD, cache = x_BLD
     y_BLD, aux = self.moe(self.post_attention_layernorm(x_BLD))
-    return shard_logical(x_BLD + y_BLD, ACT), aux
+    return shard_logical(x_BLD + y_BLD, ACT), aux if cache is None else cache
 
 
 class MoE(nnx.Module):
@@ -236,6 +245,12 @@ class MoE(nnx.Module):
     x_BLD, totals = self.blocks(x_BLD, positions_BL, segment_ids_BL)
     aux = {k: v if k == 'aux_loss' else v / self.num_layers for k, v in totals.items()}
     return self.norm(x_BLD), aux
+
+  def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any, decoding: Any) -> tuple[jax.Array, Any]:
+    """The last token's logits (B, V) and the KV cache with tokens_BT written into it (training/generate.py)."""
+    x_BTD = shard_logical(self.embed_tokens(tokens_BT), ACT)
+    x_BTD, cache = self.blocks.decode(x_BTD, cache, decoding, positions_BT, None)
+    return self.head(self.norm(x_BTD[:, -1:]))[:, 0], cache
 
   def head(self, x_BLD: jax.Array) -> jax.Array:
     """Hidden states (B, L, D) -> logits (B, L, V): the tied embedding or lm_head, padded rows masked."""

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from partitioning.plan import path_str
@@ -39,9 +40,11 @@ def sharding_table(
   mesh_shape: Mapping[str, int],
   opt_shapes: Any = None,
   opt_specs: Any = None,
+  what: str = 'parameter',
 ) -> str:
-  """A text table: path, shape, dtype, logical axes, PartitionSpec, bytes per device; then totals."""
-  rows = [('parameter', 'shape', 'dtype', 'logical axes', 'spec', 'bytes/device')]
+  """A text table: path, shape, dtype, logical axes, PartitionSpec, bytes per device; then totals. `what` names
+  the arrays (parameters; 'KV cache' for generation's)."""
+  rows = [(what, 'shape', 'dtype', 'logical axes', 'spec', 'bytes/device')]
   total = 0
   flat_axes = dict(jax.tree_util.tree_leaves_with_path(param_axes, is_leaf=lambda x: isinstance(x, tuple)))
   flat_specs = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -60,7 +63,8 @@ def sharding_table(
         fmt_bytes(b),
       )
     )
-  return '\n'.join(_layout(rows, 5) + _totals(param_shapes, total, mesh_shape, opt_shapes, opt_specs))
+  label = 'parameters' if what == 'parameter' else what
+  return '\n'.join(_layout(rows, 5) + _totals(param_shapes, total, mesh_shape, opt_shapes, opt_specs, label))
 
 
 OTHER = '(optimizer)'  # optimizer state that belongs to no parameter (step counts)
@@ -134,14 +138,18 @@ def _layout(rows: list[tuple[str, ...]], left: int, right: tuple[int, ...] | Non
 
 
 def _totals(
-  param_shapes: Any, per_device: int, mesh_shape: Mapping[str, int], opt_shapes: Any, opt_specs: Any
+  param_shapes: Any,
+  per_device: int,
+  mesh_shape: Mapping[str, int],
+  opt_shapes: Any,
+  opt_specs: Any,
+  label: str = 'parameters',
 ) -> list[str]:
   leaves = jax.tree.leaves(param_shapes)
   mesh_s = ' x '.join(f'{k}={v}' for k, v in mesh_shape.items())
+  in_all = fmt_bytes(sum(math.prod(l.shape) * np.dtype(l.dtype).itemsize for l in leaves))
   out = [
-    f'parameters: {sum(math.prod(l.shape) for l in leaves):,} '
-    f'({fmt_bytes(sum(math.prod(l.shape) * l.dtype.itemsize for l in leaves))} '
-    f'in all); per device on mesh {mesh_s}: {fmt_bytes(per_device)}'
+    f'{label}: {sum(math.prod(l.shape) for l in leaves):,} ({in_all} in all); per device on mesh {mesh_s}: {fmt_bytes(per_device)}'
   ]
   if opt_shapes is not None:
     opt_b = tree_bytes_per_device(opt_shapes, opt_specs, mesh_shape)

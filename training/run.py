@@ -24,7 +24,7 @@ import models
 import partitioning
 import training
 from models import attention, hf_import
-from training import accumulate, checkpoint, export, flops, pretrained, profiling
+from training import accumulate, checkpoint, export, flops, generate, pretrained, profiling
 from training.preemption import Preemption
 
 TABLE_FILE = 'sharding_table.txt'  # the full per-parameter table, in the workdir
@@ -423,12 +423,10 @@ def finish(
     say(f'LoRA adapters merged into the base weights: {export.export_merged_lora(trainer, state, workdir)}')
   ds = inp.ds
   if ds.language is not None and config.sample_len:
-    prompt = np.asarray(ds.eval[:8, :2], np.int32)
-    tokens = np.asarray(
-      trainer.task.generate(
-        trainer.graphdef, state.params, state.model_state, prompt, config.sample_len, config.seed, trainer.replicated
-      )
-    )
+    prompt = np.asarray(ds.eval[:8, :2], np.int32)  # decoded with the KV cache (training/generate.py)
+    sampling = generate.Sampling(max_new_tokens=config.sample_len, temperature=1.0, seed=config.seed)
+    out = generate.for_trainer(trainer, state.params, state.model_state).generate(prompt.tolist(), sampling)
+    tokens = np.concatenate([prompt, np.asarray([g.ids for g in out], np.int32)], axis=1)
     nll = ds.language.nll(tokens)
     say(f'sample: {ds.language.decode(tokens[0])}')
     say(

@@ -16,7 +16,6 @@ never exist in full, in the forward pass or the backward.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -203,37 +202,6 @@ class LanguageModeling(Task):
   @staticmethod
   def per_example(logits, batch):
     return xent.loss_and_hits(logits, batch['targets'], batch['mask'])
-
-  @staticmethod
-  def generate(
-    graphdef: Any,
-    params: Any,
-    model_state: Any,
-    prompt_BP: np.ndarray,
-    length: int,
-    seed: int,
-    out_sharding: Any = None,
-  ) -> jax.Array:
-    """Samples `length` tokens after the prompt at temperature 1 (fixed shapes: one compile)."""
-    P = prompt_BP.shape[1]
-
-    @functools.partial(jax.jit, out_shardings=out_sharding)
-    def run(params, model_state, prompt_BP, key):
-      tokens_BL = jnp.zeros((prompt_BP.shape[0], P + length), jnp.int32).at[:, :P].set(prompt_BP)
-
-      def body(i, carry):
-        tokens_BL, key = carry
-        key, sub = jax.random.split(key)
-        # Merged inside the loop body: NNX transforms in the model (a scanned Stack's nnx.scan) refuse
-        # Variables created at the outer trace level.
-        model = eval_view(nnx.merge(graphdef, params, model_state, copy=True))
-        logits_BLV, _ = _split_output(model(tokens_BL))
-        nxt_B = jax.random.categorical(sub, logits_BLV[:, i - 1].astype(jnp.float32))
-        return tokens_BL.at[:, i].set(nxt_B), key
-
-      return jax.lax.fori_loop(P, P + length, body, (tokens_BL, key))[0]
-
-    return run(params, model_state, prompt_BP, jax.random.key(seed))
 
 
 class Classification(Task):

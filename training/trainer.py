@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import partitioning
 from errors import ConfigError, NonFiniteError
+from models import layers
 from partitioning import AxisRules, context, pipeline
 from training import accumulate, optim, tasks
 
@@ -77,6 +78,7 @@ class Trainer:
     idle = {'layers'} if self.config.model.get('scan_layers') is False else set()
     if not (self.config.get('lora') and self.config.lora.get('rank')):  # likewise the adapters' axis, LoRA off
       idle.add('lora_rank')
+    idle |= set(layers.CACHE_AXES)  # the KV cache's rules serve generation, which a train step never traces
     out = [f'{r} is used by no parameter or activation' for r in self.rules.unused(self.seen | idle)]
     if self.config.get('context_load_balance') and self.balance == 1:
       out.append(

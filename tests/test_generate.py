@@ -1,0 +1,314 @@
+"""Generation with a KV cache (training/generate.py): greedy tokens of models imported from Hugging Face are
+transformers' generate(do_sample=False) in float32 (GPT-2; Llama with grouped-query attention, tied and untied
+heads and llama3 rope scaling; Mixtral), for a batch of prompts of different lengths decoded together; every
+decode step's logits are a full forward pass's over the same tokens; tensor-parallel and FSDP decoding equal one
+device; scanned and unrolled stacks alike; sampling options are seeded and cut what they say; bad input is one
+line."""
+
+import json
+import os
+import subprocess
+import sys
+
+os.environ['HF_HUB_OFFLINE'] = '1'
+
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import partitioning  # noqa: E402
+import train  # noqa: E402
+from configs import gpt2 as gpt2_config  # noqa: E402
+from configs import llama as llama_config  # noqa: E402
+from configs import moe as moe_config  # noqa: E402
+from configs import vit as vit_config  # noqa: E402
+from errors import ConfigError  # noqa: E402
+from tests.conftest import BACKEND_COMPILE, ROOT, build_trainer, recorded_compile_events, subprocess_env  # noqa: E402
+from tests.test_hf_export import tiny_gpt2_with_tokenizer  # noqa: E402
+from tests.test_hf_families import LLAMA3_ROPE, save, zoo_config  # noqa: E402
+from training import generate, tasks  # noqa: E402
+
+STEP_ATOL = 1e-5  # a decode step's logits against a full forward pass over the same tokens (fp32)
+PROMPTS = [[5, 17, 3, 9, 22, 41, 7], [12], [8, 30, 2, 2]]  # different lengths, decoded as one left-padded batch
+NEW = 6
+
+
+def hf_greedy(hf_model, prompt, eos, new=NEW):
+  with torch.no_grad():
+    out = hf_model.generate(
+      torch.tensor([prompt]),
+      attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+      do_sample=False,
+      max_new_tokens=new,
+      eos_token_id=eos,
+      pad_token_id=0,
+    )
+  return out[0, len(prompt) :].tolist()
+
+
+def zoo(config_file, arg, path, devices=None, **model):
+  cfg = zoo_config(config_file, arg, path, **model)
+  if devices is not None:
+    cfg.mesh.update({k: 1 for k in cfg.mesh})
+  mesh = partitioning.make_mesh(cfg.mesh, devices)
+  return generate.load(cfg, mesh)[1]
+
+
+def full_forward_logits(gen, rows):
+  """Every position's logits of each row of tokens from the model's plain forward pass (no cache), right-padded
+  to one length (causal: the padding changes no earlier position; dropless MoE routing is per token)."""
+
+  @jax.jit
+  def run(params, model_state, tokens_BL):
+    out = tasks.eval_view(nnx.merge(gen.graphdef, params, model_state, copy=True))(tokens_BL)
+    return out[0] if isinstance(out, tuple) else out
+
+  L = -(-max(len(r) for r in rows) // 8) * 8  # a multiple of the MoE's group_size
+  tokens_BL = np.asarray([r + [0] * (L - len(r)) for r in rows], np.int32)
+  return np.asarray(run(gen.params, gen.model_state, tokens_BL))
+
+
+def check_parity(gen, hf_model, eos=None):
+  got = gen.generate(PROMPTS, generate.Sampling(max_new_tokens=NEW, temperature=0.0), eos, keep_logits=True)
+  full = full_forward_logits(gen, [p + g.ids for p, g in zip(PROMPTS, got, strict=True)])
+  for b, (p, g) in enumerate(zip(PROMPTS, got, strict=True)):
+    assert g.ids == hf_greedy(hf_model, p, eos), p
+    # step j's logits (after the prompt and j generated tokens) are the full pass's at position len(p) + j - 1
+    np.testing.assert_allclose(g.logits, full[b, len(p) - 1 : len(p) - 1 + len(g.ids)], atol=STEP_ATOL, rtol=0)
+  return got
+
+
+# --- GPT-2 ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def gpt2_dir(tmp_path_factory):
+  torch.manual_seed(0)
+  hf_cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+  return save(transformers.GPT2LMHeadModel(hf_cfg).eval(), tmp_path_factory.mktemp('hf_gpt2'))
+
+
+@pytest.mark.parametrize('arg,scan', [('fsdp_tp,tiny', True), ('tp,tiny', False)])
+def test_gpt2_greedy_is_transformers_and_steps_are_full_forward_passes(gpt2_dir, arg, scan):
+  path, hf_model = gpt2_dir
+  check_parity(zoo(gpt2_config, arg, path, scan_layers=scan), hf_model)
+
+
+# --- Llama (grouped-query attention; tied and untied heads; llama3 rope scaling) and Mixtral ---------------
+
+LLAMA_CASES = {  # name -> (LlamaConfig overrides, zoo preset, scan_layers)
+  'gqa_untied_scanned': (dict(tie_word_embeddings=False), 'fsdp_tp,tiny', True),
+  'gqa_tied_llama3_rope_unrolled': (
+    dict(tie_word_embeddings=True, rope_parameters=dict(rope_theta=10_000.0, **LLAMA3_ROPE)),
+    'tp,tiny',
+    False,
+  ),
+}
+
+
+@pytest.fixture(scope='module', params=sorted(LLAMA_CASES))
+def llama_dir(request, tmp_path_factory):
+  overrides, arg, scan = LLAMA_CASES[request.param]
+  torch.manual_seed(0)
+  hf_cfg = transformers.LlamaConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=128,
+    initializer_range=0.2,  # peaked logits: greedy choices far from ties
+    **overrides,
+  )
+  path, model = save(transformers.LlamaForCausalLM(hf_cfg).eval(), tmp_path_factory.mktemp('hf_llama'))
+  return path, model, arg, scan
+
+
+def test_llama_greedy_is_transformers_and_steps_are_full_forward_passes(llama_dir):
+  path, hf_model, arg, scan = llama_dir
+  gen = zoo(llama_config, arg, path, scan_layers=scan)
+  assert gen.layout.kv_heads == 4 and gen.layout.scanned == scan
+  check_parity(gen, hf_model, eos=hf_model.generation_config.eos_token_id)
+
+
+def test_mixtral_greedy_is_transformers_and_steps_are_full_forward_passes(tmp_path):
+  torch.manual_seed(0)
+  hf_cfg = transformers.MixtralConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    initializer_range=0.2,
+  )
+  path, hf_model = save(transformers.MixtralForCausalLM(hf_cfg).eval(), tmp_path / 'hf_mixtral')
+  gen = zoo(moe_config, 'ep,tiny', path, scan_layers=True, group_size=8)
+  check_parity(gen, hf_model)
+
+
+# --- Sharded decoding equals one device -------------------------------------------------------------
+
+
+def test_tensor_parallel_and_fsdp_decoding_equal_one_device(llama_dir):
+  path, _, _, scan = llama_dir
+  sampling = generate.Sampling(max_new_tokens=NEW, temperature=0.0)
+  one = zoo(llama_config, 'fsdp,tiny', path, jax.devices()[:1], scan_layers=scan)
+  assert one.mesh.size == 1
+  ref = one.generate(PROMPTS, sampling, keep_logits=True)
+  for arg, spec in (('tp,tiny', "'data', 'tensor')"), ('fsdp,tiny', "('data', 'fsdp')")):
+    gen = zoo(llama_config, arg, path, scan_layers=scan)
+    assert gen.mesh.size == 8
+    for r, g in zip(ref, gen.generate(PROMPTS, sampling, keep_logits=True), strict=True):
+      assert g.ids == r.ids, arg
+      np.testing.assert_allclose(g.logits, r.logits, atol=STEP_ATOL, rtol=0)
+    rows, _, slots = gen.shapes(PROMPTS, sampling)
+    assert rows == (4 if arg == 'tp,tiny' else 8)  # 3 prompts padded to the devices 'cache_batch' is split over
+    table = gen.cache_table(rows, slots)
+    assert spec in table and 'KV cache: ' in table, table
+
+
+# --- Sampling, stop tokens, bad input -------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def gpt2_gen(gpt2_dir):
+  return zoo(gpt2_config, 'fsdp_tp,tiny', gpt2_dir[0], scan_layers=True)
+
+
+def test_sampling_is_seeded_and_cut_by_top_k_and_top_p(gpt2_gen):
+  run = lambda **kw: gpt2_gen.generate(PROMPTS, generate.Sampling(NEW, **kw), keep_logits=True)  # one compile each
+  ids = lambda **kw: [g.ids for g in run(**kw)]
+  greedy = ids(temperature=0.0)
+  assert ids(seed=3) == ids(seed=3) != ids(seed=4)
+  assert ids(top_p=1e-6, seed=5) == greedy  # the nucleus of the most probable token alone
+  for kw in (dict(top_k=3, seed=1), dict(top_p=0.5, temperature=0.7, seed=2)):
+    for g in run(**kw):
+      for logits, token in zip(g.logits, g.ids, strict=True):  # step j's logits chose token j
+        order = np.argsort(-logits)
+        rank = int(np.where(order == token)[0][0])
+        if 'top_k' in kw:
+          assert rank < kw['top_k']
+        else:
+          p = jax.nn.softmax(logits[order] / kw['temperature'])
+          assert float(np.sum(p[:rank])) < kw['top_p']  # the tokens before it had not reached top_p
+
+
+def test_a_row_stops_at_its_own_stop_token(gpt2_gen):
+  greedy = [g.ids for g in gpt2_gen.generate(PROMPTS, generate.Sampling(NEW, temperature=0.0))]
+  stop = greedy[0][2]
+  got = gpt2_gen.generate(PROMPTS, generate.Sampling(NEW, temperature=0.0), [stop, None, None])
+  assert got[0].ids == greedy[0][: greedy[0].index(stop) + 1]
+  assert [g.ids for g in got[1:]] == greedy[1:]
+  with recorded_compile_events() as compiles:  # max_new_tokens is traced: the bucket's program serves 3 as 6
+    shorter = gpt2_gen.generate(PROMPTS, generate.Sampling(3, temperature=0.0))
+  assert [g.ids for g in shorter] == [g[:3] for g in greedy] and BACKEND_COMPILE not in compiles, compiles
+
+
+def test_bad_input_is_one_line(gpt2_gen):
+  cases = [
+    (dict(top_p=0.0), [[1]], r'^top_p=0.0: must be in \(0, 1\]'),
+    (dict(top_p=1.5), [[1]], r'^top_p=1.5: must be in \(0, 1\]'),
+    (dict(temperature=-1.0), [[1]], r'^temperature=-1.0: must be >= 0'),
+    (
+      dict(max_new_tokens=6),
+      [[1], [1] * 27],
+      r"^prompt 1 has 27 tokens: with max_new_tokens=6 that is 33, over the model's 32",
+    ),
+    (dict(max_new_tokens=4), [[1], []], r'^prompt 1 is empty'),
+    (dict(max_new_tokens=4), [[1, 64]], r"^prompt 0 has token ids outside the model's vocabulary of 64 \(e.g. 64\)"),
+  ]
+  for kw, prompts, match in cases:
+    with pytest.raises(ConfigError, match=match):
+      gpt2_gen.generate(prompts, generate.Sampling(**kw))
+  cfg = vit_config.get_config('dp,tiny')
+  with pytest.raises(
+    ConfigError, match=r"^config.task='classification' \(model 'vit'\): generation needs a language model"
+  ):
+    generate.decode_config(cfg)
+
+
+# --- generate.py ------------------------------------------------------------------------------------
+
+
+def run_generate(*args):
+  return subprocess.run(
+    [sys.executable, 'generate.py', *args], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300
+  )
+
+
+def test_generate_py_from_a_hugging_face_directory_is_transformers_greedy(tmp_path):
+  """--init_from DIR (its family's config chosen from config.json, fp32 by override): the JSONL out holds the
+  prompt's ids from the directory's tokenizer and transformers' greedy tokens; a directory without a tokenizer
+  is one line."""
+  path = str(tmp_path / 'hf')
+  tiny_gpt2_with_tokenizer(path)
+  out = tmp_path / 'out.jsonl'
+  prompts = tmp_path / 'prompts.jsonl'
+  prompts.write_text('{"prompt": "lazy dog jumps", "completion": "ignored"}\n')
+  run = run_generate(
+    '--init_from', path, '--prompt', 'the quick', '--prompts', str(prompts), '--temperature', '0',
+    '--max_new_tokens', '5', '--config.model.dtype=float32', '--out', str(out),
+  )  # fmt: skip
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert 'KV cache: ' in run.stdout and 'cache_batch' in run.stdout, run.stdout
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  tok = transformers.AutoTokenizer.from_pretrained(path)
+  hf_model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+  assert [r['prompt'] for r in rows] == ['the quick', 'lazy dog jumps']
+  for r in rows:
+    assert r['prompt_ids'] == tok(r['prompt'])['input_ids']
+    assert r['ids'] == hf_greedy(hf_model, r['prompt_ids'], tok.eos_token_id, 5), r
+    assert r['text'] == tok.decode([i for i in r['ids'] if i != tok.eos_token_id]) and r['text'] in run.stdout
+  for f in os.listdir(path):
+    if f.startswith('tokenizer'):
+      os.remove(os.path.join(path, f))
+  run = run_generate('--init_from', path, '--prompt', 'the quick')
+  assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].startswith(
+    f'shardzoo: config error: {path} has no tokenizer files'
+  ), run.stderr[-2000:]
+
+
+def test_generate_py_from_a_run_is_greedy_decoding_of_its_checkpoint(tmp_path):
+  """--workdir RUN (run_config.json, the latest checkpoint, the run's byte tokenizer): greedy ids are those of
+  the argmax of full forward passes (no cache) over the restored weights; a prompt too long is one line."""
+  cfg = gpt2_config.get_config('fsdp_tp,tiny')
+  cfg.model.update(vocab_size=260, max_len=32)
+  cfg.dataset = ml_collections.ConfigDict(
+    dict(name='markov_text', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=32, num_train=64,
+         num_eval=16, tokenizer='byte')
+  )  # fmt: skip
+  cfg.update(batch_size=8, total_steps=2, checkpoint_every=2, eval_every=2, log_every=1, sample_len=0)
+  state = train.train_and_evaluate(cfg, str(tmp_path))['state']
+  out = tmp_path / 'out.jsonl'
+  run = run_generate('--workdir', str(tmp_path), '--prompt', 'ab', '--temperature', '0', '--max_new_tokens', '4',
+                     '--out', str(out))  # fmt: skip
+  assert run.returncode == 0, run.stderr[-3000:]
+  (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+  assert row['prompt_ids'] == [97, 98]
+  trainer = build_trainer(cfg)
+  tokens = [97, 98]
+  for _ in range(4):  # the reference: argmax of a full forward pass, one token at a time
+    tokens.append(int(np.argmax(full_forward_logits_of(trainer, state, tokens))))
+  assert row['ids'] == tokens[2:], row
+  run = run_generate('--workdir', str(tmp_path), '--prompt', 'a' * 30, '--max_new_tokens', '4')
+  assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].startswith(
+    "shardzoo: config error: prompt 0 has 30 tokens: with max_new_tokens=4 that is 34, over the model's 32"
+  ), run.stderr[-2000:]
+
+
+def full_forward_logits_of(trainer, state, tokens):
+  run = lambda p, s, t: tasks.eval_view(nnx.merge(trainer.graphdef, p, s, copy=True))(t)
+  return np.asarray(jax.jit(run)(state.params, state.model_state, np.asarray([tokens], np.int32))[0, -1])

@@ -1,0 +1,463 @@
+"""Generation from a language model with a KV cache placed by the config's rules.
+
+Prompts are left-padded to a common length P (a bucket: a power of two, at least 8), so every row's last prompt
+token sits in slot P-1 and every row writes the same cache slot at each step; each row keeps its own positions
+(slot - its padding) and its pads are masked as keys. One prefill forward pass writes the prompts' keys and values
+into the cache and gives the first token; one jitted `lax.while_loop` then decodes a token per step until
+`max_new_tokens` or every row has emitted its stop token. One compile per (rows, P, S, sampling kind): S, the cache
+slots, is P + max_new_tokens rounded up to a power of two, and max_new_tokens itself is a traced bound.
+
+The cache (per layer: keys and values, (B, G, S, K) each; scanned stacks add a leading 'layers' axis) names the
+logical axes of models/layers.CACHE_AXES: 'cache_batch', 'cache_heads', 'cache_length', 'cache_kv'. The config's
+`logical_axis_rules` place it (the presets map them like 'batch', None, 'kv_heads', 'kv'), or `config.decode_rules`,
+a whole rule list used instead of the training rules for decoding (the parameters are loaded in its layout too).
+
+Sampling (`Sampling`): greedy at temperature 0; else softmax(logits / temperature), optionally cut to the top_k
+tokens and to the smallest set whose probability reaches top_p, sampled with a key folded from the seed, the step
+and the row: the same seed gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import errors
+import models
+import partitioning
+from configs import schema
+from data import text
+from errors import ConfigError
+from models import hf_import
+from models.layers import CACHE_AXES, Attention, Decoding
+from training import checkpoint, export, pretrained, tasks, trainer
+
+MIN_PROMPT_BUCKET = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How the next token is chosen: temperature 0 is greedy (argmax); top_k 0 and top_p 1 cut nothing."""
+
+  max_new_tokens: int = 32
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+
+  def check(self) -> None:
+    if self.max_new_tokens < 1:
+      raise ConfigError(f'max_new_tokens={self.max_new_tokens}: must be at least 1')
+    if not self.temperature >= 0:
+      raise ConfigError(f'temperature={self.temperature}: must be >= 0 (0 is greedy)')
+    if self.top_k < 0:
+      raise ConfigError(f'top_k={self.top_k}: must be >= 0 (0 keeps every token)')
+    if not 0 < self.top_p <= 1:
+      raise ConfigError(f'top_p={self.top_p}: must be in (0, 1] (1 keeps every token)')
+
+
+def _bucket(n: int, least: int = 1) -> int:
+  return max(least, 1 << max(0, n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+  """A model's KV cache: layers, kv heads, head dim, dtype, and whether the layers are scanned (stacked)."""
+
+  layers: int
+  kv_heads: int
+  head_dim: int
+  dtype: Any
+  scanned: bool
+
+  def abstract(self, rows: int, slots: int) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, tuple]]:
+    """(shapes, logical axes) of the whole cache, by path, for the sharding table."""
+    one = (rows, self.kv_heads, slots, self.head_dim)
+    if self.scanned:
+      names = {'key': ('layers', *CACHE_AXES), 'value': ('layers', *CACHE_AXES)}
+      return {k: jax.ShapeDtypeStruct((self.layers, *one), self.dtype) for k in names}, names
+    names = {f'{i}/{k}': CACHE_AXES for i in range(self.layers) for k in ('key', 'value')}
+    return {k: jax.ShapeDtypeStruct(one, self.dtype) for k in names}, names
+
+  def zeros(self, rows: int, slots: int) -> Any:
+    """The empty cache, constrained to its logical axes (under partitioning.use_rules)."""
+    one = (rows, self.kv_heads, slots, self.head_dim)
+    if self.scanned:
+      return tuple(
+        partitioning.shard_logical(jnp.zeros((self.layers, *one), self.dtype), ('layers', *CACHE_AXES))
+        for _ in range(2)
+      )
+    return [
+      tuple(partitioning.shard_logical(jnp.zeros(one, self.dtype), CACHE_AXES) for _ in range(2))
+      for _ in range(self.layers)
+    ]
+
+
+def cache_layout(model: nnx.Module) -> CacheLayout:
+  """The KV cache a language model decodes with; ConfigError for a model that cannot decode."""
+  blocks = getattr(model, 'blocks', None)
+  if not hasattr(model, 'decode') or blocks is None:
+    raise ConfigError(
+      f'{type(model).__name__} is not a decoder language model: generation needs a causal LM (gpt2, llama, moe)'
+    )
+  attn = next(m for _, m in nnx.iter_graph(blocks) if isinstance(m, Attention))
+  return CacheLayout(blocks.num, attn.kv_heads, attn.head_dim, jnp.dtype(attn.dtype), blocks.scan)
+
+
+def _choose(logits_BV, key, step, temperature, top_p, *, greedy: bool, top_k: int, nucleus: bool) -> jax.Array:
+  """The next token of every row (see Sampling)."""
+  if greedy:
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  x_BV = logits_BV.astype(jnp.float32) / temperature
+  if top_k:
+    kth_B1 = jax.lax.top_k(x_BV, min(top_k, x_BV.shape[-1]))[0][:, -1:]
+    x_BV = jnp.where(x_BV >= kth_B1, x_BV, -jnp.inf)
+  if nucleus:  # keep the most probable tokens until their mass reaches top_p (at least one)
+    sorted_BV = -jnp.sort(-x_BV, axis=-1)
+    p_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    kept_BV = jnp.cumsum(p_BV, axis=-1) - p_BV < top_p
+    least_B1 = jnp.min(jnp.where(kept_BV, sorted_BV, jnp.inf), axis=-1, keepdims=True)
+    x_BV = jnp.where(x_BV >= least_B1, x_BV, -jnp.inf)
+  keys = jax.random.split(jax.random.fold_in(key, step), x_BV.shape[0])
+  return jax.vmap(jax.random.categorical)(keys, x_BV).astype(jnp.int32)
+
+
+@dataclasses.dataclass
+class Generated:
+  """One prompt's result: its ids, the generated ids (up to and with the stop token), and per-step logits
+  (keep_logits only: (len(ids), V))."""
+
+  prompt_ids: list[int]
+  ids: list[int]
+  logits: np.ndarray | None = None
+
+
+class Generator:
+  """Decodes a model (graphdef + weights, as a Trainer splits them) with a KV cache. With `rules` and `mesh`
+  the model runs under them (parameters already placed so); without, on whatever the weights live on."""
+
+  def __init__(
+    self,
+    graphdef: Any,
+    params: Any,
+    model_state: Any,
+    *,
+    rules: partitioning.AxisRules | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    max_len: int | None = None,
+    vocab: int | None = None,
+  ):
+    self.graphdef, self.params, self.model_state = graphdef, params, model_state
+    self.rules, self.mesh, self.max_len, self.vocab = rules, mesh, max_len, vocab
+    self.layout = cache_layout(nnx.merge(graphdef, params, model_state, copy=True))
+    self._programs: dict[tuple, Any] = {}
+
+  def row_multiple(self) -> int:
+    """Rows are padded to a multiple of the devices 'batch' and 'cache_batch' are split over."""
+    if self.rules is None:
+      return 1
+    sizes = [
+      partitioning.entry_size(spec[0], self.mesh.shape) if len(spec) else 1
+      for spec in (self.rules.spec((name,), what='the decoding batch') for name in ('batch', 'cache_batch'))
+    ]
+    return math.lcm(*sizes)
+
+  def shapes(self, prompts: Sequence[Sequence[int]], sampling: Sampling) -> tuple[int, int, int]:
+    """(rows, prompt bucket P, cache slots S) for these prompts; ConfigError for a prompt that does not fit."""
+    for i, p in enumerate(prompts):
+      if not len(p):
+        raise ConfigError(f'prompt {i} is empty: generation needs at least one prompt token')
+      if self.vocab and not all(0 <= t < self.vocab for t in p):
+        raise ConfigError(
+          f"prompt {i} has token ids outside the model's vocabulary of {self.vocab} (e.g. "
+          f'{next(t for t in p if not 0 <= t < self.vocab)}): another tokenizer than the model was trained with?'
+        )
+      if self.max_len and len(p) + sampling.max_new_tokens > self.max_len:
+        raise ConfigError(
+          f'prompt {i} has {len(p)} tokens: with max_new_tokens={sampling.max_new_tokens} that is '
+          f"{len(p) + sampling.max_new_tokens}, over the model's {self.max_len} positions (config.model.max_len); "
+          f'shorten it to {self.max_len - sampling.max_new_tokens} tokens or ask for fewer new ones'
+        )
+    m = self.row_multiple()
+    rows = -(-len(prompts) // m) * m
+    P = _bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
+    return rows, P, _bucket(P + sampling.max_new_tokens)
+
+  def cache_table(self, rows: int, slots: int) -> str:
+    """The cache's sharding table (path, shape, logical axes, spec, bytes per device) under the rules."""
+    shapes, names = self.layout.abstract(rows, slots)
+    rules = self.rules or partitioning.AxisRules([])
+    mesh_shape = dict(self.mesh.shape) if self.mesh is not None else {}
+    specs = {
+      k: (rules.spec(names[k], s.shape, mesh_shape, what=f'KV cache {k}') if self.rules else PartitionSpec())
+      for k, s in shapes.items()
+    }
+    return partitioning.sharding_table(shapes, names, specs, mesh_shape, what='KV cache')
+
+  def cache_bytes_per_device(self, rows: int, slots: int) -> int:
+    shapes, names = self.layout.abstract(rows, slots)
+    if self.rules is None:
+      return sum(math.prod(s.shape) * s.dtype.itemsize for s in shapes.values())
+    specs = {k: self.rules.spec(names[k], s.shape, self.mesh.shape) for k, s in shapes.items()}
+    return partitioning.tree_bytes_per_device(shapes, specs, self.mesh.shape)
+
+  def _program(self, rows: int, P: int, S: int, greedy: bool, top_k: int, nucleus: bool, keep_logits: bool):
+    key = (rows, P, S, greedy, top_k, nucleus, keep_logits)
+    if key in self._programs:
+      return self._programs[key]
+    graphdef, layout, N = self.graphdef, self.layout, S - P
+    choose = lambda logits, key, step, t, p: _choose(
+      logits, key, step, t, p, greedy=greedy, top_k=top_k, nucleus=nucleus
+    )
+
+    def run(params, model_state, tokens_BP, pad_B, stop_B, live_B, key, temperature, top_p, max_new):
+      def model():  # merged where it runs: a scanned stack's nnx.scan refuses Variables of an outer trace level
+        return tasks.eval_view(nnx.merge(graphdef, params, model_state, copy=True))
+
+      valid_BS = jnp.arange(S)[None, :] >= pad_B[:, None]  # the slots of real tokens (as they are written)
+      pos_BP = jnp.maximum(jnp.arange(P)[None, :] - pad_B[:, None], 0)
+      logits_BV, cache = model().decode(
+        tokens_BP, pos_BP, layout.zeros(rows, S), Decoding(jnp.int32(0), valid_BS, prefill=True)
+      )
+      V = logits_BV.shape[-1]
+      tok_B = choose(logits_BV, key, 0, temperature, top_p)
+      out_BN = jnp.zeros((rows, N), jnp.int32).at[:, 0].set(tok_B)
+      kept_BNV = jnp.zeros((rows, N, V) if keep_logits else (0,), jnp.float32)
+      if keep_logits:
+        kept_BNV = kept_BNV.at[:, 0].set(logits_BV.astype(jnp.float32))
+
+      def cond(c):
+        i, _, _, _, done_B, _ = c
+        return (i < max_new) & ~jnp.all(done_B)
+
+      def body(c):
+        i, tok_B, cache, out_BN, done_B, kept_BNV = c
+        index = P + i - 1  # the slot of tok_B
+        logits_BV, cache = model().decode(tok_B[:, None], (index - pad_B)[:, None], cache, Decoding(index, valid_BS))
+        nxt_B = jnp.where(done_B, stop_B, choose(logits_BV, key, i, temperature, top_p))  # done rows repeat it
+        out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, nxt_B[:, None], i, axis=1)
+        if keep_logits:
+          kept_BNV = jax.lax.dynamic_update_slice_in_dim(kept_BNV, logits_BV[:, None].astype(jnp.float32), i, axis=1)
+        return i + 1, nxt_B, cache, out_BN, done_B | (nxt_B == stop_B), kept_BNV
+
+      done_B = (tok_B == stop_B) | ~live_B
+      i, _, _, out_BN, _, kept_BNV = jax.lax.while_loop(
+        cond, body, (jnp.int32(1), tok_B, cache, out_BN, done_B, kept_BNV)
+      )
+      return out_BN, i, kept_BNV
+
+    def traced(*args):
+      if self.rules is None:
+        return run(*args)
+      with partitioning.use_rules(self.rules, self.mesh):
+        return run(*args)
+
+    out = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+    self._programs[key] = jax.jit(traced, out_shardings=out)
+    return self._programs[key]
+
+  def generate(
+    self,
+    prompts: Sequence[Sequence[int]],
+    sampling: Sampling,
+    stop_ids: int | Sequence[int | None] | None = None,
+    *,
+    keep_logits: bool = False,
+  ) -> list[Generated]:
+    """Continues every prompt (lists of token ids) by up to sampling.max_new_tokens tokens, stopping a row at its
+    stop token (`stop_ids`: one id for all rows, or one per row; None: no stop), which is kept in its ids."""
+    sampling.check()
+    rows, P, S = self.shapes(prompts, sampling)
+    stops = list(stop_ids) if isinstance(stop_ids, (list, tuple)) else [stop_ids] * len(prompts)
+    tokens_BP = np.zeros((rows, P), np.int32)
+    pad_B, stop_B, live_B = np.full(rows, P - 1, np.int32), np.full(rows, -1, np.int32), np.zeros(rows, bool)
+    for b, p in enumerate(prompts):
+      tokens_BP[b, P - len(p) :] = p
+      pad_B[b], live_B[b] = P - len(p), True
+      stop_B[b] = -1 if stops[b] is None else stops[b]
+    greedy = sampling.temperature == 0
+    program = self._program(rows, P, S, greedy, 0 if greedy else sampling.top_k, sampling.top_p < 1, keep_logits)
+    out_BN, steps, kept_BNV = jax.device_get(
+      program(
+        self.params,
+        self.model_state,
+        tokens_BP,
+        pad_B,
+        stop_B,
+        live_B,
+        jax.random.key(sampling.seed),
+        np.float32(max(sampling.temperature, 1e-6)),
+        np.float32(sampling.top_p),
+        np.int32(sampling.max_new_tokens),
+      )
+    )
+    results = []
+    for b, p in enumerate(prompts):
+      ids = [int(t) for t in out_BN[b, : int(steps)]]
+      if stop_B[b] >= 0 and stop_B[b] in ids:
+        ids = ids[: ids.index(stop_B[b]) + 1]
+      results.append(Generated(list(map(int, p)), ids, kept_BNV[b, : len(ids)] if keep_logits else None))
+    return results
+
+
+def for_trainer(trainer: Any, params: Any, model_state: Any) -> Generator:
+  """A Generator under the trainer's rules and mesh (build it from decode_config for config.decode_rules)."""
+  return Generator(
+    trainer.graphdef,
+    params,
+    model_state,
+    rules=trainer.rules,
+    mesh=trainer.mesh,
+    max_len=trainer.config.model.get('max_len'),
+    vocab=trainer.config.model.get('vocab_size'),
+  )
+
+
+def decode_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config a decoding Trainer is built from: config.decode_rules (when set) in place of the training rules,
+  so the parameters are loaded in the layout decoding runs in. ConfigError for a run that is not a language
+  model."""
+  if config.get('task', 'lm') != 'lm':
+    raise ConfigError(
+      f'config.task={config.task!r} (model {config.model.get("name")!r}): generation needs a language model '
+      "(task 'lm': gpt2, llama, moe)"
+    )
+  config = ml_collections.ConfigDict(config.to_dict())
+  max_len = config.model.get('max_len')
+  if config.get('dataset') and max_len and config.dataset.get('seq_len', 0) > max_len:
+    config.dataset.seq_len = max_len  # the training batch is never made here: only its checks run in build
+  if config.get('decode_rules'):
+    config.logical_axis_rules = [tuple(r) for r in config.decode_rules]
+  return config
+
+
+def load(
+  config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoints: str | None = None
+) -> tuple[trainer.Trainer, Generator]:
+  """(the decoding Trainer, a Generator) for a run's checkpoint (`checkpoints`: its checkpoint directory, latest
+  step, or one step's), else for config.init_from (a Hugging Face directory whose config.json was adopted, or a
+  params-only checkpoint of this project); weights are read straight into the decoding layout (decode_config)."""
+  config = decode_config(config)
+  tr = trainer.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+  cache_layout(nnx.eval_shape(lambda: tr.make_model(nnx.Rngs(0))))  # a model that cannot decode: one line
+  if checkpoints is not None:
+    weights, _ = checkpoint.load_weights(checkpoints, tr, model_state=True)
+    params, model_state = weights['params'], weights['model_state']
+  elif hf_import.is_hf_dir(config.get('init_from') or ''):
+    got = hf_import.import_weights(
+      hf_import.HFDir(config.init_from),
+      pretrained.hf_family(config, models.HF_FAMILIES),
+      config.model,
+      tr.abstract.params,
+      tr.shardings.params,
+      tr.abstract.model_state,
+      tr.shardings.model_state,
+    )
+    params, model_state = got.params, got.model_state
+  elif config.get('init_from'):
+    params, model_state = checkpoint.load_params(config.init_from, tr), {}
+  else:
+    raise ConfigError('nothing to generate from: give a run (its checkpoints) or config.init_from')
+  return tr, for_trainer(tr, params, model_state)
+
+
+# The config file a Hugging Face directory's model_type is generated with, when none is given (generate.py).
+FAMILY_CONFIGS = {'gpt2': 'configs/gpt2.py', 'llama': 'configs/llama.py', 'mixtral': 'configs/moe.py'}
+
+
+def family_config(hf_dir: str) -> str:
+  """configs/<family>.py for a Hugging Face directory (its config.json's model_type)."""
+  with open(os.path.join(hf_dir, 'config.json')) as f:
+    model_type = json.load(f).get('model_type')
+  if model_type not in FAMILY_CONFIGS:
+    raise ConfigError(
+      f'{hf_dir}: model_type={model_type!r} is not a language model the zoo generates with; '
+      f'known: {sorted(FAMILY_CONFIGS)}'
+    )
+  return FAMILY_CONFIGS[model_type]
+
+
+def tokenizer(config: ml_collections.ConfigDict, *, given: str | None = None, hf_dir: str | None = None) -> Any:
+  """What prompts are encoded and ids decoded with: `given` ('byte' or a local Hugging Face tokenizer directory),
+  else the Hugging Face directory's own tokenizer, else the run's (config.dataset.tokenizer). ConfigError naming
+  what is missing."""
+  if given:
+    return text.tokenizer(given)
+  if hf_dir:
+    if not any(glob.glob(os.path.join(glob.escape(hf_dir), p)) for p in hf_import.TOKENIZER_FILES):
+      raise ConfigError(
+        f'{hf_dir} has no tokenizer files ({", ".join(hf_import.TOKENIZER_FILES)}): save the tokenizer there '
+        '(tokenizer.save_pretrained) or give --tokenizer DIR'
+      )
+    return text.HFTokenizer(hf_dir)
+  spec = (config.get('dataset') or {}).get('tokenizer')
+  if not spec:
+    raise ConfigError(
+      f'the run has no tokenizer (config.dataset.name={config.dataset.get("name")!r} makes token ids, not text): '
+      'give --tokenizer DIR (a local Hugging Face tokenizer) or --tokenizer byte'
+    )
+  return text.tokenizer(spec)
+
+
+def encode(tok: Any, prompt: str) -> list[int]:
+  """A prompt's ids: a Hugging Face tokenizer adds its special tokens (e.g. Llama's <s>) as transformers does when
+  it generates; the byte tokenizer gives the bytes."""
+  if isinstance(tok, text.HFTokenizer):
+    return list(tok.tok(prompt)['input_ids'])
+  return [int(i) for i in tok.encode(prompt)]
+
+
+def with_family_config(argv: list[str]) -> list[str]:
+  """An entry point's argv (generate.py, evaluate.py) with --init_from and no --config: the family's config file
+  (by config.json's model_type) added as --config, so --config.* overrides apply to it."""
+  given = lambda name: any(a == f'--{name}' or a.startswith(f'--{name}=') for a in argv)
+  if given('config') or not given('init_from'):
+    return argv
+  i = next(i for i, a in enumerate(argv) if a == '--init_from' or a.startswith('--init_from='))
+  source = argv[i].split('=', 1)[1] if '=' in argv[i] else (argv[i + 1] if i + 1 < len(argv) else '')
+  with errors.one_line():  # HFImportError is a ConfigError
+    path = hf_import.resolve(source)
+    if not hf_import.is_hf_dir(path):
+      raise ConfigError(f'--init_from={source!r} is not a Hugging Face model directory (config.json + safetensors)')
+    file = family_config(path)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return argv[:1] + [f'--config={os.path.join(root, file)}'] + argv[1:]
+
+
+def from_flags(
+  config: ml_collections.ConfigDict | None,
+  workdir: str | None,
+  step: int | None,
+  init_from: str | None,
+  tokenizer_dir: str | None = None,
+) -> tuple[Generator, Any]:
+  """What generate.py and evaluate.py decode with: (Generator, tokenizer) for a run (`workdir`: its config from
+  run_config.json unless `config` is given; the latest checkpoint, or `step`'s) or a Hugging Face directory / hub
+  id (`init_from`, architecture adopted into `config`), on the config's mesh fitted to the devices here."""
+  hf_dir, checkpoints = None, None
+  if workdir:
+    config = config or export.load_run_config(workdir)
+    checkpoints = os.path.join(workdir, 'checkpoints', *([str(step)] if step is not None else []))
+  else:
+    config.init_from = hf_dir = hf_import.resolve(init_from)
+    config.dont_load = ''
+    pretrained.adopt_hf_config(config, models.HF_FAMILIES)
+  schema.check(config)
+  tok = tokenizer(config, given=tokenizer_dir, hf_dir=hf_dir)
+  mesh, note = partitioning.start_mesh(config.mesh)
+  if note:
+    print(f'WARNING {note}')
+  print(f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices')
+  return load(config, mesh, checkpoints=checkpoints)[1], tok
