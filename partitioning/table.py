@@ -148,9 +148,8 @@ def _totals(
   leaves = jax.tree.leaves(param_shapes)
   mesh_s = ' x '.join(f'{k}={v}' for k, v in mesh_shape.items())
   in_all = fmt_bytes(sum(math.prod(l.shape) * np.dtype(l.dtype).itemsize for l in leaves))
-  out = [
-    f'{label}: {sum(math.prod(l.shape) for l in leaves):,} ({in_all} in all); per device on mesh {mesh_s}: {fmt_bytes(per_device)}'
-  ]
+  count = sum(math.prod(l.shape) for l in leaves)
+  out = [f'{label}: {count:,} ({in_all} in all); per device on mesh {mesh_s}: {fmt_bytes(per_device)}']
   if opt_shapes is not None:
     opt_b = tree_bytes_per_device(opt_shapes, opt_specs, mesh_shape)
     out.append(
