@@ -656,9 +656,11 @@ def _loaded(argv: list[str], flag_values: flags.FlagValues) -> ml_collections.Co
     spec = importlib.util.spec_from_file_location('_shardzoo_overrides_checked_against', file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config(arg) if arg is not None else module.get_config()
+    config = module.get_config(arg) if arg is not None else module.get_config()
   except Exception:  # noqa: BLE001  (a file that does not load is reported by ml_collections' own loading)
     return None
+  _check_loaded(config, argv, flag_values)  # not a ConfigDict, or without a required field: named before overrides
+  return config
 
 
 def _check_overrides(overrides: list[_Override], config: ml_collections.ConfigDict | None) -> None:
