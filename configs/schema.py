@@ -531,7 +531,7 @@ def _file_errors(argv: list[str], flag_values: flags.FlagValues):
       message = f'{flag}: {error}'
     else:
       code = f' ({frame.line})' if frame.line else ''
-      message = f'{flag}: error at {frame.filename}:{frame.lineno}{code}: {_describe(error)}'
+      message = f'{flag}: error at {frame.filename}:{frame.lineno}{code}: {_describe(error, frame.line)}'
     raise SystemExit(f'shardzoo: config error: {message}') from None
 
 
@@ -548,28 +548,58 @@ def _raised_in(error: BaseException, file: str) -> tuple[BaseException, tracebac
   return None
 
 
-def _describe(error: BaseException) -> str:
-  """'<ErrorType>: <first line>', with ml_collections' assignment of another type to a field (whose value is
-  shown as a YAML dump) said in a line naming the field and what it must be."""
-  text = str(error)
-  cast = re.search(
-    r"Could not override field '(\w+)'.* is of original type <class '([\w.]+)'> and cannot be casted to type "
-    r"<class '([\w.]+)'>",
-    text,
-    re.DOTALL,
-  )
-  if cast:
-    key, given, kind = cast.groups()  # ml_collections names the field by its last part only
-    given = 'dict' if given.endswith('ConfigDict') else given
-    paths = [path for path in FIELDS if path.rsplit('.', 1)[-1] == key]
-    name = f'config.{paths[0]}' if len(paths) == 1 else f'the config field {key!r}'
-    must = f': it must be {FIELDS[paths[0]].allowed()}' if len(paths) == 1 else ''
-    return f'{name} holds a {kind}, so a {given} cannot replace it{must}'
-  field = re.match(r"""[\s'"\\]*(\w+)[\\'"]""", text)
-  if isinstance(error, (AttributeError, KeyError)) and field:  # a ConfigDict read of a field it does not have
-    hint = re.search(r'Did you mean "(\w+)"', text)
-    text = f'no field {field.group(1)!r}' + (f'; did you mean {hint.group(1)!r}?' if hint else '')
-  return f'{type(error).__name__}: {(text.strip().splitlines() or [""])[0]}'
+# The Python type a field of each kind holds, for the line naming an assignment of another type.
+_HOLDS = {'rules': 'list', 'mesh': 'dict', 'dcn': 'dict', 'ints': 'tuple', 'regex': 'str', 'mixture': 'tuple'}
+_LITERAL = {ast.Dict: 'dict', ast.List: 'list', ast.Tuple: 'tuple', ast.Set: 'set'}
+
+
+def _config_paths(line: str) -> tuple[str | None, list[str]]:
+  """From one line of a config file: the field path it assigns (``c.model.dim = ...`` -> 'model.dim', with the
+  assigned value's type name where it is a literal) and every dotted path it reads from a name."""
+  try:
+    tree = ast.parse(line.strip())
+  except SyntaxError:
+    return None, []
+
+  def dotted(node: ast.AST) -> str | None:
+    names = []
+    while isinstance(node, ast.Attribute):
+      names.append(node.attr)
+      node = node.value
+    return '.'.join(reversed(names)) if isinstance(node, ast.Name) and names else None
+
+  assigned = None
+  stmt = tree.body[0] if tree.body else None
+  if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+    assigned = dotted(stmt.targets[0])
+  reads = [
+    p for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) if (p := dotted(n))
+  ]
+  return assigned, reads
+
+
+def _describe(error: BaseException, line: str | None) -> str:
+  """'<ErrorType>: <first line>' of an error raised at `line` of a config file; a value of another type assigned
+  to a field, or a read of a field that does not exist, said from the line itself and the fields FIELDS knows."""
+  assigned, reads = _config_paths(line or '')
+  if isinstance(error, TypeError) and assigned in FIELDS:
+    field = FIELDS[assigned]
+    holds = _HOLDS.get(field.kind) or getattr(field.kind, '__name__', None)
+    value = ast.parse(line.strip()).body[0].value
+    given = _LITERAL.get(type(value)) or (type(value.value).__name__ if isinstance(value, ast.Constant) else 'value')
+    if holds and given != holds:
+      return f'config.{assigned} holds a {holds}, so a {given} cannot replace it: it must be {field.allowed()}'
+  if isinstance(error, (AttributeError, KeyError)):  # a ConfigDict read of a field it does not have
+    for path in reads:
+      if path in FIELDS or any(f.startswith(path + '.') for f in FIELDS):
+        continue
+      parent, _, key = path.rpartition('.')
+      known = [f.rpartition('.')[2] for f in FIELDS if f.rpartition('.')[0] == parent]
+      if not known:
+        continue
+      near = difflib.get_close_matches(key, known, n=1)
+      return f'{type(error).__name__}: no field {key!r}' + (f'; did you mean {near[0]!r}?' if near else '')
+  return f'{type(error).__name__}: {(str(error).strip().splitlines() or [""])[0]}'
 
 
 def _check_loaded(config: Any, argv: list[str], flag_values: flags.FlagValues) -> None:
