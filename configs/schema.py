@@ -21,7 +21,6 @@ import ast
 import contextlib
 import dataclasses
 import difflib
-import errno
 import importlib
 import importlib.util
 import math
@@ -481,6 +480,7 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) ->
   section), a misspelled preset or size, a value that does not parse. The --config.<field> overrides are
   checked against the loaded config before ml_collections applies them (`_check_overrides`)."""
   flag_values = flags.FLAGS if flag_values is None else flag_values
+  _check_file(argv, flag_values)
   try:
     with _file_errors(argv, flag_values):
       overrides = _overrides(argv, flag_values)
@@ -500,15 +500,6 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) ->
     message = text.splitlines()[0].rstrip(':').strip()
     if cause:
       message += f': {cause[-1].split(": ", 1)[1]}'
-  except (OSError, SyntaxError) as e:  # the config file is missing, unreadable or not Python
-    message = _load_error(argv, flag_values, e)
-  except AttributeError as e:
-    if "has no attribute 'get_config'" not in str(e):  # ml_collections: the file defines no get_config()
-      raise
-    raise SystemExit(
-      f'shardzoo: config error: {_config_flag(argv, flag_values)[0]}: the file defines no '
-      'get_config(), so it is not a config file (configs/<model>.py are)'
-    ) from None
   except _BadOverride as e:
     message = str(e)
   raise SystemExit(f'shardzoo: config error: {message}')
@@ -735,14 +726,33 @@ def _config_flag(argv: list[str], flag_values: flags.FlagValues) -> tuple[str, s
   return f'--{names[0]}', ''
 
 
-def _load_error(argv: list[str], flag_values: flags.FlagValues, error: OSError | SyntaxError) -> str:
-  """'--config=<file>[:arg]: no such file' (or the OS error, or the syntax error's file:line and message)."""
+def _check_file(argv: list[str], flag_values: flags.FlagValues) -> None:
+  """The --config file exists, reads, compiles and binds get_config, checked before ml_collections loads it (its
+  own errors for these are text to parse): one line naming the file, and the line of a syntax error."""
   flag, file = _config_flag(argv, flag_values)
-  if isinstance(error, SyntaxError):
-    return f'{flag}: syntax error at {error.filename}:{error.lineno}: {error.msg}'
-  # ml_collections keeps only the text: '[Errno 2] No such file or directory: <the file>'
-  os_error = re.search(r"\[Errno (\d+)\] ([^:\n]+)(?:: '([^'\n]*)')?", str(error))
-  if os_error and int(os_error.group(1)) == errno.ENOENT:
-    missing = os_error.group(3) or file  # the config file, or a file its get_config reads
-    return f'{flag}: no such file' + (f' {missing!r}' if not flag.endswith(f'={missing}') else '')
-  return f'{flag}: cannot be read ({os_error.group(2) if os_error else str(error).splitlines()[0]})'
+  if not file:
+    return
+  if not os.path.isfile(file):
+    raise SystemExit(f'shardzoo: config error: {flag}: no such file')
+  try:
+    with open(file, encoding='utf-8') as f:
+      source = f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise SystemExit(f'shardzoo: config error: {flag}: cannot be read ({getattr(e, "strerror", None) or e})') from None
+  try:
+    tree = ast.parse(source, filename=file)
+  except SyntaxError as e:
+    raise SystemExit(f'shardzoo: config error: {flag}: syntax error at {e.filename}:{e.lineno}: {e.msg}') from None
+  bound = set()
+  for node in tree.body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      bound.add(node.name)
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      bound.update(a.asname or a.name.split('.')[0] for a in node.names)
+    elif isinstance(node, ast.Assign):
+      bound.update(t.id for t in node.targets if isinstance(t, ast.Name))
+  if 'get_config' not in bound and not any(isinstance(n, ast.ImportFrom) and n.names[0].name == '*' for n in tree.body):
+    raise SystemExit(
+      f'shardzoo: config error: {flag}: the file defines no get_config(), so it is not a config file '
+      '(configs/<model>.py are)'
+    )
