@@ -33,6 +33,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -700,14 +701,25 @@ class Checkpointer:
         raise
       raise err from e
 
+  def _remove_partial(self, step: int | None, settle_s: float = 0.3, timeout_s: float = 10.0) -> None:
+    """Removes the failed save's <step>.orbax-checkpoint-tmp*. orbax's other writer threads of that save may still
+    be finishing (and recreating directories) after the first one failed, so it is removed until it stays gone."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      partials = list(epath.Path(self.directory).glob(f'{step}.orbax-checkpoint-tmp*'))
+      for partial in partials:
+        shutil.rmtree(partial, ignore_errors=True)
+      time.sleep(settle_s)
+      if not partials and not list(epath.Path(self.directory).glob(f'{step}.orbax-checkpoint-tmp*')):
+        return
+
   def _storage_error(self, step: int | None, e: Exception) -> StorageError | None:
     """The StorageError for a save of `step` that failed for `e`, if an OS error is to blame (else None). The
     partial checkpoint is removed (nothing a rerun could use), and orbax's tracebacks go to the log file."""
     found = os_error_of(e)
     if found is None:
       return None
-    for partial in epath.Path(self.directory).glob(f'{step}.orbax-checkpoint-tmp*'):
-      shutil.rmtree(partial, ignore_errors=True)
+    self._remove_partial(step)
     try:
       self.manager.reload()
       newest = self.manager.latest_step()
