@@ -1,6 +1,7 @@
 """The user guide holds together: the docs site builds in strict mode, the README's links resolve, the README stays a
-short guide, and library code carries no calendar dates (measured figures and their dates belong on
-docs/performance.md)."""
+short guide, the tables of contents (docs/index.md, the README's list) follow mkdocs.yml's nav, the one source of
+which pages there are, and library code and user pages carry no calendar dates (measured figures and their dates
+belong on docs/performance.md, their history on docs/changelog.md)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / 'README.md'
+DOCS = ROOT / 'docs'
+DATED_PAGES = {'performance.md', 'changelog.md'}  # the measured record and its history
 README_MAX_LINES = 300
 DATE = re.compile(r'20\d\d-[01]\d-[0-3]\d')
 LINK = re.compile(r'(?<!!)\[[^\]]*\]\(([^)\s]+)\)')  # [text](target), not images
@@ -110,3 +114,80 @@ def test_docs_site_builds_strict(tmp_path):
     timeout=300,
   )
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def nav_pages(nav: list) -> list[str]:
+  """mkdocs.yml's nav flattened to its pages, in order: entries are `Title: page.md`, `Title: [entries]` or a bare
+  `page.md` (a link elsewhere, `Title: https://...`, is no page)."""
+  pages = []
+  for entry in nav:
+    for value in entry.values() if isinstance(entry, dict) else [entry]:
+      if isinstance(value, list):
+        pages += nav_pages(value)
+      elif value.endswith('.md'):
+        pages.append(value)
+  return pages
+
+
+def _nav() -> list[str]:
+  return nav_pages(yaml.safe_load((ROOT / 'mkdocs.yml').read_text())['nav'])
+
+
+def linked_pages(text: str, prefix: str = '') -> list[str]:
+  """The .md pages a Markdown text links to under `prefix` (e.g. 'docs/'), anchors dropped, in order of first
+  link."""
+  text = re.sub(r'```.*?```', '', text, flags=re.S)
+  pages = []
+  for target in LINK.findall(text):
+    page = target.partition('#')[0]
+    if page.startswith(prefix) and page.endswith('.md') and '/' not in page[len(prefix) :]:
+      page = page[len(prefix) :]
+      if page not in pages:
+        pages.append(page)
+  return pages
+
+
+def toc_mismatch(nav: list[str], toc: list[str], where: str) -> list[str]:
+  """How a table of contents differs from the nav's pages: pages it misses, pages the nav lacks, and its order."""
+  problems = [f"{where} misses {p} (in mkdocs.yml's nav)" for p in nav if p not in toc]
+  problems += [f"{where} lists {p}, which mkdocs.yml's nav lacks" for p in toc if p not in nav]
+  if not problems and toc != nav:
+    problems.append(f"{where} lists the pages in another order than mkdocs.yml's nav: {toc} against {nav}")
+  return problems
+
+
+def test_toc_mismatch_is_found():
+  """The comparison itself: a missing page, an extra one and another order are each reported."""
+  nav = ['a.md', 'b.md', 'c.md']
+  assert toc_mismatch(nav, nav, 'x') == []
+  assert toc_mismatch(nav, ['a.md', 'b.md', 'd.md'], 'x') == [
+    "x misses c.md (in mkdocs.yml's nav)",
+    "x lists d.md, which mkdocs.yml's nav lacks",
+  ]
+  assert 'another order' in toc_mismatch(nav, ['b.md', 'a.md', 'c.md'], 'x')[0]
+  assert nav_pages([{'Home': 'a.md'}, {'S': [{'B': 'b.md'}, 'c.md']}]) == nav
+  text = '[a](a.md) [a again](a.md#x) [b](docs/b.md) [web](https://x.org/c.md)\n```\n[c](c.md)\n```\n'
+  assert linked_pages(text) == ['a.md'] and linked_pages(text, 'docs/') == ['b.md']
+
+
+def test_every_page_is_in_the_nav():
+  """A page in docs/ that the nav lacks is built but unreachable from the site's menu."""
+  pages = sorted(p.name for p in DOCS.glob('*.md'))
+  problems = toc_mismatch(sorted(_nav()), pages, 'docs/')
+  assert problems == [], '\n'.join(problems)
+
+
+def test_index_follows_the_nav():
+  """docs/index.md links every page of the nav but itself, in the nav's order, and no other."""
+  nav = [p for p in _nav() if p != 'index.md']
+  problems = toc_mismatch(nav, linked_pages((DOCS / 'index.md').read_text()), 'docs/index.md')
+  assert problems == [], '\n'.join(problems)
+
+
+def test_readme_documentation_list_follows_the_nav():
+  """The README's '## Documentation' list links every page of the nav but the index (linked at its top)."""
+  section = re.search(r'^## Documentation\n(.*?)(?=^## |\Z)', README.read_text(), flags=re.M | re.S)
+  assert section, "README.md has no '## Documentation' section"
+  nav = [p for p in _nav() if p != 'index.md']
+  problems = toc_mismatch(nav, linked_pages(section.group(1), 'docs/'), "README.md's Documentation list")
+  assert problems == [], '\n'.join(problems)
