@@ -191,3 +191,15 @@ def test_readme_documentation_list_follows_the_nav():
   nav = [p for p in _nav() if p != 'index.md']
   problems = toc_mismatch(nav, linked_pages(section.group(1), 'docs/'), "README.md's Documentation list")
   assert problems == [], '\n'.join(problems)
+
+
+def test_user_pages_carry_no_calendar_dates():
+  """A dated figure on a user page goes stale unseen; it belongs in the performance page's tables."""
+  pages = [p for p in DOCS.glob('*.md') if p.name not in DATED_PAGES] + [README]
+  dated = [
+    f'{path.relative_to(ROOT)}:{i}: {line.strip()[:80]}'
+    for path in pages
+    for i, line in enumerate(path.read_text().splitlines(), 1)
+    if DATE.search(line)
+  ]
+  assert dated == [], 'dated figures belong on docs/performance.md:\n' + '\n'.join(dated)
