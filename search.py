@@ -59,7 +59,7 @@ flags.DEFINE_string(
   'compile_target',
   'auto',
   "Planned on CPU for a GPU or TPU chip, each plan's memory: 'auto' "
-  "compiles for the chip itself (its GPU target in training/gpu_targets where JAX's CUDA plugin is "
+  "compiles for the chip itself (its GPU target in planning/gpu_targets where JAX's CUDA plugin is "
   'installed; a TPU chip where libtpu is), exactly; '
   "'none' models it from what the backward keeps; or a target: a TPU chip (tpu_v5e, ...), a GPU "
   "target's name or .txtpb file.",
@@ -126,11 +126,11 @@ def main(argv) -> None:
       f'devices); mesh axes {axes}; rule sets {list(rules)}'
     )
     from models import attention
-    from training import targets
+    from planning import targets
 
     # compiled on CPU for a GPU: attention traced as on the GPU, its fused kernels stood in for by 'blockwise'
     stand_in = attention.gpu_stand_in if chip.platform == 'gpu' else None
-    # ... and its memory compiled for the chip itself where JAX's CUDA plugin or libtpu can (training/targets.py)
+    # ... and its memory compiled for the chip itself where JAX's CUDA plugin or libtpu can (planning/targets.py)
     memory_devices = None
     if devices[0].platform == 'cpu' and chip.platform in ('gpu', 'tpu'):
       target, why = targets.memory_target(chip.name, n, FLAGS.compile_target)

@@ -224,7 +224,7 @@ class Search:
   ):
     """`stand_in`: a context the steps are traced in when the devices here are not the target's, making them
     trace closer to the target (models/attention.gpu_stand_in for a GPU compiled on CPU: no L x L scores).
-    `memory_devices`: `num_devices` compile-only devices of the target chip, a GPU or a TPU (training/targets.py):
+    `memory_devices`: `num_devices` compile-only devices of the target chip, a GPU or a TPU (planning/targets.py):
     each plan's proxies are compiled for them as well, and their memory is the chip's own (exact, where the
     CPU's temporaries are not and the residual model is an estimate); FLOPs, bytes and collectives are still
     read from the CPU compile (a compile-only GPU executable has no cost analysis)."""

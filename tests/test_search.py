@@ -456,7 +456,7 @@ def test_gpu_target_compiled_on_cpu_traces_attention_as_on_the_gpu(monkeypatch):
 
 
 def test_memory_compiled_for_the_target_devices_replaces_the_model():
-  """With `memory_devices` (search.py passes the target GPU's compile-only devices, training/targets.py, where
+  """With `memory_devices` (search.py passes the target GPU's compile-only devices, planning/targets.py, where
   JAX's CUDA plugin is installed) each plan's memory is its step compiled over those devices, exactly, instead
   of the residual model; FLOPs and collectives still come from the CPU compile. Here 8 other CPU devices stand
   in for the GPU's: the memory equals the step compiled over them directly."""
@@ -511,7 +511,7 @@ def test_a_plan_the_target_compiler_refuses_for_memory_is_over_memory():
 
 
 def test_which_target_the_memory_is_compiled_for():
-  from training import targets
+  from planning import targets
 
   assert targets.memory_target('h100', 8, 'none') == (None, '--compile_target=none')
   assert targets.memory_target('h100', 8, 'h100_sxm')[0] == 'h100_sxm'
