@@ -152,6 +152,15 @@ class Result:
   wall_s: float
   model_flops: float | None
 
+  def add(self, other: Result) -> None:
+    """Takes in another run's plans (ranked among these), pruning counts and programs compiled."""
+    self.ranked = sorted(self.ranked + other.ranked, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
+    self.pruned.update(other.pruned)
+    for k, v in other.examples.items():
+      self.examples.setdefault(k, v)
+    self.considered += other.considered
+    self.compiled += other.compiled
+
 
 def apply(config: ml_collections.ConfigDict, cand: Candidate, hosts: int = 1) -> ml_collections.ConfigDict:
   """A copy of the config with the candidate's mesh, rules and remat. Over several hosts the mesh is written
