@@ -5,11 +5,13 @@ ranks them by predicted step time.
   python search.py --config configs/llama.py:llama3_8b --devices 64 --hosts 8 --device_kind h100
   python search.py --config configs/gpt2.py:tiny --devices 8 --device_kind cpu --measure 3
 
-Sections: check the input -> candidates (the config file's presets and variants of them, every mesh
-factorisation, axis orders over hosts) -> stage 1: prune by validation, compile the survivors abstractly for
---devices simulated CPU devices (for an H100 with JAX's CUDA plugin installed, their memory for compile-only
-H100s or TPU chips too: --compile_target), predict (planning/cost.py) -> stage 2: the other remat policies on the best
-plans -> the table -> --measure: real steps of the top K -> --out: the winner as a config file.
+`main` takes the steps of planning/stages.py in order: check the input (before JAX starts) -> devices (the real
+ones, else --devices simulated CPU devices) -> the memory target (for a GPU or TPU chip whose compiler is installed,
+compile-only devices of it: --compile_target) -> stage 1: candidates (the config file's presets and variants of
+them, every mesh factorisation, axis orders over hosts), pruned by validation, the survivors compiled abstractly and
+their step time predicted (planning/search.py, planning/cost.py) -> stage 2: the presets' variants and the other
+remat policies on the best plans -> --measure: real steps of the top K -> the table and the choice -> --out: the
+winner as a config file.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import errors
-import partitioning
+import models
 from configs import schema
-from planning import candidates, plan_file, report
+from models import attention
+from planning import stages
 from training import flops
 
 FLAGS = flags.FLAGS
@@ -59,16 +62,12 @@ flags.DEFINE_string(
   'compile_target',
   'auto',
   "Planned on CPU for a GPU or TPU chip, each plan's memory: 'auto' "
-  "compiles for the chip itself (its GPU target in training/gpu_targets where JAX's CUDA plugin is "
+  "compiles for the chip itself (its GPU target in planning/gpu_targets where JAX's CUDA plugin is "
   'installed; a TPU chip where libtpu is), exactly; '
   "'none' models it from what the backward keeps; or a target: a TPU chip (tpu_v5e, ...), a GPU "
   "target's name or .txtpb file.",
 )
 flags.DEFINE_alias('gpu_target', 'compile_target')  # its name before TPUs compiled too
-
-
-def say(msg: str) -> None:
-  print(msg, flush=True)
 
 
 def main(argv) -> None:
@@ -82,160 +81,30 @@ def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)
   t_start = time.perf_counter()
   with errors.one_line():  # bad input: one line, no traceback
-    # --- Check the input (before JAX starts) ---------------------------------------------------------------
-    schema.check(config)
-    chip = flops.chip(FLAGS.device_kind)
-    n, hosts = FLAGS.devices, FLAGS.hosts
-    if n < 1 or hosts < 1 or n % hosts:
-      raise errors.ConfigError(
-        f'--devices {n} --hosts {hosts}: the device count must be a positive multiple of the host count'
-      )
-    least = dict(top=1, measure=0, measure_steps=1, stage2=0, workers=1)
-    for name, low in least.items():
-      if FLAGS[name].value < low:
-        raise errors.ConfigError(f'--{name}={FLAGS[name].value}: must be >= {low}')
-    config_path, _, config_arg = config_flags.get_config_filename(FLAGS['config']).partition(':')
-    config_arg = config_arg or None
-    if FLAGS.out:
-      plan_file.check_out_path(FLAGS.out, overwrite=FLAGS.overwrite, config_file=config_path)
-    rules = candidates.rule_variants(candidates.presets_of(config_path, config_arg, config))
-    axes = candidates.mesh_axes_of(rules, list(config.mesh))
-    has_remat = 'model' in config and 'remat' in config.model
-    own_remat = config.model.remat if has_remat else None
-    choices = list(schema.FIELDS['model.remat'].choices()) if has_remat else [None]
-    if FLAGS.remat in ('staged', 'config'):
-      first = [own_remat]
-    else:
-      first = [r.strip() for r in FLAGS.remat.split(',') if r.strip()]
-      bad = [r for r in first if r not in choices]
-      if bad:
-        raise errors.ConfigError(f'--remat {FLAGS.remat!r}: {bad} not remat policies; choose from {choices}')
-
-    # --- Devices: the real ones when there are --devices of them, else simulated CPU devices -------------
-    partitioning.simulate_cpu_devices(n)
-    import jax
-
-    import models
-    from planning import search as search_lib
-
-    devices = jax.devices() if jax.device_count() == n and jax.default_backend() != 'cpu' else jax.devices('cpu')
-    say(
-      f'plan search: {config_path}{":" + config_arg if config_arg else ""} for {n} x {chip.name}'
-      + (f' over {hosts} hosts' if hosts > 1 else '')
-      + f' (compiling on {len(devices)} {devices[0].platform} '
-      f'devices); mesh axes {axes}; rule sets {list(rules)}'
-    )
-    from models import attention
-    from training import targets
-
-    # compiled on CPU for a GPU: attention traced as on the GPU, its fused kernels stood in for by 'blockwise'
-    stand_in = attention.gpu_stand_in if chip.platform == 'gpu' else None
-    # ... and its memory compiled for the chip itself where JAX's CUDA plugin or libtpu can (training/targets.py)
-    memory_devices = None
-    if devices[0].platform == 'cpu' and chip.platform in ('gpu', 'tpu'):
-      target, why = targets.memory_target(chip.name, n, FLAGS.compile_target)
-      if target:
-        memory_devices = targets.compile_devices(target, n)
-        say(f"memory: compiled for {n} x {target}, the {chip.platform.upper()}'s own ({why})")
-      else:
-        say(f'memory: modelled from what the backward keeps (planning/residuals.py): {why}')
-    search = search_lib.Search(
+    req = stages.check_input(  # before JAX starts
       config,
-      lambda m, r: models.create(m, r, config.get('lora')),
-      chip,
-      n,
-      hosts,
-      devices,
-      workers=FLAGS.workers,
-      stand_in=stand_in,
-      memory_devices=memory_devices,
+      config_flags.get_config_filename(FLAGS['config']),
+      FLAGS.device_kind,
+      FLAGS.devices,
+      FLAGS.hosts,
+      {name: FLAGS[name].value for name in stages.LEAST},
+      FLAGS.remat,
+      FLAGS.micro_batches,
+      FLAGS.out,
+      FLAGS.overwrite,
     )
-
-    # --- Stage 1: every mesh x preset, the config's remat (or the given ones) ------------------------------
-    presets = {k: v for k, v in rules.items() if '-' not in k}
-    micro = [int(m) for m in FLAGS.micro_batches]
-    result = search.run(candidates.generate(n, axes, presets, first, hosts, config.batch_size), micro, announce=say)
-    say(f'stage 1: {len(result.ranked)} plans scored ({result.compiled} compiled) in {result.wall_s:.0f} s')
-    # --- Stage 2: the best plans' meshes with their presets' variants and every remat policy -------------
-    if result.ranked and FLAGS.stage2:
-      remats = choices if FLAGS.remat == 'staged' else first
-      more = [
-        candidates.Candidate(c.mesh, name, r, remat, c.microbatches, c.micro)
-        for c in (s.candidate for s in result.ranked[: FLAGS.stage2])
-        for name, r in rules.items()
-        if name.split('-')[0] == c.rules_name
-        for remat in remats
-      ]
-      extra = search.run(more, micro, announce=say)
-      say(f'stage 2: {len(extra.ranked)} plans scored ({extra.compiled} compiled) in {extra.wall_s:.0f} s')
-      result.ranked = sorted(result.ranked + extra.ranked, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
-      result.pruned.update(extra.pruned)
-      for k, v in extra.examples.items():
-        result.examples.setdefault(k, v)
-      result.considered += extra.considered
-      result.compiled += extra.compiled
-    fitting = [s for s in result.ranked if s.prediction.fits]
-    if not fitting:
-      raise errors.ShardingError(
-        f'no plan for {n} x {chip.name} survived: '
-        + '; '.join(f'{k} ({v}), e.g. {result.examples.get(k, "")[:200]}' for k, v in result.pruned.most_common(3))
-      )
-
-    # --- Measure the top K for real -----------------------------------------------------------------------
-    if FLAGS.measure:
-      if jax.device_count() < n:
-        raise errors.ConfigError(f'--measure needs {n} devices; this machine has {jax.device_count()}')
-      say(f'measuring the top {FLAGS.measure} plans ({FLAGS.measure_steps} steps each) ...')
-      search.measure(fitting[: FLAGS.measure], steps=FLAGS.measure_steps)
-
-    # --- The table, the winner ----------------------------------------------------------------------------
-    say('')
-    say(report.table(result.ranked[: FLAGS.top], chip))
-    say('')
-    say(report.pruning(result))
-    win = fitting[0]
-    if FLAGS.measure:
-      measured = [s for s in fitting if s.measured_s is not None]
-      fastest = min(measured, key=lambda s: s.measured_s)
-      say(
-        f'measured: the fastest of the top {len(measured)} is {fastest.candidate.label()} '
-        f'({report.seconds(fastest.measured_s)}); predicted winner {report.seconds(win.measured_s)}'
-      )
-    wall = time.perf_counter() - t_start
-    mfu = f', predicted MFU {100 * win.mfu:.1f}%' if win.mfu else ''
-    gib = lambda g: partitioning.fmt_bytes(g * 2**30)
-    mem = f'{gib(win.prediction.memory_gib)} per device'
-    if memory_devices:
-      mem += f' (compiled for {target})'
-    elif win.prediction.memory_range:
-      low, high = win.prediction.memory_range
-      mem += (
-        f' (modelled from what the backward keeps, {gib(low)}-{gib(high)}; {gib(win.prediction.state_gib)} of it state)'
-      )
-    say(
-      f'\nchoice: {win.candidate.label()}: {report.seconds(win.prediction.step_s)}/step predicted{mfu}, '
-      f'{mem}. Search took {wall:.0f} s.'
-    )
+    devices = stages.start_devices(req)
+    memory = stages.memory_target(req, devices, FLAGS.compile_target)
+    create = lambda m, r: models.create(m, r, config.get('lora'))  # planning/ imports no model
+    search = stages.make_search(req, devices, memory, FLAGS.workers, create, attention.gpu_stand_in)
+    result = stages.stage1(search, req)
+    stages.stage2(search, req, result, FLAGS.stage2)
+    fits = stages.fitting(result, req)
+    stages.measure(search, req, fits, FLAGS.measure, FLAGS.measure_steps)
+    stages.table(result, req, fits, FLAGS.top)
+    choice = stages.choose(fits, memory, t_start)
     if FLAGS.out:
-      plan = search_lib.apply(config, win.candidate, hosts)
-      base_config = candidates.load_module(config_path).get_config(config_arg)
-      command = f'python train.py --config {FLAGS.out} --workdir /tmp/plan'
-      header = (
-        f'Plan chosen by search.py on {time.strftime("%Y-%m-%d")} for {n} x {chip.name}'
-        + (f' over {hosts} hosts' if hosts > 1 else '')
-        + f':\n  {win.candidate.label()}\n'
-        f'  predicted {report.seconds(win.prediction.step_s)}/step{mfu},\n  {mem}.\n\n  {command}\n\n'
-        f'Searched from {config_path}'
-        + (f':{config_arg}' if config_arg else '')
-        + '; fields below differ from that config.'
-      )
-      plan_file.write(
-        FLAGS.out,
-        plan_file.render(config_path, config_arg, base_config, plan, header),
-        overwrite=FLAGS.overwrite,
-        config_file=config_path,
-      )
-      say(f'wrote {FLAGS.out}; run it with:\n  {command}')
+      stages.write_plan(req, choice, FLAGS.out, FLAGS.overwrite)
 
 
 if __name__ == '__main__':

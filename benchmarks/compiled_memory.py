@@ -9,22 +9,22 @@ r"""Per-device memory of the train step train.py compiles, for GPUs or TPUs, on 
   python benchmarks/compiled_memory.py --config configs/gpt2.py --config.batch_size=64 --accum 1,2,4,8  # micro-batches
   python benchmarks/compiled_memory.py --config configs/gpt2.py --target cpu  # this machine's CPU (no plugin needed)
 
-The step is built as train.py builds it and compiled for compile-only devices of the target (training/targets.py):
-a GPU (`--target`, default an H100 SXM 80GB: a name from training/gpu_targets or a .txtpb file) or a TPU slice
+The step is built as train.py builds it and compiled for compile-only devices of the target (planning/targets.py):
+a GPU (`--target`, default an H100 SXM 80GB: a name from planning/gpu_targets or a .txtpb file) or a TPU slice
 (`--target tpu_v4|tpu_v5e|tpu_v5p|tpu_v6e`), or this machine's CPU devices (`--target cpu`: the simulated devices,
 no plugin); attention makes the choice it makes there (cuDNN, Pallas, XLA). `--accum 1,2,4,8` compiles the step at
 each config.grad_accum_steps (the same global batch in that many micro-batches): a row each.
 Printed per case: the peak (arguments + temporaries + outputs not aliased to donated inputs: what XLA's buffer
 assignment reserves), the arguments (parameters, optimizer state, batch), the temporaries, the attention
 kernels chosen and the compile time. With --devices 1 (the default for --cases) every mesh axis is 1; otherwise
-the config's mesh runs over that many devices (GPUs 8 to a host; TPU chips as one slice, training.targets.tpu_topology).
+the config's mesh runs over that many devices (GPUs 8 to a host; TPU chips as one slice, planning.targets.tpu_topology).
 With --kernels, also the kernels one step launches and the bytes they read and write, counted from the compiled
 program (partitioning.hlo.kernels: every fusion, library call and copy, loop bodies once per trip), by kind (matmul,
 attention, reduction, elementwise, ...): what the step moves through memory, where a GPU is bandwidth-bound.
 
 --cases compiles the batches of the GPU benchmark (docs/performance.md, "GPUs") and, for an H100, prints them beside the
 peak the torch peer measured on an H100 on 2026-11-23 (`benchmarks/throughput.py --peer torch`; constants here)
-and the peak our step measured there that day, before the changes since (training/targets.py's validation).
+and the peak our step measured there that day, before the changes since (planning/targets.py's validation).
 
 Needs the target's compiler, no device: JAX's CUDA plugin (`pip install "jax[cuda13]==0.10.2"`) or libtpu
 (`pip install "jax[tpu]==0.10.2"`); JAX_PLATFORMS=cpu is set here.
@@ -69,7 +69,7 @@ flags.DEFINE_string(
   'target',
   'h100_sxm',
   'What to compile for: a TPU chip (tpu_v4, tpu_v5e, tpu_v5p, tpu_v6e), or a '
-  'GPU: a name from training/gpu_targets or a .txtpb file.',
+  'GPU: a name from planning/gpu_targets or a .txtpb file.',
 )
 flags.DEFINE_integer(
   'devices', None, 'GPUs or TPU chips to compile for (default: as many as the mesh asks; 1 with --cases).'
@@ -93,7 +93,8 @@ def compile_for(config, target: str, count: int | None, kernels: bool = False) -
   import partitioning
   import training
   from models import attention
-  from training import profiling, targets
+  from planning import targets
+  from training import profiling
 
   n = partitioning.devices_needed(config.mesh) if count is None else count
   if target == 'cpu':  # simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N for N > 1)

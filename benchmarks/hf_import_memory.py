@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,18 +108,21 @@ def main() -> None:
 
   before = rss_mib()
   t0 = time.perf_counter()
-  read = hf_import._read_through
+  make_array = jax.make_array_from_callback
   with PeakRSS(before) as sampler:
 
-    def counted(*args):  # every slice read becomes one device buffer
-      out = read(*args)
-      sampler.created += out.nbytes / 2**20
-      return out
+    def counted(shape, sharding, read, *args, **kwargs):  # the import makes each array from its devices' slices
+      def counted_read(index):  # every slice read becomes one device buffer
+        out = read(index)
+        sampler.created += out.nbytes / 2**20
+        return out
 
-    hf_import._read_through = counted
-    params, _ = hf_import.import_params(
-      hf_import.HFDir(path), models.HF_FAMILIES['gpt2'], cfg.model, trainer.abstract.params, trainer.shardings.params
-    )
+      return make_array(shape, sharding, counted_read, *args, **kwargs)
+
+    with mock.patch.object(jax, 'make_array_from_callback', counted):
+      params, _ = hf_import.import_params(
+        hf_import.HFDir(path), models.HF_FAMILIES['gpt2'], cfg.model, trainer.abstract.params, trainer.shardings.params
+      )
     jax.block_until_ready(params)
   dt = time.perf_counter() - t0
   after, transient = rss_mib(), sampler.peak

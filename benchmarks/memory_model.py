@@ -12,7 +12,7 @@ array (planning/residuals.py), and the estimate args + (fused + written) / 2 + l
 here: this script cannot see a GPU. They were measured before the MLPs kept only their pre-activations and
 the softmax cross-entropy got its own
 gradient (both later that day), which lowered GPT-2's and ViT's peaks. So where JAX's CUDA plugin is installed
-(training/targets.py) each case is also compiled for one H100, the current step's own peak (exact to ~1% against
+(planning/targets.py) each case is also compiled for one H100, the current step's own peak (exact to ~1% against
 those measurements, benchmarks/compiled_memory.py), and the model's error is given against that too.
 """
 
@@ -63,9 +63,9 @@ def main(argv) -> None:
   import partitioning
   import training
   from models import attention
-  from planning import candidates, residuals
+  from planning import candidates, residuals, targets
   from planning.search import FAST_CPU_COMPILE
-  from training import profiling, targets
+  from training import profiling
 
   GiB = 2**30
   h100 = targets.gpu_devices('h100_sxm', 1) if targets.plugin_installed() else None

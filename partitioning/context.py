@@ -29,7 +29,7 @@ import numpy as np
 
 from errors import ConfigError
 from partitioning.rules import entry_axes, entry_size
-from partitioning.shard import _CTX
+from partitioning.shard import active_context
 
 _ZIGZAG: contextvars.ContextVar[int] = contextvars.ContextVar('shardzoo_zigzag_shards', default=1)
 
@@ -37,7 +37,7 @@ _ZIGZAG: contextvars.ContextVar[int] = contextvars.ContextVar('shardzoo_zigzag_s
 def balanced_shards(batch: int, length: int) -> int:
   """The number of context shards to balance a (batch, length) row over: how many devices the active rules
   split 'length' into, when the active `use_rules` asks for balancing (`balance=True`); 1 otherwise."""
-  ctx = _CTX.get()
+  ctx = active_context()
   if ctx is None or not ctx.balance:
     return 1
   spec = ctx.rules.spec(

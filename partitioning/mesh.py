@@ -20,7 +20,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from errors import ShardingError
-from partitioning.rules import _fmt_mesh
+from partitioning.rules import fmt_mesh
 
 
 def _items(mesh_cfg: Mapping[str, int]) -> list[tuple[str, int]]:
@@ -32,8 +32,7 @@ def _items(mesh_cfg: Mapping[str, int]) -> list[tuple[str, int]]:
       raise ShardingError(f'config.mesh.{name} = {size!r}: a mesh axis size must be a positive int or -1')
   if sum(size == -1 for _, size in items) > 1:
     raise ShardingError(
-      f'config.mesh ({_fmt_mesh(dict(items))}) has more than one -1; at most one axis may take '
-      '"the rest of the devices"'
+      f'config.mesh ({fmt_mesh(dict(items))}) has more than one -1; at most one axis may take "the rest of the devices"'
     )
   return items
 
@@ -45,7 +44,7 @@ def dcn_shape(mesh_cfg: Mapping[str, int], dcn_cfg: Mapping[str, int] | None) ->
     if name not in mesh_cfg:
       raise ShardingError(
         f'config.dcn_mesh.{name}: {name!r} is not an axis of config.mesh '
-        f'({_fmt_mesh(dict(mesh_cfg))}); the DCN mesh splits the same axes across slices'
+        f'({fmt_mesh(dict(mesh_cfg))}); the DCN mesh splits the same axes across slices'
       )
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
       raise ShardingError(
@@ -66,14 +65,14 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, platform: 
   if any(size == -1 for _, size in items):
     if num_devices % known:
       raise ShardingError(
-        f'config.mesh ({_fmt_mesh(dict(items))}): the fixed axes take {known} devices, which does not '
+        f'config.mesh ({fmt_mesh(dict(items))}): the fixed axes take {known} devices, which does not '
         f'divide the {num_devices} {platform} devices available'
       )
     items = [(n, num_devices // known if s == -1 else s) for n, s in items]
   shape = dict(items)
   if math.prod(shape.values()) != num_devices:
     raise ShardingError(
-      f'config.mesh ({_fmt_mesh(shape)}) needs {math.prod(shape.values())} devices, but there are '
+      f'config.mesh ({fmt_mesh(shape)}) needs {math.prod(shape.values())} devices, but there are '
       f'{num_devices} {platform} devices; change the mesh sizes so their product is {num_devices} '
       '(or use -1 for one axis)'
     )
@@ -97,7 +96,7 @@ def fit_mesh_shape(
   fitted = {name: num_devices if name == main else 1 for name, _ in items}
   flags = ' '.join(f'--config.mesh.{name}={size}' for name, size in fitted.items())
   return fitted, (
-    f'config.mesh ({_fmt_mesh(dict(items))}) asks for {devices_needed(mesh_cfg)} devices; there are '
+    f'config.mesh ({fmt_mesh(dict(items))}) asks for {devices_needed(mesh_cfg)} devices; there are '
     f'{num_devices} {platform} devices, so the mesh is fitted to them: {flags} (set these flags '
     'to choose another layout)'
   )
@@ -183,7 +182,7 @@ def make_mesh(
     ici = resolve_mesh_shape(mesh_cfg, per_slice, platform)
   except ShardingError as e:
     raise ShardingError(
-      f'{e}, per slice: config.dcn_mesh ({_fmt_mesh(dcn)}) splits the {len(devices)} devices '
+      f'{e}, per slice: config.dcn_mesh ({fmt_mesh(dcn)}) splits the {len(devices)} devices '
       f'into {slices} slices of {per_slice}'
     ) from None
   grid = _hybrid_grid(tuple(ici.values()), tuple(dcn.values()), devices)
@@ -194,7 +193,7 @@ def _devices_per_slice(dcn: Mapping[str, int], num_devices: int, platform: str) 
   slices = math.prod(dcn.values())
   if num_devices % slices:
     raise ShardingError(
-      f'config.dcn_mesh ({_fmt_mesh(dcn)}) asks for {slices} slices, which does not divide the '
+      f'config.dcn_mesh ({fmt_mesh(dcn)}) asks for {slices} slices, which does not divide the '
       f'{num_devices} {platform} devices'
     )
   return num_devices // slices
@@ -236,7 +235,7 @@ def describe_dcn(mesh: Mesh, dcn_cfg: Mapping[str, int] | None) -> str:
     'block': 'a block of devices of this one process (simulated)',
   }[slice_kind(list(mesh.devices.flat))]
   return (
-    f'{_fmt_mesh({a: n for a, n in dcn.items() if n > 1})} across slices x {_fmt_mesh(ici)} within each; '
+    f'{fmt_mesh({a: n for a, n in dcn.items() if n > 1})} across slices x {fmt_mesh(ici)} within each; '
     f'a slice is {kind}'
   )
 

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from errors import ConfigError
 from partitioning.rules import AxisRules, entry_axes
-from partitioning.shard import _CTX, logical_spec, use_rules
+from partitioning.shard import active_context, logical_spec, use_rules
 
 STAGE = 'stage'  # the mesh axis a pipeline's stages lie along
 
@@ -106,7 +106,7 @@ def schedule(config: Any, rules: AxisRules, mesh_shape: dict[str, int]) -> Sched
 
 def active() -> Schedule | None:
   """The schedule of the enclosing `use_rules` (trainer steps pass it), or None: no pipeline."""
-  ctx = _CTX.get()
+  ctx = active_context()
   return None if ctx is None else ctx.pipeline
 
 
@@ -123,7 +123,7 @@ def run(
   (B, ...) with logical axes `x_axes` ('batch' first); an arg with a leading batch dimension B is split into
   micro-batches with x, other args (None, broadcast rows) pass as they are. `policy`: the remat policy of one
   stage iteration (None: keep everything)."""
-  ctx = _CTX.get()
+  ctx = active_context()
   sched, mesh = ctx.pipeline, ctx.mesh
   S, M, R = sched.stages, sched.microbatches, sched.repeats
   N = jax.tree.leaves(weights)[0].shape[0]

@@ -29,7 +29,8 @@ def entry_size(entry: Any, mesh_shape: Mapping[str, int]) -> int:
   return math.prod(mesh_shape[a] for a in entry_axes(entry))
 
 
-def _fmt_mesh(mesh_shape: Mapping[str, int]) -> str:
+def fmt_mesh(mesh_shape: Mapping[str, int]) -> str:
+  """A mesh shape as errors name it: 'data=2 x fsdp=4'."""
   return ' x '.join(f'{k}={v}' for k, v in mesh_shape.items()) or '(empty mesh)'
 
 
@@ -108,7 +109,7 @@ class AxisRules:
     for r in self.rules:
       for a in r.mesh_axes:
         if a not in mesh_shape:
-          raise ShardingError(f'{r} names mesh axis {a!r}, which is not in the mesh ({_fmt_mesh(mesh_shape)})')
+          raise ShardingError(f'{r} names mesh axis {a!r}, which is not in the mesh ({fmt_mesh(mesh_shape)})')
 
   def spec(
     self,
@@ -157,7 +158,7 @@ class AxisRules:
         missing = [a for a in chosen.mesh_axes if a not in mesh_shape]
         if missing:
           raise ShardingError(
-            f'{chosen} names mesh axis {missing[0]!r}, which is not in the mesh ({_fmt_mesh(mesh_shape)})'
+            f'{chosen} names mesh axis {missing[0]!r}, which is not in the mesh ({fmt_mesh(mesh_shape)})'
           )
         size = math.prod(mesh_shape[a] for a in chosen.mesh_axes)
         if shape[dim] % size:

@@ -38,7 +38,9 @@ def shard(tree: Any, shardings: Any) -> Any:
 
 
 @dataclasses.dataclass
-class _Context:
+class RulesContext:
+  """What an enclosing `use_rules` holds for the code traced inside it."""
+
   rules: AxisRules
   mesh: Mesh
   seen: set[str]  # logical names used by activations while this context was active
@@ -46,20 +48,20 @@ class _Context:
   pipeline: Any = None  # the pipeline.Schedule scanned layer stacks run as (partitioning/pipeline.py), or None
 
 
-_CTX: contextvars.ContextVar[_Context | None] = contextvars.ContextVar('shardzoo_rules', default=None)
+_CTX: contextvars.ContextVar[RulesContext | None] = contextvars.ContextVar('shardzoo_rules', default=None)
 
 
 @contextlib.contextmanager
 def use_rules(
   rules: AxisRules, mesh: Mesh, seen: set[str] | None = None, balance: bool = False, pipeline: Any = None
-) -> Iterator[_Context]:
+) -> Iterator[RulesContext]:
   """Activates `rules` on `mesh` for `shard_logical` calls made while tracing model code.
 
   Logical names used by activations are added to `seen` (for the unused-rule warning). `balance`: causal
   load balancing of a sharded sequence (config.context_load_balance; partitioning/context.py). `pipeline`: the
   schedule (partitioning/pipeline.py) scanned layer stacks run as where the rules map 'layers' to 'stage'.
   """
-  ctx = _Context(rules, mesh, set() if seen is None else seen, balance, pipeline)
+  ctx = RulesContext(rules, mesh, set() if seen is None else seen, balance, pipeline)
   token = _CTX.set(ctx)
   try:
     yield ctx
@@ -76,6 +78,11 @@ def suspend_rules() -> Iterator[None]:
     yield
   finally:
     _CTX.reset(token)
+
+
+def active_context() -> RulesContext | None:
+  """The enclosing `use_rules`'s rules, mesh and options (load balancing, pipeline), or None outside it."""
+  return _CTX.get()
 
 
 def active_mesh() -> Mesh | None:

@@ -152,6 +152,15 @@ class Result:
   wall_s: float
   model_flops: float | None
 
+  def add(self, other: Result) -> None:
+    """Takes in another run's plans (ranked among these), pruning counts and programs compiled."""
+    self.ranked = sorted(self.ranked + other.ranked, key=lambda s: (not s.prediction.fits, s.prediction.step_s))
+    self.pruned.update(other.pruned)
+    for k, v in other.examples.items():
+      self.examples.setdefault(k, v)
+    self.considered += other.considered
+    self.compiled += other.compiled
+
 
 def apply(config: ml_collections.ConfigDict, cand: Candidate, hosts: int = 1) -> ml_collections.ConfigDict:
   """A copy of the config with the candidate's mesh, rules and remat. Over several hosts the mesh is written
@@ -224,7 +233,7 @@ class Search:
   ):
     """`stand_in`: a context the steps are traced in when the devices here are not the target's, making them
     trace closer to the target (models/attention.gpu_stand_in for a GPU compiled on CPU: no L x L scores).
-    `memory_devices`: `num_devices` compile-only devices of the target chip, a GPU or a TPU (training/targets.py):
+    `memory_devices`: `num_devices` compile-only devices of the target chip, a GPU or a TPU (planning/targets.py):
     each plan's proxies are compiled for them as well, and their memory is the chip's own (exact, where the
     CPU's temporaries are not and the residual model is an estimate); FLOPs, bytes and collectives are still
     read from the CPU compile (a compile-only GPU executable has no cost analysis)."""

@@ -1,5 +1,6 @@
 """The plan search (planning/, search.py): candidates, pruning, the HLO parser, the cost model, the plan file."""
 
+import ast
 import dataclasses
 import os
 import re
@@ -15,7 +16,7 @@ import training
 from configs import llama
 from errors import ConfigError
 from partitioning import hlo
-from planning import candidates, cost, plan_file, report, residuals
+from planning import candidates, cost, plan_file, report, residuals, stages
 from planning import search as search_lib
 from tests.conftest import ROOT
 from training import flops
@@ -114,6 +115,49 @@ def test_bad_input_names_the_culprit(tmp_path):
   with pytest.raises(ConfigError, match='is the config file the plan is made from'):
     plan_file.check_out_path(str(tmp_path / 'old.py'), overwrite=True, config_file=str(tmp_path / 'old.py'))
   assert (tmp_path / 'old.py').read_text() == 'kept'
+
+
+# --- search.py: a spine over planning/stages.py ----------------------------------------------------------------
+
+
+def test_search_py_is_a_spine_over_its_stages():
+  """search.py's `main` takes planning/stages.py's steps in order, as train.py's `run` takes training/run.py's.
+  Read with ast: importing search.py would define its flags beside train.py's."""
+  tree = ast.parse(open(os.path.join(ROOT, 'search.py')).read())
+  main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == 'main')
+  assert main.end_lineno - main.lineno + 1 < 60
+
+
+def test_the_search_request_is_checked_before_jax_starts(tmp_path):
+  config = llama.get_config('tiny')
+  counts = dict(stages.LEAST)
+  given = dict(
+    config=config,
+    config_file=f'{LLAMA}:tiny',
+    device_kind='h100',
+    devices=8,
+    hosts=1,
+    counts=counts,
+    remat='staged',
+    micro_batches=['2', '4'],
+    out=None,
+    overwrite=False,
+  )
+  check = lambda **kw: stages.check_input(**{**given, **kw})
+  req = check()
+  assert req.source() == f'{LLAMA}:tiny' and req.target() == '8 x h100' and req.micro_batches == [2, 4]
+  assert req.first == [config.model.remat] and 'dots' in req.remats and 'fsdp' in req.rules
+  assert check(hosts=2).target() == '8 x h100 over 2 hosts' and check(remat='none,dots').first == ['none', 'dots']
+  for kw, message in [
+    (dict(devices=7, hosts=2), '--devices 7 --hosts 2: the device count must be a positive multiple of the host count'),
+    (dict(counts={**counts, 'top': 0}), '--top=0: must be >= 1'),
+    (dict(micro_batches=['2', 'x']), "--micro_batches=2,x: ['x'] not whole numbers"),
+    (dict(remat='bogus,none'), "--remat 'bogus,none': ['bogus'] not remat policies"),
+    (dict(out=str(tmp_path / 'plan.txt')), 'ending in .py'),
+    (dict(device_kind='h1000'), "unknown device kind 'h1000'"),
+  ]:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+      check(**kw)
 
 
 # --- The HLO replica-group parser -------------------------------------------------------------------------------
@@ -456,7 +500,7 @@ def test_gpu_target_compiled_on_cpu_traces_attention_as_on_the_gpu(monkeypatch):
 
 
 def test_memory_compiled_for_the_target_devices_replaces_the_model():
-  """With `memory_devices` (search.py passes the target GPU's compile-only devices, training/targets.py, where
+  """With `memory_devices` (search.py passes the target GPU's compile-only devices, planning/targets.py, where
   JAX's CUDA plugin is installed) each plan's memory is its step compiled over those devices, exactly, instead
   of the residual model; FLOPs and collectives still come from the CPU compile. Here 8 other CPU devices stand
   in for the GPU's: the memory equals the step compiled over them directly."""
@@ -511,7 +555,7 @@ def test_a_plan_the_target_compiler_refuses_for_memory_is_over_memory():
 
 
 def test_which_target_the_memory_is_compiled_for():
-  from training import targets
+  from planning import targets
 
   assert targets.memory_target('h100', 8, 'none') == (None, '--compile_target=none')
   assert targets.memory_target('h100', 8, 'h100_sxm')[0] == 'h100_sxm'

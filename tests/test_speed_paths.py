@@ -466,10 +466,10 @@ def test_gelu_with_written_out_derivative_equals_autodiff(approximate):
 
 
 def test_compiling_for_a_gpu_without_one():
-  """training/targets: with JAX's CUDA plugin installed, a sharded step compiles for 2 H100s on this machine
+  """planning/targets: with JAX's CUDA plugin installed, a sharded step compiles for 2 H100s on this machine
   (cuDNN's attention chosen as on the GPU); without it (as in CI), one ConfigError naming the install. An unknown
   target names the known ones."""
-  from training import targets
+  from planning import targets
 
   with pytest.raises(ConfigError, match=r"GPU target 'b300' is neither one of \['h100_sxm'\]"):
     targets.gpu_devices('b300')
@@ -491,11 +491,11 @@ def test_compiling_for_a_gpu_without_one():
 
 
 def test_compiling_for_a_tpu_without_one(monkeypatch):
-  """training/targets: a TPU slice's chip grid for a chip count (as near square or cube as its hosts' grids tile;
+  """planning/targets: a TPU slice's chip grid for a chip count (as near square or cube as its hosts' grids tile;
   on one host, the host's grid halved), one ConfigError for a count that makes no slice or when libtpu is missing
   (as in CI); with libtpu installed, a sharded step compiles for 8 v5e chips on this machine, splash attention
   chosen as on a TPU."""
-  from training import targets
+  from planning import targets
 
   assert targets.tpu_topology('tpu_v5e', 8) == ('v5e:2x4', dict(chips_per_host_bounds=[2, 4, 1]))
   assert targets.tpu_topology('tpu_v5e', 32) == ('v5e:4x8', dict(chips_per_host_bounds=[2, 4, 1]))

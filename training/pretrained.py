@@ -22,7 +22,7 @@ from errors import ConfigError
 from models import hf_import, lora
 from partitioning import path_str
 from training import checkpoint, optim
-from training.trainer import Trainer, TrainState, _split
+from training.trainer import Trainer, TrainState, split_model
 
 
 def hf_family(config: ml_collections.ConfigDict, families: dict[str, hf_import.Family]) -> hf_import.Family:
@@ -200,7 +200,7 @@ def with_params(trainer: Trainer, loaded: Any, loaded_state: Any = None) -> Trai
   treedef, state_treedef = jax.tree.structure(trainer.abstract.params), jax.tree.structure(trainer.abstract.model_state)
 
   def init(loaded_flat, state_flat):
-    _, params, rest = _split(trainer.make_model(nnx.Rngs(trainer.config.seed)))
+    _, params, rest = split_model(trainer.make_model(nnx.Rngs(trainer.config.seed)))
     fresh = dict(zip(param_paths, jax.tree.leaves(params), strict=True))
     merged = jax.tree.unflatten(treedef, [loaded_flat.get(p, fresh[p]) for p in param_paths])
     fresh_state = dict(zip(state_paths, jax.tree.leaves(rest), strict=True))

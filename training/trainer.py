@@ -95,7 +95,9 @@ class Trainer:
     return out
 
 
-def _split(model: nnx.Module) -> tuple[Any, dict, dict]:
+def split_model(model: nnx.Module) -> tuple[Any, dict, dict]:
+  """A model's graph, its parameters and the rest of its state, the last two as plain dicts (a TrainState's
+  params and model_state)."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
@@ -193,7 +195,7 @@ def jit_init(trainer: Trainer, seed: int | None = None):
 
   def init():
     with partitioning.use_rules(trainer.rules, trainer.mesh):  # model code may place what it creates
-      _, params, rest = _split(trainer.make_model(nnx.Rngs(seed)))
+      _, params, rest = split_model(trainer.make_model(nnx.Rngs(seed)))
     return TrainState(jnp.zeros((), jnp.int32), params, trainer.tx.init(params), rest)
 
   return jax.jit(init, out_shardings=trainer.shardings)

@@ -1,7 +1,7 @@
 """Compiling for a GPU or a TPU on a machine without one.
 
 XLA's GPU compiler needs no GPU: given a description of the target (compute capability, SM count, shared
-memory, memory size: `training/gpu_targets/<name>.txtpb`), JAX's CUDA plugin makes compile-only devices of
+memory, memory size: `planning/gpu_targets/<name>.txtpb`), JAX's CUDA plugin makes compile-only devices of
 that GPU, and a step jitted over a mesh of them compiles to the program that GPU would run: the same fusions,
 kernels and buffer assignment. Nothing can run on them, but `compiled.memory_analysis()` is the GPU's memory:
 arguments + temporaries + outputs not aliased to donated inputs (how closely that matched peaks measured on an
@@ -88,7 +88,7 @@ def memory_target(chip: str, count: int, choice: str = 'auto') -> tuple[str | No
       return None, str(e)
     return chip, f'{chip} compiles as a {name} slice'
   if chip not in CHIP_TARGETS:
-    return None, f'no GPU target for {chip} in training/gpu_targets'
+    return None, f'no GPU target for {chip} in planning/gpu_targets'
   if not plugin_installed():
     return None, f'JAX\'s CUDA plugin is not installed (pip install "jax[cuda13]=={jax.__version__}"; no GPU needed)'
   try:
@@ -121,11 +121,11 @@ def known_targets() -> list[str]:
 
 
 def target_config(target: str) -> str:
-  """The text of a target description: a name from training/gpu_targets, or a path to a .txtpb file."""
+  """The text of a target description: a name from planning/gpu_targets, or a path to a .txtpb file."""
   path = target if os.path.isfile(target) else os.path.join(TARGETS_DIR, f'{target}.txtpb')
   if not os.path.isfile(path):
     raise ConfigError(
-      f'GPU target {target!r} is neither one of {known_targets()} (training/gpu_targets) nor a '
+      f'GPU target {target!r} is neither one of {known_targets()} (planning/gpu_targets) nor a '
       f'file holding a GpuTargetConfigProto in text format (TPU chips: {sorted(TPU_TARGETS)})'
     )
   with open(path) as f:
