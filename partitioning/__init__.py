@@ -55,12 +55,14 @@ from partitioning.mesh import (
   start_mesh,
 )
 from partitioning.plan import (
+  PlacedModel,
   check_batch,
   leading_rows,
   named_shardings,
   nnx_logical_axes,
   opt_state_axes,
   path_str,
+  place_model,
   tree_specs,
 )
 from partitioning.rules import AxisRules, Rule, bytes_per_device, entry_axes, entry_size
@@ -69,6 +71,7 @@ from partitioning.table import fmt_bytes, sharding_summary, sharding_table, tree
 
 __all__ = [
   'AxisRules',
+  'PlacedModel',
   'Rule',
   'active_mesh',
   'audit',
@@ -97,6 +100,7 @@ __all__ = [
   'num_slices',
   'opt_state_axes',
   'path_str',
+  'place_model',
   'replica_groups',
   'resolve_mesh_shape',
   'shard',
