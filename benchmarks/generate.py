@@ -29,10 +29,11 @@ from absl import app, flags  # noqa: E402
 
 import models  # noqa: E402
 import partitioning  # noqa: E402
+from checkpointing import hf_config  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
 from configs import llama as llama_config  # noqa: E402
 from partitioning import fmt_bytes  # noqa: E402
-from training import generate, pretrained  # noqa: E402
+from training import generate  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum('family', 'gpt2', ['gpt2', 'llama'], 'Model family.')
@@ -75,7 +76,7 @@ def zoo_generator(family: str, path: str, dtype: str) -> generate.Generator:
   config.mesh.update({k: 1 for k in config.mesh})
   config.init_from, config.dont_load = path, ''
   config.model.update(dtype=dtype, scan_layers=False)
-  pretrained.adopt_hf_config(config, models.HF_FAMILIES)
+  hf_config.adopt(config, models.HF_FAMILIES)
   config.batch_size = 1
   mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
   return generate.load(config, mesh)[1]

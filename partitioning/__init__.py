@@ -63,6 +63,7 @@ from partitioning.plan import (
   opt_state_axes,
   path_str,
   place_model,
+  sharded_abstract,
   tree_specs,
 )
 from partitioning.rules import AxisRules, Rule, bytes_per_device, entry_axes, entry_size
@@ -105,6 +106,7 @@ __all__ = [
   'resolve_mesh_shape',
   'shard',
   'shard_logical',
+  'sharded_abstract',
   'sharding_summary',
   'sharding_table',
   'simulate_cpu_devices',

@@ -110,6 +110,11 @@ def named_shardings(specs: Any, mesh: Mesh) -> Any:
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
+def sharded_abstract(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs carrying their NamedShardings: targets that orbax (and jax.jit) fill shard by shard."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
 @dataclasses.dataclass(frozen=True)
 class PlacedModel:
   """A model built abstractly and placed by the rules. Each tree is a dict {'params', 'model_state'} of pure dicts
@@ -120,6 +125,10 @@ class PlacedModel:
   axes: dict[str, Any]  # logical axis names per leaf
   specs: dict[str, Any]  # PartitionSpec per leaf
   shardings: dict[str, Any]  # NamedSharding per leaf
+
+  def targets(self, kind: str) -> Any:
+    """`kind`'s ('params' or 'model_state') ShapeDtypeStructs carrying their shardings, for a weight loader."""
+    return sharded_abstract(self.abstract[kind], self.shardings[kind])
 
 
 def place_model(

@@ -37,12 +37,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 import errors
 import models
 import partitioning
+from checkpointing import hf_config, run_config, weights
 from configs import schema
 from data import text
 from errors import ConfigError
 from models import hf_import
 from models.layers import CACHE_AXES, Attention, Decoding
-from training import checkpoint, export, pretrained, tasks, trainer
+from training import tasks, trainer
 
 MIN_PROMPT_BUCKET = 8
 
@@ -353,12 +354,13 @@ def load(
   tr = trainer.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
   cache_layout(nnx.eval_shape(lambda: tr.make_model(nnx.Rngs(0))))  # a model that cannot decode: one line
   if checkpoints is not None:
-    weights, _ = checkpoint.load_weights(checkpoints, tr, model_state=True)
-    params, model_state = weights['params'], weights['model_state']
+    target = tr.checkpoint_target()
+    loaded, _ = weights.load_weights(checkpoints, target['params'], target['model_state'])
+    params, model_state = loaded['params'], loaded['model_state']
   elif hf_import.is_hf_dir(config.get('init_from') or ''):
     got = hf_import.import_weights(
       hf_import.HFDir(config.init_from),
-      pretrained.hf_family(config, models.HF_FAMILIES),
+      hf_config.family(config, models.HF_FAMILIES),
       config.model,
       tr.abstract.params,
       tr.shardings.params,
@@ -367,7 +369,7 @@ def load(
     )
     params, model_state = got.params, got.model_state
   elif config.get('init_from'):
-    params, model_state = checkpoint.load_params(config.init_from, tr), {}
+    params, model_state = weights.load_params(config.init_from, tr.checkpoint_target()['params']), {}
   else:
     raise ConfigError('nothing to generate from: give a run (its checkpoints) or config.init_from')
   return tr, for_trainer(tr, params, model_state)
@@ -448,12 +450,12 @@ def from_flags(
   id (`init_from`, architecture adopted into `config`), on the config's mesh fitted to the devices here."""
   hf_dir, checkpoints = None, None
   if workdir:
-    config = config or export.load_run_config(workdir)
+    config = config or run_config.load(workdir)
     checkpoints = os.path.join(workdir, 'checkpoints', *([str(step)] if step is not None else []))
   else:
     config.init_from = hf_dir = hf_import.resolve(init_from)
     config.dont_load = ''
-    pretrained.adopt_hf_config(config, models.HF_FAMILIES)
+    hf_config.adopt(config, models.HF_FAMILIES)
   schema.check(config)
   tok = tokenizer(config, given=tokenizer_dir, hf_dir=hf_dir)
   mesh, note = partitioning.start_mesh(config.mesh)

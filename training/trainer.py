@@ -38,6 +38,16 @@ class TrainState:
   model_state: Any  # non-parameter model variables (e.g. BatchNorm statistics); often {}
 
 
+def state_tree(state: TrainState) -> dict[str, Any]:
+  """The train state as checkpoints hold it: checkpointing saves and restores dicts, not TrainStates."""
+  return {'step': state.step, 'params': state.params, 'opt_state': state.opt_state, 'model_state': state.model_state}
+
+
+def train_state(tree: dict[str, Any]) -> TrainState:
+  """state_tree's inverse (a restored checkpoint)."""
+  return TrainState(tree['step'], tree['params'], tree['opt_state'], tree['model_state'])
+
+
 @dataclasses.dataclass
 class Trainer:
   """Everything derived from (config, mesh) before any array is allocated."""
@@ -64,6 +74,11 @@ class Trainer:
   @property
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, PartitionSpec())
+
+  def checkpoint_target(self) -> dict[str, Any]:
+    """The train state as a checkpoint restores it (state_tree), each leaf a ShapeDtypeStruct carrying its
+    NamedSharding: orbax reads each shard straight into place."""
+    return state_tree(partitioning.sharded_abstract(self.abstract, self.shardings))
 
   def trained_paths(self) -> list[str]:
     """Paths of the parameters that train, in the order of the train step's per-parameter flags."""
