@@ -1,7 +1,7 @@
 """lm-eval on a zoo model (training/harness.py): a local task of each request type (multiple choice by
 loglikelihood, loglikelihood_rolling perplexity, generate_until), over local JSONL files, gives per example the
 results of lm-eval's Hugging Face backend (HFLM) on the same tiny imported GPT-2: loglikelihoods within 1e-4, the
-same greedy flags and the same generated text; evaluate.py runs a task from the command line."""
+same greedy flags and the same generated text; evaluate_lm.py runs a task from the command line."""
 
 import json
 import os
@@ -100,11 +100,11 @@ def test_per_example_results_are_lm_evals_hugging_face_backends(setup):
   assert any(r[0][0] for r in ours['zoo_gen'])  # something was generated
 
 
-def test_evaluate_py_runs_a_local_task(setup, tmp_path):
+def test_evaluate_lm_py_runs_a_local_task(setup, tmp_path):
   path, include_path = setup
   out = tmp_path / 'results.json'
   run = subprocess.run(
-    [sys.executable, 'evaluate.py', '--init_from', path, '--tasks', 'zoo_mc', '--include_path', include_path,
+    [sys.executable, 'evaluate_lm.py', '--init_from', path, '--tasks', 'zoo_mc', '--include_path', include_path,
      '--config.model.dtype=float32', '--out', str(out)],
     cwd=ROOT, env={**subprocess_env(), 'HF_DATASETS_OFFLINE': '1'}, capture_output=True, text=True, timeout=300,
   )  # fmt: skip

@@ -422,7 +422,7 @@ def encode(tok: Any, prompt: str) -> list[int]:
 
 
 def with_family_config(argv: list[str]) -> list[str]:
-  """An entry point's argv (generate.py, evaluate.py) with --init_from and no --config: the family's config file
+  """An entry point's argv (generate.py, evaluate_lm.py) with --init_from and no --config: the family's config file
   (by config.json's model_type) added as --config, so --config.* overrides apply to it."""
   given = lambda name: any(a == f'--{name}' or a.startswith(f'--{name}=') for a in argv)
   if given('config') or not given('init_from'):
@@ -445,7 +445,7 @@ def from_flags(
   init_from: str | None,
   tokenizer_dir: str | None = None,
 ) -> tuple[Generator, Any]:
-  """What generate.py and evaluate.py decode with: (Generator, tokenizer) for a run (`workdir`: its config from
+  """What generate.py and evaluate_lm.py decode with: (Generator, tokenizer) for a run (`workdir`: its config from
   run_config.json unless `config` is given; the latest checkpoint, or `step`'s) or a Hugging Face directory / hub
   id (`init_from`, architecture adopted into `config`), on the config's mesh fitted to the devices here."""
   hf_dir, checkpoints = None, None

@@ -1,5 +1,5 @@
 """A zoo language model as an lm-evaluation-harness model (`lm_eval.api.model.TemplateLM`), so any lm-eval task
-runs on a trained run or an imported Hugging Face model, sharded as its config says (evaluate.py).
+runs on a trained run or an imported Hugging Face model, sharded as its config says (evaluate_lm.py).
 
 It scores and generates as lm-eval's Hugging Face backend (`lm_eval.models.huggingface.HFLM`) does, so results
 compare one for one: prompts are encoded with the same Hugging Face tokenizer and the same rules (lm-eval's

@@ -1,7 +1,7 @@
 r"""Evaluates a trained run or a Hugging Face model on lm-evaluation-harness tasks, sharded as its config says.
 
-  python evaluate.py --init_from HF_DIR_OR_HUB_ID --tasks hellaswag,lambada_openai [--limit 100] [--out results.json]
-  python evaluate.py --workdir RUN [--step N] --tasks my_task --include_path DIR_WITH_TASK_YAMLS
+  python evaluate_lm.py --init_from HF_DIR_OR_HUB_ID --tasks hellaswag,lambada_openai [--limit 100] [--out results.json]
+  python evaluate_lm.py --workdir RUN [--step N] --tasks my_task --include_path DIR_WITH_TASK_YAMLS
       [--num_fewshot K] [--batch_size 8] [--config FILE[:args]] [--config.key=value ...]
 
 The model and its tokenizer are loaded as generate.py loads them (training/generate.py: run_config.json or --config;
