@@ -37,6 +37,12 @@ def _offenders(package: str, forbidden: tuple[str, ...]) -> list[str]:
   ]
 
 
+def test_training_never_imports_generation():
+  """The end-of-run sample goes through train.py (training/run.py returns a SampleRequest, generation decodes it):
+  a decode never pulls in the optimizer, and training never depends on the decoding engine."""
+  assert _offenders('training', ('generation',)) == []
+
+
 def test_checkpointing_imports_neither_training_nor_generation():
   """Both read checkpoints; callers pass trees, so neither the optimizer nor the decoding engine comes with them."""
   assert _offenders('checkpointing', ('training', 'generation')) == []

@@ -25,7 +25,7 @@ import partitioning
 import training
 from checkpointing import checkpointer, hf_config, run_config, storage
 from models import attention, hf_import
-from training import accumulate, cluster, export, flops, generate, pretrained, profiling
+from training import accumulate, cluster, export, flops, pretrained, profiling
 from training.preemption import Preemption
 from training.trainer import state_tree, train_state
 
@@ -419,8 +419,7 @@ def train_loop(
 def finish(
   trainer: training.Trainer, state: Any, result: dict[str, Any], guard, inp: Input, workdir: str | None
 ) -> dict[str, Any]:
-  """After the loop (everything flushed and saved): skipped steps reported, LoRA adapters merged into an export,
-  and a sample from a language model scored under the true language."""
+  """After the loop (everything flushed and saved): skipped steps reported, LoRA adapters merged into an export."""
   config = trainer.config
   if guard.skipped:
     say(f'skipped {len(guard.skipped)} non-finite step(s) (config.on_nonfinite=skip): {guard.skipped[:20]}')
@@ -430,17 +429,58 @@ def finish(
     return result
   if config.get('lora') and config.lora.get('rank') and config.lora.get('export_merged') and workdir:
     say(f'LoRA adapters merged into the base weights: {export.export_merged_lora(trainer, state, workdir)}')
-  ds = inp.ds
-  if ds.language is not None and config.sample_len:
-    prompt = np.asarray(ds.eval[:8, :2], np.int32)  # decoded with the KV cache (training/generate.py)
-    sampling = generate.Sampling(max_new_tokens=config.sample_len, temperature=1.0, seed=config.seed)
-    out = generate.for_trainer(trainer, state.params, state.model_state).generate(prompt.tolist(), sampling)
-    tokens = np.concatenate([prompt, np.asarray([g.ids for g in out], np.int32)], axis=1)
-    nll = ds.language.nll(tokens)
-    say(f'sample: {ds.language.decode(tokens[0])}')
-    say(
-      f'sample NLL under the true language: {nll:.4f} nats/token (entropy rate '
-      f'{ds.language.entropies()["order2"]:.4f}; a sampler of the true language scores about that)'
-    )
-    result['sample_nll'] = nll
+  return result
+
+
+# --- End-of-run sample (decoded by generation: train.py hands it over, training never imports it) ---------------
+
+
+@dataclasses.dataclass
+class SampleRequest:
+  """A language model's end-of-run sample: the trained weights as a generation.Generator takes them, prompt rows
+  of the eval split, and how many tokens to sample after each (temperature 1, seeded)."""
+
+  graphdef: Any
+  params: Any
+  model_state: Any
+  rules: partitioning.AxisRules
+  mesh: jax.sharding.Mesh
+  max_len: int | None
+  vocab: int | None
+  prompts: np.ndarray  # (rows, 2) token ids
+  new_tokens: int
+  seed: int
+
+
+def sample_request(trainer: training.Trainer, result: dict[str, Any], inp: Input) -> SampleRequest | None:
+  """The sample to take after a finished run on a language whose true distribution is known (config.sample_len
+  tokens; 0: none), else None."""
+  config, state = trainer.config, result['state']
+  if result.get('preempted_at') or inp.ds.language is None or not config.sample_len:
+    return None
+  return SampleRequest(
+    trainer.graphdef,
+    state.params,
+    state.model_state,
+    trainer.rules,
+    trainer.mesh,
+    config.model.get('max_len'),
+    config.model.get('vocab_size'),
+    np.asarray(inp.ds.eval[:8, :2], np.int32),
+    config.sample_len,
+    config.seed,
+  )
+
+
+def score_sample(request: SampleRequest, new_ids: np.ndarray, inp: Input, result: dict[str, Any]) -> dict[str, Any]:
+  """The sample (prompts, then the `new_ids` generation gave) scored under the true language: result['sample_nll']."""
+  language = inp.ds.language
+  tokens = np.concatenate([request.prompts, new_ids], axis=1)
+  nll = language.nll(tokens)
+  say(f'sample: {language.decode(tokens[0])}')
+  say(
+    f'sample NLL under the true language: {nll:.4f} nats/token (entropy rate '
+    f'{language.entropies()["order2"]:.4f}; a sampler of the true language scores about that)'
+  )
+  result['sample_nll'] = nll
   return result
