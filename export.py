@@ -23,6 +23,7 @@ import errors
 import models
 import partitioning
 import training
+from checkpointing import run_config
 from configs import schema
 from training import export
 
@@ -50,8 +51,8 @@ def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore detail at INFO
   try:
     export.check_options(FLAGS.dtype, FLAGS.max_shard_size)  # before anything is built
-    export.check_workdir(FLAGS.workdir)
-    config = FLAGS.config or export.load_run_config(FLAGS.workdir)
+    run_config.check_workdir(FLAGS.workdir)
+    config = FLAGS.config or run_config.load(FLAGS.workdir)
     schema.check(config)
     checkpoints = os.path.join(FLAGS.workdir, 'checkpoints')
     export.check_out_dir(config, FLAGS.out, overwrite=FLAGS.overwrite, checkpoints=checkpoints)

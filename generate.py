@@ -22,8 +22,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import errors
+import generation
 from configs import schema
-from training import generate
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, "The config (default: the run's, or the family's).", lock_config=True)
@@ -63,11 +63,11 @@ def main(argv) -> None:
     raise SystemExit('shardzoo: usage error: give --workdir RUN or --init_from HF_DIR (one of them)')
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore detail at INFO
   with errors.one_line():
-    sampling = generate.Sampling(FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed)
+    sampling = generation.Sampling(FLAGS.max_new_tokens, FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed)
     sampling.check()
     prompts = read_prompts()
-    gen, tok = generate.from_flags(FLAGS.config, FLAGS.workdir, FLAGS.step, FLAGS.init_from, FLAGS.tokenizer)
-    ids = [generate.encode(tok, p) for p in prompts]
+    gen, tok = generation.from_flags(FLAGS.config, FLAGS.workdir, FLAGS.step, FLAGS.init_from, FLAGS.tokenizer)
+    ids = [generation.encode(tok, p) for p in prompts]
     rows, _, slots = gen.shapes(ids, sampling)
     print(gen.cache_table(rows, slots))
     t0 = time.perf_counter()
@@ -87,4 +87,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, argv=generate.with_family_config(sys.argv), flags_parser=schema.parse_flags)
+  app.run(main, argv=generation.with_family_config(sys.argv), flags_parser=schema.parse_flags)

@@ -9,7 +9,8 @@ writes the full table to <workdir>/sharding_table.txt.
 The config is checked first (configs/schema.py), before JAX, TensorFlow and the data libraries are imported.
 Then `run` takes the steps of training/run.py in order: mesh -> model, optimizer and shardings (validated) ->
 sharding table -> input pipeline (validated) -> starting point (resume, pretrained or scratch) -> compile ->
-starting state -> train loop with eval -> finish (LoRA export, sample).
+starting state -> train loop with eval -> finish (LoRA export) -> a language model's sample, decoded by the
+generation package and scored under the true language.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def run(
 ) -> dict[str, Any]:
   """The run, step by step (training/run.py), on a checked config. Whatever happens, the prefetch threads stop,
   a save in flight finishes and the SIGTERM handler is restored (the `cleanup` stack)."""
+  import generation
   import training
   from training import run as steps  # JAX, TensorFlow, clu, grain
 
@@ -98,7 +100,10 @@ def run(
     state = steps.starting_state(start, trainer, inp.train_iter)
     state, result, guard = steps.train_loop(trainer, state, compiled, inp, ckpt, workdir, cleanup)
     cleanup.close()  # flush, finish saving, restore SIGTERM, stop the prefetch threads
-    return steps.finish(trainer, state, result, guard, inp, workdir)
+    result = steps.finish(trainer, state, result, guard, inp, workdir)
+    if sample := steps.sample_request(trainer, result, inp):
+      steps.score_sample(sample, generation.sample(sample), inp, result)
+    return result
 
 
 class _QuietOrbax(logging_std.Filter):

@@ -6,7 +6,7 @@ r"""Generation speed beside transformers: time to first token, tokens/s and per-
   python benchmarks/generate.py --family gpt2 --batches 1,32 --prompt_len 128 --new_tokens 256 --dtype float32
 
 The Hugging Face model is built from its config class with random weights (torch.manual_seed(0)) and saved; the zoo
-imports the same directory (training/generate.load, one device) and decodes with its KV cache (training/generate.py);
+imports the same directory (generation.load, one device) and decodes with its KV cache (generation/engine.py);
 transformers generates from the same model in the same process: on CPU with its default (dynamic) cache, on a GPU with
 its static cache and torch.compile. Each side is warmed up (compiled) on the same shapes before it is timed; the time
 to first token is a run of one new token (prefill included), the per-token latency (total - first) / (new - 1).
@@ -27,12 +27,13 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+import generation  # noqa: E402
 import models  # noqa: E402
 import partitioning  # noqa: E402
+from checkpointing import hf_config  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
 from configs import llama as llama_config  # noqa: E402
 from partitioning import fmt_bytes  # noqa: E402
-from training import generate, pretrained  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum('family', 'gpt2', ['gpt2', 'llama'], 'Model family.')
@@ -70,15 +71,14 @@ def hf_model(family: str):
   return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def zoo_generator(family: str, path: str, dtype: str) -> generate.Generator:
+def zoo_generator(family: str, path: str, dtype: str) -> generation.Generator:
   config = (gpt2_config if family == 'gpt2' else llama_config).get_config('dp')
   config.mesh.update({k: 1 for k in config.mesh})
   config.init_from, config.dont_load = path, ''
   config.model.update(dtype=dtype, scan_layers=False)
-  pretrained.adopt_hf_config(config, models.HF_FAMILIES)
-  config.batch_size = 1
+  hf_config.adopt(config, models.HF_FAMILIES)
   mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
-  return generate.load(config, mesh)[1]
+  return generation.load(config, mesh)
 
 
 def timed(fn, repeats: int = 1) -> tuple[float, object]:
@@ -115,7 +115,7 @@ def main(argv) -> None:
   P, N = FLAGS.prompt_len, FLAGS.new_tokens
   for B in [int(b) for b in FLAGS.batches.split(',')]:
     prompts = np.random.default_rng(B).integers(0, model.config.vocab_size, (B, P)).tolist()
-    ours = lambda n: gen.generate(prompts, generate.Sampling(max_new_tokens=n, temperature=0.0))
+    ours = lambda n: gen.generate(prompts, generation.Sampling(max_new_tokens=n, temperature=0.0))
     ours(N)  # compiles the (B, P, S) program: max_new_tokens is traced, so 1 and N share it
     ttft, _ = timed(lambda: ours(1), 2)
     total, got = timed(lambda: ours(N))
@@ -126,7 +126,7 @@ def main(argv) -> None:
       h_ttft, _ = timed(lambda: theirs(1), 2)
       h_total, h_out = timed(lambda: theirs(N))
     same = [g.ids for g in got] == h_out[:, P:].tolist()
-    cache = gen.cache_bytes_per_device(*[gen.shapes(prompts, generate.Sampling(N))[i] for i in (0, 2)])
+    cache = gen.cache_bytes_per_device(*[gen.shapes(prompts, generation.Sampling(N))[i] for i in (0, 2)])
     lat, h_lat = (total - ttft) / (N - 1), (h_total - h_ttft) / (N - 1)
     rows.append(
       f'| {B} | {ttft * 1e3:.0f} ms | {B * N / total:,.1f} | {lat * 1e3:.1f} | {h_ttft * 1e3:.0f} ms | '

@@ -95,14 +95,14 @@ def main() -> None:
 
   import models
   import training
+  from checkpointing import hf_config
   from configs import gpt2
-  from training import pretrained
 
   cfg = gpt2.get_config('fsdp')
   cfg.init_from = path
   cfg.model.update(pad_vocab_to=1, dtype='float32')
   cfg.logical_axis_rules = [r if r[0] != 'vocab' else ('vocab', None) for r in cfg.logical_axis_rules]
-  pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+  hf_config.adopt(cfg, models.HF_FAMILIES)
   trainer = training.build(cfg, partitioning.make_mesh(cfg.mesh), lambda rngs: models.create(cfg.model, rngs))
   from models import hf_import
 

@@ -47,7 +47,7 @@ def parse_arg(
 # Set --config.model.scan_layers=True to trade step time for compile time (e.g. very deep models).
 REAL_SIZE_MODEL = dict(dtype='bfloat16', scan_layers=False)
 
-# Decoding's KV cache (training/generate.py) has its own names: rows like 'batch', kv heads like 'kv_heads' (with a
+# Decoding's KV cache (generation/engine.py) has its own names: rows like 'batch', kv heads like 'kv_heads' (with a
 # fallback, as a cache of fewer kv heads than tensor devices cannot split them), its slots and head width whole.
 # config.decode_rules replaces the whole list for generation where another layout suits decoding better.
 TRANSFORMER_RULES = {
@@ -227,7 +227,7 @@ def base(preset: str, size: str) -> ml_collections.ConfigDict:
   # accum_gather_once: under FSDP gather the weights once per step, not once per micro-batch (more memory).
   c.grad_accum_steps = 1
   c.accum_gather_once = False
-  c.decode_rules = []  # rules used instead of logical_axis_rules to generate (training/generate.py); []: those
+  c.decode_rules = []  # rules used instead of logical_axis_rules to generate (generation/); []: those
   # Causal load balancing under context parallelism (partitioning/context.py): rows in zigzag order, so every
   # context shard's queries see as many keys as any other's; a no-op where 'length' is not sharded.
   c.context_load_balance = preset in CONTEXT_PRESETS

@@ -55,12 +55,15 @@ from partitioning.mesh import (
   start_mesh,
 )
 from partitioning.plan import (
+  PlacedModel,
   check_batch,
   leading_rows,
   named_shardings,
   nnx_logical_axes,
   opt_state_axes,
   path_str,
+  place_model,
+  sharded_abstract,
   tree_specs,
 )
 from partitioning.rules import AxisRules, Rule, bytes_per_device, entry_axes, entry_size
@@ -69,6 +72,7 @@ from partitioning.table import fmt_bytes, sharding_summary, sharding_table, tree
 
 __all__ = [
   'AxisRules',
+  'PlacedModel',
   'Rule',
   'active_mesh',
   'audit',
@@ -97,10 +101,12 @@ __all__ = [
   'num_slices',
   'opt_state_axes',
   'path_str',
+  'place_model',
   'replica_groups',
   'resolve_mesh_shape',
   'shard',
   'shard_logical',
+  'sharded_abstract',
   'sharding_summary',
   'sharding_table',
   'simulate_cpu_devices',

@@ -1,8 +1,10 @@
-"""Resolving whole pytrees (params, optimizer state, batches) to shardings, with validation."""
+"""Resolving whole pytrees (a model's parameters and state, optimizer state, batches) to shardings, with
+validation."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -106,6 +108,45 @@ def opt_state_axes(opt_shapes: Any, param_shapes: Any, param_axes: Any) -> Any:
 
 def named_shardings(specs: Any, mesh: Mesh) -> Any:
   return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def sharded_abstract(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs carrying their NamedShardings: targets that orbax (and jax.jit) fill shard by shard."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedModel:
+  """A model built abstractly and placed by the rules. Each tree is a dict {'params', 'model_state'} of pure dicts
+  (model_state: the non-parameter variables, e.g. BatchNorm statistics; often {})."""
+
+  graphdef: Any
+  abstract: dict[str, Any]  # ShapeDtypeStructs
+  axes: dict[str, Any]  # logical axis names per leaf
+  specs: dict[str, Any]  # PartitionSpec per leaf
+  shardings: dict[str, Any]  # NamedSharding per leaf
+
+  def targets(self, kind: str) -> Any:
+    """`kind`'s ('params' or 'model_state') ShapeDtypeStructs carrying their shardings, for a weight loader."""
+    return sharded_abstract(self.abstract[kind], self.shardings[kind])
+
+
+def place_model(
+  make_model: Callable[[nnx.Rngs], nnx.Module],
+  rules: AxisRules,
+  mesh: Mesh,
+  *,
+  seed: int = 0,
+  seen: set[str] | None = None,
+) -> PlacedModel:
+  """The one model builder (training and decoding alike): `make_model` traced abstractly (nothing allocated),
+  every parameter and model-state leaf resolved by the rules; ShardingError naming the first that fails."""
+  graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: make_model(nnx.Rngs(seed))), nnx.Param, ...)
+  abstract = {'params': nnx.to_pure_dict(params), 'model_state': nnx.to_pure_dict(rest)}
+  axes = {'params': nnx_logical_axes(params), 'model_state': nnx_logical_axes(rest)}
+  kinds = {'params': 'parameter', 'model_state': 'model state'}
+  specs = {k: tree_specs(abstract[k], axes[k], rules, mesh.shape, kind=kinds[k], seen=seen) for k in kinds}
+  return PlacedModel(graphdef, abstract, axes, specs, named_shardings(specs, mesh))
 
 
 def leading_rows(indices: Iterable[tuple[slice, ...]], size: int) -> tuple[list[tuple[int, int]], bool]:

@@ -404,6 +404,7 @@ HF_CASES = {  # name -> (variant kwargs, the one-line error)
 def test_bad_hugging_face_directories_are_one_line_each(gpt2_dir, tmp_path):
   """Each bad directory fails in train.py's order (config.json adopted, then the import) before anything compiles."""
   import models
+  from checkpointing import hf_config
   from configs import gpt2 as gpt2_config
   from tests.conftest import build_trainer
   from training import pretrained
@@ -413,7 +414,7 @@ def test_bad_hugging_face_directories_are_one_line_each(gpt2_dir, tmp_path):
     cfg = gpt2_config.get_config('fsdp,tiny')
     cfg.init_from, cfg.model.dtype = path, 'float32'
     with pytest.raises(errors.ConfigError) as e:
-      pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+      hf_config.adopt(cfg, models.HF_FAMILIES)
       pretrained.init_state(build_trainer(cfg), models.HF_FAMILIES)
     assert '\n' not in str(e.value) and __import__('re').search(message, str(e.value)), (name, str(e.value))
   cfg = gpt2_config.get_config('fsdp,tiny')  # and with bfloat16 parameters, which numpy does not call floating
@@ -422,7 +423,7 @@ def test_bad_hugging_face_directories_are_one_line_each(gpt2_dir, tmp_path):
     errors.ConfigError,
     match="ln_f.weight holds I32 values, but zoo parameter 'ln_f/scale' is bfloat16: weights must be floating point",
   ):
-    pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+    hf_config.adopt(cfg, models.HF_FAMILIES)
     pretrained.init_state(build_trainer(cfg), models.HF_FAMILIES)
 
 

@@ -246,7 +246,7 @@ def test_a_config_missing_a_field_every_config_sets_is_named():
 
 
 def test_a_directory_that_is_not_a_run_is_said_what_it_is(tmp_path):
-  from training import export
+  from checkpointing import run_config
 
   run = tmp_path / 'run'
   (run / 'checkpoints' / '4' / 'state').mkdir(parents=True)
@@ -267,14 +267,14 @@ def test_a_directory_that_is_not_a_run_is_said_what_it_is(tmp_path):
   }
   for workdir, message in cases.items():
     with pytest.raises(errors.ConfigError, match=message):
-      export.check_workdir(str(workdir))
-  export.check_workdir(str(run))
+      run_config.check_workdir(str(workdir))
+  run_config.check_workdir(str(run))
   with pytest.raises(
     errors.ConfigError,
     match=rf'^{run}/run_config.json is damaged \(Expecting property name enclosed in double quotes: line 1 column 13 '
     r"\(char 12\)\): give the run's config with --config",
   ):
-    export.load_run_config(str(run))
+    run_config.load(str(run))
 
 
 # --- init_from --------------------------------------------------------------------------------------------------
@@ -308,7 +308,7 @@ def test_closing_a_checkpointer_joins_orbax_cleanup_thread(tmp_path, monkeypatch
 
   from orbax.checkpoint._src.path import temporary_paths
 
-  from training import checkpoint
+  from checkpointing import checkpointer
 
   cleanup = temporary_paths.cleanup_temporary_paths
 
@@ -318,7 +318,7 @@ def test_closing_a_checkpointer_joins_orbax_cleanup_thread(tmp_path, monkeypatch
 
   monkeypatch.setattr(temporary_paths, 'cleanup_temporary_paths', slow_cleanup)
   before = set(threading.enumerate())
-  ckpt = checkpoint.Checkpointer(str(tmp_path / 'checkpoints'), every_steps=1, keep=1)
+  ckpt = checkpointer.Checkpointer(str(tmp_path / 'checkpoints'), every_steps=1, keep=1)
   assert set(threading.enumerate()) - before, 'orbax started no cleanup thread: the premise changed'
   ckpt.close()
   # orbax's thread (run_sync's idle executor workers are joined by concurrent.futures at exit, without error)

@@ -21,10 +21,10 @@ import models
 import partitioning
 import train
 import training
+from checkpointing import run_config
 from configs import default
 from tests import conftest
 from tests.conftest import ROOT, assert_every_leaf_named
-from training import export
 
 MAX_TINY_PARAMS = 2_000_000  # keeps the matrix inside the CI budget; shrink a config's 'tiny' size instead
 
@@ -105,7 +105,7 @@ def test_config_trains_two_steps(name, preset, tmp_path):
   )
   start = jax.device_get(training.init_state(trainer).params)
   # The run's config kept in the workdir (for export.py) rebuilds the same model, shapes and shardings.
-  again = export.load_run_config(str(tmp_path))
+  again = run_config.load(str(tmp_path))
   rebuilt = training.build(
     again, partitioning.make_mesh(again.mesh), lambda rngs: models.create(again.model, rngs, again.get('lora'))
   )

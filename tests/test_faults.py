@@ -22,9 +22,9 @@ import errors
 import partitioning
 import train
 import training
+from checkpointing import storage, weights
 from configs import default
 from tests.conftest import BACKEND_COMPILE, TINY_FLAGS, TINY_RUN, build_trainer, recorded_compile_events, tiny_config
-from training import checkpoint
 
 
 def _finite(tree) -> bool:
@@ -132,7 +132,7 @@ def test_absurd_learning_rate_stops_at_the_step_and_keeps_the_last_good_checkpoi
   assert good < bad and m.group(4) == str(tmp_path / 'checkpoints')
   steps = sorted(int(d) for d in os.listdir(m.group(4)) if d.isdigit())
   assert steps[-1] == good  # nothing written after the bad step
-  assert _finite(checkpoint.load_params(m.group(4), build_trainer(cfg)))
+  assert _finite(weights.load_params(m.group(4), build_trainer(cfg).checkpoint_target()['params']))
 
 
 def test_skip_goes_on_past_a_poisoned_batch_and_stops_after_k_in_a_row(monkeypatch):
@@ -231,7 +231,7 @@ def test_too_little_space_for_the_checkpoints_is_refused_before_training_or_a_wa
   both figures, before anything compiles ('refuse'), or the same as a warning ('warn')."""
   cfg = default.get_config()
   cfg.update_from_flattened_dict(TINY_RUN)
-  nbytes = checkpoint.state_bytes(build_trainer(cfg))
+  nbytes = storage.state_bytes(build_trainer(cfg).abstract)
   assert nbytes == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(training.init_state(build_trainer(cfg))))
   free = shutil.disk_usage(tmp_path).free
   huge = free // 2  # 3 of them do not fit; 1 does
@@ -240,14 +240,14 @@ def test_too_little_space_for_the_checkpoints_is_refused_before_training_or_a_wa
     rf'checkpoint\(s\) of {huge / 2**20:.1f} MiB \(config.keep_checkpoints=2, plus the one being written\)'
   )
   with pytest.raises(errors.StorageError, match=f'^{msg}: free space, choose another --workdir or lower'):
-    checkpoint.check_space(str(tmp_path), huge, 2)
+    storage.check_space(str(tmp_path), huge, 2)
   assert re.fullmatch(
     f"{msg}; training anyway \\(config.checkpoint_space='warn'\\)",
-    checkpoint.check_space(str(tmp_path), huge, 2, 'warn'),
+    storage.check_space(str(tmp_path), huge, 2, 'warn'),
   )
   for step in (4, 8):  # two kept already: one more is needed
     (tmp_path / str(step)).mkdir()
-  assert checkpoint.check_space(str(tmp_path), huge, 2) is None
+  assert storage.check_space(str(tmp_path), huge, 2) is None
 
 
 def test_a_full_filesystem_stops_the_first_save_in_one_line_and_the_rerun_resumes_bitwise(tmp_path, capfd):
@@ -309,7 +309,7 @@ def test_a_flipped_byte_fails_the_checksum_and_the_rerun_resumes_bitwise(tmp_pat
 
 
 def _checkpoint_params(directory: str, cfg) -> dict:
-  return jax.device_get(checkpoint.load_params(directory, build_trainer(cfg)))
+  return jax.device_get(weights.load_params(directory, build_trainer(cfg).checkpoint_target()['params']))
 
 
 @pytest.mark.slow

@@ -112,7 +112,7 @@ def test_scanned_optimizer_state_is_sharded_like_the_params():
 def test_sampling_runs_on_scanned_and_unrolled_layers_alike():
   # train.py samples after training; a scanned stack (nnx.scan) once refused the Params merged outside the
   # sampling loop ("Cannot extract graph node from different trace level").
-  from training import generate
+  import generation
 
   out, scanned = {}, None
   for scan in (True, False):
@@ -122,7 +122,7 @@ def test_sampling_runs_on_scanned_and_unrolled_layers_alike():
     scanned = model
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     prompt = np.array([[1, 2], [3, 4]], np.int32)
-    got = generate.Generator(graphdef, params, rest).generate(prompt.tolist(), generate.Sampling(6, seed=0))
+    got = generation.Generator(graphdef, params, rest).generate(prompt.tolist(), generation.Sampling(6, seed=0))
     out[scan] = np.asarray([g.ids for g in got])
     assert out[scan].shape == (2, 6)
   np.testing.assert_array_equal(out[True], out[False])

@@ -20,6 +20,7 @@ import transformers  # noqa: E402
 
 import models  # noqa: E402
 import train  # noqa: E402
+from checkpointing import run_config  # noqa: E402
 from configs import gpt2_finetune  # noqa: E402
 from errors import ConfigError, HFExportError  # noqa: E402
 from models import hf_export, hf_import  # noqa: E402
@@ -143,7 +144,7 @@ def test_export_errors_name_the_culprit(tmp_path):
     match=rf'{tmp_path}/run_config.json does not exist .* give the run.s config '
     'with --config',
   ):
-    export.load_run_config(str(tmp_path))
+    run_config.load(str(tmp_path))
   shutil.rmtree(tmp_path)
 
 
@@ -268,7 +269,7 @@ def test_export_py_checks_dtype_and_max_shard_size_before_anything_else(tmp_path
 def test_export_py_refuses_a_non_empty_out_before_building_the_model(tmp_path):
   from configs import gpt2 as gpt2_config
 
-  export.save_run_config(gpt2_config.get_config('fsdp,tiny'), str(tmp_path / 'run'))
+  run_config.save(gpt2_config.get_config('fsdp,tiny'), str(tmp_path / 'run'))
   (tmp_path / 'hf').mkdir()
   (tmp_path / 'hf' / 'model.safetensors').write_text('an earlier export')
   run = subprocess.run(

@@ -20,6 +20,7 @@ from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import models  # noqa: E402
+from checkpointing import hf_config  # noqa: E402
 from configs import bert as bert_config  # noqa: E402
 from configs import llama as llama_config  # noqa: E402
 from configs import moe as moe_config  # noqa: E402
@@ -55,7 +56,7 @@ def zoo_config(config_file, arg, hf_dir, dataset=None, **model):
   cfg.init_from, cfg.dont_load = hf_dir, ''
   cfg.model.update(model)
   cfg.dataset.update(dataset or {})
-  pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+  hf_config.adopt(cfg, models.HF_FAMILIES)
   return cfg
 
 
@@ -167,7 +168,7 @@ def test_llama_keeps_a_compatible_max_len_and_refuses_a_longer_one(llama_case):
   _, path, _, arg, _ = llama_case
   cfg = llama_config.get_config(arg)
   cfg.init_from, cfg.model.max_len = path, 32
-  taken, kept = pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+  taken, kept = hf_config.adopt(cfg, models.HF_FAMILIES)
   assert cfg.model.max_len == 32 and kept == {'max_len': (32, 128)}
   assert taken['embed_dim'] == 64 and taken['num_kv_heads'] == 4 and 'max_len' not in taken  # every field logged
   cfg.model.max_len = 256
@@ -176,7 +177,7 @@ def test_llama_keeps_a_compatible_max_len_and_refuses_a_longer_one(llama_case):
     match=r'config.model.max_len=256 does not fit .* \(config.json gives 128\): longer '
     'than the 128 positions the checkpoint was trained for',
   ):
-    pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+    hf_config.adopt(cfg, models.HF_FAMILIES)
 
 
 def test_llama_rope_scaling_default_is_unchanged():

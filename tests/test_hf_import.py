@@ -16,6 +16,7 @@ import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import models  # noqa: E402
+from checkpointing import hf_config  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
 from models import hf_import  # noqa: E402
 from models.hf_import import Pad, R, Slice, T  # noqa: E402
@@ -40,7 +41,7 @@ def zoo_config(config_file, arg, hf_dir, **overrides):
   cfg.dont_load = ''
   for k, v in overrides.items():
     cfg.model[k] = v
-  pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+  hf_config.adopt(cfg, models.HF_FAMILIES)
   return cfg
 
 
@@ -124,7 +125,7 @@ def test_bad_directories_are_clear_errors(gpt2_dir, tmp_path):
   cfg.init_from = gpt2_dir[0]
   cfg.model.name = 'llama_typo'
   with pytest.raises(ValueError, match="config.model.name='llama_typo' has no Hugging Face importer"):
-    pretrained.adopt_hf_config(cfg, models.HF_FAMILIES)
+    hf_config.adopt(cfg, models.HF_FAMILIES)
 
 
 class _FakeHF:

@@ -10,13 +10,15 @@ import pytest
 import models
 import partitioning
 import training
+from checkpointing import checkpointer
 from configs import gpt2, llama
 from errors import ConfigError
 from partitioning import hlo, pipeline
 from planning import candidates
 from planning import search as search_lib
 from tests.conftest import all_eqns, build_trainer, train_on_random_batches
-from training import checkpoint, flops
+from training import flops
+from training.trainer import state_tree
 
 FAMILIES = {'gpt2': gpt2, 'llama': llama}
 # fp32, 2 AdamW steps: the pipeline sums each weight's gradient over micro-batches and iterations, in another
@@ -123,7 +125,7 @@ def test_only_collective_permutes_cross_stage_inside_the_pipeline():
   assert 'pipeline: 2 stages x 4 micro-batches (circular, 2 repeats), 9 iterations, bubble 11.1%' in line
 
 
-class _Iter:  # a data iterator's state for the checkpoint (test_checkpoint has the same stand-in)
+class _Iter:  # a data iterator's state for the checkpoint (test_checkpointing has the same stand-in)
   pos = 0
 
   def get_state(self):
@@ -146,15 +148,15 @@ def test_checkpoint_moves_between_pipeline_and_fsdp(tmp_path, saved_under, resto
 
   saver = trainer(saved_under)
   state = training.init_state(saver)
-  with checkpoint.Checkpointer(str(tmp_path), every_steps=1, keep=1) as ckpt:
-    ckpt.save(1, state, _Iter())
+  with checkpointer.Checkpointer(str(tmp_path), every_steps=1, keep=1) as ckpt:
+    ckpt.save(1, state_tree(state), _Iter())
     ckpt.wait()
-  expected = jax.device_get(state)
+  expected = jax.device_get(state_tree(state))
   restorer = trainer(restored_under)
-  with checkpoint.Checkpointer(str(tmp_path), every_steps=1, keep=1) as ckpt:
-    restored = ckpt.restore(restorer, _Iter())
+  with checkpointer.Checkpointer(str(tmp_path), every_steps=1, keep=1) as ckpt:
+    restored = ckpt.restore(restorer.checkpoint_target(), _Iter())
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), expected)
-  kernel = restored.params['blocks']['layers']['mlp']['up']['layer']['kernel']
+  kernel = restored['params']['blocks']['layers']['mlp']['up']['layer']['kernel']
   assert kernel.sharding.spec == restorer.specs.params['blocks']['layers']['mlp']['up']['layer']['kernel']
   assert (kernel.sharding.spec[0] == 'stage') == (restored_under == 'pp')
 

@@ -20,8 +20,6 @@ ALLOWED = {
   # One context-parallel shard's kernel on one GPU: attend() reaches it only over a mesh of several devices. Made
   # public with the rest of models/ (decoder families), not from a benchmark.
   ('benchmarks/attention_parity.py', 'attention._per_shard_context'),
-  # Moves to the generation package (generation/), which makes the prompt bucket public there.
-  ('training/harness.py', 'generate._bucket'),
 }
 
 

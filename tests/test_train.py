@@ -29,6 +29,7 @@ def test_default_config_learns(tmp_path):
   assert result['eval']['loss'] < bigram - 0.1 < math.log(16), result['eval']
   assert result['train']['loss'] < bigram
   assert int(result['state'].step) == 400
+  assert math.isfinite(result['sample_nll'])  # the end-of-run sample: train.py -> generation.sample -> scored
   assert glob.glob(str(tmp_path / 'events.out.tfevents.*'))
   # Train step, eval step, init, and three for sampling (key, seed, loop): none per step, log or eval.
   assert compiles.count(BACKEND_COMPILE) <= 6, compiles

@@ -22,6 +22,7 @@ import models
 import partitioning
 import train
 import training
+from checkpointing import run_config
 from configs import llama, llama_sft, schema
 from data import pipeline, text
 from errors import ConfigError
@@ -517,7 +518,7 @@ def test_llama_sft_from_a_model_directory_to_an_export_transformers_loads(tmp_pa
   workdir = str(tmp_path / 'run')
   result = train.train_and_evaluate(cfg, workdir)
   assert result['eval']['weight'] > 0 and np.isfinite(result['eval']['loss'])
-  run = export.load_run_config(workdir)
+  run = run_config.load(workdir)
   trainer = training.build(
     run, partitioning.make_mesh(run.mesh), lambda rngs: models.create(run.model, rngs, run.get('lora'))
   )

@@ -1,8 +1,7 @@
 """Exporting trained weights: as a Hugging Face model directory (export_hf; the family's import table read
 backwards, models/hf_export.py), or with LoRA adapters merged as a params-only checkpoint of this project.
-
-A run's final config is kept beside its checkpoints (<workdir>/run_config.json, written by train.py), so
-`export.py --workdir DIR` rebuilds the same model, mesh and rules without the config file and overrides.
+`export.py --workdir DIR` rebuilds the run's model from the config kept beside its checkpoints
+(checkpointing/run_config.py).
 """
 
 from __future__ import annotations
@@ -21,13 +20,12 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from errors import ConfigError, StorageError
+from checkpointing import weights
+from errors import ConfigError
 from models import hf_export, hf_import, lora
 from partitioning import path_str
-from training import checkpoint
 from training.trainer import Trainer, TrainState
 
-RUN_CONFIG = 'run_config.json'
 DTYPES = ('float32', 'bfloat16', 'float16', 'float64')  # the weights' dtypes on disk (export.py --dtype)
 SHARD_SIZE = re.compile(r'(\d+(\.\d*)?|\.\d+)\s*[KMGT]B', re.IGNORECASE)  # huggingface_hub's sizes: 5GB, 500MB
 # What write_hf writes or copies into its directory (glob patterns): the files `overwrite` removes first.
@@ -38,66 +36,6 @@ WRITTEN = (
   'generation_config.json',
   *hf_import.TOKENIZER_FILES,
 )
-
-
-def save_run_config(config: ml_collections.ConfigDict, workdir: str, last_good: str = 'none') -> None:
-  """The run's config as it trained (after --config.* overrides and config.json adoption), for export. StorageError
-  naming the file, the OS error and the last good checkpoint if it cannot be written."""
-  if jax.process_index() == 0:
-    path = os.path.join(workdir, RUN_CONFIG)
-    try:
-      os.makedirs(workdir, exist_ok=True)
-      with open(path, 'w') as f:
-        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    except OSError as e:  # a full disk, a quota, a read-only or vanished workdir: one line, like a checkpoint's
-      raise StorageError(
-        f'{path} could not be written: {e.strerror} [errno {e.errno}]; the last good checkpoint is {last_good} '
-        '(free space or choose another --workdir)'
-      ) from e
-
-
-def check_workdir(workdir: str) -> None:
-  """A ConfigError saying what `workdir` is when it is not a run's directory (one train.py wrote: run_config.json
-  and/or checkpoints/): missing, a file, empty, the run's checkpoints/ folder, or one step's folder in it."""
-  expected = 'the directory a run was trained in (train.py --workdir), which holds run_config.json and checkpoints/'
-  path = os.path.abspath(workdir)
-  if not os.path.exists(path):
-    raise ConfigError(f'--workdir {workdir} does not exist: give {expected}')
-  if not os.path.isdir(path):
-    raise ConfigError(f'--workdir {workdir} is a file, not a directory: give {expected}')
-  if os.path.isfile(os.path.join(path, RUN_CONFIG)) or os.path.isdir(os.path.join(path, 'checkpoints')):
-    return
-  parent = os.path.dirname(path)
-  if os.path.isdir(os.path.join(path, 'state')):  # <run>/checkpoints/<step>
-    run = os.path.dirname(parent) if os.path.basename(parent) == 'checkpoints' else parent
-    raise ConfigError(
-      f"--workdir {workdir} is one checkpoint step's directory: give the run's directory and the step, "
-      f'--workdir {run} --step {os.path.basename(path)}'
-    )
-  if steps := checkpoint.steps_in(path):
-    raise ConfigError(
-      f"--workdir {workdir} is a run's checkpoints/ directory (steps {steps}): give the run's directory, "
-      f'--workdir {parent} (and --step N for another step than the latest)'
-    )
-  if not os.listdir(path):
-    raise ConfigError(f'--workdir {workdir} is empty: give {expected}')
-  raise ConfigError(f'--workdir {workdir} holds neither {RUN_CONFIG} nor checkpoints/: give {expected}')
-
-
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-  path = os.path.join(workdir, RUN_CONFIG)
-  if not os.path.isfile(path):
-    raise ConfigError(
-      f"{path} does not exist (runs before export existed did not write it): give the run's "
-      'config with --config (and the same --config.* overrides)'
-    )
-  with open(path) as f:
-    try:
-      return ml_collections.ConfigDict(json.load(f))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-      raise ConfigError(
-        f"{path} is damaged ({e}): give the run's config with --config (and the same --config.* overrides)"
-      ) from None
 
 
 def _merged_weights(trainer: Trainer, params: Any, model_state: Any) -> Any:
@@ -193,13 +131,14 @@ def export_hf(
   """Writes a checkpoint (`checkpoints`: a run's checkpoint directory, latest step, or one step's) as a
   Hugging Face directory (see write_hf); the optimizer state is not read. out_dir is checked (check_out_dir:
   not the run's checkpoints or source directories; empty unless `overwrite`) before anything is restored."""
-  root = os.path.dirname(checkpoint.step_directory(checkpoints))  # the run's checkpoint directory
+  root = os.path.dirname(weights.step_directory(checkpoints))  # the run's checkpoint directory
   check_out_dir(trainer.config, out_dir, overwrite=overwrite, checkpoints=root)
-  weights, step_dir = checkpoint.load_weights(checkpoints, trainer, model_state=True)
+  target = trainer.checkpoint_target()
+  loaded, step_dir = weights.load_weights(checkpoints, target['params'], target['model_state'])
   stats = write_hf(
     trainer,
-    weights['params'],
-    weights['model_state'],
+    loaded['params'],
+    loaded['model_state'],
     out_dir,
     families,
     dtype=dtype,

@@ -18,58 +18,12 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from checkpointing import hf_config, weights
 from errors import ConfigError
 from models import hf_import, lora
 from partitioning import path_str
-from training import checkpoint, optim
+from training import optim
 from training.trainer import Trainer, TrainState, split_model
-
-
-def hf_family(config: ml_collections.ConfigDict, families: dict[str, hf_import.Family]) -> hf_import.Family:
-  name = config.model.name
-  if name not in families:
-    raise ConfigError(
-      f'init_from={config.init_from!r} is a Hugging Face directory, but config.model.name={name!r} '
-      f'has no Hugging Face importer; families with one: {sorted(families)}'
-    )
-  return families[name]
-
-
-def adopt_hf_config(
-  config: ml_collections.ConfigDict,
-  families: dict[str, hf_import.Family],
-) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
-  """Reads the architecture (sizes, heads, eps, ...) from the HF config.json into config.model.
-
-  A field the family lets differ (`Family.keep`, e.g. Llama's max_len: rotary positions have no table)
-  keeps config.model's value when it works with the checkpoint, and is an error naming both values when
-  it does not. Returns (every field taken from config.json, {kept field: (ours, config.json's)}) for the log.
-  """
-  hf = hf_import.HFDir(config.init_from)
-  family = hf_family(config, families)
-  model_type = hf.config.get('model_type')
-  if model_type not in family.model_types:
-    raise ConfigError(
-      f'{config.init_from}/config.json has model_type={model_type!r}, but config.model.name='
-      f'{config.model.name!r} imports {list(family.model_types)}'
-    )
-  fields = family.config(hf.config)
-  unknown = sorted(k for k in fields if k not in config.model)
-  if unknown:
-    raise ConfigError(f'config.model has no field(s) {unknown} that {config.model.name} reads from config.json')
-  kept = {}
-  for name, check in family.keep.items():
-    ours, theirs = config.model.get(name), fields.get(name)
-    if name in fields and ours is not None and ours != theirs:
-      why = check(ours, theirs)
-      if why:
-        raise ConfigError(
-          f'config.model.{name}={ours!r} does not fit {config.init_from} (config.json gives {theirs!r}): {why}'
-        )
-      kept[name] = (ours, fields.pop(name))
-  config.model.update(fields)
-  return fields, kept
-
 
 # A length derived from the model is at most this many tokens: a whole context per example (131,072 positions
 # for Llama 3.2) would not fit a fine-tune's memory.
@@ -78,7 +32,7 @@ LONGEST_DERIVED_SEQ_LEN = 1024
 
 def derive_lengths(config: ml_collections.ConfigDict, fallback: int | None = None) -> None:
   """Lengths a config file leaves unset (None: the fine-tune configs) follow the model: config.model.max_len is
-  config.json's (adopt_hf_config), config.dataset.seq_len the model's max_len, at most LONGEST_DERIVED_SEQ_LEN.
+  config.json's (checkpointing.hf_config), config.dataset.seq_len the model's max_len, at most LONGEST_DERIVED_SEQ_LEN.
   `fallback` stands in for a max_len no config.json gave (a dry run whose init_from is not there)."""
   has_max_len = 'max_len' in config.model
   if has_max_len and config.model.max_len is None:
@@ -128,13 +82,13 @@ def _not_loaded(config: ml_collections.ConfigDict) -> str | None:
 
 def check_source(trainer: Trainer) -> None:
   """config.init_from's checks that read no weights (train.py runs them before compiling): dont_load matches a
-  parameter; the path is a Hugging Face directory (its config.json was adopted by adopt_hf_config; tensor
+  parameter; the path is a Hugging Face directory (its config.json was adopted by checkpointing.hf_config; tensor
   shapes are checked as they stream) or a checkpoint of this project whose parameter shapes, read from its
   metadata, are the model's. ConfigError / CheckpointError naming the culprit."""
   check_dont_load(trainer)
   path = trainer.config.init_from
   if not _is_hf_dir(path):
-    checkpoint.check_weights(path, trainer, dont_load=_not_loaded(trainer.config))
+    weights.check_weights(path, trainer.checkpoint_target()['params'], dont_load=_not_loaded(trainer.config))
 
 
 def _is_hf_dir(path: str) -> bool:
@@ -171,7 +125,7 @@ def init_state(trainer: Trainer, families: dict[str, hf_import.Family]) -> Train
   if _is_hf_dir(path):
     got = hf_import.import_weights(
       hf_import.HFDir(path),
-      hf_family(config, families),
+      hf_config.family(config, families),
       config.model,
       trainer.abstract.params,
       trainer.shardings.params,
@@ -181,7 +135,7 @@ def init_state(trainer: Trainer, families: dict[str, hf_import.Family]) -> Train
     )
     loaded, loaded_state = got.params, got.model_state
   else:
-    loaded = checkpoint.load_params(path, trainer, dont_load=dont_load)
+    loaded = weights.load_params(path, trainer.checkpoint_target()['params'], dont_load=dont_load)
   return with_params(trainer, loaded, loaded_state)
 
 

@@ -23,9 +23,11 @@ import errors
 import models
 import partitioning
 import training
+from checkpointing import checkpointer, hf_config, run_config, storage
 from models import attention, hf_import
-from training import accumulate, checkpoint, export, flops, generate, pretrained, profiling
+from training import accumulate, cluster, export, flops, pretrained, profiling
 from training.preemption import Preemption
+from training.trainer import state_tree, train_state
 
 TABLE_FILE = 'sharding_table.txt'  # the full per-parameter table, in the workdir
 
@@ -92,7 +94,7 @@ def adopt_pretrained(config: ml_collections.ConfigDict, dry_run: bool) -> None:
         'init_from', f'{config.init_from!r} is neither a directory nor a cached hub id: the dry run uses config.model'
       )
     if hf_import.is_hf_dir(config.init_from):
-      taken, kept = pretrained.adopt_hf_config(config, models.HF_FAMILIES)
+      taken, kept = hf_config.adopt(config, models.HF_FAMILIES)
       say(
         f'init_from {config.init_from}: from config.json: '
         + ', '.join(f'{k}={v!r}' for k, v in taken.items())
@@ -124,7 +126,7 @@ def show_shardings(trainer: training.Trainer, workdir: str | None, full: bool) -
     t.abstract.params, t.axes.params, t.specs.params, t.mesh.shape, t.abstract.opt_state, t.specs.opt_state
   )
   if workdir and jax.process_index() == 0:
-    checkpoint.ensure_writable(workdir)
+    storage.ensure_writable(workdir)
     with open(os.path.join(workdir, TABLE_FILE), 'w') as f:
       f.write(table + '\n')
   if full:
@@ -178,7 +180,7 @@ def make_input(config: ml_collections.ConfigDict, trainer: training.Trainer, cle
 @dataclasses.dataclass
 class Start:
   kind: str  # 'resume', 'pretrained' or 'scratch'
-  ckpt: checkpoint.Checkpointer | None
+  ckpt: checkpointer.Checkpointer | None
   state: Any = None  # restored already: a finished run's (nothing is compiled for it)
   done: bool = False  # the restored state is at or past config.total_steps
 
@@ -191,17 +193,19 @@ def checkpoints(
   a silent fresh start)."""
   if not workdir:
     return None
-  checkpoint.ensure_writable(workdir)
+  storage.ensure_writable(workdir)
   if config.get('checkpoint_every', 0) > 0:
     keep, directory = config.get('keep_checkpoints', 2), os.path.join(workdir, 'checkpoints')
     space = config.get('checkpoint_space', 'refuse')
-    if note := checkpoint.check_space(directory, checkpoint.state_bytes(trainer), keep, space):
+    if note := storage.check_space(directory, storage.state_bytes(trainer.abstract), keep, space):
       warn('checkpoint', note)
-    ckpt = checkpoint.Checkpointer(directory, every_steps=config.checkpoint_every, keep=keep)
+    ckpt = checkpointer.Checkpointer(
+      directory, every_steps=config.checkpoint_every, keep=keep, gather=cluster.gather_strings
+    )
     cleanup.callback(ckpt.close)
     cleanup.callback(ckpt.wait)  # runs first: a save in flight completes
     return ckpt
-  if steps := checkpoint.steps_in(os.path.join(workdir, 'checkpoints')):
+  if steps := storage.steps_in(os.path.join(workdir, 'checkpoints')):
     raise errors.ConfigError(
       f'config.checkpoint_every={config.get("checkpoint_every", 0)}, but {workdir}/checkpoints '
       f'holds checkpoints (steps {steps}): set config.checkpoint_every to resume from them, '
@@ -215,7 +219,7 @@ def choose_start(config: ml_collections.ConfigDict, trainer: training.Trainer, c
   metadata, before compiling. A finished run rerun is restored here, without compiling anything."""
   if ckpt is not None and ckpt.latest_step() is not None:
     with contextlib.suppress(errors.DamagedCheckpointError):  # damage: resume falls back to an older one
-      ckpt.check(trainer, data_iter=train_iter)
+      ckpt.check(trainer.checkpoint_target(), data_iter=train_iter)
     start = Start('resume', ckpt)
     if ckpt.latest_step() >= config.total_steps:
       start.state, start.done = resume(ckpt, trainer, train_iter, config)
@@ -229,7 +233,10 @@ def choose_start(config: ml_collections.ConfigDict, trainer: training.Trainer, c
 def resume(ckpt, trainer, train_iter, config) -> tuple[Any, bool]:
   """The newest readable checkpoint restored (model, optimizer, data position; into the new shardings), and
   whether it is at or past config.total_steps (a finished run rerun, or total_steps lowered: nothing to train)."""
-  state, damaged = ckpt.restore_latest(trainer, train_iter, fallback=config.get('resume_fallback', True))
+  tree, damaged = ckpt.restore_latest(
+    trainer.checkpoint_target(), train_iter, fallback=config.get('resume_fallback', True)
+  )
+  state = train_state(tree)
   for w in damaged:
     warn('checkpoint', w)
   say(f'resumed from {ckpt.directory}/{int(state.step)}')
@@ -308,11 +315,11 @@ def metric_writer(
 ) -> Any:
   """TensorBoard events in the workdir (process 0), the config's scalar fields as hyperparameters. Not clu's
   default writer: its logging half would repeat every progress line and the hyperparameters on the console.
-  A full disk under the event files is one line, like a checkpoint's (checkpoint.GuardedWriter)."""
+  A full disk under the event files is one line, like a checkpoint's (storage.GuardedWriter)."""
   if not workdir or jax.process_index() > 0:
     return metric_writers.MultiWriter([])
   make = lambda: metric_writers.AsyncWriter(metric_writers.SummaryWriter(workdir))
-  writer = checkpoint.GuardedWriter.create(make, workdir, last_good)
+  writer = storage.GuardedWriter.create(make, workdir, last_good)
   cleanup.callback(writer.close)
   writer.write_hparams({k: v for k, v in config.to_dict().items() if isinstance(v, (int, float, str))})
   return writer
@@ -333,7 +340,7 @@ def train_loop(
   config = trainer.config
   last_good = lambda: 'none' if ckpt is None or ckpt.latest_step() is None else f'{ckpt.directory}/{ckpt.latest_step()}'
   if workdir:  # what export.py rebuilds the model from; written once the run has started (a failed resume keeps it)
-    export.save_run_config(config, workdir, last_good())
+    run_config.save(config, workdir, last_good())
   guard = training.NonFiniteGuard(trainer, config.get('on_nonfinite', 'stop'), config.get('max_nonfinite_skips', 10))
   preemption = Preemption(sync_every=config.log_every)
   cleanup.callback(preemption.close)  # restores the SIGTERM handler
@@ -393,11 +400,13 @@ def train_loop(
       t_last += time.perf_counter() - t_eval  # eval time is not train time
     if ckpt is not None and ckpt.due(step, force=step == config.total_steps):
       guard.check(last_good())  # no checkpoint is written after a non-finite step under 'stop'
-      ckpt.save(step, state, inp.train_iter, force=step == config.total_steps)  # asynchronous: training goes on
+      ckpt.save(
+        step, state_tree(state), inp.train_iter, force=step == config.total_steps
+      )  # asynchronous: training goes on
     if stop:
       if ckpt is not None:
         guard.check(last_good())
-        ckpt.save(step, state, inp.train_iter, force=True)
+        ckpt.save(step, state_tree(state), inp.train_iter, force=True)
       say(f'SIGTERM: stopped at step {step}' + (f', checkpoint in {ckpt.directory}' if ckpt else ' (no checkpoints)'))
       result['preempted_at'] = step
       break
@@ -410,8 +419,7 @@ def train_loop(
 def finish(
   trainer: training.Trainer, state: Any, result: dict[str, Any], guard, inp: Input, workdir: str | None
 ) -> dict[str, Any]:
-  """After the loop (everything flushed and saved): skipped steps reported, LoRA adapters merged into an export,
-  and a sample from a language model scored under the true language."""
+  """After the loop (everything flushed and saved): skipped steps reported, LoRA adapters merged into an export."""
   config = trainer.config
   if guard.skipped:
     say(f'skipped {len(guard.skipped)} non-finite step(s) (config.on_nonfinite=skip): {guard.skipped[:20]}')
@@ -421,17 +429,58 @@ def finish(
     return result
   if config.get('lora') and config.lora.get('rank') and config.lora.get('export_merged') and workdir:
     say(f'LoRA adapters merged into the base weights: {export.export_merged_lora(trainer, state, workdir)}')
-  ds = inp.ds
-  if ds.language is not None and config.sample_len:
-    prompt = np.asarray(ds.eval[:8, :2], np.int32)  # decoded with the KV cache (training/generate.py)
-    sampling = generate.Sampling(max_new_tokens=config.sample_len, temperature=1.0, seed=config.seed)
-    out = generate.for_trainer(trainer, state.params, state.model_state).generate(prompt.tolist(), sampling)
-    tokens = np.concatenate([prompt, np.asarray([g.ids for g in out], np.int32)], axis=1)
-    nll = ds.language.nll(tokens)
-    say(f'sample: {ds.language.decode(tokens[0])}')
-    say(
-      f'sample NLL under the true language: {nll:.4f} nats/token (entropy rate '
-      f'{ds.language.entropies()["order2"]:.4f}; a sampler of the true language scores about that)'
-    )
-    result['sample_nll'] = nll
+  return result
+
+
+# --- End-of-run sample (decoded by generation: train.py hands it over, training never imports it) ---------------
+
+
+@dataclasses.dataclass
+class SampleRequest:
+  """A language model's end-of-run sample: the trained weights as a generation.Generator takes them, prompt rows
+  of the eval split, and how many tokens to sample after each (temperature 1, seeded)."""
+
+  graphdef: Any
+  params: Any
+  model_state: Any
+  rules: partitioning.AxisRules
+  mesh: jax.sharding.Mesh
+  max_len: int | None
+  vocab: int | None
+  prompts: np.ndarray  # (rows, 2) token ids
+  new_tokens: int
+  seed: int
+
+
+def sample_request(trainer: training.Trainer, result: dict[str, Any], inp: Input) -> SampleRequest | None:
+  """The sample to take after a finished run on a language whose true distribution is known (config.sample_len
+  tokens; 0: none), else None."""
+  config, state = trainer.config, result['state']
+  if result.get('preempted_at') or inp.ds.language is None or not config.sample_len:
+    return None
+  return SampleRequest(
+    trainer.graphdef,
+    state.params,
+    state.model_state,
+    trainer.rules,
+    trainer.mesh,
+    config.model.get('max_len'),
+    config.model.get('vocab_size'),
+    np.asarray(inp.ds.eval[:8, :2], np.int32),
+    config.sample_len,
+    config.seed,
+  )
+
+
+def score_sample(request: SampleRequest, new_ids: np.ndarray, inp: Input, result: dict[str, Any]) -> dict[str, Any]:
+  """The sample (prompts, then the `new_ids` generation gave) scored under the true language: result['sample_nll']."""
+  language = inp.ds.language
+  tokens = np.concatenate([request.prompts, new_ids], axis=1)
+  nll = language.nll(tokens)
+  say(f'sample: {language.decode(tokens[0])}')
+  say(
+    f'sample NLL under the true language: {nll:.4f} nats/token (entropy rate '
+    f'{language.entropies()["order2"]:.4f}; a sampler of the true language scores about that)'
+  )
+  result['sample_nll'] = nll
   return result

@@ -38,6 +38,16 @@ class TrainState:
   model_state: Any  # non-parameter model variables (e.g. BatchNorm statistics); often {}
 
 
+def state_tree(state: TrainState) -> dict[str, Any]:
+  """The train state as checkpoints hold it: checkpointing saves and restores dicts, not TrainStates."""
+  return {'step': state.step, 'params': state.params, 'opt_state': state.opt_state, 'model_state': state.model_state}
+
+
+def train_state(tree: dict[str, Any]) -> TrainState:
+  """state_tree's inverse (a restored checkpoint)."""
+  return TrainState(tree['step'], tree['params'], tree['opt_state'], tree['model_state'])
+
+
 @dataclasses.dataclass
 class Trainer:
   """Everything derived from (config, mesh) before any array is allocated."""
@@ -64,6 +74,11 @@ class Trainer:
   @property
   def replicated(self) -> NamedSharding:
     return NamedSharding(self.mesh, PartitionSpec())
+
+  def checkpoint_target(self) -> dict[str, Any]:
+    """The train state as a checkpoint restores it (state_tree), each leaf a ShapeDtypeStruct carrying its
+    NamedSharding: orbax reads each shard straight into place."""
+    return state_tree(partitioning.sharded_abstract(self.abstract, self.shardings))
 
   def trained_paths(self) -> list[str]:
     """Paths of the parameters that train, in the order of the train step's per-parameter flags."""
@@ -108,24 +123,19 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   schedule_ = pipeline.schedule(config, rules, dict(mesh.shape))  # its bad numbers before the rules' errors
   task = tasks.get(config.task)
 
-  abs_model = nnx.eval_shape(lambda: make_model(nnx.Rngs(config.seed)))
-  graphdef, abs_params, abs_rest = nnx.split(abs_model, nnx.Param, ...)
-  param_axes, rest_axes = partitioning.nnx_logical_axes(abs_params), partitioning.nnx_logical_axes(abs_rest)
-  param_shapes, rest_shapes = nnx.to_pure_dict(abs_params), nnx.to_pure_dict(abs_rest)
+  seen: set[str] = set()
+  model = partitioning.place_model(make_model, rules, mesh, seed=config.seed, seen=seen)
+  param_shapes, param_axes = model.abstract['params'], model.axes['params']
   labels = trainable(config, param_shapes)
   tx, schedule = optim.make_optimizer(config.optim, config.total_steps, labels)
   opt_shapes = jax.eval_shape(tx.init, param_shapes)
   opt_axes = partitioning.opt_state_axes(opt_shapes, param_shapes, param_axes)
 
-  abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), param_shapes, opt_shapes, rest_shapes)
-  axes = TrainState((), param_axes, opt_axes, rest_axes)
-  seen: set[str] = set()
+  abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), param_shapes, opt_shapes, model.abstract['model_state'])
+  axes = TrainState((), param_axes, opt_axes, model.axes['model_state'])
   resolve = lambda shapes, names, kind: partitioning.tree_specs(shapes, names, rules, mesh.shape, kind=kind, seen=seen)
   specs = TrainState(
-    PartitionSpec(),
-    resolve(param_shapes, param_axes, 'parameter'),
-    resolve(opt_shapes, opt_axes, 'optimizer state'),
-    resolve(rest_shapes, rest_axes, 'model state'),
+    PartitionSpec(), model.specs['params'], resolve(opt_shapes, opt_axes, 'optimizer state'), model.specs['model_state']
   )
 
   # Batches: check the global batch against the 'batch' rule first, for the clearest message.
@@ -145,7 +155,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
     rules,
     task,
     make_model,
-    graphdef,
+    model.graphdef,
     tx,
     schedule,
     abstract,

@@ -1,12 +1,12 @@
 r"""Evaluates a trained run or a Hugging Face model on lm-evaluation-harness tasks, sharded as its config says.
 
-  python evaluate.py --init_from HF_DIR_OR_HUB_ID --tasks hellaswag,lambada_openai [--limit 100] [--out results.json]
-  python evaluate.py --workdir RUN [--step N] --tasks my_task --include_path DIR_WITH_TASK_YAMLS
+  python evaluate_lm.py --init_from HF_DIR_OR_HUB_ID --tasks hellaswag,lambada_openai [--limit 100] [--out results.json]
+  python evaluate_lm.py --workdir RUN [--step N] --tasks my_task --include_path DIR_WITH_TASK_YAMLS
       [--num_fewshot K] [--batch_size 8] [--config FILE[:args]] [--config.key=value ...]
 
-The model and its tokenizer are loaded as generate.py loads them (training/generate.py: run_config.json or --config;
+The model and its tokenizer are loaded as generate.py loads them (generation/loading.py: run_config.json or --config;
 a Hugging Face directory with its family's config); the tokenizer must be a Hugging Face one (the run's
-config.dataset.tokenizer, the directory's, or --tokenizer DIR). lm-eval's model adapter is training/harness.py
+config.dataset.tokenizer, the directory's, or --tokenizer DIR). lm-eval's model adapter is generation/lm_eval_model.py
 (loglikelihood, loglikelihood_rolling, generate_until, scored and encoded as lm-eval's Hugging Face backend does).
 Tasks need their data where lm-eval finds it (the Hugging Face cache, or local files named by a task YAML under
 --include_path). Prints lm-eval's results table; --out writes its results as JSON.
@@ -21,8 +21,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import errors
+import generation
 from configs import schema
-from training import generate
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, "The config (default: the run's, or the family's).", lock_config=True)
@@ -47,12 +47,12 @@ def main(argv) -> None:
   import lm_eval  # noqa: PLC0415 (heavy: only here)
   from lm_eval.tasks import TaskManager  # noqa: PLC0415
 
-  from training import harness  # noqa: PLC0415 (imports lm_eval)
+  from generation import lm_eval_model  # noqa: PLC0415 (imports lm_eval)
 
   with errors.one_line():
-    gen, tok = generate.from_flags(FLAGS.config, FLAGS.workdir, FLAGS.step, FLAGS.init_from, FLAGS.tokenizer)
+    gen, tok = generation.from_flags(FLAGS.config, FLAGS.workdir, FLAGS.step, FLAGS.init_from, FLAGS.tokenizer)
     results = lm_eval.simple_evaluate(
-      model=harness.ZooLM(gen, tok, batch_size=FLAGS.batch_size),
+      model=lm_eval_model.ZooLM(gen, tok, batch_size=FLAGS.batch_size),
       tasks=FLAGS.tasks,
       num_fewshot=FLAGS.num_fewshot,
       limit=FLAGS.limit,
@@ -65,4 +65,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, argv=generate.with_family_config(sys.argv), flags_parser=schema.parse_flags)
+  app.run(main, argv=generation.with_family_config(sys.argv), flags_parser=schema.parse_flags)

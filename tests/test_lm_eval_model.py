@@ -1,7 +1,7 @@
-"""lm-eval on a zoo model (training/harness.py): a local task of each request type (multiple choice by
+"""lm-eval on a zoo model (generation/lm_eval_model.py): a local task of each request type (multiple choice by
 loglikelihood, loglikelihood_rolling perplexity, generate_until), over local JSONL files, gives per example the
 results of lm-eval's Hugging Face backend (HFLM) on the same tiny imported GPT-2: loglikelihoods within 1e-4, the
-same greedy flags and the same generated text; evaluate.py runs a task from the command line."""
+same greedy flags and the same generated text; evaluate_lm.py runs a task from the command line."""
 
 import json
 import os
@@ -17,13 +17,14 @@ import pytest  # noqa: E402
 lm_eval = pytest.importorskip('lm_eval')
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+import generation  # noqa: E402
 import partitioning  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
 from data import text  # noqa: E402
+from generation import lm_eval_model  # noqa: E402
 from tests.conftest import ROOT, subprocess_env  # noqa: E402
 from tests.test_hf_export import tiny_gpt2_with_tokenizer  # noqa: E402
 from tests.test_hf_families import zoo_config  # noqa: E402
-from training import generate, harness  # noqa: E402
 
 LL_ATOL = 1e-4
 WORDS = 'the quick brown fox jumps over the lazy dog'.split()
@@ -82,8 +83,8 @@ def test_per_example_results_are_lm_evals_hugging_face_backends(setup):
 
   path, include_path = setup
   cfg = zoo_config(gpt2_config, 'tp,tiny', path, pad_vocab_to=8)
-  gen = generate.load(cfg, partitioning.make_mesh(cfg.mesh))[1]
-  ours = samples(harness.ZooLM(gen, text.HFTokenizer(path), batch_size=4), include_path)
+  gen = generation.load(cfg, partitioning.make_mesh(cfg.mesh))
+  ours = samples(lm_eval_model.ZooLM(gen, text.HFTokenizer(path), batch_size=4), include_path)
   theirs = samples(HFLM(pretrained=path, backend='causal', batch_size=4, device='cpu', dtype='float32'), include_path)
   assert ours.keys() == theirs.keys() == {'zoo_mc', 'zoo_ppl', 'zoo_gen'}
   for task in ours:
@@ -100,11 +101,11 @@ def test_per_example_results_are_lm_evals_hugging_face_backends(setup):
   assert any(r[0][0] for r in ours['zoo_gen'])  # something was generated
 
 
-def test_evaluate_py_runs_a_local_task(setup, tmp_path):
+def test_evaluate_lm_py_runs_a_local_task(setup, tmp_path):
   path, include_path = setup
   out = tmp_path / 'results.json'
   run = subprocess.run(
-    [sys.executable, 'evaluate.py', '--init_from', path, '--tasks', 'zoo_mc', '--include_path', include_path,
+    [sys.executable, 'evaluate_lm.py', '--init_from', path, '--tasks', 'zoo_mc', '--include_path', include_path,
      '--config.model.dtype=float32', '--out', str(out)],
     cwd=ROOT, env={**subprocess_env(), 'HF_DATASETS_OFFLINE': '1'}, capture_output=True, text=True, timeout=300,
   )  # fmt: skip
@@ -127,7 +128,7 @@ def test_scores_and_generations_are_transformers_without_lm_evals_backend(setup)
 
   path, _ = setup
   cfg = zoo_config(gpt2_config, 'tp,tiny', path, pad_vocab_to=8)
-  lm = harness.ZooLM(generate.load(cfg, partitioning.make_mesh(cfg.mesh))[1], text.HFTokenizer(path), batch_size=4)
+  lm = lm_eval_model.ZooLM(generation.load(cfg, partitioning.make_mesh(cfg.mesh)), text.HFTokenizer(path), batch_size=4)
   tok = transformers.AutoTokenizer.from_pretrained(path)
   model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
 

@@ -1,12 +1,12 @@
 """A zoo language model as an lm-evaluation-harness model (`lm_eval.api.model.TemplateLM`), so any lm-eval task
-runs on a trained run or an imported Hugging Face model, sharded as its config says (evaluate.py).
+runs on a trained run or an imported Hugging Face model, sharded as its config says (evaluate_lm.py).
 
 It scores and generates as lm-eval's Hugging Face backend (`lm_eval.models.huggingface.HFLM`) does, so results
 compare one for one: prompts are encoded with the same Hugging Face tokenizer and the same rules (lm-eval's
 TemplateLM splits context and continuation; an empty context is the BOS, else EOS, token; rolling windows of
 max_length tokens), loglikelihoods are sums of float32 log-softmax over the continuation's tokens with the greedy
 flag, and generations are greedy (or sampled when a task asks) up to max_gen_toks with the KV cache
-(training/generate.py), cut at the first stop sequence. The scoring forward pass is one jitted program per
+(generation/engine.py), cut at the first stop sequence. The scoring forward pass is one jitted program per
 (rows, length) bucket, run under the config's rules.
 """
 
@@ -26,17 +26,17 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 import partitioning
 from data import text
 from errors import ConfigError
-from training import generate, tasks
+from generation import engine
 
 DEFAULT_MAX_LENGTH = 2048  # as HFLM where the model names none
 MAX_GEN_TOKS = 256  # HFLM's default
 
 
 class ZooLM(TemplateLM):
-  """`generator` (training/generate.load) and its Hugging Face tokenizer (data.text.HFTokenizer); `batch_size`
+  """`generator` (generation.load) and its Hugging Face tokenizer (data.text.HFTokenizer); `batch_size`
   rows per scoring or generation call."""
 
-  def __init__(self, generator: generate.Generator, tokenizer: Any, *, batch_size: int = 8):
+  def __init__(self, generator: engine.Generator, tokenizer: Any, *, batch_size: int = 8):
     super().__init__()
     if not isinstance(tokenizer, text.HFTokenizer):
       raise ConfigError('lm-eval needs a Hugging Face tokenizer (a local directory), not the byte tokenizer')
@@ -68,7 +68,7 @@ class ZooLM(TemplateLM):
       gen = self.gen
 
       def score(params, model_state, inputs_BL, targets_BL):
-        model = tasks.eval_view(nnx.merge(gen.graphdef, params, model_state, copy=True))
+        model = engine.inference(nnx.merge(gen.graphdef, params, model_state, copy=True))
         out = model(inputs_BL)
         logits_BLV = (out[0] if isinstance(out, tuple) else out).astype(jnp.float32)
         logp_BLV = jax.nn.log_softmax(logits_BLV, axis=-1)
@@ -94,7 +94,7 @@ class ZooLM(TemplateLM):
       conts = [len(cont) for _, _, cont in chunk]
       m = self.gen.row_multiple()
       rows = -(-len(chunk) // m) * m
-      L = min(generate._bucket(max(len(s) - 1 for s in seqs), generate.MIN_PROMPT_BUCKET), self.max_length)
+      L = min(engine.bucket(max(len(s) - 1 for s in seqs), engine.MIN_PROMPT_BUCKET), self.max_length)
       inputs, targets = np.zeros((rows, L), np.int32), np.zeros((rows, L), np.int32)
       for b, s in enumerate(seqs):  # right-padded: causal attention keeps the padding out of every real position
         inputs[b, : len(s) - 1], targets[b, : len(s) - 1] = s[:-1], s[1:]
@@ -132,7 +132,7 @@ class ZooLM(TemplateLM):
       until = lm_utils.handle_stop_sequences(kwargs.pop('until', None), eos=eos)
       new = kwargs.pop('max_gen_toks')
       temperature = float(kwargs.get('temperature', 0.0)) if kwargs.get('do_sample') else 0.0
-      sampling = generate.Sampling(
+      sampling = engine.Sampling(
         max_new_tokens=new, temperature=temperature, top_k=int(kwargs.get('top_k') or 0),
         top_p=float(kwargs.get('top_p') or 1.0), seed=int(kwargs.get('seed') or 0),
       )  # fmt: skip

@@ -1,4 +1,4 @@
-"""Generation with a KV cache (training/generate.py): greedy tokens of models imported from Hugging Face are
+"""Generation with a KV cache (generation/): greedy tokens of models imported from Hugging Face are
 transformers' generate(do_sample=False) in float32 (GPT-2; Llama with grouped-query attention, tied and untied
 heads and llama3 rope scaling; Mixtral), for a batch of prompts of different lengths decoded together; every
 decode step's logits are a full forward pass's over the same tokens; tensor-parallel and FSDP decoding equal one
@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import generation  # noqa: E402
 import partitioning  # noqa: E402
 import train  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
@@ -30,7 +31,7 @@ from errors import ConfigError  # noqa: E402
 from tests.conftest import BACKEND_COMPILE, ROOT, build_trainer, recorded_compile_events, subprocess_env  # noqa: E402
 from tests.test_hf_export import tiny_gpt2_with_tokenizer  # noqa: E402
 from tests.test_hf_families import LLAMA3_ROPE, save, zoo_config  # noqa: E402
-from training import generate, tasks  # noqa: E402
+from training import tasks  # noqa: E402
 
 STEP_ATOL = 1e-5  # a decode step's logits against a full forward pass over the same tokens (fp32)
 PROMPTS = [[5, 17, 3, 9, 22, 41, 7], [12], [8, 30, 2, 2]]  # different lengths, decoded as one left-padded batch
@@ -55,7 +56,7 @@ def zoo(config_file, arg, path, devices=None, **model):
   if devices is not None:
     cfg.mesh.update({k: 1 for k in cfg.mesh})
   mesh = partitioning.make_mesh(cfg.mesh, devices)
-  return generate.load(cfg, mesh)[1]
+  return generation.load(cfg, mesh)
 
 
 def full_forward_logits(gen, rows):
@@ -73,7 +74,7 @@ def full_forward_logits(gen, rows):
 
 
 def check_parity(gen, hf_model, eos=None):
-  got = gen.generate(PROMPTS, generate.Sampling(max_new_tokens=NEW, temperature=0.0), eos, keep_logits=True)
+  got = gen.generate(PROMPTS, generation.Sampling(max_new_tokens=NEW, temperature=0.0), eos, keep_logits=True)
   full = full_forward_logits(gen, [p + g.ids for p, g in zip(PROMPTS, got, strict=True)])
   for b, (p, g) in enumerate(zip(PROMPTS, got, strict=True)):
     assert g.ids == hf_greedy(hf_model, p, eos), p
@@ -164,7 +165,7 @@ def test_mixtral_greedy_is_transformers_and_steps_are_full_forward_passes(tmp_pa
 
 def test_tensor_parallel_and_fsdp_decoding_equal_one_device(llama_dir):
   path, _, _, scan = llama_dir
-  sampling = generate.Sampling(max_new_tokens=NEW, temperature=0.0)
+  sampling = generation.Sampling(max_new_tokens=NEW, temperature=0.0)
   one = zoo(llama_config, 'fsdp,tiny', path, jax.devices()[:1], scan_layers=scan)
   assert one.mesh.size == 1
   ref = one.generate(PROMPTS, sampling, keep_logits=True)
@@ -180,6 +181,46 @@ def test_tensor_parallel_and_fsdp_decoding_equal_one_device(llama_dir):
     assert spec in table and 'KV cache: ' in table, table
 
 
+# --- A decode builds no training machinery ----------------------------------------------------------------------
+
+_DECODE_ONLY = """
+import json, sys
+import jax
+import partitioning
+partitioning.simulate_cpu_devices(8)
+import generation, models
+from checkpointing import hf_config
+from configs import gpt2
+cfg = gpt2.get_config('fsdp_tp,tiny')
+cfg.init_from, cfg.dont_load = sys.argv[1], ''
+hf_config.adopt(cfg, models.HF_FAMILIES)
+gen = generation.load(cfg, partitioning.make_mesh(cfg.mesh))
+gen.generate([[1, 2, 3]], generation.Sampling(2, temperature=0.0))
+print(json.dumps(dict(
+  training=sorted(m for m in sys.modules if m.split('.')[0] == 'training'),
+  weights=sum(x.nbytes for x in jax.tree.leaves((gen.params, gen.model_state))),
+  live=sum(a.nbytes for a in jax.live_arrays()),
+)))
+"""
+
+
+def test_a_decode_imports_no_training_module_and_allocates_only_the_weights(gpt2_dir):
+  """generation.load in a fresh process: no module of training/ is imported (so neither training.optim nor
+  training.accumulate, nor any optimizer state), and the arrays alive after decoding are the weights alone."""
+  r = subprocess.run(
+    [sys.executable, '-c', _DECODE_ONLY, gpt2_dir[0]],
+    cwd=ROOT,
+    env=subprocess_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert r.returncode == 0, r.stderr[-3000:]
+  got = json.loads(r.stdout.strip().splitlines()[-1])
+  assert got['training'] == [], got['training']  # training.optim, training.accumulate among them
+  assert got['live'] == got['weights'] > 0, got
+
+
 # --- Sampling, stop tokens, bad input -------------------------------------------------------------------
 
 
@@ -189,7 +230,7 @@ def gpt2_gen(gpt2_dir):
 
 
 def test_sampling_is_seeded_and_cut_by_top_k_and_top_p(gpt2_gen):
-  run = lambda **kw: gpt2_gen.generate(PROMPTS, generate.Sampling(NEW, **kw), keep_logits=True)  # one compile each
+  run = lambda **kw: gpt2_gen.generate(PROMPTS, generation.Sampling(NEW, **kw), keep_logits=True)  # one compile each
   ids = lambda **kw: [g.ids for g in run(**kw)]
   greedy = ids(temperature=0.0)
   assert ids(seed=3) == ids(seed=3) != ids(seed=4)
@@ -207,13 +248,13 @@ def test_sampling_is_seeded_and_cut_by_top_k_and_top_p(gpt2_gen):
 
 
 def test_a_row_stops_at_its_own_stop_token(gpt2_gen):
-  greedy = [g.ids for g in gpt2_gen.generate(PROMPTS, generate.Sampling(NEW, temperature=0.0))]
+  greedy = [g.ids for g in gpt2_gen.generate(PROMPTS, generation.Sampling(NEW, temperature=0.0))]
   stop = greedy[0][2]
-  got = gpt2_gen.generate(PROMPTS, generate.Sampling(NEW, temperature=0.0), [stop, None, None])
+  got = gpt2_gen.generate(PROMPTS, generation.Sampling(NEW, temperature=0.0), [stop, None, None])
   assert got[0].ids == greedy[0][: greedy[0].index(stop) + 1]
   assert [g.ids for g in got[1:]] == greedy[1:]
   with recorded_compile_events() as compiles:  # max_new_tokens is traced: the bucket's program serves 3 as 6
-    shorter = gpt2_gen.generate(PROMPTS, generate.Sampling(3, temperature=0.0))
+    shorter = gpt2_gen.generate(PROMPTS, generation.Sampling(3, temperature=0.0))
   assert [g.ids for g in shorter] == [g[:3] for g in greedy] and BACKEND_COMPILE not in compiles, compiles
 
 
@@ -232,12 +273,12 @@ def test_bad_input_is_one_line(gpt2_gen):
   ]
   for kw, prompts, match in cases:
     with pytest.raises(ConfigError, match=match):
-      gpt2_gen.generate(prompts, generate.Sampling(**kw))
+      gpt2_gen.generate(prompts, generation.Sampling(**kw))
   cfg = vit_config.get_config('dp,tiny')
   with pytest.raises(
     ConfigError, match=r"^config.task='classification' \(model 'vit'\): generation needs a language model"
   ):
-    generate.decode_config(cfg)
+    generation.decode_config(cfg)
 
 
 # --- generate.py ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Generation from a language model with a KV cache placed by the config's rules.
+"""The decoding engine: a language model continued token by token with a KV cache placed by the rules.
 
 Prompts are left-padded to a common length P (a bucket: a power of two, at least 8), so every row's last prompt
 token sits in slot P-1 and every row writes the same cache slot at each step; each row keeps its own positions
@@ -10,7 +10,8 @@ slots, is P + max_new_tokens rounded up to a power of two, and max_new_tokens it
 The cache (per layer: keys and values, (B, G, S, K) each; scanned stacks add a leading 'layers' axis) names the
 logical axes of models/layers.CACHE_AXES: 'cache_batch', 'cache_heads', 'cache_length', 'cache_kv'. The config's
 `logical_axis_rules` place it (the presets map them like 'batch', None, 'kv_heads', 'kv'), or `config.decode_rules`,
-a whole rule list used instead of the training rules for decoding (the parameters are loaded in its layout too).
+a whole rule list used instead of the training rules for decoding (generation/loading.py loads the parameters in
+its layout too).
 
 Sampling (`Sampling`): greedy at temperature 0; else softmax(logits / temperature), optionally cut to the top_k
 tokens and to the smallest set whose probability reaches top_p, sampled with a key folded from the seed, the step
@@ -20,29 +21,19 @@ and the row: the same seed gives the same tokens.
 from __future__ import annotations
 
 import dataclasses
-import glob
-import json
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-import errors
-import models
 import partitioning
-from configs import schema
-from data import text
 from errors import ConfigError
-from models import hf_import
 from models.layers import CACHE_AXES, Attention, Decoding
-from training import checkpoint, export, pretrained, tasks, trainer
 
 MIN_PROMPT_BUCKET = 8
 
@@ -68,7 +59,8 @@ class Sampling:
       raise ConfigError(f'top_p={self.top_p}: must be in (0, 1] (1 keeps every token)')
 
 
-def _bucket(n: int, least: int = 1) -> int:
+def bucket(n: int, least: int = 1) -> int:
+  """The power of two at or above n (at least `least`): one compile serves every length up to it."""
   return max(least, 1 << max(0, n - 1).bit_length())
 
 
@@ -145,8 +137,9 @@ class Generated:
 
 
 class Generator:
-  """Decodes a model (graphdef + weights, as a Trainer splits them) with a KV cache. With `rules` and `mesh`
-  the model runs under them (parameters already placed so); without, on whatever the weights live on."""
+  """Decodes a model (graphdef + weights: pure dicts of its parameters and other variables, as nnx.split gives
+  them) with a KV cache. With `rules` and `mesh` the model runs under them (parameters already placed so);
+  without, on whatever the weights live on."""
 
   def __init__(
     self,
@@ -192,8 +185,8 @@ class Generator:
         )
     m = self.row_multiple()
     rows = -(-len(prompts) // m) * m
-    P = _bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
-    return rows, P, _bucket(P + sampling.max_new_tokens)
+    P = bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
+    return rows, P, bucket(P + sampling.max_new_tokens)
 
   def cache_table(self, rows: int, slots: int) -> str:
     """The cache's sharding table (path, shape, logical axes, spec, bytes per device) under the rules."""
@@ -224,7 +217,7 @@ class Generator:
 
     def run(params, model_state, tokens_BP, pad_B, stop_B, live_B, key, temperature, top_p, max_new):
       def model():  # merged where it runs: a scanned stack's nnx.scan refuses Variables of an outer trace level
-        return tasks.eval_view(nnx.merge(graphdef, params, model_state, copy=True))
+        return inference(nnx.merge(graphdef, params, model_state, copy=True))
 
       valid_BS = jnp.arange(S)[None, :] >= pad_B[:, None]  # the slots of real tokens (as they are written)
       pos_BP = jnp.maximum(jnp.arange(P)[None, :] - pad_B[:, None], 0)
@@ -312,152 +305,24 @@ class Generator:
     return results
 
 
-def for_trainer(trainer: Any, params: Any, model_state: Any) -> Generator:
-  """A Generator under the trainer's rules and mesh (build it from decode_config for config.decode_rules)."""
-  return Generator(
-    trainer.graphdef,
-    params,
-    model_state,
-    rules=trainer.rules,
-    mesh=trainer.mesh,
-    max_len=trainer.config.model.get('max_len'),
-    vocab=trainer.config.model.get('vocab_size'),
+def inference(model: nnx.Module) -> nnx.Module:
+  """The model in inference mode (flax's Module.eval: dropout off, BatchNorm on its averages), in place: call it on
+  a merged copy."""
+  model.eval()
+  return model
+
+
+def sample(request: Any) -> np.ndarray:
+  """The end-of-run sample train.py asks for (training/run.py SampleRequest: the trained weights under the
+  trainer's rules, prompt rows, new_tokens, seed): the new_tokens ids sampled after each row (temperature 1)."""
+  gen = Generator(
+    request.graphdef,
+    request.params,
+    request.model_state,
+    rules=request.rules,
+    mesh=request.mesh,
+    max_len=request.max_len,
+    vocab=request.vocab,
   )
-
-
-def decode_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The config a decoding Trainer is built from: config.decode_rules (when set) in place of the training rules,
-  so the parameters are loaded in the layout decoding runs in. ConfigError for a run that is not a language
-  model."""
-  if config.get('task', 'lm') != 'lm':
-    raise ConfigError(
-      f'config.task={config.task!r} (model {config.model.get("name")!r}): generation needs a language model '
-      "(task 'lm': gpt2, llama, moe)"
-    )
-  config = ml_collections.ConfigDict(config.to_dict())
-  max_len = config.model.get('max_len')
-  if config.get('dataset') and max_len and config.dataset.get('seq_len', 0) > max_len:
-    config.dataset.seq_len = max_len  # the training batch is never made here: only its checks run in build
-  if config.get('decode_rules'):
-    config.logical_axis_rules = [tuple(r) for r in config.decode_rules]
-  return config
-
-
-def load(
-  config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoints: str | None = None
-) -> tuple[trainer.Trainer, Generator]:
-  """(the decoding Trainer, a Generator) for a run's checkpoint (`checkpoints`: its checkpoint directory, latest
-  step, or one step's), else for config.init_from (a Hugging Face directory whose config.json was adopted, or a
-  params-only checkpoint of this project); weights are read straight into the decoding layout (decode_config)."""
-  config = decode_config(config)
-  tr = trainer.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
-  cache_layout(nnx.eval_shape(lambda: tr.make_model(nnx.Rngs(0))))  # a model that cannot decode: one line
-  if checkpoints is not None:
-    weights, _ = checkpoint.load_weights(checkpoints, tr, model_state=True)
-    params, model_state = weights['params'], weights['model_state']
-  elif hf_import.is_hf_dir(config.get('init_from') or ''):
-    got = hf_import.import_weights(
-      hf_import.HFDir(config.init_from),
-      pretrained.hf_family(config, models.HF_FAMILIES),
-      config.model,
-      tr.abstract.params,
-      tr.shardings.params,
-      tr.abstract.model_state,
-      tr.shardings.model_state,
-    )
-    params, model_state = got.params, got.model_state
-  elif config.get('init_from'):
-    params, model_state = checkpoint.load_params(config.init_from, tr), {}
-  else:
-    raise ConfigError('nothing to generate from: give a run (its checkpoints) or config.init_from')
-  return tr, for_trainer(tr, params, model_state)
-
-
-# The config file a Hugging Face directory's model_type is generated with, when none is given (generate.py).
-FAMILY_CONFIGS = {'gpt2': 'configs/gpt2.py', 'llama': 'configs/llama.py', 'mixtral': 'configs/moe.py'}
-
-
-def family_config(hf_dir: str) -> str:
-  """configs/<family>.py for a Hugging Face directory (its config.json's model_type)."""
-  with open(os.path.join(hf_dir, 'config.json')) as f:
-    model_type = json.load(f).get('model_type')
-  if model_type not in FAMILY_CONFIGS:
-    raise ConfigError(
-      f'{hf_dir}: model_type={model_type!r} is not a language model the zoo generates with; '
-      f'known: {sorted(FAMILY_CONFIGS)}'
-    )
-  return FAMILY_CONFIGS[model_type]
-
-
-def tokenizer(config: ml_collections.ConfigDict, *, given: str | None = None, hf_dir: str | None = None) -> Any:
-  """What prompts are encoded and ids decoded with: `given` ('byte' or a local Hugging Face tokenizer directory),
-  else the Hugging Face directory's own tokenizer, else the run's (config.dataset.tokenizer). ConfigError naming
-  what is missing."""
-  if given:
-    return text.tokenizer(given)
-  if hf_dir:
-    if not any(glob.glob(os.path.join(glob.escape(hf_dir), p)) for p in hf_import.TOKENIZER_FILES):
-      raise ConfigError(
-        f'{hf_dir} has no tokenizer files ({", ".join(hf_import.TOKENIZER_FILES)}): save the tokenizer there '
-        '(tokenizer.save_pretrained) or give --tokenizer DIR'
-      )
-    return text.HFTokenizer(hf_dir)
-  spec = (config.get('dataset') or {}).get('tokenizer')
-  if not spec:
-    raise ConfigError(
-      f'the run has no tokenizer (config.dataset.name={config.dataset.get("name")!r} makes token ids, not text): '
-      'give --tokenizer DIR (a local Hugging Face tokenizer) or --tokenizer byte'
-    )
-  return text.tokenizer(spec)
-
-
-def encode(tok: Any, prompt: str) -> list[int]:
-  """A prompt's ids: a Hugging Face tokenizer adds its special tokens (e.g. Llama's <s>) as transformers does when
-  it generates; the byte tokenizer gives the bytes."""
-  if isinstance(tok, text.HFTokenizer):
-    return list(tok.tok(prompt)['input_ids'])
-  return [int(i) for i in tok.encode(prompt)]
-
-
-def with_family_config(argv: list[str]) -> list[str]:
-  """An entry point's argv (generate.py, evaluate.py) with --init_from and no --config: the family's config file
-  (by config.json's model_type) added as --config, so --config.* overrides apply to it."""
-  given = lambda name: any(a == f'--{name}' or a.startswith(f'--{name}=') for a in argv)
-  if given('config') or not given('init_from'):
-    return argv
-  i = next(i for i, a in enumerate(argv) if a == '--init_from' or a.startswith('--init_from='))
-  source = argv[i].split('=', 1)[1] if '=' in argv[i] else (argv[i + 1] if i + 1 < len(argv) else '')
-  with errors.one_line():  # HFImportError is a ConfigError
-    path = hf_import.resolve(source)
-    if not hf_import.is_hf_dir(path):
-      raise ConfigError(f'--init_from={source!r} is not a Hugging Face model directory (config.json + safetensors)')
-    file = family_config(path)
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return argv[:1] + [f'--config={os.path.join(root, file)}'] + argv[1:]
-
-
-def from_flags(
-  config: ml_collections.ConfigDict | None,
-  workdir: str | None,
-  step: int | None,
-  init_from: str | None,
-  tokenizer_dir: str | None = None,
-) -> tuple[Generator, Any]:
-  """What generate.py and evaluate.py decode with: (Generator, tokenizer) for a run (`workdir`: its config from
-  run_config.json unless `config` is given; the latest checkpoint, or `step`'s) or a Hugging Face directory / hub
-  id (`init_from`, architecture adopted into `config`), on the config's mesh fitted to the devices here."""
-  hf_dir, checkpoints = None, None
-  if workdir:
-    config = config or export.load_run_config(workdir)
-    checkpoints = os.path.join(workdir, 'checkpoints', *([str(step)] if step is not None else []))
-  else:
-    config.init_from = hf_dir = hf_import.resolve(init_from)
-    config.dont_load = ''
-    pretrained.adopt_hf_config(config, models.HF_FAMILIES)
-  schema.check(config)
-  tok = tokenizer(config, given=tokenizer_dir, hf_dir=hf_dir)
-  mesh, note = partitioning.start_mesh(config.mesh)
-  if note:
-    print(f'WARNING {note}')
-  print(f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices')
-  return load(config, mesh, checkpoints=checkpoints)[1], tok
+  out = gen.generate(request.prompts.tolist(), Sampling(request.new_tokens, temperature=1.0, seed=request.seed))
+  return np.asarray([g.ids for g in out], np.int32)

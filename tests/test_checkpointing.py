@@ -1,5 +1,7 @@
-"""Checkpoints: restore exactly, onto other meshes and rules, params only; clear errors for bad input."""
+"""Checkpoints (checkpointing/): restore exactly, onto other meshes and rules, params only; clear errors for bad
+input."""
 
+import inspect
 import json
 import os
 import re
@@ -9,11 +11,14 @@ import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import data
+from checkpointing import checkpointer, weights
+from errors import CheckpointError, DamagedCheckpointError
 from tests.conftest import ROOT, build_trainer, subprocess_env, tiny_config, train_on_random_batches
-from training import checkpoint
+from training.trainer import state_tree
 
 
 class _Iter:
@@ -51,11 +56,11 @@ def saved(tmp_path_factory):
   directory = str(tmp_path_factory.mktemp('ckpt'))
   trainer = build_trainer(tiny_config('fsdp_tp'))
   _, state = train_on_random_batches(trainer, 2)
-  ckpt = checkpoint.Checkpointer(directory, every_steps=1, keep=2)
-  ckpt.save(2, state, _Iter(7))
+  ckpt = checkpointer.Checkpointer(directory, every_steps=1, keep=2)
+  ckpt.save(2, state_tree(state), _Iter(7))
   ckpt.wait()
   ckpt.close()
-  return directory, jax.device_get(state)
+  return directory, jax.device_get(state_tree(state))
 
 
 def _assert_equal(a, b):
@@ -66,12 +71,14 @@ def test_restore_is_exact_and_restores_the_data_position(saved):
   directory, expected = saved
   trainer = build_trainer(tiny_config('fsdp_tp'))
   it = _Iter()
-  with checkpoint.Checkpointer(directory, every_steps=1, keep=2) as ckpt:
-    state = ckpt.restore(trainer, it)
+  with checkpointer.Checkpointer(directory, every_steps=1, keep=2) as ckpt:
+    state = ckpt.restore(trainer.checkpoint_target(), it)
   _assert_equal(state, expected)
-  assert it.pos == 7 and int(state.step) == 2
+  assert it.pos == 7 and int(state['step']) == 2
   jax.tree.map(
-    lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(str(x.sharding)), state, trainer.shardings
+    lambda x, s: x.sharding.is_equivalent_to(s, x.ndim) or pytest.fail(str(x.sharding)),
+    state,
+    state_tree(trainer.shardings),
   )
 
 
@@ -89,10 +96,10 @@ def test_restore_onto_other_mesh_and_rules(saved, preset, num_devices):
     else cfg.mesh
   )
   trainer = build_trainer(cfg, jax.devices()[:num_devices])
-  with checkpoint.Checkpointer(directory, every_steps=1, keep=2) as ckpt:
-    state = ckpt.restore(trainer, _Iter())
+  with checkpointer.Checkpointer(directory, every_steps=1, keep=2) as ckpt:
+    state = ckpt.restore(trainer.checkpoint_target(), _Iter())
   _assert_equal(state, expected)
-  kernel = state.params['blocks']['layers'][0]['mlp']['up']['layer']['kernel']
+  kernel = state['params']['blocks']['layers'][0]['mlp']['up']['layer']['kernel']
   assert kernel.sharding.mesh.size == num_devices
   assert kernel.sharding.spec == trainer.specs.params['blocks']['layers'][0]['mlp']['up']['layer']['kernel']
 
@@ -100,8 +107,8 @@ def test_restore_onto_other_mesh_and_rules(saved, preset, num_devices):
 def test_params_only_for_fine_tuning(saved):
   directory, expected = saved
   trainer = build_trainer(tiny_config('tp'))
-  params = checkpoint.load_params(directory, trainer)
-  _assert_equal(params, expected.params)
+  params = weights.load_params(directory, trainer.checkpoint_target()['params'])
+  _assert_equal(params, expected['params'])
 
 
 def test_checkpoint_of_another_model_names_the_first_mismatch(saved):
@@ -114,34 +121,34 @@ def test_checkpoint_of_another_model_names_the_first_mismatch(saved):
     r'the checkpoint has \(128, 64\)'
   )
   with (
-    checkpoint.Checkpointer(directory, every_steps=1, keep=2) as ckpt,
-    pytest.raises(checkpoint.CheckpointError, match=msg),
+    checkpointer.Checkpointer(directory, every_steps=1, keep=2) as ckpt,
+    pytest.raises(CheckpointError, match=msg),
   ):
-    ckpt.restore(trainer, _Iter())
-  with pytest.raises(checkpoint.CheckpointError, match=msg):
-    checkpoint.load_params(directory, trainer)
+    ckpt.restore(trainer.checkpoint_target(), _Iter())
+  with pytest.raises(CheckpointError, match=msg):
+    weights.load_params(directory, trainer.checkpoint_target()['params'])
 
 
 def test_missing_and_corrupt_checkpoints_are_clear_errors(saved, tmp_path):
   directory, _ = saved
   trainer = build_trainer(tiny_config('fsdp_tp'))
   with (
-    checkpoint.Checkpointer(str(tmp_path / 'empty'), every_steps=1, keep=2) as ckpt,
-    pytest.raises(checkpoint.CheckpointError, match='no checkpoint in'),
+    checkpointer.Checkpointer(str(tmp_path / 'empty'), every_steps=1, keep=2) as ckpt,
+    pytest.raises(CheckpointError, match='no checkpoint in'),
   ):
-    ckpt.restore(trainer, _Iter())
-  with pytest.raises(checkpoint.CheckpointError, match='no checkpoint there'):
-    checkpoint.load_params(str(tmp_path / 'nothing'), trainer)
+    ckpt.restore(trainer.checkpoint_target(), _Iter())
+  with pytest.raises(CheckpointError, match='no checkpoint there'):
+    weights.load_params(str(tmp_path / 'nothing'), trainer.checkpoint_target()['params'])
   # Garbage metadata, and truncated array data: both are errors, never a silent fresh start.
   for name, corrupt in CORRUPTIONS:
     broken = tmp_path / name
     shutil.copytree(directory, broken)
     corrupt(broken / '2' / 'state')
     with (
-      checkpoint.Checkpointer(str(broken), every_steps=1, keep=2) as ckpt,
-      pytest.raises(checkpoint.CheckpointError, match=r'checkpoint .*/2 (is missing or corrupt|could not be restored)'),
+      checkpointer.Checkpointer(str(broken), every_steps=1, keep=2) as ckpt,
+      pytest.raises(CheckpointError, match=r'checkpoint .*/2 (is missing or corrupt|could not be restored)'),
     ):
-      ckpt.restore(trainer, _Iter())
+      ckpt.restore(trainer.checkpoint_target(), _Iter())
 
 
 def test_unreadable_array_data_is_a_one_line_checkpoint_error_when_loading_weights(saved, monkeypatch):
@@ -156,20 +163,20 @@ def test_unreadable_array_data_is_a_one_line_checkpoint_error_when_loading_weigh
     except ValueError as e:
       raise Exception("Encountered error while reading array index: ... TensorStore({'base': ...})") from e
 
-  monkeypatch.setattr(checkpoint.ocp.PyTreeCheckpointHandler, 'restore', unreadable)
+  monkeypatch.setattr(ocp.PyTreeCheckpointHandler, 'restore', unreadable)
   with pytest.raises(
-    checkpoint.CheckpointError,
+    CheckpointError,
     match=r'^checkpoint .*/2 could not be restored: OUT_OF_RANGE: '
     r'Error reading "params.embed" in OCDBT database$',
   ):
-    checkpoint.load_params(directory, trainer)
+    weights.load_params(directory, trainer.checkpoint_target()['params'])
   monkeypatch.setattr(
-    checkpoint.ocp.PyTreeCheckpointHandler,
+    ocp.PyTreeCheckpointHandler,
     'restore',
     lambda *a, **k: (_ for _ in ()).throw(KeyError('a bug, not damage')),
   )
   with pytest.raises(KeyError, match='a bug, not damage'):
-    checkpoint.load_params(directory, trainer)
+    weights.load_params(directory, trainer.checkpoint_target()['params'])
 
 
 def test_damaged_latest_checkpoint_falls_back_and_is_kept(saved, tmp_path):
@@ -182,16 +189,16 @@ def test_damaged_latest_checkpoint_falls_back_and_is_kept(saved, tmp_path):
     shutil.copytree(directory, d)
     shutil.copytree(d / '2', d / '4')
     corrupt(d / '4' / 'state')
-    ckpt = checkpoint.Checkpointer(str(d), every_steps=1, keep=2)
+    ckpt = checkpointer.Checkpointer(str(d), every_steps=1, keep=2)
     with pytest.raises(
-      checkpoint.CheckpointError,
+      CheckpointError,
       match=rf'checkpoint {d}/4 (is missing or corrupt|could not be '
       r'restored).*\(config.resume_fallback=True resumes from',
     ):
-      ckpt.restore_latest(trainer, _Iter(), fallback=False)
+      ckpt.restore_latest(trainer.checkpoint_target(), _Iter(), fallback=False)
     assert (d / '4').is_dir()
     it = _Iter()
-    state, warnings = ckpt.restore_latest(trainer, it)
+    state, warnings = ckpt.restore_latest(trainer.checkpoint_target(), it)
     _assert_equal(state, expected)
     assert it.pos == 7 and ckpt.latest_step() == 2, name
     assert len(warnings) == 1 and re.match(
@@ -209,9 +216,9 @@ def test_damaged_latest_checkpoint_falls_back_and_is_kept(saved, tmp_path):
     only = tmp_path / f'{name}_only'
     shutil.copytree(directory, only)
     corrupt(only / '2' / 'state')
-    ckpt = checkpoint.Checkpointer(str(only), every_steps=1, keep=2)
-    with pytest.raises(checkpoint.CheckpointError, match=r'no older checkpoint can be read either'):
-      ckpt.restore_latest(trainer, _Iter())
+    ckpt = checkpointer.Checkpointer(str(only), every_steps=1, keep=2)
+    with pytest.raises(CheckpointError, match=r'no older checkpoint can be read either'):
+      ckpt.restore_latest(trainer.checkpoint_target(), _Iter())
     assert (only / '2' / 'state').is_dir() and ckpt.latest_step() == 2
     ckpt.close()
 
@@ -229,11 +236,11 @@ def test_checkpoint_of_another_optimizer_is_a_config_error_not_damage(saved, ove
   directory, _ = saved
   cfg = tiny_config('fsdp_tp')
   cfg.update_from_flattened_dict(override)
-  ckpt = checkpoint.Checkpointer(directory, every_steps=1, keep=2)
-  with pytest.raises(checkpoint.CheckpointError) as info:
-    ckpt.restore_latest(build_trainer(cfg), _Iter())
+  ckpt = checkpointer.Checkpointer(directory, every_steps=1, keep=2)
+  with pytest.raises(CheckpointError) as info:
+    ckpt.restore_latest(build_trainer(cfg).checkpoint_target(), _Iter())
   ckpt.close()
-  assert not isinstance(info.value, checkpoint.DamagedCheckpointError)
+  assert not isinstance(info.value, DamagedCheckpointError)
   assert re.fullmatch(
     rf"checkpoint {directory}/2: optimizer state 'opt_state/{first}' \(shape \([\d, ]*\)\) is "
     r"missing from the checkpoint; the checkpoint has instead e.g. \['opt_state/1/0/count', .*\]\. Was it "
@@ -263,27 +270,27 @@ def test_a_missing_data_position_is_damage_and_another_batch_size_names_the_chec
   (d / '4' / 'data' / 'process_0-of-1.json').unlink()
   source.close()
   trainer = build_trainer(cfg)
-  ckpt = checkpoint.Checkpointer(str(d), every_steps=1, keep=2)
+  ckpt = checkpointer.Checkpointer(str(d), every_steps=1, keep=2)
   wide = rows_iter(32)
   other_batch = (
     f'checkpoint {d}/2: the saved data position is for a global batch of 16 (unpacked); this run '
     'reads 32 (unpacked): resume with the batch size it was saved with'
   )
-  with pytest.raises(checkpoint.CheckpointError, match=f'^{re.escape(other_batch)}$'):  # from metadata: train.py
-    ckpt.check(trainer, 2, data_iter=wide)  # says so before compiling
-  ckpt.check(trainer, 4, data_iter=wide)  # no position there: damage, for the restore to meet
-  with pytest.raises(checkpoint.CheckpointError) as info:
-    ckpt.restore_latest(trainer, wide)
+  with pytest.raises(CheckpointError, match=f'^{re.escape(other_batch)}$'):  # from metadata: train.py
+    ckpt.check(trainer.checkpoint_target(), 2, data_iter=wide)  # says so before compiling
+  ckpt.check(trainer.checkpoint_target(), 4, data_iter=wide)  # no position there: damage, for the restore to meet
+  with pytest.raises(CheckpointError) as info:
+    ckpt.restore_latest(trainer.checkpoint_target(), wide)
   wide.close()
-  assert not isinstance(info.value, checkpoint.DamagedCheckpointError)
+  assert not isinstance(info.value, DamagedCheckpointError)
   assert str(info.value) == other_batch
   missing = f'checkpoint {d}/4 is missing or corrupt: the data position in {d}/4/data is missing'
   it = rows_iter(16)
-  with pytest.raises(checkpoint.DamagedCheckpointError, match=rf'^{missing} .*\(config.resume_fallback=True'):
-    ckpt.restore_latest(trainer, it, fallback=False)
+  with pytest.raises(DamagedCheckpointError, match=rf'^{missing} .*\(config.resume_fallback=True'):
+    ckpt.restore_latest(trainer.checkpoint_target(), it, fallback=False)
   assert sorted(p.name for p in d.iterdir()) == ['2', '4']
-  state, warnings = ckpt.restore_latest(trainer, it)
-  assert int(state.step) == 2 and len(warnings) == 1 and warnings[0].startswith(missing), warnings
+  state, warnings = ckpt.restore_latest(trainer.checkpoint_target(), it)
+  assert int(state['step']) == 2 and len(warnings) == 1 and warnings[0].startswith(missing), warnings
   assert warnings[0].endswith(f'moved aside to {d}/4.damaged (not deleted); resumed from step 2'), warnings
   jax.tree.map(np.testing.assert_array_equal, next(it), batches[3])
   it.close()
@@ -300,9 +307,9 @@ def test_a_save_cut_short_is_never_picked_up_and_is_cleaned_up(saved, tmp_path):
   shutil.copytree(d / '2', d / '6.orbax-checkpoint-tmp')
   CORRUPTIONS[1][1](d / '6.orbax-checkpoint-tmp' / 'state')  # its data half-written
   (d / '6.orbax-checkpoint-tmp' / 'commit_success.txt').unlink()
-  ckpt = checkpoint.Checkpointer(str(d), every_steps=1, keep=2)
+  ckpt = checkpointer.Checkpointer(str(d), every_steps=1, keep=2)
   it = _Iter()
-  state, warnings = ckpt.restore_latest(build_trainer(tiny_config('fsdp_tp')), it)
+  state, warnings = ckpt.restore_latest(build_trainer(tiny_config('fsdp_tp')).checkpoint_target(), it)
   _assert_equal(state, expected)
   assert warnings == [] and it.pos == 7 and ckpt.manager.all_steps() == [2]
   assert ckpt.save(4, state, it)
@@ -312,14 +319,13 @@ def test_a_save_cut_short_is_never_picked_up_and_is_cleaned_up(saved, tmp_path):
 
 def test_small_replicated_arrays_are_written_by_one_replica_and_big_ones_by_all(tmp_path, caplog):
   """Orbax cuts a replicated array into one slice per replica, each by an eager slice compiled per (shape,
-  device). Under checkpoint.MIN_REPLICA_SLICE_BYTES per slice an array is written whole (nothing compiled);
+  device). Under checkpointer.MIN_REPLICA_SLICE_BYTES per slice an array is written whole (nothing compiled);
   above it every replica writes its slice (8 slice programs here). Both restore exactly."""
-  import orbax.checkpoint as ocp
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   replicated = NamedSharding(jax.make_mesh((8,), ('data',)), P())
-  n_big = 8 * (checkpoint.MIN_REPLICA_SLICE_BYTES // 4 + 3)  # shapes no other test slices
+  n_big = 8 * (checkpointer.MIN_REPLICA_SLICE_BYTES // 4 + 3)  # shapes no other test slices
   tree = {
     'small': jax.device_put(np.arange(8 * 37, dtype=np.float32), replicated),
     'big': jax.device_put(np.arange(n_big, dtype=np.float32), replicated),
@@ -337,20 +343,36 @@ def test_small_replicated_arrays_are_written_by_one_replica_and_big_ones_by_all(
   _assert_equal(restored, jax.device_get(tree))
 
 
+def test_the_private_orbax_paths_the_checkpointer_uses_are_there():
+  """checkpointer.write_small_replicated_arrays_whole is the one private use of orbax (written against 0.12.8):
+  an orbax that moves these paths fails here, by name, and the handler registered for jax.Arrays is the one it
+  made (orbax's public get_type_handler)."""
+  from orbax.checkpoint._src.metadata import array_metadata_store
+  from orbax.checkpoint._src.serialization import type_handler_registry
+
+  assert isinstance(array_metadata_store.Store(), array_metadata_store.Store)
+  add = type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add
+  assert {'override', 'ignore_warnings'} <= set(inspect.signature(add).parameters)
+  registered = ocp.type_handlers.get_type_handler(jax.Array)
+  checkpointer.write_small_replicated_arrays_whole()
+  again = ocp.type_handlers.get_type_handler(jax.Array)
+  assert isinstance(again, ocp.type_handlers.ArrayHandler) and again is not registered
+
+
 _FALL_BACK = """
 import gc, sys
 from tests.conftest import build_trainer, tiny_config
-from tests.test_checkpoint import _Iter
-from training import checkpoint
-with checkpoint.Checkpointer(sys.argv[1], every_steps=1, keep=2) as ckpt:
-  state, warnings = ckpt.restore_latest(build_trainer(tiny_config('fsdp_tp')), _Iter())
+from checkpointing import checkpointer
+from tests.test_checkpointing import _Iter
+with checkpointer.Checkpointer(sys.argv[1], every_steps=1, keep=2) as ckpt:
+  state, warnings = ckpt.restore_latest(build_trainer(tiny_config('fsdp_tp')).checkpoint_target(), _Iter())
 gc.collect()  # the asyncio tasks of the reads orbax abandoned are collected; the rest finish as the process exits
-print(int(state.step), len(warnings))
+print(int(state["step"]), len(warnings))
 """
 
 
 def test_only_tensorstore_completions_into_a_closed_loop_are_dropped():
-  """checkpoint._AbandonedReads.install: a TensorStore future's completion scheduled into a closed event loop
+  """checkpointing.storage.AbandonedReads.install: a TensorStore future's completion scheduled into a closed event loop
   returns None (orbax abandoned the read); any other call into a closed loop raises as asyncio does, and an open
   loop schedules both."""
   import asyncio
@@ -405,8 +427,8 @@ def test_any_error_reading_a_data_position_is_damage_and_falls_back(saved, tmp_p
   shutil.copytree(d / '2', d / '4')
   (d / '4' / 'data' / 'process_0-of-1.json').write_text('[1, 2]')
   it = _Iter()
-  with checkpoint.Checkpointer(str(d), every_steps=1, keep=2) as ckpt:
-    state, warnings = ckpt.restore_latest(build_trainer(tiny_config('fsdp_tp')), it)
+  with checkpointer.Checkpointer(str(d), every_steps=1, keep=2) as ckpt:
+    state, warnings = ckpt.restore_latest(build_trainer(tiny_config('fsdp_tp')).checkpoint_target(), it)
   _assert_equal(state, expected)
   assert it.pos == 7 and len(warnings) == 1, warnings
   assert re.fullmatch(

@@ -1,7 +1,8 @@
-"""Checkpoints with orbax: asynchronous saves every N steps, keep the last K, exact resumption
-(train state + each process's data-iterator position), restore onto any mesh and rules, and
-params-only initialisation for fine-tuning. (SIGTERM handling: training/preemption.py; merged LoRA export:
-training/export.py.)
+"""Checkpoints of a whole train state with orbax: asynchronous saves every N steps, keep the last K, exact resumption
+(the state + each process's data-iterator position), restore onto any mesh and rules. Written against trees: the
+state is a dict {'step', 'params', 'opt_state', 'model_state'} of global jax.Arrays, restored into targets of the
+same keys (jax.ShapeDtypeStructs carrying their NamedShardings); training converts its TrainState. (Weights alone:
+checkpointing/weights.py; disk faults: checkpointing/storage.py.)
 
 Faults (docs/checkpoint_faults.md). Every array's checksum is computed on the devices and saved with it. A restore
 is agreed between processes: each reads the step, says whether it could, and all take the same step or all fall
@@ -10,7 +11,7 @@ aside by process 0 and the previous one resumed (restore_latest). Disk trouble (
 little space for the checkpoints to come, a disk that fills up mid-save) is one StorageError naming the directory,
 the step, the OS error and the last good checkpoint; orbax's own tracebacks go to <workdir>/orbax_errors.log.
 
-Layout: <workdir>/checkpoints/<step>/{state, data, checksums}. 'state' is the TrainState as a dict of
+Layout: <workdir>/checkpoints/<step>/{state, data, checksums}. 'state' is that dict of
 global jax.Arrays (orbax writes each process's shards); 'data' is each process's data position
 (one JSON file per process, naming the rows of the global batch it holds: DataPositionHandler); 'checksums' one
 uint32 per array of 'state'. Orbax writes a step into <step>.orbax-checkpoint-tmp and renames it to
@@ -21,20 +22,15 @@ Checkpointer opens the directory.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import errno
 import functools
 import json
-import logging
-import math
 import os
 import re
 import shutil
-import sys
-import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grain
@@ -44,208 +40,47 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-# orbax's own pieces for its default jax.Array handler (no public path): the array-metadata store it keeps, and
-# the registry's add() that replaces a handler without logging a warning on every start.
-from orbax.checkpoint._src.metadata import array_metadata_store
-from orbax.checkpoint._src.serialization import type_handler_registry
-
+from checkpointing import storage
+from checkpointing.storage import describe_os_error
+from checkpointing.weights import check_compatible
 from data.pipeline import RowsIterator
 from errors import CheckpointError, DamagedCheckpointError, StorageError
 from partitioning import path_str
-from training import cluster
-from training.trainer import Trainer, TrainState
 
 # Orbax writes a replicated array in slices, one per replica ("replica-parallel"), each cut by an eager
 # jax.lax.slice on its device: one compilation per (shape, device). For small arrays (norm scales, biases, a
-# tiny model's everything) that buys no write bandwidth and stalls the first save while it compiles: 160 slices,
-# about 7 s, for the tiny ResNet on 8 CPU devices. Arrays whose slice per replica would be under this size are
-# written whole by one replica; bigger ones (a replicated embedding table under data parallelism) stay parallel.
+# tiny model's everything) that buys no write bandwidth and stalls the first save while it compiles. Arrays whose
+# slice per replica would be under this size are written whole by one replica; bigger ones (a replicated embedding
+# table under data parallelism) stay parallel.
 MIN_REPLICA_SLICE_BYTES = 1 << 20
-type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
-  jax.Array,
-  ocp.type_handlers.ArrayHandler(
-    array_metadata_store=array_metadata_store.Store(), min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES
-  ),
-  override=True,
-  ignore_warnings=True,
-)
 
 
-class _AbandonedReads(logging.Filter):
-  """Orbax reads a checkpoint's arrays as concurrent TensorStore futures on an event loop of its own, and at the
-  first that fails (a damaged checkpoint) raises and closes that loop with the rest still in flight. Each of
-  those then fails to call back into the closed loop (RuntimeError 'Event loop is closed', through
-  sys.unraisablehook, or printed bare when it lands while the interpreter exits), fails itself when collected
-  unfinished (its own read error, through sys.unraisablehook) or is logged by asyncio once collected
-  ('Task/Future exception was never retrieved'): hundreds of tracebacks after the one error or
-  warning that already names the damaged checkpoint. A
-  TensorStore completion into a closed loop is dropped instead of raising (`install`: its result could never be
-  delivered), and once a checkpoint is found damaged (`met`) what still reaches the hooks from those reads is
-  filtered."""
+def write_small_replicated_arrays_whole(min_slice_bytes: int = MIN_REPLICA_SLICE_BYTES) -> None:
+  """Replaces orbax's default jax.Array handler (every save in this process) by one that writes arrays under
+  `min_slice_bytes` per replica whole. The one private use of orbax, written against orbax-checkpoint 0.12.8:
+  no public path gives the default handler's array-metadata store, and the public register_type_handler logs a
+  warning on every start where the registry's own add() can be told not to (tests/test_checkpointing.py checks
+  both paths still exist)."""
+  from orbax.checkpoint._src.metadata import array_metadata_store  # noqa: PLC0415 (private: only here)
+  from orbax.checkpoint._src.serialization import type_handler_registry  # noqa: PLC0415
 
-  def __init__(self):
-    super().__init__()
-    self.damaged: set[str] = set()
-    self._previous_hook = None
-
-  def met(self, directory: str) -> None:
-    if not self.damaged:
-      logging.getLogger('asyncio').addFilter(self)
-      self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
-    self.damaged.add(str(directory))
-
-  def install(self) -> None:
-    """Wraps asyncio's call_soon_threadsafe before any read (TensorStore takes the loop's bound method when a read
-    starts): a TensorStore future's completion scheduled into a closed loop is dropped instead of raising. Some
-    of the abandoned reads complete before the damage is known (`met`), so this does not wait for it; any other
-    call, and any call into an open loop, is asyncio's."""
-    call = asyncio.BaseEventLoop.call_soon_threadsafe
-    if getattr(call, 'shardzoo_abandoned_reads', False):
-      return
-
-    def call_soon_threadsafe(loop, *args, **kwargs):
-      try:
-        return call(loop, *args, **kwargs)
-      except RuntimeError:
-        if loop.is_closed() and any(type(a).__module__ == 'tensorstore' for a in args[1:]):
-          return None  # a read orbax abandoned when it closed its loop: its result can never be delivered
-        raise
-
-    call_soon_threadsafe.shardzoo_abandoned_reads = True
-    asyncio.BaseEventLoop.call_soon_threadsafe = call_soon_threadsafe
-
-  def _unraisable(self, unraisable) -> None:
-    e = unraisable.exc_value
-    if not (isinstance(e, RuntimeError) and str(e) == 'Event loop is closed' or self._about_damaged(e)):
-      self._previous_hook(unraisable)
-
-  def _about_damaged(self, e: BaseException | None) -> bool:
-    """An abandoned read's own failure (a coroutine collected unfinished), about a checkpoint found damaged."""
-    return e is not None and any(d in f'{e} {e.__cause__}' for d in self.damaged)
-
-  def filter(self, record: logging.LogRecord) -> bool:  # asyncio's logger
-    e = record.exc_info[1] if record.exc_info else None
-    abandoned = ('Task exception was never retrieved', 'Future exception was never retrieved')
-    return not (str(record.msg).startswith(abandoned) and self._about_damaged(e))
+  type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
+    jax.Array,
+    ocp.type_handlers.ArrayHandler(
+      array_metadata_store=array_metadata_store.Store(), min_slice_bytes_for_replica_parallel=min_slice_bytes
+    ),
+    override=True,
+    ignore_warnings=True,
+  )
 
 
-_abandoned_reads = _AbandonedReads()
-_abandoned_reads.install()
+write_small_replicated_arrays_whole()
 
-
-def state_dict(state: TrainState) -> dict[str, Any]:
-  return {'step': state.step, 'params': state.params, 'opt_state': state.opt_state, 'model_state': state.model_state}
-
-
-def _abstract(trainer: Trainer) -> dict[str, Any]:
-  """ShapeDtypeStructs carrying the target NamedShardings: orbax reads each shard straight into place."""
-  with_sharding = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-  return state_dict(jax.tree.map(with_sharding, trainer.abstract, trainer.shardings))
-
-
-def _shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, 'shape'))
-  return {path_str(p): (tuple(x.shape), str(np.dtype(x.dtype))) for p, x in leaves}
-
-
-ANOTHER_MODEL = 'Was it written by another model or config?'
 ANOTHER_OPTIMIZER = (
   'Was it written with another optimizer? Compare config.optim.name, config.freeze, '
   'config.train_only and the optimizer settings (config.optim.*, e.g. grad_clip) with the run '
   'that wrote it'
 )
-
-
-def check_compatible(expected: Any, found: Any, *, what: str, source: str, hint: str = ANOTHER_MODEL) -> None:
-  """Raises CheckpointError naming the first parameter (or optimizer state) whose path or shape differs."""
-  exp, got = _shapes(expected), _shapes(found)
-  for path, (shape, _dtype) in exp.items():
-    if path not in got:
-      extra = sorted(set(got) - set(exp))
-      instead = f'; the checkpoint has instead e.g. {extra[:3]}' if extra else ''
-      raise CheckpointError(
-        f'{source}: {what} {path!r} (shape {shape}) is missing from the checkpoint{instead}. {hint}'
-      )
-    if got[path][0] != shape:
-      raise CheckpointError(
-        f'{source}: {what} {path!r}: the model expects shape {shape}, the checkpoint has {got[path][0]}. {hint}'
-      )
-  extra = sorted(set(got) - set(exp))
-  if extra:
-    raise CheckpointError(
-      f'{source}: the checkpoint has {what}s the model does not: {extra[:5]}{" ..." if len(extra) > 5 else ""}. {hint}'
-    )
-
-
-def ensure_writable(directory: str, what: str = 'workdir') -> None:
-  """Creates `directory` and writes (then removes) a small file there; StorageError naming the directory
-  and the OS error otherwise. train.py calls it before compiling."""
-  try:
-    os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=directory, prefix='.shardzoo-write-test-') as f:
-      f.write(b'0')
-      f.flush()
-  except OSError as e:
-    raise StorageError(
-      f'{what} {os.path.abspath(directory)} is not writable: {_describe(e.errno, e.strerror, e.filename)}'
-    ) from e
-
-
-def _describe(code: int | None, strerror: str | None, filename: str | None) -> str:
-  name = f'{errno.errorcode[code]}, ' if code in errno.errorcode else ''
-  return f'{strerror} [{name}errno {code}]' + (f' ({filename})' if filename else '')
-
-
-def os_error_of(e: BaseException) -> tuple[int, str, str | None] | None:
-  """(errno, strerror, filename) when `e` (or what caused it) is an OS error: an OSError, or TensorStore's
-  ValueError that carries os_error_code (how a failed array write reaches orbax); None otherwise."""
-  while e is not None:
-    if isinstance(e, OSError) and e.errno:
-      return e.errno, e.strerror or os.strerror(e.errno), e.filename
-    m = re.search(r"os_error_code='?(\d+)", str(e)) if isinstance(e, ValueError) else None
-    if m:
-      paths = re.findall(r'"(/[^"]+)"', str(e))
-      return int(m.group(1)), os.strerror(int(m.group(1))), paths[-1] if paths else None
-    e = e.__cause__ or e.__context__
-  return None
-
-
-_STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT, errno.EIO)
-
-
-class GuardedWriter:
-  """A clu metric writer whose failures to write the event files (TensorFlow's writer reports a full disk, a quota,
-  a read-only or vanished workdir as its own errors, at the next write) are one StorageError naming the workdir,
-  the cause and the last good checkpoint (`last_good()`); clu's traceback for them is logged in its thread."""
-
-  def __init__(self, writer: Any, workdir: str, last_good: Any):
-    self._writer, self._workdir, self._last_good = writer, os.path.abspath(workdir or '.'), last_good
-
-  @classmethod
-  def create(cls, make_writer: Any, workdir: str, last_good: Any) -> GuardedWriter:
-    """The writer `make_writer()` builds, guarded from its creation on (TensorFlow opens the event file then)."""
-    guarded = cls(None, workdir, last_good)
-    guarded._writer = guarded._call(make_writer)
-    return guarded
-
-  def __getattr__(self, name: str) -> Any:
-    method = getattr(self._writer, name)
-    if not callable(method):
-      return method
-    return lambda *args, **kwargs: self._call(method, *args, **kwargs)
-
-  def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    try:
-      return fn(*args, **kwargs)
-    except Exception as e:  # pylint: disable=broad-except
-      text = f'{e} {e.__cause__ or ""}'
-      code = next((c for c in _STORAGE_ERRNOS if os.strerror(c) in text), None)
-      if code is None:
-        raise
-      raise StorageError(
-        f'the event files in {self._workdir} could not be written: {_describe(code, os.strerror(code), None)}; '
-        f'the last good checkpoint is {self._last_good()} (free space or choose another --workdir)'
-      ) from e
 
 
 def _data_positions(directory: epath.Path) -> list[dict[str, Any]]:
@@ -366,75 +201,6 @@ class DataRestore(ocp.args.CheckpointArgs):
   item: Any
 
 
-class _OrbaxTracebacks(logging.Filter):
-  """A save that fails (a full disk) fails in several of orbax's background threads, and each logs the error with
-  its traceback: hundreds of lines for the one StorageError the run stops with (clu's event writer logs one per
-  failed write). Orbax's errors are kept here (in
-  memory: the disk may be the one that is full) and written to `path` when the StorageError is raised, once the
-  partial checkpoint is removed, or when the Checkpointer closes. Orbax's warnings still reach the terminal."""
-
-  MAX_RECORDS = 100
-
-  def __init__(self, path: str):
-    super().__init__()
-    self.path, self.records, self.written = path, [], 0
-    self.format = logging.Formatter('%(asctime)s %(threadName)s %(pathname)s:%(lineno)d %(levelname)s %(message)s')
-    for logger in (logging.getLogger('absl'), logging.getLogger()):  # orbax logs through absl, or plain logging
-      logger.addFilter(self)
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    if record.levelno < logging.ERROR or not ('/orbax/' in record.pathname or '/clu/asynclib' in record.pathname):
-      return True
-    if len(self.records) < self.MAX_RECORDS:
-      self.records.append(record)
-    return False
-
-  def flush(self) -> str | None:
-    """Writes what was kept to the log file: its path, or None if nothing was logged (or it cannot be written)."""
-    if self.records:
-      try:
-        with open(self.path, 'a') as f:
-          f.writelines(self.format.format(r) + '\n' for r in self.records)
-        self.written += len(self.records)
-      except OSError:
-        return None
-      self.records = []
-    return self.path if self.written else None
-
-  def close(self) -> None:
-    self.flush()
-    for logger in (logging.getLogger('absl'), logging.getLogger()):
-      logger.removeFilter(self)
-
-
-def state_bytes(trainer: Trainer) -> int:
-  """The train state's size: what one checkpoint takes on disk (orbax stores the arrays uncompressed)."""
-  return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(trainer.abstract))
-
-
-def check_space(directory: str, nbytes: int, keep: int, policy: str = 'refuse') -> str | None:
-  """Before training: whether `directory`'s free space holds the checkpoints still to be written, each of
-  `nbytes` (state_bytes): `keep` of them, plus the one being written before the oldest is deleted, less those
-  already there. StorageError naming both figures ('refuse'), or that message to print ('warn'); None if they fit."""
-  directory = os.path.abspath(directory)
-  ensure_writable(directory, 'checkpoint directory')
-  count = max(1, keep + 1 - len(steps_in(directory)))
-  free = shutil.disk_usage(directory).free
-  if count * nbytes <= free:
-    return None
-  msg = (
-    f'checkpoint directory {directory} has {free / 2**20:.1f} MiB free, but the run needs '
-    f'{count * nbytes / 2**20:.1f} MiB there: {count} checkpoint(s) of {nbytes / 2**20:.1f} MiB '
-    f'(config.keep_checkpoints={keep}, plus the one being written)'
-  )
-  if policy == 'warn':
-    return f"{msg}; training anyway (config.checkpoint_space='warn')"
-  raise StorageError(
-    f'{msg}: free space, choose another --workdir or lower config.keep_checkpoints '
-    "(config.checkpoint_space='warn' trains anyway)"
-  )
-
-
 def _free_name(src: str) -> str:
   dst, n = f'{src}.damaged', 1
   while os.path.exists(dst):
@@ -443,19 +209,36 @@ def _free_name(src: str) -> str:
   return dst
 
 
-def _first_line(e: BaseException) -> str:
-  lines = str(e).strip().splitlines() or ['']
-  return f'{type(e).__name__}: {lines[0][:600]}'
+# Every process's value of one report (topic, this process's value) -> [value of process 0, 1, ...], exchanged
+# without a collective on the devices, so a process that failed to read can still say so: a multi-process run
+# gives training.cluster.gather_strings (the coordination service's key-value store).
+Gather = Callable[[str, str], list[str]]
+
+
+def one_process(topic: str, value: str) -> list[str]:
+  """The agreement of a single process."""
+  if jax.process_count() > 1:
+    raise RuntimeError(f'{topic}: a Checkpointer of {jax.process_count()} processes needs their gather function')
+  return [value]
 
 
 class Checkpointer:
   """An orbax CheckpointManager for one run directory. Restores are agreed between processes: each reads what it
-  needs, says whether it could (cluster.gather_strings), and all then take the same checkpoint or all fall back."""
+  needs, says whether it could (`gather`), and all then take the same checkpoint or all fall back."""
 
-  def __init__(self, directory: str, *, every_steps: int, keep: int, async_save: bool = True, log: str | None = None):
+  def __init__(
+    self,
+    directory: str,
+    *,
+    every_steps: int,
+    keep: int,
+    async_save: bool = True,
+    log: str | None = None,
+    gather: Gather = one_process,
+  ):
     self.directory = os.path.abspath(directory)
-    ensure_writable(self.directory, 'checkpoint directory')
-    self.keep = keep
+    storage.ensure_writable(self.directory, 'checkpoint directory')
+    self.keep, self.gather = keep, gather
     self.manager = ocp.CheckpointManager(
       self.directory,
       item_names=('state', 'data', 'checksums'),
@@ -473,7 +256,7 @@ class Checkpointer:
       ),
     )
     self._reader = ocp.StandardCheckpointHandler()  # its restore has no barrier: processes agree on their own
-    self._tracebacks = _OrbaxTracebacks(log or os.path.join(os.path.dirname(self.directory), 'orbax_errors.log'))
+    self._tracebacks = storage.OrbaxTracebacks(log or os.path.join(os.path.dirname(self.directory), 'orbax_errors.log'))
     self._last_saved = self.manager.latest_step()
     self._in_flight: int | None = None  # the step of the asynchronous save not yet known to be complete
 
@@ -484,7 +267,7 @@ class Checkpointer:
     """Whether save(step, force=force) would write a checkpoint."""
     return step != self._last_saved and (force or self.manager.should_save(step))
 
-  def save(self, step: int, state: TrainState, data_iter: Any, *, force: bool = False) -> bool:
+  def save(self, step: int, state: dict[str, Any], data_iter: Any, *, force: bool = False) -> bool:
     """Starts an asynchronous save (when due or forced; once per step); training continues while
     it writes. Orbax copies the arrays to host memory before returning, so donating them is safe. The arrays'
     checksums are computed on the devices and saved with them (an item of their own). A failure of the previous
@@ -492,7 +275,7 @@ class Checkpointer:
     if not self.due(step, force=force):
       return False
     self.wait()  # orbax would wait here anyway; waiting first tells which step's save failed
-    tree = state_dict(state)
+    tree = dict(state)
     try:
       saved = self.manager.save(
         step,
@@ -516,14 +299,14 @@ class Checkpointer:
     if self._in_flight is not None and not self.manager.is_saving_in_progress():
       self.wait()
 
-  def check(self, trainer: Trainer, step: int | None = None, data_iter: Any = None) -> Any:
-    """Checks a checkpoint's shapes against the trainer's from its metadata alone (train.py: before compiling):
+  def check(self, target: dict[str, Any], step: int | None = None, data_iter: Any = None) -> Any:
+    """Checks a checkpoint's shapes against the target's from its metadata alone (train.py: before compiling):
     CheckpointError naming the first parameter, model state or optimizer state that differs, or (with a
     data.RowsIterator) a data position saved for another global batch; DamagedCheckpointError if the metadata
     cannot be read. Returns the abstract train state to restore."""
     step = self.latest_step() if step is None else step
     source = f'checkpoint {self.directory}/{step}'
-    abstract = _abstract(trainer)
+    abstract = dict(target)
     found = _read_metadata(self.manager, step, source)  # DamagedCheckpointError if unreadable
     check_compatible(abstract['params'], found['params'], what='parameter', source=source)
     check_compatible(abstract['model_state'], found.get('model_state', {}), what='model state', source=source)
@@ -545,13 +328,13 @@ class Checkpointer:
         raise CheckpointError(f'{source}: {e}') from None
     return abstract
 
-  def _read(self, trainer: Trainer, data_iter: Any, step: int) -> tuple[Any, str, CheckpointError | None]:
+  def _read(self, target: dict[str, Any], data_iter: Any, step: int) -> tuple[Any, str, CheckpointError | None]:
     """This process's read of `step`: (restored, outcome, error). outcome is 'ok' (checksums read too),
     'unverified' (a checkpoint written without checksums), 'damaged:<why>' (any failure to read the checkpoint's
     own files), or 'error:<why>' for a checkpoint this run's config cannot take (error: the CheckpointError)."""
     source, step_dir = f'checkpoint {self.directory}/{step}', epath.Path(self.directory) / str(step)
     try:
-      abstract = self.check(trainer, step)
+      abstract = self.check(target, step)
       saved = None
       if isinstance(data_iter, RowsIterator):
         try:
@@ -566,7 +349,7 @@ class Checkpointer:
       sums = None
       if (step_dir / 'checksums').exists():
         target = {
-          'sums': jax.ShapeDtypeStruct((len(jax.tree.leaves(abstract)),), jnp.uint32, sharding=trainer.replicated)
+          'sums': jax.ShapeDtypeStruct((len(jax.tree.leaves(abstract)),), jnp.uint32, sharding=_replicated(abstract))
         }
         sums = self._reader.restore(step_dir / 'checksums', args=ocp.args.StandardRestore(target))['sums']
       try:  # the data position last, once the arrays are read (no prefetching before the processes agree)
@@ -579,7 +362,7 @@ class Checkpointer:
       except CheckpointError as e:  # a position this run cannot take (older format, other process count)
         raise CheckpointError(f'{source}: {e}') from e
     except DamagedCheckpointError as e:
-      _abandoned_reads.met(self.directory)
+      storage.abandoned_reads.met(self.directory)
       return None, f'damaged:{e}', None
     except CheckpointError as e:
       return None, f'error:{e}', e
@@ -590,17 +373,17 @@ class Checkpointer:
           f'({" ".join(str(e).split("If this mismatch")[0].split())}). {ANOTHER_OPTIMIZER}'
         )
         return None, f'error:{err}', err
-      _abandoned_reads.met(self.directory)  # orbax's reads still in flight fail too: quietly
-      return None, f'damaged:{source} could not be restored: {_read_failure(e) or _first_line(e)}', None
+      storage.abandoned_reads.met(self.directory)  # orbax's reads still in flight fail too: quietly
+      return None, f'damaged:{source} could not be restored: {storage.read_failure(e) or storage.first_line(e)}', None
     return (state, sums), 'ok' if sums is not None else 'unverified', None
 
-  def _restore_agreed(self, trainer: Trainer, data_iter: Any, step: int) -> tuple[TrainState | None, str]:
+  def _restore_agreed(self, target: dict[str, Any], data_iter: Any, step: int) -> tuple[dict[str, Any] | None, str]:
     """Reads `step` on every process and agrees on it: (state, '') when every process read it and its checksums
     held, else (None, why it is damaged: the same text on every process). A CheckpointError (this run's config
     cannot take it) on every process if any process met one."""
     source, n = f'checkpoint {self.directory}/{step}', jax.process_count()
-    restored, outcome, error = self._read(trainer, data_iter, step)
-    outcomes = cluster.gather_strings(f'restore/{step}', outcome)
+    restored, outcome, error = self._read(target, data_iter, step)
+    outcomes = self.gather(f'restore/{step}', outcome)
     refused = [o.removeprefix('error:') for o in outcomes if o.startswith('error:')]
     if refused:
       raise error or CheckpointError(refused[0])
@@ -609,7 +392,7 @@ class Checkpointer:
       missing = f'{source} is missing or corrupt: its checksums are missing'
       damaged = [(i, missing) for i, o in enumerate(outcomes) if o == 'unverified']
     if damaged:
-      _abandoned_reads.met(self.directory)
+      storage.abandoned_reads.met(self.directory)
       who = [i for i, _ in damaged]
       seen = f' (seen by process {", ".join(map(str, who))} of {n})' if n > 1 and len(who) < n else ''
       return None, damaged[0][1] + seen
@@ -625,27 +408,27 @@ class Checkpointer:
         )
     if hasattr(data_iter, 'start_prefetch'):
       data_iter.start_prefetch()
-    return TrainState(state['step'], state['params'], state['opt_state'], state['model_state']), ''
+    return state, ''
 
-  def restore(self, trainer: Trainer, data_iter: Any, step: int | None = None) -> TrainState:
-    """Restores the train state into the trainer's shardings (any mesh, any rules) and the data
+  def restore(self, target: dict[str, Any], data_iter: Any, step: int | None = None) -> dict[str, Any]:
+    """Restores the state into the target's shardings (any mesh, any rules) and the data
     iterator's position (any process count for a data.RowsIterator), checking shapes first and the arrays'
     checksums after. DamagedCheckpointError (on every process) if any process cannot read it or a checksum fails."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f'no checkpoint in {self.directory}')
-    state, damage = self._restore_agreed(trainer, data_iter, step)
+    state, damage = self._restore_agreed(target, data_iter, step)
     if state is None:
       raise DamagedCheckpointError(damage)
     return state
 
   def restore_latest(
     self,
-    trainer: Trainer,
+    target: dict[str, Any],
     data_iter: Any,
     *,
     fallback: bool = True,
-  ) -> tuple[TrainState, list[str]]:
+  ) -> tuple[dict[str, Any], list[str]]:
     """Restores the newest checkpoint that every process can read and whose checksums hold: (state, warnings).
     Damaged newer ones (unreadable metadata, array data or data position on any process, a failed checksum) are
     then moved aside to <step>.damaged by process 0 (kept, never deleted; their step numbers are free for the next
@@ -654,10 +437,10 @@ class Checkpointer:
     before it (nothing is moved then: a rerun must not silently start afresh). A checkpoint of another model
     or optimizer is an error either way (a config problem, not damage: nothing is moved)."""
     steps = sorted(self.manager.all_steps(), reverse=True)
-    steps = json.loads(cluster.gather_strings('steps', json.dumps(steps))[0])  # process 0's list, for everyone
+    steps = json.loads(self.gather('steps', json.dumps(steps))[0])  # process 0's list, for everyone
     damaged: list[tuple[int, str]] = []
     for step in steps:
-      state, damage = self._restore_agreed(trainer, data_iter, step)
+      state, damage = self._restore_agreed(target, data_iter, step)
       if state is None:
         if not fallback:
           raise DamagedCheckpointError(f'{damage} (config.resume_fallback=True resumes from the previous one)')
@@ -675,16 +458,17 @@ class Checkpointer:
     if not steps:
       return {}
     moved = {s: _free_name(os.path.join(self.directory, str(s))) for s in steps}
-    cluster.gather_strings('aside/ready', 'ok')  # every process has chosen the names and read what it reads
+    self.gather('aside/ready', 'ok')  # every process has chosen the names and read what it reads
     outcome = 'ok'
     if jax.process_index() == 0:
       for s, dst in moved.items():
         try:
           os.rename(os.path.join(self.directory, str(s)), dst)
         except OSError as e:
-          outcome = f'{self.directory}/{s} could not be moved aside to {dst}: {_describe(e.errno, e.strerror, None)}'
+          why = describe_os_error(e.errno, e.strerror, None)
+          outcome = f'{self.directory}/{s} could not be moved aside to {dst}: {why}'
           break
-    outcome = cluster.gather_strings('aside/done', outcome)[0]
+    outcome = self.gather('aside/done', outcome)[0]
     if outcome != 'ok':
       raise StorageError(f'damaged checkpoint {outcome}')
     self.manager.reload()
@@ -716,7 +500,7 @@ class Checkpointer:
   def _storage_error(self, step: int | None, e: Exception) -> StorageError | None:
     """The StorageError for a save of `step` that failed for `e`, if an OS error is to blame (else None). The
     partial checkpoint is removed (nothing a rerun could use), and orbax's tracebacks go to the log file."""
-    found = os_error_of(e)
+    found = storage.os_error_of(e)
     if found is None:
       return None
     self._remove_partial(step)
@@ -738,7 +522,7 @@ class Checkpointer:
     full = ' (the disk is full)' if found[0] in (errno.ENOSPC, errno.EDQUOT) else ''
     log = self._tracebacks.flush()
     err = StorageError(
-      f'checkpoint {self.directory}/{step} could not be written: {_describe(*found)}{full}; {space}{kept} '
+      f'checkpoint {self.directory}/{step} could not be written: {describe_os_error(*found)}{full}; {space}{kept} '
       '(free space or choose another --workdir; the partial checkpoint was removed'
       + (f", orbax's tracebacks are in {log})" if log else ')')
     )
@@ -766,117 +550,13 @@ def _read_metadata(manager: ocp.CheckpointManager, step: int, source: str) -> Ma
   try:
     md = manager.item_metadata(step)['state']
   except Exception as e:  # orbax raises assorted errors for missing/corrupt metadata
-    _abandoned_reads.met(manager.directory)
+    storage.abandoned_reads.met(manager.directory)
     raise DamagedCheckpointError(f'{source} is missing or corrupt (cannot read its metadata: {e})') from e
   if md is None:
     raise DamagedCheckpointError(f'{source} is missing or corrupt (no state metadata)')
   return md.tree if hasattr(md, 'tree') else md
 
 
-def _filter(tree: Any, keep, prefix: str = '') -> Any:
-  """The nested dict without the leaves whose path fails `keep` (empty dicts dropped)."""
-  if not isinstance(tree, Mapping):
-    return tree if keep(prefix) else None
-  out = {}
-  for k, v in tree.items():
-    sub = _filter(v, keep, f'{prefix}/{k}' if prefix else str(k))
-    if sub is not None and sub != {}:
-      out[k] = sub
-  return out
-
-
-def load_params(path: str, trainer: Trainer, dont_load: str | None = None) -> Any:
-  """Parameters only (for fine-tuning: optimizer state starts fresh) from a checkpoint of this project:
-  `path` is a run's checkpoint directory (latest step) or one step's directory. Each process reads
-  only its shards, straight into the trainer's shardings. Parameters whose path matches the regex
-  `dont_load` are neither read nor checked (returned tree lacks them)."""
-  return load_weights(path, trainer, dont_load=dont_load)[0]['params']
-
-
-def steps_in(directory: str) -> list[int]:
-  """The checkpoint steps in a Checkpointer's directory (none if it does not exist)."""
-  return sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
-
-
-def step_directory(path: str) -> str:
-  """A run's checkpoint directory -> its latest step's directory; a step's directory as it is."""
-  path = os.path.abspath(path)
-  if os.path.isdir(os.path.join(path, 'state')):
-    return path
-  steps = steps_in(path)
-  if not steps:
-    run = os.path.join(path, 'checkpoints')  # a run's workdir given for its checkpoint directory
-    hint = f"; a run's checkpoints are in its workdir's checkpoints/: {run}" if os.path.isdir(run) else ''
-    raise CheckpointError(f'{path!r}: no checkpoint there (expected <dir>/<step>/state){hint}')
-  return os.path.join(path, str(steps[-1]))
-
-
-def check_weights(
-  path: str,
-  trainer: Trainer,
-  *,
-  dont_load: str | None = None,
-  model_state: bool = False,
-) -> tuple[str, dict[str, Any]]:
-  """load_weights' checks, from the checkpoint's metadata alone (train.py runs them before compiling): (the step
-  directory, the abstract tree to restore); CheckpointError naming the first parameter that differs."""
-  step_dir = step_directory(path)
-  source = f'checkpoint {step_dir}'
-  keep = (lambda p: not re.search(dont_load, p)) if dont_load else (lambda p: True)
-  full = _abstract(trainer)
-  abstract = {'params': _filter(full['params'], keep)}
-  if model_state:
-    abstract['model_state'] = full['model_state']
-  # The 'state' item is read with its handler: a checkpointer would look for step metadata inside it and warn.
-  try:
-    md = ocp.PyTreeCheckpointHandler().metadata(epath.Path(step_dir) / 'state')
-  except Exception as e:
-    _abandoned_reads.met(step_dir)
-    raise CheckpointError(f'{source} is missing or corrupt (cannot read its metadata: {e})') from e
-  tree = md.tree if hasattr(md, 'tree') else md
-  found = tree.get('params') if isinstance(tree, Mapping) else None
-  if found is None:
-    raise CheckpointError(f'{source} holds no parameters')
-  check_compatible(abstract['params'], _filter(dict(found), keep), what='parameter', source=source)
-  if model_state:
-    check_compatible(abstract['model_state'], tree.get('model_state') or {}, what='model state', source=source)
-  return step_dir, abstract
-
-
-def _read_failure(e: BaseException) -> str | None:
-  """What failed to read, where `e` (or what it wraps) is a ValueError or OSError: orbax wraps TensorStore's
-  errors over array data that cannot be read (a truncated chunk file: OUT_OF_RANGE) in a bare Exception whose
-  message is the whole TensorStore spec. The message's first line, without that spec; None for anything else."""
-  while e is not None and not isinstance(e, (ValueError, OSError)):
-    e = e.__cause__
-  if e is None:
-    return None
-  lines = str(e).strip().splitlines() or [type(e).__name__]
-  return lines[0] if len(lines[0]) <= 600 else lines[0][:600] + ' ...'
-
-
-def load_weights(
-  path: str,
-  trainer: Trainer,
-  *,
-  dont_load: str | None = None,
-  model_state: bool = False,
-) -> tuple[dict[str, Any], str]:
-  """({'params': ..., ['model_state': ...]}, the step directory read) from a checkpoint of this project,
-  without the optimizer state: see load_params. model_state=True also reads the non-parameter variables
-  (BatchNorm statistics), for export."""
-  step_dir, abstract = check_weights(path, trainer, dont_load=dont_load, model_state=model_state)
-  source = f'checkpoint {step_dir}'
-  handler, item = ocp.PyTreeCheckpointHandler(), epath.Path(step_dir) / 'state'
-  abstract = {k: v for k, v in abstract.items() if v}  # orbax restores no empty subtrees
-  restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
-  try:
-    out = handler.restore(
-      item, args=ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=True)
-    )
-  except Exception as e:  # pylint: disable=broad-except
-    if (cause := _read_failure(e)) is None:
-      raise
-    _abandoned_reads.met(step_dir)
-    raise CheckpointError(f'{source} could not be restored: {cause}') from e
-  return {'params': {}, 'model_state': {}, **out} if model_state else {'params': {}, **out}, step_dir
+def _replicated(target: Any) -> jax.sharding.NamedSharding:
+  """The checksums' sharding: replicated on the mesh the target's arrays live on."""
+  return jax.sharding.NamedSharding(jax.tree.leaves(target)[0].sharding.mesh, jax.P())

@@ -1,0 +1,177 @@
+"""Loading a language model for decoding: a decode-only build (the model built abstractly and placed by the
+config's rules, or config.decode_rules; no optimizer, no train step, no batch checks) whose weights are read
+straight into their shardings from a run's checkpoint, a params-only checkpoint, or a Hugging Face directory; the
+tokenizer prompts are encoded with; and the command line of generate.py and evaluate_lm.py (`from_flags`)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+import jax
+import ml_collections
+from flax import nnx
+
+import errors
+import models
+import partitioning
+from checkpointing import hf_config, run_config, weights
+from configs import schema
+from data import text
+from errors import ConfigError
+from generation.engine import Generator, cache_layout
+from models import hf_import
+
+
+def decode_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config a decode is built from: config.decode_rules (when set) in place of the training rules, so the
+  parameters are loaded in the layout decoding runs in. ConfigError for a run that is not a language model."""
+  if config.get('task', 'lm') != 'lm':
+    raise ConfigError(
+      f'config.task={config.task!r} (model {config.model.get("name")!r}): generation needs a language model '
+      "(task 'lm': gpt2, llama, moe)"
+    )
+  config = ml_collections.ConfigDict(config.to_dict())
+  if config.get('decode_rules'):
+    config.logical_axis_rules = [tuple(r) for r in config.decode_rules]
+  return config
+
+
+def build(
+  config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
+) -> tuple[partitioning.PlacedModel, partitioning.AxisRules]:
+  """The decode-only build of a decode_config: the model's parameters and state placed abstractly by its rules
+  (partitioning.place_model, as training builds it), checked to decode; nothing allocated. (placed, rules)."""
+  rules = partitioning.AxisRules(config.logical_axis_rules)
+  rules.check_mesh(mesh.shape)
+  make_model = lambda rngs: models.create(config.model, rngs, config.get('lora'))
+  placed = partitioning.place_model(make_model, rules, mesh, seed=config.seed)
+  cache_layout(nnx.merge(placed.graphdef, placed.abstract['params'], placed.abstract['model_state']))
+  return placed, rules
+
+
+def load(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoints: str | None = None) -> Generator:
+  """A Generator for a run's checkpoint (`checkpoints`: its checkpoint directory, latest step, or one step's), else
+  for config.init_from (a Hugging Face directory whose config.json was adopted, or a params-only checkpoint of
+  this project); weights are read straight into the decoding layout (decode_config)."""
+  config = decode_config(config)
+  placed, rules = build(config, mesh)
+  if checkpoints is not None:
+    loaded, _ = weights.load_weights(checkpoints, placed.targets('params'), placed.targets('model_state'))
+    params, model_state = loaded['params'], loaded['model_state']
+  elif hf_import.is_hf_dir(config.get('init_from') or ''):
+    got = hf_import.import_weights(
+      hf_import.HFDir(config.init_from),
+      hf_config.family(config, models.HF_FAMILIES),
+      config.model,
+      placed.abstract['params'],
+      placed.shardings['params'],
+      placed.abstract['model_state'],
+      placed.shardings['model_state'],
+    )
+    params, model_state = got.params, got.model_state
+  elif config.get('init_from'):
+    params, model_state = weights.load_params(config.init_from, placed.targets('params')), {}
+  else:
+    raise ConfigError('nothing to generate from: give a run (its checkpoints) or config.init_from')
+  return Generator(
+    placed.graphdef,
+    params,
+    model_state,
+    rules=rules,
+    mesh=mesh,
+    max_len=config.model.get('max_len'),
+    vocab=config.model.get('vocab_size'),
+  )
+
+
+# The config file a Hugging Face directory's model_type is generated with, when none is given (generate.py).
+FAMILY_CONFIGS = {'gpt2': 'configs/gpt2.py', 'llama': 'configs/llama.py', 'mixtral': 'configs/moe.py'}
+
+
+def family_config(hf_dir: str) -> str:
+  """configs/<family>.py for a Hugging Face directory (its config.json's model_type)."""
+  with open(os.path.join(hf_dir, 'config.json')) as f:
+    model_type = json.load(f).get('model_type')
+  if model_type not in FAMILY_CONFIGS:
+    raise ConfigError(
+      f'{hf_dir}: model_type={model_type!r} is not a language model the zoo generates with; '
+      f'known: {sorted(FAMILY_CONFIGS)}'
+    )
+  return FAMILY_CONFIGS[model_type]
+
+
+def tokenizer(config: ml_collections.ConfigDict, *, given: str | None = None, hf_dir: str | None = None) -> Any:
+  """What prompts are encoded and ids decoded with: `given` ('byte' or a local Hugging Face tokenizer directory),
+  else the Hugging Face directory's own tokenizer, else the run's (config.dataset.tokenizer). ConfigError naming
+  what is missing."""
+  if given:
+    return text.tokenizer(given)
+  if hf_dir:
+    if not any(glob.glob(os.path.join(glob.escape(hf_dir), p)) for p in hf_import.TOKENIZER_FILES):
+      raise ConfigError(
+        f'{hf_dir} has no tokenizer files ({", ".join(hf_import.TOKENIZER_FILES)}): save the tokenizer there '
+        '(tokenizer.save_pretrained) or give --tokenizer DIR'
+      )
+    return text.HFTokenizer(hf_dir)
+  spec = (config.get('dataset') or {}).get('tokenizer')
+  if not spec:
+    raise ConfigError(
+      f'the run has no tokenizer (config.dataset.name={config.dataset.get("name")!r} makes token ids, not text): '
+      'give --tokenizer DIR (a local Hugging Face tokenizer) or --tokenizer byte'
+    )
+  return text.tokenizer(spec)
+
+
+def encode(tok: Any, prompt: str) -> list[int]:
+  """A prompt's ids: a Hugging Face tokenizer adds its special tokens (e.g. Llama's <s>) as transformers does when
+  it generates; the byte tokenizer gives the bytes."""
+  if isinstance(tok, text.HFTokenizer):
+    return list(tok.tok(prompt)['input_ids'])
+  return [int(i) for i in tok.encode(prompt)]
+
+
+def with_family_config(argv: list[str]) -> list[str]:
+  """An entry point's argv (generate.py, evaluate_lm.py) with --init_from and no --config: the family's config file
+  (by config.json's model_type) added as --config, so --config.* overrides apply to it."""
+  given = lambda name: any(a == f'--{name}' or a.startswith(f'--{name}=') for a in argv)
+  if given('config') or not given('init_from'):
+    return argv
+  i = next(i for i, a in enumerate(argv) if a == '--init_from' or a.startswith('--init_from='))
+  source = argv[i].split('=', 1)[1] if '=' in argv[i] else (argv[i + 1] if i + 1 < len(argv) else '')
+  with errors.one_line():  # HFImportError is a ConfigError
+    path = hf_import.resolve(source)
+    if not hf_import.is_hf_dir(path):
+      raise ConfigError(f'--init_from={source!r} is not a Hugging Face model directory (config.json + safetensors)')
+    file = family_config(path)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return argv[:1] + [f'--config={os.path.join(root, file)}'] + argv[1:]
+
+
+def from_flags(
+  config: ml_collections.ConfigDict | None,
+  workdir: str | None,
+  step: int | None,
+  init_from: str | None,
+  tokenizer_dir: str | None = None,
+) -> tuple[Generator, Any]:
+  """What generate.py and evaluate_lm.py decode with: (Generator, tokenizer) for a run (`workdir`: its config from
+  run_config.json unless `config` is given; the latest checkpoint, or `step`'s) or a Hugging Face directory / hub
+  id (`init_from`, architecture adopted into `config`), on the config's mesh fitted to the devices here."""
+  hf_dir, checkpoints = None, None
+  if workdir:
+    config = config or run_config.load(workdir)
+    checkpoints = os.path.join(workdir, 'checkpoints', *([str(step)] if step is not None else []))
+  else:
+    config.init_from = hf_dir = hf_import.resolve(init_from)
+    config.dont_load = ''
+    hf_config.adopt(config, models.HF_FAMILIES)
+  schema.check(config)
+  tok = tokenizer(config, given=tokenizer_dir, hf_dir=hf_dir)
+  mesh, note = partitioning.start_mesh(config.mesh)
+  if note:
+    print(f'WARNING {note}')
+  print(f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices')
+  return load(config, mesh, checkpoints=checkpoints), tok
