@@ -23,7 +23,7 @@ import errors
 import models
 import partitioning
 import training
-from configs import schema
+from configs import cli, schema
 from training import export
 
 FLAGS = flags.FLAGS
@@ -44,7 +44,7 @@ flags.DEFINE_bool(
 
 
 def main(argv) -> None:
-  del argv  # schema.parse_flags refused stray arguments
+  del argv  # cli.parse_flags refused stray arguments
   if not FLAGS.workdir or not FLAGS.out:
     raise errors.usage('--workdir and --out are required')
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore detail at INFO
@@ -84,4 +84,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=schema.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

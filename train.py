@@ -29,7 +29,7 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import errors  # noqa: E402
-from configs import schema  # noqa: E402
+from configs import cli, schema  # noqa: E402
 
 # JAX, TensorFlow, clu and grain are imported once the config is checked (in `run` and `main`): a misspelled
 # field is reported in about a second, not after their imports.
@@ -110,7 +110,7 @@ class _QuietOrbax(logging_std.Filter):
 
 def main(argv) -> None:
   logging.get_absl_handler().addFilter(_QuietOrbax())
-  del argv  # schema.parse_flags refused stray arguments
+  del argv  # cli.parse_flags refused stray arguments
   config = FLAGS.config
   if config is None:
     raise errors.usage('--config is required, e.g. --config configs/default.py')
@@ -139,4 +139,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line, not a traceback
+  app.run(main, flags_parser=cli.parse_flags)  # a bad --config is one line, not a traceback

@@ -43,7 +43,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import errors  # noqa: E402
-from configs import schema  # noqa: E402
+from configs import cli, schema  # noqa: E402
 from partitioning import hlo  # noqa: E402
 
 # name -> (config file, overrides, torch peer's peak GiB, our step's peak GiB; both measured on one H100 80GB on
@@ -213,4 +213,4 @@ def print_kernels(kernels: list, top: int) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too
+  app.run(main, flags_parser=cli.parse_flags)  # a bad --config is one line too

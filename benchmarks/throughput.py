@@ -39,7 +39,7 @@ import errors  # noqa: E402
 import models  # noqa: E402
 import partitioning  # noqa: E402
 import training  # noqa: E402
-from configs import schema  # noqa: E402
+from configs import cli, schema  # noqa: E402
 from models import attention, layers  # noqa: E402
 from training import flops, profiling  # noqa: E402
 
@@ -326,4 +326,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too
+  app.run(main, flags_parser=cli.parse_flags)  # a bad --config is one line too

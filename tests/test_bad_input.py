@@ -17,7 +17,7 @@ import errors
 import partitioning
 import train
 import training
-from configs import schema
+from configs import cli, schema
 from tests.conftest import ROOT, subprocess_env
 from tests.test_configs import MODULES, tiny_config
 
@@ -136,7 +136,7 @@ def parse(argv):
   """train.py's command line parsed as app.run does (a fresh flag set reading these arguments)."""
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file('config', None, 'config', flag_values=fv, lock_config=True, sys_argv=argv)
-  return schema.parse_flags(argv, fv), fv
+  return cli.parse_flags(argv, fv), fv
 
 
 @pytest.mark.parametrize('name', sorted(FAMILIES))
@@ -477,6 +477,7 @@ def test_bad_data_is_one_line_each():
     check(text, data.build(text))
 
 
+SCHEMA_PARSE_FLAGS = ('search.py',)  # entry points not yet moved to cli.parse_flags (empty after the merge)
 ENTRY_POINTS = sorted(
   ['train.py', 'search.py', 'export.py']
   + [os.path.join('benchmarks', f) for f in os.listdir(os.path.join(ROOT, 'benchmarks')) if f.endswith('.py')]
@@ -484,7 +485,7 @@ ENTRY_POINTS = sorted(
 
 
 def test_every_entry_point_taking_a_config_parses_and_reports_it_as_train_py_does():
-  """Scripts with a --config read it with schema.parse_flags (a bad file, field or flag value is one line) and
+  """Scripts with a --config read it with cli.parse_flags (a bad file, field or flag value is one line) and
   end on bad input with one line (errors.one_line; export.py words its own); benchmarks/throughput.py, run
   here, also checks every field before it builds anything."""
   with_config = []
@@ -492,7 +493,9 @@ def test_every_entry_point_taking_a_config_parses_and_reports_it_as_train_py_doe
     source = open(os.path.join(ROOT, path)).read()
     if 'DEFINE_config_file' in source:
       with_config.append(path)
-      assert 'app.run(main, flags_parser=schema.parse_flags)' in source, path
+      # search.py still names it through configs/schema.py until it imports configs/cli.py (the lead's merge)
+      parser = 'schema' if path in SCHEMA_PARSE_FLAGS else 'cli'
+      assert f'app.run(main, flags_parser={parser}.parse_flags)' in source, path
       assert 'errors.one_line()' in source or "SystemExit(f'shardzoo: export error" in source, path
   assert {'train.py', 'benchmarks/throughput.py', 'benchmarks/loss_parity.py'} <= set(with_config)
   r = subprocess.run(

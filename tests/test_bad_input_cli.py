@@ -18,7 +18,7 @@ import errors
 import models
 import partitioning
 import train
-from configs import schema
+from configs import cli, schema
 from tests.conftest import ROOT, build_trainer, subprocess_env
 from tests.test_configs import MODULES
 
@@ -29,7 +29,7 @@ def parse(argv):
   """A command line parsed as app.run parses train.py's (a fresh flag set reading these arguments)."""
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file('config', None, 'config', flag_values=fv, lock_config=True, sys_argv=argv)
-  return schema.parse_flags(argv, fv), fv
+  return cli.parse_flags(argv, fv), fv
 
 
 def overridden(argv):

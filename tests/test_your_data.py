@@ -22,7 +22,7 @@ import models
 import partitioning
 import train
 import training
-from configs import llama, llama_sft, schema
+from configs import cli, llama, llama_sft, schema
 from data import pipeline, text
 from errors import ConfigError
 from tests import conftest
@@ -549,7 +549,7 @@ def test_the_documented_command_line_overrides_make_a_prompt_completion_mixture(
   ]
   fv = flags.FlagValues()  # a fresh flag set reading these arguments, as app.run does
   config_flags.DEFINE_config_file('config', None, '', flag_values=fv, lock_config=True, sys_argv=argv)
-  schema.parse_flags(argv, fv)
+  cli.parse_flags(argv, fv)
   cfg = fv.config
   schema.check(cfg)
   ds = data.build(cfg)
