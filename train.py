@@ -32,7 +32,8 @@ import errors  # noqa: E402
 from configs import cli, schema  # noqa: E402
 
 # JAX, TensorFlow, clu and grain are imported once the config is checked (in `run` and `main`): a misspelled
-# field is reported in about a second, not after their imports.
+# field is reported in about a second, not after their imports. The fields whose choices other modules own
+# (tasks, optimizers, model families, ...) are checked once those are imported, before anything is built.
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/default.py[:preset].', lock_config=True)
@@ -117,9 +118,14 @@ def main(argv) -> None:
   if not FLAGS.workdir and not FLAGS.dry_run:  # also --workdir= (an unset $WORKDIR in a script)
     raise errors.usage('--workdir is required: metrics and checkpoints are written there')
   with errors.one_line():  # bad input, disk trouble, divergence: one line, no traceback
-    schema.check(config)  # before the heavy imports and before JAX starts
+    schema.check(config, owned=False)  # before the heavy imports and before JAX starts
     if not FLAGS.peer_timeout >= 5:  # beats come every peer_timeout / 5 s; a peer busy compiling is not dead
       raise errors.ConfigError(f'--peer_timeout={FLAGS.peer_timeout}: must be at least 5 seconds')
+    import data  # noqa: F401  (it, models and training register the choices of the fields they own)
+    import models  # noqa: F401
+    import training  # noqa: F401
+
+    schema.check(config)  # the owned fields, now their owners are imported
     import partitioning
     from training import cluster
     from training.run import say

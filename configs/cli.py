@@ -53,12 +53,30 @@ class _ListParser(flags.ArgumentParser):
 config_flags.register_flag_parser_for_type(list, _ListParser())
 
 
+class _Completed(flags.ArgumentParser):
+  """ml_collections' parser of a --config file, with the config it loads completed by the schema's defaults
+  (schema.complete) before the --config.<field> overrides are applied to it: an override reaches every field,
+  not only those the file writes (--config.dataset.train_files on configs/gpt2.py)."""
+
+  def __init__(self, parser: flags.ArgumentParser):
+    self.parser = parser
+
+  def parse(self, argument: Any) -> Any:
+    return schema.complete(self.parser.parse(argument))
+
+  def flag_type(self) -> str:
+    return self.parser.flag_type()
+
+
 def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) -> list[str]:
   """absl's flag parsing (app.run's flags_parser) with one line for a bad --config instead of a traceback:
   a config file that is missing or does not compile, an unknown field (named with the nearest field of its
   section), a misspelled preset or size, a value that does not parse. The --config.<field> overrides are
   checked against the loaded config before ml_collections applies them (`_check_overrides`)."""
   flag_values = flags.FLAGS if flag_values is None else flag_values
+  for name in _config_flags(flag_values):
+    if not isinstance(flag_values[name].parser, _Completed):
+      flag_values[name].parser = _Completed(flag_values[name].parser)
   _check_file(argv, flag_values)
   try:
     with _file_errors(argv, flag_values):
@@ -173,7 +191,9 @@ def _describe(error: BaseException, line: str | None) -> str:
 
 
 def _check_loaded(config: Any, argv: list[str], flag_values: flags.FlagValues) -> None:
-  """What get_config() returned is a ConfigDict with the fields every config sets; its meshes keep their order."""
+  """What get_config() returned is a ConfigDict with the fields every config sets (the others completed with their
+  defaults); its meshes keep their order."""
+  schema.complete(config)
   flag, _ = _config_flag(argv, flag_values)
   if not isinstance(config, ml_collections.ConfigDict):
     raise SystemExit(

@@ -16,7 +16,7 @@ Presets: as configs/llama.py (dp, fsdp (default), tp, fsdp_tp), plus the ('lora_
 
 from ml_collections import config_dict
 
-from configs import llama
+from configs import llama, schema
 from configs.llama import MESHES, SIZES  # noqa: F401  (the presets and sizes of this config)
 
 RULES = {name: [*rules, ('lora_rank', None)] for name, rules in llama.RULES.items()}
@@ -39,4 +39,4 @@ def get_config(arg: str | None = None):
   c.total_steps = 2000
   c.optim.update(lr=2e-4, warmup_steps=100, weight_decay=0.0)
   c.checkpoint_every, c.eval_every = 500, 500
-  return c
+  return schema.complete(c)

@@ -25,12 +25,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from configs import schema
 from errors import ConfigError
 
 FORMATS = ('json', 'parquet', 'text')  # config.dataset.name for files; 'hf' for a Hugging Face dataset
 NAMES = (*FORMATS, 'hf')
 NO_ASSISTANT = ('skip', 'error')  # config.dataset.no_assistant: what a chat without an assistant turn gets
 SAMPLE_BY = ('line', 'paragraph', 'document')  # config.dataset.sample_by: the rows of a plain text file
+schema.register('dataset.no_assistant', NO_ASSISTANT)
+schema.register('dataset.sample_by', SAMPLE_BY)
 
 
 def _datasets():

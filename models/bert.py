@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from configs import schema
 from errors import ConfigError
 from models import hf_import as hf
 from models.layers import (
@@ -39,6 +40,7 @@ from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
 HEADS = ('mlm', 'classify')
+schema.register('model.head', HEADS)
 
 
 class Block(nnx.Module):
@@ -63,10 +65,6 @@ class Bert(nnx.Module):
   valid_BL (1 = real token, 0 = padding) keeps padded keys out of every attention; token_types_BL
   (segment A/B) defaults to all zeros.
   """
-
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('mlm', 'text_classification')
-  CONFIG_FIELDS = ('vocab_size', 'max_len', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
 
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)

@@ -59,10 +59,6 @@ class GPT2(nnx.Module):
   """tokens (B, L) int32 -> logits (B, L, V) float32. Packed rows: pass positions and segment_ids.
   `hidden_states` and `head` are the two halves of `__call__` (the chunked LM loss runs the head per chunk)."""
 
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('lm',)
-  CONFIG_FIELDS = ('vocab_size', 'max_len', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     self.tok = Embed(

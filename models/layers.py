@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from configs import schema
 from errors import ConfigError
 from models import attention
 from partitioning import pipeline, shard_logical
@@ -444,6 +445,18 @@ def rope_scaling_params(scaling: Any) -> tuple[tuple[str, Any], ...] | None:
   return (('rope_type', 'llama3'),) + tuple((k, float(items[k])) for k in ROPE_SCALING_KEYS)
 
 
+def rope_scaling_problem(scaling: Any) -> str:
+  """What is wrong with a config.model.rope_scaling ('' if nothing): the schema's check of the field."""
+  try:
+    rope_scaling_params(scaling)
+  except (ConfigError, TypeError, ValueError, AttributeError) as e:
+    return str(e) or type(e).__name__
+  return ''
+
+
+schema.register_kind('rope', rope_scaling_problem)
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling: Any = None) -> jax.Array:
   """The (head_dim/2,) inverse frequencies; with Llama 3 scaling (`scaling` as rope_scaling_params
   takes it), wavelengths longer than original_max_position_embeddings / low_freq_factor are stretched
@@ -814,6 +827,7 @@ REMAT_POLICIES = {
   # keep attention's q, k, v and output (models/attention.py names them); recompute the MLPs:
   'attention': jax.checkpoint_policies.save_only_these_names('attn_q', 'attn_k', 'attn_v', 'attn_out'),
 }
+schema.register('model.remat', REMAT_POLICIES)
 
 
 def remat_policy(remat: Any) -> str:

@@ -105,10 +105,6 @@ class Llama(nnx.Module):
   (rotary angles come from the positions, so each document starts at position 0). `hidden_states` and
   `head` are the two halves of `__call__` (the chunked LM loss runs the head per chunk)."""
 
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('lm',)
-  CONFIG_FIELDS = ('vocab_size', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     D, V = cfg.embed_dim, cfg.vocab_size

@@ -200,22 +200,6 @@ class MoE(nnx.Module):
   `hidden_states` (-> (x, aux)) and `head` are the two halves of `__call__` (the chunked LM loss runs the
   head per chunk)."""
 
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('lm',)
-  CONFIG_FIELDS = (
-    'vocab_size',
-    'num_layers',
-    'num_heads',
-    'embed_dim',
-    'mlp_dim',
-    'norm_eps',
-    'num_experts',
-    'top_k',
-    'capacity_factor',
-    'group_size',
-    'aux_loss_weight',
-  )
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     D, V = cfg.embed_dim, cfg.vocab_size

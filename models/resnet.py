@@ -30,6 +30,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from configs import schema
 from errors import ConfigError
 from models import hf_import as hf
 from models.layers import BatchNorm, Conv, Dense, Stack, dtypes, max_pool, stack_options
@@ -38,6 +39,7 @@ from partitioning import shard_logical
 ACT = ('batch', 'height', 'width', 'conv_out')
 KAIMING_OUT = nnx.initializers.variance_scaling(2.0, 'fan_out', 'normal')  # torchvision's conv init
 BLOCKS = {'basic': 1, 'bottleneck': 4}  # block type -> expansion (output width / block width)
+schema.register('model.block', sorted(BLOCKS))
 
 
 def _conv(cfg: Any, c_in: int, c_out: int, k: int, stride: int, rngs: nnx.Rngs, in_axis: str = 'conv_in') -> Conv:
@@ -130,10 +132,6 @@ def _check(cfg: Any) -> None:
 
 
 class ResNet(nnx.Module):
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('classification',)
-  CONFIG_FIELDS = ('channels', 'width', 'block', 'stage_sizes', 'bn_eps', 'bn_momentum', 'num_classes')
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     _check(cfg)
     self.conv1 = _conv(cfg, cfg.channels, cfg.width, 7, 2, rngs, in_axis='channels')

@@ -70,20 +70,6 @@ def _num_patches(cfg: Any) -> int:
 
 
 class ViT(nnx.Module):
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('classification',)
-  CONFIG_FIELDS = (
-    'image_size',
-    'patch_size',
-    'channels',
-    'embed_dim',
-    'num_layers',
-    'num_heads',
-    'mlp_dim',
-    'norm_eps',
-    'num_classes',
-  )
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     D, p, N = cfg.embed_dim, cfg.patch_size, _num_patches(cfg)

@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from configs import schema
 from errors import ConfigError, StorageError
 from models import hf_export, hf_import, lora
 from partitioning import path_str
@@ -93,7 +94,8 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
     )
   with open(path) as f:
     try:
-      return ml_collections.ConfigDict(json.load(f))
+      # Completed with today's defaults: a run written before a field existed loads with the field's default.
+      return schema.complete(ml_collections.ConfigDict(json.load(f)))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ConfigError(
         f"{path} is damaged ({e}): give the run's config with --config (and the same --config.* overrides)"

@@ -9,6 +9,7 @@ import jax
 import ml_collections
 import optax
 
+from configs import schema
 from errors import ConfigError
 from partitioning import path_str
 
@@ -53,6 +54,7 @@ def example_paths(paths: list[str], n: int = 4) -> str:
 
 
 OPTIMIZERS = ('adamw', 'sgd')
+schema.register('optim.name', OPTIMIZERS)
 
 
 def schedule_step(opt_state: Any, default: Any) -> Any:

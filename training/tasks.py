@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from configs import schema
 from errors import ConfigError
 from partitioning import context
 from training import xent
@@ -289,6 +290,7 @@ TASKS = {
   'mlm': MaskedLanguageModeling,
   'text_classification': TextClassification,
 }
+schema.register('task', sorted(TASKS))
 
 
 def get(name: str) -> Task:
