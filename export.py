@@ -56,7 +56,7 @@ def main(argv) -> None:
     checkpoints = os.path.join(FLAGS.workdir, 'checkpoints')
     export.check_out_dir(config, FLAGS.out, overwrite=FLAGS.overwrite, checkpoints=checkpoints)
     mesh, _ = partitioning.start_mesh(config.mesh)  # a mesh fitted to the accelerators writes the same files
-    trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+    trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.lora))
     if FLAGS.step is not None:
       checkpoints = os.path.join(checkpoints, str(FLAGS.step))
     t0 = time.perf_counter()

@@ -134,7 +134,7 @@ def main(argv) -> None:
     launch = cluster.Launch(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, FLAGS.cluster)
     # Simulated CPU devices must be requested before JAX starts its backends (no effect on GPU/TPU): enough
     # per process for the mesh (a -1 axis counts as 1); make_mesh checks the real count once JAX has started.
-    needed = partitioning.devices_needed(config.mesh, config.get('dcn_mesh'))
+    needed = partitioning.devices_needed(config.mesh, config.dcn_mesh)
     partitioning.simulate_cpu_devices(-(-needed // launch.num_processes))
     launch.start(heartbeat_timeout_s=max(100, int(3 * FLAGS.peer_timeout)))  # JAX's own bound, above ours
     partitioning.check_platform()

@@ -86,7 +86,7 @@ def main(argv) -> None:
     )
   for decision in attention.decisions():
     print(f'attention: {decision}')
-  if config.get('context_load_balance') is not None and config.task == 'lm':
+  if config.task == 'lm':
     _splash_tiles(L, contexts)
 
 

@@ -75,7 +75,7 @@ def main(argv) -> None:
   m = config.model
   print(
     f'\n{m.name}, batch {config.batch_size}, {FLAGS.steps} steps on {jax.device_count()} '
-    f'{jax.devices()[0].device_kind}; dtype {m.get("dtype", "float32")}'
+    f'{jax.devices()[0].device_kind}; dtype {m.dtype}'
   )
   print(
     'reference: '

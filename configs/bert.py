@@ -35,14 +35,13 @@ SIZES = {
     vocab_size=30522,
     pad_vocab_to=128,
     max_len=512,
-    type_vocab_size=2,
     num_layers=12,
     num_heads=12,
     embed_dim=768,
     mlp_dim=3072,
   ),
   'tiny': dict(
-    vocab_size=260, pad_vocab_to=1, max_len=64, type_vocab_size=2, num_layers=2, num_heads=4, embed_dim=64, mlp_dim=256
+    vocab_size=260, max_len=64, num_layers=2, num_heads=4, embed_dim=64, mlp_dim=256
   ),  # 260 = the byte tokenizer's ids
 }
 TASKS = {'mlm': ('mlm', 'mlm'), 'classify': ('text_classification', 'classify')}  # word -> (task, head)
@@ -107,7 +106,7 @@ def get_config(arg: str | None = None):
     c.batch_size = 16
     c.total_steps = 300
     c.optim = common.ConfigDict(dict(lr=3e-3, warmup_steps=30))
-    c.log_every, c.eval_every = 50, 300
+    c.eval_every = 300
     if task == 'text_classification':  # which of 2 languages wrote a string: longer strings, gentler lr
       c.dataset.update(num_classes=2, seq_len=64)
       c.total_steps = c.eval_every = 600

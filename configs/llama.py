@@ -130,5 +130,5 @@ def get_config(arg: str | None = None):
     c.batch_size = 16
     c.total_steps = 300
     c.optim = common.ConfigDict(dict(lr=3e-3, warmup_steps=30))
-    c.log_every, c.eval_every = 50, 300
+    c.eval_every = 300
   return schema.complete(common.pipeline_preset(c))

@@ -37,9 +37,9 @@ def get_config(arg: str | None = None):
   c = llama.get_config(','.join(w for w in words if w != 'lora'))
   c.logical_axis_rules = RULES[c.preset]
   if lora:
-    c.lora.update(rank=4 if c.size == 'tiny' else 16, alpha=32.0, targets=LORA_TARGETS)
+    c.lora = ml_collections.ConfigDict(dict(rank=4 if c.size == 'tiny' else 16, alpha=32.0, targets=LORA_TARGETS))
   if c.size == 'tiny':
-    return c  # offline: trains from scratch on the Markov language (tests, trying things)
+    return schema.complete(c)  # offline: trains from scratch on the Markov language (tests, trying things)
   c.init_from = HUB_ID
   c.dataset = ml_collections.ConfigDict(
     dict(

@@ -85,7 +85,7 @@ def get_config(arg: str | None = None):
     c.batch_size = 32
     c.total_steps = 200
     c.optim.update(lr=3e-3, warmup_steps=20)
-    c.log_every, c.eval_every = 50, 200
+    c.eval_every = 200
   else:
     c.dataset = common.ConfigDict(dict(name='mnist', **_MNIST))
     c.total_steps = 10 * 469  # 10 epochs of 60,000 images

@@ -71,7 +71,7 @@ def get_config(arg: str | None = None):
     c.batch_size = 32
     c.total_steps = 300
     c.optim.update(lr=0.05, warmup_steps=30)
-    c.log_every, c.eval_every = 50, 300
+    c.eval_every = 300
   else:
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute (f32 params, BatchNorm statistics), unrolled stages
     # One-pass BatchNorm variance (E[x^2] - mean^2 in f32): one read of each activation fewer; conv outputs

@@ -1,12 +1,17 @@
-"""What every config field may hold, checked before anything is built (train.py and export.py call `check`).
+"""Every config field's type, allowed values and default, each declared once, and the check of a config against
+them before anything is built (train.py, export.py and search.py call `check`).
 
-One table, FIELDS, gives each field of every config file its type and allowed values; the choices come
-from their owners (models.MODELS, training.tasks.TASKS, ...). A bad value is one ConfigError naming the
-field, the value and what is allowed. Fields no entry describes are an error too (a config file that adds a
-field adds it here: tests/test_bad_input.py goes over every field of every config file). Deeper checks that
-need the whole config (rules against the mesh, heads dividing the width, a dataset's fields) stay where they
-are, still before compiling. `warnings` are the settings that are valid but would silently do something else
-than written (train.py prints them). The command line is configs/cli.py's.
+FIELDS gives each field its type, range and default (none for the fields every config sets); FAMILIES says which
+config.model fields each model family needs and reads. `complete` fills in what a config does not set, so config
+files set only what they change and the code reads `config.x`, with no default of its own. Where a field's choices
+belong to another module (the model families, tasks, optimizers, attention kernels, ...), that module registers
+them when it is imported (`register`): configs/ never imports training/ or models/, and `check(config,
+owned=False)` checks everything else before JAX is imported. A bad value is one ConfigError naming the field, the
+value and what is allowed; so is a field no entry describes (a config file that adds a field adds it here:
+tests/test_bad_input.py goes over every field of every config file). Deeper checks that need the whole config
+(rules against the mesh, heads dividing the width, a dataset's fields) stay where they are, still before compiling.
+`warnings` are the settings that are valid but would silently do something else than written (train.py prints
+them). The command line is configs/cli.py's.
 """
 
 from __future__ import annotations
@@ -433,19 +438,18 @@ class Family:
 EVERY_FAMILY = ('dtype', 'param_dtype')
 _STACK = ('scan_layers', 'remat')  # models/layers.Stack
 _LM = ('attention', *_STACK, 'logits_dtype', 'loss_chunks')
-_TRANSFORMER = ('vocab_size', 'max_len', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
-_ROTARY = ('max_len', 'num_kv_heads', 'head_dim', 'rope_theta', 'rope_scaling', 'tie_embeddings')
+_SIZES = ('vocab_size', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
+_ROTARY = ('num_kv_heads', 'head_dim', 'rope_theta', 'rope_scaling', 'tie_embeddings')  # models/llama.py's attention
+_MOE = ('num_experts', 'top_k', 'capacity_factor', 'group_size', 'aux_loss_weight')
 FAMILIES = {
-  'gpt2': Family(('lm',), _TRANSFORMER, ('pad_vocab_to', *_LM)),
-  'llama': Family(('lm',), tuple(f for f in _TRANSFORMER if f != 'max_len'), (*_ROTARY, *_LM)),
-  'moe': Family(
-    ('lm',),
-    (*(f for f in _TRANSFORMER if f != 'max_len'), 'num_experts', 'top_k', 'capacity_factor', 'group_size')
-    + ('aux_loss_weight',),
-    (*_ROTARY, 'pad_vocab_to', 'router_z_loss_weight', *_LM),
-  ),
+  # max_len: learned position tables need it; Llama's rotary positions have none (None: config.json's, or none)
+  'gpt2': Family(('lm',), ('max_len', *_SIZES), ('pad_vocab_to', *_LM)),
+  'llama': Family(('lm',), _SIZES, ('max_len', *_ROTARY, *_LM)),
+  'moe': Family(('lm',), (*_SIZES, *_MOE), (*_ROTARY, 'pad_vocab_to', 'router_z_loss_weight', *_LM)),
   'bert': Family(
-    ('mlm', 'text_classification'), _TRANSFORMER, ('pad_vocab_to', 'type_vocab_size', 'head', 'attention', *_STACK)
+    ('mlm', 'text_classification'),
+    ('max_len', *_SIZES),
+    ('pad_vocab_to', 'type_vocab_size', 'head', 'attention', *_STACK),
   ),
   'vit': Family(
     ('classification',),

@@ -84,7 +84,7 @@ def get_config(arg: str | None = None):
     c.batch_size = 32
     c.total_steps = 300
     c.optim = common.ConfigDict(dict(lr=3e-3, warmup_steps=30, weight_decay=0.0))
-    c.log_every, c.eval_every = 50, 300
+    c.eval_every = 300
   else:
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
     c.dataset = common.ConfigDict(dict(name='imagenet2012', image_size=224, channels=3, num_classes=1000))

@@ -52,6 +52,6 @@ def create(
   if cfg.name not in MODELS:
     raise ConfigError(f'config.model.name={cfg.name!r} is not a known model; known: {sorted(MODELS)}')
   model = MODELS[cfg.name](cfg, rngs=rngs)
-  if lora_cfg is not None and lora_cfg.get('rank', 0):
-    model = lora.apply(model, lora_cfg.rank, lora_cfg.get('alpha', lora_cfg.rank), lora_cfg.targets, rngs)
+  if lora_cfg is not None and lora_cfg.rank:
+    model = lora.apply(model, lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets, rngs)
   return model

@@ -39,7 +39,7 @@ class Block(nnx.Module):
     kw = dict(**dtypes(cfg), rngs=rngs)
     scale = (2 * cfg.num_layers) ** -0.5  # GPT-2's scaled init of residual projections
     self.ln1 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
-    self.attn = Attention(cfg.embed_dim, cfg.num_heads, out_init_scale=scale, impl=cfg.get('attention', 'auto'), **kw)
+    self.attn = Attention(cfg.embed_dim, cfg.num_heads, out_init_scale=scale, impl=cfg.attention, **kw)
     self.ln2 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
     # HF's "gelu_new" is the tanh approximation.
     self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=gelu_tanh, out_init_scale=scale, **kw)
@@ -62,7 +62,7 @@ class GPT2(nnx.Module):
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     self.tok = Embed(
-      cfg.vocab_size, cfg.embed_dim, pad_to=cfg.get('pad_vocab_to', 1), logits_dtype=logits_dtype(cfg), **kw, rngs=rngs
+      cfg.vocab_size, cfg.embed_dim, pad_to=cfg.pad_vocab_to, logits_dtype=logits_dtype(cfg), **kw, rngs=rngs
     )
     self.pos = nnx.Param(
       nnx.initializers.normal(0.01)(rngs.params(), (cfg.max_len, cfg.embed_dim), kw['param_dtype']),

@@ -939,26 +939,25 @@ def _shard_stacked(v: Any) -> Any:
 
 def stack_options(cfg: Any) -> dict[str, Any]:
   """Stack keyword arguments from a model config: scan_layers and remat."""
-  return dict(scan=cfg.get('scan_layers', False), remat=cfg.get('remat', 'none'))
+  return dict(scan=cfg.scan_layers, remat=cfg.remat)
 
 
 def dtypes(cfg: Any) -> dict[str, Any]:
   """Compute and parameter dtypes from a model config (e.g. dtype='bfloat16', param_dtype='float32')."""
-  return dict(dtype=jnp.dtype(cfg.get('dtype', 'float32')), param_dtype=jnp.dtype(cfg.get('param_dtype', 'float32')))
+  return dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype))
 
 
 def logits_dtype(cfg: Any) -> Any:
-  """The dtype of a language model's logits (config.model.logits_dtype; float32 unless set)."""
-  return jnp.dtype(cfg.get('logits_dtype', 'float32'))
+  """The dtype of a language model's logits (config.model.logits_dtype)."""
+  return jnp.dtype(cfg.logits_dtype)
 
 
 def padded_vocab(cfg: Any) -> int:
   """A language model's vocabulary rows: config.model.vocab_size rounded up to pad_vocab_to (Embed's `pad_to`)."""
-  pad = getattr(cfg, 'pad_vocab_to', 1) or 1  # a ConfigDict, or any object with the fields (num_params)
-  return -(-cfg.vocab_size // pad) * pad
+  return -(-cfg.vocab_size // cfg.pad_vocab_to) * cfg.pad_vocab_to
 
 
 def loss_chunks(cfg: Any) -> int:
   """config.model.loss_chunks of a language model: the LM loss computed in that many chunks along the length,
   each chunk's gradients made as it is scored (training/xent.py); 0 or 1: the whole (B, L, V) at once."""
-  return int(cfg.get('loss_chunks', 0) or 0)
+  return cfg.loss_chunks

@@ -62,8 +62,8 @@ def _bn(cfg: Any, c: int, rngs: nnx.Rngs) -> BatchNorm:
     c,
     momentum=cfg.bn_momentum,
     eps=cfg.bn_eps,
-    fast_variance=cfg.get('bn_fast_variance', False),
-    fused=cfg.get('bn_fused', False),
+    fast_variance=cfg.bn_fast_variance,
+    fused=cfg.bn_fused,
     rngs=rngs,
     **dtypes(cfg),
   )
@@ -77,7 +77,7 @@ class Block(nnx.Module):
     if cfg.block == 'basic':
       self.convs = nnx.List([_conv(cfg, c_in, width, 3, stride, rngs), _conv(cfg, width, width, 3, 1, rngs)])
     else:  # v1.5 strides on the 3x3 conv; v1 (stride_in_1x1) on the first 1x1
-      s1, s3 = (stride, 1) if cfg.get('stride_in_1x1', False) else (1, stride)
+      s1, s3 = (stride, 1) if cfg.stride_in_1x1 else (1, stride)
       self.convs = nnx.List(
         [
           _conv(cfg, c_in, width, 1, s1, rngs),
@@ -246,7 +246,7 @@ def to_hf_config(cfg: Any) -> dict:
     layer_type=cfg.block,
     hidden_act='relu',
     downsample_in_first_stage=False,
-    downsample_in_bottleneck=bool(cfg.get('stride_in_1x1', False)),
+    downsample_in_bottleneck=cfg.stride_in_1x1,
     num_labels=cfg.num_classes,
   )
 

@@ -318,7 +318,7 @@ def test_freeze_or_dont_load_matching_no_parameter_is_an_error():
   ):
     optim.trainable_labels(params, '^nothing_here/', None)
   assert optim.trainable_labels(params, '^tok/', None)['tok']['embedding'] == 'frozen'
-  config = ml_collections.ConfigDict(dict(init_from='/no/such/dir', dont_load='^nothing_here/'))
+  config = schema.complete(ml_collections.ConfigDict(dict(init_from='/no/such/dir', dont_load='^nothing_here/')))
   trainer = types.SimpleNamespace(config=config, abstract=types.SimpleNamespace(params=params, model_state={}))
   with pytest.raises(
     errors.ConfigError,

@@ -11,6 +11,7 @@ import pytest
 
 import data
 import partitioning
+from configs import schema
 from errors import ConfigError
 from training import tasks
 
@@ -20,7 +21,7 @@ def make(task: str, vocab_size: int = 260, **dataset) -> ml_collections.ConfigDi
   c.task = task
   c.dataset = ml_collections.ConfigDict(dataset)
   c.model = ml_collections.ConfigDict(dict(vocab_size=vocab_size))
-  return c
+  return schema.complete(c)  # the task's dataset fields at their defaults
 
 
 def check(cfg: ml_collections.ConfigDict, ds: data.Dataset) -> dict:

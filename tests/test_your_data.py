@@ -75,7 +75,7 @@ def make(task: str = 'lm', vocab_size: int = VOCAB, **dataset) -> ml_collections
   c.task = task
   c.dataset = ml_collections.ConfigDict(dataset)
   c.model = ml_collections.ConfigDict(dict(vocab_size=vocab_size))
-  return c
+  return schema.complete(c)  # the task's dataset fields at their defaults
 
 
 def pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
@@ -351,10 +351,11 @@ def test_each_process_reads_only_its_rows(tmp_path, tok_dir):
 CHAT_BATCHES = r"""
 import jax, ml_collections
 import data, partitioning
+from configs import schema
 
 def global_batches():
-  cfg = ml_collections.ConfigDict(dict(task='lm', dataset=dict(name='json', train_files=PATH, eval_files=PATH,
-      messages_key='messages', tokenizer=TOKENIZER, seq_len=24, pack=True, cache_dir=CACHE)))
+  cfg = schema.complete(ml_collections.ConfigDict(dict(task='lm', dataset=dict(name='json', train_files=PATH,
+      eval_files=PATH, messages_key='messages', tokenizer=TOKENIZER, seq_len=24, pack=True, cache_dir=CACHE))))
   ds = data.build(cfg)
   s = jax.sharding.NamedSharding(partitioning.make_mesh({'data': 8}), jax.P('data'))
   rows = data.local_rows(s, (8, 24))

@@ -85,7 +85,7 @@ def make_optimizer(
   if cfg.name == 'adamw':
     opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
   elif cfg.name == 'sgd':
-    opt = optax.sgd(schedule, momentum=cfg.get('momentum', 0.9) or None)
+    opt = optax.sgd(schedule, momentum=cfg.momentum or None)
   else:
     raise ConfigError(f'config.optim.name={cfg.name!r} is not known; known: {list(OPTIMIZERS)}')
   chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []
