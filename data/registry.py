@@ -49,6 +49,11 @@ TFDS_DEFAULTS = {
 }
 
 
+def _own(value: Any, own: Any) -> Any:
+  """A config.dataset value, or the dataset's own where the field holds None (its schema default)."""
+  return own if value is None else value
+
+
 def _seq_len(cfg: ml_collections.ConfigDict, task: str) -> int:
   """LM needs one input and one target; BERT rows need [CLS] and [SEP] around at least one token."""
   L, minimum = cfg.seq_len, 2 if task == 'lm' else 3
@@ -154,7 +159,7 @@ def _offline(cfg, task: str) -> Dataset:
   num_train, num_eval = cfg.num_train, cfg.num_eval
   if name == 'synthetic_images':  # its own sizes where config.dataset leaves them None: 32x32x3, 10 classes
     _check_task(name, task, ('classification',))
-    size, channels, num_classes = cfg.image_size or 32, cfg.channels or 3, cfg.num_classes or 10
+    size, channels, num_classes = _own(cfg.image_size, 32), _own(cfg.channels, 3), _own(cfg.num_classes, 10)
     make = lambda num, split: vision.SyntheticImages(
       num, size, channels, num_classes, seed, split, cfg.noise, cfg.max_shift
     )
@@ -167,7 +172,7 @@ def _offline(cfg, task: str) -> Dataset:
       size=size,
       channels=channels,
       num_classes=num_classes,
-      augment=cfg.augment or 'none',
+      augment=_own(cfg.augment, 'none'),
       mean=(0.5,) * channels,
       std=(0.25,) * channels,
     )
@@ -175,11 +180,11 @@ def _offline(cfg, task: str) -> Dataset:
   L = _seq_len(cfg, task)
   # Its own lengths where config.dataset leaves them None: strings that fill a row, down to a quarter of that;
   # 2 classes (languages) where the task has none.
-  max_len = cfg.max_text_len or (L if task == 'lm' else max(1, L - 2))
-  num_classes = (cfg.num_classes if task == 'text_classification' else None) or 2  # None: the dataset's 2
+  max_len = _own(cfg.max_text_len, L if task == 'lm' else max(1, L - 2))
+  num_classes = _own(cfg.num_classes, 2) if task == 'text_classification' else 2
   make = lambda num, split: MarkovText(
     num,
-    cfg.min_text_len or max(1, max_len // 4),
+    _own(cfg.min_text_len, max(1, max_len // 4)),
     max_len,
     num_classes,
     seed,
@@ -198,7 +203,7 @@ def _tfds(cfg, task: str) -> Dataset:
   splits = list(b.info.splits)
   default_eval = 'test' if not splits or 'test' in splits else 'validation'
   train_split = cfg.train_split
-  eval_split = cfg.eval_split or preset.get('eval_split', default_eval)  # None: the dataset's own
+  eval_split = _own(cfg.eval_split, preset.get('eval_split', default_eval))
   key = cfg.text_key
   open_ = lambda: (
     tfds_source.open_split(b, name, train_split, 'train_split'),
@@ -215,10 +220,10 @@ def _tfds(cfg, task: str) -> Dataset:
       train,
       eval_,
       f'TFDS, {b.data_dir}',
-      size=cfg.image_size or native or preset.get('image_size', 224),
+      size=_own(cfg.image_size, native or preset.get('image_size', 224)),
       channels=shape[-1],
       num_classes=features['label'].num_classes,
-      augment=cfg.augment or preset.get('augment', 'inception_crop' if native is None else 'none'),
+      augment=_own(cfg.augment, preset.get('augment', 'inception_crop' if native is None else 'none')),
       mean=preset.get('mean', (0.5,) * shape[-1]),
       std=preset.get('std', (0.5,) * shape[-1]),
     )

@@ -70,12 +70,15 @@ def write_jsonl(path, rows, gz: bool = False) -> str:
   return str(path)
 
 
+FAMILY = {'lm': 'gpt2', 'mlm': 'bert', 'text_classification': 'bert', 'classification': 'cnn'}  # task -> a model
+
+
 def make(task: str = 'lm', vocab_size: int = VOCAB, **dataset) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.task = task
   c.dataset = ml_collections.ConfigDict(dataset)
-  c.model = ml_collections.ConfigDict(dict(vocab_size=vocab_size))
-  return schema.complete(c)  # the task's dataset fields at their defaults
+  c.model = ml_collections.ConfigDict(dict(name=FAMILY.get(task, 'gpt2'), vocab_size=vocab_size))
+  return schema.complete(c)  # the task's dataset fields and the family's model fields at their defaults
 
 
 def pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
@@ -200,7 +203,7 @@ def sft_config(tmp_path, tok_dir, pack: bool, **dataset) -> ml_collections.Confi
       **dataset,
     )
   )
-  return cfg
+  return schema.complete(cfg)
 
 
 def test_prompt_tokens_get_no_loss_and_no_gradient(tmp_path, tok_dir):
