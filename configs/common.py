@@ -222,4 +222,3 @@ def base(preset: str, size: str) -> ml_collections.ConfigDict:
 
 
 ConfigDict = ml_collections.ConfigDict
-placeholder = ml_collections.config_dict.placeholder  # a typed None: `--config.dataset.data_dir=DIR` can set it

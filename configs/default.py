@@ -34,21 +34,11 @@ def get_config(arg: str | None = 'fsdp_tp'):
   c.task = 'lm'
   c.mesh = common.mesh(MESHES[preset])  # mesh axis name -> size, outermost first; one size may be -1
   c.logical_axis_rules = RULES[preset]
-  c.model = common.ConfigDict(
-    dict(
-      name='gpt2',
-      vocab_size=16,
-      max_len=64,
-      num_layers=4,
-      num_heads=4,
-      embed_dim=128,
-      mlp_dim=512,
-      norm_eps=1e-5,
-    )
-  )  # the speed and memory options of docs/model_options.md (attention, remat, ...) at their defaults
-  c.dataset = common.ConfigDict(
-    dict(name='markov', seq_len=64, num_train=65536, num_eval=2000)
-  )  # the Markov language of 16 symbols, branching 4, smoothing 0.03 (configs/schema.py's defaults)
+  # The speed and memory options of docs/model_options.md (attention, remat, ...) at their defaults.
+  model = dict(name='gpt2', vocab_size=16, max_len=64, num_layers=4, num_heads=4, embed_dim=128, mlp_dim=512)
+  c.model = common.ConfigDict(dict(**model, norm_eps=1e-5))
+  # The Markov language of 16 symbols, branching 4, smoothing 0.03 (configs/schema.py's defaults).
+  c.dataset = common.ConfigDict(dict(name='markov', seq_len=64, num_train=65536, num_eval=2000))
   c.batch_size = 32  # global
   c.total_steps = 1200
   c.optim = common.ConfigDict(dict(lr=3e-3))  # AdamW, warmup 100, cosine to 10%, b2 0.95, weight decay 0.1, clip 1

@@ -269,10 +269,8 @@ def _float(lo: float, default: Any = REQUIRED, **kw: Any) -> Field:
 
 DTYPES = ('float32', 'bfloat16', 'float16')
 TEXT = ('lm', 'mlm', 'text_classification')  # the tasks of text datasets (data/registry.py)
-FILES = (
-  'lm',
-  'mlm',
-)  # the tasks your own files serve (data/files.py): every LM config reads them from the command line
+# The tasks your own files serve (data/files.py): every language-model config takes them from the command line.
+FILES = ('lm', 'mlm')
 LABELS = ('classification', 'text_classification')
 IMAGES = ('classification',)
 
@@ -501,9 +499,10 @@ def complete(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Fills every field `config` does not set with the field's default (FIELDS): the run's fields, optim.*
   (those of its optimizer), lora.* and pipeline.*, config.model's of its family (FAMILIES) and config.dataset's
   of its task. Sections model and dataset are filled where the config has them; what has no default stays
-  unset (`check` names it). Runs where configs are loaded (cli.parse_flags, after get_config and before the
-  --config.* overrides, which so reach every field; `check`; export.load_run_config); idempotent. Returns
-  `config`."""
+  unset (`check` names it). Idempotent; returns `config`. It runs wherever a config comes from: each config
+  file's get_config returns through it, cli.parse_flags runs it on what a --config file returns before the
+  --config.* overrides (which so reach every field), `check` on a config changed in code, and
+  export.load_run_config on a run's saved config (an older run gets today's defaults)."""
   if not isinstance(config, ml_collections.ConfigDict):
     return config
   with config.unlocked():  # a config ml_collections loaded is locked (no new fields); its defaults come all the same

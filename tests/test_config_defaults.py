@@ -258,3 +258,24 @@ def test_an_owned_field_checked_before_its_owner_registered_is_a_programming_err
 def test_each_owned_default_is_one_of_its_owners_choices(path):
   field = schema.FIELDS[path]
   assert field.default in (schema.REQUIRED, None, *field.choices())
+
+
+def test_configs_import_no_owner():
+  """The owners register with the schema (owners -> configs): configs/ imports none of them, not even lazily."""
+  owners = ('training', 'models', 'data', 'partitioning')
+  for path in sorted(os.listdir(os.path.join(ROOT, 'configs'))):
+    if not path.endswith('.py'):
+      continue
+    with open(os.path.join(ROOT, 'configs', path), encoding='utf-8') as f:
+      tree = ast.parse(f.read())
+    for n in ast.walk(tree):
+      names = (
+        [a.name for a in n.names]
+        if isinstance(n, ast.Import)
+        else [n.module or '']
+        if isinstance(n, ast.ImportFrom)
+        else []
+      )
+      assert not [m for m in names if m.split('.')[0] in owners], f'configs/{path}:{n.lineno} imports {names}'
+      if isinstance(n, ast.Attribute) and n.attr == 'import_module':
+        raise AssertionError(f'configs/{path}:{n.lineno} imports a module by name')
