@@ -33,7 +33,7 @@ from configs import cli, schema  # noqa: E402
 
 # JAX, TensorFlow, clu and grain are imported once the config is checked (in `run` and `main`): a misspelled
 # field is reported in about a second, not after their imports. The fields whose choices other modules own
-# (tasks, optimizers, model families, ...) are checked once those are imported, before anything is built.
+# (attention kernels, remat policies, optimizers, ...) are checked once those are imported, before anything is built.
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/default.py[:preset].', lock_config=True)

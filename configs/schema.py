@@ -217,7 +217,7 @@ class Field:
 # are imported, so configs/ never imports training/ or models/: the schema checks the rest first, in about a second,
 # and the owned fields once train.py has imported their owners (check(config, owned=True)), before anything is built.
 KIND_OWNERS = {
-  'rules': 'training.trainer',  # the shape of one logical-axis rule: partitioning/rules.py's, which AxisRules parses
+  'rules': 'models.layers',  # the shape of one logical-axis rule: partitioning/rules.py's, which AxisRules parses
   'rope': 'models.layers',  # Llama 3's rope scaling (layers.rope_scaling_params)
 }
 _CHOICES: dict[str, tuple[Any, ...]] = {}  # field path -> its owner's values
@@ -225,15 +225,19 @@ _KIND_PROBLEMS: dict[str, Callable[[Any], str]] = {}  # kind -> what is wrong wi
 
 
 def register(path: str, values: Sequence[Any]) -> None:
-  """The allowed values of the field at `path`, in the order its messages list them; called by the field's owner."""
+  """The allowed values of the field at `path`, in the order its messages list them; called by the module that
+  owns them when it is imported. The model families and their tasks the schema names itself (FAMILIES: the check
+  before the owners are imported needs them): models and training.tasks register theirs to be compared."""
   field = FIELDS[path]
-  assert field.owner is not None, f'config.{path} has no owner in configs/schema.py FIELDS'
+  if field.owner is None:
+    assert field.values is not None and set(values) == set(field.values), (
+      f'config.{path}: configs/schema.py FAMILIES names {sorted(field.values)}, its owner {sorted(values)}'
+    )
+    return
   assert field.default in (REQUIRED, None, *values), f'config.{path}: its default {field.default!r} is not {values}'
+  named = {o for f in FIELDS.values() if f.path.startswith(path.partition('.')[0] + '.') for o in (f.only or ())}
+  assert path != 'optim.name' or named <= set(values), f'configs/schema.py names optimizers {sorted(named)}'
   _CHOICES[path] = tuple(values)
-  named = {'task': _TASKS_NAMED, 'optim.name': _OPTIMIZERS_NAMED, 'model.name': set(FAMILIES)}.get(path, set())
-  assert named <= set(values), f'configs/schema.py names config.{path} values {sorted(named - set(values))}'
-  if path == 'model.name':
-    assert set(values) == set(FAMILIES), f'model families without a configs/schema.py FAMILIES entry: {values}'
 
 
 def register_kind(kind: str, problem: Callable[[Any], str]) -> None:
@@ -267,6 +271,55 @@ def _float(lo: float, default: Any = REQUIRED, **kw: Any) -> Field:
   return Field(float, lo=lo, default=default, **kw)
 
 
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """What a model family (config.model.name) reads: the tasks it trains on, the config.model fields a config of it
+  must set (in the order its error lists them) and those filled with their defaults where unset."""
+
+  tasks: tuple[str, ...]
+  needs: tuple[str, ...]
+  reads: tuple[str, ...] = ()
+
+
+EVERY_FAMILY = ('dtype', 'param_dtype')
+_STACK = ('scan_layers', 'remat')  # models/layers.Stack
+_LM = ('attention', *_STACK, 'logits_dtype', 'loss_chunks')
+_SIZES = ('vocab_size', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
+_ROTARY = ('num_kv_heads', 'head_dim', 'rope_theta', 'rope_scaling', 'tie_embeddings')  # models/llama.py's attention
+_MOE = ('num_experts', 'top_k', 'capacity_factor', 'group_size', 'aux_loss_weight')
+FAMILIES = {
+  # max_len: learned position tables need it; Llama's rotary positions have none (None: config.json's, or none)
+  'gpt2': Family(('lm',), ('max_len', *_SIZES), ('pad_vocab_to', *_LM)),
+  'llama': Family(('lm',), _SIZES, ('max_len', *_ROTARY, *_LM)),
+  'moe': Family(('lm',), (*_SIZES, *_MOE), (*_ROTARY, 'pad_vocab_to', 'router_z_loss_weight', *_LM)),
+  'bert': Family(
+    ('mlm', 'text_classification'),
+    ('max_len', *_SIZES),
+    ('pad_vocab_to', 'type_vocab_size', 'head', 'attention', *_STACK),
+  ),
+  'vit': Family(
+    ('classification',),
+    (
+      'image_size',
+      'patch_size',
+      'channels',
+      'embed_dim',
+      'num_layers',
+      'num_heads',
+      'mlp_dim',
+      'norm_eps',
+      'num_classes',
+    ),
+    ('attention', *_STACK),
+  ),
+  'resnet': Family(
+    ('classification',),
+    ('channels', 'width', 'block', 'stage_sizes', 'bn_eps', 'bn_momentum', 'num_classes'),
+    ('bn_fast_variance', 'bn_fused', 'stride_in_1x1', *_STACK),
+  ),
+  'cnn': Family(('classification',), ('image_size', 'channels', 'features', 'mlp_dim', 'num_classes')),
+  'mlp': Family(('classification',), ('image_size', 'channels', 'hidden_dims', 'num_classes')),
+}
 DTYPES = ('float32', 'bfloat16', 'float16')
 TEXT = ('lm', 'mlm', 'text_classification')  # the tasks of text datasets (data/registry.py)
 # The tasks your own files serve (data/files.py): every language-model config takes them from the command line.
@@ -276,7 +329,7 @@ IMAGES = ('classification',)
 
 FIELDS: dict[str, Field] = {
   # the run
-  'task': Field(str, owner='training.tasks'),
+  'task': Field(str, values=tuple(sorted({t for f in FAMILIES.values() for t in f.tasks}))),  # training/tasks.py
   'seed': _int(0, 0),
   'batch_size': _int(1),
   # config.batch_size is the global batch of one optimizer step; grad_accum_steps > 1 runs it as that many
@@ -336,7 +389,7 @@ FIELDS: dict[str, Field] = {
   'optim.momentum': Field(float, lo=0, hi=1, hi_open=True, default=0.9, only=('sgd',)),
   # model: every family's fields; FAMILIES says which a family reads. The speed and memory options
   # (docs/model_options.md) default to what the model computes without them.
-  'model.name': Field(str, owner='models'),
+  'model.name': Field(str, values=tuple(sorted(FAMILIES))),  # models.MODELS
   'model.dtype': Field(str, values=DTYPES, default='float32'),  # compute
   'model.param_dtype': Field(str, values=DTYPES, default='float32'),
   'model.logits_dtype': Field(str, values=DTYPES, default='float32'),
@@ -423,59 +476,6 @@ FIELDS: dict[str, Field] = {
 FIELDS = {path: dataclasses.replace(field, path=path) for path, field in FIELDS.items()}
 
 
-@dataclasses.dataclass(frozen=True)
-class Family:
-  """What a model family (config.model.name) reads: the tasks it trains on, the config.model fields a config of it
-  must set (in the order its error lists them) and those filled with their defaults where unset."""
-
-  tasks: tuple[str, ...]
-  needs: tuple[str, ...]
-  reads: tuple[str, ...] = ()
-
-
-EVERY_FAMILY = ('dtype', 'param_dtype')
-_STACK = ('scan_layers', 'remat')  # models/layers.Stack
-_LM = ('attention', *_STACK, 'logits_dtype', 'loss_chunks')
-_SIZES = ('vocab_size', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
-_ROTARY = ('num_kv_heads', 'head_dim', 'rope_theta', 'rope_scaling', 'tie_embeddings')  # models/llama.py's attention
-_MOE = ('num_experts', 'top_k', 'capacity_factor', 'group_size', 'aux_loss_weight')
-FAMILIES = {
-  # max_len: learned position tables need it; Llama's rotary positions have none (None: config.json's, or none)
-  'gpt2': Family(('lm',), ('max_len', *_SIZES), ('pad_vocab_to', *_LM)),
-  'llama': Family(('lm',), _SIZES, ('max_len', *_ROTARY, *_LM)),
-  'moe': Family(('lm',), (*_SIZES, *_MOE), (*_ROTARY, 'pad_vocab_to', 'router_z_loss_weight', *_LM)),
-  'bert': Family(
-    ('mlm', 'text_classification'),
-    ('max_len', *_SIZES),
-    ('pad_vocab_to', 'type_vocab_size', 'head', 'attention', *_STACK),
-  ),
-  'vit': Family(
-    ('classification',),
-    (
-      'image_size',
-      'patch_size',
-      'channels',
-      'embed_dim',
-      'num_layers',
-      'num_heads',
-      'mlp_dim',
-      'norm_eps',
-      'num_classes',
-    ),
-    ('attention', *_STACK),
-  ),
-  'resnet': Family(
-    ('classification',),
-    ('channels', 'width', 'block', 'stage_sizes', 'bn_eps', 'bn_momentum', 'num_classes'),
-    ('bn_fast_variance', 'bn_fused', 'stride_in_1x1', *_STACK),
-  ),
-  'cnn': Family(('classification',), ('image_size', 'channels', 'features', 'mlp_dim', 'num_classes')),
-  'mlp': Family(('classification',), ('image_size', 'channels', 'hidden_dims', 'num_classes')),
-}
-_TASKS_NAMED = {t for f in FAMILIES.values() for t in f.tasks} | {
-  t for f in FIELDS.values() for t in (f.only or ()) if f.path.startswith('dataset.')
-}
-_OPTIMIZERS_NAMED = {o for f in FIELDS.values() if f.path.startswith('optim.') for o in (f.only or ())}
 OPAQUE = (
   'mesh',
   'dcn_mesh',

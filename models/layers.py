@@ -18,7 +18,7 @@ from flax import nnx
 from configs import schema
 from errors import ConfigError
 from models import attention
-from partitioning import pipeline, shard_logical
+from partitioning import pipeline, rule_problem, shard_logical
 
 Initializer = Callable[..., jax.Array]
 NORMAL_002 = nnx.initializers.normal(0.02)  # GPT-2's initialiser for kernels and embeddings
@@ -455,6 +455,10 @@ def rope_scaling_problem(scaling: Any) -> str:
 
 
 schema.register_kind('rope', rope_scaling_problem)
+# config.logical_axis_rules map the logical axes these layers name onto the mesh: partitioning's check of one rule's
+# shape (AxisRules parses with it; partitioning never imports configs) is the schema's too, which names a bad rule
+# of a config by its index.
+schema.register_kind('rules', rule_problem)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: Any = None) -> jax.Array:

@@ -234,7 +234,8 @@ def test_complete_fills_the_family_task_and_optimizer_fields_and_keeps_what_is_s
 
 def test_an_owned_field_checked_before_its_owner_registered_is_a_programming_error():
   """The fields whose choices other modules own are checked once those are imported (train.py imports them right
-  after its first check): a check without them asserts, it never passes silently."""
+  after its first check): a check without them asserts, it never passes silently. models and data own all an LM
+  config's (a decoding process imports no training/)."""
   code = (
     'import sys\n'
     'from configs import gpt2, schema\n'
@@ -246,12 +247,16 @@ def test_an_owned_field_checked_before_its_owner_registered_is_a_programming_err
     '  schema.check(c)\n'
     'except AssertionError as e:\n'
     '  print(e)\n'
+    'import data, models\n'
+    'schema.check(c)\n'
+    "print('checked; training imported:', 'training' in sys.modules)\n"
   )
   r = subprocess.run(
     [sys.executable, '-c', code], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=60
   )
   assert r.returncode == 0, r.stderr[-2000:]
   assert 'jax imported: False' in r.stdout and 'was never imported: import it before configs.schema.check' in r.stdout
+  assert 'checked; training imported: False' in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize('path', sorted(p for p, f in schema.FIELDS.items() if f.owner))

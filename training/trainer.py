@@ -22,15 +22,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import partitioning
-from configs import schema
 from errors import ConfigError, NonFiniteError
 from models import layers
 from partitioning import AxisRules, context, pipeline
 from training import accumulate, optim, tasks
-
-# A config's logical-axis rules become AxisRules here: partitioning's check of one rule's shape (it never imports
-# configs) is the schema's too, which names a bad rule of config.logical_axis_rules by its index.
-schema.register_kind('rules', partitioning.rule_problem)
 
 FIRST_NONFINITE = 'first_nonfinite_param'  # train metrics key: index into Trainer.trained_paths(), -1 if none
 
