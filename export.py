@@ -24,7 +24,7 @@ import models
 import partitioning
 import training
 from checkpointing import run_config
-from configs import schema
+from configs import cli, schema
 from training import export
 
 FLAGS = flags.FLAGS
@@ -45,7 +45,7 @@ flags.DEFINE_bool(
 
 
 def main(argv) -> None:
-  del argv  # schema.parse_flags refused stray arguments
+  del argv  # cli.parse_flags refused stray arguments
   if not FLAGS.workdir or not FLAGS.out:
     raise errors.usage('--workdir and --out are required')
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore detail at INFO
@@ -57,7 +57,7 @@ def main(argv) -> None:
     checkpoints = os.path.join(FLAGS.workdir, 'checkpoints')
     export.check_out_dir(config, FLAGS.out, overwrite=FLAGS.overwrite, checkpoints=checkpoints)
     mesh, _ = partitioning.start_mesh(config.mesh)  # a mesh fitted to the accelerators writes the same files
-    trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+    trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.lora))
     if FLAGS.step is not None:
       checkpoints = os.path.join(checkpoints, str(FLAGS.step))
     t0 = time.perf_counter()
@@ -85,4 +85,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=schema.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 import errors
 import generation
-from configs import schema
+from configs import cli
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, "The config (default: the run's, or the family's).", lock_config=True)
@@ -87,4 +87,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, argv=generation.with_family_config(sys.argv), flags_parser=schema.parse_flags)
+  app.run(main, argv=generation.with_family_config(sys.argv), flags_parser=cli.parse_flags)

@@ -24,7 +24,7 @@ from ml_collections import config_flags
 
 import errors
 import models
-from configs import schema
+from configs import cli
 from models import attention
 from planning import stages
 from training import flops
@@ -71,7 +71,7 @@ flags.DEFINE_alias('gpu_target', 'compile_target')  # its name before TPUs compi
 
 
 def main(argv) -> None:
-  del argv  # schema.parse_flags refused stray arguments
+  del argv  # cli.parse_flags refused stray arguments
   config = FLAGS.config
   if config is None or FLAGS.devices is None or FLAGS.device_kind is None:
     raise errors.usage(
@@ -95,7 +95,7 @@ def main(argv) -> None:
     )
     devices = stages.start_devices(req)
     memory = stages.memory_target(req, devices, FLAGS.compile_target)
-    create = lambda m, r: models.create(m, r, config.get('lora'))  # planning/ imports no model
+    create = lambda m, r: models.create(m, r, config.lora)  # planning/ imports no model
     search = stages.make_search(req, devices, memory, FLAGS.workers, create, attention.gpu_stand_in)
     result = stages.stage1(search, req)
     stages.stage2(search, req, result, FLAGS.stage2)
@@ -109,4 +109,4 @@ def main(argv) -> None:
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  app.run(main, flags_parser=schema.parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

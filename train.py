@@ -30,10 +30,11 @@ from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import errors  # noqa: E402
-from configs import schema  # noqa: E402
+from configs import cli, schema  # noqa: E402
 
 # JAX, TensorFlow, clu and grain are imported once the config is checked (in `run` and `main`): a misspelled
-# field is reported in about a second, not after their imports.
+# field is reported in about a second, not after their imports. The fields whose choices other modules own
+# (attention kernels, remat policies, optimizers, ...) are checked once those are imported, before anything is built.
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file, e.g. configs/default.py[:preset].', lock_config=True)
@@ -115,16 +116,21 @@ class _QuietOrbax(logging_std.Filter):
 
 def main(argv) -> None:
   logging.get_absl_handler().addFilter(_QuietOrbax())
-  del argv  # schema.parse_flags refused stray arguments
+  del argv  # cli.parse_flags refused stray arguments
   config = FLAGS.config
   if config is None:
     raise errors.usage('--config is required, e.g. --config configs/default.py')
   if not FLAGS.workdir and not FLAGS.dry_run:  # also --workdir= (an unset $WORKDIR in a script)
     raise errors.usage('--workdir is required: metrics and checkpoints are written there')
   with errors.one_line():  # bad input, disk trouble, divergence: one line, no traceback
-    schema.check(config)  # before the heavy imports and before JAX starts
+    schema.check(config, owned=False)  # before the heavy imports and before JAX starts
     if not FLAGS.peer_timeout >= 5:  # beats come every peer_timeout / 5 s; a peer busy compiling is not dead
       raise errors.ConfigError(f'--peer_timeout={FLAGS.peer_timeout}: must be at least 5 seconds')
+    import data  # noqa: F401  (it, models and training register the choices of the fields they own)
+    import models  # noqa: F401
+    import training  # noqa: F401
+
+    schema.check(config)  # the owned fields, now their owners are imported
     import partitioning
     from training import cluster
     from training.run import say
@@ -133,7 +139,7 @@ def main(argv) -> None:
     launch = cluster.Launch(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, FLAGS.cluster)
     # Simulated CPU devices must be requested before JAX starts its backends (no effect on GPU/TPU): enough
     # per process for the mesh (a -1 axis counts as 1); make_mesh checks the real count once JAX has started.
-    needed = partitioning.devices_needed(config.mesh, config.get('dcn_mesh'))
+    needed = partitioning.devices_needed(config.mesh, config.dcn_mesh)
     partitioning.simulate_cpu_devices(-(-needed // launch.num_processes))
     launch.start(heartbeat_timeout_s=max(100, int(3 * FLAGS.peer_timeout)))  # JAX's own bound, above ours
     partitioning.check_platform()
@@ -144,4 +150,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line, not a traceback
+  app.run(main, flags_parser=cli.parse_flags)  # a bad --config is one line, not a traceback

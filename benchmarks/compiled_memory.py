@@ -43,7 +43,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import errors  # noqa: E402
-from configs import schema  # noqa: E402
+from configs import cli, schema  # noqa: E402
 from partitioning import hlo  # noqa: E402
 
 # name -> (config file, overrides, torch peer's peak GiB, our step's peak GiB; both measured on one H100 80GB on
@@ -106,7 +106,7 @@ def compile_for(config, target: str, count: int | None, kernels: bool = False) -
   mesh_cfg = {a: 1 for a in config.mesh} if n == 1 else config.mesh
   t0 = time.perf_counter()
   mesh = partitioning.make_mesh(mesh_cfg, devices)
-  trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+  trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.lora))
   try:
     compiled = training.compile_step(trainer, training.jit_train_step(trainer))
   except Exception as e:  # the TPU compiler refuses a step over the chip's memory: a row saying so
@@ -166,6 +166,9 @@ def main(argv) -> None:
     + ('s',)
     + (('kernels', 'traffic') if FLAGS.kernels is not None else ())
   ]
+  import models  # noqa: F401  (it and training register the choices of the fields they own: schema.check)
+  import training  # noqa: F401
+
   for name, config, torch_peak, then in runs:
     schema.check(config)  # before compiling
     r = compile_for(
@@ -214,4 +217,4 @@ def print_kernels(kernels: list, top: int) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too
+  app.run(main, flags_parser=cli.parse_flags)  # a bad --config is one line too

@@ -28,7 +28,7 @@ from ml_collections import config_flags  # noqa: E402
 
 import errors  # noqa: E402
 import partitioning  # noqa: E402
-from configs import schema  # noqa: E402
+from configs import cli, schema  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -86,7 +86,7 @@ def main(argv) -> None:
     )
   for decision in attention.decisions():
     print(f'attention: {decision}')
-  if config.get('context_load_balance') is not None and config.task == 'lm':
+  if config.task == 'lm':
     _splash_tiles(L, contexts)
 
 
@@ -118,4 +118,4 @@ def _splash_tiles(L: int, contexts: list[int]) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too
+  app.run(main, flags_parser=cli.parse_flags)  # a bad --config is one line too

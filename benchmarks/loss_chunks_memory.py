@@ -24,7 +24,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 import errors  # noqa: E402
-from configs import schema  # noqa: E402
+from configs import cli, schema  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', 'configs/gpt2.py', 'A language-model config file.', lock_config=True)
@@ -75,4 +75,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too
+  app.run(main, flags_parser=cli.parse_flags)  # a bad --config is one line too

@@ -28,7 +28,7 @@ from ml_collections import config_flags  # noqa: E402
 import errors  # noqa: E402
 import partitioning  # noqa: E402
 import training  # noqa: E402
-from configs import schema  # noqa: E402
+from configs import cli, schema  # noqa: E402
 from training import profiling, xent  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -75,7 +75,7 @@ def main(argv) -> None:
   m = config.model
   print(
     f'\n{m.name}, batch {config.batch_size}, {FLAGS.steps} steps on {jax.device_count()} '
-    f'{jax.devices()[0].device_kind}; dtype {m.get("dtype", "float32")}'
+    f'{jax.devices()[0].device_kind}; dtype {m.dtype}'
   )
   print(
     'reference: '
@@ -93,4 +93,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too
+  app.run(main, flags_parser=cli.parse_flags)  # a bad --config is one line too

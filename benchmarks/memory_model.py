@@ -80,7 +80,7 @@ def main(argv) -> None:
     config.update_from_flattened_dict(overrides)
     t0 = time.perf_counter()
     mesh = partitioning.make_mesh({a: 1 for a in config.mesh}, jax.devices()[:1])
-    tr = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+    tr = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.lora))
     args = sum(
       partitioning.tree_bytes_per_device(t, s, mesh.shape)
       for t, s in (
@@ -98,7 +98,7 @@ def main(argv) -> None:
       gpu = training.build(
         config,
         partitioning.make_mesh({a: 1 for a in config.mesh}, h100),
-        lambda rngs: models.create(config.model, rngs, config.get('lora')),
+        lambda rngs: models.create(config.model, rngs, config.lora),
       )
       peak = profiling.compiled_memory(training.compile_step(gpu, training.jit_train_step(gpu))) / GiB
       now = (f'{peak:.2f}', f'{100 * (mid / peak - 1):+.0f}%')

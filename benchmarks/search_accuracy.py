@@ -27,7 +27,7 @@ from ml_collections import config_flags  # noqa: E402
 
 import errors  # noqa: E402
 import partitioning  # noqa: E402
-from configs import schema  # noqa: E402
+from configs import cli, schema  # noqa: E402
 from planning import candidates, cost  # noqa: E402
 from training import flops  # noqa: E402
 
@@ -196,4 +196,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too
+  app.run(main, flags_parser=cli.parse_flags)  # a bad --config is one line too

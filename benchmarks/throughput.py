@@ -39,7 +39,7 @@ import errors  # noqa: E402
 import models  # noqa: E402
 import partitioning  # noqa: E402
 import training  # noqa: E402
-from configs import schema  # noqa: E402
+from configs import cli, schema  # noqa: E402
 from models import attention, layers  # noqa: E402
 from training import flops, profiling  # noqa: E402
 
@@ -75,19 +75,19 @@ def peer_spec(config, device: str) -> dict:
   # The peer's only recomputation is whole layers (HF gradient checkpointing): for our policies that rerun
   # matmuls ('full', 'attention'); 'dots' reruns none, nor does the peer without it (the same work, not the same
   # memory: docs/performance.md).
-  policy = layers.remat_policy(m.get('remat'))
+  policy = layers.remat_policy(m.get('remat'))  # None: a family without a layer stack
   spec = dict(
     family=m.name,
     task=config.task,
     optim=config.optim.to_dict(),
     remat=policy in ('full', 'attention'),
     remat_policy=policy,
-    dtype=m.get('dtype', 'float32'),
+    dtype=m.dtype,
     steps=FLAGS.steps,
     warmup=FLAGS.warmup,
     compile=FLAGS.peer_compile,
     device=device,
-    grad_accum_steps=config.get('grad_accum_steps', 1),  # the same micro-batches: the same work per step
+    grad_accum_steps=config.grad_accum_steps,  # the same micro-batches: the same work per step
   )
   if m.name == 'resnet':
     spec['resnet'] = dict(
@@ -95,7 +95,7 @@ def peer_spec(config, device: str) -> dict:
       stage_sizes=list(m.stage_sizes),
       width=m.width,
       num_classes=m.num_classes,
-      stride_in_1x1=bool(m.get('stride_in_1x1', False)),
+      stride_in_1x1=m.stride_in_1x1,
     )
   elif getattr(getattr(models, m.name, None), 'to_hf_config', None):  # the family's config.json (MoE: Mixtral's)
     spec['hf_config'] = getattr(models, m.name).to_hf_config(m)
@@ -178,7 +178,7 @@ def main(argv) -> None:
     nonlocal t0
     phases[name], t0 = time.perf_counter() - t0, time.perf_counter()
 
-  trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+  trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.lora))
   phase('build')
   with training.xent.logsumexp_passes(FLAGS.logsumexp):
     step = training.compile_step(trainer, training.jit_train_step(trainer))
@@ -221,16 +221,15 @@ def main(argv) -> None:
   # --- Report -----------------------------------------------------------------------------------------
   m = config.model
   print(
-    f'\n{m.name} ({config.get("size", "")}, {training.num_params(trainer):,} params), global batch '
+    f'\n{m.name} ({config.size}, {training.num_params(trainer):,} params), global batch '
     f'{config.batch_size}'
-    + (f' in {config.grad_accum_steps} micro-batches' if config.get('grad_accum_steps', 1) > 1 else '')
+    + (f' in {config.grad_accum_steps} micro-batches' if config.grad_accum_steps > 1 else '')
     + f', {units_per_step:,} {unit}/step, mesh {dict(mesh.shape)} on {n} {device.device_kind}'
   )
   print(
-    f'model: dtype {m.get("dtype", "float32")}, params {m.get("param_dtype", "float32")}, '
-    f'scan_layers={m.get("scan_layers", False)}, remat={m.get("remat", "none")}, '
-    f'logits {m.get("logits_dtype", "float32")}'
-    + (f', loss in {layers.loss_chunks(m)} chunks' if layers.loss_chunks(m) > 1 else '')
+    f'model: dtype {m.dtype}, params {m.param_dtype}'
+    + ''.join(f', {k}={m[k]}' for k in ('scan_layers', 'remat', 'logits_dtype') if k in m)  # the family's options
+    + (f', loss in {m.loss_chunks} chunks' if 'loss_chunks' in m and m.loss_chunks > 1 else '')
     + f'; optimizer {config.optim.name}'
   )
   for d in attention.decisions():
@@ -326,4 +325,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=schema.parse_flags)  # a bad --config is one line too
+  app.run(main, flags_parser=cli.parse_flags)  # a bad --config is one line too

@@ -15,9 +15,9 @@ SPEC.json
              BertForMaskedLM or BertForSequenceClassification, float32 parameters, SDPA attention
   resnet     for resnet: {"block": "basic"|"bottleneck", "stage_sizes": [...], "width": 64, "num_classes": K}
              (torchvision's ResNet; other widths and numbers of stages from its blocks)
-  optim      config.optim as a dict: name 'adamw' (lr, b1, b2, eps, weight_decay, grad_clip) or 'sgd'
-             (lr, momentum, grad_clip); the lr is constant (schedules do not change the speed); other keys
-             (warmup_steps, ...) are ignored
+  optim      config.optim as a dict, every field of its optimizer set (as configs/schema.py completes it):
+             name 'adamw' (lr, b1, b2, eps, weight_decay, grad_clip) or 'sgd' (lr, momentum, grad_clip); the lr
+             is constant (schedules do not change the speed); other keys (warmup_steps, ...) are ignored
   remat      gradient checkpointing (HF's gradient_checkpointing_enable; resnet: not available, noted);
              remat_policy: ours, named in a note where the two recompute differently
   dtype      'bfloat16' (torch.autocast) | 'float32'; parameters and optimizer state stay float32
@@ -93,6 +93,10 @@ class SpecError(ValueError):
   """A spec or batch this script does not understand; the message names the culprit."""
 
 
+# The config.optim fields each optimizer reads (the spec carries them: this process cannot read configs/schema.py).
+OPTIM_FIELDS = {'adamw': ('lr', 'b1', 'b2', 'eps', 'weight_decay', 'grad_clip'), 'sgd': ('lr', 'momentum', 'grad_clip')}
+
+
 class Skip(Exception):
   """The peer cannot run here (a missing package, no GPU): reported, not an error."""
 
@@ -112,10 +116,10 @@ def check_spec(spec: dict, batch: dict[str, np.ndarray]) -> dict:
     if missing or spec['resnet']['block'] not in ('basic', 'bottleneck'):
       raise SpecError(f'spec resnet={spec["resnet"]!r}: needs block basic|bottleneck, stage_sizes, width, num_classes')
   optim = spec.get('optim') or {}
-  if optim.get('name', 'adamw') not in ('adamw', 'sgd'):
-    raise SpecError(f"spec optim.name={optim.get('name')!r} is not known; known: ['adamw', 'sgd']")
-  if 'lr' not in optim:
-    raise SpecError('spec optim has no lr')
+  if optim.get('name') not in OPTIM_FIELDS:
+    raise SpecError(f'spec optim.name={optim.get("name")!r} is not known; known: {sorted(OPTIM_FIELDS)}')
+  if missing := [k for k in OPTIM_FIELDS[optim['name']] if k not in optim]:
+    raise SpecError(f'spec optim has no {missing} ({optim["name"]} reads them; the config has them all)')
   out = dict(dict(remat=False, dtype='float32', steps=10, warmup=3, compile=True, device='cuda', tf32=True), **spec)
   if out['dtype'] not in ('bfloat16', 'float32'):
     raise SpecError(f"spec dtype={out['dtype']!r} is not known; known: ['bfloat16', 'float32']")
@@ -250,19 +254,19 @@ def loss_fn(torch: Any, spec: dict, model: Any, b: dict[str, Any], weight: Any =
 def make_optimizer(torch: Any, spec: dict, model: Any, notes: list[str]) -> Any:
   o, cuda = spec['optim'], spec['device'] == 'cuda'
   params = [p for p in model.parameters() if p.requires_grad]
-  if o.get('name', 'adamw') == 'adamw':
+  if o['name'] == 'adamw':
     groups = [
-      {'params': [p for p in params if p.ndim >= 2], 'weight_decay': o.get('weight_decay', 0.0)},
+      {'params': [p for p in params if p.ndim >= 2], 'weight_decay': o['weight_decay']},
       {'params': [p for p in params if p.ndim < 2], 'weight_decay': 0.0},
     ]
     return torch.optim.AdamW(
       groups,
       lr=o['lr'],
-      betas=(o.get('b1', 0.9), o.get('b2', 0.999)),
-      eps=o.get('eps', 1e-8),
+      betas=(o['b1'], o['b2']),
+      eps=o['eps'],
       **({'fused': True} if cuda else {}),
     )
-  momentum = o.get('momentum', 0.9) or 0.0
+  momentum = o['momentum'] or 0.0
   try:
     return torch.optim.SGD(params, lr=o['lr'], momentum=momentum, **({'fused': True} if cuda else {}))
   except (RuntimeError, TypeError, ValueError) as e:
@@ -310,7 +314,7 @@ def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
   num_params = sum(p.numel() for p in model.parameters())
   b = to_device(torch, spec, batch)
   opt = make_optimizer(torch, spec, model, notes)
-  clip = float(spec['optim'].get('grad_clip') or 0.0)
+  clip = float(spec['optim']['grad_clip'] or 0.0)
   params = [p for p in model.parameters() if p.requires_grad]
   autocast = dict(device_type=device, dtype=torch.bfloat16, enabled=spec['dtype'] == 'bfloat16')
 

@@ -11,6 +11,7 @@ import jax
 import ml_collections
 
 from checkpointing import storage
+from configs import schema
 from errors import ConfigError, StorageError
 
 FILE = 'run_config.json'
@@ -69,7 +70,8 @@ def load(workdir: str) -> ml_collections.ConfigDict:
     )
   with open(path) as f:
     try:
-      return ml_collections.ConfigDict(json.load(f))
+      # Completed with today's defaults: a run written before a field existed loads with the field's default.
+      return schema.complete(ml_collections.ConfigDict(json.load(f)))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ConfigError(
         f"{path} is damaged ({e}): give the run's config with --config (and the same --config.* overrides)"

@@ -24,7 +24,7 @@ and passed as --config.dataset.tokenizer=DIR (TOKENIZER below is a placeholder: 
 fails with a message naming that field). Fine-tuning pretrained weights needs the planned HF import.
 """
 
-from configs import common
+from configs import common, schema
 from errors import ConfigError
 
 # The transformer presets (configs/common.py) plus BERT's token-type rows, copied here to edit for this family.
@@ -35,14 +35,13 @@ SIZES = {
     vocab_size=30522,
     pad_vocab_to=128,
     max_len=512,
-    type_vocab_size=2,
     num_layers=12,
     num_heads=12,
     embed_dim=768,
     mlp_dim=3072,
   ),
   'tiny': dict(
-    vocab_size=260, pad_vocab_to=1, max_len=64, type_vocab_size=2, num_layers=2, num_heads=4, embed_dim=64, mlp_dim=256
+    vocab_size=260, max_len=64, num_layers=2, num_heads=4, embed_dim=64, mlp_dim=256
   ),  # 260 = the byte tokenizer's ids
 }
 TASKS = {'mlm': ('mlm', 'mlm'), 'classify': ('text_classification', 'classify')}  # word -> (task, head)
@@ -64,7 +63,6 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = task
   c.mesh = common.mesh(MESHES[preset])
-  c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset] + ([('classes', None)] if head == 'classify' else [])
   c.model = common.ConfigDict(
     dict(
@@ -72,36 +70,27 @@ def get_config(arg: str | None = None):
       **SIZES[size],
       head=head,
       norm_eps=1e-12,
-      dtype='float32',
-      param_dtype='float32',
       scan_layers=True,
-      remat='none',
-      attention='auto',
     )
   )
   if size == 'base':
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
-    c.optim.update(b2=0.999, eps=1e-6, weight_decay=0.01)
+    c.optim = common.ConfigDict(dict(b2=0.999, eps=1e-6, weight_decay=0.01))
     if task == 'mlm':  # BERT's pre-training recipe (phase 1: 128-token rows)
       c.dataset = common.ConfigDict(
         dict(
           name='lm1b',
-          data_dir=common.placeholder(str),
-          train_split='train',
           eval_split='test[:10000]',
           seq_len=128,
           tokenizer=TOKENIZER,
-          mlm_probability=0.15,
         )
-      )
+      )  # 15% of the tokens masked
       c.batch_size, c.total_steps, c.eval_every = 256, 1_000_000, 10_000
       c.optim.update(lr=1e-4, warmup_steps=10_000)
     else:  # SST-2 fine-tuning: 3 epochs of 67,349 sentences
       c.dataset = common.ConfigDict(
         dict(
           name='glue/sst2',
-          data_dir=common.placeholder(str),
-          train_split='train',
           eval_split='validation',
           seq_len=128,
           tokenizer=TOKENIZER,
@@ -112,27 +101,16 @@ def get_config(arg: str | None = None):
       c.batch_size, c.total_steps, c.eval_every = 32, 6300, 1000
       c.optim.update(lr=2e-5, warmup_steps=630)
   else:
-    c.dataset = common.ConfigDict(
-      dict(
-        name='markov_text',
-        vocab_size=16,
-        branching=4,
-        smoothing=0.03,
-        seed=0,
-        seq_len=32,
-        num_train=8192,
-        num_eval=512,
-        tokenizer='byte',
-      )
-    )
+    # Strings of the offline Markov language of configs/schema.py's defaults, read by the byte tokenizer.
+    c.dataset = common.ConfigDict(dict(name='markov_text', seq_len=32, num_eval=512))
     c.batch_size = 16
     c.total_steps = 300
-    c.optim.update(lr=3e-3, warmup_steps=30)
-    c.log_every, c.eval_every = 50, 300
+    c.optim = common.ConfigDict(dict(lr=3e-3, warmup_steps=30))
+    c.eval_every = 300
     if task == 'text_classification':  # which of 2 languages wrote a string: longer strings, gentler lr
       c.dataset.update(num_classes=2, seq_len=64)
       c.total_steps = c.eval_every = 600
       c.optim.lr = 1e-3  # at 3e-3 (3 classes, 32 tokens) the post-LN encoder stayed at chance for 300 steps
   if head == 'classify':
     c.model.num_classes = c.dataset.num_classes
-  return c
+  return schema.complete(c)

@@ -1,4 +1,5 @@
-"""Pieces shared by the config files (not a config itself: it has no get_config).
+"""Pieces shared by the config files (not a config itself: it has no get_config). A config file sets only what it
+changes: every field's default is configs/schema.py's, filled in by schema.complete.
 
 Every config file takes big_vision-style arguments after a colon: a parallelism preset and/or a
 size, in any order, comma-separated:
@@ -196,7 +197,9 @@ def pipeline_preset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   dimension is what the stages cut), the micro-batches, and 4 layers at tiny size (one per stage)."""
   if c.preset in PIPELINE_PRESETS:
     c.model.scan_layers = True
-    c.pipeline.microbatches = PIPELINE_MICROBATCHES.get(c.size, PIPELINE_MICROBATCHES['tiny'])
+    c.pipeline = ml_collections.ConfigDict(
+      dict(microbatches=PIPELINE_MICROBATCHES.get(c.size, PIPELINE_MICROBATCHES['tiny']))
+    )
     if c.size == 'tiny':
       c.model.num_layers = 4
   return c
@@ -207,76 +210,15 @@ def mesh(sizes: Mapping[str, int]) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(dict(sizes), sort_keys=False)
 
 
-def dcn_mesh(mesh_cfg: Mapping[str, int]) -> ml_collections.ConfigDict:
-  """config.dcn_mesh: the number of slices (hosts, TPU slices) along each axis of config.mesh, all 1 (one slice).
-  E.g. --config.dcn_mesh.data=2 runs data parallelism across 2 slices over DCN, config.mesh inside each."""
-  return ml_collections.ConfigDict({name: 1 for name in mesh_cfg}, sort_keys=False)
-
-
 def base(preset: str, size: str) -> ml_collections.ConfigDict:
-  """Fields every config has: seed, loop lengths, logging and the AdamW optimizer."""
+  """A config's start: the preset and size get_config(arg) chose, and causal load balancing for the
+  context-parallel presets. Every other field a config does not set gets its default from configs/schema.py
+  FIELDS (schema.complete, which each get_config returns through)."""
   c = ml_collections.ConfigDict()
   c.preset, c.size = preset, size
-  c.seed = 0
-  c.total_steps = 1000
-  c.log_every = 50
-  c.eval_every = 500
-  c.sample_len = 0
-  # config.batch_size is the global batch of one optimizer step; grad_accum_steps > 1 runs it as that many
-  # micro-batches in one jitted step (training/accumulate.py), the same update with less activation memory.
-  # accum_gather_once: under FSDP gather the weights once per step, not once per micro-batch (more memory).
-  c.grad_accum_steps = 1
-  c.accum_gather_once = False
-  c.decode_rules = []  # rules used instead of logical_axis_rules to generate (generation/); []: those
-  # Causal load balancing under context parallelism (partitioning/context.py): rows in zigzag order, so every
-  # context shard's queries see as many keys as any other's; a no-op where 'length' is not sharded.
-  c.context_load_balance = preset in CONTEXT_PRESETS
-  # Pipeline parallelism where a rule maps 'layers' to the 'stage' mesh axis (docs/pipelines.md): the batch is
-  # split into `microbatches` (at least the stages); `repeats` > 1 runs the circular schedule.
-  c.pipeline = ml_collections.ConfigDict(dict(microbatches=1, repeats=1))
-  c.optim = ml_collections.ConfigDict(
-    dict(
-      name='adamw',
-      lr=1e-3,
-      warmup_steps=100,
-      min_lr_ratio=0.1,
-      b1=0.9,
-      b2=0.95,
-      eps=1e-8,
-      weight_decay=0.1,
-      grad_clip=1.0,
-    )
-  )
-  return add_run_fields(c)
-
-
-def add_run_fields(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Checkpointing and fine-tuning fields (docs/checkpoints.md, docs/finetuning.md)."""
-  c.checkpoint_every = 1000  # steps between asynchronous checkpoints in <workdir>/checkpoints; 0 = never
-  c.keep_checkpoints = 2  # the last K are kept; rerunning the same command resumes from the latest
-  c.resume_fallback = True  # a damaged latest checkpoint: moved aside (kept) and the previous one resumed; False: error
-  c.checkpoint_space = 'refuse'  # free space short of keep_checkpoints + 1 checkpoints at start: 'refuse' or 'warn'
-  c.init_from = ''  # a checkpoint dir of this project (params only) or a Hugging Face model dir
-  c.dont_load = ''  # regex over parameter paths left freshly initialised (e.g. a new head: '^classifier/')
-  c.freeze = ''  # regex over parameter paths that get no updates and no optimizer state
-  c.train_only = ''  # regex: freeze everything else (e.g. '^classifier/' trains only the head)
-  c.lora = ml_collections.ConfigDict(
-    dict(
-      rank=0,  # > 0 adds LoRA adapters (and freezes all but them unless train_only says otherwise)
-      alpha=16.0,
-      targets=r'attn/(query|value)$',
-      export_merged=False,
-    )
-  )
-  # A non-finite loss or gradient never reaches the parameters (the update is skipped in the step). 'stop'
-  # ends the run at once, naming the step and the first non-finite gradient's parameter, and writes no
-  # checkpoint after it; 'skip' goes on and stops after max_nonfinite_skips bad steps in a row.
-  c.on_nonfinite = 'stop'
-  c.max_nonfinite_skips = 10
-  c.profile_first_step = 0  # > 0: capture a jax.profiler trace of steps [first, first + profile_steps) into workdir
-  c.profile_steps = 5
+  if preset in CONTEXT_PRESETS:
+    c.context_load_balance = True  # rows in zigzag order over the context shards (partitioning/context.py)
   return c
 
 
 ConfigDict = ml_collections.ConfigDict
-placeholder = ml_collections.config_dict.placeholder  # a typed None: `--config.dataset.data_dir=DIR` can set it

@@ -13,7 +13,7 @@ Target: eval loss within 0.03 nats of the language's entropy floor (printed at s
 for the default language; a bigram model cannot go below ~2.54, uniform guessing is ln 16 = 2.77).
 """
 
-from configs import common
+from configs import common, schema
 
 # The transformer presets (configs/common.py) without the 'layers' rule (this model's 4 blocks are unrolled),
 # on meshes that keep a data axis in every preset. Edit them here, e.g. RULES['tp'] = [...].
@@ -33,33 +33,14 @@ def get_config(arg: str | None = 'fsdp_tp'):
   c = common.base(preset, size)
   c.task = 'lm'
   c.mesh = common.mesh(MESHES[preset])  # mesh axis name -> size, outermost first; one size may be -1
-  c.dcn_mesh = common.dcn_mesh(c.mesh)  # slices over DCN per axis (hosts); 1 = one slice
   c.logical_axis_rules = RULES[preset]
-  c.model = common.ConfigDict(
-    dict(
-      name='gpt2',
-      vocab_size=16,
-      max_len=64,
-      num_layers=4,
-      num_heads=4,
-      embed_dim=128,
-      mlp_dim=512,
-      norm_eps=1e-5,
-      dtype='float32',
-      param_dtype='float32',
-      attention='auto',
-      # the speed and memory options of docs/model_options.md, at the values the model takes without them
-      scan_layers=False,
-      remat='none',
-      logits_dtype='float32',
-      loss_chunks=0,
-    )
-  )
-  c.dataset = common.ConfigDict(
-    dict(name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64, num_train=65536, num_eval=2000)
-  )
+  # The speed and memory options of docs/model_options.md (attention, remat, ...) at their defaults.
+  model = dict(name='gpt2', vocab_size=16, max_len=64, num_layers=4, num_heads=4, embed_dim=128, mlp_dim=512)
+  c.model = common.ConfigDict(dict(**model, norm_eps=1e-5))
+  # The Markov language of 16 symbols, branching 4, smoothing 0.03 (configs/schema.py's defaults).
+  c.dataset = common.ConfigDict(dict(name='markov', seq_len=64, num_train=65536, num_eval=2000))
   c.batch_size = 32  # global
   c.total_steps = 1200
-  c.optim.update(lr=3e-3)  # AdamW, warmup 100, cosine to 10%, b2 0.95, weight decay 0.1, clip 1.0
+  c.optim = common.ConfigDict(dict(lr=3e-3))  # AdamW, warmup 100, cosine to 10%, b2 0.95, weight decay 0.1, clip 1
   c.log_every, c.eval_every, c.sample_len = 100, 400, 48
-  return c
+  return schema.complete(c)

@@ -16,7 +16,7 @@ Sizes: real (GPT-2 small, 124M: 12 layers, 12 heads, d=768), tiny (2 layers, d=6
 Markov language). Combine with a comma: configs/gpt2.py:tp,tiny.
 """
 
-from configs import common
+from configs import common, schema
 
 # The transformer presets (configs/common.py), copied here to edit for this family, e.g. RULES['tp'] = [...].
 RULES, MESHES = common.transformer_presets(context=True, pipeline=True)
@@ -25,7 +25,7 @@ SIZES = {
   'real': dict(
     vocab_size=50257, pad_vocab_to=128, max_len=1024, num_layers=12, num_heads=12, embed_dim=768, mlp_dim=3072
   ),
-  'tiny': dict(vocab_size=16, pad_vocab_to=1, max_len=64, num_layers=2, num_heads=4, embed_dim=64, mlp_dim=256),
+  'tiny': dict(vocab_size=16, max_len=64, num_layers=2, num_heads=4, embed_dim=64, mlp_dim=256),
 }
 
 
@@ -34,45 +34,27 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = 'lm'
   c.mesh = common.mesh(MESHES[preset])
-  c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(
     dict(
       name='gpt2',
       **SIZES[size],
       norm_eps=1e-5,
-      dtype='float32',
-      param_dtype='float32',
       scan_layers=True,
-      remat='none',
-      attention='auto',
-      logits_dtype='float32',
-      loss_chunks=0,
     )
-  )  # > 1: the LM loss in that many chunks along the length (docs/model_options.md)
+  )  # the speed and memory options (attention, remat, loss_chunks, ...): docs/model_options.md
   if size == 'real':
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
-    c.dataset = common.ConfigDict(
-      dict(
-        name='lm1b',
-        data_dir=common.placeholder(str),
-        train_split='train',
-        eval_split='test',
-        seq_len=1024,
-        pack=True,
-        tokenizer='byte',
-      )
-    )
+    c.dataset = common.ConfigDict(dict(name='lm1b', eval_split='test', seq_len=1024, pack=True))  # byte tokenizer
     c.batch_size = 64
     c.total_steps = 100_000
-    c.optim.update(lr=6e-4, warmup_steps=2000, weight_decay=0.1)
+    c.optim = common.ConfigDict(dict(lr=6e-4, warmup_steps=2000))  # AdamW, weight decay 0.1
     c.eval_every = 5000
   else:
-    c.dataset = common.ConfigDict(
-      dict(name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64, num_train=8192, num_eval=512)
-    )
+    # The offline Markov language of configs/schema.py's defaults: 16 symbols, branching 4.
+    c.dataset = common.ConfigDict(dict(name='markov', seq_len=64, num_eval=512))
     c.batch_size = 32
     c.total_steps = 400  # enough to come close to the language's entropy floor (docs/performance.md)
-    c.optim.update(lr=1e-2, warmup_steps=30)
-    c.log_every, c.eval_every = 50, 400
-  return common.pipeline_preset(c)
+    c.optim = common.ConfigDict(dict(lr=1e-2, warmup_steps=30))
+    c.eval_every = 400
+  return schema.complete(common.pipeline_preset(c))

@@ -14,7 +14,7 @@ Presets and rules: as configs/gpt2.py (dp, fsdp (default), tp, fsdp_tp).
 
 from ml_collections import config_dict
 
-from configs import gpt2
+from configs import gpt2, schema
 from configs.gpt2 import MESHES, RULES, SIZES  # noqa: F401  (the presets and sizes of this config)
 
 HF_DIR = 'hf/gpt2'
@@ -35,4 +35,4 @@ def get_config(arg: str | None = None):
   c.total_steps = 5000
   c.optim.update(lr=1e-4, warmup_steps=200, weight_decay=0.01)
   c.checkpoint_every, c.eval_every = 500, 1000
-  return c
+  return schema.complete(c)

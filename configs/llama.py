@@ -28,7 +28,7 @@ directory holding the Llama 3 tokenizer, saved on a machine with access by
 (TOKENIZER below is a placeholder: left as is, start-up fails with a message naming that field).
 """
 
-from configs import common
+from configs import common, schema
 
 # The transformer presets (configs/common.py), copied here to edit for this family, e.g. RULES['tp'] = [...].
 RULES, MESHES = common.transformer_presets(context=True, pipeline=True)
@@ -94,22 +94,14 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = 'lm'
   c.mesh = common.mesh(MESHES[preset])
-  c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(
     dict(
       name='llama',
       **SIZES[size],
-      dtype='float32',
-      param_dtype='float32',
       scan_layers=True,
-      remat='none',
-      attention='auto',
-      logits_dtype='float32',
-      loss_chunks=0,  # > 1: the LM loss in chunks (docs/model_options.md)
-      rope_scaling=None,
     )
-  )  # None, or Llama 3 scaling as (key, value) pairs (models/layers.rope_scaling_params)
+  )  # the speed and memory options (attention, remat, loss_chunks, ...): docs/model_options.md
   if size == 'real':
     # bf16 compute, f32 params and optimizer state. remat='dots' keeps the weight matmuls' outputs: no matmul runs
     # twice, in less memory than 'none'. For less memory still: --config.model.remat=attention
@@ -118,8 +110,6 @@ def get_config(arg: str | None = None):
     c.dataset = common.ConfigDict(
       dict(
         name='c4',
-        data_dir=common.placeholder(str),
-        train_split='train',
         eval_split='validation[:10000]',
         seq_len=2048,
         pack=True,
@@ -128,18 +118,17 @@ def get_config(arg: str | None = None):
     )
     c.batch_size = 64  # 131k tokens per step
     c.total_steps = 100_000
-    c.optim.update(lr=3e-4, warmup_steps=2000, weight_decay=0.1)
+    c.optim = common.ConfigDict(dict(lr=3e-4, warmup_steps=2000))  # AdamW, weight decay 0.1
     c.eval_every = 5000
     if preset == 'cp':  # long context: rows of 32k tokens split over the context axis
-      c.model.update(max_len=LONG_CONTEXT, rope_scaling=LLAMA32_ROPE_SCALING)
+      c.model.update(max_len=LONG_CONTEXT, rope_scaling=LLAMA32_ROPE_SCALING)  # (key, value) pairs, or None
       c.dataset.seq_len = LONG_CONTEXT
       c.batch_size = 2  # 65k tokens per step: one row per fsdp group
   else:
-    c.dataset = common.ConfigDict(
-      dict(name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64, num_train=8192, num_eval=512)
-    )
+    # The offline Markov language of configs/schema.py's defaults: 16 symbols, branching 4.
+    c.dataset = common.ConfigDict(dict(name='markov', seq_len=64, num_eval=512))
     c.batch_size = 16
     c.total_steps = 300
-    c.optim.update(lr=3e-3, warmup_steps=30)
-    c.log_every, c.eval_every = 50, 300
-  return common.pipeline_preset(c)
+    c.optim = common.ConfigDict(dict(lr=3e-3, warmup_steps=30))
+    c.eval_every = 300
+  return schema.complete(common.pipeline_preset(c))

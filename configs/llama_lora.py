@@ -16,7 +16,7 @@ Presets: as configs/llama.py (dp, fsdp (default), tp, fsdp_tp), plus the ('lora_
 
 from ml_collections import config_dict
 
-from configs import llama
+from configs import llama, schema
 from configs.llama import MESHES, SIZES  # noqa: F401  (the presets and sizes of this config)
 
 RULES = {name: [*rules, ('lora_rank', None)] for name, rules in llama.RULES.items()}
@@ -25,11 +25,11 @@ RULES = {name: [*rules, ('lora_rank', None)] for name, rules in llama.RULES.item
 def get_config(arg: str | None = None):
   c = llama.get_config(arg)
   c.logical_axis_rules = RULES[c.preset]
-  c.lora.update(rank=16, alpha=32.0, targets=r'self_attn/(query|value)$')
+  c.lora = config_dict.ConfigDict(dict(rank=16, alpha=32.0, targets=r'self_attn/(query|value)$'))
   if c.size == 'tiny':
     c.lora.rank = 4
     c.optim.update(lr=1e-2)
-    return c
+    return schema.complete(c)
   c.init_from = 'hf/llama-3.2-1b'
   c.dataset.update(tokenizer=c.get_ref('init_from'))  # follows --config.init_from
   # Unset (None): both follow the imported model (training/pretrained.py derive_lengths) unless given.
@@ -39,4 +39,4 @@ def get_config(arg: str | None = None):
   c.total_steps = 2000
   c.optim.update(lr=2e-4, warmup_steps=100, weight_decay=0.0)
   c.checkpoint_every, c.eval_every = 500, 500
-  return c
+  return schema.complete(c)

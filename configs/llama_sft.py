@@ -23,7 +23,7 @@ Markov language, as configs/llama.py:tiny).
 
 import ml_collections
 
-from configs import common, llama
+from configs import llama, schema
 from configs.llama import SIZES  # noqa: F401  (the sizes of this config)
 from configs.llama_lora import RULES  # the presets: llama's, with the ('lora_rank', None) rule
 
@@ -37,20 +37,16 @@ def get_config(arg: str | None = None):
   c = llama.get_config(','.join(w for w in words if w != 'lora'))
   c.logical_axis_rules = RULES[c.preset]
   if lora:
-    c.lora.update(rank=4 if c.size == 'tiny' else 16, alpha=32.0, targets=LORA_TARGETS)
+    c.lora = ml_collections.ConfigDict(dict(rank=4 if c.size == 'tiny' else 16, alpha=32.0, targets=LORA_TARGETS))
   if c.size == 'tiny':
-    return c  # offline: trains from scratch on the Markov language (tests, trying things)
+    return schema.complete(c)  # offline: trains from scratch on the Markov language (tests, trying things)
   c.init_from = HUB_ID
   c.dataset = ml_collections.ConfigDict(
     dict(
       name='json',
       train_files='chats/train*.jsonl',
       eval_files='chats/eval.jsonl',
-      messages_key='messages',
-      prompt_key=common.placeholder(str),  # prompt/completion files: set both, and messages_key= (empty)
-      completion_key=common.placeholder(str),
-      mixture=common.placeholder(tuple),  # ((glob, weight), ...) instead of train_files
-      no_assistant='skip',
+      messages_key='messages',  # prompt/completion files: set prompt_key, completion_key and messages_key= (empty)
       tokenizer=c.get_ref('init_from'),  # follows --config.init_from
       seq_len=c.model.max_len,  # 2048 (cp: 32768)
       pack=True,
@@ -60,4 +56,4 @@ def get_config(arg: str | None = None):
   c.total_steps = 1000
   c.optim.update(lr=2e-4 if lora else 2e-5, warmup_steps=50, weight_decay=0.0)
   c.checkpoint_every, c.eval_every, c.log_every = 200, 200, 10
-  return c
+  return schema.complete(c)

@@ -14,7 +14,7 @@ Sizes (the model is part of the size): cnn (default; Flax's MNIST CNN: conv 32, 
 on offline synthetic_images of the same shape.
 """
 
-from configs import common
+from configs import common, schema
 
 RULES = {
   'dp': [
@@ -73,22 +73,21 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = 'classification'
   c.mesh = common.mesh(MESHES[preset])
-  c.dcn_mesh = common.dcn_mesh(c.mesh)
   m = SIZES[size]
   c.logical_axis_rules = [r for r in RULES[preset] if r[0] not in UNUSED[m['name']]]
-  c.model = common.ConfigDict(dict(**m, dtype='float32', param_dtype='float32'))
+  c.model = common.ConfigDict(m)
   c.batch_size = 128
-  c.optim.update(lr=1e-3, warmup_steps=50, weight_decay=0.0)
+  c.optim = common.ConfigDict(dict(lr=1e-3, warmup_steps=50, weight_decay=0.0))
   if size.endswith('tiny'):
     c.dataset = common.ConfigDict(
-      dict(name='synthetic_images', **_MNIST, noise=4.0, num_train=4096, num_eval=512, seed=0)
+      dict(name='synthetic_images', **_MNIST, noise=4.0, num_train=4096, num_eval=512)
     )  # noise 4: eval accuracy ~0.98 after 200 steps, not 1.0 at once
     c.batch_size = 32
     c.total_steps = 200
     c.optim.update(lr=3e-3, warmup_steps=20)
-    c.log_every, c.eval_every = 50, 200
+    c.eval_every = 200
   else:
-    c.dataset = common.ConfigDict(dict(name='mnist', data_dir=common.placeholder(str), **_MNIST))
+    c.dataset = common.ConfigDict(dict(name='mnist', **_MNIST))
     c.total_steps = 10 * 469  # 10 epochs of 60,000 images
     c.log_every, c.eval_every = 100, 469
-  return c
+  return schema.complete(c)

@@ -21,7 +21,7 @@ Sizes: small (8 experts x top-2, 12 layers, d=1024: 0.93B total, 0.30B active pa
 tiny (2 layers, d=64, 8 experts, on the offline Markov language). Combine: configs/moe.py:ep,tiny.
 """
 
-from configs import common
+from configs import common, schema
 
 _REST = [('layers', None), ('length', None), ('kv', None), ('norm', None), ('cache_length', None), ('cache_kv', None)]
 # The KV cache of generation (configs/common.py): rows like 'batch', kv heads like 'kv_heads'.
@@ -156,49 +156,29 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = 'lm'
   c.mesh = common.mesh(MESHES[preset])
-  c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
   c.model = common.ConfigDict(
     dict(
       name='moe',
       **SIZES[size],
       rope_theta=1e6,
-      rope_scaling=None,
       norm_eps=1e-5,
-      tie_embeddings=False,
-      dtype='float32',
-      param_dtype='float32',
       scan_layers=True,
-      remat='none',
-      attention='auto',
-      logits_dtype='float32',
-      loss_chunks=0,
     )
-  )  # > 1: the LM loss in that many chunks along the length (docs/model_options.md)
+  )  # the speed and memory options (attention, remat, loss_chunks, ...): docs/model_options.md
   if size == 'small':
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
     c.model.remat = 'full'  # without it the ep train step's temporaries are about 9x larger (docs/performance.md)
-    c.dataset = common.ConfigDict(
-      dict(
-        name='lm1b',
-        data_dir=common.placeholder(str),
-        train_split='train',
-        eval_split='test',
-        seq_len=1024,
-        pack=True,
-        tokenizer='byte',
-      )
-    )
+    c.dataset = common.ConfigDict(dict(name='lm1b', eval_split='test', seq_len=1024, pack=True))  # byte tokenizer
     c.batch_size = 64
     c.total_steps = 100_000
-    c.optim.update(lr=3e-4, warmup_steps=2000, weight_decay=0.1)
+    c.optim = common.ConfigDict(dict(lr=3e-4, warmup_steps=2000))  # AdamW, weight decay 0.1
     c.eval_every = 5000
   else:
-    c.dataset = common.ConfigDict(
-      dict(name='markov', vocab_size=16, branching=4, smoothing=0.03, seed=0, seq_len=64, num_train=8192, num_eval=512)
-    )
+    # The offline Markov language of configs/schema.py's defaults: 16 symbols, branching 4.
+    c.dataset = common.ConfigDict(dict(name='markov', seq_len=64, num_eval=512))
     c.batch_size = 16
     c.total_steps = 300
-    c.optim.update(lr=3e-3, warmup_steps=30)
-    c.log_every, c.eval_every = 50, 300
-  return c
+    c.optim = common.ConfigDict(dict(lr=3e-3, warmup_steps=30))
+    c.eval_every = 300
+  return schema.complete(c)

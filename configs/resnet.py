@@ -17,7 +17,7 @@ imagenet2012 with SGD + momentum 0.9, lr 0.4 at batch 1024 (0.1 per 256), 90 epo
 offline synthetic_images).
 """
 
-from configs import common
+from configs import common, schema
 
 _REST = [('height', None), ('width', None), ('channels', None), ('classes', None), ('layers', None), ('norm', None)]
 RULES = {
@@ -43,7 +43,6 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = 'classification'
   c.mesh = common.mesh(MESHES[preset])
-  c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
   m = SIZES[size]
   c.model = common.ConfigDict(
@@ -52,16 +51,11 @@ def get_config(arg: str | None = None):
       **m,
       bn_momentum=0.9,
       bn_eps=1e-5,
-      bn_fast_variance=False,
       bn_fused=True,
-      dtype='float32',
-      param_dtype='float32',
       scan_layers=True,
-      remat='none',
-      stride_in_1x1=False,
     )
-  )  # a bottleneck strides on its 3x3 conv (v1.5); True: on its first 1x1 (v1)
-  c.optim = common.ConfigDict(dict(name='sgd', lr=0.1, momentum=0.9, warmup_steps=100, min_lr_ratio=0.0, grad_clip=0.0))
+  )  # a bottleneck strides on its 3x3 conv (v1.5; config.model.stride_in_1x1=True: on its first 1x1, v1)
+  c.optim = common.ConfigDict(dict(name='sgd', lr=0.1, min_lr_ratio=0.0, grad_clip=0.0))  # momentum 0.9
   if size == 'tiny':
     c.dataset = common.ConfigDict(
       dict(
@@ -72,23 +66,20 @@ def get_config(arg: str | None = None):
         noise=4.0,
         num_train=4096,
         num_eval=512,
-        seed=0,
       )
     )  # noise 4: a learning curve, not 1.0 at once
     c.batch_size = 32
     c.total_steps = 300
     c.optim.update(lr=0.05, warmup_steps=30)
-    c.log_every, c.eval_every = 50, 300
+    c.eval_every = 300
   else:
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute (f32 params, BatchNorm statistics), unrolled stages
     # One-pass BatchNorm variance (E[x^2] - mean^2 in f32): one read of each activation fewer; conv outputs
     # have |mean| of the order of their std, far from where it cancels.
     c.model.bn_fast_variance = True
-    c.dataset = common.ConfigDict(
-      dict(name='imagenet2012', data_dir=common.placeholder(str), image_size=224, channels=3, num_classes=1000)
-    )
+    c.dataset = common.ConfigDict(dict(name='imagenet2012', image_size=224, channels=3, num_classes=1000))
     c.batch_size = 1024
     c.total_steps = 90 * 1251  # 90 epochs of 1,281,167 images
     c.optim.update(lr=0.4, warmup_steps=5 * 1251)
     c.log_every, c.eval_every = 100, 5 * 1251
-  return c
+  return schema.complete(c)

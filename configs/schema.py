@@ -1,63 +1,84 @@
-"""What every config field may hold, checked before anything is built (train.py and export.py call `check`).
+"""Every config field's type, allowed values and default, each declared once, and the check of a config against
+them before anything is built (train.py, export.py and search.py call `check`).
 
-One table, FIELDS, gives each field of every config file its type and allowed values; the choices come
-from their owners (models.MODELS, training.tasks.TASKS, ...). A bad value is one ConfigError naming the
-field, the value and what is allowed. Fields no entry describes are an error too (a config file that adds a
-field adds it here: tests/test_validation.py goes over every field of every config file). Deeper checks that
-need the whole config (rules against the mesh, heads dividing the width, a dataset's fields) stay where they
-are, still before compiling.
-
-`parse_flags` is absl's command-line parsing for train.py, export.py and search.py, with a bad --config (a missing
-or broken file, an unknown field, a misspelled preset, a value of the wrong type) reported as one line instead
-of a traceback. A config file that raises while it runs is named with its line and the error (the traceback's
-innermost frame in that file); one whose get_config() returns something else than a ConfigDict, or leaves out a
-field every config sets (`Field.required`), is named too. `warnings` are the settings that are valid but would
-silently do something else than written (train.py prints them).
+FIELDS gives each field its type, range and default (none for the fields every config sets); FAMILIES says which
+config.model fields each model family needs and reads. `complete` fills in what a config does not set, so config
+files set only what they change and the code reads `config.x`, with no default of its own. Where a field's choices
+belong to another module (the model families, tasks, optimizers, attention kernels, ...), that module registers
+them when it is imported (`register`): configs/ never imports training/ or models/, and `check(config,
+owned=False)` checks everything else before JAX is imported. A bad value is one ConfigError naming the field, the
+value and what is allowed; so is a field no entry describes (a config file that adds a field adds it here:
+tests/test_bad_input.py goes over every field of every config file). Deeper checks that need the whole config
+(rules against the mesh, heads dividing the width, a dataset's fields) stay where they are, still before compiling.
+`warnings` are the settings that are valid but would silently do something else than written (train.py prints
+them). The command line is configs/cli.py's.
 """
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import dataclasses
-import difflib
-import importlib
-import importlib.util
 import math
-import os
 import re
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ml_collections
-from absl import flags
-from ml_collections import config_flags
 
-import errors
 from errors import ConfigError
 
 INF = float('inf')
 RULE = '(logical name, mesh axis | tuple of mesh axes | None) pair'  # one of config.logical_axis_rules
+REQUIRED = object()  # Field.default of a field every config sets: it has no default
 
 
 @dataclasses.dataclass(frozen=True)
 class Field:
   """A field's type (int, float, bool, str, 'regex', 'ints', 'mesh', 'dcn', 'rules', 'rope', 'remat', 'info',
-  'mixture') and range."""
+  'mixture'), range and default."""
 
   kind: Any
   lo: float = -INF
   hi: float = INF
   lo_open: bool = False  # lo itself is not allowed
   hi_open: bool = False
-  choices: Callable[[], Sequence[Any]] | None = None
+  values: tuple[Any, ...] | None = None  # the allowed values, where the schema itself knows them
+  owner: str | None = None  # the module that registers the allowed values (`register`), where it does not
   optional: bool = False  # None is allowed
-  required: bool = False  # every config sets it (train.py reads it without a default)
+  # What `complete` fills in where a config does not set the field (a function of the config: derived from its
+  # other fields when filled); REQUIRED: none, the config must set it.
+  default: Any = REQUIRED
+  # The config.task values (dataset fields) or optimizers (optim fields) whose configs have the field; None: all.
+  # config.model's fields are the family's (FAMILIES).
+  only: tuple[str, ...] | None = None
+  path: str = ''  # its key in FIELDS (set below)
+
+  @property
+  def required(self) -> bool:
+    """Every config sets it: no default, in every config (config.model's other fields: FAMILIES' needs)."""
+    section = self.path.partition('.')[0]
+    return self.default is REQUIRED and self.only is None and (section != 'model' or self.path == 'model.name')
+
+  @property
+  def owned(self) -> bool:
+    """Whether what it allows comes from another module (`register`, `register_kind`): checked once that module
+    is imported (`check(config, owned=True)`), never before."""
+    return self.owner is not None or self.kind in KIND_OWNERS
+
+  def choices(self) -> list[Any] | None:
+    """The allowed values (None: any of the kind's): the owner's must have been registered, the owner imported."""
+    if self.owner is None:
+      return None if self.values is None else list(self.values)
+    assert self.path in _CHOICES, (
+      f'config.{self.path} is checked, but {self.owner}, which registers its choices (configs.schema.register), '
+      'was never imported: import it before configs.schema.check'
+    )
+    return list(_CHOICES[self.path])
 
   def allowed(self) -> str:
-    if self.choices is not None:
-      text = f'one of {list(self.choices())}'
+    if self.owner is not None and self.path not in _CHOICES:  # a description only (missing_field before imports)
+      text = f'one of the values {self.owner} registers'
+    elif self.choices() is not None:
+      text = f'one of {self.choices()}'
       if self.kind == 'remat':  # layers.remat_policy still maps older configs' booleans
         text += ' (or, in a config file, True/False for full/none)'
     elif self.kind in (int, float):
@@ -82,7 +103,7 @@ class Field:
     return text + (' (or None)' if self.optional else '')
 
   def problem(self, value: Any) -> bool:
-    """Whether `value` is not allowed."""
+    """Whether `value` is not allowed (an owned field's owner must have registered: `owned`)."""
     if value is None:
       return not self.optional
     kind = self.kind
@@ -101,7 +122,9 @@ class Field:
     if kind in (str, 'info', 'remat'):
       if kind == 'remat' and isinstance(value, bool):  # older configs: True/False mean full/none
         return False
-      return not isinstance(value, str) or (self.choices is not None and value not in self.choices())
+      if self.owner is not None and value == self.default:  # allowed: its owner said so when it registered
+        return False
+      return not isinstance(value, str) or (self.choices() is not None and value not in self.choices())
     if kind == 'regex':
       if not isinstance(value, str):
         return True
@@ -131,7 +154,7 @@ class Field:
         not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 1 for k, v in value.items()
       )
     if kind == 'rules':
-      return not isinstance(value, (tuple, list)) or any(_rule_problem(r) for r in value)
+      return not isinstance(value, (tuple, list)) or any(_kind_problem('rules', r) for r in value)
     if kind == 'mixture':
       return (
         not isinstance(value, (tuple, list))
@@ -147,13 +170,7 @@ class Field:
         )
       )
     if kind == 'rope':
-      from models import layers
-
-      try:
-        layers.rope_scaling_params(value)
-      except (ConfigError, TypeError, ValueError, AttributeError):
-        return True
-      return False
+      return bool(_kind_problem('rope', value))
     raise AssertionError(kind)
 
   def bad_values(self) -> list[Any]:
@@ -174,7 +191,7 @@ class Field:
       'mixture': [('a.jsonl', 0)],
     }[self.kind]
     out = [wrong_type]
-    if self.choices is not None:
+    if self.values is not None or self.owner is not None:
       out.append('no_such_choice')
     if self.kind in (int, float) and self.lo > -INF:
       out.append(self.kind(self.lo) if self.lo_open else self.kind(self.lo - 1))
@@ -189,176 +206,276 @@ class Field:
   def message(self, path: str, value: Any) -> str:
     """The one-line error for a value `problem` refuses: a bad rule of a list of rules is named by its index."""
     if self.kind == 'rules' and isinstance(value, (tuple, list)):
-      i, why = next((i, why) for i, r in enumerate(value) if (why := _rule_problem(r)))
+      i, why = next((i, why) for i, r in enumerate(value) if (why := _kind_problem('rules', r)))
       return f'config.{path}[{i}]={value[i]!r}: must be a {RULE} ({why})'
     shown = value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
     return f'config.{path}={shown!r}: must be {self.allowed()}'
 
 
-def _rule_problem(rule: Any) -> str:
-  """What is wrong with one logical-axis rule ('' if nothing): partitioning/rules.py's AxisRules then parses it."""
-  if not isinstance(rule, (tuple, list)):
-    return f'not a pair but a {type(rule).__name__}'
-  if len(rule) != 2:
-    return f'{len(rule)} items, not 2'
-  name, target = rule
-  if not isinstance(name, str):
-    return f'the logical name {name!r} is not a string'
-  if not (
-    target is None
-    or isinstance(target, str)
-    or (isinstance(target, (tuple, list)) and all(isinstance(a, str) for a in target))
-  ):
-    return f'the target {target!r} is not a mesh axis name, a tuple of them or None'
-  return ''
+# --- What owners register ----------------------------------------------------------------------------------------
+# The modules that own a field's choices (models.MODELS, training.tasks.TASKS, ...) give them to the schema when they
+# are imported, so configs/ never imports training/ or models/: the schema checks the rest first, in about a second,
+# and the owned fields once train.py has imported their owners (check(config, owned=True)), before anything is built.
+KIND_OWNERS = {
+  'rules': 'models.layers',  # the shape of one logical-axis rule: partitioning/rules.py's, which AxisRules parses
+  'rope': 'models.layers',  # Llama 3's rope scaling (layers.rope_scaling_params)
+}
+_CHOICES: dict[str, tuple[Any, ...]] = {}  # field path -> its owner's values
+_KIND_PROBLEMS: dict[str, Callable[[Any], str]] = {}  # kind -> what is wrong with a value ('' if nothing)
 
 
-def _owned(module: str, name: str, *, sort: bool = False) -> Callable[[], list[Any]]:
-  """The allowed values as their owner declares them (`module.name`), imported when first asked for."""
+def register(path: str, values: Sequence[Any]) -> None:
+  """The allowed values of the field at `path`, in the order its messages list them; called by the module that
+  owns them when it is imported. The model families and their tasks the schema names itself (FAMILIES: the check
+  before the owners are imported needs them): models and training.tasks register theirs to be compared."""
+  field = FIELDS[path]
+  if field.owner is None:
+    assert field.values is not None and set(values) == set(field.values), (
+      f'config.{path}: configs/schema.py FAMILIES names {sorted(field.values)}, its owner {sorted(values)}'
+    )
+    return
+  assert field.default in (REQUIRED, None, *values), f'config.{path}: its default {field.default!r} is not {values}'
+  named = {o for f in FIELDS.values() if f.path.startswith(path.partition('.')[0] + '.') for o in (f.only or ())}
+  assert path != 'optim.name' or named <= set(values), f'configs/schema.py names optimizers {sorted(named)}'
+  _CHOICES[path] = tuple(values)
 
-  def values() -> list[Any]:
-    found = getattr(importlib.import_module(module), name)
-    return sorted(found) if sort else list(found)
 
-  return values
+def register_kind(kind: str, problem: Callable[[Any], str]) -> None:
+  """`problem(value)`: what is wrong with one value of `kind` ('' if nothing); called by the kind's owner."""
+  assert kind in KIND_OWNERS, kind
+  _KIND_PROBLEMS[kind] = problem
 
 
-DTYPES = lambda: ['float32', 'bfloat16', 'float16']
-POSITIVE = Field(int, lo=1)
-COUNT = Field(int, lo=0)
-RATE = Field(float, lo=0, lo_open=True)  # > 0
-NONNEG = Field(float, lo=0)
-FRACTION = Field(float, lo=0, hi=1, hi_open=True)  # [0, 1)
+def _kind_problem(kind: str, value: Any) -> str:
+  assert kind in _KIND_PROBLEMS, (
+    f'a {kind!r} field is checked, but {KIND_OWNERS[kind]}, which registers the check '
+    '(configs.schema.register_kind), was never imported: import it before configs.schema.check'
+  )
+  return _KIND_PROBLEMS[kind](value)
+
+
+# --- The fields --------------------------------------------------------------------------------------------------
+
+
+def _one_slice_per_axis(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict | None:
+  """config.dcn_mesh's default: one slice (host, TPU slice) along every axis of config.mesh."""
+  mesh = config.get('mesh')
+  return ml_collections.ConfigDict({a: 1 for a in mesh}, sort_keys=False) if hasattr(mesh, 'keys') else None
+
+
+def _int(lo: float, default: Any = REQUIRED, **kw: Any) -> Field:
+  return Field(int, lo=lo, default=default, **kw)
+
+
+def _float(lo: float, default: Any = REQUIRED, **kw: Any) -> Field:
+  return Field(float, lo=lo, default=default, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """What a model family (config.model.name) reads: the tasks it trains on, the config.model fields a config of it
+  must set (in the order its error lists them) and those filled with their defaults where unset."""
+
+  tasks: tuple[str, ...]
+  needs: tuple[str, ...]
+  reads: tuple[str, ...] = ()
+
+
+EVERY_FAMILY = ('dtype', 'param_dtype')
+_STACK = ('scan_layers', 'remat')  # models/layers.Stack
+_LM = ('attention', *_STACK, 'logits_dtype', 'loss_chunks')
+_SIZES = ('vocab_size', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
+_ROTARY = ('num_kv_heads', 'head_dim', 'rope_theta', 'rope_scaling', 'tie_embeddings')  # models/llama.py's attention
+_MOE = ('num_experts', 'top_k', 'capacity_factor', 'group_size', 'aux_loss_weight')
+FAMILIES = {
+  # max_len: learned position tables need it; Llama's rotary positions have none (None: config.json's, or none)
+  'gpt2': Family(('lm',), ('max_len', *_SIZES), ('pad_vocab_to', *_LM)),
+  'llama': Family(('lm',), _SIZES, ('max_len', *_ROTARY, *_LM)),
+  'moe': Family(('lm',), (*_SIZES, *_MOE), ('max_len', *_ROTARY, 'pad_vocab_to', 'router_z_loss_weight', *_LM)),
+  'bert': Family(
+    ('mlm', 'text_classification'),
+    ('max_len', *_SIZES),
+    ('pad_vocab_to', 'type_vocab_size', 'head', 'attention', *_STACK),
+  ),
+  'vit': Family(
+    ('classification',),
+    (
+      'image_size',
+      'patch_size',
+      'channels',
+      'embed_dim',
+      'num_layers',
+      'num_heads',
+      'mlp_dim',
+      'norm_eps',
+      'num_classes',
+    ),
+    ('attention', *_STACK),
+  ),
+  'resnet': Family(
+    ('classification',),
+    ('channels', 'width', 'block', 'stage_sizes', 'bn_eps', 'bn_momentum', 'num_classes'),
+    ('bn_fast_variance', 'bn_fused', 'stride_in_1x1', *_STACK),
+  ),
+  'cnn': Family(('classification',), ('image_size', 'channels', 'features', 'mlp_dim', 'num_classes')),
+  'mlp': Family(('classification',), ('image_size', 'channels', 'hidden_dims', 'num_classes')),
+}
+DTYPES = ('float32', 'bfloat16', 'float16')
+TEXT = ('lm', 'mlm', 'text_classification')  # the tasks of text datasets (data/registry.py)
+# The tasks your own files serve (data/files.py): every language-model config takes them from the command line.
+FILES = ('lm', 'mlm')
+LABELS = ('classification', 'text_classification')
+IMAGES = ('classification',)
 
 FIELDS: dict[str, Field] = {
   # the run
-  'task': Field(str, choices=_owned('training.tasks', 'TASKS', sort=True), required=True),
-  'seed': Field(int, lo=0, required=True),
-  'batch_size': Field(int, lo=1, required=True),
-  'grad_accum_steps': POSITIVE,
-  'accum_gather_once': Field(bool),
-  'total_steps': Field(int, lo=1, required=True),
-  'log_every': Field(int, lo=1, required=True),
-  'eval_every': Field(int, lo=1, required=True),
-  'checkpoint_every': COUNT,
-  'keep_checkpoints': POSITIVE,
-  'sample_len': COUNT,
-  'profile_first_step': COUNT,
-  'profile_steps': POSITIVE,
-  'on_nonfinite': Field(str, choices=lambda: ['stop', 'skip']),
-  'max_nonfinite_skips': COUNT,
-  'resume_fallback': Field(bool),
-  'checkpoint_space': Field(str, choices=lambda: ['refuse', 'warn']),
-  'preset': Field('info'),
-  'size': Field('info'),  # set by get_config(arg): what the file built
-  'mesh': Field('mesh', required=True),
-  'dcn_mesh': Field('dcn'),
-  'logical_axis_rules': Field('rules', required=True),
-  'decode_rules': Field('rules'),  # generation's rules in place of logical_axis_rules; []: the same
-  'context_load_balance': Field(bool),
-  'pipeline.microbatches': POSITIVE,  # under ('layers', 'stage'): micro-batches per step (docs/pipelines.md)
-  'pipeline.repeats': POSITIVE,  # 1: GPipe; > 1: circular, each device holding that many non-adjacent stages
-  # starting from pretrained weights, what trains
-  'init_from': Field(str),
-  'dont_load': Field('regex'),
-  'freeze': Field('regex'),
-  'train_only': Field('regex'),
-  'lora.rank': COUNT,
-  'lora.alpha': RATE,
-  'lora.targets': Field('regex'),
-  'lora.export_merged': Field(bool),
-  # optimizer
-  'optim.name': Field(str, choices=_owned('training.optim', 'OPTIMIZERS'), required=True),
-  'optim.lr': Field(float, lo=0, required=True),
-  'optim.warmup_steps': COUNT,
-  'optim.min_lr_ratio': Field(float, lo=0, hi=1),
-  'optim.weight_decay': NONNEG,
-  'optim.b1': FRACTION,
-  'optim.b2': FRACTION,
-  'optim.eps': RATE,
-  'optim.grad_clip': NONNEG,
-  'optim.momentum': FRACTION,
-  # model (every family's fields; a family reads the ones it has)
-  'model.name': Field(str, choices=_owned('models', 'MODELS', sort=True), required=True),
-  'model.dtype': Field(str, choices=DTYPES),
-  'model.param_dtype': Field(str, choices=DTYPES),
-  'model.logits_dtype': Field(str, choices=DTYPES),
-  'model.loss_chunks': COUNT,  # the LM loss in that many chunks along the length; 0 or 1: off
-  'model.attention': Field(str, choices=_owned('models.attention', 'IMPLEMENTATIONS')),
-  'model.remat': Field('remat', choices=_owned('models.layers', 'REMAT_POLICIES')),  # True/False: full/none
-  'model.scan_layers': Field(bool),
-  'model.vocab_size': POSITIVE,
-  'model.pad_vocab_to': POSITIVE,
-  'model.max_len': Field(int, lo=1, optional=True),  # None: the imported model's (fine-tune configs)
-  'model.num_layers': POSITIVE,
-  'model.num_heads': POSITIVE,
-  'model.num_kv_heads': POSITIVE,
-  'model.head_dim': POSITIVE,
-  'model.embed_dim': POSITIVE,
-  'model.mlp_dim': POSITIVE,
-  'model.norm_eps': RATE,
-  'model.tie_embeddings': Field(bool),
-  'model.rope_theta': RATE,
-  'model.rope_scaling': Field('rope', optional=True),
-  'model.num_experts': POSITIVE,
-  'model.top_k': POSITIVE,
-  'model.capacity_factor': RATE,
-  'model.group_size': POSITIVE,
-  'model.aux_loss_weight': NONNEG,
-  'model.router_z_loss_weight': NONNEG,
-  'model.type_vocab_size': POSITIVE,
-  'model.head': Field(str, choices=_owned('models.bert', 'HEADS')),
-  'model.num_classes': POSITIVE,
-  'model.image_size': POSITIVE,
-  'model.patch_size': POSITIVE,
-  'model.channels': POSITIVE,
+  'task': Field(str, values=tuple(sorted({t for f in FAMILIES.values() for t in f.tasks}))),  # training/tasks.py
+  'seed': _int(0, 0),
+  'batch_size': _int(1),
+  # config.batch_size is the global batch of one optimizer step; grad_accum_steps > 1 runs it as that many
+  # micro-batches in one jitted step (training/accumulate.py), the same update with less activation memory.
+  # accum_gather_once: under FSDP gather the weights once per step, not once per micro-batch (more memory).
+  'grad_accum_steps': _int(1, 1),
+  'accum_gather_once': Field(bool, default=False),
+  'total_steps': _int(1),
+  'log_every': _int(1, 50),
+  'eval_every': _int(1, 500),
+  'sample_len': _int(0, 0),  # tokens of a sample from the language printed at the end (offline LM datasets)
+  'checkpoint_every': _int(0, 1000),  # steps between asynchronous checkpoints in <workdir>/checkpoints; 0 = never
+  'keep_checkpoints': _int(1, 2),  # the last K are kept; rerunning the same command resumes from the latest
+  'resume_fallback': Field(bool, default=True),  # a damaged latest checkpoint: moved aside, the previous resumed
+  'checkpoint_space': Field(str, values=('refuse', 'warn'), default='refuse'),  # too little free space at start
+  # A non-finite loss or gradient never reaches the parameters (the update is skipped in the step). 'stop' ends the
+  # run at once, naming the step and the first non-finite gradient's parameter, and writes no checkpoint after it;
+  # 'skip' goes on and stops after max_nonfinite_skips bad steps in a row.
+  'on_nonfinite': Field(str, values=('stop', 'skip'), default='stop'),
+  'max_nonfinite_skips': _int(0, 10),
+  'profile_first_step': _int(0, 0),  # > 0: a jax.profiler trace of steps [first, first + profile_steps) in workdir
+  'profile_steps': _int(1, 5),
+  'preset': Field('info', default=''),  # set by get_config(arg): the parallelism preset the file built
+  'size': Field('info', default=''),  # and the size
+  'mesh': Field('mesh'),  # mesh axis name -> size, outermost first; one size may be -1
+  # Slices over DCN per mesh axis (hosts); e.g. --config.dcn_mesh.data=2 runs data parallelism across 2 slices
+  # over DCN, config.mesh inside each.
+  'dcn_mesh': Field('dcn', default=_one_slice_per_axis),
+  'logical_axis_rules': Field('rules'),
+  'decode_rules': Field('rules', default=[]),  # generation's rules in place of logical_axis_rules; []: the same
+  # Causal load balancing under context parallelism (partitioning/context.py): rows in zigzag order, so every
+  # context shard's queries see as many keys as any other's; a no-op where 'length' is not sharded.
+  'context_load_balance': Field(bool, default=False),
+  # Pipeline parallelism where a rule maps 'layers' to the 'stage' mesh axis (docs/pipelines.md): the batch is
+  # split into `microbatches` (at least the stages); `repeats` > 1 runs the circular schedule.
+  'pipeline.microbatches': _int(1, 1),
+  'pipeline.repeats': _int(1, 1),  # 1: GPipe; > 1: circular, each device holding that many non-adjacent stages
+  # starting from pretrained weights, what trains (docs/finetuning.md)
+  'init_from': Field(str, default=''),  # a checkpoint dir of this project (params only) or a Hugging Face model dir
+  'dont_load': Field('regex', default=''),  # parameter paths left freshly initialised (a new head: '^classifier/')
+  'freeze': Field('regex', default=''),  # parameter paths that get no updates and no optimizer state
+  'train_only': Field('regex', default=''),  # freeze everything else (e.g. '^classifier/' trains only the head)
+  'lora.rank': _int(0, 0),  # > 0 adds LoRA adapters (and freezes all but them unless train_only says otherwise)
+  'lora.alpha': _float(0, 16.0, lo_open=True),
+  'lora.targets': Field('regex', default=r'attn/(query|value)$'),
+  'lora.export_merged': Field(bool, default=False),
+  # optimizer: linear warmup, cosine decay to lr * min_lr_ratio, gradients clipped to grad_clip (0: not)
+  'optim.name': Field(str, owner='training.optim', default='adamw'),
+  'optim.lr': _float(0),
+  'optim.warmup_steps': _int(0, 100),
+  'optim.min_lr_ratio': Field(float, lo=0, hi=1, default=0.1),
+  'optim.grad_clip': _float(0, 1.0),
+  'optim.weight_decay': _float(0, 0.1, only=('adamw',)),  # not on vectors (norms, biases)
+  'optim.b1': Field(float, lo=0, hi=1, hi_open=True, default=0.9, only=('adamw',)),
+  'optim.b2': Field(float, lo=0, hi=1, hi_open=True, default=0.95, only=('adamw',)),
+  'optim.eps': _float(0, 1e-8, lo_open=True, only=('adamw',)),
+  'optim.momentum': Field(float, lo=0, hi=1, hi_open=True, default=0.9, only=('sgd',)),
+  # model: every family's fields; FAMILIES says which a family reads. The speed and memory options
+  # (docs/model_options.md) default to what the model computes without them.
+  'model.name': Field(str, values=tuple(sorted(FAMILIES))),  # models.MODELS
+  'model.dtype': Field(str, values=DTYPES, default='float32'),  # compute
+  'model.param_dtype': Field(str, values=DTYPES, default='float32'),
+  'model.logits_dtype': Field(str, values=DTYPES, default='float32'),
+  'model.loss_chunks': _int(0, 0),  # the LM loss in that many chunks along the length; 0 or 1: off
+  'model.attention': Field(str, owner='models.attention', default='auto'),
+  'model.remat': Field('remat', owner='models.layers', default='none'),  # True/False: full/none (older configs)
+  'model.scan_layers': Field(bool, default=False),  # the blocks stacked and scanned: one to compile
+  'model.vocab_size': _int(1),
+  'model.pad_vocab_to': _int(1, 1),  # vocabulary rows rounded up to a multiple of this (padded logits masked)
+  'model.max_len': _int(1, None, optional=True),  # positions; None: no table of its own (the imported model's)
+  'model.num_layers': _int(1),
+  'model.num_heads': _int(1),
+  'model.num_kv_heads': _int(1, None, optional=True),  # None: as many as num_heads
+  'model.head_dim': _int(1, None, optional=True),  # None: embed_dim // num_heads
+  'model.embed_dim': _int(1),
+  'model.mlp_dim': _int(1),
+  'model.norm_eps': _float(0, lo_open=True),
+  'model.tie_embeddings': Field(bool, default=False),  # the output head is the token embedding
+  'model.rope_theta': _float(0, 10_000.0, lo_open=True),
+  'model.rope_scaling': Field('rope', optional=True, default=None),
+  'model.num_experts': _int(1),
+  'model.top_k': _int(1),
+  'model.capacity_factor': _float(0, lo_open=True),
+  'model.group_size': _int(1),
+  'model.aux_loss_weight': _float(0),
+  'model.router_z_loss_weight': _float(0, 0.0),
+  'model.type_vocab_size': _int(1, 2),
+  'model.head': Field(str, owner='models.bert', default='mlm'),
+  'model.num_classes': _int(1),
+  'model.image_size': _int(1),
+  'model.patch_size': _int(1),
+  'model.channels': _int(1),
   'model.features': Field('ints'),
-  'model.width': POSITIVE,
-  'model.block': Field(str, choices=_owned('models.resnet', 'BLOCKS', sort=True)),
+  'model.hidden_dims': Field('ints'),
+  'model.width': _int(1),
+  'model.block': Field(str, owner='models.resnet'),
   'model.stage_sizes': Field('ints'),
-  'model.bn_eps': RATE,
-  'model.bn_momentum': FRACTION,
-  'model.bn_fast_variance': Field(bool),
-  'model.bn_fused': Field(bool),
-  'model.stride_in_1x1': Field(bool),
-  # data
-  'dataset.name': Field(str, required=True),
-  'dataset.seq_len': Field(int, lo=1, optional=True),  # None: the model's max_len (fine-tune configs)
-  'dataset.vocab_size': POSITIVE,
-  'dataset.branching': POSITIVE,
-  'dataset.smoothing': Field(float, lo=0, hi=1),
-  'dataset.seed': COUNT,
-  'dataset.num_train': POSITIVE,
-  'dataset.num_eval': POSITIVE,
-  'dataset.num_classes': POSITIVE,
-  'dataset.image_size': POSITIVE,
-  'dataset.channels': POSITIVE,
-  'dataset.pack': Field(bool),
-  'dataset.tokenizer': Field(str),
-  'dataset.data_dir': Field(str, optional=True),
-  'dataset.train_split': Field(str),
-  'dataset.eval_split': Field(str),
-  'dataset.mlm_probability': Field(float, lo=0, hi=1, lo_open=True, hi_open=True),
-  'dataset.noise': NONNEG,
-  'dataset.max_shift': COUNT,
-  'dataset.text_key': Field(str),
-  'dataset.min_text_len': POSITIVE,
-  'dataset.max_text_len': POSITIVE,
-  'dataset.num_threads': POSITIVE,
-  'dataset.prefetch': COUNT,
-  'dataset.augment': Field(str, choices=_owned('data.vision', 'AUGMENTATIONS')),
-  # your own files (data/files.py): 'json', 'parquet', 'text', 'hf'
-  'dataset.train_files': Field(str),  # globs, comma-separated ('hf': a split name)
-  'dataset.eval_files': Field(str),
-  'dataset.mixture': Field('mixture', optional=True),  # (glob, weight) pairs instead of train_files
-  'dataset.path': Field(str),  # 'hf': a hub id or a save_to_disk directory
-  'dataset.cache_dir': Field(str, optional=True),  # the Arrow cache (None: Hugging Face's)
-  'dataset.sample_by': Field(str, choices=_owned('data.files', 'SAMPLE_BY')),  # 'text' files' rows
-  'dataset.prompt_key': Field(str, optional=True),
-  'dataset.completion_key': Field(str, optional=True),
-  'dataset.messages_key': Field(str, optional=True),
-  'dataset.no_assistant': Field(str, choices=_owned('data.files', 'NO_ASSISTANT')),
+  'model.bn_eps': _float(0, lo_open=True),
+  'model.bn_momentum': Field(float, lo=0, hi=1, hi_open=True),
+  'model.bn_fast_variance': Field(bool, default=False),  # one-pass variance E[x^2] - mean^2 (in float32)
+  'model.bn_fused': Field(bool, default=False),
+  'model.stride_in_1x1': Field(bool, default=False),  # a bottleneck strides on its 3x3 conv (v1.5); True: 1x1 (v1)
+  # data (data/registry.py): the fields the datasets of config.task read. None, where allowed: the dataset's own
+  # (TFDS_DEFAULTS and the offline datasets' sizes).
+  'dataset.name': Field(str),
+  'dataset.seq_len': _int(1, None, optional=True, only=TEXT),  # None: the model's max_len (fine-tune configs)
+  'dataset.data_dir': Field(str, optional=True, default=None),  # where TFDS datasets are prepared
+  'dataset.train_split': Field(str, default='train'),
+  'dataset.eval_split': Field(str, optional=True, default=None),
+  'dataset.num_threads': _int(1, 1),
+  'dataset.prefetch': _int(0, 4),
+  # the offline datasets (deterministic from their seed): 'markov', 'markov_text' languages, 'synthetic_images'
+  'dataset.seed': _int(0, 0),
+  'dataset.num_train': _int(1, 8192),
+  'dataset.num_eval': _int(1, 1000),
+  'dataset.vocab_size': _int(1, 16, only=TEXT),
+  'dataset.branching': _int(1, 4, only=TEXT),
+  'dataset.smoothing': Field(float, lo=0, hi=1, default=0.03, only=TEXT),
+  'dataset.min_text_len': _int(1, None, optional=True, only=TEXT),  # None: a quarter of max_text_len
+  'dataset.max_text_len': _int(1, None, optional=True, only=TEXT),  # None: what a row of seq_len holds
+  'dataset.num_classes': _int(1, None, optional=True, only=LABELS),
+  'dataset.image_size': _int(1, None, optional=True, only=IMAGES),
+  'dataset.channels': _int(1, None, optional=True, only=IMAGES),
+  'dataset.noise': _float(0, 1.0, only=IMAGES),
+  'dataset.max_shift': _int(0, 2, only=IMAGES),
+  'dataset.augment': Field(str, owner='data.vision', optional=True, default=None, only=IMAGES),
+  # text
+  'dataset.tokenizer': Field(str, default='byte', only=TEXT),  # 'byte' or a Hugging Face tokenizer directory
+  'dataset.text_key': Field(str, default='text'),  # the text feature of TFDS datasets and files
+  'dataset.pack': Field(bool, default=False, only=TEXT),  # documents packed into rows (task lm only)
+  'dataset.mlm_probability': Field(float, lo=0, hi=1, lo_open=True, hi_open=True, default=0.15, only=('mlm',)),
+  # your own files (data/files.py, docs/your_data.md): name 'json', 'parquet', 'text' or 'hf'
+  'dataset.train_files': Field(str, default='', only=FILES),  # globs, comma-separated ('hf': a split, '': train)
+  'dataset.eval_files': Field(str, default='', only=FILES),
+  'dataset.mixture': Field('mixture', optional=True, default=None, only=FILES),  # (glob, weight) pairs instead
+  'dataset.path': Field(str, default='', only=FILES),  # 'hf': a hub id or a save_to_disk directory
+  'dataset.cache_dir': Field(str, optional=True, default=None, only=FILES),  # the Arrow cache; None: HF's
+  'dataset.sample_by': Field(str, owner='data.files', default='line', only=FILES),  # 'text' files' rows
+  'dataset.prompt_key': Field(str, optional=True, default=None, only=FILES),  # with completion_key: the loss on it
+  'dataset.completion_key': Field(str, optional=True, default=None, only=FILES),
+  'dataset.messages_key': Field(str, optional=True, default=None, only=FILES),  # chats: the loss on the answers
+  'dataset.no_assistant': Field(str, owner='data.files', default='skip', only=FILES),  # a chat with no answer
 }
+FIELDS = {path: dataclasses.replace(field, path=path) for path, field in FIELDS.items()}
+
+
 OPAQUE = (
   'mesh',
   'dcn_mesh',
@@ -378,10 +495,59 @@ def leaves(config: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
   return out
 
 
-def check(config: ml_collections.ConfigDict) -> None:
-  """Raises one ConfigError for the first field that is missing, unknown or holds a value it does not allow, a
-  mesh whose axes would not keep the order written, or a model family that does not train on config.task or
-  lacks a field it reads (models.check_config)."""
+def complete(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Fills every field `config` does not set with the field's default (FIELDS): the run's fields, optim.*
+  (those of its optimizer), lora.* and pipeline.*, config.model's of its family (FAMILIES) and config.dataset's
+  of its task. Sections model and dataset are filled where the config has them; what has no default stays
+  unset (`check` names it). Idempotent; returns `config`. It runs wherever a config comes from: each config
+  file's get_config returns through it, cli.parse_flags runs it on what a --config file returns before the
+  --config.* overrides (which so reach every field), `check` on a config changed in code, and
+  export.load_run_config on a run's saved config (an older run gets today's defaults)."""
+  if not isinstance(config, ml_collections.ConfigDict):
+    return config
+  with config.unlocked():  # a config ml_collections loaded is locked (no new fields); its defaults come all the same
+    for path, field in FIELDS.items():
+      section, _, key = path.rpartition('.')
+      node = config if not section else config.get(section)
+      if node is None and section in ('optim', 'lora', 'pipeline'):
+        node = config[section] = ml_collections.ConfigDict()
+      if not isinstance(node, ml_collections.ConfigDict) or key in node or not _has(config, field):
+        continue
+      value = field.default(config) if callable(field.default) else field.default
+      if value is not None:
+        node[key] = list(value) if isinstance(value, list) else value
+      elif field.optional:  # a typed None, so that --config.<field>=... can set it
+        node[key] = ml_collections.config_dict.placeholder(_PYTHON_TYPE[field.kind])
+  return config
+
+
+_PYTHON_TYPE = {int: int, float: float, str: str, 'rope': tuple, 'mixture': tuple}
+
+
+def _has(config: ml_collections.ConfigDict, field: Field) -> bool:
+  """Whether a config of this family, optimizer and task has `field` (with a default to fill)."""
+  if field.default is REQUIRED:
+    return False
+  section = field.path.partition('.')[0]
+  if section == 'model':
+    name = config.model.get('name')
+    family = FAMILIES.get(name) if isinstance(name, str) else None
+    key = field.path[len('model.') :]
+    return key in EVERY_FAMILY or (family is not None and key in family.reads)
+  if field.only is None:
+    return True
+  if section == 'optim':
+    return config.optim.get('name') in field.only
+  return config.get('task') in field.only
+
+
+def check(config: ml_collections.ConfigDict, *, owned: bool = True) -> None:
+  """Completes `config` (`complete`), then raises one ConfigError for the first field that is missing, unknown or
+  holds a value it does not allow, a mesh whose axes would not keep the order written, or a model family that does
+  not train on config.task or lacks a field it needs. With owned=False the fields whose choices their owners
+  register are left for a later check(config) (train.py checks the rest before JAX and the owners are imported);
+  with owned=True (the default) those owners must have been imported."""
+  complete(config)
   if missing := missing_field(config):
     raise ConfigError(missing)
   for path, value in leaves(config).items():
@@ -391,7 +557,7 @@ def check(config: ml_collections.ConfigDict) -> None:
         f'config.{path} is not a field shardzoo knows; a new field is described in '
         'configs/schema.py FIELDS (its type and allowed values)'
       )
-    if field.problem(value):
+    if (owned or not field.owned) and field.problem(value):
       raise ConfigError(field.message(path, value))
   for name in MESHES:
     if _reordered(config.get(name)):
@@ -401,7 +567,27 @@ def check(config: ml_collections.ConfigDict) -> None:
         f'as {list(value)}, not in the order written; build it with common.mesh(...) '
         '(ml_collections.ConfigDict(..., sort_keys=False))'
       )
-  importlib.import_module('models').check_config(config.model, config.task)
+  if problem := _family_problem(config.model, config.task):
+    raise ConfigError(problem)
+
+
+def _family_problem(model: ml_collections.ConfigDict, task: str) -> str:
+  """A config switched to another family or task by an override (--config.model.name=vit on a GPT-2 config): what
+  the family needs, named before anything is built."""
+  name = model.name
+  family = FAMILIES.get(name) if isinstance(name, str) else None
+  if family is None:  # not a family at all: FIELDS['model.name'] says so once its owner registered
+    return ''
+  missing = [f'config.model.{f}' for f in family.needs if f not in model]
+  problems = [] if task in family.tasks else [f'trains on config.task={" or ".join(map(repr, family.tasks))} only']
+  if missing:
+    problems.append(f'needs {", ".join(missing)}, which this config does not set')
+  if not problems:
+    return ''
+  return (
+    f'config.model.name={name!r} with config.task={task!r}: {name} {"; it also ".join(problems)} '
+    f'(start from a config file of the {name} family)'
+  )
 
 
 def missing_field(config: Any) -> str:
@@ -438,321 +624,15 @@ def keep_written_order(config: ml_collections.ConfigDict) -> None:
 def warnings(config: ml_collections.ConfigDict) -> list[str]:
   """Settings that are valid but would not do what they say (train.py prints each as a warning line)."""
   out = []
-  optim, total = config.get('optim') or {}, config.get('total_steps')
-  if total is not None and optim.get('warmup_steps', 0) > max(total - 1, 0):
+  warmup, total = config.optim.warmup_steps, config.total_steps
+  if warmup > max(total - 1, 0):
     out.append(
-      f'config.optim.warmup_steps={optim.warmup_steps} with config.total_steps={total}: the warmup is cut to '
+      f'config.optim.warmup_steps={warmup} with config.total_steps={total}: the warmup is cut to '
       f'{max(total - 1, 0)} steps (the learning rate peaks at the last step)'
     )
-  if config.get('dont_load') and not config.get('init_from'):
+  if config.dont_load and not config.init_from:
     out.append(
       f'config.dont_load={config.dont_load!r} has no effect without config.init_from: nothing is loaded, '
       'every parameter starts fresh'
     )
   return out
-
-
-class _ListParser(flags.ArgumentParser):
-  """--config.<list field>="[...]": a Python list literal, e.g. --config.logical_axis_rules="[('batch', 'data'),
-  ...]" (ml_collections parses no list-valued field from the command line; `check` then reads it like any value)."""
-
-  def parse(self, argument: Any) -> list[Any]:
-    if not isinstance(argument, str):  # the config file's own value, as the flag's default
-      return list(argument)
-    try:
-      value = ast.literal_eval(argument)
-    except (SyntaxError, ValueError):
-      value = None
-    if not isinstance(value, (list, tuple)):
-      raise ValueError("must be a Python list literal, e.g. \"[('batch', 'data'), ('embed', None)]\"")
-    return list(value)
-
-  def flag_type(self) -> str:
-    return 'list literal'
-
-
-config_flags.register_flag_parser_for_type(list, _ListParser())
-
-
-def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) -> list[str]:
-  """absl's flag parsing (app.run's flags_parser) with one line for a bad --config instead of a traceback:
-  a config file that is missing or does not compile, an unknown field (named with the nearest field of its
-  section), a misspelled preset or size, a value that does not parse. The --config.<field> overrides are
-  checked against the loaded config before ml_collections applies them (`_check_overrides`)."""
-  flag_values = flags.FLAGS if flag_values is None else flag_values
-  _check_file(argv, flag_values)
-  try:
-    with _file_errors(argv, flag_values):
-      overrides = _overrides(argv, flag_values)
-      if overrides:
-        _check_overrides(overrides, _loaded(argv, flag_values))
-      rest = flag_values(argv)
-      for name in _config_flags(flag_values):  # ml_collections defers a config file that failed to load until read
-        if flag_values[name].value is not None or flag_values[name].present:
-          hasattr(flag_values[name].value, 'keys')
-          _check_loaded(flag_values[name].value, argv, flag_values)
-    if len(rest) > 1:
-      raise errors.usage(_stray(rest[1:], argv, flag_values))
-    return rest
-  except flags.Error as e:  # the config file's get_config(arg) refused its argument, or a value ml_collections refused
-    text = str(e)
-    cause = [line.strip() for line in text.splitlines() if re.match(r'\s*\w+(Error|Exception): ', line)]
-    message = text.splitlines()[0].rstrip(':').strip()
-    if cause:
-      message += f': {cause[-1].split(": ", 1)[1]}'
-  except _BadOverride as e:
-    message = str(e)
-  raise SystemExit(f'shardzoo: config error: {message}')
-
-
-@contextlib.contextmanager
-def _file_errors(argv: list[str], flag_values: flags.FlagValues):
-  """An exception raised while the --config file ran (found by the innermost frame of the traceback in that file:
-  absl and ml_collections rewrap it, or defer it) ends the program naming the file, the line and the error. A
-  ConfigError (a config file refusing its argument: a misspelled preset) keeps its own words."""
-  try:
-    yield
-  except Exception as e:
-    flag, file = _config_flag(argv, flag_values)
-    found = _raised_in(e, file) if file else None
-    if found is None:
-      raise
-    error, frame = found
-    if isinstance(error, ConfigError):
-      message = f'{flag}: {error}'
-    else:
-      code = f' ({frame.line})' if frame.line else ''
-      message = f'{flag}: error at {frame.filename}:{frame.lineno}{code}: {_describe(error, frame.line)}'
-    raise SystemExit(f'shardzoo: config error: {message}') from None
-
-
-def _raised_in(error: BaseException, file: str) -> tuple[BaseException, traceback.FrameSummary] | None:
-  """The first exception of `error`'s chain (causes and contexts) whose traceback passes through `file`, and its
-  innermost frame there."""
-  target, seen = os.path.realpath(file), set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if os.path.realpath(f.filename) == target]
-    if frames:
-      return error, frames[-1]
-    error = error.__cause__ or error.__context__
-  return None
-
-
-# The Python type a field of each kind holds, for the line naming an assignment of another type.
-_HOLDS = {'rules': 'list', 'mesh': 'dict', 'dcn': 'dict', 'ints': 'tuple', 'regex': 'str', 'mixture': 'tuple'}
-_LITERAL = {ast.Dict: 'dict', ast.List: 'list', ast.Tuple: 'tuple', ast.Set: 'set'}
-
-
-def _config_paths(line: str) -> tuple[str | None, list[str]]:
-  """From one line of a config file: the field path it assigns (``c.model.dim = ...`` -> 'model.dim', with the
-  assigned value's type name where it is a literal) and every dotted path it reads from a name."""
-  try:
-    tree = ast.parse(line.strip())
-  except SyntaxError:
-    return None, []
-
-  def dotted(node: ast.AST) -> str | None:
-    names = []
-    while isinstance(node, ast.Attribute):
-      names.append(node.attr)
-      node = node.value
-    return '.'.join(reversed(names)) if isinstance(node, ast.Name) and names else None
-
-  assigned = None
-  stmt = tree.body[0] if tree.body else None
-  if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-    assigned = dotted(stmt.targets[0])
-  reads = [
-    p for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load) if (p := dotted(n))
-  ]
-  return assigned, reads
-
-
-def _describe(error: BaseException, line: str | None) -> str:
-  """'<ErrorType>: <first line>' of an error raised at `line` of a config file; a value of another type assigned
-  to a field, or a read of a field that does not exist, said from the line itself and the fields FIELDS knows."""
-  assigned, reads = _config_paths(line or '')
-  if isinstance(error, TypeError) and assigned in FIELDS:
-    field = FIELDS[assigned]
-    holds = _HOLDS.get(field.kind) or getattr(field.kind, '__name__', None)
-    value = ast.parse(line.strip()).body[0].value
-    given = _LITERAL.get(type(value)) or (type(value.value).__name__ if isinstance(value, ast.Constant) else 'value')
-    if holds and given != holds:
-      return f'config.{assigned} holds a {holds}, so a {given} cannot replace it: it must be {field.allowed()}'
-  if isinstance(error, (AttributeError, KeyError)):  # a ConfigDict read of a field it does not have
-    for path in reads:
-      if path in FIELDS or any(f.startswith(path + '.') for f in FIELDS):
-        continue
-      parent, _, key = path.rpartition('.')
-      known = [f.rpartition('.')[2] for f in FIELDS if f.rpartition('.')[0] == parent]
-      if not known:
-        continue
-      near = difflib.get_close_matches(key, known, n=1)
-      return f'{type(error).__name__}: no field {key!r}' + (f'; did you mean {near[0]!r}?' if near else '')
-  return f'{type(error).__name__}: {(str(error).strip().splitlines() or [""])[0]}'
-
-
-def _check_loaded(config: Any, argv: list[str], flag_values: flags.FlagValues) -> None:
-  """What get_config() returned is a ConfigDict with the fields every config sets; its meshes keep their order."""
-  flag, _ = _config_flag(argv, flag_values)
-  if not isinstance(config, ml_collections.ConfigDict):
-    raise SystemExit(
-      f'shardzoo: config error: {flag}: get_config() returned '
-      f'{"None (no return statement?)" if config is None else "a " + type(config).__name__}, not an '
-      'ml_collections.ConfigDict (configs/<model>.py show how one is built)'
-    )
-  if missing := missing_field(config):
-    raise SystemExit(f'shardzoo: config error: {flag}: {missing}')
-  keep_written_order(config)
-
-
-def _stray(extra: list[str], argv: list[str], flag_values: flags.FlagValues) -> str:
-  """The one line for arguments that are not flags: a word after the config file was likely meant for its ':'."""
-  flag, file = _config_flag(argv, flag_values)
-  hint = ''
-  if file and all(not a.startswith('-') and '/' not in a for a in extra):
-    hint = f'; a preset or size goes after the config file: {flag.split(":", 1)[0]}:{",".join(extra)}'
-  return f'unexpected argument(s) {extra}: everything else is a flag (--name=value){hint}'
-
-
-class _BadOverride(Exception):
-  """A --config.<field> override naming no field of the config, or holding a value of the wrong type."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Override:
-  flag: str  # the config flag's name ('config')
-  path: str  # the field's dotted path ('model.embed_dim')
-  value: str | None  # as given (None: a bare boolean --config.<field> / --noconfig.<field>)
-  positions: tuple[int, ...]  # where in argv (the flag, and its value when given apart)
-
-  def __str__(self) -> str:
-    return f'--{self.flag}.{self.path}' + ('' if self.value is None else f'={self.value}')
-
-
-def _overrides(argv: list[str], flag_values: flags.FlagValues) -> list[_Override]:
-  """The --<config flag>.<field>[=value] arguments (also '--<config flag>.<field> value' and the '--no' form)."""
-  names = _config_flags(flag_values)
-  out = []
-  for i, arg in enumerate(argv[1:], 1):
-    if arg == '--':
-      break
-    body = arg.lstrip('-')
-    if not arg.startswith('-') or any(o.positions[-1] == i for o in out):
-      continue
-    for name in names:
-      for prefix, negated in ((f'{name}.', False), (f'no{name}.', True)):
-        if not body.startswith(prefix):
-          continue
-        path, eq, value = body[len(prefix) :].partition('=')
-        if eq or negated or i + 1 >= len(argv) or argv[i + 1].startswith('-'):
-          out.append(_Override(name, path, value if eq else None, (i,)))
-        else:
-          out.append(_Override(name, path, argv[i + 1], (i, i + 1)))
-        break
-      else:
-        continue
-      break
-  return out
-
-
-# How ml_collections parses an override of a field of this type, as a check that needs no error text.
-_PARSES = {
-  int: lambda v: int(v),
-  float: lambda v: float(v),
-  bool: lambda v: {'true': True, 't': True, '1': True, 'false': False, 'f': False, '0': False}[v.lower()],
-}
-_KIND = {int: 'an integer', float: 'a number', bool: 'True or False'}
-
-
-def _loaded(argv: list[str], flag_values: flags.FlagValues) -> ml_collections.ConfigDict | None:
-  """The config the command line's --config=<file>[:arg] builds, before any override; None when there is none or
-  it does not load (ml_collections then reports why, as it loads it itself)."""
-  flag, file = _config_flag(argv, flag_values)
-  if not file or not os.path.isfile(file):
-    return None
-  arg = flag.split('=', 1)[1].partition(':')[2] or None
-  try:
-    spec = importlib.util.spec_from_file_location('_shardzoo_overrides_checked_against', file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(arg) if arg is not None else module.get_config()
-  except Exception:  # noqa: BLE001  (a file that does not load is reported by ml_collections' own loading)
-    return None
-  _check_loaded(config, argv, flag_values)  # not a ConfigDict, or without a required field: named before overrides
-  return config
-
-
-def _check_overrides(overrides: list[_Override], config: ml_collections.ConfigDict | None) -> None:
-  """Each override names a field of the config, and a value its type parses; else _BadOverride naming it (with
-  the nearest field of the section for a misspelling)."""
-  if config is None:
-    return
-  for o in overrides:
-    node, names = config, o.path.split('.')
-    for depth, key in enumerate(names):
-      if not isinstance(node, (ml_collections.ConfigDict, Mapping)) or key not in node:
-        if o.path in FIELDS:  # a field of other config files: a did-you-mean would point at the wrong field
-          raise _BadOverride(f'{o}: this config file does not declare config.{o.path}')
-        known = list(node.keys()) if isinstance(node, (ml_collections.ConfigDict, Mapping)) else []
-        near = difflib.get_close_matches(key, known, n=1)
-        raise _BadOverride(
-          f'{o}: the config has no field {key!r}' + (f'; did you mean {near[0]!r}?' if near else '')
-          if depth == len(names) - 1 or not known
-          else f'{o}: the config has no section {key!r}' + (f'; did you mean {near[0]!r}?' if near else '')
-        )
-      parent, node = node, node[key]
-    kind = parent.get_type(names[-1]) if isinstance(parent, ml_collections.ConfigDict) else type(node)
-    if o.value is not None and kind in _PARSES:
-      try:
-        _PARSES[kind](o.value)
-      except (ValueError, KeyError):
-        raise _BadOverride(f'flag {o}: cannot parse {o.value!r} (must be {_KIND[kind]})') from None
-
-
-def _config_flags(flag_values: flags.FlagValues) -> list[str]:
-  return [name for name in flag_values if config_flags.config_flags.is_config_flag(flag_values[name])]
-
-
-def _config_flag(argv: list[str], flag_values: flags.FlagValues) -> tuple[str, str]:
-  """('--config=<file>[:arg]', '<file>') as given on the command line."""
-  names = _config_flags(flag_values) or ['config']
-  for i, arg in enumerate(argv):
-    given = re.match(rf'--?({"|".join(map(re.escape, names))})(=|$)', arg)
-    if given:
-      value = arg[given.end() :] if given.group(2) else (argv[i + 1] if i + 1 < len(argv) else '')
-      return f'--{given.group(1)}={value}', value.split(':', 1)[0]
-  return f'--{names[0]}', ''
-
-
-def _check_file(argv: list[str], flag_values: flags.FlagValues) -> None:
-  """The --config file exists, reads, compiles and binds get_config, checked before ml_collections loads it (its
-  own errors for these are text to parse): one line naming the file, and the line of a syntax error."""
-  flag, file = _config_flag(argv, flag_values)
-  if not file:
-    return
-  if not os.path.isfile(file):
-    raise SystemExit(f'shardzoo: config error: {flag}: no such file')
-  try:
-    with open(file, encoding='utf-8') as f:
-      source = f.read()
-  except (OSError, UnicodeDecodeError) as e:
-    raise SystemExit(f'shardzoo: config error: {flag}: cannot be read ({getattr(e, "strerror", None) or e})') from None
-  try:
-    tree = ast.parse(source, filename=file)
-  except SyntaxError as e:
-    raise SystemExit(f'shardzoo: config error: {flag}: syntax error at {e.filename}:{e.lineno}: {e.msg}') from None
-  bound = set()
-  for node in tree.body:
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-      bound.add(node.name)
-    elif isinstance(node, (ast.Import, ast.ImportFrom)):
-      bound.update(a.asname or a.name.split('.')[0] for a in node.names)
-    elif isinstance(node, ast.Assign):
-      bound.update(t.id for t in node.targets if isinstance(t, ast.Name))
-  if 'get_config' not in bound and not any(isinstance(n, ast.ImportFrom) and n.names[0].name == '*' for n in tree.body):
-    raise SystemExit(
-      f'shardzoo: config error: {flag}: the file defines no get_config(), so it is not a config file '
-      '(configs/<model>.py are)'
-    )

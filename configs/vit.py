@@ -14,7 +14,7 @@ imagenet2012 224x224 (DeiT's recipe: AdamW, lr 1e-3 at batch 1024, weight decay 
 no mixup/RandAugment here); tiny (2 layers, d=64, 16x16 images in 4x4 patches, offline synthetic_images).
 """
 
-from configs import common
+from configs import common, schema
 
 _IMAGE = [
   ('height', None),
@@ -60,7 +60,6 @@ def get_config(arg: str | None = None):
   c = common.base(preset, size)
   c.task = 'classification'
   c.mesh = common.mesh(MESHES[preset])
-  c.dcn_mesh = common.dcn_mesh(c.mesh)
   c.logical_axis_rules = RULES[preset]
   m = SIZES[size]
   c.model = common.ConfigDict(
@@ -68,11 +67,7 @@ def get_config(arg: str | None = None):
       name='vit',
       **m,
       norm_eps=1e-12,
-      dtype='float32',
-      param_dtype='float32',
       scan_layers=True,
-      remat='none',
-      attention='auto',
     )
   )
   if size == 'tiny':
@@ -84,20 +79,17 @@ def get_config(arg: str | None = None):
         num_classes=m['num_classes'],
         num_train=4096,
         num_eval=512,
-        seed=0,
       )
     )
     c.batch_size = 32
     c.total_steps = 300
-    c.optim.update(lr=3e-3, warmup_steps=30, weight_decay=0.0)
-    c.log_every, c.eval_every = 50, 300
+    c.optim = common.ConfigDict(dict(lr=3e-3, warmup_steps=30, weight_decay=0.0))
+    c.eval_every = 300
   else:
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
-    c.dataset = common.ConfigDict(
-      dict(name='imagenet2012', data_dir=common.placeholder(str), image_size=224, channels=3, num_classes=1000)
-    )
+    c.dataset = common.ConfigDict(dict(name='imagenet2012', image_size=224, channels=3, num_classes=1000))
     c.batch_size = 1024
     c.total_steps = 300 * 1251  # 300 epochs of 1,281,167 images
-    c.optim.update(lr=1e-3, warmup_steps=5 * 1251, b2=0.999, weight_decay=0.05)
+    c.optim = common.ConfigDict(dict(lr=1e-3, warmup_steps=5 * 1251, b2=0.999, weight_decay=0.05))
     c.log_every, c.eval_every = 100, 5 * 1251
-  return c
+  return schema.complete(c)

@@ -12,7 +12,7 @@ Set `--config.train_only='^head/'` to train only the new head (linear probe).
 Presets and rules: as configs/vit.py (dp, fsdp (default), tp).
 """
 
-from configs import vit
+from configs import schema, vit
 from configs.vit import MESHES, RULES, SIZES  # noqa: F401  (the presets and sizes of this config)
 
 
@@ -26,6 +26,6 @@ def get_config(arg: str | None = None):
   c.dataset.update(name='cifar10', image_size=224, channels=3, num_classes=10)
   c.batch_size = 128
   c.total_steps = 2000
-  c.optim.update(lr=3e-5, warmup_steps=100, weight_decay=0.0, grad_clip=1.0)
+  c.optim.update(lr=3e-5, warmup_steps=100, weight_decay=0.0)
   c.checkpoint_every, c.eval_every, c.log_every = 500, 500, 50
-  return c
+  return schema.complete(c)

@@ -25,12 +25,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from configs import schema
 from errors import ConfigError
 
 FORMATS = ('json', 'parquet', 'text')  # config.dataset.name for files; 'hf' for a Hugging Face dataset
 NAMES = (*FORMATS, 'hf')
 NO_ASSISTANT = ('skip', 'error')  # config.dataset.no_assistant: what a chat without an assistant turn gets
 SAMPLE_BY = ('line', 'paragraph', 'document')  # config.dataset.sample_by: the rows of a plain text file
+schema.register('dataset.no_assistant', NO_ASSISTANT)
+schema.register('dataset.sample_by', SAMPLE_BY)
 
 
 def _datasets():
@@ -91,9 +94,9 @@ def _load(fmt: str, file: str, cfg: Any) -> Any:
   """One file as a memory-mapped datasets.Dataset (built into the Arrow cache the first time)."""
   if os.path.getsize(file) == 0:
     raise ConfigError(f'{file} is empty (config.dataset.name={fmt!r})')
-  kwargs = {'sample_by': cfg.get('sample_by') or 'line'} if fmt == 'text' else {}
+  kwargs = {'sample_by': cfg.sample_by} if fmt == 'text' else {}
   try:
-    return _datasets().load_dataset(fmt, data_files=[file], split='train', cache_dir=cfg.get('cache_dir'), **kwargs)
+    return _datasets().load_dataset(fmt, data_files=[file], split='train', cache_dir=cfg.cache_dir, **kwargs)
   except StopIteration:
     raise ConfigError(f'{file} has no rows (config.dataset.name={fmt!r})') from None
   except Exception as e:  # datasets wraps the reader's error (e.g. pyarrow's JSON parse error and its row)
@@ -103,7 +106,7 @@ def _load(fmt: str, file: str, cfg: Any) -> Any:
 
 def _hf(cfg: Any, split: str, what: str) -> Any:
   """A split of a Hugging Face dataset: a directory written by save_to_disk, or a hub id through the cache."""
-  path = cfg.get('path')
+  path = cfg.path
   if not path:
     raise ConfigError("config.dataset.name='hf' needs config.dataset.path: a hub id or a save_to_disk directory")
   ds = _datasets()
@@ -116,7 +119,7 @@ def _hf(cfg: Any, split: str, what: str) -> Any:
           raise ConfigError(f'config.dataset.{what}={split!r}: {path} has splits {sorted(loaded)}')
         loaded = loaded[split]
       return loaded
-    return ds.load_dataset(path, split=split, cache_dir=cfg.get('cache_dir'))
+    return ds.load_dataset(path, split=split, cache_dir=cfg.cache_dir)
   except ConfigError:
     raise
   except Exception as e:

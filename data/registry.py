@@ -8,14 +8,14 @@ by text_key (lm, mlm), prompt_key + completion_key, or messages_key (lm, the los
 Offline datasets (no files; deterministic from config.dataset.seed): 'markov', 'markov_text',
 'synthetic_images'. Any other name is a TFDS dataset prepared in config.dataset.data_dir: image
 datasets (features 'image' + 'label') serve 'classification', text datasets (feature `text_key`)
-'lm' and 'mlm', and 'text_classification' when they have a 'label'. Missing config.dataset fields
-take the dataset's defaults (TFDS_DEFAULTS for well-known TFDS datasets).
+'lm' and 'mlm', and 'text_classification' when they have a 'label'. config.dataset fields left None take
+the dataset's own (TFDS_DEFAULTS for well-known TFDS datasets).
 
-config.dataset fields: name, data_dir, train_split, eval_split, seq_len, image_size, channels,
-num_classes, tokenizer ('byte' or a local Hugging Face tokenizer directory), pack, augment, text_key,
-mlm_probability, num_threads, prefetch, the offline datasets' own (num_train, num_eval, seed, ...), and the
-files' own (train_files, eval_files, mixture, path, cache_dir, sample_by, prompt_key, completion_key,
-messages_key, no_assistant).
+config.dataset fields (their types and defaults: configs/schema.py FIELDS): name, data_dir, train_split,
+eval_split, seq_len, image_size, channels, num_classes, tokenizer ('byte' or a local Hugging Face tokenizer
+directory), pack, augment, text_key, mlm_probability, num_threads, prefetch, the offline datasets' own
+(num_train, num_eval, seed, ...), and the files' own (train_files, eval_files, mixture, path, cache_dir,
+sample_by, prompt_key, completion_key, messages_key, no_assistant).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from errors import ConfigError
 
 OFFLINE = ('markov', 'markov_text', 'synthetic_images')
 TEXT_TASKS = ('lm', 'mlm', 'text_classification')
+FILE_TASKS = ('lm', 'mlm')  # your own files: plain text (text_key) for both, prompt/completion pairs and chats for lm
 # Defaults for well-known TFDS datasets (any field can be set in config.dataset instead).
 TFDS_DEFAULTS = {
   'mnist': dict(eval_split='test', augment='none', mean=(0.1307,), std=(0.3081,)),
@@ -48,14 +49,14 @@ TFDS_DEFAULTS = {
 }
 
 
-def _opt(cfg: ml_collections.ConfigDict, key: str, default: Any = None) -> Any:
-  value = cfg.get(key)
-  return default if value is None else value
+def _own(value: Any, own: Any) -> Any:
+  """A config.dataset value, or the dataset's own where the field holds None (its schema default)."""
+  return own if value is None else value
 
 
 def _seq_len(cfg: ml_collections.ConfigDict, task: str) -> int:
   """LM needs one input and one target; BERT rows need [CLS] and [SEP] around at least one token."""
-  L, minimum = cfg.get('seq_len'), 2 if task == 'lm' else 3
+  L, minimum = cfg.seq_len, 2 if task == 'lm' else 3
   if not isinstance(L, int) or L < minimum:
     raise ConfigError(f'config.dataset.seq_len={L!r}: must be an integer >= {minimum}')
   return L
@@ -71,9 +72,8 @@ def _text_dataset(
 ) -> Dataset:
   """Tokenizer, then the task's transform: packed or per-row LM documents, MLM masking, or classification."""
   L = _seq_len(cfg, task)
-  tok = text.tokenizer(_opt(cfg, 'tokenizer', 'byte'))
-  key = _opt(cfg, 'text_key', 'text')
-  pack = bool(cfg.get('pack', False))
+  tok = text.tokenizer(cfg.tokenizer)
+  key, pack = cfg.text_key, cfg.pack
   if pack and task != 'lm':
     raise ConfigError(f'config.dataset.pack=True packs documents for task lm, not {task!r}')
   if task == 'lm':
@@ -84,7 +84,7 @@ def _text_dataset(
   elif task == 'mlm':
     if tok.mask_id is None:
       raise ConfigError(f'tokenizer {tok.name!r} has no mask token: task mlm needs one')
-    prob = _opt(cfg, 'mlm_probability', 0.15)
+    prob = cfg.mlm_probability
     transform, layout = text.MaskTokens(tok, L, prob, key), f'rows of {L} tokens, {prob:.0%} masked'
   else:
     transform, layout = text.ClassifyText(tok, L, key), f'rows of {L} tokens'
@@ -94,8 +94,8 @@ def _text_dataset(
     eval_,
     transform,
     pack_len=L if pack else None,
-    num_threads=_opt(cfg, 'num_threads', 1),
-    prefetch=_opt(cfg, 'prefetch', 4),
+    num_threads=cfg.num_threads,
+    prefetch=cfg.prefetch,
     tokenizer=tok,
     vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
     num_classes=num_classes if task == 'text_classification' else None,
@@ -119,8 +119,8 @@ def _image_dataset(
   std: Any,
 ) -> Dataset:
   for key, actual in (('channels', channels), ('num_classes', num_classes)):
-    if cfg.get(key) is not None and cfg.get(key) != actual:
-      raise ConfigError(f'config.dataset.{key}={cfg.get(key)} but {name} has {actual}')
+    if cfg[key] is not None and cfg[key] != actual:
+      raise ConfigError(f'config.dataset.{key}={cfg[key]} but {name} has {actual}')
   if augment not in vision.AUGMENTATIONS:
     raise ConfigError(f'config.dataset.augment={augment!r}; choose one of {list(vision.AUGMENTATIONS)}')
   if not isinstance(size, int) or size < 1:
@@ -131,8 +131,8 @@ def _image_dataset(
     eval_,
     vision.TrainImages(size, augment, mean, std),
     vision.EvalImages(size, augment, mean, std),
-    num_threads=_opt(cfg, 'num_threads', 1),
-    prefetch=_opt(cfg, 'prefetch', 4),
+    num_threads=cfg.num_threads,
+    prefetch=cfg.prefetch,
     num_classes=num_classes,
     description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} images, '
     f'{size}x{size}x{channels}, {num_classes} classes; train augmentation {augment}',
@@ -140,10 +140,10 @@ def _image_dataset(
 
 
 def _offline(cfg, task: str) -> Dataset:
-  name, seed = cfg.name, _opt(cfg, 'seed', 0)
+  name, seed = cfg.name, cfg.seed
   if name == 'markov':
     _check_task(name, task, ('lm',))
-    if cfg.get('pack'):
+    if cfg.pack:
       raise ConfigError("config.dataset.pack=True: 'markov' rows are single sequences, there is nothing to pack")
     lang = MarkovLanguage(cfg.vocab_size, cfg.branching, cfg.smoothing, seed)
     n = cfg.seq_len + 1
@@ -156,13 +156,12 @@ def _offline(cfg, task: str) -> Dataset:
       vocab=(lang.vocab_size, 'the markov language (config.dataset.vocab_size)'),
       description=f'markov: {cfg.num_train:,} train / {cfg.num_eval:,} eval sequences of {n} tokens',
     )
-  num_train, num_eval = _opt(cfg, 'num_train', 8192), _opt(cfg, 'num_eval', 1000)
-  num_classes = _opt(cfg, 'num_classes', 2 if name == 'markov_text' else 10)
-  if name == 'synthetic_images':
+  num_train, num_eval = cfg.num_train, cfg.num_eval
+  if name == 'synthetic_images':  # its own sizes where config.dataset leaves them None: 32x32x3, 10 classes
     _check_task(name, task, ('classification',))
-    size, channels = _opt(cfg, 'image_size', 32), _opt(cfg, 'channels', 3)
+    size, channels, num_classes = _own(cfg.image_size, 32), _own(cfg.channels, 3), _own(cfg.num_classes, 10)
     make = lambda num, split: vision.SyntheticImages(
-      num, size, channels, num_classes, seed, split, _opt(cfg, 'noise', 1.0), _opt(cfg, 'max_shift', 2)
+      num, size, channels, num_classes, seed, split, cfg.noise, cfg.max_shift
     )
     return _image_dataset(
       cfg,
@@ -173,36 +172,39 @@ def _offline(cfg, task: str) -> Dataset:
       size=size,
       channels=channels,
       num_classes=num_classes,
-      augment=_opt(cfg, 'augment', 'none'),
+      augment=_own(cfg.augment, 'none'),
       mean=(0.5,) * channels,
       std=(0.25,) * channels,
     )
   _check_task(name, task, TEXT_TASKS)
   L = _seq_len(cfg, task)
-  max_len = _opt(cfg, 'max_text_len', L if task == 'lm' else max(1, L - 2))
+  # Its own lengths where config.dataset leaves them None: strings that fill a row, down to a quarter of that;
+  # 2 classes (languages) where the task has none.
+  max_len = _own(cfg.max_text_len, L if task == 'lm' else max(1, L - 2))
+  num_classes = _own(cfg.num_classes, 2) if task == 'text_classification' else 2
   make = lambda num, split: MarkovText(
     num,
-    _opt(cfg, 'min_text_len', max(1, max_len // 4)),
+    _own(cfg.min_text_len, max(1, max_len // 4)),
     max_len,
     num_classes,
     seed,
     split,
-    _opt(cfg, 'vocab_size', 16),
-    _opt(cfg, 'branching', 4),
-    _opt(cfg, 'smoothing', 0.03),
+    cfg.vocab_size,
+    cfg.branching,
+    cfg.smoothing,
   )
   return _text_dataset(cfg, task, name, make(num_train, 0), make(num_eval, 1), 'offline', num_classes)
 
 
 def _tfds(cfg, task: str) -> Dataset:
   name = cfg.name
-  b = tfds_source.builder(name, cfg.get('data_dir') or None, OFFLINE)
+  b = tfds_source.builder(name, cfg.data_dir or None, OFFLINE)
   preset, features = TFDS_DEFAULTS.get(name.split('/')[0], {}), b.info.features
   splits = list(b.info.splits)
   default_eval = 'test' if not splits or 'test' in splits else 'validation'
-  train_split = _opt(cfg, 'train_split', 'train')
-  eval_split = _opt(cfg, 'eval_split', preset.get('eval_split', default_eval))
-  key = _opt(cfg, 'text_key', 'text')
+  train_split = cfg.train_split
+  eval_split = _own(cfg.eval_split, preset.get('eval_split', default_eval))
+  key = cfg.text_key
   open_ = lambda: (
     tfds_source.open_split(b, name, train_split, 'train_split'),
     tfds_source.open_split(b, name, eval_split, 'eval_split'),
@@ -218,17 +220,17 @@ def _tfds(cfg, task: str) -> Dataset:
       train,
       eval_,
       f'TFDS, {b.data_dir}',
-      size=_opt(cfg, 'image_size', native or preset.get('image_size', 224)),
+      size=_own(cfg.image_size, native or preset.get('image_size', 224)),
       channels=shape[-1],
       num_classes=features['label'].num_classes,
-      augment=_opt(cfg, 'augment', preset.get('augment', 'inception_crop' if native is None else 'none')),
+      augment=_own(cfg.augment, preset.get('augment', 'inception_crop' if native is None else 'none')),
       mean=preset.get('mean', (0.5,) * shape[-1]),
       std=preset.get('std', (0.5,) * shape[-1]),
     )
   if key in features:
     labelled = 'label' in features
     _check_task(name, task, TEXT_TASKS if labelled else ('lm', 'mlm'))
-    if task == 'text_classification' and cfg.get('num_classes') not in (None, features['label'].num_classes):
+    if task == 'text_classification' and cfg.num_classes not in (None, features['label'].num_classes):
       raise ConfigError(f'config.dataset.num_classes={cfg.num_classes} but {name} has {features["label"].num_classes}')
     return _text_dataset(
       cfg, task, name, *open_(), f'TFDS, {b.data_dir}', features['label'].num_classes if labelled else None
@@ -241,7 +243,7 @@ def _tfds(cfg, task: str) -> Dataset:
 
 def _sft_keys(cfg) -> tuple[str | None, str | None, str | None]:
   """(prompt_key, completion_key, messages_key) as set; ConfigError for a half-set pair or both kinds at once."""
-  prompt, completion, messages = cfg.get('prompt_key'), cfg.get('completion_key'), cfg.get('messages_key')
+  prompt, completion, messages = cfg.prompt_key, cfg.completion_key, cfg.messages_key
   if bool(prompt) != bool(completion):
     raise ConfigError(
       f'config.dataset.prompt_key={prompt!r}, completion_key={completion!r}: prompt/completion pairs need both'
@@ -255,13 +257,14 @@ def _files(cfg, task: str) -> Dataset:
   """JSON Lines / parquet / text files or a Hugging Face dataset (data/files.py): plain text by `text_key` for
   'lm' and 'mlm'; prompt/completion pairs or chats for 'lm' with the loss on the answers (SFT)."""
   name = cfg.name
+  _check_task(name, task, FILE_TASKS)
   prompt, completion, messages = _sft_keys(cfg)
-  keys = [prompt, completion] if prompt else [messages] if messages else [_opt(cfg, 'text_key', 'text')]
-  mixture = cfg.get('mixture')
-  if mixture and cfg.get('train_files'):
+  keys = [prompt, completion] if prompt else [messages] if messages else [cfg.text_key]
+  mixture = cfg.mixture
+  if mixture and cfg.train_files:
     raise ConfigError('config.dataset.mixture replaces config.dataset.train_files: set one of them')
-  default_train = 'train' if name == 'hf' else None
-  train_spec, eval_spec = _opt(cfg, 'train_files', default_train), cfg.get('eval_files')
+  # 'hf': train_files names a split of config.dataset.path, 'train' where unset
+  train_spec, eval_spec = cfg.train_files or ('train' if name == 'hf' else None), cfg.eval_files
   if not mixture and not train_spec:
     raise ConfigError(f'config.dataset.name={name!r} needs config.dataset.train_files (a glob) or .mixture')
   if not eval_spec:
@@ -274,7 +277,7 @@ def _files(cfg, task: str) -> Dataset:
   def rows(spec: str, what: str) -> files.Rows:
     r = files.open_rows(cfg, spec, what, keys)
     if messages:
-      r, skipped[what] = files.with_assistant(r, messages, _opt(cfg, 'no_assistant', 'skip'))
+      r, skipped[what] = files.with_assistant(r, messages, cfg.no_assistant)
     return r
 
   if mixture:
@@ -288,16 +291,15 @@ def _files(cfg, task: str) -> Dataset:
     where = f'{cfg.path}: {where}'
   where += ''.join(f'; {n:,} chats without an assistant turn left out of {w}' for w, n in skipped.items() if n)
   if not (prompt or messages):
-    _check_task(name, task, ('lm', 'mlm'))
     return _text_dataset(cfg, task, name, train, eval_, where)
   _check_task(name, task, ('lm',))
   L = _seq_len(cfg, task)
-  tok = text.tokenizer(_opt(cfg, 'tokenizer', 'byte'))
+  tok = text.tokenizer(cfg.tokenizer)
   if tok.eos_id is None:
     raise ConfigError(f'tokenizer {tok.name!r} has no end-of-text token: LM documents need one')
   cut = text.Truncations(L + 1)
   doc = text.ChatDocument(tok, messages, cut) if messages else text.PromptCompletion(tok, prompt, completion, cut)
-  pack = bool(cfg.get('pack', False))
+  pack = cfg.pack
   kind = 'chats (loss on the assistant turns)' if messages else 'prompt/completion pairs (loss on the completions)'
   layout = f'whole documents packed into rows of {L} tokens' if pack else f'one document per row of {L} tokens'
   return Dataset(
@@ -307,8 +309,8 @@ def _files(cfg, task: str) -> Dataset:
     doc if pack else text.LMRow(doc, L),
     pack_len=L if pack else None,
     pack_whole=True,
-    num_threads=_opt(cfg, 'num_threads', 1),
-    prefetch=_opt(cfg, 'prefetch', 4),
+    num_threads=cfg.num_threads,
+    prefetch=cfg.prefetch,
     tokenizer=tok,
     vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
     description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} {kind}; {tok.name} tokenizer '

@@ -16,7 +16,10 @@ import grain
 import numpy as np
 from PIL import Image
 
+from configs import schema
+
 AUGMENTATIONS = ('inception_crop', 'crop_flip', 'none')
+schema.register('dataset.augment', AUGMENTATIONS)
 CROP_PADDING = 0.875  # eval: the center crop covers 87.5% of the resized image (the usual ImageNet protocol)
 
 

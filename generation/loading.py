@@ -28,13 +28,13 @@ from models import hf_import
 def decode_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The config a decode is built from: config.decode_rules (when set) in place of the training rules, so the
   parameters are loaded in the layout decoding runs in. ConfigError for a run that is not a language model."""
-  if config.get('task', 'lm') != 'lm':
+  if config.task != 'lm':
     raise ConfigError(
-      f'config.task={config.task!r} (model {config.model.get("name")!r}): generation needs a language model '
+      f'config.task={config.task!r} (model {config.model.name!r}): generation needs a language model '
       "(task 'lm': gpt2, llama, moe)"
     )
   config = ml_collections.ConfigDict(config.to_dict())
-  if config.get('decode_rules'):
+  if config.decode_rules:
     config.logical_axis_rules = [tuple(r) for r in config.decode_rules]
   return config
 
@@ -46,7 +46,7 @@ def build(
   (partitioning.place_model, as training builds it), checked to decode; nothing allocated. (placed, rules)."""
   rules = partitioning.AxisRules(config.logical_axis_rules)
   rules.check_mesh(mesh.shape)
-  make_model = lambda rngs: models.create(config.model, rngs, config.get('lora'))
+  make_model = lambda rngs: models.create(config.model, rngs, config.lora)
   placed = partitioning.place_model(make_model, rules, mesh, seed=config.seed)
   cache_layout(nnx.merge(placed.graphdef, placed.abstract['params'], placed.abstract['model_state']))
   return placed, rules
@@ -61,7 +61,7 @@ def load(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoi
   if checkpoints is not None:
     loaded, _ = weights.load_weights(checkpoints, placed.targets('params'), placed.targets('model_state'))
     params, model_state = loaded['params'], loaded['model_state']
-  elif hf_import.is_hf_dir(config.get('init_from') or ''):
+  elif hf_import.is_hf_dir(config.init_from):
     got = hf_import.import_weights(
       hf_import.HFDir(config.init_from),
       hf_config.family(config, models.HF_FAMILIES),
@@ -72,7 +72,7 @@ def load(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoi
       placed.shardings['model_state'],
     )
     params, model_state = got.params, got.model_state
-  elif config.get('init_from'):
+  elif config.init_from:
     params, model_state = weights.load_params(config.init_from, placed.targets('params')), {}
   else:
     raise ConfigError('nothing to generate from: give a run (its checkpoints) or config.init_from')
@@ -82,8 +82,8 @@ def load(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoi
     model_state,
     rules=rules,
     mesh=mesh,
-    max_len=config.model.get('max_len'),
-    vocab=config.model.get('vocab_size'),
+    max_len=config.model.max_len,
+    vocab=config.model.vocab_size,
   )
 
 
@@ -116,10 +116,10 @@ def tokenizer(config: ml_collections.ConfigDict, *, given: str | None = None, hf
         '(tokenizer.save_pretrained) or give --tokenizer DIR'
       )
     return text.HFTokenizer(hf_dir)
-  spec = (config.get('dataset') or {}).get('tokenizer')
+  spec = config.dataset.get('tokenizer')  # text datasets only
   if not spec:
     raise ConfigError(
-      f'the run has no tokenizer (config.dataset.name={config.dataset.get("name")!r} makes token ids, not text): '
+      f'the run has no tokenizer (config.dataset.name={config.dataset.name!r} makes token ids, not text): '
       'give --tokenizer DIR (a local Hugging Face tokenizer) or --tokenizer byte'
     )
   return text.tokenizer(spec)

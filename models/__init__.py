@@ -16,6 +16,7 @@ from collections.abc import Callable
 import ml_collections
 from flax import nnx
 
+from configs import schema
 from errors import ConfigError
 from models import bert, gpt2, llama, lora, moe, resnet, simple, vit
 
@@ -29,6 +30,8 @@ MODELS: dict[str, Callable[..., nnx.Module]] = {
   'resnet': resnet.ResNet,
   'vit': vit.ViT,
 }
+# The choices of config.model.name; what each family reads and trains on is configs/schema.py FAMILIES.
+schema.register('model.name', sorted(MODELS))
 
 # Hugging Face importers (see models/hf_import.py): zoo model name -> its family's mapping.
 HF_FAMILIES = {
@@ -41,22 +44,6 @@ HF_FAMILIES = {
 }
 
 
-def check_config(cfg: ml_collections.ConfigDict, task: str) -> None:
-  """The family cfg.name trains on `task` and finds every field it reads in cfg: a config switched to another
-  family or task by an override (--config.model.name=vit on a GPT-2 config) is one ConfigError naming what the
-  family needs, before anything is built."""
-  family = MODELS[cfg.name]
-  missing = [f'config.model.{f}' for f in family.CONFIG_FIELDS if f not in cfg]
-  problems = [] if task in family.TASKS else [f'trains on config.task={" or ".join(map(repr, family.TASKS))} only']
-  if missing:
-    problems.append(f'needs {", ".join(missing)}, which this config does not set')
-  if problems:
-    raise ConfigError(
-      f'config.model.name={cfg.name!r} with config.task={task!r}: {cfg.name} {"; it also ".join(problems)} '
-      f'(start from a config file of the {cfg.name} family)'
-    )
-
-
 def create(
   cfg: ml_collections.ConfigDict, rngs: nnx.Rngs, lora_cfg: ml_collections.ConfigDict | None = None
 ) -> nnx.Module:
@@ -65,6 +52,6 @@ def create(
   if cfg.name not in MODELS:
     raise ConfigError(f'config.model.name={cfg.name!r} is not a known model; known: {sorted(MODELS)}')
   model = MODELS[cfg.name](cfg, rngs=rngs)
-  if lora_cfg is not None and lora_cfg.get('rank', 0):
-    model = lora.apply(model, lora_cfg.rank, lora_cfg.get('alpha', lora_cfg.rank), lora_cfg.targets, rngs)
+  if lora_cfg is not None and lora_cfg.rank:
+    model = lora.apply(model, lora_cfg.rank, lora_cfg.alpha, lora_cfg.targets, rngs)
   return model

@@ -23,11 +23,13 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from configs import schema
 from errors import ConfigError
 from partitioning import active_mesh, entry_size, logical_spec
 from partitioning.context import from_zigzag, zigzag_positions, zigzag_shards
 
 IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'pallas', 'splash', 'blockwise')
+schema.register('model.attention', IMPLEMENTATIONS)
 PALLAS_BLOCK = 128  # the Pallas kernel's query/key block: lengths must be a multiple
 SPLASH_FORWARD = 'attn_splash_forward'  # the splash kernel's output and log-sum-exp, named for remat policies
 SPLASH_BLOCK = 128  # splash attention's query/key block (its default block sizes): lengths must be a multiple

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from configs import schema
 from errors import ConfigError
 from models import hf_import as hf
 from models.layers import (
@@ -39,6 +40,7 @@ from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
 HEADS = ('mlm', 'classify')
+schema.register('model.head', HEADS)
 
 
 class Block(nnx.Module):
@@ -47,7 +49,7 @@ class Block(nnx.Module):
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dict(**dtypes(cfg), rngs=rngs)
     D = cfg.embed_dim
-    self.attention = Attention(D, cfg.num_heads, impl=cfg.get('attention', 'auto'), **kw)
+    self.attention = Attention(D, cfg.num_heads, impl=cfg.attention, **kw)
     self.attention_ln = LayerNorm(D, eps=cfg.norm_eps, **kw)
     self.mlp = MLP(D, cfg.mlp_dim, activation=gelu_erf, **kw)  # BERT's exact erf GELU
     self.output_ln = LayerNorm(D, eps=cfg.norm_eps, **kw)
@@ -64,21 +66,17 @@ class Bert(nnx.Module):
   (segment A/B) defaults to all zeros.
   """
 
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('mlm', 'text_classification')
-  CONFIG_FIELDS = ('vocab_size', 'max_len', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
-    D, head = cfg.embed_dim, cfg.get('head', 'mlm')
+    D, head = cfg.embed_dim, cfg.head
     if head not in HEADS:
       raise ConfigError(f'config.model.head={head!r} is not a BERT head; choose one of {list(HEADS)}')
     param = lambda shape, names: nnx.Param(
       nnx.initializers.normal(0.02)(rngs.params(), shape, kw['param_dtype']), **axes(*names)
     )
-    self.word_embeddings = Embed(cfg.vocab_size, D, pad_to=cfg.get('pad_vocab_to', 1), **kw, rngs=rngs)
+    self.word_embeddings = Embed(cfg.vocab_size, D, pad_to=cfg.pad_vocab_to, **kw, rngs=rngs)
     self.position_embeddings = param((cfg.max_len, D), ('length', 'embed'))
-    self.token_type_embeddings = param((cfg.get('type_vocab_size', 2), D), ('token_types', 'embed'))
+    self.token_type_embeddings = param((cfg.type_vocab_size, D), ('token_types', 'embed'))
     self.embeddings_ln = LayerNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
     self.encoder = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg), rngs=rngs)
     self.head = head
@@ -123,11 +121,11 @@ class Bert(nnx.Module):
 
 def num_params(cfg: Any) -> int:
   """Closed-form parameter count (checked against the built model in tests)."""
-  D, F, N, T = cfg.embed_dim, cfg.mlp_dim, cfg.num_layers, getattr(cfg, 'type_vocab_size', 2)
+  D, F, N, T = cfg.embed_dim, cfg.mlp_dim, cfg.num_layers, cfg.type_vocab_size
   V = padded_vocab(cfg)
   embeddings = (V + cfg.max_len + T) * D + 2 * D
   block = 4 * (D * D + D) + (D * F + F) + (F * D + D) + 2 * 2 * D
-  if getattr(cfg, 'head', 'mlm') == 'mlm':
+  if cfg.head == 'mlm':
     head = (D * D + D) + 2 * D + V  # transform dense, its LayerNorm, decoder bias
   else:
     head = (D * D + D) + (D * cfg.num_classes + cfg.num_classes)  # pooler, classifier
@@ -173,7 +171,7 @@ def to_hf_config(cfg: Any) -> dict:
   """config.model -> config.json of the same BertForMaskedLM (head 'mlm') or BertForSequenceClassification
   (head 'classify', num_labels = num_classes): the inverse of _hf_config, with the real vocabulary (not the
   padded rows) and no dropout (the zoo has none)."""
-  head = cfg.get('head', 'mlm')
+  head = cfg.head
   arch = {'mlm': 'BertForMaskedLM', 'classify': 'BertForSequenceClassification'}
   if head not in arch:
     raise ConfigError(f'config.model.head={head!r} is not a BERT head; choose one of {list(HEADS)}')
@@ -187,7 +185,7 @@ def to_hf_config(cfg: Any) -> dict:
     intermediate_size=cfg.mlp_dim,
     hidden_act='gelu',
     max_position_embeddings=cfg.max_len,
-    type_vocab_size=cfg.get('type_vocab_size', 2),
+    type_vocab_size=cfg.type_vocab_size,
     layer_norm_eps=cfg.norm_eps,
     position_embedding_type='absolute',
     tie_word_embeddings=True,

@@ -39,7 +39,7 @@ class Block(nnx.Module):
     kw = dict(**dtypes(cfg), rngs=rngs)
     scale = (2 * cfg.num_layers) ** -0.5  # GPT-2's scaled init of residual projections
     self.ln1 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
-    self.attn = Attention(cfg.embed_dim, cfg.num_heads, out_init_scale=scale, impl=cfg.get('attention', 'auto'), **kw)
+    self.attn = Attention(cfg.embed_dim, cfg.num_heads, out_init_scale=scale, impl=cfg.attention, **kw)
     self.ln2 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
     # HF's "gelu_new" is the tanh approximation.
     self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=gelu_tanh, out_init_scale=scale, **kw)
@@ -59,14 +59,10 @@ class GPT2(nnx.Module):
   """tokens (B, L) int32 -> logits (B, L, V) float32. Packed rows: pass positions and segment_ids.
   `hidden_states` and `head` are the two halves of `__call__` (the chunked LM loss runs the head per chunk)."""
 
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('lm',)
-  CONFIG_FIELDS = ('vocab_size', 'max_len', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     self.tok = Embed(
-      cfg.vocab_size, cfg.embed_dim, pad_to=cfg.get('pad_vocab_to', 1), logits_dtype=logits_dtype(cfg), **kw, rngs=rngs
+      cfg.vocab_size, cfg.embed_dim, pad_to=cfg.pad_vocab_to, logits_dtype=logits_dtype(cfg), **kw, rngs=rngs
     )
     self.pos = nnx.Param(
       nnx.initializers.normal(0.01)(rngs.params(), (cfg.max_len, cfg.embed_dim), kw['param_dtype']),
@@ -97,7 +93,7 @@ class GPT2(nnx.Module):
     return self.ln_f(x_BLD)
 
   def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any, decoding: Any) -> tuple[jax.Array, Any]:
-    """The last token's logits (B, V) and the KV cache with tokens_BT written into it (training/generate.py)."""
+    """The last token's logits (B, V) and the KV cache with tokens_BT written into it (generation/engine.py)."""
     pos_BTD = jnp.take(shard_logical(self.pos[...], (None, None)), positions_BT, axis=0)
     x_BTD = shard_logical(self.tok(tokens_BT) + pos_BTD.astype(self.dtype), ACT)
     x_BTD, cache = self.blocks.decode(x_BTD, cache, decoding, None)

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from configs import schema
 from errors import ConfigError
 from models import attention
-from partitioning import pipeline, shard_logical
+from partitioning import pipeline, rule_problem, shard_logical
 
 Initializer = Callable[..., jax.Array]
 NORMAL_002 = nnx.initializers.normal(0.02)  # GPT-2's initialiser for kernels and embeddings
@@ -444,6 +445,22 @@ def rope_scaling_params(scaling: Any) -> tuple[tuple[str, Any], ...] | None:
   return (('rope_type', 'llama3'),) + tuple((k, float(items[k])) for k in ROPE_SCALING_KEYS)
 
 
+def rope_scaling_problem(scaling: Any) -> str:
+  """What is wrong with a config.model.rope_scaling ('' if nothing): the schema's check of the field."""
+  try:
+    rope_scaling_params(scaling)
+  except (ConfigError, TypeError, ValueError, AttributeError) as e:
+    return str(e) or type(e).__name__
+  return ''
+
+
+schema.register_kind('rope', rope_scaling_problem)
+# config.logical_axis_rules map the logical axes these layers name onto the mesh: partitioning's check of one rule's
+# shape (AxisRules parses with it; partitioning never imports configs) is the schema's too, which names a bad rule
+# of a config by its index.
+schema.register_kind('rules', rule_problem)
+
+
 def rope_frequencies(head_dim: int, theta: float, scaling: Any = None) -> jax.Array:
   """The (head_dim/2,) inverse frequencies; with Llama 3 scaling (`scaling` as rope_scaling_params
   takes it), wavelengths longer than original_max_position_embeddings / low_freq_factor are stretched
@@ -479,13 +496,13 @@ def rope(x_BLHK: jax.Array, positions_BL: jax.Array, theta: float, scaling: Any 
 
 # A layer's KV cache: keys and values (B, G, S, K) of every position decoded so far, in S slots; heads before slots:
 # the layout a decode step's two attention matmuls take as operands (batch dims b, g leading), as transformers' cache.
-# Its own logical names, so a rule set can place it apart from the projections' activations (training/generate.py).
+# Its own logical names, so a rule set can place it apart from the projections' activations (generation/engine.py).
 CACHE_AXES = ('cache_batch', 'cache_heads', 'cache_length', 'cache_kv')
 
 
 @flax.struct.dataclass
 class Decoding:
-  """What every layer's cached attention shares at one decoding step (training/generate.py): the tokens fed
+  """What every layer's cached attention shares at one decoding step (generation/engine.py): the tokens fed
   fill cache slots [index, index + T); `valid_BS` marks the slots of real tokens (a left-padded prompt's pads
   are not); `prefill`: the prompt, written from slot 0, attends to itself alone."""
 
@@ -547,7 +564,7 @@ class Attention(nnx.Module):
     self.rope_theta = rope_theta
     self.rope_scaling = rope_scaling_params(rope_scaling)  # hashable (static): None or (key, value) pairs
     self.impl = impl  # 'auto' | 'xla' | 'cudnn' (models/attention.py)
-    self.kv_heads, self.head_dim, self.dtype = num_kv_heads, K, dtype  # a KV cache's shape (training/generate.py)
+    self.kv_heads, self.head_dim, self.dtype = num_kv_heads, K, dtype  # a KV cache's shape (generation/engine.py)
 
   def __call__(
     self,
@@ -814,6 +831,7 @@ REMAT_POLICIES = {
   # keep attention's q, k, v and output (models/attention.py names them); recompute the MLPs:
   'attention': jax.checkpoint_policies.save_only_these_names('attn_q', 'attn_k', 'attn_v', 'attn_out'),
 }
+schema.register('model.remat', REMAT_POLICIES)
 
 
 def remat_policy(remat: Any) -> str:
@@ -925,26 +943,25 @@ def _shard_stacked(v: Any) -> Any:
 
 def stack_options(cfg: Any) -> dict[str, Any]:
   """Stack keyword arguments from a model config: scan_layers and remat."""
-  return dict(scan=cfg.get('scan_layers', False), remat=cfg.get('remat', 'none'))
+  return dict(scan=cfg.scan_layers, remat=cfg.remat)
 
 
 def dtypes(cfg: Any) -> dict[str, Any]:
   """Compute and parameter dtypes from a model config (e.g. dtype='bfloat16', param_dtype='float32')."""
-  return dict(dtype=jnp.dtype(cfg.get('dtype', 'float32')), param_dtype=jnp.dtype(cfg.get('param_dtype', 'float32')))
+  return dict(dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype))
 
 
 def logits_dtype(cfg: Any) -> Any:
-  """The dtype of a language model's logits (config.model.logits_dtype; float32 unless set)."""
-  return jnp.dtype(cfg.get('logits_dtype', 'float32'))
+  """The dtype of a language model's logits (config.model.logits_dtype)."""
+  return jnp.dtype(cfg.logits_dtype)
 
 
 def padded_vocab(cfg: Any) -> int:
   """A language model's vocabulary rows: config.model.vocab_size rounded up to pad_vocab_to (Embed's `pad_to`)."""
-  pad = getattr(cfg, 'pad_vocab_to', 1) or 1  # a ConfigDict, or any object with the fields (num_params)
-  return -(-cfg.vocab_size // pad) * pad
+  return -(-cfg.vocab_size // cfg.pad_vocab_to) * cfg.pad_vocab_to
 
 
 def loss_chunks(cfg: Any) -> int:
   """config.model.loss_chunks of a language model: the LM loss computed in that many chunks along the length,
   each chunk's gradients made as it is scored (training/xent.py); 0 or 1: the whole (B, L, V) at once."""
-  return int(cfg.get('loss_chunks', 0) or 0)
+  return cfg.loss_chunks

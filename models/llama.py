@@ -51,12 +51,12 @@ class Block(nnx.Module):
     self.self_attn = Attention(
       D,
       cfg.num_heads,
-      num_kv_heads=cfg.get('num_kv_heads'),
-      head_dim=cfg.get('head_dim'),
+      num_kv_heads=cfg.num_kv_heads,
+      head_dim=cfg.head_dim,
       use_bias=False,
-      rope_theta=cfg.get('rope_theta', 10_000.0),
-      rope_scaling=cfg.get('rope_scaling'),
-      impl=cfg.get('attention', 'auto'),
+      rope_theta=cfg.rope_theta,
+      rope_scaling=cfg.rope_scaling,
+      impl=cfg.attention,
       **kw,
     )
     self.post_attention_layernorm = RMSNorm(D, eps=cfg.norm_eps, **kw)
@@ -105,17 +105,13 @@ class Llama(nnx.Module):
   (rotary angles come from the positions, so each document starts at position 0). `hidden_states` and
   `head` are the two halves of `__call__` (the chunked LM loss runs the head per chunk)."""
 
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('lm',)
-  CONFIG_FIELDS = ('vocab_size', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     D, V = cfg.embed_dim, cfg.vocab_size
     self.embed_tokens = Embed(V, D, logits_dtype=logits_dtype(cfg), **kw, rngs=rngs)
     self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg), rngs=rngs)
     self.norm = RMSNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
-    self.tied = cfg.get('tie_embeddings', True)
+    self.tied = cfg.tie_embeddings
     if not self.tied:
       self.lm_head = Dense(
         'bld,dv->blv', (D, V), ('embed', 'vocab'), preferred_element_type=logits_dtype(cfg), **kw, rngs=rngs
@@ -136,7 +132,7 @@ class Llama(nnx.Module):
     return self.norm(x_BLD)
 
   def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any, decoding: Any) -> tuple[jax.Array, Any]:
-    """The last token's logits (B, V) and the KV cache with tokens_BT written into it (training/generate.py)."""
+    """The last token's logits (B, V) and the KV cache with tokens_BT written into it (generation/engine.py)."""
     x_BTD = shard_logical(self.embed_tokens(tokens_BT), ACT)
     x_BTD, cache = self.blocks.decode(x_BTD, cache, decoding, positions_BT, None)
     return self.head(self.norm(x_BTD[:, -1:]))[:, 0], cache
@@ -150,10 +146,10 @@ class Llama(nnx.Module):
 def num_params(cfg: Any) -> int:
   """Closed-form parameter count (checked against the built model in tests)."""
   D, F, V, N, H = cfg.embed_dim, cfg.mlp_dim, cfg.vocab_size, cfg.num_layers, cfg.num_heads
-  G = getattr(cfg, 'num_kv_heads', None) or H
-  K = getattr(cfg, 'head_dim', None) or D // H
+  G = cfg.num_kv_heads or H  # None: as many as the heads
+  K = cfg.head_dim or D // H
   block = 2 * D + 2 * D * H * K + 2 * D * G * K + 3 * D * F  # 2 RMSNorms, q+o, k+v, gate+up+down
-  head = 0 if getattr(cfg, 'tie_embeddings', True) else D * V
+  head = 0 if cfg.tie_embeddings else D * V
   return V * D + N * block + D + head
 
 
@@ -221,8 +217,8 @@ def _hf_config(c: dict) -> dict:
 
 def hf_rope_parameters(cfg: Any) -> dict:
   """config.model's rope_theta / rope_scaling as transformers 5's `rope_parameters` (shared with MoE)."""
-  theta = float(cfg.get('rope_theta', 10_000.0))
-  scaling = rope_scaling_params(cfg.get('rope_scaling'))
+  theta = float(cfg.rope_theta)
+  scaling = rope_scaling_params(cfg.rope_scaling)
   if scaling is None:
     return dict(rope_type='default', rope_theta=theta)
   s = dict(scaling)
@@ -230,9 +226,10 @@ def hf_rope_parameters(cfg: Any) -> dict:
 
 
 def to_hf_config(cfg: Any) -> dict:
-  """config.model -> config.json of the same LlamaForCausalLM (the inverse of _hf_config)."""
+  """config.model -> config.json of the same LlamaForCausalLM (the inverse of _hf_config); without a max_len,
+  transformers' default length."""
   H = cfg.num_heads
-  return dict(
+  out = dict(
     model_type='llama',
     architectures=['LlamaForCausalLM'],
     vocab_size=cfg.vocab_size,
@@ -240,17 +237,17 @@ def to_hf_config(cfg: Any) -> dict:
     intermediate_size=cfg.mlp_dim,
     num_hidden_layers=cfg.num_layers,
     num_attention_heads=H,
-    num_key_value_heads=cfg.get('num_kv_heads') or H,
-    head_dim=cfg.get('head_dim') or cfg.embed_dim // H,
+    num_key_value_heads=cfg.num_kv_heads or H,
+    head_dim=cfg.head_dim or cfg.embed_dim // H,
     hidden_act='silu',
     rms_norm_eps=cfg.norm_eps,
     rope_parameters=hf_rope_parameters(cfg),
-    tie_word_embeddings=bool(cfg.get('tie_embeddings', True)),
-    max_position_embeddings=cfg.get('max_len', 2048),
+    tie_word_embeddings=cfg.tie_embeddings,
     attention_bias=False,
     mlp_bias=False,
     attention_dropout=0.0,
   )
+  return dict(out, max_position_embeddings=cfg.max_len) if cfg.max_len else out
 
 
 def hf_params(mlp: bool = True) -> list[hf.Param]:
@@ -259,7 +256,7 @@ def hf_params(mlp: bool = True) -> list[hf.Param]:
 
   def dims(cfg):  # D, H, G, K
     H = cfg.num_heads
-    return cfg.embed_dim, H, cfg.get('num_kv_heads') or H, cfg.get('head_dim') or cfg.embed_dim // H
+    return cfg.embed_dim, H, cfg.num_kv_heads or H, cfg.head_dim or cfg.embed_dim // H
 
   def heads(heads_dim):  # (D, H*K) -> (D, H, K) after the transpose (heads_dim 1: query; 2: key/value)
     def ops(cfg):

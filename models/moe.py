@@ -164,8 +164,7 @@ class MoEMLP(nnx.Module):
     with jax.named_scope(NOT_MODEL_FLOPS):
       y_GSD = shard_logical(jnp.einsum('gsec,egcd->gsd', combine_GSEC.astype(dt), y_EGCD), ACT)
     aux_loss = (
-      self.cfg.aux_loss_weight * stats['load_balance_loss']
-      + self.cfg.get('router_z_loss_weight', 0.0) * stats['router_z_loss']
+      self.cfg.aux_loss_weight * stats['load_balance_loss'] + self.cfg.router_z_loss_weight * stats['router_z_loss']
     )
     return y_GSD.reshape(B, L, D), {'aux_loss': aux_loss, **stats}
 
@@ -200,29 +199,13 @@ class MoE(nnx.Module):
   `hidden_states` (-> (x, aux)) and `head` are the two halves of `__call__` (the chunked LM loss runs the
   head per chunk)."""
 
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('lm',)
-  CONFIG_FIELDS = (
-    'vocab_size',
-    'num_layers',
-    'num_heads',
-    'embed_dim',
-    'mlp_dim',
-    'norm_eps',
-    'num_experts',
-    'top_k',
-    'capacity_factor',
-    'group_size',
-    'aux_loss_weight',
-  )
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     D, V = cfg.embed_dim, cfg.vocab_size
-    self.embed_tokens = Embed(V, D, pad_to=cfg.get('pad_vocab_to', 1), logits_dtype=logits_dtype(cfg), **kw, rngs=rngs)
+    self.embed_tokens = Embed(V, D, pad_to=cfg.pad_vocab_to, logits_dtype=logits_dtype(cfg), **kw, rngs=rngs)
     self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg), rngs=rngs)
     self.norm = RMSNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
-    self.tied = cfg.get('tie_embeddings', False)
+    self.tied = cfg.tie_embeddings
     if not self.tied:
       rows = self.embed_tokens.embed.embedding.shape[0]
       self.lm_head = Dense(
@@ -247,7 +230,7 @@ class MoE(nnx.Module):
     return self.norm(x_BLD), aux
 
   def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any, decoding: Any) -> tuple[jax.Array, Any]:
-    """The last token's logits (B, V) and the KV cache with tokens_BT written into it (training/generate.py)."""
+    """The last token's logits (B, V) and the KV cache with tokens_BT written into it (generation/engine.py)."""
     x_BTD = shard_logical(self.embed_tokens(tokens_BT), ACT)
     x_BTD, cache = self.blocks.decode(x_BTD, cache, decoding, positions_BT, None)
     return self.head(self.norm(x_BTD[:, -1:]))[:, 0], cache
@@ -264,11 +247,11 @@ class MoE(nnx.Module):
 def _counts(cfg: Any) -> tuple[int, int, int]:
   """(parameters outside the experts, parameters of one expert, expert layers)."""
   D, F, N, H, E = cfg.embed_dim, cfg.mlp_dim, cfg.num_layers, cfg.num_heads, cfg.num_experts
-  G = getattr(cfg, 'num_kv_heads', None) or H
-  K = getattr(cfg, 'head_dim', None) or D // H
+  G = cfg.num_kv_heads or H  # None: as many as the heads
+  K = cfg.head_dim or D // H
   V = padded_vocab(cfg)
   block = 2 * D + 2 * D * H * K + 2 * D * G * K + D * E  # 2 RMSNorms, q+o, k+v, router
-  heads = 1 if getattr(cfg, 'tie_embeddings', False) else 2
+  heads = 1 if cfg.tie_embeddings else 2
   return heads * V * D + N * block + D, 3 * D * F, N
 
 
@@ -343,21 +326,21 @@ def to_hf_config(cfg: Any) -> dict:
     intermediate_size=cfg.mlp_dim,
     num_hidden_layers=cfg.num_layers,
     num_attention_heads=H,
-    num_key_value_heads=cfg.get('num_kv_heads') or H,
-    head_dim=cfg.get('head_dim') or cfg.embed_dim // H,
+    num_key_value_heads=cfg.num_kv_heads or H,
+    head_dim=cfg.head_dim or cfg.embed_dim // H,
     num_local_experts=cfg.num_experts,
     num_experts_per_tok=cfg.top_k,
     hidden_act='silu',
     rms_norm_eps=cfg.norm_eps,
     rope_parameters=llama.hf_rope_parameters(cfg),
-    tie_word_embeddings=bool(cfg.get('tie_embeddings', False)),
+    tie_word_embeddings=cfg.tie_embeddings,
     sliding_window=None,
     attention_dropout=0.0,
     router_jitter_noise=0.0,
-    router_aux_loss_coef=cfg.get('aux_loss_weight', 0.0) * cfg.num_layers / cfg.top_k,
-    router_z_loss_coef=cfg.get('router_z_loss_weight', 0.0),
+    router_aux_loss_coef=cfg.aux_loss_weight * cfg.num_layers / cfg.top_k,
+    router_z_loss_coef=cfg.router_z_loss_weight,
   )
-  return dict(out, max_position_embeddings=cfg.max_len) if cfg.get('max_len') else out
+  return dict(out, max_position_embeddings=cfg.max_len) if cfg.get('max_len') else out  # a length set by hand
 
 
 def _hf_params() -> list[hf.Param]:

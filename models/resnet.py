@@ -30,6 +30,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from configs import schema
 from errors import ConfigError
 from models import hf_import as hf
 from models.layers import BatchNorm, Conv, Dense, Stack, dtypes, max_pool, stack_options
@@ -38,6 +39,7 @@ from partitioning import shard_logical
 ACT = ('batch', 'height', 'width', 'conv_out')
 KAIMING_OUT = nnx.initializers.variance_scaling(2.0, 'fan_out', 'normal')  # torchvision's conv init
 BLOCKS = {'basic': 1, 'bottleneck': 4}  # block type -> expansion (output width / block width)
+schema.register('model.block', sorted(BLOCKS))
 
 
 def _conv(cfg: Any, c_in: int, c_out: int, k: int, stride: int, rngs: nnx.Rngs, in_axis: str = 'conv_in') -> Conv:
@@ -60,8 +62,8 @@ def _bn(cfg: Any, c: int, rngs: nnx.Rngs) -> BatchNorm:
     c,
     momentum=cfg.bn_momentum,
     eps=cfg.bn_eps,
-    fast_variance=cfg.get('bn_fast_variance', False),
-    fused=cfg.get('bn_fused', False),
+    fast_variance=cfg.bn_fast_variance,
+    fused=cfg.bn_fused,
     rngs=rngs,
     **dtypes(cfg),
   )
@@ -75,7 +77,7 @@ class Block(nnx.Module):
     if cfg.block == 'basic':
       self.convs = nnx.List([_conv(cfg, c_in, width, 3, stride, rngs), _conv(cfg, width, width, 3, 1, rngs)])
     else:  # v1.5 strides on the 3x3 conv; v1 (stride_in_1x1) on the first 1x1
-      s1, s3 = (stride, 1) if cfg.get('stride_in_1x1', False) else (1, stride)
+      s1, s3 = (stride, 1) if cfg.stride_in_1x1 else (1, stride)
       self.convs = nnx.List(
         [
           _conv(cfg, c_in, width, 1, s1, rngs),
@@ -130,10 +132,6 @@ def _check(cfg: Any) -> None:
 
 
 class ResNet(nnx.Module):
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('classification',)
-  CONFIG_FIELDS = ('channels', 'width', 'block', 'stage_sizes', 'bn_eps', 'bn_momentum', 'num_classes')
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     _check(cfg)
     self.conv1 = _conv(cfg, cfg.channels, cfg.width, 7, 2, rngs, in_axis='channels')
@@ -248,7 +246,7 @@ def to_hf_config(cfg: Any) -> dict:
     layer_type=cfg.block,
     hidden_act='relu',
     downsample_in_first_stage=False,
-    downsample_in_bottleneck=bool(cfg.get('stride_in_1x1', False)),
+    downsample_in_bottleneck=cfg.stride_in_1x1,
     num_labels=cfg.num_classes,
   )
 

@@ -46,10 +46,6 @@ def _classifier(dim: int, axis: str, cfg: ml_collections.ConfigDict, rngs: nnx.R
 
 
 class MLP(nnx.Module):
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('classification',)
-  CONFIG_FIELDS = ('image_size', 'channels', 'hidden_dims', 'num_classes')
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     dims = tuple(cfg.hidden_dims)
     if not dims:
@@ -77,10 +73,6 @@ class MLP(nnx.Module):
 
 
 class CNN(nnx.Module):
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('classification',)
-  CONFIG_FIELDS = ('image_size', 'channels', 'features', 'mlp_dim', 'num_classes')
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     feats = tuple(cfg.features)
     S = cfg.image_size // 2 ** len(feats)

@@ -51,7 +51,7 @@ class Block(nnx.Module):
     self.tokens = tokens
     kw = dict(**dtypes(cfg), rngs=rngs)
     self.ln1 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
-    self.attn = Attention(cfg.embed_dim, cfg.num_heads, use_bias=True, impl=cfg.get('attention', 'auto'), **kw)
+    self.attn = Attention(cfg.embed_dim, cfg.num_heads, use_bias=True, impl=cfg.attention, **kw)
     self.ln2 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
     self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=gelu_erf, **kw)
 
@@ -70,20 +70,6 @@ def _num_patches(cfg: Any) -> int:
 
 
 class ViT(nnx.Module):
-  # The tasks it trains on and the config.model fields it reads without a default (models.check_config).
-  TASKS = ('classification',)
-  CONFIG_FIELDS = (
-    'image_size',
-    'patch_size',
-    'channels',
-    'embed_dim',
-    'num_layers',
-    'num_heads',
-    'mlp_dim',
-    'norm_eps',
-    'num_classes',
-  )
-
   def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
     kw = dtypes(cfg)
     D, p, N = cfg.embed_dim, cfg.patch_size, _num_patches(cfg)
@@ -113,7 +99,7 @@ class ViT(nnx.Module):
       **kw,
     )
     self.image_size, self.dtype = cfg.image_size, kw['dtype']
-    self.attention_impl, self.head_dim = cfg.get('attention', 'auto'), D // cfg.num_heads
+    self.attention_impl, self.head_dim = cfg.attention, D // cfg.num_heads
 
   def __call__(self, image_BHWC: jax.Array) -> jax.Array:
     B, H, W, _ = image_BHWC.shape

@@ -66,7 +66,7 @@ from partitioning.plan import (
   sharded_abstract,
   tree_specs,
 )
-from partitioning.rules import AxisRules, Rule, bytes_per_device, entry_axes, entry_size
+from partitioning.rules import AxisRules, Rule, bytes_per_device, entry_axes, entry_size, rule_problem
 from partitioning.shard import active_mesh, logical_spec, shard, shard_logical, suspend_rules, use_rules
 from partitioning.table import fmt_bytes, sharding_summary, sharding_table, tree_bytes_per_device
 
@@ -104,6 +104,7 @@ __all__ = [
   'place_model',
   'replica_groups',
   'resolve_mesh_shape',
+  'rule_problem',
   'shard',
   'shard_logical',
   'sharded_abstract',

@@ -70,21 +70,29 @@ def stages_of(rules: AxisRules, mesh_shape: dict[str, int]) -> int:
   return mesh_shape.get(STAGE, 1) if spec and STAGE in entry_axes(spec[0]) else 1
 
 
-def schedule(config: Any, rules: AxisRules, mesh_shape: dict[str, int]) -> Schedule | None:
+def schedule(
+  rules: AxisRules,
+  mesh_shape: dict[str, int],
+  *,
+  microbatches: int,
+  repeats: int,
+  scan_layers: bool,
+  num_layers: int | None,
+  batch_size: int,
+) -> Schedule | None:
   """The pipeline a config asks for (None where no rule maps 'layers' to a 'stage' axis of size > 1), checked
-  against the config before anything is built: one ConfigError naming the numbers."""
+  against the config's numbers (config.pipeline.*, config.model.scan_layers and num_layers, config.batch_size)
+  before anything is built: one ConfigError naming them."""
   S = stages_of(rules, mesh_shape)
   if S == 1:
     return None
-  pipe = config.get('pipeline') or {}
-  M, R = int(pipe.get('microbatches', 1)), int(pipe.get('repeats', 1))
-  model = config.get('model') or {}
-  if not model.get('scan_layers', False):
+  M, R = int(microbatches), int(repeats)
+  if not scan_layers:
     raise ConfigError(
       f"the rule ('layers', 'stage') pipelines a scanned layer stack over stage={S}, and config.model.scan_layers "
       'is False (unrolled layers have no stacked dimension to cut): set --config.model.scan_layers=True'
     )
-  N = model.get('num_layers')
+  N = num_layers
   if N is not None and N % (S * R):
     raise ConfigError(
       f'config.model.num_layers={N} is not divisible by stage={S} x config.pipeline.repeats={R} = {S * R} '
@@ -95,8 +103,8 @@ def schedule(config: Any, rules: AxisRules, mesh_shape: dict[str, int]) -> Sched
       f'config.pipeline.microbatches={M} is fewer than the {S} pipeline stages (mesh axis stage={S}): every stage '
       f'needs a micro-batch in flight; use at least {S}'
     )
-  B = config.get('batch_size')
-  if B is not None and B % M:
+  B = batch_size
+  if B % M:
     raise ConfigError(
       f'config.batch_size={B} is not divisible by config.pipeline.microbatches={M} (the pipeline splits the '
       'global batch into equal micro-batches)'

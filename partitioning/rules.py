@@ -50,29 +50,39 @@ class Rule:
     return f'rule #{self.index} ({self.logical!r}, {_fmt_target(self.mesh_axes)})'
 
 
+def rule_problem(rule: Any) -> str:
+  """What is wrong with one logical-axis rule ('' if nothing): the one check of a rule's shape (AxisRules parses
+  with it; configs/schema.py names a config's bad rule by its index with it)."""
+  if not isinstance(rule, (tuple, list)):
+    return f'not a pair but a {type(rule).__name__}'
+  if len(rule) != 2:
+    return f'{len(rule)} items, not 2'
+  logical, target = rule
+  if not isinstance(logical, str):
+    return f'the logical name {logical!r} is not a string'
+  if not logical:
+    return 'the logical name must be a non-empty string'
+  if not (
+    target is None
+    or isinstance(target, str)
+    or (isinstance(target, (tuple, list)) and all(isinstance(a, str) for a in target))
+  ):
+    return f'the target {target!r} is not a mesh axis name, a tuple of them or None'
+  axes = entry_axes(tuple(target) if isinstance(target, list) else target)
+  if len(set(axes)) != len(axes):
+    return f'a mesh axis appears twice in the target {target!r}'
+  return ''
+
+
 def _parse_rule(i: int, rule: Any) -> Rule:
-  if not isinstance(rule, (tuple, list)) or len(rule) != 2:
+  if why := rule_problem(rule):
+    shown = tuple(rule) if isinstance(rule, list) else rule
     raise ShardingError(
-      f'logical_axis_rules[{i}] = {rule!r}: each rule must be a pair '
-      '(logical_name, mesh_axis | tuple_of_mesh_axes | None)'
+      f'logical_axis_rules[{i}] = {shown!r}: must be a pair (logical name, mesh axis | tuple of mesh axes | None); '
+      f'{why}'
     )
   logical, target = rule
-  if not isinstance(logical, str) or not logical:
-    raise ShardingError(f'logical_axis_rules[{i}] = {tuple(rule)!r}: the logical name must be a non-empty string')
-  if target is None:
-    axes: MeshAxes = ()
-  elif isinstance(target, str):
-    axes = (target,)
-  elif isinstance(target, (tuple, list)) and all(isinstance(a, str) for a in target):
-    axes = tuple(target)
-  else:
-    raise ShardingError(
-      f'logical_axis_rules[{i}] = {tuple(rule)!r}: the target must be a mesh axis name, '
-      'a tuple of mesh axis names, or None'
-    )
-  if len(set(axes)) != len(axes):
-    raise ShardingError(f'logical_axis_rules[{i}] = {tuple(rule)!r}: a mesh axis appears twice in the target')
-  return Rule(i, logical, axes)
+  return Rule(i, logical, entry_axes(tuple(target) if isinstance(target, list) else target))
 
 
 class AxisRules:

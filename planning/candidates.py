@@ -173,7 +173,7 @@ def presets_of(config_file: str, arg: str | None, config: Any) -> dict[str, list
   """The config file's rule presets (its RULES dict, each preset built by its own get_config), plus the config's
   own rules when they are none of them (edited on the command line)."""
   module = load_module(config_file)
-  size = config.get('size')
+  size = config.size
   out = {}
   for name in getattr(module, 'RULES', {}):
     words = [name] + ([size] if size else [])

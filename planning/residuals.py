@@ -120,7 +120,7 @@ def trace(trainer: training.Trainer, stand_in: Callable[[], contextlib.AbstractC
     return jax.tree.leaves(vjp)
 
   # Under gradient accumulation the backward keeps one micro-batch's values at a time.
-  steps = trainer.config.get('grad_accum_steps', 1)
+  steps = trainer.config.grad_accum_steps
   micro = {
     k: jax.ShapeDtypeStruct((v.shape[0] // steps, *v.shape[1:]), v.dtype) for k, v in trainer.batch_abstract.items()
   }

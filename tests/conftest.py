@@ -32,7 +32,7 @@ jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 
 import models  # noqa: E402
 import training  # noqa: E402
-from configs import default  # noqa: E402
+from configs import default, schema  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -100,7 +100,9 @@ def _library_temp_files(tmp_path_factory):
 
 
 def build_trainer(cfg: ml_collections.ConfigDict, devices=None) -> training.Trainer:
-  """A Trainer for the config's model on its mesh (all 8 devices unless `devices` is given)."""
+  """A Trainer for the config's model on its mesh (all 8 devices unless `devices` is given). The config is completed
+  first (schema.complete, as a loaded one is): a test may switch its optimizer or family in code."""
+  schema.complete(cfg)
   return training.build(cfg, partitioning.make_mesh(cfg.mesh, devices), lambda rngs: models.create(cfg.model, rngs))
 
 

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import partitioning
 import training
+from configs import schema
 from errors import ConfigError
 from partitioning.audit import collective_stats
 from planning import search
@@ -35,6 +36,7 @@ def config(family: str, preset: str, **overrides):
   else:
     cfg = importlib.import_module(f'configs.{family}').get_config(f'{preset},tiny')
   cfg.optim.update(name='sgd', lr=1.0, warmup_steps=0, grad_clip=0.0)
+  schema.complete(cfg)  # what SGD reads (momentum), at its default
   cfg.update(total_steps=10, batch_size=16)
   for k, v in overrides.items():
     cfg[k] = v

@@ -17,7 +17,7 @@ import errors
 import partitioning
 import train
 import training
-from configs import schema
+from configs import cli, schema
 from tests.conftest import ROOT, subprocess_env
 from tests.test_configs import MODULES, tiny_config
 
@@ -136,7 +136,7 @@ def parse(argv):
   """train.py's command line parsed as app.run does (a fresh flag set reading these arguments)."""
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file('config', None, 'config', flag_values=fv, lock_config=True, sys_argv=argv)
-  return schema.parse_flags(argv, fv), fv
+  return cli.parse_flags(argv, fv), fv
 
 
 @pytest.mark.parametrize('name', sorted(FAMILIES))
@@ -246,17 +246,15 @@ def test_launch_flags_that_would_be_ignored_or_crash_are_one_error_each():
 
 
 def test_default_config_declares_the_documented_model_options():
-  """The README's model options are settable on the Quickstart config, at the values the model took without them."""
+  """The README's model options are settable on the Quickstart config, at their defaults (the schema's: the values
+  the model computes without them)."""
   from configs import default
   from models import layers
 
   model = default.get_config().model
-  assert {'attention', 'remat', 'logits_dtype', 'loss_chunks', 'scan_layers'} <= set(model)
-  bare = ml_collections.ConfigDict(
-    {k: v for k, v in model.items() if k not in ('remat', 'logits_dtype', 'loss_chunks', 'scan_layers')}
-  )
-  for read in (layers.stack_options, layers.logits_dtype, layers.loss_chunks):
-    assert read(model) == read(bare), read
+  options = ('attention', 'remat', 'logits_dtype', 'loss_chunks', 'scan_layers')
+  assert {k: model[k] for k in options} == {k: schema.FIELDS[f'model.{k}'].default for k in options}
+  assert layers.stack_options(model) == dict(scan=False, remat='none') and layers.loss_chunks(model) == 0
   _, fv = parse(['train.py', f'--config={ROOT}/configs/default.py', '--config.model.scan_layers=True'])
   assert fv.config.model.scan_layers is True
 
@@ -320,7 +318,7 @@ def test_freeze_or_dont_load_matching_no_parameter_is_an_error():
   ):
     optim.trainable_labels(params, '^nothing_here/', None)
   assert optim.trainable_labels(params, '^tok/', None)['tok']['embedding'] == 'frozen'
-  config = ml_collections.ConfigDict(dict(init_from='/no/such/dir', dont_load='^nothing_here/'))
+  config = schema.complete(ml_collections.ConfigDict(dict(init_from='/no/such/dir', dont_load='^nothing_here/')))
   trainer = types.SimpleNamespace(config=config, abstract=types.SimpleNamespace(params=params, model_state={}))
   with pytest.raises(
     errors.ConfigError,
@@ -485,7 +483,7 @@ ENTRY_POINTS = sorted(
 
 
 def test_every_entry_point_taking_a_config_parses_and_reports_it_as_train_py_does():
-  """Scripts with a --config read it with schema.parse_flags (a bad file, field or flag value is one line) and
+  """Scripts with a --config read it with cli.parse_flags (a bad file, field or flag value is one line) and
   end on bad input with one line (errors.one_line; export.py words its own); benchmarks/throughput.py, run
   here, also checks every field before it builds anything."""
   with_config = []
@@ -493,7 +491,7 @@ def test_every_entry_point_taking_a_config_parses_and_reports_it_as_train_py_doe
     source = open(os.path.join(ROOT, path)).read()
     if 'DEFINE_config_file' in source:
       with_config.append(path)
-      assert 'app.run(main, flags_parser=schema.parse_flags)' in source, path
+      assert 'app.run(main, flags_parser=cli.parse_flags)' in source, path
       assert 'errors.one_line()' in source or "SystemExit(f'shardzoo: export error" in source, path
   assert {'train.py', 'benchmarks/throughput.py', 'benchmarks/loss_parity.py'} <= set(with_config)
   r = subprocess.run(

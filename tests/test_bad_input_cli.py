@@ -18,7 +18,7 @@ import errors
 import models
 import partitioning
 import train
-from configs import schema
+from configs import cli, schema
 from tests.conftest import ROOT, build_trainer, subprocess_env
 from tests.test_configs import MODULES
 
@@ -29,7 +29,7 @@ def parse(argv):
   """A command line parsed as app.run parses train.py's (a fresh flag set reading these arguments)."""
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file('config', None, 'config', flag_values=fv, lock_config=True, sys_argv=argv)
-  return schema.parse_flags(argv, fv), fv
+  return cli.parse_flags(argv, fv), fv
 
 
 def overridden(argv):
@@ -87,13 +87,14 @@ def test_a_config_switched_to_another_family_or_task_names_what_it_needs(argv, m
   [(n, a) for n, m in MODULES for a in getattr(m, 'SIZES', {}) if 'tiny' in a and n in models.MODELS | {'mnist': 0}],
 )
 def test_each_family_declares_every_field_it_reads(name, arg):
-  """A model built from a config.model that holds only its family's CONFIG_FIELDS (and the name) builds: the
-  declarations models.check_config reads are complete (a missing one would fail here, reading the field)."""
+  """A model built from a config.model that holds only the fields its family needs (and the name), completed with
+  the schema's defaults, builds: configs/schema.py FAMILIES declares every field the family reads (a missing one
+  would fail here, reading the field)."""
   config = FAMILIES[name].get_config(arg)
-  family = models.MODELS[config.model.name]
-  config.model = ml_collections.ConfigDict({k: config.model[k] for k in ('name', *family.CONFIG_FIELDS)})
-  assert config.task in family.TASKS
-  build_trainer(config)
+  family = schema.FAMILIES[config.model.name]
+  config.model = ml_collections.ConfigDict({k: config.model[k] for k in ('name', *family.needs)})
+  assert config.task in family.tasks
+  build_trainer(schema.complete(config))
 
 
 # --- Config files that break ----------------------------------------------------------------------------------

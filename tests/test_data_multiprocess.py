@@ -16,12 +16,13 @@ from tests.test_multiprocess import _free_port
 BATCHES = r'''
 import jax, ml_collections
 import data, partitioning
+from configs import schema
 
 def global_batches():
   """Three train batches and the whole packed eval split, as global arrays on a data=8 mesh."""
   # Packed eval: rows 0-3 (process 0) fill 3 batches, rows 4-7 (process 1) only 2.
-  cfg = ml_collections.ConfigDict(dict(task='lm', dataset=dict(name='markov_text', seq_len=16, num_train=512,
-                                                               num_eval=20, pack=True)))
+  cfg = schema.complete(ml_collections.ConfigDict(dict(task='lm', dataset=dict(name='markov_text', seq_len=16,
+                                                                               num_train=512, num_eval=20, pack=True))))
   ds = data.build(cfg)
   s = jax.sharding.NamedSharding(partitioning.make_mesh({'data': 8}), jax.P('data'))
   rows = data.local_rows(s, (8, 16))

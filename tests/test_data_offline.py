@@ -11,16 +11,19 @@ import pytest
 
 import data
 import partitioning
+from configs import schema
 from errors import ConfigError
 from training import tasks
+
+FAMILY = {'lm': 'gpt2', 'mlm': 'bert', 'text_classification': 'bert', 'classification': 'cnn'}  # task -> a model
 
 
 def make(task: str, vocab_size: int = 260, **dataset) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.task = task
   c.dataset = ml_collections.ConfigDict(dataset)
-  c.model = ml_collections.ConfigDict(dict(vocab_size=vocab_size))
-  return c
+  c.model = ml_collections.ConfigDict(dict(name=FAMILY.get(task, 'gpt2'), vocab_size=vocab_size))
+  return schema.complete(c)  # the task's dataset fields and the family's model fields at their defaults
 
 
 def check(cfg: ml_collections.ConfigDict, ds: data.Dataset) -> dict:

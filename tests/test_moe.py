@@ -68,7 +68,8 @@ def test_formula_gives_published_counts():
   mixtral = dict(
     vocab_size=32000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, mlp_dim=14336, num_experts=8, top_k=2
   )
-  c = type('C', (), mixtral)
+  c = moe_config.get_config('small').model
+  c.update(mixtral, head_dim=128)  # Mixtral's 4096 / 32
   assert moe.num_params(c) == 46_702_792_704
   assert moe.num_active_params(c) == 12_879_925_248
   small = moe_config.get_config('small').model  # this zoo's 'small' size

@@ -110,7 +110,7 @@ def test_rank_mismatch():
   'bad, msg',
   [
     ([('embed',)], r'logical_axis_rules\[0\].*must be a pair'),
-    ([('embed', 3)], r'logical_axis_rules\[0\].*target must be'),
+    ([('embed', 3)], r'logical_axis_rules\[0\].*the target 3 is not a mesh axis name'),
     ([('', 'fsdp')], r'logical name must be a non-empty string'),
     ([('a', None), ('b', ('x', 'x'))], r'logical_axis_rules\[1\].*appears twice'),
     ('embed', r'must be a list of pairs'),

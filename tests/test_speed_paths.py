@@ -460,7 +460,10 @@ def test_gelu_with_written_out_derivative_equals_autodiff(approximate):
   assert len(residuals(ours)) == 1 < len(residuals(ref))
   import ml_collections
 
-  cfg = ml_collections.ConfigDict(dict(num_layers=1, embed_dim=8, mlp_dim=16, num_heads=2, norm_eps=1e-5))
+  from configs import schema
+
+  model = dict(name='gpt2', num_layers=1, embed_dim=8, mlp_dim=16, num_heads=2, norm_eps=1e-5)
+  cfg = schema.complete(ml_collections.ConfigDict(dict(model=model))).model  # dtypes, attention: the defaults
   block = lambda family: family.Block(cfg, rngs=nnx.Rngs(0)).mlp.activation
   assert block(gpt2) is layers.gelu_tanh and block(vit) is block(bert) is layers.gelu_erf
 

@@ -23,7 +23,7 @@ import partitioning
 import train
 import training
 from checkpointing import run_config
-from configs import llama, llama_sft, schema
+from configs import cli, llama, llama_sft, schema
 from data import pipeline, text
 from errors import ConfigError
 from tests import conftest
@@ -71,12 +71,15 @@ def write_jsonl(path, rows, gz: bool = False) -> str:
   return str(path)
 
 
+FAMILY = {'lm': 'gpt2', 'mlm': 'bert', 'text_classification': 'bert', 'classification': 'cnn'}  # task -> a model
+
+
 def make(task: str = 'lm', vocab_size: int = VOCAB, **dataset) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.task = task
   c.dataset = ml_collections.ConfigDict(dataset)
-  c.model = ml_collections.ConfigDict(dict(vocab_size=vocab_size))
-  return c
+  c.model = ml_collections.ConfigDict(dict(name=FAMILY.get(task, 'gpt2'), vocab_size=vocab_size))
+  return schema.complete(c)  # the task's dataset fields and the family's model fields at their defaults
 
 
 def pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
@@ -201,7 +204,7 @@ def sft_config(tmp_path, tok_dir, pack: bool, **dataset) -> ml_collections.Confi
       **dataset,
     )
   )
-  return cfg
+  return schema.complete(cfg)
 
 
 def test_prompt_tokens_get_no_loss_and_no_gradient(tmp_path, tok_dir):
@@ -352,10 +355,11 @@ def test_each_process_reads_only_its_rows(tmp_path, tok_dir):
 CHAT_BATCHES = r"""
 import jax, ml_collections
 import data, partitioning
+from configs import schema
 
 def global_batches():
-  cfg = ml_collections.ConfigDict(dict(task='lm', dataset=dict(name='json', train_files=PATH, eval_files=PATH,
-      messages_key='messages', tokenizer=TOKENIZER, seq_len=24, pack=True, cache_dir=CACHE)))
+  cfg = schema.complete(ml_collections.ConfigDict(dict(task='lm', dataset=dict(name='json', train_files=PATH,
+      eval_files=PATH, messages_key='messages', tokenizer=TOKENIZER, seq_len=24, pack=True, cache_dir=CACHE))))
   ds = data.build(cfg)
   s = jax.sharding.NamedSharding(partitioning.make_mesh({'data': 8}), jax.P('data'))
   rows = data.local_rows(s, (8, 24))
@@ -550,7 +554,7 @@ def test_the_documented_command_line_overrides_make_a_prompt_completion_mixture(
   ]
   fv = flags.FlagValues()  # a fresh flag set reading these arguments, as app.run does
   config_flags.DEFINE_config_file('config', None, '', flag_values=fv, lock_config=True, sys_argv=argv)
-  schema.parse_flags(argv, fv)
+  cli.parse_flags(argv, fv)
   cfg = fv.config
   schema.check(cfg)
   ds = data.build(cfg)

@@ -153,7 +153,7 @@ def per_step_collectives(hlo_text: str, num_devices: int) -> dict[str, tuple[int
 def describe(hlo_text: str, num_devices: int, config: Any) -> str:
   """One line for the run's log: the collectives of one optimizer step, and what the other gathering choice
   would gather (an estimate from this program: weights gathered in the loop once per micro-batch, or before it)."""
-  steps, gather_once = config.grad_accum_steps, config.get('accum_gather_once', False)
+  steps, gather_once = config.grad_accum_steps, config.accum_gather_once
   stats = per_step_collectives(hlo_text, num_devices)
   text = ', '.join(f'{op} x{n} ({fmt_bytes(b)})' for op, (n, b) in stats.items()) or 'none'
   gathers = [c for c in hlo.collectives(hlo_text, num_devices) if c.op == 'all-gather']

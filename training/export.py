@@ -81,8 +81,8 @@ def check_out_dir(
   out = os.path.realpath(out_dir)
   if os.path.exists(out) and not os.path.isdir(out):
     raise ConfigError(f'export directory {out_dir!r} is an existing file, not a directory')
-  tok = config.get('dataset', {}).get('tokenizer')
-  for field, source in (('config.init_from', config.get('init_from')), ('config.dataset.tokenizer', tok)):
+  tok = config.dataset.get('tokenizer')  # text tasks' datasets only
+  for field, source in (('config.init_from', config.init_from), ('config.dataset.tokenizer', tok)):
     if isinstance(source, str) and source and os.path.isdir(source) and os.path.realpath(source) == out:
       raise ConfigError(
         f"export directory {out_dir!r} is the run's {field} ({source}), which the export reads: "
@@ -177,7 +177,7 @@ def write_hf(
   multihost_utils.sync_global_devices('shardzoo:export_out_checked')  # every process checked before one writes
   writer = jax.process_index() == 0
   removed = _clear_out_dir(out_dir) if writer and overwrite and os.path.isdir(out_dir) else []
-  if config.get('lora') is not None and config.lora.get('rank', 0):
+  if config.lora.rank:
     params = _merged_weights(trainer, params, model_state)
   leaves = jax.tree_util.tree_leaves_with_path(params) + jax.tree_util.tree_leaves_with_path(model_state)
   flat = {path_str(p): x for p, x in leaves}
@@ -192,8 +192,7 @@ def write_hf(
     max_shard_size=max_shard_size,
     is_writer=writer,
   )
-  source = config.get('init_from') or ''
-  source = source if hf_import.is_hf_dir(source) else None
+  source = config.init_from if hf_import.is_hf_dir(config.init_from) else None
   if writer:
     base = None
     if source:  # its config.json only (HFDir would also list every tensor of its files)
@@ -202,7 +201,7 @@ def write_hf(
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
       json.dump(hf_export.config_json(family, config.model, dtype, base), f, indent=2, sort_keys=True)
     copied = []
-    tok = config.get('dataset', {}).get('tokenizer')
+    tok = config.dataset.get('tokenizer')  # text tasks' datasets only
     for src, patterns in (
       (tok if isinstance(tok, str) and os.path.isdir(tok) else None, hf_import.TOKENIZER_FILES),
       (source, ('generation_config.json',)),

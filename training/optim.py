@@ -9,6 +9,7 @@ import jax
 import ml_collections
 import optax
 
+from configs import schema
 from errors import ConfigError
 from partitioning import path_str
 
@@ -53,6 +54,7 @@ def example_paths(paths: list[str], n: int = 4) -> str:
 
 
 OPTIMIZERS = ('adamw', 'sgd')
+schema.register('optim.name', OPTIMIZERS)
 
 
 def schedule_step(opt_state: Any, default: Any) -> Any:
@@ -83,7 +85,7 @@ def make_optimizer(
   if cfg.name == 'adamw':
     opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
   elif cfg.name == 'sgd':
-    opt = optax.sgd(schedule, momentum=cfg.get('momentum', 0.9) or None)
+    opt = optax.sgd(schedule, momentum=cfg.momentum or None)
   else:
     raise ConfigError(f'config.optim.name={cfg.name!r} is not known; known: {list(OPTIMIZERS)}')
   chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip else []

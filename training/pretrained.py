@@ -57,7 +57,7 @@ def check_path(path: str) -> None:
 def check_dont_load(trainer: Trainer) -> None:
   """config.dont_load must be a regex that matches some parameter (or model state) path: one that matches none
   would load everything, silently. Cheap (abstract shapes): train.py can call it before compiling."""
-  dont_load = trainer.config.get('dont_load') or None
+  dont_load = trainer.config.dont_load
   if not dont_load:
     return
   try:
@@ -74,8 +74,8 @@ def check_dont_load(trainer: Trainer) -> None:
 
 def _not_loaded(config: ml_collections.ConfigDict) -> str | None:
   """The regex of the parameters left to fresh initialisation: config.dont_load, and LoRA's adapters (B = 0)."""
-  dont_load = config.get('dont_load') or None
-  if config.get('lora') is not None and config.lora.get('rank', 0):
+  dont_load = config.dont_load or None
+  if config.lora.rank:
     dont_load = '|'.join(f'(?:{r})' for r in (dont_load, lora.LORA_PARAM.pattern) if r)
   return dont_load
 

@@ -104,12 +104,11 @@ def check_fits(programs: dict[str, Any], device: Any, config: Any, limit: int | 
     if need <= limit * FIT_MARGIN:
       continue
     m = compiled.memory_analysis()
-    model = config.get('model', {})
-    remat = model.get('remat')
+    remat = config.model.get('remat')  # a family without a layer stack has none
     change = [f'lower config.batch_size={config.batch_size}']
     if remat is not None and remat not in ('full', True):
       change.append(f"recompute more in the backward pass (config.model.remat={remat!r}; 'full' keeps least)")
-    if model.get('loss_chunks') == 0 and config.get('task') == 'lm':
+    if config.model.get('loss_chunks') == 0 and config.task == 'lm':
       change.append('compute the loss in chunks (config.model.loss_chunks)')
     change.append('shard the state and activations over more devices (config.mesh, config.logical_axis_rules)')
     raise errors.DeviceMemoryError(
@@ -246,7 +245,7 @@ def config_overrides(config: Any, spec: str) -> dict[str, Any]:
 
 def train_losses(config: Any, mesh: Any, batches: list[dict]) -> Any:
   """The loss of each of len(batches) train steps of `config` from its initial state (numpy float64)."""
-  trainer = trainer_lib.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+  trainer = trainer_lib.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.lora))
   step = trainer_lib.compile_step(trainer, trainer_lib.jit_train_step(trainer))
   state = trainer_lib.init_state(trainer)
   out = []

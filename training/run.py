@@ -55,7 +55,7 @@ def warn(topic: str, msg: str) -> None:
 
 def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
   """The device mesh of config.mesh (fitted to the devices there are), with config.dcn_mesh's slices outermost."""
-  dcn = config.get('dcn_mesh')  # slices over the slower network (hosts): the outer factor of each mesh axis
+  dcn = config.dcn_mesh  # slices over the slower network (hosts): the outer factor of each mesh axis
   note = partitioning.fit_mesh(config.mesh, dcn)  # a mesh for more (or fewer) accelerators than there are is fitted
   if note:
     warn('mesh', note)
@@ -84,7 +84,7 @@ def adopt_pretrained(config: ml_collections.ConfigDict, dry_run: bool) -> None:
   and checked to exist, at once; a Hugging Face directory's config.json gives the architecture and, where the
   config leaves them unset, the lengths."""
   fallback = None
-  if config.get('init_from'):
+  if config.init_from:
     config.init_from = hf_import.resolve(config.init_from, download=not dry_run)
     if not dry_run:
       pretrained.check_path(config.init_from)
@@ -106,7 +106,7 @@ def adopt_pretrained(config: ml_collections.ConfigDict, dry_run: bool) -> None:
 def build(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Built:
   """The abstract model, optimizer and shardings, and both steps traced: tracing runs the model code on abstract
   inputs, so every rule and activation constraint is validated here."""
-  trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.get('lora')))
+  trainer = training.build(config, mesh, lambda rngs: models.create(config.model, rngs, config.lora))
   built = Built(
     trainer,
     training.trace(trainer, training.jit_train_step(trainer)),
@@ -154,7 +154,7 @@ def make_input(config: ml_collections.ConfigDict, trainer: training.Trainer, cle
   ds = data.build(config)
   trainer.task.check_data(config, ds.example_spec(), ds.vocab, ds.num_classes)
   max_len = config.model.get('max_len')
-  if ds.language is not None and config.get('sample_len') and max_len and 2 + config.sample_len > max_len:
+  if ds.language is not None and config.sample_len and max_len and 2 + config.sample_len > max_len:
     raise errors.ConfigError(
       f'config.sample_len={config.sample_len}: the sample after training (2 prompt tokens '
       f'+ sample_len) would be {2 + config.sample_len} tokens, over config.model.max_len='
@@ -194,10 +194,9 @@ def checkpoints(
   if not workdir:
     return None
   storage.ensure_writable(workdir)
-  if config.get('checkpoint_every', 0) > 0:
-    keep, directory = config.get('keep_checkpoints', 2), os.path.join(workdir, 'checkpoints')
-    space = config.get('checkpoint_space', 'refuse')
-    if note := storage.check_space(directory, storage.state_bytes(trainer.abstract), keep, space):
+  if config.checkpoint_every > 0:
+    keep, directory = config.keep_checkpoints, os.path.join(workdir, 'checkpoints')
+    if note := storage.check_space(directory, storage.state_bytes(trainer.abstract), keep, config.checkpoint_space):
       warn('checkpoint', note)
     ckpt = checkpointer.Checkpointer(
       directory, every_steps=config.checkpoint_every, keep=keep, gather=cluster.gather_strings
@@ -207,7 +206,7 @@ def checkpoints(
     return ckpt
   if steps := storage.steps_in(os.path.join(workdir, 'checkpoints')):
     raise errors.ConfigError(
-      f'config.checkpoint_every={config.get("checkpoint_every", 0)}, but {workdir}/checkpoints '
+      f'config.checkpoint_every={config.checkpoint_every}, but {workdir}/checkpoints '
       f'holds checkpoints (steps {steps}): set config.checkpoint_every to resume from them, '
       'or give another --workdir'
     )
@@ -224,7 +223,7 @@ def choose_start(config: ml_collections.ConfigDict, trainer: training.Trainer, c
     if ckpt.latest_step() >= config.total_steps:
       start.state, start.done = resume(ckpt, trainer, train_iter, config)
     return start
-  if config.get('init_from'):
+  if config.init_from:
     pretrained.check_source(trainer)
     return Start('pretrained', ckpt)
   return Start('scratch', ckpt)
@@ -233,9 +232,7 @@ def choose_start(config: ml_collections.ConfigDict, trainer: training.Trainer, c
 def resume(ckpt, trainer, train_iter, config) -> tuple[Any, bool]:
   """The newest readable checkpoint restored (model, optimizer, data position; into the new shardings), and
   whether it is at or past config.total_steps (a finished run rerun, or total_steps lowered: nothing to train)."""
-  tree, damaged = ckpt.restore_latest(
-    trainer.checkpoint_target(), train_iter, fallback=config.get('resume_fallback', True)
-  )
+  tree, damaged = ckpt.restore_latest(trainer.checkpoint_target(), train_iter, fallback=config.resume_fallback)
   state = train_state(tree)
   for w in damaged:
     warn('checkpoint', w)
@@ -255,7 +252,7 @@ def starting_state(start: Start, trainer: training.Trainer, train_iter) -> Any:
     return resume(start.ckpt, trainer, train_iter, config)[0]
   if start.kind == 'pretrained':
     state = pretrained.init_state(trainer, models.HF_FAMILIES)
-    say(f'initialised from {config.init_from}' + (f' except {config.dont_load!r}' if config.get('dont_load') else ''))
+    say(f'initialised from {config.init_from}' + (f' except {config.dont_load!r}' if config.dont_load else ''))
     return state
   return training.init_state(trainer)
 
@@ -274,7 +271,7 @@ class Compiled:
 def compile_steps(built: Built, peak_tflops: float | None) -> Compiled:
   """Both steps compiled, their collectives and memory reported, and checked to fit before any state exists."""
   trainer, config = built.trainer, built.trainer.config
-  mesh, dcn = trainer.mesh, config.get('dcn_mesh')
+  mesh, dcn = trainer.mesh, config.dcn_mesh
   t0 = time.perf_counter()
   train_step, eval_step = built.traced_train.lower().compile(), built.traced_eval.lower().compile()
   slice_of = partitioning.dcn_coordinates(mesh, dcn) if partitioning.num_slices(mesh, dcn) > 1 else None
@@ -282,7 +279,7 @@ def compile_steps(built: Built, peak_tflops: float | None) -> Compiled:
     f'compiled train+eval steps in {time.perf_counter() - t0:.1f}s; train step per device: '
     f'{partitioning.audit(train_step, slice_of, trainer.pipeline)}'
   )
-  if config.get('grad_accum_steps', 1) > 1:
+  if config.grad_accum_steps > 1:
     say(f'gradient accumulation: {accumulate.describe(train_step.as_text(), mesh.size, config)}')
   device = jax.devices()[0]
   profiling.check_fits({'train step': train_step, 'eval step': eval_step}, device, config)  # before allocating
@@ -341,10 +338,10 @@ def train_loop(
   last_good = lambda: 'none' if ckpt is None or ckpt.latest_step() is None else f'{ckpt.directory}/{ckpt.latest_step()}'
   if workdir:  # what export.py rebuilds the model from; written once the run has started (a failed resume keeps it)
     run_config.save(config, workdir, last_good())
-  guard = training.NonFiniteGuard(trainer, config.get('on_nonfinite', 'stop'), config.get('max_nonfinite_skips', 10))
+  guard = training.NonFiniteGuard(trainer, config.on_nonfinite, config.max_nonfinite_skips)
   preemption = Preemption(sync_every=config.log_every)
   cleanup.callback(preemption.close)  # restores the SIGTERM handler
-  profiler = profiling.StepProfiler(workdir or '.', config.get('profile_first_step', 0), config.get('profile_steps', 5))
+  profiler = profiling.StepProfiler(workdir or '.', config.profile_first_step, config.profile_steps)
   cleanup.callback(profiler.close)
   writer = metric_writer(config, workdir, cleanup, last_good)
   B, unit, step_flops = config.batch_size, trainer.task.unit, compiled.step_flops
@@ -427,7 +424,7 @@ def finish(
   result['state'] = state
   if result.get('preempted_at'):
     return result
-  if config.get('lora') and config.lora.get('rank') and config.lora.get('export_merged') and workdir:
+  if config.lora.rank and config.lora.export_merged and workdir:
     say(f'LoRA adapters merged into the base weights: {export.export_merged_lora(trainer, state, workdir)}')
   return result
 
@@ -464,8 +461,8 @@ def sample_request(trainer: training.Trainer, result: dict[str, Any], inp: Input
     state.model_state,
     trainer.rules,
     trainer.mesh,
-    config.model.get('max_len'),
-    config.model.get('vocab_size'),
+    config.model.max_len,
+    config.model.vocab_size,
     np.asarray(inp.ds.eval[:8, :2], np.int32),
     config.sample_len,
     config.seed,

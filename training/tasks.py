@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from configs import schema
 from errors import ConfigError
 from partitioning import context
 from training import xent
@@ -110,7 +111,7 @@ class Task:
       elif name == 'token_types':
         x = np.zeros(shape)
       elif name == 'mask' and isinstance(self, MaskedLanguageModeling) and len(shape) == 2:
-        x = rng.random(shape) < config.dataset.get('mlm_probability', 0.15)
+        x = rng.random(shape) < config.dataset.mlm_probability
       else:  # mask, input_mask, segment_ids
         x = np.ones(shape)
       out[name] = np.asarray(x, dtype)
@@ -160,11 +161,11 @@ class LanguageModeling(Task):
   unit_field = 'targets'
 
   def fields(self, config: Any) -> dict[str, tuple[str, ...]]:
-    return {**self.batch_axes, **(self.packed_axes if config.dataset.get('pack', False) else {})}
+    return {**self.batch_axes, **(self.packed_axes if config.dataset.pack else {})}
 
   def example_shapes(self, config: Any) -> FieldSpec:
     L = _check_length(config)
-    chunks = config.model.get('loss_chunks') or 0
+    chunks = config.model.loss_chunks
     if chunks > 1:
       xent.check_loss_chunks(chunks, L)
     return {k: ((L,), jnp.float32 if k == 'mask' else jnp.int32) for k in self.fields(config)}
@@ -289,6 +290,7 @@ TASKS = {
   'mlm': MaskedLanguageModeling,
   'text_classification': TextClassification,
 }
+schema.register('task', sorted(TASKS))
 
 
 def get(name: str) -> Task:

@@ -90,12 +90,12 @@ class Trainer:
     """Unused rules, and mesh axes no rule uses (everything is replicated over them)."""
     # The 'layers' axis exists only with scanned (stacked) layers; one rule list serves both settings of
     # config.model.scan_layers, so its rule is idle, not forgotten, when they are unrolled.
-    idle = {'layers'} if self.config.model.get('scan_layers') is False else set()
-    if not (self.config.get('lora') and self.config.lora.get('rank')):  # likewise the adapters' axis, LoRA off
+    idle = {'layers'} if self.config.model.get('scan_layers') is False else set()  # None: no layer stack
+    if not self.config.lora.rank:  # likewise the adapters' axis, LoRA off
       idle.add('lora_rank')
     idle |= set(layers.CACHE_AXES)  # the KV cache's rules serve generation, which a train step never traces
     out = [f'{r} is used by no parameter or activation' for r in self.rules.unused(self.seen | idle)]
-    if self.config.get('context_load_balance') and self.balance == 1:
+    if self.config.context_load_balance and self.balance == 1:
       out.append(
         "config.context_load_balance is set, but no rule shards 'length' over more than one device: "
         'rows keep their natural order'
@@ -120,7 +120,15 @@ def split_model(model: nnx.Module) -> tuple[Any, dict, dict]:
 def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[nnx.Rngs], nnx.Module]) -> Trainer:
   rules = AxisRules(config.logical_axis_rules)
   rules.check_mesh(mesh.shape)
-  schedule_ = pipeline.schedule(config, rules, dict(mesh.shape))  # its bad numbers before the rules' errors
+  schedule_ = pipeline.schedule(  # its bad numbers before the rules' errors
+    rules,
+    dict(mesh.shape),
+    microbatches=config.pipeline.microbatches,
+    repeats=config.pipeline.repeats,
+    scan_layers=bool(config.model.get('scan_layers')),  # None: a family without a layer stack
+    num_layers=config.model.get('num_layers'),
+    batch_size=config.batch_size,
+  )
   task = tasks.get(config.task)
 
   seen: set[str] = set()
@@ -143,7 +151,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   batch_spec = rules.spec(('batch',), what='the global batch')
   partitioning.check_batch(B, batch_spec, mesh.shape)
   shards = partitioning.entry_size(batch_spec[0] if len(batch_spec) else None, mesh.shape)
-  accumulate.check(B, config.get('grad_accum_steps', 1), shards)  # every micro-batch splits over the shards
+  accumulate.check(B, config.grad_accum_steps, shards)  # every micro-batch splits over the shards
   batch_abstract = {
     k: jax.ShapeDtypeStruct((B,) + tuple(shape), dtype) for k, (shape, dtype) in task.example_shapes(config).items()
   }
@@ -174,7 +182,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
 def _balance(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh) -> int:
   """The context shards config.context_load_balance balances each row over (1: off, or 'length' unsharded); a
   task without causal rows, or a length that 2 x the shards do not divide, is a ConfigError."""
-  if not config.get('context_load_balance', False):
+  if not config.context_load_balance:
     return 1
   if config.task != 'lm':
     raise ConfigError(
@@ -189,9 +197,8 @@ def _balance(config: ml_collections.ConfigDict, rules: AxisRules, mesh: Mesh) ->
 def trainable(config: ml_collections.ConfigDict, params: Any) -> Any:
   """'train'/'frozen' labels from config.freeze / config.train_only (regexes over parameter paths);
   with LoRA (config.lora.rank > 0) only the adapters train unless train_only says otherwise."""
-  freeze, train_only = config.get('freeze') or None, config.get('train_only') or None
-  lora = config.get('lora')
-  if lora is not None and lora.get('rank', 0) and not train_only:
+  freeze, train_only = config.freeze or None, config.train_only or None
+  if config.lora.rank and not train_only:
     train_only = r'(^|/)lora_[ab]$'
   if not (freeze or train_only):
     return None
@@ -260,10 +267,10 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
         state.params,
         state.model_state,
         batch,
-        steps=trainer.config.get('grad_accum_steps', 1),
+        steps=trainer.config.grad_accum_steps,
         param_shardings=trainer.shardings.params,
         batch_shardings=trainer.batch_shardings,
-        gather_once=trainer.config.get('accum_gather_once', False),
+        gather_once=trainer.config.accum_gather_once,
       )
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
