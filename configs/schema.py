@@ -291,7 +291,7 @@ FAMILIES = {
   # max_len: learned position tables need it; Llama's rotary positions have none (None: config.json's, or none)
   'gpt2': Family(('lm',), ('max_len', *_SIZES), ('pad_vocab_to', *_LM)),
   'llama': Family(('lm',), _SIZES, ('max_len', *_ROTARY, *_LM)),
-  'moe': Family(('lm',), (*_SIZES, *_MOE), ('max_len', *_ROTARY, 'pad_vocab_to', 'router_z_loss_weight', *_LM)),
+  'moe': Family(('lm',), (*_SIZES, *_MOE), (*_ROTARY, 'pad_vocab_to', 'router_z_loss_weight', *_LM)),
   'bert': Family(
     ('mlm', 'text_classification'),
     ('max_len', *_SIZES),

@@ -82,7 +82,7 @@ def load(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoi
     model_state,
     rules=rules,
     mesh=mesh,
-    max_len=config.model.max_len,
+    max_len=config.model.get('max_len'),  # None: positions without a table (rotary)
     vocab=config.model.vocab_size,
   )
 

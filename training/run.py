@@ -461,7 +461,7 @@ def sample_request(trainer: training.Trainer, result: dict[str, Any], inp: Input
     state.model_state,
     trainer.rules,
     trainer.mesh,
-    config.model.max_len,
+    config.model.get('max_len'),
     config.model.vocab_size,
     np.asarray(inp.ds.eval[:8, :2], np.int32),
     config.sample_len,
