@@ -338,15 +338,15 @@ def test_generate_py_from_a_run_is_greedy_decoding_of_its_checkpoint(tmp_path):
                      '--out', str(out))  # fmt: skip
   assert run.returncode == 0, run.stderr[-3000:]
   (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-  assert row['prompt_ids'] == [97, 98]
+  assert row['prompt_ids'] == [257, 97, 98]  # as training begins a byte text: <|bos|>, then the bytes
   trainer = build_trainer(cfg)
-  tokens = [97, 98]
+  tokens = [257, 97, 98]
   for _ in range(4):  # the reference: argmax of a full forward pass, one token at a time
     tokens.append(int(np.argmax(full_forward_logits_of(trainer, state, tokens))))
-  assert row['ids'] == tokens[2:], row
+  assert row['ids'] == tokens[3:], row
   run = run_generate('--workdir', str(tmp_path), '--prompt', 'a' * 30, '--max_new_tokens', '4')
   assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].startswith(
-    "shardzoo: config error: prompt 0 has 30 tokens: with max_new_tokens=4 that is 34, over the model's 32"
+    "shardzoo: config error: prompt 0 has 31 tokens: with max_new_tokens=4 that is 35, over the model's 32"
   ), run.stderr[-2000:]
 
 
