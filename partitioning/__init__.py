@@ -42,6 +42,7 @@ from partitioning.hlo import replica_groups
 from partitioning.mesh import (
   accelerator_present,
   check_platform,
+  cpu_devices_note,
   dcn_coordinates,
   dcn_shape,
   describe_dcn,
@@ -91,6 +92,7 @@ __all__ = [
   'entry_size',
   'leading_rows',
   'devices_needed',
+  'cpu_devices_note',
   'fit_mesh',
   'fit_mesh_shape',
   'fmt_bytes',
