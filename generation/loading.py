@@ -127,6 +127,31 @@ def encode(tok: Any, prompt: str | list[dict]) -> list[int]:
   return tokens.chat_prompt(tok, prompt) if isinstance(prompt, list) else tokens.prompt(tok, prompt)
 
 
+def read_prompts(prompt: list[str], chat: list[str], path: str | None) -> list[str | list[dict]]:
+  """generate.py's prompts: `prompt` strings (--prompt), one-turn chats of `chat` (--chat), and a JSONL file's rows
+  (--prompts: {"prompt": ...} gives a string, {"messages": [...]} a chat). ConfigError naming the file:line."""
+  prompts = [*prompt, *([{'role': 'user', 'content': c}] for c in chat)]
+  if path:
+    with open(path) as f:
+      for n, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        row = json.loads(line)
+        messages = row.get('messages') if isinstance(row, dict) else None
+        if isinstance(messages, list) and all(isinstance(m, dict) and {'role', 'content'} <= set(m) for m in messages):
+          prompts.append(messages)
+        elif isinstance(row, dict) and isinstance(row.get('prompt'), str):
+          prompts.append(row['prompt'])
+        else:
+          raise ConfigError(
+            f'{path}:{n}: a JSON object with a "prompt" string or "messages" (a list of {{"role", "content"}}) is '
+            'needed'
+          )
+  if not prompts:
+    raise ConfigError('no prompts: give --prompt TEXT or --chat TEXT (repeatable) or --prompts FILE.jsonl')
+  return prompts
+
+
 def checkpoint_facts(config: ml_collections.ConfigDict, overridden: set[str] = frozenset()) -> dict[str, Any]:
   """A Hugging Face directory's own compute dtype and lengths, taken where the command line does not set them
   (`overridden`: 'model.dtype', ...) over the family config's (a training config: bf16 compute, 2048 positions):
