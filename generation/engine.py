@@ -140,7 +140,8 @@ def cache_layout(model: nnx.Module) -> CacheLayout:
   blocks = getattr(model, 'blocks', None)
   if not hasattr(model, 'decode') or blocks is None:
     raise ConfigError(
-      f'{type(model).__name__} is not a decoder language model: generation needs a causal LM (gpt2, llama, moe)'
+      f'{type(model).__name__} is not a decoder language model: generation needs a causal LM (gpt2, llama, qwen3, '
+      'gemma3, moe, ...)'
     )
   attn = next(m for _, m in nnx.iter_graph(blocks) if isinstance(m, Attention))
   first = blocks.layers if blocks.scan else blocks.layers[0]

@@ -316,6 +316,10 @@ class Checkpoint:
   fused: bool = False  # Phi-3: qkv_proj = [q | k | v], gate_up_proj = [gate | up]
   carries: tuple[str, ...] = ()  # config.model fields beyond the common ones its config.json holds
   bias_field: str | None = 'attention_bias'  # config.json's switch for biases on every projection (refused)
+  # Vision-language checkpoints of the family (Gemma 3 from 4B up): their model_type, and the defaults of the
+  # language model's text_config, which the hub's files leave out (transformers fills them in the same way).
+  multimodal: str | None = None
+  text_defaults: tuple[tuple[str, Any], ...] = ()
 
 
 CHECKPOINTS = {
@@ -333,12 +337,27 @@ CHECKPOINTS = {
     carries=('query_pre_attn_scalar', 'attn_softcap', 'final_softcap'),
   ),
   'gemma3': Checkpoint(
-    ('gemma3_text',),
+    ('gemma3_text', 'gemma3'),
     'Gemma3ForCausalLM',
     activation=('hidden_activation', ('gelu_pytorch_tanh',)),
     windows='types',
     default_pattern='LLLLLG',
     carries=('query_pre_attn_scalar', 'attn_softcap', 'final_softcap', 'local_rope_theta'),
+    multimodal='gemma3',
+    text_defaults=(  # transformers' Gemma3TextConfig
+      ('vocab_size', 262_208),
+      ('hidden_size', 2304),
+      ('intermediate_size', 9216),
+      ('num_hidden_layers', 26),
+      ('num_attention_heads', 8),
+      ('num_key_value_heads', 4),
+      ('head_dim', 256),
+      ('max_position_embeddings', 131_072),
+      ('rms_norm_eps', 1e-6),
+      ('query_pre_attn_scalar', 256),
+      ('sliding_window', 4096),
+      ('tie_word_embeddings', True),
+    ),
   ),
   'phi3': Checkpoint(('phi3',), 'Phi3ForCausalLM', windows='all', fused=True, bias_field=None),
   'olmo2': Checkpoint(('olmo2',), 'Olmo2ForCausalLM'),
@@ -464,10 +483,23 @@ def _checked(c: dict, name: str, layout: Checkpoint) -> None:
       raise unsupported(key, c[key], why)
 
 
+def text_config(name: str, c: dict) -> dict:
+  """A config.json as family `name`'s language model's: a vision-language checkpoint's text_config, with the
+  defaults its file leaves out (Checkpoint.text_defaults); any other unchanged."""
+  layout = CHECKPOINTS[name]
+  if layout.multimodal is None or c.get('model_type') != layout.multimodal:
+    return c
+  text = {**dict(layout.text_defaults), **c.get('text_config', {})}
+  # the vision-language model ties its head as its own config says (transformers' default: tied)
+  return dict(text, model_type=layout.model_types[0], tie_word_embeddings=c.get('tie_word_embeddings', True))
+
+
 def hf_config(name: str, c: dict) -> dict:
   """config.json -> config.model's architecture fields for family `name` (the inverse of to_hf_config): every
-  architectural field is adopted (the head is part of the architecture: untied configs get their own lm_head)."""
+  architectural field is adopted (the head is part of the architecture: untied configs get their own lm_head).
+  A vision-language checkpoint (Gemma 3's) gives its language model's (`text_config`)."""
   layout = CHECKPOINTS[name]
+  c = text_config(name, c)
   _checked(c, name, layout)
   H = c['num_attention_heads']
   out = dict(
@@ -529,6 +561,11 @@ def to_hf_config(name: str, cfg: Any) -> dict:
     rms_norm_eps=cfg.norm_eps,
     tie_word_embeddings=cfg.tie_embeddings,
     attention_dropout=0.0,
+    # the tokenizer's business (a class default such as Phi-3's pad 32000 may not exist); a run started from a
+    # Hugging Face directory keeps that config.json's ids (hf_export.config_json)
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
     **{field: values if isinstance(values, str) else values[0]},
   )
   if layout.bias_field:
@@ -672,19 +709,30 @@ def _family(name: str) -> hf.Family:
   """Family `name`'s Hugging Face mapping. Keys are 'model.'-prefixed in <Family>ForCausalLM files, bare in
   <Family>Model ones; lm_head.weight is never prefixed. Ignored: rotary inv_freq buffers (older files). A tied
   model (tie_embeddings follows config.json; an untied one always reads lm_head.weight) accepts a file's
-  lm_head.weight only as a copy of the embedding."""
+  lm_head.weight only as a copy of the embedding. A vision-language checkpoint's language model is read from under
+  'language_model.model.' (the hub's files) or 'model.language_model.' (transformers 5's), its vision tower and
+  projector ignored; the export writes the language model alone (<Family>ForCausalLM)."""
   layout = CHECKPOINTS[name]
+  multimodal = layout.multimodal is not None
   return hf.Family(
     model_types=layout.model_types,
     config=lambda c: hf_config(name, c),
     params=hf_params(name),
-    prefixes=('model.', ''),
+    prefixes=('model.', '', *(('language_model.model.', 'model.language_model.') if multimodal else ())),
     keep={'max_len': fits_positions},
     base_keeps=('max_position_embeddings',),
-    ignore=(r'rotary_emb\.inv_freq$',),
+    ignore=(
+      r'rotary_emb\.inv_freq$',
+      *(
+        (r'^(model\.)?(vision_tower|multi_modal_projector)\.', r'^language_model\.lm_head\.weight$')
+        if multimodal
+        else ()
+      ),
+    ),
     tied=(('lm_head.weight', 'embed_tokens.weight'),),
     to_config=lambda cfg: to_hf_config(name, cfg),
     unprefixed=(r'^lm_head\.',),
+    own_config=(lambda c: text_config(name, c)) if multimodal else None,
   )
 
 

@@ -5,23 +5,28 @@ with an index, tied and untied heads, Phi-3's fused tensors); greedy tokens equa
 longer than the sliding windows (window-sized ring caches); the presets trained equal to one device; the rotary
 scalings equal to transformers' own; the published parameter counts."""
 
+import contextlib
 import importlib
+import json
 import os
+from unittest import mock
 
 os.environ['HF_HUB_OFFLINE'] = '1'
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+import errors  # noqa: E402
 import generation  # noqa: E402
 import models  # noqa: E402
 import partitioning  # noqa: E402
 import training  # noqa: E402
 from configs import decoders  # noqa: E402
-from models import decoder, layers  # noqa: E402
+from models import attention, decoder, hf_import, layers  # noqa: E402
 from tests.conftest import assert_hf_round_trip, build_trainer, load_exported  # noqa: E402
 from tests.test_context import _train as train  # noqa: E402
 from tests.test_equivalence import ATOL, RTOL  # noqa: E402
@@ -144,7 +149,22 @@ PROMPTS = [[5, 17, 3, 9, 22, 41, 7, 11, 30, 2, 8], [12], [8, 30, 2, 2, 50, 6]]  
 
 
 def config_file(name):
-  return importlib.import_module(f'configs.{name}')
+  return importlib.import_module(f'configs.{name}')  # configs/llama.py too
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+
+def save_tokenizer(path):
+  """A word-level tokenizer with a chat template, as a hub snapshot holds one beside the weights."""
+  import tokenizers
+
+  words = ['<eos>', '<unk>', 'the', 'quick', 'brown', 'fox']
+  tk = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token='<unk>'))
+  tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token='<eos>', unk_token='<unk>')
+  tok.chat_template = CHAT_TEMPLATE
+  tok.save_pretrained(path)
 
 
 @pytest.fixture(scope='module', params=sorted(CASES))
@@ -157,6 +177,7 @@ def family(request, tmp_path_factory):
   if 'dtype' in save_kw:  # the checkpoint as the hub ships it, in bfloat16
     model = model.to(save_kw.pop('dtype'))
   path, _ = save(model, tmp_path_factory.mktemp(f'hf_{name}'), **save_kw)
+  save_tokenizer(path)
   # The reference reads the file as saved (a bfloat16 checkpoint's rounded weights), in float32.
   model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
   return name, path, model, arg, scan
@@ -167,6 +188,11 @@ def test_logits_match_transformers_and_export_back(family, tmp_path):
   _, _, save_kw, _, _ = CASES[name]
   cfg = zoo_config(config_file(name), arg, path, scan_layers=scan)
   assert cfg.model.name == name and cfg.model.vocab_size == 96
+  # generate.py / evaluate_lm.py pick the family's config file by model_type; a Llama config (the SFT config)
+  # takes the family's checkpoint as that family
+  assert generation.loading.family_config(path) == f'configs/{name}.py'
+  sft = zoo_config(importlib.import_module('configs.llama_sft'), 'tiny', path)
+  assert sft.model.name == name and sft.model.to_dict() == dict(cfg.model.to_dict(), scan_layers=sft.model.scan_layers)
   trainer, state = import_hf(cfg)
   tokens = np.random.default_rng(0).integers(0, 96, (2, 32))
   with torch.no_grad():
@@ -180,6 +206,11 @@ def test_logits_match_transformers_and_export_back(family, tmp_path):
   assert_hf_round_trip(trainer, state, path, tmp_path / 'round_trip', **kw)
   if 'max_shard_size' in kw:
     assert os.path.isfile(tmp_path / 'round_trip' / 'model.safetensors.index.json')
+  # the tokenizer files and chat template come along (the run read no other tokenizer directory)
+  tokenizer_files = lambda d: sorted(f for f in os.listdir(d) if f.startswith(('tokenizer', 'chat_template')))
+  assert tokenizer_files(tmp_path / 'round_trip') == tokenizer_files(path) != []
+  tok = transformers.AutoTokenizer.from_pretrained(tmp_path / 'round_trip')
+  assert tok.apply_chat_template([{'role': 'user', 'content': 'the fox'}], tokenize=False) == '<user>the fox'
   exported = load_exported(trainer, state, tmp_path / 'loaded', transformers.AutoModelForCausalLM, **kw)
   assert type(exported) is type(hf_model)
   for (k, a), (_, b) in zip(sorted(exported.state_dict().items()), sorted(hf_model.state_dict().items())):
@@ -347,3 +378,155 @@ def test_parameter_counts_are_the_published_ones():
     abstract = nnx.eval_shape(lambda cfg=cfg: models.create(cfg, nnx.Rngs(0)))
     built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     assert built == decoder.num_params(cfg), name
+
+
+def test_a_vision_language_gemma3_checkpoint_gives_its_language_model(tmp_path):
+  """Gemma 3 from 4B up ships as Gemma3ForConditionalGeneration: its text_config and the language model's tensors
+  (under language_model.model.) are imported, the vision tower ignored; the export is a Gemma3ForCausalLM whose
+  text logits are the vision-language model's."""
+  cls, kwargs, _, arg, scan = CASES['gemma3']
+  torch.manual_seed(0)
+  vision = transformers.SiglipVisionConfig(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+  )
+  both = transformers.Gemma3Config(
+    text_config=cls(**kwargs),
+    vision_config=vision,
+    mm_tokens_per_image=4,
+    boi_token_index=93,
+    eoi_token_index=94,
+    image_token_index=95,
+  )
+  path, hf_model = save(transformers.Gemma3ForConditionalGeneration(both).eval(), tmp_path / 'hf')
+  cfg = zoo_config(config_file('gemma3'), arg, path, scan_layers=scan)
+  assert (cfg.model.name, cfg.model.num_layers, cfg.model.tie_embeddings) == ('gemma3', 5, True)
+  trainer, state = import_hf(cfg)
+  tokens = np.random.default_rng(0).integers(0, 93, (2, 32))
+  with torch.no_grad():
+    theirs = hf_model(input_ids=torch.tensor(tokens)).logits.numpy()
+  assert float(np.abs(forward(trainer, state, tokens) - theirs).max()) < PARITY_ATOL
+  exported = load_exported(trainer, state, tmp_path / 'out', transformers.AutoModelForCausalLM)
+  assert type(exported).__name__ == 'Gemma3ForCausalLM'
+  with torch.no_grad():
+    np.testing.assert_array_equal(exported(torch.tensor(tokens)).logits.numpy(), theirs)
+
+
+# --- sliding windows and soft caps in every kernel ---------------------------------------------------------------
+
+# kernel -> (implementation, run per context shard, rows in zigzag order over the shards)
+KERNELS = {
+  'blockwise': ('blockwise', None, False),
+  'splash': ('splash', None, False),
+  'per_shard_xla': ('auto', attention.per_shard_xla, True),
+  'per_shard_blockwise': ('blockwise', None, False),
+  'per_shard_splash': ('auto', attention.splash_interpret, True),
+  'gspmd_xla': ('auto', None, True),
+}
+
+
+@pytest.mark.parametrize('kernel', sorted(KERNELS))
+def test_every_kernel_takes_sliding_windows_and_soft_caps(kernel):
+  """Causal attention with a sliding window (not a multiple of the kernels' blocks), a soft cap and another scale,
+  packed documents crossing the context shards, padding and grouped kv heads: blockwise (keys in blocks of 8),
+  splash (Pallas' TPU interpreter) and, per context shard in shard_map or partitioned by GSPMD, XLA, blockwise and
+  splash against unsharded XLA attention: real queries' outputs and all gradients within 1e-5."""
+  impl, context, zigzag = KERNELS[kernel]
+  splash, cp = 'splash' in kernel, kernel not in ('blockwise', 'splash')
+  B, L, H, G, K = (4, 256, 2, 1, 8) if splash else (2, 32, 4, 2, 8)
+  logits = attention.Logits(scale=0.3, softcap=2.0, window=L // 4 + 3)
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal((B, L, n, K)), jnp.float32) for n in (H, G, G))
+  seg = jnp.asarray(np.resize(np.repeat([[1, 2, 3, 0], [1, 1, 2, 2]], L // 4, axis=1), (B, L)))
+  valid = jnp.asarray(np.arange(L)[None] < np.resize([L, L - 5], (B, 1)))
+  real = (valid * (seg > 0))[:, :, None, None]
+  weights = jnp.cos(jnp.arange(q.size).reshape(q.shape))
+  shards = 2 if splash else 4
+
+  def loss(q, k, v, impl, order=1):
+    zz = lambda x: partitioning.context.to_zigzag(x, order)
+    with partitioning.context.zigzag(order):
+      o = attention.attend(
+        zz(q), zz(k), zz(v), causal=True, impl=impl, segment_ids_BL=zz(seg), valid_BL=zz(valid), logits=logits
+      )
+    o = partitioning.context.from_zigzag(o, order) * real
+    return (o * weights).sum(), o
+
+  ref = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v, 'xla')
+  run = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True), static_argnums=(3, 4))
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(mock.patch.object(attention, 'BLOCKWISE_KEYS', 8))
+    if splash:
+      stack.enter_context(attention.splash_interpret())
+    if context is not None:
+      stack.enter_context(context())
+    if cp:
+      mesh = partitioning.make_mesh({'fsdp': 8 // shards, 'context': shards})
+      rules = [('batch', 'fsdp'), ('length', 'context'), ('heads', None), ('kv_heads', None), ('kv', None)]
+      stack.enter_context(partitioning.use_rules(partitioning.AxisRules(rules), mesh))
+    got = run(q, k, v, impl, shards if zigzag else 1)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  want = {'blockwise': 'blockwise', 'per_shard_blockwise': 'blockwise', 'gspmd_xla': 'xla'}.get(kernel, kernel)
+  assert any(
+    d.startswith(want.split('_')[-1] + f' (causal, window {logits.window}, softcap 2')
+    and (('per shard' in d) == (cp and kernel != 'gspmd_xla'))
+    for d in attention.decisions()
+  ), attention.decisions()
+
+
+# --- config.json ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('name', sorted(decoders.SIZES))
+def test_config_json_reads_back_the_same_architecture(name):
+  """config.model -> config.json -> config.model at every size of the family; transformers builds its config class
+  from the file (the tiny sizes: a model with the zoo's parameter count)."""
+  for size in decoders.SIZES[name]:
+    cfg = config_file(name).get_config(size).model
+    d = json.loads(json.dumps(models.HF_FAMILIES[name].to_config(cfg)))
+    fields = models.HF_FAMILIES[name].config(d)
+    expected = {k: cfg[k] for k in fields}
+    expected['rope_scaling'] = layers.rope_scaling_params(cfg.rope_scaling)
+    expected['layer_pattern'] = decoder.pattern(cfg)
+    assert fields == expected, (name, size)
+    hf_cfg = transformers.AutoConfig.for_model(**d)
+    if size == 'tiny':
+      model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+      assert sum(p.numel() for p in model.parameters()) == decoder.num_params(cfg), name
+
+
+def test_config_json_settings_the_zoo_cannot_build_or_write_are_named():
+  """Import: a setting the block does not implement is an HFImportError naming the config.json field. Export: an
+  architecture the family's config.json cannot express is an HFExportError naming the config.model field."""
+  base = {name: models.HF_FAMILIES[name].to_config(config_file(name).get_config('tiny').model) for name in CASES}
+  cases = [
+    ('qwen3', dict(attention_bias=True), r'config.json attention_bias=True'),
+    ('gemma2', dict(use_bidirectional_attention=True), r'config.json use_bidirectional_attention=True'),
+    ('gemma', dict(hidden_act='relu'), r"config.json hidden_act='relu'"),
+    ('gemma2', dict(layer_types=['sliding_attention', 'chunked_attention']), r'config.json layer_types='),
+    ('phi3', dict(partial_rotary_factor=0.75), r'config.json partial_rotary_factor=0.75'),
+    ('olmo2', dict(sliding_window=8), r'config.json sliding_window=8: the olmo2 family attends to the whole'),
+    ('mistral', dict(rope_parameters=dict(rope_type='dynamic', factor=2.0)), r"rope_type='dynamic'"),
+    (
+      'gemma3',
+      dict(
+        rope_parameters=dict(
+          full_attention=dict(rope_type='default', rope_theta=1e6),
+          sliding_attention=dict(rope_type='linear', factor=2.0, rope_theta=1e4),
+        )
+      ),
+      r'config.json rope_parameters.sliding_attention=.*local layers are unscaled',
+    ),
+  ]
+  for name, change, message in cases:
+    with pytest.raises(hf_import.HFImportError, match=message):
+      models.HF_FAMILIES[name].config(dict(base[name], **change))
+  for name, change, message in (
+    ('llama', dict(sliding_window=16, layer_pattern='LG'), r'config.model.sliding_window=16: a LlamaForCausalLM'),
+    ('qwen3', dict(attn_softcap=30.0), r'config.model.attn_softcap=30.0: a Qwen3ForCausalLM config.json cannot'),
+    ('mistral', dict(layer_pattern='LG'), r"layer_pattern='LG': a MistralForCausalLM config.json has one"),
+  ):
+    cfg = config_file(name).get_config('tiny').model
+    cfg.update(change)
+    with pytest.raises(errors.HFExportError, match=message):
+      models.HF_FAMILIES[name].to_config(cfg)
