@@ -31,8 +31,9 @@ def adopt(
 
   A field the family lets differ (`Family.keep`, e.g. Llama's max_len: rotary positions have no table)
   keeps config.model's value when it works with the checkpoint, and is an error naming both values when
-  it does not. A checkpoint of another family with the same fields (a Qwen3 directory for a Llama config) switches
-  config.model.name to it. Returns (every field taken from config.json, {kept field: (ours, config.json's)}) for the log.
+  it does not. A checkpoint of another family with the same fields (a Qwen3 directory for a Llama config)
+  switches config.model.name to it. Returns (every field taken from config.json, {kept field: (ours,
+  config.json's)}) for the log.
   """
   hf = hf_import.HFDir(config.init_from)
   fam = family(config, families)

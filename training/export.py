@@ -162,10 +162,10 @@ def write_hf(
   """Writes the model's weights (sharded arrays, as the trainer holds them) as a Hugging Face directory:
   config.json, safetensors (sharded with an index above max_shard_size), the tokenizer files of a local
   Hugging Face tokenizer the run used (else those of the Hugging Face model it started from), and
-  generation_config.json of the Hugging Face model it started from. LoRA adapters are merged. dtype: the weights' dtype on disk (default: the parameters'). Each zoo
-  tensor is gathered to the host once, alone, and written in place. out_dir must be empty (or new), and not
-  the run's source directories (check_out_dir); `overwrite` first removes the files an export writes (WRITTEN)
-  from it, listed in the result's 'removed'."""
+  generation_config.json of the Hugging Face model it started from. LoRA adapters are merged. dtype: the
+  weights' dtype on disk (default: the parameters'). Each zoo tensor is gathered to the host once, alone, and
+  written in place. out_dir must be empty (or new), and not the run's source directories (check_out_dir);
+  `overwrite` first removes the files an export writes (WRITTEN) from it, listed in the result's 'removed'."""
   config = trainer.config
   name = config.model.name
   if name not in families:
