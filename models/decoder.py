@@ -418,6 +418,10 @@ def hf_rope_parameters(theta: float, scaling: Any) -> dict:
   return dict(out, rope_theta=float(theta))
 
 
+# Gemma3TextConfig's own defaults (global, local rotary bases): a config.json written without them means these.
+GEMMA3_HF_THETAS = (1_000_000.0, 10_000.0)
+
+
 def _rope_fields(c: dict, layout: Checkpoint) -> dict:
   """rope_theta, rope_scaling (and Gemma 3's local_rope_theta) from config.json."""
   params = c.get('rope_parameters') or {}
@@ -430,8 +434,8 @@ def _rope_fields(c: dict, layout: Checkpoint) -> dict:
     if local_scaling is not None:
       raise unsupported('rope_parameters.sliding_attention', params['sliding_attention'], 'local layers are unscaled')
   else:  # older files: rope_theta, rope_scaling (global layers) and rope_local_base_freq
-    theta, scaling = hf_rope(dict(c, rope_theta=c.get('rope_theta') or 1_000_000.0))
-    local = float(c.get('rope_local_base_freq') or 10_000.0)
+    theta, scaling = hf_rope(dict(c, rope_theta=c.get('rope_theta') or GEMMA3_HF_THETAS[0]))
+    local = float(c.get('rope_local_base_freq') or GEMMA3_HF_THETAS[1])
   return dict(rope_theta=theta, rope_scaling=scaling, local_rope_theta=local)
 
 
