@@ -293,6 +293,22 @@ def test_each_tiny_config_takes_your_file_its_vocabulary_from_the_tokenizer_and_
   assert markov.model.vocab_size == 8  # the Markov language's symbols, followed
 
 
+def test_every_language_model_config_takes_your_file_from_the_command_line(tmp_path):
+  """The same flags on every language-model config file at tiny size (the decoder families' included): the
+  vocabulary follows the byte tokenizer, the warmup the run's length, and the config checks."""
+  path = str(tmp_path / 'rows.jsonl')
+  with open(path, 'w') as f:
+    f.writelines(json.dumps(r) + '\n' for r in pairs())
+  files = sorted(set(generation.loading.family_configs().values()))
+  assert {'configs/gpt2.py', 'configs/llama.py', 'configs/moe.py', 'configs/qwen3.py'} <= set(files)
+  for file in files:
+    family = os.path.basename(file)[:-3]
+    config = parse(own_data_argv(family, path, 'pairs', 'byte', '--config.total_steps=20'))
+    schema.check(config)
+    assert data.vocabulary(config) == "config.model.vocab_size=260: the byte tokenizer's ids", file
+    assert (config.model.vocab_size, config.optim.warmup_steps) == (260, 2), file
+
+
 def test_setting_a_fine_tune_configs_tokenizer_leaves_init_from_and_the_link_is_said(tmp_path):
   """configs/llama_sft.py: the tokenizer follows init_from until it is set; setting it writes nothing else."""
   config = parse(['train.py', f'--config={ROOT}/configs/llama_sft.py', '--config.dataset.tokenizer=byte'])
