@@ -67,6 +67,7 @@ def commands_of(body: str, indent: str = '') -> list[str]:
   out, pending = [], ''
   for raw in body.splitlines():
     line = raw[len(indent) :] if raw.startswith(indent) else raw
+    line = line.lstrip() if pending else line  # a continued line's indent is layout, not words
     if line.rstrip().endswith('\\'):
       pending += line.rstrip()[:-1].rstrip() + ' '
       continue
