@@ -196,7 +196,16 @@ def run_pages(pages: list[Path], report: str, timeout: float = 300) -> None:
   os.chdir(ROOT)
   sys.path.insert(0, str(ROOT))
   _preload()
-  tmp, ran, results = tempfile.mkdtemp(prefix='shardzoo_docs_'), {}, {}
+  ran, results = {}, {}
+  with tempfile.TemporaryDirectory(prefix='shardzoo_docs_') as tmp:
+    _run_in(pages, tmp, ran, results, timeout)
+  with open(report, 'w') as f:
+    json.dump(results, f, indent=1)
+
+
+def _run_in(pages: list[Path], tmp: str, ran: dict, results: dict, timeout: float) -> None:
+  """run_pages's loop, in `tmp` (removed afterwards with the runs' checkpoints): `ran` {command: where it ran},
+  `results` the report, filled in."""
   for page in pages:
     results[str(page.relative_to(ROOT))] = out = []
     for block in blocks(page):
@@ -216,8 +225,6 @@ def run_pages(pages: list[Path], report: str, timeout: float = 300) -> None:
         out.append(dict(where=block.where, command=command, status=status, seconds=seconds, log=text[-4000:]))
         if status == 0:
           ran[command] = block.where
-  with open(report, 'w') as f:
-    json.dump(results, f, indent=1)
 
 
 if __name__ == '__main__':  # python tests/doc_commands.py REPORT.json [PAGE.md ...]
