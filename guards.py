@@ -50,6 +50,12 @@ def json_lines(path: str, flag: str) -> Iterator[tuple[int, Any]]:
         ) from None
 
 
+def json_kind(value: Any) -> str:
+  """What JSON calls a parsed value's type, for messages ('a number', 'an object')."""
+  kinds = {bool: 'a boolean', int: 'a number', float: 'a number', str: 'a string', list: 'a list', dict: 'an object'}
+  return kinds.get(type(value), 'null')
+
+
 def run_of(path: str) -> str | None:
   """The run directory `path` belongs to (train.py's files beside checkpoints/, or anything under its
   checkpoints/), else None."""
@@ -87,8 +93,8 @@ def output_file(
     raise ConfigError(f'{flag}={path} is a directory: give a file path for the {what}')
   parent = os.path.dirname(full)
   if not os.path.isdir(parent):
-    kind = 'is a file' if os.path.exists(parent) else 'does not exist'
-    raise ConfigError(f'{flag}={path}: its directory {parent} {kind} (create the directory first)')
+    kind = 'is a file, not a directory' if os.path.exists(parent) else 'does not exist (create it first)'
+    raise ConfigError(f'{flag}={path}: its directory {parent} {kind}')
   if not os.access(parent, os.W_OK | os.X_OK):
     raise ConfigError(f'{flag}={path}: its directory {parent} is not writable')
   for other, given in inputs:

@@ -171,9 +171,9 @@ def _is_message(m: Any) -> bool:
 def _describe_row(row: Any) -> str:
   """What a --prompts line holds instead of a prompt, for its error."""
   if not isinstance(row, dict):
-    return f'a JSON {type(row).__name__}, not an object'
+    return f'{guards.json_kind(row)}, not a JSON object'
   if 'prompt' in row:
-    return f'"prompt" is a {type(row["prompt"]).__name__}, not a string'
+    return f'"prompt" is {guards.json_kind(row["prompt"])}, not a string'
   messages = row.get('messages')
   if messages is None:
     return f'neither "prompt" nor "messages" (keys: {sorted(row)})'
@@ -182,7 +182,7 @@ def _describe_row(row: Any) -> str:
   i = next(i for i, m in enumerate(messages) if not _is_message(m))
   m = messages[i]
   if not isinstance(m, dict):
-    return f'messages[{i}] is a {type(m).__name__}, not an object'
+    return f'messages[{i}] is {guards.json_kind(m)}, not an object'
   bad = [k for k in ('role', 'content') if not isinstance(m.get(k), str)]
   return f'messages[{i}] has ' + ', '.join(f'"{k}": {json.dumps(m.get(k))}' for k in bad) + ' (strings needed)'
 

@@ -88,6 +88,11 @@ def check_input(
   if bad:
     raise errors.ConfigError(f'--micro_batches={",".join(micro_batches)}: {bad} not whole numbers')
   micro = [int(m) for m in micro_batches]
+  if small := [m for m in micro if m < 2]:
+    raise errors.ConfigError(
+      f'--micro_batches={",".join(micro_batches)}: {small} would split no batch (counts must be >= 2; '
+      '--micro_batches= tries none)'
+    )
   config_path, _, config_arg = config_file.partition(':')
   if out:
     plan_file.check_out_path(out, overwrite=overwrite, config_file=config_path)
