@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import errors
 import guards
 from checkpointing import run_config
 from configs import schema
@@ -230,3 +231,26 @@ def test_an_output_replaces_only_an_earlier_output_of_its_kind(tmp_path):
 )
 def test_a_prompt_too_long_is_told_a_fix_that_fits(prompt_len, new, max_len, fix):
   assert engine._fix(prompt_len, new, max_len) == fix
+
+
+def test_a_refused_rerun_writes_nothing_into_the_run(tmp_path, monkeypatch):
+  """A rerun refused where its starting point is chosen (another model's checkpoints: choose_start's metadata check,
+  stood in for here so nothing compiles) leaves the run's table and config as they were."""
+  import train  # noqa: PLC0415
+  from training import run as steps  # noqa: PLC0415
+
+  run = tmp_path / 'run'
+  (run / 'checkpoints').mkdir(parents=True)
+  (run / 'sharding_table.txt').write_text('the run table\n')
+  (run / 'run_config.json').write_text('{"the": "run config"}\n')
+  before = tree(run)
+
+  def refuse(*a):
+    raise errors.CheckpointError("parameter 'x': the model expects shape (256, 64), the checkpoint has (128, 64)")
+
+  monkeypatch.setattr(steps, 'choose_start', refuse)
+  with pytest.raises(errors.CheckpointError):
+    train.train_and_evaluate(tiny_config(), str(run))
+  assert tree(run) == before
+  train.train_and_evaluate(tiny_config(), str(run), dry_run=True)  # a dry run does not write into a run either
+  assert tree(run) == before
