@@ -254,3 +254,45 @@ def test_a_refused_rerun_writes_nothing_into_the_run(tmp_path, monkeypatch):
   assert tree(run) == before
   train.train_and_evaluate(tiny_config(), str(run), dry_run=True)  # a dry run does not write into a run either
   assert tree(run) == before
+
+
+def test_rows_of_the_wrong_type_or_with_answers_cut_away_are_named_before_training(tmp_path, caplog):
+  """Data rows (data/row_checks.py): numbers where text is due, named with their file and line; answers that
+  config.dataset.seq_len cuts away entirely: an error where every row checked is cut, a warning with the count."""
+  import data  # noqa: PLC0415
+  from tests.test_your_data import make, write_jsonl  # noqa: PLC0415
+
+  good = write_jsonl(tmp_path / 'good.jsonl', [{'prompt': 'ab:', 'completion': 'ba'}] * 4)
+  nums = write_jsonl(tmp_path / 'nums.jsonl', [{'prompt': 3, 'completion': 4}] * 2)
+  mixed = write_jsonl(tmp_path / 'mixed.jsonl', [{'prompt': 'a', 'completion': 'b'}, {'prompt': 5, 'completion': 'c'}])
+  turn = lambda c: [{'role': 'user', 'content': c}, {'role': 'assistant', 'content': 'x'}]
+  chat = write_jsonl(tmp_path / 'chat.jsonl', [{'messages': turn('a')}, {'messages': turn(5)}])
+  long = write_jsonl(tmp_path / 'long.jsonl', [{'prompt': 'p' * 40, 'completion': 'ok'}] * 3)
+  some = write_jsonl(
+    tmp_path / 'some.jsonl', [{'prompt': 'p' * (40 if i == 1 else 2), 'completion': 'o'} for i in range(4)]
+  )
+  pc = dict(name='json', prompt_key='prompt', completion_key='completion', seq_len=16, tokenizer='byte')
+  cases = [
+    (dict(pc, train_files=nums, eval_files=good), rf"^{nums} line 1: 'prompt' is 3 \(int\), not text"),
+    (dict(pc, train_files=mixed, eval_files=good), rf"^{mixed} line 2: 'prompt' is 5 \(int\), not text"),
+    (
+      dict(name='json', messages_key='messages', seq_len=32, tokenizer='byte', train_files=chat, eval_files=chat),
+      rf"^{chat} line 2: a message's 'content' is 5 \(int\), not text",
+    ),
+    (
+      dict(pc, train_files=good, eval_files=long),
+      rf'^eval_files: every row checked \(3 of 3\) has its answer beyond config.dataset.seq_len=16 \(e.g. {long} '
+      r'line 1: the answer starts at token 41\), so nothing would be evaluated: raise config.dataset.seq_len to at '
+      'least 41',
+    ),
+  ]
+  for dataset, message in cases:
+    with pytest.raises(ConfigError, match=message):
+      data.build(make(**dataset))
+  with caplog.at_level('WARNING'):
+    data.build(make(**dict(pc, train_files=some, eval_files=good)))
+  assert any(
+    f'1 of 4 train_files rows checked have their answer beyond config.dataset.seq_len=16 (e.g. {some} line 2)'
+    in r.getMessage()
+    for r in caplog.records
+  ), caplog.text
