@@ -53,6 +53,13 @@ def build(
   (partitioning.place_model, as training builds it), checked to decode; nothing allocated. (placed, rules)."""
   rules = partitioning.AxisRules(config.logical_axis_rules)
   rules.check_mesh(mesh.shape)
+  if (stages := partitioning.pipeline.stages_of(rules, dict(mesh.shape))) > 1:
+    field = 'config.decode_rules' if config.decode_rules else 'config.logical_axis_rules'
+    raise ConfigError(
+      f"{field} pipeline the layers over stage={stages} (('layers', 'stage')), and decoding runs no pipeline: "
+      "give config.decode_rules without it, e.g. the fsdp preset's list with --config FILE:fsdp[,size] "
+      '--config.decode_rules="[...]" (docs/generation.md)'
+    )
   make_model = lambda rngs: models.create(config.model, rngs, config.lora)
   placed = partitioning.place_model(make_model, rules, mesh, seed=config.seed)
   cache_layout(nnx.merge(placed.graphdef, placed.abstract['params'], placed.abstract['model_state']))

@@ -296,3 +296,38 @@ def test_rows_of_the_wrong_type_or_with_answers_cut_away_are_named_before_traini
     in r.getMessage()
     for r in caplog.records
   ), caplog.text
+
+
+def test_settings_that_do_nothing_are_warned_and_pipelines_named_where_they_cannot_run():
+  """accum_gather_once without accumulation and pipeline.* without a stage rule: warnings. Accumulation that
+  leaves the pipeline's micro-batches fewer rows than the shards inside it, and a pipelined run's rules for
+  decoding: one ConfigError naming the fields."""
+  import importlib  # noqa: PLC0415
+
+  import partitioning  # noqa: PLC0415
+  from generation import loading  # noqa: PLC0415
+  from tests.conftest import build_trainer  # noqa: PLC0415
+
+  gpt2 = importlib.import_module('configs.gpt2')
+  c = schema.complete(gpt2.get_config('tiny'))
+  c.accum_gather_once, c.pipeline.microbatches = True, 4
+  assert schema.warnings(c) == [
+    'config.accum_gather_once=True has no effect with config.grad_accum_steps=1: it gathers the weights once for '
+    'all micro-batches of a step, and there is one',
+    "config.pipeline.microbatches=4, repeats=1 have no effect: no rule maps 'layers' to the 'stage' mesh axis, so "
+    'nothing is pipelined (docs/pipelines.md)',
+  ]
+  pp = schema.complete(gpt2.get_config('pp,tiny'))  # batch 32, 8 pipeline micro-batches, fsdp=2 inside
+  assert schema.warnings(pp) == []
+  pp.grad_accum_steps = 4
+  with pytest.raises(
+    ConfigError,
+    match=r'^config.batch_size=32 / config.grad_accum_steps=4 / config.pipeline.microbatches=8 leaves 1 row\(s\) per '
+    r'pipeline micro-batch, which the 2 batch shards inside the pipeline cannot split: make batch_size a multiple '
+    'of 64',
+  ):
+    build_trainer(pp)
+  pp.grad_accum_steps = 1
+  mesh, _ = partitioning.start_mesh(pp.mesh)
+  with pytest.raises(ConfigError, match=r'^config.logical_axis_rules pipeline the layers over stage=4 .*decode_rules'):
+    loading.build(loading.decode_config(pp), mesh)
