@@ -10,7 +10,8 @@ directory's, or --tokenizer. lm-eval's model adapter is generation/lm_eval_model
 loglikelihood_rolling, generate_until, scored and encoded as lm-eval's Hugging Face backend does, texts beginning
 as training begins them).
 Tasks need their data where lm-eval finds it (the Hugging Face cache, or local files named by a task YAML under
---include_path). Prints lm-eval's results table; --out writes its results as JSON.
+--include_path). Prints lm-eval's results table; --out writes its results as JSON (a new file or an
+earlier --out; --overwrite for another). Flags, task names and --out are checked before the model loads.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ the ids training gave the same text (data/tokens.py): --prompt as a prompt/compl
 JSON object per line, {"prompt": ...} or {"messages": [...]}. The tokenizer is the run's (config.dataset.tokenizer,
 or a Markov language's letters), the Hugging Face directory's, or --tokenizer. --out writes one JSON object per
 prompt: {"prompt", "prompt_ids", "ids" (generated only), "text"}. Greedy by default (temperature 0), as
-transformers. The mesh is the config's, fitted to the devices there are; the KV cache's sharding table is printed.
+transformers. --out must be new or an earlier --out (--overwrite for another file; never an input or a run's
+file), checked before any work. The mesh is the config's, fitted to the devices there are; the KV cache's
+sharding table is printed.
 """
 
 from __future__ import annotations
