@@ -7,6 +7,7 @@ rows another way calls the same checks."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -57,6 +58,20 @@ def check_types(rows: Any, keys: list[str], messages: str | None) -> None:
       f"{rows.where(j)}: a message's 'content' is {value!r} ({type(value).__name__}), not text: chat templates "
       'render strings; write it as a JSON string'
     )
+
+
+@contextlib.contextmanager
+def row_named(example: Any):
+  """An error raised while a row is transformed (in a loader thread, far from its row) as one ConfigError naming
+  the row's file and line (its '_where', data/files.py)."""
+  try:
+    yield
+  except ConfigError:
+    raise
+  except Exception as e:
+    where = example.get('_where', 'a row') if isinstance(example, dict) else 'a row'
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ''
+    raise ConfigError(f'{where} cannot be made into ids: {type(e).__name__}: {first}') from e
 
 
 def first_trained(tok: Any, row: dict, prompt: str | None, completion: str | None, messages: str | None) -> int:

@@ -331,3 +331,23 @@ def test_settings_that_do_nothing_are_warned_and_pipelines_named_where_they_cann
   mesh, _ = partitioning.start_mesh(pp.mesh)
   with pytest.raises(ConfigError, match=r'^config.logical_axis_rules pipeline the layers over stage=4 .*decode_rules'):
     loading.build(loading.decode_config(pp), mesh)
+
+
+def test_an_error_while_a_loader_thread_makes_a_row_into_ids_names_the_row(tmp_path, monkeypatch):
+  import data  # noqa: PLC0415
+  from data import tokens  # noqa: PLC0415
+  from tests.test_your_data import make, take, write_jsonl  # noqa: PLC0415
+
+  path = write_jsonl(
+    tmp_path / 'c.jsonl', [{'messages': [{'role': 'user', 'content': 'a'}, {'role': 'assistant', 'content': 'b'}]}] * 8
+  )
+  ds = data.build(
+    make(name='json', train_files=path, eval_files=path, messages_key='messages', seq_len=32, tokenizer='byte')
+  )
+
+  def broken(*a, **k):
+    raise TypeError('can only concatenate str (not "int") to str')
+
+  monkeypatch.setattr(tokens, 'chat', broken)  # what a template meeting an unexpected value raises, in a grain thread
+  with pytest.raises(ConfigError, match=rf'^{path} line \d+ cannot be made into ids: TypeError: can only concatenate'):
+    take(ds, 1, global_batch=4, rows=slice(0, 4))
