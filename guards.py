@@ -32,7 +32,7 @@ def input_file(path: str, flag: str) -> str:
 
 def json_lines(path: str, flag: str) -> Iterator[tuple[int, Any]]:
   """(line number, value) of each non-blank line of a JSON Lines file; ConfigError naming file:line for a line that
-  is not JSON, and the file for one that is not UTF-8 text."""
+  is not UTF-8 text or not JSON."""
   input_file(path, flag)
   with open(path, 'rb') as f:
     for n, raw in enumerate(f, 1):
