@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import functools
 import json
 import os
 import re
@@ -35,12 +34,11 @@ from typing import Any
 
 import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from checkpointing import storage
+from checkpointing import integrity, storage
 from checkpointing.storage import describe_os_error
 from checkpointing.weights import check_compatible
 from data.pipeline import RowsIterator
@@ -103,46 +101,6 @@ def _data_positions(directory: epath.Path) -> list[dict[str, Any]]:
     return [json.loads(found[i, n].read_text()) for i in range(n)]
   except Exception as e:  # any failure to read or parse the checkpoint's own file is damage
     raise DamagedCheckpointError(f'the data position in {directory} cannot be read ({type(e).__name__}: {e})') from e
-
-
-# Integrity. Each array's checksum is the sum, modulo 2**32, of its 32-bit words (one per element; two per 64-bit
-# element; 8- and 16-bit elements widened) each times an odd weight derived from the word's position in the whole
-# array. A sum is the same however the array is split: every device sums its own shard inside one jitted program
-# (no copy to the host, so the save stays asynchronous) and XLA adds the partial sums; the figure is independent of
-# the mesh, rules and process count, so a checkpoint restored onto another layout is checked all the same. An odd
-# weight makes any change to a single word change the sum; several changes escape with odds of about 2**-32.
-_WEIGHT = 0x9E3779B1  # odd; Knuth's multiplicative hash constant spreads neighbouring positions apart
-
-
-def _words(x: jax.Array) -> jax.Array:
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint32)
-  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[np.dtype(x.dtype).itemsize]
-  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-
-
-def _checksum(x: jax.Array) -> jax.Array:
-  w = _words(x)
-  index, stride = jnp.zeros(w.shape, jnp.uint32), 1
-  for d in reversed(range(w.ndim)):  # the word's flat position, from per-dimension iotas (each device makes its own)
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
-    stride *= w.shape[d]
-  return jnp.sum(w * (index * jnp.uint32(_WEIGHT) | jnp.uint32(1)), dtype=jnp.uint32)
-
-
-@functools.cache
-def _checksums_on(mesh: Any) -> Any:
-  replicated = jax.sharding.NamedSharding(mesh, jax.P()) if mesh is not None else None
-  return jax.jit(lambda tree: jnp.stack([_checksum(x) for x in jax.tree.leaves(tree)]), out_shardings=replicated)
-
-
-def checksums(tree: Any) -> jax.Array:
-  """One uint32 per leaf of `tree` (jax.Arrays, in jax.tree.leaves order), computed on the devices that hold them;
-  the result is replicated. Dispatched asynchronously like any jitted call."""
-  sharding = jax.tree.leaves(tree)[0].sharding
-  return _checksums_on(getattr(sharding, 'mesh', None))(tree)
 
 
 class DataPositionHandler(grain.checkpoint.CheckpointHandler):
@@ -282,7 +240,7 @@ class Checkpointer:
         args=ocp.args.Composite(
           state=ocp.args.StandardSave(tree),
           data=DataSave(data_iter),
-          checksums=ocp.args.StandardSave({'sums': checksums(tree)}),
+          checksums=integrity.save_args(tree),
         ),
         force=force,
       )
@@ -348,9 +306,7 @@ class Checkpointer:
       state = self._reader.restore(step_dir / 'state', args=ocp.args.StandardRestore(abstract))
       sums = None
       if (step_dir / 'checksums').exists():
-        target = {
-          'sums': jax.ShapeDtypeStruct((len(jax.tree.leaves(abstract)),), jnp.uint32, sharding=_replicated(abstract))
-        }
+        target = integrity.sums_target(len(jax.tree.leaves(abstract)), abstract)
         sums = self._reader.restore(step_dir / 'checksums', args=ocp.args.StandardRestore(target))['sums']
       try:  # the data position last, once the arrays are read (no prefetching before the processes agree)
         if saved is None:
@@ -398,7 +354,7 @@ class Checkpointer:
       return None, damaged[0][1] + seen
     (state, sums) = restored
     if sums is not None:  # every process computes the same replicated figures: they agree without asking
-      found, expected = np.asarray(jax.device_get(checksums(state))), np.asarray(jax.device_get(sums))
+      found, expected = np.asarray(jax.device_get(integrity.checksums(state))), np.asarray(jax.device_get(sums))
       if found.shape != expected.shape or (found != expected).any():
         paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
         bad = [p for p, f, e in zip(paths, found, expected) if f != e] if found.shape == expected.shape else paths
@@ -555,8 +511,3 @@ def _read_metadata(manager: ocp.CheckpointManager, step: int, source: str) -> Ma
   if md is None:
     raise DamagedCheckpointError(f'{source} is missing or corrupt (no state metadata)')
   return md.tree if hasattr(md, 'tree') else md
-
-
-def _replicated(target: Any) -> jax.sharding.NamedSharding:
-  """The checksums' sharding: replicated on the mesh the target's arrays live on."""
-  return jax.sharding.NamedSharding(jax.tree.leaves(target)[0].sharding.mesh, jax.P())
