@@ -5,6 +5,8 @@ sizes, file). train.py and the other entry points print it as `shardzoo: <kind> 
 traceback (`one_line`)."""
 
 import contextlib
+import os
+import sys
 
 
 class ConfigError(ValueError):
@@ -60,9 +62,12 @@ def out_of_device_memory(e: BaseException) -> str | None:
 
 
 class StorageError(RuntimeError):
-  """The run cannot write where it must: a workdir that is not writable (found before anything compiles) or
-  a disk that fills up mid-save. Names the directory, the step and the OS error. Not bad input: the
-  checkpoints written before it are intact, and a rerun resumes from the newest."""
+  """The run cannot write where it must: a workdir that is not writable (found before anything compiles), a disk
+  that fills up mid-save, a save that blocks. Names the directory, the step and the OS error. Not bad input: the
+  checkpoints written before it are intact, and a rerun resumes from the newest. `blocked`: threads of the save
+  are blocked and may never return (one_line then ends the process without waiting for them)."""
+
+  blocked = False
 
 
 def usage(message: str) -> SystemExit:
@@ -86,6 +91,11 @@ def one_line():
   except ConfigError as e:
     raise SystemExit(f'shardzoo: config error: {e}') from None
   except StorageError as e:  # the directory and the OS error are named; earlier checkpoints are intact
+    if e.blocked:  # the interpreter would wait for the blocked threads before exiting: the line, then exit now
+      print(f'shardzoo: storage error: {e}', file=sys.stderr)
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(1)
     raise SystemExit(f'shardzoo: storage error: {e}') from None
   except NonFiniteError as e:  # the parameters stayed finite; the last good checkpoint is named
     raise SystemExit(f'shardzoo: training stopped: {e}') from None
