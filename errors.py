@@ -5,8 +5,11 @@ sizes, file). train.py and the other entry points print it as `shardzoo: <kind> 
 traceback (`one_line`)."""
 
 import contextlib
+import errno
 import os
+import re
 import sys
+from typing import NamedTuple
 
 
 class ConfigError(ValueError):
@@ -68,6 +71,34 @@ class StorageError(RuntimeError):
   are blocked and may never return (one_line then ends the process without waiting for them)."""
 
   blocked = False
+
+
+def describe_os_error(code: int | None, strerror: str | None, filename: str | None) -> str:
+  name = f'{errno.errorcode[code]}, ' if code in errno.errorcode else ''
+  return f'{strerror} [{name}errno {code}]' + (f' ({filename})' if filename else '')
+
+
+class OsError(NamedTuple):
+  """An OS error as the one-line messages name it."""
+
+  code: int
+  strerror: str
+  filename: str | None
+  filename2: str | None = None  # a rename's destination
+
+
+def os_error_of(e: BaseException) -> OsError | None:
+  """The OS error behind `e` (it, or what caused it): an OSError, or TensorStore's ValueError that carries
+  os_error_code (how a failed array write reaches orbax); None otherwise."""
+  while e is not None:
+    if isinstance(e, OSError) and e.errno:
+      return OsError(e.errno, e.strerror or os.strerror(e.errno), e.filename, getattr(e, 'filename2', None))
+    m = re.search(r"os_error_code='?(\d+)", str(e)) if isinstance(e, ValueError) else None
+    if m:
+      paths = re.findall(r'"(/[^"]+)"', str(e))
+      return OsError(int(m.group(1)), os.strerror(int(m.group(1))), paths[-1] if paths else None)
+    e = e.__cause__ or e.__context__
+  return None
 
 
 def usage(message: str) -> SystemExit:

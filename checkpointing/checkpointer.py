@@ -42,10 +42,9 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from checkpointing import deadlines, integrity, storage
-from checkpointing.storage import describe_os_error
 from checkpointing.weights import check_compatible
 from data.pipeline import RowsIterator
-from errors import CheckpointError, DamagedCheckpointError, StorageError
+from errors import CheckpointError, DamagedCheckpointError, OsError, StorageError, describe_os_error, os_error_of
 from partitioning import path_str
 
 # Orbax writes a replicated array in slices, one per replica ("replica-parallel"), each cut by an eager
@@ -544,7 +543,7 @@ class Checkpointer:
       return f"; orbax's tracebacks could not be written to {self._tracebacks.path}: {failed}"
     return f"; orbax's tracebacks are in {path}" if path else ''
 
-  def _operation(self, step: int, e: BaseException, found: storage.OsError) -> tuple[str, int | None]:
+  def _operation(self, step: int, e: BaseException, found: OsError) -> tuple[str, int | None]:
     """Which operation of a save of `step` failed ('write', 'rename', or 'delete': of an old checkpoint, after
     `step` was written) and the step it concerned, from the path the OS error names and orbax's frames (a removal
     names paths relative to the directory it empties); None where the old step is no longer on disk."""
@@ -567,7 +566,7 @@ class Checkpointer:
     operation that failed, the step it concerned, what is on disk after cleanup (the partial checkpoint removed or
     not; an old checkpoint that could not be deleted still there or not), the last good checkpoint, advice that
     fits the cause, and where orbax's tracebacks went. An orbax wait that timed out is a blocked save."""
-    found = storage.os_error_of(e)
+    found = os_error_of(e)
     if found is None:
       cause = e
       while cause is not None and not isinstance(cause, TimeoutError):

@@ -14,7 +14,6 @@ import errno
 import logging
 import math
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -22,12 +21,12 @@ import threading
 import traceback
 import warnings
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 
-from errors import StorageError
+from errors import StorageError, describe_os_error, os_error_of
 
 
 def ensure_writable(directory: str, what: str = 'workdir') -> None:
@@ -42,32 +41,6 @@ def ensure_writable(directory: str, what: str = 'workdir') -> None:
     raise StorageError(
       f'{what} {os.path.abspath(directory)} is not writable: {describe_os_error(e.errno, e.strerror, e.filename)}'
     ) from e
-
-
-def describe_os_error(code: int | None, strerror: str | None, filename: str | None) -> str:
-  name = f'{errno.errorcode[code]}, ' if code in errno.errorcode else ''
-  return f'{strerror} [{name}errno {code}]' + (f' ({filename})' if filename else '')
-
-
-class OsError(NamedTuple):
-  code: int
-  strerror: str
-  filename: str | None
-  filename2: str | None = None  # a rename's destination
-
-
-def os_error_of(e: BaseException) -> OsError | None:
-  """The OS error behind `e` (it, or what caused it): an OSError, or TensorStore's ValueError that carries
-  os_error_code (how a failed array write reaches orbax); None otherwise."""
-  while e is not None:
-    if isinstance(e, OSError) and e.errno:
-      return OsError(e.errno, e.strerror or os.strerror(e.errno), e.filename, getattr(e, 'filename2', None))
-    m = re.search(r"os_error_code='?(\d+)", str(e)) if isinstance(e, ValueError) else None
-    if m:
-      paths = re.findall(r'"(/[^"]+)"', str(e))
-      return OsError(int(m.group(1)), os.strerror(int(m.group(1))), paths[-1] if paths else None)
-    e = e.__cause__ or e.__context__
-  return None
 
 
 def advice(code: int, directory: str) -> str:

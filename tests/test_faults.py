@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import errno
 import gc
+import json
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -31,7 +33,7 @@ import partitioning
 import train
 import training
 from checkpointing import deadlines, storage, weights
-from configs import default
+from configs import default, schema
 from tests.conftest import (
   BACKEND_COMPILE,
   ROOT,
@@ -605,3 +607,73 @@ def test_failures_nobody_retrieved_go_to_the_error_log_whole_or_the_line_says_it
     assert log.flush() == (None, 'No such file or directory [ENOENT, errno 2]')
   finally:
     log.close()
+
+
+# --- The Arrow cache of your own files under storage faults -------------------------------------------------------
+
+
+def _jsonl(path, rows: int) -> str:
+  with open(path, 'w') as f:
+    for i in range(rows):
+      f.write(json.dumps({'text': f'row {i}: ' + 'the quick brown fox jumps over the lazy dog ' * 2}) + '\n')
+  return str(path)
+
+
+@pytest.mark.parametrize('fault', ['full', 'read-only', 'injected'])
+def test_an_arrow_cache_that_cannot_be_built_is_one_storage_error_that_leaves_nothing(tmp_path, monkeypatch, fault):
+  """JSON Lines whose Arrow cache goes to a full or read-only filesystem (a 256 KiB tmpfs; injected: the build
+  failing halfway): one StorageError naming the cache directory, and nothing left there that a later run could take
+  for a cache (before: a config error 'cannot be read as json: OSError: ... No space left on device', empty cache
+  directories and a 0-byte lock). With space, the same config builds the cache and trains."""
+  cache = tmp_path / 'small' / 'cache'
+  cfg = tiny_config('dp', total_steps=2, log_every=1, eval_every=2)
+  cfg.model.vocab_size = 260  # the byte tokenizer's
+  cfg.dataset = ml_collections.ConfigDict(
+    dict(
+      name='json',
+      train_files=_jsonl(tmp_path / 'train.jsonl', 4000),  # ~0.5 MiB of JSON, more as Arrow
+      eval_files=_jsonl(tmp_path / 'eval.jsonl', 64),
+      tokenizer='byte',
+      seq_len=16,
+      cache_dir=str(cache),
+    )
+  )
+  cfg = schema.complete(cfg)
+  mount = tmp_path / 'small'
+  mount.mkdir()
+  if fault == 'injected':
+    import datasets
+
+    def half_then_full(self, *args, **kwargs):  # a first Arrow file written, then the disk full
+      os.makedirs(self.cache_dir + '.incomplete', exist_ok=True)
+      with open(os.path.join(self.cache_dir + '.incomplete', 'json-train-00000.arrow'), 'wb') as f:
+        f.write(b'\0' * 1000)
+      raise OSError(errno.ENOSPC, 'No space left on device')
+
+    monkeypatch.setattr(datasets.DatasetBuilder, 'download_and_prepare', half_then_full)
+  elif not _mount('-t', 'tmpfs', '-o', 'size=256k' + (',ro' if fault == 'read-only' else ''), 'tmpfs', str(mount)):
+    pytest.skip('cannot mount a tmpfs here (not root): the injected fault covers the line')
+  try:
+    with pytest.raises(errors.StorageError) as info:
+      train.train_and_evaluate(cfg, None)
+    why, advice = {
+      'read-only': ('Read-only file system [EROFS, errno 30]', 'set config.dataset.cache_dir to a writable directory'),
+    }.get(
+      fault,
+      (
+        'No space left on device [ENOSPC, errno 28]',
+        'free space there or set config.dataset.cache_dir to a directory with space',
+      ),
+    )
+    assert str(info.value) == (
+      f'the Arrow cache of {tmp_path}/train.jsonl could not be built in {cache}: {why}; nothing of it is left there '
+      f'({advice})'
+    )
+    assert list(mount.rglob('*')) == []
+    monkeypatch.undo()
+    if fault != 'injected':
+      _mount('-o', 'remount,rw,size=64m', str(mount))
+    out = train.train_and_evaluate(cfg, None)  # the rerun, with space
+    assert int(out['state'].step) == 2 and len(list(cache.rglob('*.arrow'))) == 2
+  finally:
+    subprocess.run(['umount', '-l', str(mount)], capture_output=True)
