@@ -13,10 +13,12 @@ Faults (readonly, full and delete are real, and need root: mount):
   deadline  the same without SIGTERM, under config.checkpoint_timeout=3
 
 A try reports: the exit status; the seconds from the fault to the exit (a hang: no exit within --hang_s); the lines
-printed after the last progress line (1 expected: the storage error); whether a traceback or asyncio's 'never
-retrieved' reached the terminal; what the line says is on disk, checked against the directory. The first try of
-each fault (all with --rerun) then removes the fault and runs the same command again, which must resume from the
-last good checkpoint the line names and finish. Every run shares one JAX compilation cache (benchmarks/soak.py).
+printed in all and after the last progress line (1 expected: the storage error); whether a traceback or asyncio's
+'never retrieved' reached the terminal; what the line says is on disk, checked against the directory; whether the
+error log the line names is whole (no part of it left beside it, no traceback cut short). The first try of each
+fault (all with --rerun) then removes the fault and runs the same command again, which must resume from the last
+good checkpoint the line names and finish. No JAX compilation cache is shared (one can deadlock programs of
+several CPU devices, which would pass for a hang): each run compiles its own, a few seconds.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ TINY = {
   'eval_every': 12,
   'checkpoint_space': 'warn',
 }
+ENV = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'}
 FAULTS = ('readonly', 'full', 'delete', 'blocked', 'deadline')
 REAL = ('readonly', 'full', 'delete')
 
@@ -159,7 +162,24 @@ def _check_disk(line: str, ckpts: str) -> str:
   return '; '.join(wrong)
 
 
-def try_once(fault: str, seed: int, args: argparse.Namespace, cache: str, rerun: bool) -> dict:
+def _check_log(line: str) -> str:
+  """'' when the error log is as the line says: whole (no file left beside it, the last traceback ended) where it
+  names the log; not there, nor a part of it, where it says the log could not be written."""
+  if m := re.search(r"orbax's tracebacks are in (\S+)$", line):
+    path = m.group(1)
+    if not os.path.isfile(path) or os.path.exists(path + '.writing'):
+      return f'{path} missing, or a part of it left beside it'
+    text = open(path, errors='replace').read()
+    last = text.rstrip('\n').splitlines()[-1] if text.strip() else ''
+    if not text.endswith('\n') or last.startswith(' '):  # a traceback ends on its exception, not inside a frame
+      return f'{path} ends mid-traceback: {last[:80]!r}'
+  elif m := re.search(r"orbax's tracebacks could not be written to (\S+):", line):
+    if os.path.exists(m.group(1) + '.writing'):
+      return f'a part of {m.group(1)} is left beside it'
+  return ''
+
+
+def try_once(fault: str, seed: int, args: argparse.Namespace, rerun: bool) -> dict:
   rng = random.Random(seed)
   delay = round(rng.uniform(0, 0.3), 3)
   base = tempfile.mkdtemp(prefix=f'faults-{fault}-')
@@ -181,9 +201,7 @@ def try_once(fault: str, seed: int, args: argparse.Namespace, cache: str, rerun:
     cmd = [sys.executable, os.path.abspath(__file__), '--child', fault, '--delay', str(delay), '--mount', mount]
     cmd += ['--stamp', stamp, '--', *train_args]
     t0 = time.time()
-    proc = subprocess.Popen(
-      cmd, cwd=ROOT, env=soak.environment(cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if fault == 'blocked':  # SIGTERM 1 s after the save began
       while not os.path.exists(stamp) and proc.poll() is None and time.time() - t0 < args.hang_s:
         time.sleep(0.05)
@@ -214,17 +232,19 @@ def try_once(fault: str, seed: int, args: argparse.Namespace, cache: str, rerun:
       'rc': proc.returncode,
       'hang': hang,
       'fault_to_exit_s': round(end - fault_t, 2) if fault_t else None,
+      'lines': len(out.splitlines()),
       'lines_after_progress': len(tail),
       'traceback': 'Traceback' in out,
       'never_retrieved': 'never retrieved' in out,
       'disk': _check_disk(line, ckpts) if line else 'no line',
+      'log': _check_log(line),
       'line': line,
     }
     if rerun and not hang:
       r = subprocess.run(
         [sys.executable, 'train.py', *train_args],
         cwd=ROOT,
-        env=soak.environment(cache),
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=300,
@@ -256,19 +276,21 @@ def main() -> None:
   if args.child:
     return child(args.child, args.delay, args.mount, args.stamp)
   can_mount = os.geteuid() == 0 and shutil.which('mount')
-  cache = tempfile.mkdtemp(prefix='faults-jax-cache-')
   results = []
   for fault in args.faults:
     if fault in REAL and not can_mount:
       print(f'{fault}: skipped (needs root to mount a tmpfs)')
       continue
     for i in range(args.tries):
-      r = try_once(fault, args.seed * 1000 + i, args, cache, rerun=args.rerun or i == 0)
+      r = try_once(fault, args.seed * 1000 + i, args, rerun=args.rerun or i == 0)
       results.append(r)
       print(json.dumps({k: v for k, v in r.items() if k != 'line'}), flush=True)
       if i == 0:
         print(f'  {r["line"]}', flush=True)
-  print('\nfault     tries  hangs  rc!=1  one-line  tracebacks  never-retrieved  disk-wrong  fault->exit s (max)')
+  print(
+    '\nfault     tries  hangs  rc!=1  one-line  tracebacks  never-retrieved  disk-wrong  log-wrong  lines (max)  '
+    'fault->exit s (max)'
+  )
   for fault in args.faults:
     rs = [r for r in results if r['fault'] == fault]
     if not rs:
@@ -278,12 +300,12 @@ def main() -> None:
       f'{fault:9s} {len(rs):5d}  {sum(r["hang"] for r in rs):5d}  {sum(r["rc"] != 1 for r in rs):5d}  '
       f'{sum(r["lines_after_progress"] == 1 for r in rs):8d}  {sum(r["traceback"] for r in rs):10d}  '
       f'{sum(r["never_retrieved"] for r in rs):15d}  {sum(bool(r["disk"]) for r in rs):10d}  '
+      f'{sum(bool(r["log"]) for r in rs):9d}  {max(r["lines"] for r in rs):11d}  '
       f'{max(times) if times else float("nan"):.1f}'
     )
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(results, f, indent=1)
-  shutil.rmtree(cache, ignore_errors=True)
 
 
 if __name__ == '__main__':

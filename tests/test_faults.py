@@ -290,7 +290,7 @@ def test_a_full_filesystem_stops_the_first_save_in_one_line_and_the_rerun_resume
     assert re.fullmatch(
       rf'checkpoint {ckpts}/1 could not be written: No space left on device \[ENOSPC, errno 28\] .*; the partial '
       r'checkpoint was removed; no checkpoint of this run is on disk \(the disk is full, [\d.]+ MiB free of 4.0 MiB '
-      rf"there: free space or choose another --workdir\); orbax's tracebacks are in {workdir}/orbax_errors.log",
+      rf"there: free space or choose another --workdir\)(; orbax's tracebacks are in {workdir}/orbax_errors.log)?",
       str(info.value),
     ), str(info.value)
     assert os.listdir(ckpts) == [] and 'Traceback' not in capfd.readouterr().err
@@ -520,12 +520,12 @@ def test_an_old_checkpoint_that_cannot_be_deleted_is_named_and_the_new_one_is_th
     subprocess.run(['umount', '-l', str(ckpts / '1')], capture_output=True)
   if 'could not be deleted' not in str(info.value) and not os.path.ismount(ckpts / '1'):
     pytest.skip('cannot mount here (not root)')
-  assert str(info.value) == (
+  line = str(info.value)  # orbax's threads may log the failure after the line is made (then only at exit)
+  assert line.removesuffix(f"; orbax's tracebacks are in {tmp_path}/orbax_errors.log") == (
     f'old checkpoint {ckpts}/1 could not be deleted after checkpoint 8 was written: Read-only file system [EROFS, '
     f'errno 30]; it is still on disk; the last good checkpoint is {ckpts}/8 and a rerun resumes from it ({ckpts}/1 '
-    f"is on a filesystem mounted read-only: remount it read-write or choose another --workdir); orbax's "
-    f'tracebacks are in {tmp_path}/orbax_errors.log'
-  )
+    f'is on a filesystem mounted read-only: remount it read-write or choose another --workdir)'
+  ), line
   assert sorted(os.listdir(ckpts)) == ['1', '4', '8']
 
 
@@ -533,8 +533,8 @@ def test_an_old_checkpoint_that_cannot_be_deleted_is_named_and_the_new_one_is_th
 def test_a_save_that_never_finishes_stops_at_its_deadline_or_soon_after_sigterm(tmp_path, monkeypatch, how):
   """Step 8's array writes never return (a filesystem that stops answering): the run stops at the save's deadline
   (config.checkpoint_timeout=2), or under a long one STALL_S (2 s here) after SIGTERM finds the save writing nothing,
-  in one line
-  naming what blocks; the StorageError is `blocked`, so the entry point exits without waiting for the threads."""
+  in one line naming what blocks; the StorageError is `blocked`, so the entry point exits without waiting for the
+  threads."""
   release, write = threading.Event(), serialization.async_serialize_from_host
 
   async def stuck(rslices, spec, **kwargs):
@@ -544,7 +544,15 @@ def test_a_save_that_never_finishes_stops_at_its_deadline_or_soon_after_sigterm(
 
   monkeypatch.setattr(serialization, 'async_serialize_from_host', stuck)
   monkeypatch.setattr(deadlines, 'STALL_S', 2.0)
-  term = lambda: threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+  start = deadlines.Deadlines.start
+
+  def only_step_8(self, step, nbytes):  # the earlier saves (the first compiles its checksums) under no deadline
+    save = start(self, step, nbytes)
+    save.limit_s = save.limit_s if step == 8 else 600.0
+    return save
+
+  monkeypatch.setattr(deadlines.Deadlines, 'start', only_step_8)
+  term = lambda: os.kill(os.getpid(), signal.SIGTERM)  # as the save starts: the loop takes it at step 9
   fired = _at_save(monkeypatch, 8, term if how == 'sigterm' else lambda: None)
   ckpts = tmp_path / 'checkpoints'
   try:
