@@ -596,6 +596,27 @@ def test_a_blocked_save_ends_the_process_after_its_line_without_waiting_for_its_
   )
 
 
+def test_a_run_config_that_cannot_be_written_is_one_line_with_advice_fitting_the_cause(tmp_path):
+  """run_config.json on a read-only filesystem: the line names the file, the OS error and a remount (before: free
+  space, whatever the cause)."""
+  from checkpointing import run_config
+
+  mount = tmp_path / 'ro'
+  mount.mkdir()
+  if not _mount('-t', 'tmpfs', '-o', 'size=1m,ro', 'tmpfs', str(mount)):
+    pytest.skip('cannot mount a tmpfs here (not root)')
+  try:
+    with pytest.raises(errors.StorageError) as info:
+      run_config.save(default.get_config(), str(mount / 'run'))
+  finally:
+    subprocess.run(['umount', '-l', str(mount)], capture_output=True)
+  assert str(info.value) == (
+    f'{mount}/run/run_config.json could not be written: Read-only file system [EROFS, errno 30]; the last good '
+    f'checkpoint is none ({mount}/run is on a filesystem mounted read-only: remount it read-write or choose another '
+    '--workdir)'
+  )
+
+
 def test_failures_nobody_retrieved_go_to_the_error_log_whole_or_the_line_says_it_could_not(tmp_path, caplog):
   """An event loop's future that failed for an OS error and was never awaited is kept for the error log (the
   loop's exception handler), not logged by asyncio; the log is written whole, or flush says why not."""
