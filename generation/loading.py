@@ -31,7 +31,7 @@ def decode_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
   if config.task != 'lm':
     raise ConfigError(
       f'config.task={config.task!r} (model {config.model.name!r}): generation needs a language model '
-      "(task 'lm': gpt2, llama, moe)"
+      f"(task 'lm': {', '.join(n for n, f in schema.FAMILIES.items() if 'lm' in f.tasks)})"
     )
   config = ml_collections.ConfigDict(config.to_dict())
   if config.decode_rules:
@@ -87,20 +87,29 @@ def load(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoi
   )
 
 
-# The config file a Hugging Face directory's model_type is generated with, when none is given (generate.py).
-FAMILY_CONFIGS = {'gpt2': 'configs/gpt2.py', 'llama': 'configs/llama.py', 'mixtral': 'configs/moe.py'}
+def family_configs() -> dict[str, str]:
+  """The config file a Hugging Face directory's model_type is generated with when none is given (generate.py):
+  configs/<name>.py of each language-model family (configs/schema.py FAMILIES with task 'lm') that imports it
+  (models.HF_FAMILIES), e.g. 'qwen3' -> configs/qwen3.py, 'mixtral' -> configs/moe.py."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return {
+    model_type: f'configs/{name}.py'
+    for name, family in models.HF_FAMILIES.items()
+    if 'lm' in schema.FAMILIES[name].tasks and os.path.isfile(os.path.join(root, 'configs', f'{name}.py'))
+    for model_type in family.model_types
+  }
 
 
 def family_config(hf_dir: str) -> str:
   """configs/<family>.py for a Hugging Face directory (its config.json's model_type)."""
   with open(os.path.join(hf_dir, 'config.json')) as f:
     model_type = json.load(f).get('model_type')
-  if model_type not in FAMILY_CONFIGS:
+  known = family_configs()
+  if model_type not in known:
     raise ConfigError(
-      f'{hf_dir}: model_type={model_type!r} is not a language model the zoo generates with; '
-      f'known: {sorted(FAMILY_CONFIGS)}'
+      f'{hf_dir}: model_type={model_type!r} is not a language model the zoo generates with; known: {sorted(known)}'
     )
-  return FAMILY_CONFIGS[model_type]
+  return known[model_type]
 
 
 def tokenizer(config: ml_collections.ConfigDict, *, given: str | None = None, hf_dir: str | None = None) -> Any:

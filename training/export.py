@@ -160,11 +160,11 @@ def write_hf(
 ) -> dict[str, Any]:
   """Writes the model's weights (sharded arrays, as the trainer holds them) as a Hugging Face directory:
   config.json, safetensors (sharded with an index above max_shard_size), the tokenizer files of a local
-  Hugging Face tokenizer the run used, and generation_config.json of the Hugging Face model it started
-  from. LoRA adapters are merged. dtype: the weights' dtype on disk (default: the parameters'). Each zoo
-  tensor is gathered to the host once, alone, and written in place. out_dir must be empty (or new), and not
-  the run's source directories (check_out_dir); `overwrite` first removes the files an export writes (WRITTEN)
-  from it, listed in the result's 'removed'."""
+  Hugging Face tokenizer the run used (else those of the Hugging Face model it started from), and
+  generation_config.json of the Hugging Face model it started from. LoRA adapters are merged. dtype: the
+  weights' dtype on disk (default: the parameters'). Each zoo tensor is gathered to the host once, alone, and
+  written in place. out_dir must be empty (or new), and not the run's source directories (check_out_dir);
+  `overwrite` first removes the files an export writes (WRITTEN) from it, listed in the result's 'removed'."""
   config = trainer.config
   name = config.model.name
   if name not in families:
@@ -201,9 +201,12 @@ def write_hf(
       json.dump(hf_export.config_json(family, config.model, dtype, base), f, indent=2, sort_keys=True)
     copied = []
     tok = config.dataset.get('tokenizer')  # text tasks' datasets only
+    tok_dir = tok if isinstance(tok, str) and os.path.isdir(tok) else None
     for src, patterns in (
-      (tok if isinstance(tok, str) and os.path.isdir(tok) else None, hf_import.TOKENIZER_FILES),
-      (source, ('generation_config.json',)),
+      (tok_dir, hf_import.TOKENIZER_FILES),
+      # the Hugging Face directory the run started from: its generation config, and its tokenizer (with its chat
+      # template) where the run read no other tokenizer directory
+      (source, ('generation_config.json', *(() if tok_dir else hf_import.TOKENIZER_FILES))),
     ):
       for path in sorted({p for pattern in patterns for p in glob.glob(os.path.join(src, pattern))} if src else ()):
         target = os.path.join(out_dir, os.path.basename(path))
