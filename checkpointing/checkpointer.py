@@ -225,6 +225,7 @@ class Checkpointer:
     self._in_flight: int | None = None  # the step of the asynchronous save not yet known to be complete
     self._deadlines, self._save = deadlines.Deadlines(timeout_s), None  # _save: the one in flight (its deadline)
     self._faulted = self._stuck = False  # a save failed; a save blocked (its threads may never return)
+    self._removed: int | None = None  # the failed save whose partial checkpoint the line says was removed
     self._stopping = False  # the run stops after its last save (SIGTERM)
 
   def latest_step(self) -> int | None:
@@ -582,6 +583,7 @@ class Checkpointer:
       what = f'{old} could not be deleted after checkpoint {step} was written'
     else:
       left = self._remove_partial(step)
+      self._removed = step if left == 'the partial checkpoint was removed' else None
       what = f'checkpoint {where} could not be ' + ('renamed into place' if op == 'rename' else 'written')
     path = found.filename if found.filename and os.path.isabs(found.filename) else None  # not one in a removal
     advice = storage.advice(found.code, where if op == 'delete' and concerned is not None else self.directory)
@@ -629,6 +631,10 @@ class Checkpointer:
         except Exception:  # pylint: disable=broad-except
           if not self._faulted:  # after a failed save, orbax's close meets the same fault again: told already
             raise
+        # orbax's other writer threads of a failed save, finished only now, may have made its directories again
+        # after they were removed: removed once more, so that what the line said stays true.
+        for partial in self._partials(self._removed) if self._removed is not None else []:
+          shutil.rmtree(partial, ignore_errors=True)
     finally:
       self._tracebacks.close(faulted=self._faulted)
 
