@@ -449,6 +449,9 @@ FIELDS: dict[str, Field] = {
   'keep_checkpoints': _int(1, 2),  # the last K are kept; rerunning the same command resumes from the latest
   'resume_fallback': Field(bool, default=True),  # a damaged latest checkpoint: moved aside, the previous resumed
   'checkpoint_space': Field(str, values=('refuse', 'warn'), default='refuse'),  # too little free space at start
+  # Seconds a save may take before the run stops naming what blocks it; 0: from the state's size and the slowest
+  # write rate measured in the run (checkpointing/deadlines.py).
+  'checkpoint_timeout': _float(0, 0.0),
   # A non-finite loss or gradient never reaches the parameters (the update is skipped in the step). 'stop' ends the
   # run at once, naming the step and the first non-finite gradient's parameter, and writes no checkpoint after it;
   # 'skip' goes on and stops after max_nonfinite_skips bad steps in a row.

@@ -212,7 +212,11 @@ def checkpoints(
     if note := storage.check_space(directory, storage.state_bytes(trainer.abstract), keep, config.checkpoint_space):
       warn('checkpoint', note)
     ckpt = checkpointer.Checkpointer(
-      directory, every_steps=config.checkpoint_every, keep=keep, gather=cluster.gather_strings
+      directory,
+      every_steps=config.checkpoint_every,
+      keep=keep,
+      gather=cluster.gather_strings,
+      timeout_s=config.checkpoint_timeout,
     )
     cleanup.callback(ckpt.close)
     cleanup.callback(ckpt.wait)  # runs first: a save in flight completes
@@ -418,7 +422,7 @@ def train_loop(
     if stop:
       if ckpt is not None:
         guard.check(last_good())
-        ckpt.save(step, state_tree(state), inp.train_iter, force=True)
+        ckpt.save(step, state_tree(state), inp.train_iter, force=True, stopping=True)
       say(f'SIGTERM: stopped at step {step}' + (f', checkpoint in {ckpt.directory}' if ckpt else ' (no checkpoints)'))
       result['preempted_at'] = step
       break
