@@ -395,7 +395,8 @@ def train_loop(
       writer.write_scalars(step, {f'train/{k}': v for k, v in logged.items()})
       say(
         f'step {step:5d} | loss {logged["loss"]:.4f} | acc {logged["accuracy"]:.3f} | '
-        f'{logged["steps_per_sec"]:.2f} steps/s | {logged[f"{unit}_per_sec"]:,.0f} '
+        + ''.join(f'{k} {logged[k]:.4g} | ' for k in trainer.task.progress if k in logged)
+        + f'{logged["steps_per_sec"]:.2f} steps/s | {logged[f"{unit}_per_sec"]:,.0f} '
         f'{unit}/s | input wait {100 * logged["input_wait_fraction"]:.1f}%'
         + (
           f' | {logged["tflops_per_device"]:.1f} TFLOP/s/device | MFU {100 * logged["mfu"]:.1f}%' if step_flops else ''
