@@ -89,7 +89,7 @@ def _tokenizer(cfg) -> Any:
   return tok
 
 
-def _open(cfg, keys: list[str]) -> tuple[files.Rows, files.Rows, str]:
+def _open(cfg, keys: list[str], every_column: bool = False) -> tuple[files.Rows, files.Rows, str]:
   name = cfg.name
   if name not in files.NAMES:
     raise ConfigError(
@@ -98,10 +98,8 @@ def _open(cfg, keys: list[str]) -> tuple[files.Rows, files.Rows, str]:
     )
   if not cfg.train_files or not cfg.eval_files:
     raise ConfigError(f'config.dataset.name={name!r} needs config.dataset.train_files and eval_files (globs)')
-  train, eval_ = (
-    files.open_rows(cfg, cfg.train_files, 'train_files', keys),
-    files.open_rows(cfg, cfg.eval_files, 'eval_files', keys),
-  )
+  train = files.open_rows(cfg, cfg.train_files, 'train_files', keys, every_column)
+  eval_ = files.open_rows(cfg, cfg.eval_files, 'eval_files', keys, every_column)
   return train, eval_, f'{cfg.train_files}; eval {cfg.eval_files}'
 
 
@@ -126,4 +124,76 @@ def pairs(cfg) -> Dataset:
     description=f'{cfg.name} ({where}): train {len(train):,} / eval {len(eval_):,} preference pairs '
     f'({cfg.prompt_key!r}, {cfg.chosen_key!r} over {cfg.rejected_key!r}); {tok.name} tokenizer '
     f'({tok.vocab_size} ids); two rows of {L} tokens per pair, the loss on the answers',
+  )
+
+
+class Indexed:
+  """Rows that carry their index (`_index`): a rollout reads the whole row again for the reward functions."""
+
+  def __init__(self, rows: files.Rows):
+    self.rows = rows
+
+  def __len__(self) -> int:
+    return len(self.rows)
+
+  def __getitem__(self, i: int) -> dict[str, Any]:
+    return self.rows[i] | {'_index': int(i)}
+
+
+def prompt_ids(tok, prompt: Any, where: str) -> list[int]:
+  """A GRPO prompt's ids: a text as a decode's prompt (tokens.prompt), a chat with the generation prompt."""
+  if isinstance(prompt, str):
+    return tokens.prompt(tok, prompt)
+  if isinstance(prompt, list):
+    return tokens.chat_prompt(tok, prompt)
+  raise ConfigError(f'{where}: the prompt is {type(prompt).__name__}: give a text or a chat (a list of messages)')
+
+
+class Prompt(grain.transforms.Map):
+  """A row -> 'prompt' (its ids, left-aligned and padded to `length`), 'prompt_len', 'index' (the row's), 'mask' 1."""
+
+  def __init__(self, tok, key: str, length: int):
+    self.tok, self.key, self.length = tok, key, length
+
+  def map(self, example: Any) -> dict[str, np.ndarray]:
+    where = example.get('_where', 'a prompt')
+    ids = prompt_ids(self.tok, example[self.key], where)
+    if len(ids) > self.length:
+      raise ConfigError(
+        f'{where}: the prompt has {len(ids)} tokens, over the {self.length} a prompt may have (config.dataset.seq_len '
+        '- config.grpo.max_new_tokens)'
+      )
+    row = np.full(self.length, self.tok.pad_id, np.int32)
+    row[: len(ids)] = ids
+    return {
+      'prompt': row,
+      'prompt_len': np.int32(len(ids)),
+      'index': np.int32(example['_index']),
+      'mask': np.float32(1),
+    }
+
+
+def prompts(cfg, max_new_tokens: int) -> Dataset:
+  """The prompts of config.dataset (task 'grpo'): rows with config.dataset.prompt_key, the rest of each row for the
+  reward functions."""
+  if not cfg.prompt_key:
+    raise ConfigError('config.task=grpo needs config.dataset.prompt_key (the column of the prompts)')
+  train, eval_, where = _open(cfg, [cfg.prompt_key], every_column=True)
+  tok, P = _tokenizer(cfg), cfg.seq_len - max_new_tokens
+  if P < 1:
+    raise ConfigError(
+      f'config.dataset.seq_len={cfg.seq_len} leaves no room for a prompt before config.grpo.max_new_tokens='
+      f'{max_new_tokens} new tokens'
+    )
+  return Dataset(
+    cfg.name,
+    Indexed(train),
+    Indexed(eval_),
+    Prompt(tok, cfg.prompt_key, P),
+    num_threads=cfg.num_threads,
+    prefetch=cfg.prefetch,
+    tokenizer=tok,
+    vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
+    description=f'{cfg.name} ({where}): train {len(train):,} / eval {len(eval_):,} prompts ({cfg.prompt_key!r}, at '
+    f'most {P} tokens); {tok.name} tokenizer ({tok.vocab_size} ids)',
   )

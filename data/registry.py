@@ -357,6 +357,8 @@ def build(config: ml_collections.ConfigDict) -> Dataset:
   cfg, task = config.dataset, config.task
   if task == 'dpo':
     ds = preference.pairs(cfg)
+  elif task == 'grpo':
+    ds = preference.prompts(cfg, config.grpo.max_new_tokens)
   elif cfg.name in files.NAMES:
     ds = _files(cfg, task)
   else:

@@ -84,7 +84,7 @@ class GroupRelative(tasks.Task):
   }
   unit = 'tokens'
   unit_field = 'targets'
-  progress = ('kl', 'clip_ratio/region_mean')
+  progress = ('reward', 'kl', 'clip_ratio/region_mean')
 
   def example_shapes(self, config: Any) -> tasks.FieldSpec:
     L = tasks._check_length(config)
@@ -94,6 +94,21 @@ class GroupRelative(tasks.Task):
 
   def task_state(self, config: Any) -> tuple[str, ...]:
     return ('reference',) if config.grpo.beta and not config.lora.rank else ()
+
+  def data_batch(self, config: Any) -> int:
+    check_group(config)
+    return config.batch_size // config.grpo.group_size
+
+  def check_data(self, config: Any, produced: tasks.FieldSpec, vocab: Any = None, num_classes: Any = None) -> None:
+    """The dataset gives prompts (data/preference.py Prompt); the rollout makes the train step's rows of them."""
+    P = config.dataset.seq_len - config.grpo.max_new_tokens
+    want = {'prompt': ((P,), np.int32), 'prompt_len': ((), np.int32), 'index': ((), np.int32), 'mask': ((), np.float32)}
+    got = {k: (tuple(s), np.dtype(d)) for k, (s, d) in produced.items()}
+    if got != {k: (s, np.dtype(d)) for k, (s, d) in want.items()}:
+      raise ConfigError(f'dataset {config.dataset.name!r} makes {got}, but task grpo takes prompts {want}')
+    model_vocab = config.model.get('vocab_size')
+    if vocab is not None and model_vocab is not None and vocab[0] > model_vocab:
+      raise ConfigError(f'{vocab[1]} has {vocab[0]} ids but config.model.vocab_size={model_vocab}')
 
   def metric_sums(self, model: Any, batch: dict[str, jax.Array], task_state: Any = None) -> tasks.Metrics:
     c = self.config.grpo

@@ -53,6 +53,10 @@ class Task:
   def __init__(self, config: Any = None):
     self.config = config
 
+  def data_batch(self, config: Any) -> int:
+    """Examples the dataset gives per step (the global batch; GRPO: prompts, each sampled group_size times)."""
+    return config.batch_size
+
   def task_state(self, config: Any) -> tuple[str, ...]:
     """What the train state keeps for this task besides the model and optimizer (TrainState.task_state's keys):
     'reference', a frozen copy of the starting parameters; 'rollout', the batch of samples being trained on."""
