@@ -21,9 +21,11 @@ import ml_collections
 
 from configs import llama_sft, schema
 from configs.llama import SIZES  # noqa: F401  (the sizes of this config)
+from configs.llama_lora import RULES  # noqa: F401  (the presets: llama's, with the ('lora_rank', None) rule)
 
 
 def get_config(arg: str | None = None):
+  lora = 'lora' in (arg or '')
   c = llama_sft.get_config(arg)
   c.task = 'dpo'
   tiny = c.size == 'tiny'
@@ -32,22 +34,18 @@ def get_config(arg: str | None = None):
       name='json',
       train_files='examples/arith/pairs_train.jsonl' if tiny else 'pairs/train*.jsonl',
       eval_files='examples/arith/pairs_eval.jsonl' if tiny else 'pairs/eval.jsonl',
-      prompt_key='prompt',
-      chosen_key='chosen',
-      rejected_key='rejected',
       tokenizer='byte' if tiny else schema.follows('init_from'),
       seq_len=16 if tiny else 1024,  # prompt + answer, per row (a pair is two rows)
     )
   )
-  c.dpo = ml_collections.ConfigDict(dict(loss='sigmoid', beta=0.1))
   if tiny:
-    c.model.vocab_size = None  # the byte tokenizer's
+    c.model.vocab_size = 260  # the byte tokenizer's ids
     c.batch_size, c.total_steps = 16, 120
     c.optim = ml_collections.ConfigDict(dict(lr=1e-2, warmup_steps=5))
     c.log_every, c.eval_every, c.checkpoint_every = 10, 40, 40
   else:
     c.batch_size = 32  # pairs per step: 64 rows
     c.total_steps = 500
-    c.optim.update(lr=5e-5 if c.lora.rank else 5e-7, warmup_steps=50, weight_decay=0.0)
+    c.optim.update(lr=5e-5 if lora else 5e-7, warmup_steps=50, weight_decay=0.0)
     c.checkpoint_every, c.eval_every, c.log_every = 100, 100, 10
   return schema.complete(c)

@@ -23,9 +23,11 @@ import ml_collections
 
 from configs import llama_sft, schema
 from configs.llama import SIZES  # noqa: F401  (the sizes of this config)
+from configs.llama_lora import RULES  # noqa: F401  (the presets: llama's, with the ('lora_rank', None) rule)
 
 
 def get_config(arg: str | None = None):
+  lora = 'lora' in (arg or '')
   c = llama_sft.get_config(arg)
   c.task = 'grpo'
   tiny = c.size == 'tiny'
@@ -34,7 +36,6 @@ def get_config(arg: str | None = None):
       name='json',
       train_files='examples/arith/prompts_train.jsonl' if tiny else 'prompts/train*.jsonl',
       eval_files='examples/arith/prompts_eval.jsonl' if tiny else 'prompts/eval.jsonl',
-      prompt_key='prompt',
       tokenizer='byte' if tiny else schema.follows('init_from'),
       seq_len=16 if tiny else 1024,  # prompt + completion
     )
@@ -42,21 +43,17 @@ def get_config(arg: str | None = None):
   c.grpo = ml_collections.ConfigDict(
     dict(
       reward='examples.arith.rewards:correct,examples.arith.rewards:digits*0.5' if tiny else '',
-      group_size=8,
       max_new_tokens=4 if tiny else 512,
-      beta=0.04,
-      epsilon=0.2,
-      iterations=1,
     )
   )
   if tiny:
-    c.model.vocab_size = None  # the byte tokenizer's
+    c.model.vocab_size = 260  # the byte tokenizer's ids
     c.batch_size, c.total_steps = 32, 60  # 4 prompts x 8 completions
     c.optim = ml_collections.ConfigDict(dict(lr=3e-3, warmup_steps=5))
     c.log_every, c.eval_every, c.checkpoint_every = 10, 30, 30
   else:
     c.batch_size = 64  # 8 prompts x 8 completions per step
     c.total_steps = 500
-    c.optim.update(lr=1e-5 if c.lora.rank else 1e-6, warmup_steps=20, weight_decay=0.0)
+    c.optim.update(lr=1e-5 if lora else 1e-6, warmup_steps=20, weight_decay=0.0)
     c.checkpoint_every, c.eval_every, c.log_every = 50, 50, 5
   return schema.complete(c)

@@ -168,9 +168,11 @@ class Rollout:
     return out
 
   def evaluate(self, state: Any) -> dict[str, float]:
-    """Mean rewards of greedy completions of every eval prompt (one per prompt)."""
+    """Mean rewards of greedy completions of every eval prompt (one per prompt); as every task's eval has them,
+    'loss' is minus the weighted reward, 'accuracy' the share of prompts the first reward gives at least 1 (solved),
+    'weight' the prompts."""
     n = self.trainer.task.data_batch(self.trainer.config)
-    totals, count = np.zeros(len(self.rewards)), 0
+    totals, count, solved = np.zeros(len(self.rewards)), 0, 0
     for local in self.ds.eval_batches(n, slice(0, n)):
       keep = local['mask'] > 0
       local = {k: v[keep] for k, v in local.items()}
@@ -180,6 +182,9 @@ class Rollout:
       per_reward = self._scores(self.ds.eval, local, completions, 1)
       totals += per_reward.sum(1)
       count += len(completions)
+      solved += int((per_reward[0] >= 1).sum())
     weights = np.asarray([r.weight for r in self.rewards])
     means = totals / max(count, 1)
-    return {'reward': float(weights @ means), **{f'reward/{r.name}': float(m) for r, m in zip(self.rewards, means)}}
+    reward = float(weights @ means)
+    per = {f'reward/{r.name}': float(m) for r, m in zip(self.rewards, means)}
+    return {'reward': reward, **per, 'loss': -reward, 'accuracy': solved / max(count, 1), 'weight': float(count)}

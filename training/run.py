@@ -422,8 +422,8 @@ def train_loop(
       t_eval = time.perf_counter()
       if rollout is not None:  # GRPO: the rewards of greedy completions of the eval prompts
         ev = rollout.evaluate(state)
-        writer.write_scalars(step, {f'eval/{k}': v for k, v in ev.items()})
-        say(f'eval @ {step:5d} | ' + ' | '.join(f'{k} {v:.4f}' for k, v in ev.items()))
+        writer.write_scalars(step, {f'eval/{k}': v for k, v in ev.items() if k != 'weight'})
+        say(f'eval @ {step:5d} | ' + ' | '.join(f'{k} {v:.4f}' for k, v in ev.items() if k not in ('weight', 'loss')))
       else:
         ev = evaluate(compiled.eval_step, state, inp.ds, trainer, inp.rows)
         writer.write_scalars(step, {f'eval/{k}': v for k, v in ev.items() if k != 'weight'})
