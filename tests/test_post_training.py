@@ -309,3 +309,31 @@ def test_bad_pairs_are_one_line_naming_the_row(tmp_path):
   c.dataset.train_files = _pairs_file(tmp_path, [good, {'prompt': '2+2=', 'chosen': '4'}], 'q.jsonl')
   with pytest.raises(ConfigError, match=r"q.jsonl line 2 has no 'rejected'"):
     data.build(c)
+
+
+def test_bad_rewards_and_group_sizes_are_one_line_naming_them(tmp_path, monkeypatch):
+  from training import rollout
+
+  (tmp_path / 'my_rewards.py').write_text(
+    'def boom(p, c, r):\n  raise ValueError("no")\n\n'
+    'def text(p, c, r):\n  return "high"\n\n'
+    'def ok(p, c, r):\n  return 1\n'
+  )
+  monkeypatch.syspath_prepend(str(tmp_path))
+  with pytest.raises(ConfigError, match=r"'no_such_module:f': module 'no_such_module' cannot be imported"):
+    rollout.rewards('no_such_module:f')
+  with pytest.raises(ConfigError, match=r"module 'my_rewards' has no 'missing'"):
+    rollout.rewards('my_rewards:ok,my_rewards:missing')
+  with pytest.raises(ConfigError, match=r'config.grpo.reward is empty'):
+    rollout.rewards(' ')
+  boom, text, ok = rollout.rewards('my_rewards:boom,my_rewards:text*0.5,my_rewards:ok')
+  assert (text.weight, ok.weight) == (0.5, 1.0)
+  with pytest.raises(ConfigError, match=r'reward my_rewards:boom raised ValueError: no \(on f.jsonl line 2'):
+    rollout.score(boom, '1+1=', '2', {}, 'f.jsonl line 2')
+  with pytest.raises(ConfigError, match=r"reward my_rewards:text returned 'high' on f.jsonl line 2"):
+    rollout.score(text, '1+1=', '2', {}, 'f.jsonl line 2')
+  c = llama_dpo.get_config('tiny')
+  c.task, c.batch_size = 'grpo', 20
+  schema.complete(c)
+  with pytest.raises(ConfigError, match=r'config.batch_size=20 is not a multiple of config.grpo.group_size=8'):
+    rl.check_group(c)
