@@ -45,7 +45,6 @@ def main(argv) -> None:
   if bool(FLAGS.workdir) == bool(FLAGS.init_from) or not FLAGS.tasks:
     raise SystemExit('shardzoo: usage error: give --workdir RUN or --init_from HF_DIR (one of them), and --tasks')
   import lm_eval  # noqa: PLC0415 (heavy: only here)
-  from lm_eval.tasks import TaskManager  # noqa: PLC0415
 
   from generation import lm_eval_model  # noqa: PLC0415 (imports lm_eval)
 
@@ -58,7 +57,7 @@ def main(argv) -> None:
       tasks=FLAGS.tasks,
       num_fewshot=FLAGS.num_fewshot,
       limit=FLAGS.limit,
-      task_manager=TaskManager(include_path=FLAGS.include_path),
+      task_manager=lm_eval_model.task_manager(FLAGS.tasks, FLAGS.include_path),
     )
   print(lm_eval.utils.make_table(results))
   if FLAGS.out:

@@ -52,30 +52,6 @@ flags.DEFINE_string('out', None, 'Write the results here as JSONL.')
 flags.DEFINE_string('tokenizer', None, "'byte' or a local Hugging Face tokenizer directory (default: the run's).")
 
 
-def read_prompts() -> list[str | list[dict]]:
-  """The prompts of --prompt (strings), --chat (one-turn chats) and --prompts (a string, or a chat's messages)."""
-  prompts = [*FLAGS.prompt, *([{'role': 'user', 'content': c}] for c in FLAGS.chat)]
-  if FLAGS.prompts:
-    with open(FLAGS.prompts) as f:
-      for n, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        row = json.loads(line)
-        chat = row.get('messages') if isinstance(row, dict) else None
-        if isinstance(chat, list) and all(isinstance(m, dict) and {'role', 'content'} <= set(m) for m in chat):
-          prompts.append(chat)
-        elif isinstance(row, dict) and isinstance(row.get('prompt'), str):
-          prompts.append(row['prompt'])
-        else:
-          raise errors.ConfigError(
-            f'{FLAGS.prompts}:{n}: a JSON object with a "prompt" string or "messages" (a list of {{"role", '
-            '"content"}}) is needed'
-          )
-  if not prompts:
-    raise errors.ConfigError('no prompts: give --prompt TEXT or --chat TEXT (repeatable) or --prompts FILE.jsonl')
-  return prompts
-
-
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -86,7 +62,7 @@ def main(argv) -> None:
       FLAGS.max_new_tokens or DEFAULT_NEW_TOKENS, FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed
     )
     sampling.check()
-    prompts = read_prompts()
+    prompts = generation.read_prompts(FLAGS.prompt, FLAGS.chat, FLAGS.prompts)
     gen, tok = generation.from_flags(
       FLAGS.config, FLAGS.workdir, FLAGS.step, FLAGS.init_from, FLAGS.tokenizer, cli.overridden(sys.argv)
     )

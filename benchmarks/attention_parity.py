@@ -59,7 +59,7 @@ def context_shard(impl, q, k, v, seg, causal):
   in shard_map over a 'context' axis of one device: the program a GPU shard runs, at one shard."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ('context',))
   spec, rows = P(None, 'context'), {} if seg is None else {'segment_ids_BL': seg}
-  local = functools.partial(attention._per_shard_context, axes='context', causal=causal, implementation=impl)
+  local = functools.partial(attention.per_shard_context, axes='context', causal=causal, implementation=impl)
   return jax.shard_map(
     local, mesh=mesh, in_specs=(spec, spec, spec, {k: spec for k in rows}), out_specs=spec, check_vma=False
   )(q, k, v, rows)

@@ -98,8 +98,9 @@ class Field:
         'mesh': 'a dict of mesh axis name -> size >= 1 (one may be -1)',
         'dcn': 'a dict of mesh axis name -> number of slices >= 1',
         'rules': f'a list of {RULE}s',
-        'rope': "None or Llama 3 scaling: (name, value) pairs of rope_type='llama3', factor, low_freq_factor, "
-        'high_freq_factor, original_max_position_embeddings',
+        'rope': "None or a rotary scaling: (name, value) pairs of rope_type ('linear', 'llama3', 'yarn' or "
+        "'longrope') and its fields (models/layers.ROPE_SCALINGS), e.g. rope_type='llama3', factor, "
+        'low_freq_factor, high_freq_factor, original_max_position_embeddings',
         'info': 'a string',
         'mixture': 'a non-empty list of (file glob, weight > 0) pairs',
       }[self.kind]
@@ -292,7 +293,7 @@ def derive(config: ml_collections.ConfigDict) -> None:
 # and the owned fields once train.py has imported their owners (check(config, owned=True)), before anything is built.
 KIND_OWNERS = {
   'rules': 'models.layers',  # the shape of one logical-axis rule: partitioning/rules.py's, which AxisRules parses
-  'rope': 'models.layers',  # Llama 3's rope scaling (layers.rope_scaling_params)
+  'rope': 'models.layers',  # rotary scalings (layers.rope_scaling_params)
 }
 _CHOICES: dict[str, tuple[Any, ...]] = {}  # field path -> its owner's values
 _KIND_PROBLEMS: dict[str, Callable[[Any], str]] = {}  # kind -> what is wrong with a value ('' if nothing)
@@ -380,14 +381,27 @@ EVERY_FAMILY = ('dtype', 'param_dtype')
 _STACK = ('scan_layers', 'remat')  # models/layers.Stack
 _LM = ('attention', *_STACK, 'logits_dtype', 'loss_chunks')
 _SIZES = ('num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')  # and vocab_size (the LMs: the data's)
-_ROTARY = ('num_kv_heads', 'head_dim', 'rope_theta', 'rope_scaling', 'tie_embeddings')  # models/llama.py's attention
+# models/decoder.py's per-checkpoint fields (its families' options are declared there, not here)
+_ROTARY = ('num_kv_heads', 'head_dim', 'rope_theta', 'rope_scaling', 'tie_embeddings', 'pad_vocab_to')
+_DECODER = (
+  *_ROTARY,
+  'sliding_window',
+  'layer_pattern',
+  'local_rope_theta',
+  'query_pre_attn_scalar',
+  'attn_softcap',
+  'final_softcap',
+)
 _CAUSAL = ('lm', 'dpo', 'grpo')  # the causal language models' tasks: next tokens, preference pairs, rewards
 _MOE = ('num_experts', 'top_k', 'capacity_factor', 'group_size', 'aux_loss_weight')
+# The dense decoder families (models/decoder.py FAMILIES): one block, declared options. max_len: their rotary
+# positions have no table (None: config.json's, or none).
+DECODERS = ('llama', 'qwen2', 'qwen3', 'mistral', 'gemma', 'gemma2', 'gemma3', 'phi3', 'olmo2')
 FAMILIES = {
-  # max_len: learned position tables need it; Llama's rotary positions have none (None: config.json's, or none)
+  # max_len: learned position tables need it; vocab_size: the LMs' may be left to the data (data.vocabulary)
   'gpt2': Family(_CAUSAL, ('max_len', *_SIZES), ('vocab_size', 'pad_vocab_to', *_LM)),
-  'llama': Family(_CAUSAL, _SIZES, ('vocab_size', 'max_len', *_ROTARY, *_LM)),
-  'moe': Family(_CAUSAL, (*_SIZES, *_MOE), ('vocab_size', *_ROTARY, 'pad_vocab_to', 'router_z_loss_weight', *_LM)),
+  **{name: Family(_CAUSAL, _SIZES, ('vocab_size', 'max_len', *_DECODER, *_LM)) for name in DECODERS},
+  'moe': Family(_CAUSAL, (*_SIZES, *_MOE), ('vocab_size', *_DECODER, 'router_z_loss_weight', *_LM)),
   'bert': Family(
     ('mlm', 'text_classification'),
     ('max_len', 'vocab_size', *_SIZES),
@@ -510,6 +524,15 @@ FIELDS: dict[str, Field] = {
   'model.tie_embeddings': Field(bool, default=False),  # the output head is the token embedding
   'model.rope_theta': _float(0, 10_000.0, lo_open=True),
   'model.rope_scaling': Field('rope', optional=True, default=None),
+  # the decoder families' (models/decoder.py): local layers' window and the pattern of local ('L') and global ('G')
+  # layers cycled over the stack; the local layers' rotary base (None: rope_theta, scaled alike); scores scaled by
+  # query_pre_attn_scalar**-0.5 (None: head_dim's); tanh soft caps of attention and output logits (None: none)
+  'model.sliding_window': _int(1, None, optional=True),
+  'model.layer_pattern': Field(str, default='G'),
+  'model.local_rope_theta': _float(0, None, lo_open=True, optional=True),
+  'model.query_pre_attn_scalar': _float(0, None, lo_open=True, optional=True),
+  'model.attn_softcap': _float(0, None, lo_open=True, optional=True),
+  'model.final_softcap': _float(0, None, lo_open=True, optional=True),
   'model.num_experts': _int(1),
   'model.top_k': _int(1),
   'model.capacity_factor': _float(0, lo_open=True),

@@ -66,35 +66,73 @@ def bucket(n: int, least: int = 1) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class CacheLayout:
-  """A model's KV cache: layers, kv heads, head dim, dtype, and whether the layers are scanned (stacked)."""
+  """A model's KV cache: layers, kv heads, head dim, dtype, whether the layers are scanned (stacked), and the
+  sliding window of each place in the model's layer pattern (`windows`, cycled over the layers; None: global).
+
+  A global layer keeps every slot; a local one min(window, slots), a ring of its window's last tokens
+  (models/layers.Attention._cached), so its memory does not grow with the decode. Scanned, the cache is laid out
+  as the stack runs (layers.Stack.decode): one (keys, values) pair per place of the pattern, stacked over the
+  layers // period groups, then the pairs of the layers % period layers left over."""
 
   layers: int
   kv_heads: int
   head_dim: int
   dtype: Any
   scanned: bool
+  windows: tuple[int | None, ...] = (None,)
+
+  @property
+  def period(self) -> int:
+    return len(self.windows)
+
+  def slots(self, place: int, slots: int) -> int:
+    """The slots of a layer at `place` in the pattern, for a decode of `slots` slots."""
+    w = self.windows[place]
+    return slots if w is None else min(w, slots)
+
+  def kind(self, place: int) -> str:
+    return 'global' if self.windows[place] is None else f'local (window {self.windows[place]})'
+
+  def _entries(self, rows: int, slots: int) -> list[tuple[str, tuple[int, ...], tuple, int]]:
+    """(path, shape, logical axes, place) of every array, in the cache's order."""
+    one = lambda j: (rows, self.kv_heads, self.slots(j, slots), self.head_dim)
+    out = []
+    if not self.scanned:
+      for i in range(self.layers):
+        out += [(f'{i}/{k}', one(i % self.period), CACHE_AXES, i % self.period) for k in ('key', 'value')]
+      return out
+    groups = self.layers // self.period
+    for j in range(self.period if groups else 0):
+      where = '' if self.period == 1 else f'{j}/'
+      out += [(f'{where}{k}', (groups, *one(j)), ('layers', *CACHE_AXES), j) for k in ('key', 'value')]
+    for j in range(self.layers % self.period):
+      out += [(f'rest/{j}/{k}', one(j), CACHE_AXES, j) for k in ('key', 'value')]
+    return out
 
   def abstract(self, rows: int, slots: int) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, tuple]]:
     """(shapes, logical axes) of the whole cache, by path, for the sharding table."""
-    one = (rows, self.kv_heads, slots, self.head_dim)
-    if self.scanned:
-      names = {'key': ('layers', *CACHE_AXES), 'value': ('layers', *CACHE_AXES)}
-      return {k: jax.ShapeDtypeStruct((self.layers, *one), self.dtype) for k in names}, names
-    names = {f'{i}/{k}': CACHE_AXES for i in range(self.layers) for k in ('key', 'value')}
-    return {k: jax.ShapeDtypeStruct(one, self.dtype) for k in names}, names
+    entries = self._entries(rows, slots)
+    return (
+      {path: jax.ShapeDtypeStruct(shape, self.dtype) for path, shape, _, _ in entries},
+      {path: names for path, _, names, _ in entries},
+    )
+
+  def kinds(self, rows: int, slots: int) -> dict[str, list[str]]:
+    """Each layer kind (global, local (window W)) -> the cache paths of its layers."""
+    out: dict[str, list[str]] = {}
+    for path, _, _, place in self._entries(rows, slots):
+      out.setdefault(self.kind(place), []).append(path)
+    return out
 
   def zeros(self, rows: int, slots: int) -> Any:
     """The empty cache, constrained to its logical axes (under partitioning.use_rules)."""
-    one = (rows, self.kv_heads, slots, self.head_dim)
-    if self.scanned:
-      return tuple(
-        partitioning.shard_logical(jnp.zeros((self.layers, *one), self.dtype), ('layers', *CACHE_AXES))
-        for _ in range(2)
-      )
-    return [
-      tuple(partitioning.shard_logical(jnp.zeros(one, self.dtype), CACHE_AXES) for _ in range(2))
-      for _ in range(self.layers)
-    ]
+    pair = lambda shape, names: tuple(partitioning.shard_logical(jnp.zeros(shape, self.dtype), names) for _ in range(2))
+    one = lambda j: (rows, self.kv_heads, self.slots(j, slots), self.head_dim)
+    if not self.scanned:
+      return [pair(one(i % self.period), CACHE_AXES) for i in range(self.layers)]
+    groups = self.layers // self.period
+    stacked = tuple(pair((groups, *one(j)), ('layers', *CACHE_AXES)) for j in range(self.period))
+    return stacked, tuple(pair(one(j), CACHE_AXES) for j in range(self.layers % self.period))
 
 
 def cache_layout(model: nnx.Module) -> CacheLayout:
@@ -102,10 +140,13 @@ def cache_layout(model: nnx.Module) -> CacheLayout:
   blocks = getattr(model, 'blocks', None)
   if not hasattr(model, 'decode') or blocks is None:
     raise ConfigError(
-      f'{type(model).__name__} is not a decoder language model: generation needs a causal LM (gpt2, llama, moe)'
+      f'{type(model).__name__} is not a decoder language model: generation needs a causal LM (gpt2, llama, qwen3, '
+      'gemma3, moe, ...)'
     )
   attn = next(m for _, m in nnx.iter_graph(blocks) if isinstance(m, Attention))
-  return CacheLayout(blocks.num, attn.kv_heads, attn.head_dim, jnp.dtype(attn.dtype), blocks.scan)
+  first = blocks.layers if blocks.scan else blocks.layers[0]
+  windows = tuple(w for w, _ in getattr(first, 'places', ((None, None),)))  # decoder blocks: models/decoder.py
+  return CacheLayout(blocks.num, attn.kv_heads, attn.head_dim, jnp.dtype(attn.dtype), blocks.scan, windows)
 
 
 def _choose(logits_BV, key, step, temperature, top_p, *, greedy: bool, top_k: int, nucleus: bool) -> jax.Array:
@@ -197,7 +238,15 @@ class Generator:
       k: (rules.spec(names[k], s.shape, mesh_shape, what=f'KV cache {k}') if self.rules else PartitionSpec())
       for k, s in shapes.items()
     }
-    return partitioning.sharding_table(shapes, names, specs, mesh_shape, what='KV cache')
+    table = partitioning.sharding_table(shapes, names, specs, mesh_shape, what='KV cache')
+    kinds = self.layout.kinds(rows, slots)
+    if len(kinds) == 1 and 'global' in kinds:
+      return table
+    per_device = lambda paths: partitioning.tree_bytes_per_device(
+      {p: shapes[p] for p in paths}, {p: specs[p] for p in paths}, mesh_shape
+    )
+    lines = [f'  {kind}: {partitioning.fmt_bytes(per_device(paths))} per device' for kind, paths in kinds.items()]
+    return table + f'\nKV cache by layer kind ({slots} slots):\n' + '\n'.join(lines)
 
   def cache_bytes_per_device(self, rows: int, slots: int) -> int:
     shapes, names = self.layout.abstract(rows, slots)

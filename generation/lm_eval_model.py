@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from lm_eval.api.model import TemplateLM
 from lm_eval.models import utils as lm_utils
+from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import partitioning
@@ -145,3 +146,13 @@ class ZooLM(TemplateLM):
           text_out = self.tok.decode(g.ids)
           results[i] = lm_utils.postprocess_generated_text(text_out, until, None)
     return results
+
+
+def task_manager(tasks: list[str], include_path: str | None):
+  """lm-eval's task index: indexing lm-eval's own thousands of task YAMLs takes ~10 s, so where every task named
+  is one of --include_path's, that directory alone is indexed."""
+  if include_path:
+    local = TaskManager(include_path=include_path, include_defaults=False)
+    if all(t in local.all_tasks for t in tasks):
+      return local
+  return TaskManager(include_path=include_path)

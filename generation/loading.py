@@ -32,7 +32,7 @@ def decode_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDic
   if config.task != 'lm':
     raise ConfigError(
       f'config.task={config.task!r} (model {config.model.name!r}): generation needs a language model '
-      "(task 'lm': gpt2, llama, moe)"
+      f"(task 'lm': {', '.join(n for n, f in schema.FAMILIES.items() if 'lm' in f.tasks)})"
     )
   config = ml_collections.ConfigDict(config.to_dict())
   if config.decode_rules:
@@ -88,20 +88,29 @@ def load(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoi
   )
 
 
-# The config file a Hugging Face directory's model_type is generated with, when none is given (generate.py).
-FAMILY_CONFIGS = {'gpt2': 'configs/gpt2.py', 'llama': 'configs/llama.py', 'mixtral': 'configs/moe.py'}
+def family_configs() -> dict[str, str]:
+  """The config file a Hugging Face directory's model_type is generated with when none is given (generate.py):
+  configs/<name>.py of each language-model family (configs/schema.py FAMILIES with task 'lm') that imports it
+  (models.HF_FAMILIES), e.g. 'qwen3' -> configs/qwen3.py, 'mixtral' -> configs/moe.py."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return {
+    model_type: f'configs/{name}.py'
+    for name, family in models.HF_FAMILIES.items()
+    if 'lm' in schema.FAMILIES[name].tasks and os.path.isfile(os.path.join(root, 'configs', f'{name}.py'))
+    for model_type in family.model_types
+  }
 
 
 def family_config(hf_dir: str) -> str:
   """configs/<family>.py for a Hugging Face directory (its config.json's model_type)."""
   with open(os.path.join(hf_dir, 'config.json')) as f:
     model_type = json.load(f).get('model_type')
-  if model_type not in FAMILY_CONFIGS:
+  known = family_configs()
+  if model_type not in known:
     raise ConfigError(
-      f'{hf_dir}: model_type={model_type!r} is not a language model the zoo generates with; '
-      f'known: {sorted(FAMILY_CONFIGS)}'
+      f'{hf_dir}: model_type={model_type!r} is not a language model the zoo generates with; known: {sorted(known)}'
     )
-  return FAMILY_CONFIGS[model_type]
+  return known[model_type]
 
 
 def tokenizer(config: ml_collections.ConfigDict, *, given: str | None = None, hf_dir: str | None = None) -> Any:
@@ -125,6 +134,31 @@ def encode(tok: Any, prompt: str | list[dict]) -> list[int]:
   (a prompt/completion row's first part), a chat (a list of {'role', 'content'}) is rendered by the chat template
   with its generation prompt."""
   return tokens.chat_prompt(tok, prompt) if isinstance(prompt, list) else tokens.prompt(tok, prompt)
+
+
+def read_prompts(prompt: list[str], chat: list[str], path: str | None) -> list[str | list[dict]]:
+  """generate.py's prompts: `prompt` strings (--prompt), one-turn chats of `chat` (--chat), and a JSONL file's rows
+  (--prompts: {"prompt": ...} gives a string, {"messages": [...]} a chat). ConfigError naming the file:line."""
+  prompts = [*prompt, *([{'role': 'user', 'content': c}] for c in chat)]
+  if path:
+    with open(path) as f:
+      for n, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        row = json.loads(line)
+        messages = row.get('messages') if isinstance(row, dict) else None
+        if isinstance(messages, list) and all(isinstance(m, dict) and {'role', 'content'} <= set(m) for m in messages):
+          prompts.append(messages)
+        elif isinstance(row, dict) and isinstance(row.get('prompt'), str):
+          prompts.append(row['prompt'])
+        else:
+          raise ConfigError(
+            f'{path}:{n}: a JSON object with a "prompt" string or "messages" (a list of {{"role", "content"}}) is '
+            'needed'
+          )
+  if not prompts:
+    raise ConfigError('no prompts: give --prompt TEXT or --chat TEXT (repeatable) or --prompts FILE.jsonl')
+  return prompts
 
 
 def checkpoint_facts(config: ml_collections.ConfigDict, overridden: set[str] = frozenset()) -> dict[str, Any]:

@@ -18,11 +18,13 @@ from flax import nnx
 
 from configs import schema
 from errors import ConfigError
-from models import bert, gpt2, llama, lora, moe, resnet, simple, vit
+from models import bert, decoder, gpt2, lora, moe, resnet, simple, vit
 
+# The dense decoder families (llama, qwen2, qwen3, mistral, gemma, gemma2, gemma3, phi3, olmo2) are one Decoder with
+# each family's options (models/decoder.py FAMILIES); their Hugging Face mappings come from the same table.
 MODELS: dict[str, Callable[..., nnx.Module]] = {
+  **decoder.ENTRY,
   'gpt2': gpt2.GPT2,
-  'llama': llama.Llama,
   'bert': bert.Bert,
   'moe': moe.MoE,
   'mlp': simple.MLP,
@@ -35,8 +37,8 @@ schema.register('model.name', sorted(MODELS))
 
 # Hugging Face importers (see models/hf_import.py): zoo model name -> its family's mapping.
 HF_FAMILIES = {
+  **decoder.HF_FAMILIES,
   'gpt2': gpt2.HF,
-  'llama': llama.HF,
   'bert': bert.HF,
   'vit': vit.HF,
   'resnet': resnet.HF,

@@ -4,8 +4,12 @@ everywhere else, or `blockwise` flash attention written in JAX on any backend.
 `config.model.attention` picks it ('auto', 'xla', 'cudnn', 'pallas', 'splash', 'blockwise'); 'auto' logs each
 distinct choice and its reason once (`decisions()`), and a named kernel that cannot run is a ConfigError saying why.
 Under a mesh the fused kernels run per shard in `jax.shard_map`; a sharded sequence (context parallelism) runs per
-shard with keys and values all-gathered (`_per_shard_context`), rows optionally in zigzag order
+shard with keys and values all-gathered (`per_shard_context`), rows optionally in zigzag order
 (partitioning/context.py). What each kernel takes and when to use it: docs/model_options.md.
+
+What a query's logits are besides q . k is a `Logits` (the scale, Gemma 2's tanh soft cap, a sliding window of the
+last W keys): every kernel that cannot take one of them is passed over for one that can ('auto'), or refused by
+name; the XLA path takes all of them, so it stays the reference the fused ones are tested against.
 
 Shape suffixes: B batch, L length, H query heads, G kv heads, K head dim.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from typing import Any
 
@@ -36,6 +41,29 @@ SPLASH_BLOCK = 128  # splash attention's query/key block (its default block size
 CUDNN_LENGTH_MULTIPLE = 8  # non-causal lengths that are not a multiple are padded (masked keys): cuDNN rejects them
 Q_AXES, KV_AXES = ('batch', 'length', 'heads', 'kv'), ('batch', 'length', 'kv_heads', 'kv')
 
+
+@dataclasses.dataclass(frozen=True)
+class Logits:
+  """How q . k becomes a logit: times `scale` (None: head_dim**-0.5), then `softcap` * tanh(x / softcap) where set
+  (Gemma 2), then masked; `window`: a causal query sees its last `window` keys, itself included (kv > q - W, as
+  transformers' sliding_window; Mistral, Gemma 2/3's local layers). Static: each value is its own compiled kernel."""
+
+  scale: float | None = None
+  softcap: float | None = None
+  window: int | None = None
+
+  def scale_for(self, head_dim: int) -> float:
+    return head_dim**-0.5 if self.scale is None else self.scale
+
+  def cap(self, s: jax.Array) -> jax.Array:
+    """Soft-capped scores (already scaled), in their dtype."""
+    return s if self.softcap is None else self.softcap * jnp.tanh(s / self.softcap)
+
+  def describe(self) -> list[str]:
+    return ([f'window {self.window}'] if self.window else []) + ([f'softcap {self.softcap:g}'] if self.softcap else [])
+
+
+PLAIN = Logits()
 _decisions: dict[str, None] = {}  # every distinct choice made while tracing, in order
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar('shardzoo_attention_forced', default=None)
 _per_shard_xla: contextvars.ContextVar[bool] = contextvars.ContextVar('shardzoo_attention_per_shard_xla', default=False)
@@ -160,17 +188,22 @@ def choose(
   packed: bool,
   padded: bool,
   kv_length: int | None = None,
+  logits: Logits = PLAIN,
 ) -> tuple[str, Any]:
   """(kernel, local specs or None): kernel 'cudnn', 'pallas', 'splash', 'blockwise' or 'xla'; records the
   decision and why.
-  `padded`: a per-token padding mask; `kv_length`: only the first kv_length keys of every row are real."""
+  `padded`: a per-token padding mask; `kv_length`: only the first kv_length keys of every row are real; `logits`:
+  the scale, soft cap and sliding window (a kernel that lacks one is passed over)."""
   forced_impl = _forced.get()
   if forced_impl is not None:
     return forced_impl, None
   if impl not in IMPLEMENTATIONS:
     raise ConfigError(f'config.model.attention={impl!r} is not known; choose one of {list(IMPLEMENTATIONS)}')
+  if logits.window is not None and not causal:
+    raise ValueError(f"a sliding window ({logits.window}) is a causal attention's")
   what = ', '.join(
     ['causal' if causal else 'full']
+    + logits.describe()
     + (['packed'] if packed else [])
     + (['padding'] if padded else [])
     + [f'{jnp.dtype(q_BLHK.dtype).name}', f'L={q_BLHK.shape[1]}']
@@ -192,8 +225,10 @@ def choose(
     return 'blockwise', None
   fused = _fused_blockers(q_BLHK.dtype, q_BLHK.shape[-1])  # what rules out every fused kernel
   K = q_BLHK.shape[-1]
+  if logits.softcap is not None:  # jax.nn.dot_product_attention (cuDNN) and JAX's Pallas kernel have no soft cap
+    fused = fused + ['attention logit soft-capping (cuDNN and Pallas have none)']
   if isinstance(specs, tuple) and specs[0][1] is not None:  # the sequence is sharded: context parallelism
-    return _choose_context(impl, what, fused, specs, q_BLHK.shape[1], causal)
+    return _choose_context(impl, what, fused, specs, q_BLHK.shape[1], causal, logits.window)
   if _splash_wanted(impl):
     why = _splash_blockers(q_BLHK.shape[1]) or ([specs] if isinstance(specs, str) else [])
     if why and impl == 'splash':
@@ -217,6 +252,8 @@ def choose(
     pallas_why.append(f'length {L} (Pallas takes a multiple of {PALLAS_BLOCK})')
   if K & (K - 1):
     pallas_why.append(f'head_dim {K} (Pallas takes a power of two)')
+  if logits.window is not None:
+    pallas_why.append("a sliding window (JAX's Pallas GPU kernel has no local mask)")
   if impl == 'auto':
     choice = 'cudnn' if not cudnn_why else 'pallas' if packed and not pallas_why else None
   else:
@@ -245,10 +282,10 @@ def _stand_in(choice: str, what: str) -> str:
 
 
 def _choose_context(
-  impl: str, what: str, fused: list[str], specs: tuple[P, P, P], L: int, causal: bool
+  impl: str, what: str, fused: list[str], specs: tuple[P, P, P], L: int, causal: bool, window: int | None
 ) -> tuple[str, Any]:
   """The kernel for attention whose sequence is sharded (context parallelism): it runs per shard in shard_map
-  (`_per_shard_context`) on cuDNN where the fused conditions hold, else on XLA; Pallas cannot (module doc)."""
+  (`per_shard_context`) on cuDNN where the fused conditions hold, else on XLA; Pallas cannot (module doc)."""
   axes = specs[0][1]
   where, shards = _context_where(axes)
   if _splash_wanted(impl):
@@ -259,6 +296,7 @@ def _choose_context(
       )
     if not splash_why:
       mask = 'causal mask per shard from positions' if zigzag_shards() > 1 else 'causal offset per shard'
+      mask = mask.replace('causal', 'local' if window else 'causal', 1)
       _record(f'splash ({what}) {where}, {mask}{_interpreted()}')
       return 'splash', specs
     fused = fused + ['splash: ' + '; '.join(splash_why)]
@@ -294,7 +332,7 @@ def _choose_context(
 def _context_where(axes: Any, prefixes: bool = False) -> tuple[str, int]:
   """What a context-parallel decision logs about its layout, and the number of context shards; rows in zigzag
   order (context_load_balance) must be balanced over exactly these shards. `prefixes`: causal attention whose
-  query chunks attend only their keys' prefix (`_per_shard_context`)."""
+  query chunks attend only their keys' prefix (`per_shard_context`)."""
   shards = entry_size(axes, active_mesh().shape)
   where = f'per shard over {axes!r}: shard_map, keys/values all-gathered'
   zigzag = zigzag_shards()
@@ -311,12 +349,14 @@ def _context_where(axes: Any, prefixes: bool = False) -> tuple[str, int]:
   return where, shards
 
 
-def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal: bool, implementation: str):
+def per_shard_context(
+  q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal: bool, implementation: str, logits: Logits = PLAIN
+):
   """One shard of context-parallel attention (inside shard_map): this shard's C queries against the S keys.
   Keys, values and the key-side rows are all-gathered over `axes`; one mask from positions holds causality
-  (the shard's queries start at axis_index * C), packed documents and padding. Rows in zigzag order
-  (context_load_balance): the shard's first chunk of queries attends only the first half of the keys, all it can
-  see, its second chunk every key: 3/4 of the dense work and scores, the same on every shard."""
+  (the shard's queries start at axis_index * C), a sliding window, packed documents and padding. Rows in zigzag
+  order (context_load_balance): the shard's first chunk of queries attends only the first half of the keys, all it
+  can see, its second chunk every key: 3/4 of the dense work and scores, the same on every shard."""
   C = q_BCHK.shape[1]
   zigzag = zigzag_shards()  # > 1: rows in zigzag order (partitioning/context.py); gathered keys put back in order
   gather = lambda x: None if x is None else from_zigzag(jax.lax.all_gather(x, axes, axis=1, tiled=True), zigzag)
@@ -332,6 +372,7 @@ def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal:
       seg_BC,
       valid_BC,
       causal=causal,
+      logits=logits,
       shard=shard,
       seg_k_BS=seg_k_BS,
       valid_k_BS=valid_k_BS,
@@ -342,12 +383,12 @@ def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal:
     cut = lambda x: None if x is None else x[:, :n]
     k, v, seg_k, valid_k = cut(k_BSGK), cut(v_BSGK), cut(seg_k_BS), cut(valid_k_BS)
     if implementation == 'blockwise':
-      return _blockwise(q_BQHK, k, v, seg_BQ, valid_k, causal=causal, q_pos_L=q_pos_Q, seg_k_BS=seg_k)
+      return _blockwise(q_BQHK, k, v, seg_BQ, valid_k, causal=causal, logits=logits, q_pos_L=q_pos_Q, seg_k_BS=seg_k)
     mask = _document_mask(seg_BQ, seg_k, valid_k)
     if causal:
-      later = (q_pos_Q[:, None] >= jnp.arange(n)[None, :])[None, None]
+      later = _causal_mask(q_pos_Q, jnp.arange(n), logits.window)[None, None]
       mask = later if mask is None else mask & later
-    return jax.nn.dot_product_attention(q_BQHK, k, v, mask=mask, implementation=implementation)
+    return _dense(q_BQHK, k, v, mask, False, logits, implementation)
 
   if zigzag == 1 or not causal:  # every key (natural order: the last shard needs them all anyway)
     return prefix(q_BCHK, shard * C + jnp.arange(C), seg_BC, S)
@@ -360,6 +401,35 @@ def _per_shard_context(q_BCHK, k_BCGK, v_BCGK, rows: dict, *, axes: Any, causal:
     q_BCHK[:, h:], (2 * zigzag - 1 - shard) * h + jnp.arange(h), None if seg_BC is None else seg_BC[:, h:], S
   )
   return jnp.concatenate([first, second], axis=1)
+
+
+def _causal_mask(q_pos_L: jax.Array, k_pos_S: jax.Array, window: int | None) -> jax.Array:
+  """(L, S) bool: key at or before the query, and within its last `window` keys where set."""
+  seen = q_pos_L[:, None] >= k_pos_S[None, :]
+  return seen if window is None else seen & (q_pos_L[:, None] - k_pos_S[None, :] < window)
+
+
+def _dense(q_BLHK, k_BSGK, v_BSGK, mask, is_causal: bool, logits: Logits, implementation: str = 'xla') -> jax.Array:
+  """Attention with the whole (L, S) score matrix: jax.nn.dot_product_attention ('xla' or 'cudnn', its softmax in
+  float32), or with a soft cap (which it has no argument for) the same steps written out: scores in float32,
+  scaled, capped, masked, softmax, then the values in the compute dtype."""
+  K = q_BLHK.shape[-1]
+  if logits.softcap is None:
+    return jax.nn.dot_product_attention(
+      q_BLHK, k_BSGK, v_BSGK, mask=mask, is_causal=is_causal, scale=logits.scale, implementation=implementation
+    )
+  B, L, H, _ = q_BLHK.shape
+  S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+  if is_causal:
+    causal = _causal_mask(jnp.arange(L), jnp.arange(S), None)[None, None]
+    mask = causal if mask is None else mask & causal
+  q_BLGRK = q_BLHK.reshape(B, L, G, H // G, K)
+  s_BGRLS = jnp.einsum('blgrk,bsgk->bgrls', q_BLGRK, k_BSGK, preferred_element_type=jnp.float32)
+  s_BGRLS = logits.cap(s_BGRLS * logits.scale_for(K))
+  if mask is not None:  # (B|1, 1, L, S): the same for every head
+    s_BGRLS = jnp.where(mask[:, :, None], s_BGRLS, jnp.finfo(jnp.float32).min)
+  p_BGRLS = jax.nn.softmax(s_BGRLS, axis=-1).astype(q_BLHK.dtype)
+  return jnp.einsum('bgrls,bsgk->blgrk', p_BGRLS, v_BSGK).reshape(B, L, H, K)
 
 
 def _document_mask(seg_q_BL, seg_k_BS, valid_k_BS) -> jax.Array | None:
@@ -411,26 +481,43 @@ def _splash_blockers(L: int) -> list[str]:
 
 @functools.lru_cache(maxsize=64)
 def _splash_kernel(
-  q_len: int, kv_len: int, heads: int, causal: bool, offset: int, interpret: bool, zigzag: int = 1
+  q_len: int,
+  kv_len: int,
+  heads: int,
+  causal: bool,
+  offset: int,
+  interpret: bool,
+  zigzag: int = 1,
+  window: int | None = None,
+  softcap: float | None = None,
 ) -> Any:
   """The splash kernel for one example's (heads, q_len, K) queries against kv_len keys, causal with the queries
   starting at key position `offset` (a context shard's); its masks are processed once per shape. With `zigzag` > 1
   the queries are slots offset.. of a row in zigzag order over that many shards: the causal mask compares their
-  natural positions (its q_sequence, which the kernel also reads) with the keys'."""
+  natural positions (its q_sequence, which the kernel also reads) with the keys'. A sliding `window` is a
+  LocalMask((window - 1, 0)): causal and local in one (splash's LocalMask alone looks both ways); `softcap` is the
+  kernel's attn_logits_soft_cap."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
   shape = (q_len, kv_len)
+
+  def causal_mask(offset: int = 0):
+    if window is None:
+      return masks.CausalMask(shape, offset=offset)
+    return masks.LocalMask(shape, (window - 1, 0), offset=offset)
+
   if causal and zigzag > 1:
-    one = masks.CausalMask(shape)
+    one = causal_mask()
     one.q_sequence = zigzag_positions(kv_len, zigzag)[offset : offset + q_len]  # hashed and compared with the mask
   else:
-    one = masks.CausalMask(shape, offset=offset) if causal else masks.FullMask(shape)
+    one = causal_mask(offset) if causal else masks.FullMask(shape)
   return splash.make_splash_mha(
     masks.MultiHeadMask([one] * heads),
     head_shards=1,
     q_seq_shards=1,
     block_sizes=splash.BlockSizes.get_default(),
+    attn_logits_soft_cap=softcap,
     interpret=interpret,
     residual_checkpoint_name=SPLASH_FORWARD,
   )
@@ -460,6 +547,7 @@ def _splash(
   valid_BL,
   *,
   causal: bool,
+  logits: Logits = PLAIN,
   shard: Any = None,
   seg_k_BS: Any = None,
   valid_k_BS: Any = None,
@@ -480,10 +568,10 @@ def _splash(
   k_BSHK, v_BSHK = _every_head(k_BSGK, v_BSGK, H)
   heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # (B, H, L, K): the kernel's layout per example
   ids = None if seg_q_BL is None else splash.SegmentIds(q=seg_q_BL, kv=seg_k_BS)
-  q_BHLK = heads_first(q_BLHK * jnp.asarray(K**-0.5, q_BLHK.dtype))
+  q_BHLK = heads_first(q_BLHK * jnp.asarray(logits.scale_for(K), q_BLHK.dtype))
 
   def run(offset: int):
-    kernel = _splash_kernel(L, S, H, causal, offset, _splash_interpret.get(), zigzag)
+    kernel = _splash_kernel(L, S, H, causal, offset, _splash_interpret.get(), zigzag, logits.window, logits.softcap)
     return lambda q, k, v, ids: heads_first(jax.vmap(kernel)(q, k, v, segment_ids=ids))
 
   args = (q_BHLK, heads_first(k_BSHK), heads_first(v_BSHK), ids)
@@ -492,7 +580,9 @@ def _splash(
   return jax.lax.switch(shard, [run(i * L) for i in range(S // L)], *args)
 
 
-def _pallas(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, interpret: bool = False):
+def _pallas(
+  q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, logits: Logits = PLAIN, interpret: bool = False
+):
   """JAX's Pallas flash attention (padding as segment 0, grouped kv heads repeated). `interpret` runs it on the
   CPU (tests)."""
   from jax.experimental.pallas.ops.gpu import attention as pallas_attention
@@ -509,11 +599,13 @@ def _pallas(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, i
     block_kv_dq=min(32, L),
   )
   return pallas_attention.mha(
-    q_BLHK, k_BLHK, v_BLHK, seg, sm_scale=K**-0.5, causal=causal, block_sizes=sizes, interpret=interpret
+    q_BLHK, k_BLHK, v_BLHK, seg, sm_scale=logits.scale_for(K), causal=causal, block_sizes=sizes, interpret=interpret
   )
 
 
-def _cudnn(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
+def _cudnn(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, logits: Logits = PLAIN) -> jax.Array:
+  """cuDNN's flash attention through jax.nn.dot_product_attention; a sliding window is its local_window_size
+  (W - 1 keys to the left, none to the right), which it aligns top-left: right for queries and keys of one row."""
   del segment_ids_BL  # never set here: packed documents run on Pallas or XLA (see choose)
   B, L = q_BLHK.shape[:2]
   lengths_B = None if valid_BL is None else valid_BL.astype(jnp.int32).sum(-1)
@@ -527,6 +619,8 @@ def _cudnn(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) ->
     k_BLGK,
     v_BLGK,
     is_causal=causal,
+    scale=logits.scale,
+    local_window_size=None if logits.window is None else (logits.window - 1, 0),
     implementation='cudnn',
     query_seq_lengths=None if lengths_B is None else jnp.full((B,), L + pad, jnp.int32),
     key_value_seq_lengths=lengths_B,
@@ -541,11 +635,12 @@ BLOCKWISE_KEYS = 512  # keys per block: the scores held at once are (B, H, L, BL
 BLOCKWISE_FORWARD = ('attn_flash_out', 'attn_flash_lse')
 
 
-def _block_mask(q_pos_L, seg_q_BL, key_pos_S, seg_k_BS, valid_k_BS, S: int, causal: bool):
-  """(B|1, 1, 1, L, S') bool for one block of keys: real (inside the row, not padding), causal, same document."""
+def _block_mask(q_pos_L, seg_q_BL, key_pos_S, seg_k_BS, valid_k_BS, S: int, causal: bool, window: int | None):
+  """(B|1, 1, 1, L, S') bool for one block of keys: real (inside the row, not padding), causal (within the
+  window), same document."""
   mask = (key_pos_S < S)[None, :]
   if causal:
-    mask = mask & (q_pos_L[:, None] >= key_pos_S[None, :])
+    mask = mask & _causal_mask(q_pos_L, key_pos_S, window)
   mask = mask[None]
   if valid_k_BS is not None:
     mask = mask & valid_k_BS.astype(bool)[:, None, :]
@@ -567,22 +662,23 @@ def _key_blocks(block: int, S: int, *arrays):
   return jnp.arange(n * block).reshape(n, block), [cut(x) for x in arrays]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _flash(q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, causal: bool, block: int):
-  return _flash_fwd(q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, causal, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, causal: bool, block: int, logits: Logits):
+  return _flash_fwd(q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, causal, block, logits)[0]
 
 
-def _flash_fwd(q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, causal, block):
+def _flash_fwd(q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, causal, block, logits):
   B, L, H, K = q_BLHK.shape
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
+  scale = logits.scale_for(K)
   q = q_BLHK.reshape(B, L, G, H // G, K)
   pos_NS, (k_N, v_N, seg_N, valid_N) = _key_blocks(block, S, k_BSGK, v_BSGK, seg_k_BS, valid_k_BS)
 
   def step(carry, xs):  # online softmax over one block of keys
     m, l, acc = carry  # running max and sum (B, G, R, L); unnormalised output (B, G, R, L, K), float32
     pos, k, v, seg, valid = xs
-    s = jnp.einsum('blgrk,bsgk->bgrls', q, k, preferred_element_type=jnp.float32) * K**-0.5
-    s = jnp.where(_block_mask(q_pos_L, seg_q_BL, pos, seg, valid, S, causal), s, -jnp.inf)
+    s = logits.cap(jnp.einsum('blgrk,bsgk->bgrls', q, k, preferred_element_type=jnp.float32) * scale)
+    s = jnp.where(_block_mask(q_pos_L, seg_q_BL, pos, seg, valid, S, causal, logits.window), s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(-1))
     m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with no key yet
     p = jnp.exp(s - m_safe[..., None])
@@ -608,9 +704,10 @@ def _flash_fwd(q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, 
   return o_BLHK, (q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, o_BLHK, lse)
 
 
-def _flash_bwd(causal, block, res, do_BLHK):
+def _flash_bwd(causal, block, logits, res, do_BLHK):
   q_BLHK, k_BSGK, v_BSGK, q_pos_L, seg_q_BL, seg_k_BS, valid_k_BS, o_BLHK, lse = res
   B, L, H, K = q_BLHK.shape
+  scale = logits.scale_for(K)
   S, G = k_BSGK.shape[1], k_BSGK.shape[2]
   R, dtype = H // G, q_BLHK.dtype
   q, do = (x.reshape(B, L, G, R, K) for x in (q_BLHK, do_BLHK.astype(dtype)))
@@ -619,12 +716,16 @@ def _flash_bwd(causal, block, res, do_BLHK):
 
   def step(dq, xs):  # one block of keys: its dk, dv whole; its share of dq
     pos, k, v, seg, valid = xs
-    s = jnp.einsum('blgrk,bsgk->bgrls', q, k, preferred_element_type=jnp.float32) * K**-0.5
-    mask = _block_mask(q_pos_L, seg_q_BL, pos, seg, valid, S, causal)
-    p = jnp.where(mask, jnp.exp(s - lse[..., None]), 0.0)
+    s = jnp.einsum('blgrk,bsgk->bgrls', q, k, preferred_element_type=jnp.float32) * scale
+    mask = _block_mask(q_pos_L, seg_q_BL, pos, seg, valid, S, causal, logits.window)
+    capped = logits.cap(s)
+    p = jnp.where(mask, jnp.exp(capped - lse[..., None]), 0.0)
     dv = jnp.einsum('bgrls,blgrk->bsgk', p.astype(dtype), do, preferred_element_type=jnp.float32)
     dp = jnp.einsum('blgrk,bsgk->bgrls', do, v, preferred_element_type=jnp.float32)
-    ds = (p * (dp - delta[..., None]) * K**-0.5).astype(dtype)
+    ds = p * (dp - delta[..., None]) * scale
+    if logits.softcap is not None:  # d(c tanh(s / c))/ds = 1 - tanh^2
+      ds = ds * (1 - jnp.square(capped / logits.softcap))
+    ds = ds.astype(dtype)
     dq = dq + jnp.einsum('bgrls,bsgk->blgrk', ds, k, preferred_element_type=jnp.float32)
     dk = jnp.einsum('bgrls,blgrk->bsgk', ds, q, preferred_element_type=jnp.float32)
     return dq, (dk, dv)
@@ -638,7 +739,16 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _blockwise(
-  q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, q_pos_L: Any = None, seg_k_BS=None
+  q_BLHK,
+  k_BLGK,
+  v_BLGK,
+  segment_ids_BL,
+  valid_BL,
+  *,
+  causal: bool,
+  logits: Logits = PLAIN,
+  q_pos_L: Any = None,
+  seg_k_BS=None,
 ) -> jax.Array:
   """Flash attention in JAX (any backend): keys in blocks of BLOCKWISE_KEYS under an online softmax, with a
   custom VJP whose forward keeps only the output and the log-sum-exp, like a fused kernel. Temporaries are
@@ -657,18 +767,22 @@ def _blockwise(
     valid_BL,
     causal,
     min(BLOCKWISE_KEYS, S),
+    logits,
   )
 
 
-def _xla(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool) -> jax.Array:
-  """jax.nn.dot_product_attention (softmax in float32, grouped kv heads); causality via is_causal, or for rows in
-  zigzag order (context_load_balance) from the tokens' natural positions."""
+def _xla(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, logits: Logits = PLAIN) -> jax.Array:
+  """jax.nn.dot_product_attention (softmax in float32, grouped kv heads), written out with a soft cap (`_dense`);
+  causality via is_causal, or with a sliding window or for rows in zigzag order (context_load_balance) from the
+  tokens' natural positions (jax's own local window is aligned top-left: right here, but the mask says it)."""
   mask = _document_mask(segment_ids_BL, segment_ids_BL, valid_BL)
-  if causal and (zigzag := zigzag_shards()) > 1:
-    pos_L = jnp.asarray(zigzag_positions(q_BLHK.shape[1], zigzag))
-    later = (pos_L[:, None] >= pos_L[None, :])[None, None]
+  zigzag = zigzag_shards()
+  if causal and (zigzag > 1 or logits.window is not None):
+    L = q_BLHK.shape[1]
+    pos_L = jnp.asarray(zigzag_positions(L, zigzag)) if zigzag > 1 else jnp.arange(L)
+    later = _causal_mask(pos_L, pos_L, logits.window)[None, None]
     mask, causal = later if mask is None else mask & later, False
-  return jax.nn.dot_product_attention(q_BLHK, k_BLGK, v_BLGK, mask=mask, is_causal=causal, implementation='xla')
+  return _dense(q_BLHK, k_BLGK, v_BLGK, mask, causal, logits)
 
 
 def length_multiple(impl: str, dtype: Any, head_dim: int) -> int:
@@ -692,12 +806,13 @@ def attend(
   segment_ids_BL: jax.Array | None = None,
   valid_BL: jax.Array | None = None,
   kv_length: int | None = None,
+  logits: Logits = PLAIN,
 ) -> jax.Array:
   """softmax(q k^T / sqrt(K) [+ masks]) v for every head; grouped-query when G < H. Masks: causal, packed
   documents (attend within the same segment id), padding (valid_BL: 1 = real key), and `kv_length` (a Python
   int): every row's keys from that position on are padding the model appended (`length_multiple`). Unlike a
   valid_BL mask, which 'auto' keeps off cuDNN (it cannot know the mask is right-padding), that is cuDNN's
-  key lengths exactly."""
+  key lengths exactly. `logits`: another scale than 1 / sqrt(K), a soft cap, a sliding window (Logits)."""
   B, L = q_BLHK.shape[:2]
   masked = valid_BL is not None
   if kv_length is not None:
@@ -706,13 +821,22 @@ def attend(
     real_BL = jnp.broadcast_to(jnp.arange(L) < kv_length, (B, L))
     valid_BL = real_BL if valid_BL is None else real_BL & valid_BL.astype(bool)
   kind, specs = choose(
-    impl, q_BLHK, k_BLGK, causal=causal, packed=segment_ids_BL is not None, padded=masked, kv_length=kv_length
+    impl,
+    q_BLHK,
+    k_BLGK,
+    causal=causal,
+    packed=segment_ids_BL is not None,
+    padded=masked,
+    kv_length=kv_length,
+    logits=logits,
   )
   q_BLHK, k_BLGK, v_BLGK = (
     checkpoint_name(x, n) for x, n in ((q_BLHK, 'attn_q'), (k_BLGK, 'attn_k'), (v_BLGK, 'attn_v'))
   )
   kernel = functools.partial(
-    {'cudnn': _cudnn, 'pallas': _pallas, 'splash': _splash, 'xla': _xla, 'blockwise': _blockwise}[kind], causal=causal
+    {'cudnn': _cudnn, 'pallas': _pallas, 'splash': _splash, 'xla': _xla, 'blockwise': _blockwise}[kind],
+    causal=causal,
+    logits=logits,
   )
   # Named so FLOP counting (training/flops.py) can tell causal attention's matmuls from the rest.
   with jax.named_scope('causal_attention' if causal else 'attention'):
@@ -727,7 +851,7 @@ def attend(
       q_spec, kv_spec, bl_spec = specs
       rows = {k: x for k, x in (('segment_ids_BL', segment_ids_BL), ('valid_BL', valid_BL)) if x is not None}
       if q_spec[1] is not None:  # context parallelism
-        local = functools.partial(_per_shard_context, axes=q_spec[1], causal=causal, implementation=kind)
+        local = functools.partial(per_shard_context, axes=q_spec[1], causal=causal, implementation=kind, logits=logits)
       else:
         local = lambda q, k, v, rows: kernel(q, k, v, rows.get('segment_ids_BL'), rows.get('valid_BL'))
       o_BLHK = jax.shard_map(

@@ -256,6 +256,8 @@ def config_json(family: hf.Family, model_cfg: Any, dtype: Any, base: Mapping[str
   if family.to_config is None:
     raise HFExportError(f'the {family.model_types[0]} family has no config.json writer (Family.to_config)')
   ours = family.to_config(model_cfg)
+  if base is not None and family.own_config is not None:
+    base = family.own_config(base)
   out = dict(base or {})
   out.update(
     {k: v for k, v in ours.items() if (v is not None or k not in out) and not (k in family.base_keeps and k in out)}

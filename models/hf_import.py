@@ -270,6 +270,9 @@ class Family:
   # where config.model may narrow them without changing the model (Llama's max_position_embeddings: a shorter
   # max_len trains on the same rotary positions, and the export can still take the checkpoint's length).
   base_keeps: tuple[str, ...] = ()
+  # Export only: the config.json a run started from as this family's own (Gemma 3's vision-language checkpoints
+  # hold the language model's in text_config; the export writes the language model alone).
+  own_config: Callable[[dict], dict] | None = None
 
 
 # --- Reading a directory ----------------------------------------------------------------------

@@ -5,6 +5,7 @@ Shape suffixes: B batch, L length, D embed, H heads, K head dim (kv), F mlp, V v
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -406,9 +407,13 @@ class Embed(nnx.Module):
     w_VD = shard_logical(self.embed.embedding[...], ('vocab', None))
     return jnp.take(w_VD, tokens_BL, axis=0).astype(self.dtype)
 
-  def attend(self, x_BLD: jax.Array) -> jax.Array:
+  def attend(self, x_BLD: jax.Array, softcap: float | None = None) -> jax.Array:
+    """Logits against the table (a tied head); `softcap`: softcap * tanh(logits / softcap) before the padded rows
+    are masked (Gemma 2's final soft cap)."""
     w_VD = self.embed.embedding[...].astype(self.dtype)
     logits_BLV = wide_einsum('bld,vd->blv', x_BLD.astype(self.dtype), w_VD, preferred_element_type=self.logits_dtype)
+    if softcap is not None:
+      logits_BLV = softcap * jnp.tanh(logits_BLV / softcap)
     return mask_padded_vocab(logits_BLV, self.vocab_size)
 
 
@@ -419,30 +424,55 @@ def mask_padded_vocab(logits_BLV: jax.Array, vocab: int) -> jax.Array:
   return jnp.where(jnp.arange(logits_BLV.shape[-1]) < vocab, logits_BLV, -1e9)
 
 
-ROPE_SCALING_KEYS = ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')
+# Rotary scalings (transformers' rope_type, and the keys of each): `rope_scaling_params` checks a setting against
+# these and makes it hashable; `rope_frequencies` computes them as transformers' ROPE_INIT_FUNCTIONS do.
+ROPE_SCALINGS = {
+  'linear': (('factor',), ()),
+  'llama3': (('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'), ()),
+  'yarn': (
+    ('factor', 'original_max_position_embeddings'),
+    ('beta_fast', 'beta_slow', 'mscale', 'mscale_all_dim', 'attention_factor', 'truncate'),
+  ),
+  'longrope': (('short_factor', 'long_factor', 'original_max_position_embeddings'), ('factor', 'attention_factor')),
+}
+ROPE_SCALING_KEYS = ROPE_SCALINGS['llama3'][0]  # Llama 3's, the first the zoo took
 
 
 def rope_scaling_params(scaling: Any) -> tuple[tuple[str, Any], ...] | None:
-  """A rope scaling setting (None, a mapping, or a tuple of (key, value) pairs as configs hold it)
-  checked and made hashable: (('rope_type', 'llama3'), ('factor', f), ('low_freq_factor', l),
-  ('high_freq_factor', h), ('original_max_position_embeddings', n)). Only Llama 3's 'llama3' type."""
+  """A rope scaling setting (None, a mapping, or a tuple of (key, value) pairs as configs hold it) checked and
+  made hashable: (('rope_type', kind), (key, value), ...) with kind one of ROPE_SCALINGS ('linear', 'llama3',
+  'yarn', 'longrope'), its required keys then the optional ones given, in ROPE_SCALINGS' order; numbers as floats,
+  longrope's per-frequency factors as tuples. None (or rope_type 'default'): plain RoPE."""
   if scaling is None:
     return None
   items = dict(scaling.items() if hasattr(scaling, 'items') else scaling)
   kind = items.get('rope_type', items.get('type'))
   if kind in (None, 'default'):
     return None
-  if kind != 'llama3':
-    raise ConfigError(f"rope_scaling rope_type={kind!r} is not supported; the zoo implements 'llama3' (or None)")
-  missing = [k for k in ROPE_SCALING_KEYS if items.get(k) is None]
+  if kind not in ROPE_SCALINGS:
+    raise ConfigError(f'rope_scaling rope_type={kind!r} is not supported; the zoo implements {sorted(ROPE_SCALINGS)}')
+  required, optional = ROPE_SCALINGS[kind]
+  missing = [k for k in required if items.get(k) is None]
   if missing:
-    raise ConfigError(f"rope_scaling of type 'llama3' needs {list(ROPE_SCALING_KEYS)}; missing {missing}")
-  if not items['high_freq_factor'] > items['low_freq_factor']:
+    raise ConfigError(f'rope_scaling of type {kind!r} needs {list(required)}; missing {missing}')
+  unknown = sorted(set(items) - {'rope_type', 'type', *required, *optional})
+  if unknown:
+    raise ConfigError(f'rope_scaling of type {kind!r} takes {list(required + optional)}; not {unknown}')
+  if kind == 'llama3' and not items['high_freq_factor'] > items['low_freq_factor']:
     raise ConfigError(
       f'rope_scaling: high_freq_factor ({items["high_freq_factor"]}) must exceed low_freq_factor '
       f'({items["low_freq_factor"]})'
     )
-  return (('rope_type', 'llama3'),) + tuple((k, float(items[k])) for k in ROPE_SCALING_KEYS)
+
+  def value(k):
+    v = items[k]
+    if k == 'truncate':
+      return bool(v)
+    if isinstance(v, (list, tuple)):
+      return tuple(float(x) for x in v)
+    return float(v)
+
+  return (('rope_type', kind),) + tuple((k, value(k)) for k in required + optional if items.get(k) is not None)
 
 
 def rope_scaling_problem(scaling: Any) -> str:
@@ -461,18 +491,64 @@ schema.register_kind('rope', rope_scaling_problem)
 schema.register_kind('rules', rule_problem)
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: Any = None) -> jax.Array:
-  """The (head_dim/2,) inverse frequencies; with Llama 3 scaling (`scaling` as rope_scaling_params
-  takes it), wavelengths longer than original_max_position_embeddings / low_freq_factor are stretched
-  by `factor`, shorter than .../high_freq_factor kept, and those in between interpolated
-  (transformers' _compute_llama3_parameters, in float32 like it)."""
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+  return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: Any) -> float:
+  """What yarn and longrope scale cos and sin by (so the logits by its square); 1 for the others. A given
+  attention_factor is used as is; else yarn's from factor (and mscale / mscale_all_dim), longrope's
+  sqrt(1 + ln factor / ln original_max_position_embeddings), as transformers computes them."""
+  s = dict(rope_scaling_params(scaling) or ())
+  if s.get('rope_type') not in ('yarn', 'longrope'):
+    return 1.0
+  if s.get('attention_factor') is not None:
+    return s['attention_factor']
+  factor = s.get('factor', 1.0)
+  if s['rope_type'] == 'yarn':
+    if s.get('mscale') and s.get('mscale_all_dim'):
+      return _yarn_mscale(factor, s['mscale']) / _yarn_mscale(factor, s['mscale_all_dim'])
+    return _yarn_mscale(factor)
+  return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(s['original_max_position_embeddings']))
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: Any = None, *, long: bool = False) -> jax.Array:
+  """The (head_dim/2,) inverse frequencies, in float32 as transformers' ROPE_INIT_FUNCTIONS compute them:
+  plain 1 / theta^(2i/K); 'linear' divides them by factor; 'llama3' stretches wavelengths longer than
+  original_max_position_embeddings / low_freq_factor by factor, keeps those shorter than .../high_freq_factor and
+  interpolates in between; 'yarn' blends interpolated (/ factor) and extrapolated frequencies over a ramp between
+  the dims that turn beta_fast and beta_slow times in the original length; 'longrope' divides each frequency by
+  its own factor, long_factor (`long`) or short_factor."""
   K = head_dim
-  inv_freq_k = 1.0 / (theta ** (jnp.arange(0, K, 2, dtype=jnp.float32) / K))
+  exponent_k = jnp.arange(0, K, 2, dtype=jnp.float32) / K
+  inv_freq_k = 1.0 / (theta**exponent_k)
   scaling = rope_scaling_params(scaling)
   if scaling is None:
     return inv_freq_k
   s = dict(scaling)
-  factor, low, high, old_len = (s[k] for k in ROPE_SCALING_KEYS)
+  kind = s['rope_type']
+  if kind == 'linear':
+    return inv_freq_k / s['factor']
+  if kind == 'longrope':
+    factors_k = jnp.asarray(s['long_factor' if long else 'short_factor'], jnp.float32)
+    if factors_k.shape != inv_freq_k.shape:
+      raise ConfigError(f'rope_scaling longrope: {len(factors_k)} factors for a head_dim of {K} ({K // 2} frequencies)')
+    return 1.0 / (factors_k * theta**exponent_k)
+  if kind == 'yarn':
+    factor, old_len = s['factor'], s['original_max_position_embeddings']
+    beta_fast, beta_slow = s.get('beta_fast') or 32.0, s.get('beta_slow') or 1.0
+    # the dim that turns `turns` times over the original length, as transformers' find_correction_dim
+    dim_of = lambda turns: K * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if s.get('truncate', True):
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, K - 1)
+    high = high + 0.001 if low == high else high
+    ramp_k = jnp.clip((jnp.arange(K // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolated_k = 1 - ramp_k
+    pos_freqs_k = theta**exponent_k
+    return (1.0 / (factor * pos_freqs_k)) * (1 - extrapolated_k) + (1.0 / pos_freqs_k) * extrapolated_k
+  factor, low, high, old_len = (s[k] for k in ROPE_SCALING_KEYS)  # llama3
   wavelen_k = 2 * jnp.pi / inv_freq_k
   scaled_k = jnp.where(wavelen_k > old_len / low, inv_freq_k / factor, inv_freq_k)
   smooth_k = (old_len / wavelen_k - low) / (high - low)
@@ -483,15 +559,24 @@ def rope_frequencies(head_dim: int, theta: float, scaling: Any = None) -> jax.Ar
 
 def rope(x_BLHK: jax.Array, positions_BL: jax.Array, theta: float, scaling: Any = None) -> jax.Array:
   """Rotary position embedding in the Hugging Face convention (rotate_half: pairs dims i and i + K/2).
-  `scaling`: None (plain RoPE) or Llama 3 frequency scaling (see rope_frequencies)."""
+  `scaling`: None (plain RoPE) or a rope scaling (rope_frequencies); yarn and longrope also scale cos and sin
+  (rope_attention_factor). Longrope takes its long factors where the positions reach past
+  original_max_position_embeddings (the largest position + 1 of the batch, as transformers decides per forward)."""
   K = x_BLHK.shape[-1]
+  scaling = rope_scaling_params(scaling)
   inv_freq_k = rope_frequencies(K, theta, scaling)
+  if scaling is not None and dict(scaling)['rope_type'] == 'longrope':
+    long = jnp.max(positions_BL) + 1 > dict(scaling)['original_max_position_embeddings']
+    inv_freq_k = jnp.where(long, rope_frequencies(K, theta, scaling, long=True), inv_freq_k)
   angles_BLk = positions_BL.astype(jnp.float32)[..., None] * inv_freq_k
   angles_BLK = jnp.concatenate([angles_BLk, angles_BLk], axis=-1)[:, :, None, :]
   x = x_BLHK.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
   rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x * jnp.cos(angles_BLK) + rotated * jnp.sin(angles_BLK)).astype(x_BLHK.dtype)
+  cos, sin = jnp.cos(angles_BLK), jnp.sin(angles_BLK)
+  if (factor := rope_attention_factor(scaling)) != 1.0:
+    cos, sin = cos * factor, sin * factor
+  return (x * cos + rotated * sin).astype(x_BLHK.dtype)
 
 
 # A layer's KV cache: keys and values (B, G, S, K) of every position decoded so far, in S slots; heads before slots:
@@ -512,9 +597,14 @@ class Decoding:
 
 
 class Attention(nnx.Module):
-  """Multi-head self-attention; grouped-query when num_kv_heads < num_heads; optional rotary
-  (rope_theta), optionally with Llama 3 frequency scaling (rope_scaling, see rope_frequencies).
-  `impl` picks the kernel (models/attention.py: 'auto' = cuDNN flash attention where it applies).
+  """Multi-head self-attention; grouped-query when num_kv_heads < num_heads; optional rotary (rope_theta),
+  optionally scaled (rope_scaling, see rope_frequencies). `impl` picks the kernel (models/attention.py: 'auto' =
+  cuDNN flash attention where it applies).
+
+  Options of the decoder families (models/decoder.py): `qk_norm` 'head' (RMSNorm of each head's q and k before the
+  rotary embedding: Qwen3, Gemma 3) or 'whole' (of the whole q and k projections: OLMo-2), with `norm_eps` and
+  `norm_plus_one` (Gemma's (1 + w) scale); `logits`: another scale than 1 / sqrt(head_dim) and a soft cap
+  (attention.Logits; the window is a layer's, given per call).
 
   Projections: query (embed, heads, kv), key/value (embed, kv_heads, kv), out (heads, kv, embed).
   """
@@ -530,6 +620,10 @@ class Attention(nnx.Module):
     out_bias: bool | None = None,
     rope_theta: float | None = None,
     rope_scaling: Any = None,
+    qk_norm: str = '',
+    norm_eps: float = 1e-6,
+    norm_plus_one: bool = False,
+    logits: attention.Logits = attention.PLAIN,
     out_init_scale: float = 1.0,
     kernel_init: Initializer = NORMAL_002,
     impl: str = 'auto',
@@ -561,6 +655,15 @@ class Attention(nnx.Module):
       bias_axes=('embed',) if (use_bias if out_bias is None else out_bias) else None,
       **kw,
     )
+    norm = dict(eps=norm_eps, plus_one=norm_plus_one, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    if qk_norm == 'head':
+      self.q_norm, self.k_norm = RMSNorm(K, **norm), RMSNorm(K, **norm)
+    elif qk_norm == 'whole':
+      self.q_norm = RMSNorm(num_heads * K, shape=(num_heads, K), names=('heads', 'kv'), **norm)
+      self.k_norm = RMSNorm(num_kv_heads * K, shape=(num_kv_heads, K), names=('kv_heads', 'kv'), **norm)
+    elif qk_norm:
+      raise ConfigError(f"qk_norm={qk_norm!r}: 'head', 'whole' or ''")
+    self.qk_norm, self.logits = qk_norm, logits
     self.rope_theta = rope_theta
     self.rope_scaling = rope_scaling_params(rope_scaling)  # hashable (static): None or (key, value) pairs
     self.impl = impl  # 'auto' | 'xla' | 'cudnn' (models/attention.py)
@@ -575,21 +678,29 @@ class Attention(nnx.Module):
     segment_ids_BL: jax.Array | None = None,
     valid_BL: jax.Array | None = None,
     kv_length: int | None = None,
+    window: int | None = None,
+    rotary: tuple[float, Any] | None = None,
     cache: tuple[jax.Array, jax.Array] | None = None,
     decoding: Decoding | None = None,
   ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """With `cache` (this layer's keys and values, (B, G, S, K) each) and `decoding`: the new keys and values
-    are written into it, and (output, cache) returned."""
+    """`window`: this layer's sliding window (each query sees its last `window` keys); `rotary`: this layer's
+    (theta, scaling) in place of the module's (Gemma 3's local layers). With `cache` (this layer's keys and values,
+    (B, G, C, K) each; C < the decode's slots: a ring of the window's last keys) and `decoding`: the new keys and
+    values are written into it, and (output, cache) returned."""
     q_BLHK = shard_logical(self.query(x_BLD), ('batch', 'length', 'heads', 'kv'))
     k_BLGK = shard_logical(self.key(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
     v_BLGK = shard_logical(self.value(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
-    if self.rope_theta is not None:
+    if self.qk_norm:
+      q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
+    theta, scaling = rotary if rotary is not None else (self.rope_theta, self.rope_scaling)
+    if theta is not None:
       if positions_BL is None:
         positions_BL = jnp.arange(x_BLD.shape[1])[None]
-      q_BLHK = rope(q_BLHK, positions_BL, self.rope_theta, self.rope_scaling)
-      k_BLGK = rope(k_BLGK, positions_BL, self.rope_theta, self.rope_scaling)
+      q_BLHK = rope(q_BLHK, positions_BL, theta, scaling)
+      k_BLGK = rope(k_BLGK, positions_BL, theta, scaling)
+    logits = dataclasses.replace(self.logits, window=window)
     if cache is not None:
-      o_BLHK, cache = self._cached(q_BLHK, k_BLGK, v_BLGK, cache, decoding)
+      o_BLHK, cache = self._cached(q_BLHK, k_BLGK, v_BLGK, cache, decoding, logits)
       return self.out(shard_logical(o_BLHK, ('batch', 'length', 'heads', 'kv'))), cache
     o_BLHK = attention.attend(
       q_BLHK,
@@ -600,37 +711,74 @@ class Attention(nnx.Module):
       segment_ids_BL=segment_ids_BL,
       valid_BL=valid_BL,
       kv_length=kv_length,
+      logits=logits,
     )
     o_BLHK = shard_logical(o_BLHK, ('batch', 'length', 'heads', 'kv'))
     return self.out(o_BLHK)
 
-  def _cached(self, q_BTHK, k_BTGK, v_BTGK, cache, d: Decoding):
+  def _cached(self, q_BTHK, k_BTGK, v_BTGK, cache, d: Decoding, logits: attention.Logits):
     """Attention of T new queries with the KV cache. Every row writes the same slots (prompts are left-padded),
     so the write is one dynamic_update_slice on the unsharded slot axis, not a per-row scatter (which SPMD
-    partitions poorly; T5X's decoder writes per-row slots with a one-hot sum instead)."""
-    k_BGSK, v_BGSK = (
-      shard_logical(
-        jax.lax.dynamic_update_slice_in_dim(c, x.transpose(0, 2, 1, 3).astype(c.dtype), d.index, axis=2), CACHE_AXES
-      )
-      for c, x in zip(cache, (k_BTGK, v_BTGK))
-    )
+    partitions poorly; T5X's decoder writes per-row slots with a one-hot sum instead).
+
+    A cache of C slots, fewer than the decode's S, is a sliding window's ring: token i sits in slot i mod C, so
+    the C slots hold exactly the last C tokens, what a query at i can see with a window of C. The prefill writes
+    the prompt's last C tokens rotated into place; a decode step overwrites the slot of the token leaving the
+    window. Memory per such layer is the window's, however long the decode (transformers' sliding window cache
+    shifts its buffer each step instead)."""
     B, T, H, K = q_BTHK.shape
-    G, S = k_BGSK.shape[1], k_BGSK.shape[2]
+    C, S = cache[0].shape[2], d.valid_BS.shape[1]
+    ring = C < S
+    to_cache = lambda x: x.transpose(0, 2, 1, 3).astype(cache[0].dtype)  # (B, T, G, K) -> (B, G, T, K)
+    if ring and d.prefill:
+      if logits.window is None or C != logits.window:
+        raise ValueError(f'a ring of {C} slots for a window of {logits.window}')
+      k_BGCK, v_BGCK = (  # prompt token T - C + j (the j-th of the last C) to slot (T - C + j) mod C
+        jnp.roll(to_cache(x)[:, :, T - C :], T % C, axis=2)
+        if T >= C
+        else jax.lax.dynamic_update_slice_in_dim(c, to_cache(x), 0, axis=2)
+        for c, x in zip(cache, (k_BTGK, v_BTGK))
+      )
+    elif ring:
+      if T != 1:
+        raise ValueError(f'a ring cache takes one token per decode step, not {T}')
+      k_BGCK, v_BGCK = (
+        jax.lax.dynamic_update_slice_in_dim(c, to_cache(x), d.index % C, axis=2)
+        for c, x in zip(cache, (k_BTGK, v_BTGK))
+      )
+    else:
+      k_BGCK, v_BGCK = (
+        jax.lax.dynamic_update_slice_in_dim(c, to_cache(x), d.index, axis=2) for c, x in zip(cache, (k_BTGK, v_BTGK))
+      )
+    k_BGCK, v_BGCK = (shard_logical(c, CACHE_AXES) for c in (k_BGCK, v_BGCK))
     if d.prefill:  # the prompt alone, causal with its pads masked: attend's kernel choice, no S-long keys
-      o_BTHK = attention.attend(q_BTHK, k_BTGK, v_BTGK, causal=True, impl=self.impl, valid_BL=d.valid_BS[:, :T])
-      return o_BTHK, (k_BGSK, v_BGSK)
-    # A query sees the real slots up to its own; softmax in float32 (as jax.nn.dot_product_attention's).
-    seen_TS = jnp.arange(S)[None, :] <= d.index + jnp.arange(T)[:, None]
-    mask_B11TS = (d.valid_BS[:, None, :] & seen_TS[None])[:, None, None]
+      o_BTHK = attention.attend(
+        q_BTHK, k_BTGK, v_BTGK, causal=True, impl=self.impl, valid_BL=d.valid_BS[:, :T], logits=logits
+      )
+      return o_BTHK, (k_BGCK, v_BGCK)
+    # A query sees the real slots up to its own (within its window); softmax in float32 (as
+    # jax.nn.dot_product_attention's).
+    q_T = d.index + jnp.arange(T)
+    if ring:  # slot c holds token index - ((index - c) mod C): the last C tokens, the query's window
+      token_C = d.index - jnp.mod(d.index - jnp.arange(C), C)
+      valid_BC = jnp.take(d.valid_BS, jnp.maximum(token_C, 0), axis=1) & (token_C >= 0)[None]
+      mask_BTC = valid_BC[:, None, :] & (token_C[None, :] <= q_T[:, None])[None]
+    else:
+      seen_TS = jnp.arange(S)[None, :] <= q_T[:, None]
+      if logits.window is not None:
+        seen_TS = seen_TS & (q_T[:, None] - jnp.arange(S)[None, :] < logits.window)
+      mask_BTC = d.valid_BS[:, None, :] & seen_TS[None]
+    G = k_BGCK.shape[1]
     q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
     with jax.named_scope('attention'):
-      s_BGRTS = jnp.einsum(
-        'btgrk,bgsk->bgrts', q_BTGRK, k_BGSK.astype(q_BTHK.dtype), preferred_element_type=jnp.float32
+      s_BGRTC = jnp.einsum(
+        'btgrk,bgck->bgrtc', q_BTGRK, k_BGCK.astype(q_BTHK.dtype), preferred_element_type=jnp.float32
       )
-      s_BGRTS = jnp.where(mask_B11TS, s_BGRTS * (K**-0.5), jnp.finfo(jnp.float32).min)
-      p_BGRTS = jax.nn.softmax(s_BGRTS, axis=-1).astype(q_BTHK.dtype)
-      o_BTGRK = jnp.einsum('bgrts,bgsk->btgrk', p_BGRTS, v_BGSK.astype(q_BTHK.dtype))
-    return o_BTGRK.reshape(B, T, H, K), (k_BGSK, v_BGSK)
+      s_BGRTC = logits.cap(s_BGRTC * logits.scale_for(K))
+      s_BGRTC = jnp.where(mask_BTC[:, None, None], s_BGRTC, jnp.finfo(jnp.float32).min)
+      p_BGRTC = jax.nn.softmax(s_BGRTC, axis=-1).astype(q_BTHK.dtype)
+      o_BTGRK = jnp.einsum('bgrtc,bgck->btgrk', p_BGRTC, v_BGCK.astype(q_BTHK.dtype))
+    return o_BTGRK.reshape(B, T, H, K), (k_BGCK, v_BGCK)
 
 
 def activation_then(down: Callable[..., jax.Array], *pre: jax.Array) -> jax.Array:
@@ -769,18 +917,44 @@ class GatedMLP(nnx.Module):
 
 
 class RMSNorm(nnx.RMSNorm):
-  """x / rms(x) * scale, computed in float32 (as Llama does), cast back to the compute dtype."""
+  """x / rms(x) * scale, computed in float32 (as Llama does), cast back to the compute dtype. `plus_one`: Gemma's
+  x / rms(x) * (1 + scale), the scale initialised to 0 (checkpoints store w, not 1 + w). `shape`: a scale over
+  several trailing dims normalised together (OLMo-2's q/k norm over every head: (heads, kv)), named `names`."""
 
   def __init__(
-    self, dim: int, *, eps: float = 1e-6, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs
+    self,
+    dim: int,
+    *,
+    eps: float = 1e-6,
+    plus_one: bool = False,
+    shape: tuple[int, ...] | None = None,
+    names: tuple[str, ...] = ('norm',),
+    dtype: Any = jnp.float32,
+    param_dtype: Any = jnp.float32,
+    rngs: nnx.Rngs,
   ):
+    init = nnx.initializers.zeros if plus_one else nnx.initializers.ones
     super().__init__(
-      dim, epsilon=eps, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs, scale_metadata=axes('norm')
+      dim,
+      epsilon=eps,
+      dtype=jnp.float32,
+      param_dtype=param_dtype,
+      scale_init=init,
+      rngs=rngs,
+      scale_metadata=axes(*names),
     )
-    self.out_dtype = dtype
+    if shape is not None:
+      self.scale = nnx.Param(init(rngs.params(), shape, param_dtype), **axes(*names))
+    self.out_dtype, self.plus_one, self.dims = dtype, plus_one, len(shape or (dim,))
 
   def __call__(self, x: jax.Array, mask: Any = None) -> jax.Array:
-    return super().__call__(x.astype(jnp.float32)).astype(self.out_dtype)
+    if not self.plus_one and self.dims == 1:
+      return super().__call__(x.astype(jnp.float32)).astype(self.out_dtype)
+    x = x.astype(jnp.float32)
+    over = tuple(range(x.ndim - self.dims, x.ndim))
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=over, keepdims=True) + self.epsilon)
+    scale = self.scale[...].astype(jnp.float32)
+    return (y * (1 + scale if self.plus_one else scale)).astype(self.out_dtype)
 
 
 # cuDNN flash attention's forward (jax.nn.dot_product_attention(implementation='cudnn')): its output and
@@ -850,12 +1024,25 @@ class Stack(nnx.Module):
   Unrolled: an nnx.List, parameters at <stack>/layers/<i>/... . Both give the same outputs.
   A block maps (x, *args) -> x, or -> (x, aux) with aux a dict of scalars, summed over layers.
   `remat` names what each block keeps for the backward pass (REMAT_POLICIES); the rest is recomputed.
+
+  `period` > 1: the blocks differ by their place in a repeating pattern of that many layers (a decoder's local and
+  global attention layers: Gemma 3's five local to one global), told to each block as `layer=i % period`. Stored
+  as before (one stacked 'layers' axis, so checkpoints and rules do not change); a scanned stack runs in groups of
+  `period` layers, one compiled group (its blocks unrolled inside) scanned num // period times, as MaxText scans
+  Gemma 3, and the remaining num % period layers after it.
   """
 
   def __init__(
-    self, make_block: Callable[[nnx.Rngs], nnx.Module], num: int, *, scan: bool, rngs: nnx.Rngs, remat: Any = 'none'
+    self,
+    make_block: Callable[[nnx.Rngs], nnx.Module],
+    num: int,
+    *,
+    scan: bool,
+    rngs: nnx.Rngs,
+    remat: Any = 'none',
+    period: int = 1,
   ):
-    self.scan, self.remat, self.num = scan, remat_policy(remat), num
+    self.scan, self.remat, self.num, self.period = scan, remat_policy(remat), num, period
     # Both layouts come from one vmapped initialiser (same values): unrolled blocks are split from it, since
     # num separate initialisers compile far more slowly.
     metadata = {nnx.PARTITION_NAME: 'layers'} if scan else {}  # unrolled: each block keeps its own axes
@@ -871,21 +1058,27 @@ class Stack(nnx.Module):
       state = jax.lax.optimization_barrier(state)
       self.layers = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], state)) for i in range(num)])
 
+  def place(self, i: int) -> dict[str, int]:
+    """The keyword a block at layer i is called with: its place in the pattern (none without one)."""
+    return {'layer': i % self.period} if self.period > 1 else {}
+
   def __call__(self, x: jax.Array, *args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-    def apply(block, x, *args):
-      out = block(x, *args)
+    def apply(block, x, *args, **place):
+      out = block(x, *args, **place)
       return out if isinstance(out, tuple) else (out, {})
 
     if self.scan and pipeline.active() is not None:  # the rules cut the stack into pipeline stages
       return self._pipelined(apply, x, *args), {}
-    if self.remat != 'none':
-      apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat])
+    remat = (lambda f: nnx.remat(f, policy=REMAT_POLICIES[self.remat])) if self.remat != 'none' else (lambda f: f)
     if not self.scan:
       totals: dict[str, jax.Array] = {}
-      for block in self.layers:
-        x, aux = apply(block, x, *args)
+      for i, block in enumerate(self.layers):
+        x, aux = remat(functools.partial(apply, **self.place(i)))(block, x, *args)
         totals = {k: totals.get(k, 0.0) + v for k, v in aux.items()}
       return x, totals
+    if self.period > 1:
+      return self._grouped([remat(functools.partial(apply, layer=j)) for j in range(self.period)], x, *args)
+    apply = remat(apply)
 
     @nnx.scan(
       in_axes=(nnx.Carry, 0) + (None,) * len(args),
@@ -898,12 +1091,53 @@ class Stack(nnx.Module):
     x, aux = body(x, self.layers, *args)
     return x, {k: v.sum() for k, v in aux.items()}
 
-  def _pipelined(self, apply: Callable[..., Any], x: jax.Array, *args: Any) -> jax.Array:
-    """The scanned stack as the active pipeline (partitioning/pipeline.py), remat per stage iteration."""
+  def _groups(self) -> tuple[Any, Any, Any]:
+    """(graphdef of one block, its weights in groups (num // period, period, ...), the rest's (num % period, ...))."""
     graphdef, weights = nnx.split(self.layers)
+    n = self.num // self.period * self.period
+    groups = jax.tree.map(lambda w: w[:n].reshape(self.num // self.period, self.period, *w.shape[1:]), weights)
+    return graphdef, groups, jax.tree.map(lambda w: w[n:], weights)
+
+  def _grouped(self, applies: list[Callable[..., Any]], x: jax.Array, *args: Any) -> tuple[jax.Array, dict]:
+    """A scanned stack with a pattern: a lax.scan over the groups of `period` layers, then the rest one by one."""
+    graphdef, groups, rest = self._groups()
+    at = lambda w, j: nnx.merge(graphdef, jax.tree.map(lambda v: v[j], w))
+
+    def group(x, w):
+      totals: dict[str, jax.Array] = {}
+      for j, apply in enumerate(applies):
+        x, aux = apply(at(w, j), x, *args)
+        totals = {k: totals.get(k, 0.0) + v for k, v in aux.items()}
+      return x, totals
+
+    x, aux = jax.lax.scan(group, x, groups)
+    totals = {k: v.sum() for k, v in aux.items()}
+    for j in range(self.num % self.period):
+      x, aux = applies[j](at(rest, j), x, *args)
+      totals = {k: totals.get(k, 0.0) + v for k, v in aux.items()}
+    return x, totals
+
+  def _pipelined(self, apply: Callable[..., Any], x: jax.Array, *args: Any) -> jax.Array:
+    """The scanned stack as the active pipeline (partitioning/pipeline.py), remat per stage iteration. With a
+    pattern, a pipeline 'layer' is a group of `period` layers, so the stages must hold whole groups."""
+    if self.period > 1:
+      if self.num % self.period:
+        raise ConfigError(
+          f"config.model.num_layers={self.num} is not a whole number of the layer pattern's {self.period}-layer "
+          "groups, which a pipeline cuts into stages: choose a multiple, or map 'layers' to None"
+        )
+      graphdef, weights, _ = self._groups()
+    else:
+      graphdef, weights = nnx.split(self.layers)
 
     def layer(w, x, *args):
-      x, aux = apply(nnx.merge(graphdef, w), x, *args)
+      if self.period > 1:
+        aux = {}
+        for j in range(self.period):
+          x, more = apply(nnx.merge(graphdef, jax.tree.map(lambda v: v[j], w)), x, *args, layer=j)
+          aux.update(more)
+      else:
+        x, aux = apply(nnx.merge(graphdef, w), x, *args)
       if aux:
         raise ConfigError(
           f'a pipelined layer stack returns per-layer losses {sorted(aux)} (a mixture of experts), which the '
@@ -914,26 +1148,36 @@ class Stack(nnx.Module):
     return pipeline.run(layer, weights, x, *args, x_axes=('batch',), policy=REMAT_POLICIES[self.remat])
 
   def decode(self, x: jax.Array, cache: Any, decoding: Decoding, *args: Any) -> tuple[jax.Array, Any]:
-    """x through the blocks, each reading and writing its layer's KV cache: (x, cache). `cache`: scanned, a
-    (keys, values) pair with a leading layers axis; unrolled, a list of per-layer pairs. A block takes
-    (x, *args, cache=, decoding=) and returns (x, its cache)."""
+    """x through the blocks, each reading and writing its layer's KV cache: (x, cache). `cache`: unrolled, a list of
+    per-layer (keys, values) pairs; scanned, (groups, rest): `groups` a (keys, values) pair per place in the pattern
+    (one, without a pattern), each stacked over the num // period groups on a leading 'layers' axis, `rest` the
+    pairs of the num % period layers after them (generation/engine.CacheLayout). A block takes
+    (x, *args, cache=, decoding=[, layer=]) and returns (x, its cache)."""
     if not self.scan:
       out = []
-      for block, c in zip(self.layers, cache, strict=True):
-        x, c = block(x, *args, cache=c, decoding=decoding)
+      for i, (block, c) in enumerate(zip(self.layers, cache, strict=True)):
+        x, c = block(x, *args, cache=c, decoding=decoding, **self.place(i))
         out.append(c)
       return x, out
+    caches, rest_caches = cache
+    graphdef, groups, rest = self._groups()
+    at = lambda w, j: nnx.merge(graphdef, jax.tree.map(lambda v: v[j], w))
 
-    @nnx.scan(
-      in_axes=(nnx.Carry, 0, 0, None) + (None,) * len(args),
-      out_axes=(nnx.Carry, 0),
-      transform_metadata={nnx.PARTITION_NAME: 'layers'},
-    )
-    def body(x, block, c, decoding, *args):
-      return block(x, *args, cache=c, decoding=decoding)
+    def group(x, w_and_c):
+      w, c = w_and_c
+      out = []
+      for j in range(self.period):
+        x, cj = at(w, j)(x, *args, cache=c[j], decoding=decoding, **self.place(j))
+        out.append(cj)
+      return x, tuple(out)
 
-    x, cache = body(x, self.layers, cache, decoding, *args)
-    return x, tuple(shard_logical(c, ('layers', *CACHE_AXES)) for c in cache)
+    x, caches = jax.lax.scan(group, x, (groups, caches))
+    caches = tuple(tuple(shard_logical(c, ('layers', *CACHE_AXES)) for c in pair) for pair in caches)
+    out = []
+    for j, c in enumerate(rest_caches):
+      x, c = at(rest, j)(x, *args, cache=c, decoding=decoding, **self.place(j))
+      out.append(c)
+    return x, (caches, tuple(out))
 
 
 def _shard_stacked(v: Any) -> Any:

@@ -37,8 +37,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from errors import ConfigError
+from models import decoder
 from models import hf_import as hf
-from models import llama
 from models.layers import (
   MOE_DISPATCHED,
   MOE_GATE,
@@ -47,17 +47,10 @@ from models.layers import (
   NORMAL_002,
   NOT_MODEL_FLOPS,
   Dense,
-  Embed,
-  RMSNorm,
-  Stack,
   active_scope,
   axes,
   dtypes,
-  logits_dtype,
-  loss_chunks,
-  mask_padded_vocab,
   padded_vocab,
-  stack_options,
 )
 from partitioning import shard_logical
 
@@ -169,50 +162,24 @@ class MoEMLP(nnx.Module):
     return y_GSD.reshape(B, L, D), {'aux_loss': aux_loss, **stats}
 
 
-class Block(llama.Block):
-  """A Llama block whose feed-forward is the mixture of experts; returns (x, aux)."""
+class Block(decoder.Block):
+  """A decoder block (models/decoder.py, Llama's options) whose feed-forward is the mixture of experts; returns
+  (x, aux)."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
-    self.init_attention(cfg, rngs)
+  def init_mlp(self, cfg: ml_collections.ConfigDict, opts: decoder.Options, rngs: nnx.Rngs) -> None:
     self.moe = MoEMLP(cfg, rngs=rngs)
 
-  def __call__(
-    self,
-    x_BLD: jax.Array,
-    positions_BL: jax.Array | None,
-    segment_ids_BL: jax.Array | None,
-    *,
-    cache: Any = None,
-    decoding: Any = None,
-  ) -> tuple[jax.Array, Any]:
-    """(x, aux); decoding with a KV cache (Stack.decode): (x, the cache written)."""
-    x_BLD = self.attend(x_BLD, positions_BL, segment_ids_BL, cache, decoding)
-    if cache is not None:
-      x_BLD, cache = x_BLD
-    y_BLD, aux = self.moe(self.post_attention_layernorm(x_BLD))
-    return shard_logical(x_BLD + y_BLD, ACT), aux if cache is None else cache
+  def feed_forward(self, x_BLD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    return self.moe(x_BLD)
 
 
-class MoE(nnx.Module):
+class MoE(decoder.Decoder):
   """tokens (B, L) int32 -> (logits (B, L, V) float32, aux). aux['aux_loss'] is the weighted sum over
   layers (the lm task adds it to the loss); the other aux entries are unweighted means over layers.
   `hidden_states` (-> (x, aux)) and `head` are the two halves of `__call__` (the chunked LM loss runs the
   head per chunk)."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, *, rngs: nnx.Rngs):
-    kw = dtypes(cfg)
-    D, V = cfg.embed_dim, cfg.vocab_size
-    self.embed_tokens = Embed(V, D, pad_to=cfg.pad_vocab_to, logits_dtype=logits_dtype(cfg), **kw, rngs=rngs)
-    self.blocks = Stack(lambda r: Block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg), rngs=rngs)
-    self.norm = RMSNorm(D, eps=cfg.norm_eps, **kw, rngs=rngs)
-    self.tied = cfg.tie_embeddings
-    if not self.tied:
-      rows = self.embed_tokens.embed.embedding.shape[0]
-      self.lm_head = Dense(
-        'bld,dv->blv', (D, rows), ('embed', 'vocab'), preferred_element_type=logits_dtype(cfg), **kw, rngs=rngs
-      )
-    self.vocab_size, self.num_layers = V, cfg.num_layers
-    self.loss_chunks = loss_chunks(cfg)
+  block = Block
 
   def __call__(
     self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
@@ -224,24 +191,9 @@ class MoE(nnx.Module):
     self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The last block's output after the final RMSNorm, (B, L, D), and aux (the class docstring)."""
-    x_BLD = shard_logical(self.embed_tokens(tokens_BL), ACT)
-    x_BLD, totals = self.blocks(x_BLD, positions_BL, segment_ids_BL)
+    x_BLD, totals = self.blocks(self.embed(tokens_BL), positions_BL, segment_ids_BL)
     aux = {k: v if k == 'aux_loss' else v / self.num_layers for k, v in totals.items()}
     return self.norm(x_BLD), aux
-
-  def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any, decoding: Any) -> tuple[jax.Array, Any]:
-    """The last token's logits (B, V) and the KV cache with tokens_BT written into it (generation/engine.py)."""
-    x_BTD = shard_logical(self.embed_tokens(tokens_BT), ACT)
-    x_BTD, cache = self.blocks.decode(x_BTD, cache, decoding, positions_BT, None)
-    return self.head(self.norm(x_BTD[:, -1:]))[:, 0], cache
-
-  def head(self, x_BLD: jax.Array) -> jax.Array:
-    """Hidden states (B, L, D) -> logits (B, L, V): the tied embedding or lm_head, padded rows masked."""
-    if self.tied:
-      logits_BLV = self.embed_tokens.attend(x_BLD)
-    else:
-      logits_BLV = mask_padded_vocab(self.lm_head(x_BLD), self.vocab_size)
-    return shard_logical(logits_BLV, ('batch', 'length', 'vocab'))
 
 
 def _counts(cfg: Any) -> tuple[int, int, int]:
@@ -288,9 +240,9 @@ def _hf_config(c: dict) -> dict:
     ('router_jitter_noise', 0.0, "the zoo's router adds no noise to the router logits"),
   ):
     if (c.get(field) or want) != want:
-      raise llama._unsupported(c, field, c[field], why)
+      raise decoder.unsupported(field, c[field], why)
   H = c['num_attention_heads']
-  theta, scaling = llama._hf_rope(c)
+  theta, scaling = decoder.hf_rope(c)
   E, k = c['num_local_experts'], c['num_experts_per_tok']
   return dict(
     vocab_size=c['vocab_size'],
@@ -332,7 +284,7 @@ def to_hf_config(cfg: Any) -> dict:
     num_experts_per_tok=cfg.top_k,
     hidden_act='silu',
     rms_norm_eps=cfg.norm_eps,
-    rope_parameters=llama.hf_rope_parameters(cfg),
+    rope_parameters=decoder.hf_rope_parameters(cfg.rope_theta, cfg.rope_scaling),
     tie_word_embeddings=cfg.tie_embeddings,
     sliding_window=None,
     attention_dropout=0.0,
@@ -344,21 +296,15 @@ def to_hf_config(cfg: Any) -> dict:
 
 
 def _hf_params() -> list[hf.Param]:
-  """Llama's attention and norm rows, the vocabulary rows padded to pad_vocab_to, and the experts in either
+  """The decoder's attention, norm and vocabulary rows (padded to pad_vocab_to), and the experts in either
   file layout. The hub's (what MixtralForCausalLM.save_pretrained writes): block_sparse_moe.gate (E, D) and
   per expert w1 (gate), w3 (up): (F, D), w2 (down): (D, F), stacked onto the 'expert' axis ('{e}').
   transformers 5's in-memory one (save_pretrained(save_original_format=False)): mlp.gate (E, D),
   mlp.experts.gate_up_proj (E, 2F, D) holding gate | up, mlp.experts.down_proj (E, D, F)."""
-
-  def padded(cfg):  # the vocabulary rows: (rows, real rows)
-    return padded_vocab(cfg), cfg.vocab_size
-
   b, h = 'blocks/layers/{i}/moe', 'layers.{i}'
   lin = [hf.T((1, 0))]
   half = lambda part: lambda cfg: [hf.Slice(1, part * cfg.mlp_dim, (part + 1) * cfg.mlp_dim), hf.T((0, 2, 1))]
-  return [r for r in llama.hf_params(mlp=False) if not r.zoo.startswith(('embed_tokens/', 'lm_head/'))] + [
-    hf.Param('embed_tokens/embed/embedding', 'embed_tokens.weight', lambda cfg: [hf.Pad(0, *padded(cfg))]),
-    hf.Param('lm_head/layer/kernel', 'lm_head.weight', lambda cfg: [hf.T((1, 0)), hf.Pad(1, *padded(cfg))]),
+  return decoder.hf_params('moe', mlp=False) + [
     # the hub's layout
     hf.Param(f'{b}/router/layer/kernel', f'{h}.block_sparse_moe.gate.weight', lin),
     hf.Param(f'{b}/gate', f'{h}.block_sparse_moe.experts.{{e}}.w1.weight', lin),

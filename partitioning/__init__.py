@@ -54,6 +54,7 @@ from partitioning.mesh import (
   resolve_mesh_shape,
   simulate_cpu_devices,
   start_mesh,
+  user_cpu_devices,
 )
 from partitioning.plan import (
   PlacedModel,
@@ -114,6 +115,7 @@ __all__ = [
   'sharding_table',
   'simulate_cpu_devices',
   'start_mesh',
+  'user_cpu_devices',
   'suspend_rules',
   'tree_bytes_per_device',
   'tree_specs',

@@ -8,10 +8,11 @@ line above its fence, `<!-- not run: NAME ... -->`, with NAME one of NOT_RUN, an
 How it runs cheaply (`run_pages`): one process imports the libraries the entry points use once (JAX, TensorFlow,
 transformers, lm-eval: about 10 s), then forks a child per command, which runs the script as `python SCRIPT` would
 (runpy, a fresh absl flag set, its own JAX backend), so a command costs its own work and not those imports. The
-commands of one page run in order in one temporary directory (a `/tmp/` path of the page is rewritten to it), so a
-later block uses an earlier block's run (train, then generate from it). A `train.py` command that trains (not
-`--dry_run`) gets `--config.total_steps=STEPS` appended: the point is that the command runs as written, not its
-full length.
+commands run in order in one temporary directory (a `/tmp/` path is rewritten to it), so a
+later block uses an earlier block's run (train, then generate from it); all pages share that directory, and a
+command repeated word for word on another page (the README's loop, walked through on its page) runs once. A
+`train.py` command that trains (not `--dry_run`) gets `--config.total_steps=STEPS` appended: the point is that the
+command runs as written, not its full length.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def commands_of(body: str, indent: str = '') -> list[str]:
   out, pending = [], ''
   for raw in body.splitlines():
     line = raw[len(indent) :] if raw.startswith(indent) else raw
+    line = line.lstrip() if pending else line  # a continued line's indent is layout, not words
     if line.rstrip().endswith('\\'):
       pending += line.rstrip()[:-1].rstrip() + ' '
       continue
@@ -187,14 +189,24 @@ def run_command(argv: list[str], log: str, timeout: float) -> tuple[int, float]:
 
 
 def run_pages(pages: list[Path], report: str, timeout: float = 300) -> None:
-  """Runs every command of every block of `pages` that is not marked, page by page, each page in its own
-  temporary directory; writes {page: [{where, command, status, seconds, log}]} to `report` (JSON)."""
+  """Runs every command of every block of `pages` that is not marked, in order, in one temporary directory (a
+  page's `/tmp/` paths in it, so later blocks and pages use earlier runs); a command given again as it was run
+  already (the README's quickstart repeated on a page) is not run twice. Writes {page: [{where, command, status,
+  seconds, log}]} to `report` (JSON)."""
   os.chdir(ROOT)
   sys.path.insert(0, str(ROOT))
   _preload()
-  results = {}
+  ran, results = {}, {}
+  with tempfile.TemporaryDirectory(prefix='shardzoo_docs_') as tmp:
+    _run_in(pages, tmp, ran, results, timeout)
+  with open(report, 'w') as f:
+    json.dump(results, f, indent=1)
+
+
+def _run_in(pages: list[Path], tmp: str, ran: dict, results: dict, timeout: float) -> None:
+  """run_pages's loop, in `tmp` (removed afterwards with the runs' checkpoints): `ran` {command: where it ran},
+  `results` the report, filled in."""
   for page in pages:
-    tmp = tempfile.mkdtemp(prefix='shardzoo_docs_')
     results[str(page.relative_to(ROOT))] = out = []
     for block in blocks(page):
       if block.not_run:
@@ -203,13 +215,16 @@ def run_pages(pages: list[Path], report: str, timeout: float = 300) -> None:
         if why := unsupported(command):
           out.append(dict(where=block.where, command=command, status=None, seconds=0.0, log=why))
           continue
-        log = os.path.join(tmp, f'command_{len(out)}.log')
+        if command in ran:
+          out.append(dict(where=block.where, command=command, status=0, seconds=0.0, log=f'as run at {ran[command]}'))
+          continue
+        log = os.path.join(tmp, f'command_{len(ran)}.log')
         status, seconds = run_command(argv_of(command, tmp), log, timeout)
         with open(log, errors='replace') as f:
           text = f.read()
         out.append(dict(where=block.where, command=command, status=status, seconds=seconds, log=text[-4000:]))
-  with open(report, 'w') as f:
-    json.dump(results, f, indent=1)
+        if status == 0:
+          ran[command] = block.where
 
 
 if __name__ == '__main__':  # python tests/doc_commands.py REPORT.json [PAGE.md ...]

@@ -533,8 +533,8 @@ def test_unsupported_settings_name_the_field(vit_dir, tmp_path):
     ('llama', dict(llama, attention_bias=True), r'config.json attention_bias=True'),
     (
       'llama',
-      dict(llama, rope_parameters=dict(rope_type='yarn', rope_theta=1e4, factor=2.0)),
-      r"config.json rope_parameters.rope_type='yarn'",
+      dict(llama, rope_parameters=dict(rope_type='dynamic', rope_theta=1e4, factor=2.0)),
+      r"config.json rope_parameters.rope_type='dynamic'",
     ),
     (
       'llama',

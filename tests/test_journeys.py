@@ -108,9 +108,18 @@ def own_data_argv(family: str, train_files: str, kind: str, tokenizer: str, *ext
 class Run:
   def __init__(self, kind, workdir, rows, out, result):
     self.kind, self.workdir, self.rows, self.out, self.result = kind, workdir, rows, out, result
+    self._decoded = None
 
   def prompts(self) -> list:
     return [chat_of(r)[:1] if self.kind == 'chat' else r['prompt'] for r in self.rows]
+
+  def decoded(self):
+    """(Generator, tokenizer, prompt ids, greedy texts) of every training prompt, as generate.py loads the run:
+    decoded once per run (one compile), read by each test."""
+    if self._decoded is None:
+      gen, tok = generation.from_flags(None, self.workdir, None, None)
+      self._decoded = (gen, tok, *greedy(gen, tok, self.prompts()))
+    return self._decoded
 
 
 @pytest.fixture(scope='module', params=sorted(KINDS))
@@ -165,8 +174,7 @@ def test_each_kind_of_tokenizer_gets_its_training_answers_back_from_generation(r
   batch, the reference), and greedy decoding of the trained model gives back every training answer."""
   assert run.result['eval']['accuracy'] > 0.99, run.result['eval']
   config = run_config.load(run.workdir)
-  gen, tok = generation.from_flags(None, run.workdir, None, None)
-  ids, texts = greedy(gen, tok, run.prompts())
+  _, tok, ids, texts = run.decoded()
   assert texts == [r['completion'] for r in run.rows]
   ds = data.build(config)
   for i, p in enumerate(ids):
@@ -176,26 +184,25 @@ def test_each_kind_of_tokenizer_gets_its_training_answers_back_from_generation(r
   assert ids[0][0] == begins  # the tokenizer's own start: <|bos|>, <s>, or the text itself
 
 
-def test_the_run_says_where_its_checkpoint_is_and_the_commands_that_use_it_work(run):
-  """The end-of-run lines name the checkpoint and the generate and export commands as typed; generate.py run as
-  printed (a chat run: --chat) and with a --prompts file of {"messages": [...]} rows gives the training answers."""
+def test_the_run_says_where_its_checkpoint_is_and_the_commands_that_use_it_work(run, tmp_path):
+  """The end-of-run lines name the checkpoint and the generate and export commands as typed; generate.py's prompts
+  from the printed command (a chat run: --chat) and from a --prompts file of the other rows ({"messages": [...]} or
+  {"prompt": ...}) get the ids of the prompts that gave the training answers. (The doc-block test runs generate.py
+  as the pages type it, --chat included.)"""
   assert f'checkpoint: {run.workdir}/checkpoints/{STEPS} ' in run.out, run.out[-2000:]
   assert f'export:   python export.py --workdir {run.workdir} --out {run.workdir}/hf' in run.out
   (printed,) = re.findall(r'^generate: (python generate\.py .*)$', run.out, re.M)
-  if run.kind != 'chat':  # one generate.py process for the module: the chat run's
-    assert printed.startswith(f'python generate.py --workdir {run.workdir} --prompt ')
-    return
-  rows = run.rows[:3]
-  prompts = os.path.join(run.workdir, 'prompts.jsonl')
-  with open(prompts, 'w') as f:
-    f.writelines(json.dumps({'messages': chat_of(r)[:1]}) + '\n' for r in rows[1:])
-  out = os.path.join(run.workdir, 'out.jsonl')
-  argv = [sys.executable, *shlex.split(printed)[1:], '--prompts', prompts, '--out', out]
-  done = subprocess.run(argv, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
-  assert done.returncode == 0, done.stderr[-3000:]
-  assert printed == f'python generate.py --workdir {run.workdir} --chat {shlex.quote(rows[0]["prompt"][:-1])}'
-  with open(out) as f:
-    assert [json.loads(line)['text'] for line in f] == [r['completion'] for r in rows]
+  flag, first = ('--chat', run.rows[0]['prompt'][:-1]) if run.kind == 'chat' else ('--prompt', run.rows[0]['prompt'])
+  assert shlex.split(printed) == ['python', 'generate.py', '--workdir', run.workdir, flag, first]
+  prompts = tmp_path / 'prompts.jsonl'
+  rows = [{'messages': p} if run.kind == 'chat' else {'prompt': p} for p in run.prompts()[1:]]
+  prompts.write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  given = generation.read_prompts(*(([], [first]) if run.kind == 'chat' else ([first], [])), str(prompts))
+  _, tok, ids, _ = run.decoded()
+  assert [generation.encode(tok, p) for p in given] == ids
+  (tmp_path / 'bad.jsonl').write_text('{"prompt": "a"}\n{"text": "b"}\n')
+  with pytest.raises(errors.ConfigError, match=r'bad.jsonl:2: a JSON object with a "prompt" string or "messages"'):
+    generation.read_prompts([], [], str(tmp_path / 'bad.jsonl'))
 
 
 def test_the_export_is_a_transformers_model_whose_greedy_text_is_generate_pys(run, tmp_path):
@@ -211,10 +218,9 @@ def test_the_export_is_a_transformers_model_whose_greedy_text_is_generate_pys(ru
   out = str(tmp_path / 'hf')
   export.export_hf(trainer, f'{run.workdir}/checkpoints', out, models.HF_FAMILIES)
   hf_tok = transformers.AutoTokenizer.from_pretrained(out)
-  gen, tok = generation.from_flags(None, run.workdir, None, None)
-  ids, texts = greedy(gen, tok, run.prompts()[:4])
+  _, tok, ids, texts = run.decoded()
   pipe = transformers.pipeline('text-generation', out)
-  for prompt, p_ids, text in zip(run.prompts()[:4], ids, texts, strict=True):
+  for prompt, p_ids, text in zip(run.prompts()[:4], ids[:4], texts[:4], strict=True):
     if run.kind == 'chat':
       assert hf_tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)['input_ids'] == p_ids
       reply = pipe(prompt, max_new_tokens=12, do_sample=False)[0]['generated_text'][-1]['content']
@@ -229,11 +235,11 @@ def test_the_export_is_a_transformers_model_whose_greedy_text_is_generate_pys(ru
 
 def test_evaluate_lm_scores_a_local_task_on_a_byte_run(run, tmp_path):
   """evaluate_lm.py's adapter on a byte-tokenizer run: examples/reverse/reverse.yaml over the training rows
-  scores every answer exactly (lm-eval's TemplateLM needs only encode and decode)."""
+  scores every answer exactly (lm-eval's TemplateLM needs only encode and decode); a task of --include_path's
+  alone is looked up there without indexing lm-eval's own."""
   if run.kind != 'byte':
     pytest.skip('one lm-eval run: the byte tokenizer, which lm-eval had no path for')
   import lm_eval
-  from lm_eval.tasks import TaskManager
 
   from generation import lm_eval_model
 
@@ -241,13 +247,15 @@ def test_evaluate_lm_scores_a_local_task_on_a_byte_run(run, tmp_path):
   rows.write_text(''.join(json.dumps(r) + '\n' for r in run.rows))
   with open(os.path.join(EXAMPLES, 'reverse.yaml')) as f:
     (tmp_path / 'reverse.yaml').write_text(f.read().replace('examples/reverse/eval.jsonl', str(rows)))
-  gen, tok = generation.from_flags(None, run.workdir, None, None)
+  gen, tok, _, _ = run.decoded()
   results = lm_eval.simple_evaluate(
-    model=lm_eval_model.ZooLM(gen, tok, batch_size=8),
+    model=lm_eval_model.ZooLM(gen, tok, batch_size=16),
     tasks=['reverse'],
-    task_manager=TaskManager(include_path=str(tmp_path)),
+    task_manager=lm_eval_model.task_manager(['reverse'], str(tmp_path)),
   )
   assert results['results']['reverse']['exact_match,none'] == 1.0, results['results']
+  local = lm_eval_model.task_manager(['reverse'], str(tmp_path))  # lm-eval's own tasks not indexed: ~10 s saved
+  assert 'reverse' in local.all_tasks and 'lambada_openai' not in local.all_tasks
 
 
 # --- Own data on every language-model config; fields that follow others --------------------------------------------
@@ -283,6 +291,22 @@ def test_each_tiny_config_takes_your_file_its_vocabulary_from_the_tokenizer_and_
   markov = parse(['train.py', f'--config={ROOT}/configs/{family}.py:tiny', '--config.dataset.vocab_size=8'])
   schema.check(markov)
   assert markov.model.vocab_size == 8  # the Markov language's symbols, followed
+
+
+def test_every_language_model_config_takes_your_file_from_the_command_line(tmp_path):
+  """The same flags on every language-model config file at tiny size (the decoder families' included): the
+  vocabulary follows the byte tokenizer, the warmup the run's length, and the config checks."""
+  path = str(tmp_path / 'rows.jsonl')
+  with open(path, 'w') as f:
+    f.writelines(json.dumps(r) + '\n' for r in pairs())
+  files = sorted(set(generation.loading.family_configs().values()))
+  assert {'configs/gpt2.py', 'configs/llama.py', 'configs/moe.py', 'configs/qwen3.py'} <= set(files)
+  for file in files:
+    family = os.path.basename(file)[:-3]
+    config = parse(own_data_argv(family, path, 'pairs', 'byte', '--config.total_steps=20'))
+    schema.check(config)
+    assert data.vocabulary(config) == "config.model.vocab_size=260: the byte tokenizer's ids", file
+    assert (config.model.vocab_size, config.optim.warmup_steps) == (260, 2), file
 
 
 def test_setting_a_fine_tune_configs_tokenizer_leaves_init_from_and_the_link_is_said(tmp_path):

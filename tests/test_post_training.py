@@ -284,10 +284,15 @@ def one_device_run(pair_batch):
 def test_dpo_steps_sharded_equal_one_device(preset, pair_batch, one_device_run):
   (m1, p1), (m8, p8) = one_device_run, _steps(_dpo_config(preset), None, pair_batch)
   for a, b in zip(m1, m8):
-    for k in ('loss', 'accuracy', 'rewards/margins', 'grad_norm'):
+    for k in ('loss', 'rewards/margins', 'grad_norm'):
       np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=1e-6, err_msg=k)
+  # At step 1 the policy is the reference: every reward is 0 up to rounding, and a strict comparison of two zeros
+  # is rounding's choice; after an update the preference is real.
+  assert m1[1]['accuracy'] == m8[1]['accuracy']
   assert m1[1]['loss'] != m1[0]['loss']
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-6), p1, p8)
+  # Adam moves a parameter whose gradient is near 0 by up to lr (1e-3) on the gradient's sign and size relative to
+  # eps: rounding in such gradients shows as ~1e-5 here, far below one step.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=3e-5), p1, p8)
 
 
 # --- Bad input ---------------------------------------------------------------------------------------------------

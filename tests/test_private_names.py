@@ -13,14 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SKIP = {'tests', 'docs', 'site', '__pycache__'}
 
 # Known uses, each with why it is still here. A listed use that is gone fails the test too: remove its entry.
-ALLOWED = {
-  # models/ is reworked by the decoder-families issue, which removes these (and makes what moe.py needs public).
-  ('models/moe.py', 'llama._hf_rope'),
-  ('models/moe.py', 'llama._unsupported'),
-  # One context-parallel shard's kernel on one GPU: attend() reaches it only over a mesh of several devices. Made
-  # public with the rest of models/ (decoder families), not from a benchmark.
-  ('benchmarks/attention_parity.py', 'attention._per_shard_context'),
-}
+ALLOWED = {}
 
 
 def _private(name: str) -> bool:

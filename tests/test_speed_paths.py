@@ -612,6 +612,24 @@ def test_step_flops_are_the_palm_count():
   assert f.causal == B * L * (6 * n_mm + attn / 2)
 
 
+def test_scan_split_read_from_shapes_equals_the_recorded_counts():
+  """JAX 0.11's scan records no operand counts (seen on the GPU machine); the FLOP counter then reads them from
+  shapes, which must give what JAX 0.10 records, including a carry shaped like a scanned slice."""
+  w = jnp.ones((4, 4))
+
+  def f(c, h, xs):
+    def body(carry, x):
+      a, b = carry
+      return (a @ w + x, b + 1.0), a.sum()
+
+    return jax.lax.scan(body, (c, h), xs)
+
+  jaxpr = jax.make_jaxpr(f)(jnp.ones(4), jnp.ones(()), jnp.ones((3, 4)))
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == 'scan']
+  p = eqn.params
+  assert flops._scan_split(eqn, p['jaxpr'].jaxpr, p['length']) == (p['num_consts'], p['num_carry'])
+
+
 def test_moe_flops_count_the_active_experts_only():
   """A mixture of experts: 6 N_active + 12 layers d_attn L per token, N_active counting k of E experts' weights
   (not the E x C capacity slots the experts run over, nor the one-hot dispatch and combine matmuls)."""

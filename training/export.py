@@ -163,12 +163,12 @@ def write_hf(
   """Writes the model's weights (sharded arrays, as the trainer holds them) as a Hugging Face directory:
   config.json (with the tokenizer's bos/eos/pad ids where the model's config.json had none), safetensors
   (sharded with an index above max_shard_size), the tokenizer (a local Hugging Face tokenizer's files copied; the
-  byte tokenizer written as a Hugging Face one, its chat template included), and generation_config.json (the
-  Hugging Face model's it started from, else the token ids), so transformers' AutoTokenizer and pipelines load it.
-  LoRA adapters are merged. dtype: the weights' dtype on disk (default: the parameters'). Each zoo tensor is
-  gathered to the host once, alone, and written in place. out_dir must be empty (or new), and not the run's source
-  directories (check_out_dir); `overwrite` first removes the files an export writes (WRITTEN) from it, listed in
-  the result's 'removed'."""
+  byte tokenizer written as a Hugging Face one, its chat template included; else the tokenizer files of the
+  Hugging Face model it started from), and generation_config.json (the Hugging Face model's it started from, else
+  the token ids), so transformers' AutoTokenizer and pipelines load it. LoRA adapters are merged. dtype: the
+  weights' dtype on disk (default: the parameters'). Each zoo tensor is gathered to the host once, alone, and
+  written in place. out_dir must be empty (or new), and not the run's source directories (check_out_dir);
+  `overwrite` first removes the files an export writes (WRITTEN) from it, listed in the result's 'removed'."""
   config = trainer.config
   name = config.model.name
   if name not in families:
@@ -209,16 +209,20 @@ def write_hf(
       json.dump(hf_config, f, indent=2, sort_keys=True)
     copied = []
     tok_dir = config.dataset.get('tokenizer')  # text tasks' datasets only
+    tok_dir = tok_dir if isinstance(tok_dir, str) and os.path.isdir(tok_dir) else None
+    byte = isinstance(tok, tokens.ByteTokenizer)  # written below, as the ids the run trained on
     for src, patterns in (
-      (tok_dir if isinstance(tok_dir, str) and os.path.isdir(tok_dir) else None, hf_import.TOKENIZER_FILES),
-      (source, ('generation_config.json',)),
+      (tok_dir, hf_import.TOKENIZER_FILES),
+      # the Hugging Face directory the run started from: its generation config, and its tokenizer (with its chat
+      # template) where the run read no other tokenizer
+      (source, ('generation_config.json', *(() if tok_dir or byte else hf_import.TOKENIZER_FILES))),
     ):
       for path in sorted({p for pattern in patterns for p in glob.glob(os.path.join(src, pattern))} if src else ()):
         target = os.path.join(out_dir, os.path.basename(path))
         if not (os.path.exists(target) and os.path.samefile(path, target)):  # never a file onto itself
           shutil.copy(path, target)
         copied.append(os.path.basename(path))
-    if isinstance(tok, tokens.ByteTokenizer):  # no files to copy: written as a Hugging Face tokenizer
+    if byte:  # no files to copy: written as a Hugging Face tokenizer
       stats['written'] = tok.save_pretrained(out_dir)
     if not os.path.exists(os.path.join(out_dir, 'generation_config.json')) and ids:
       with open(os.path.join(out_dir, 'generation_config.json'), 'w') as f:

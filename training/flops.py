@@ -129,13 +129,32 @@ def _loop_body(body, flags: list[bool], carry: slice) -> tuple[float, float, lis
     flags[carry] = raised
 
 
+def _scan_split(eqn, body, length: int) -> tuple[int, int]:
+  """(constants, carry) among a scan's operands, for JAX versions whose scan no longer records the counts (0.11
+  keeps tree structures instead): the scanned operands are the trailing ones that are the body's inputs with a
+  leading `length` axis, and the carry is the longest run before them that the body returns first, shape for shape."""
+  xs = 0
+  for outer, inner in zip(reversed(eqn.invars), reversed(body.invars)):
+    if tuple(outer.aval.shape) != (length, *inner.aval.shape):
+      break
+    xs += 1
+  rest = len(body.invars) - xs
+  kind = lambda v: (tuple(v.aval.shape), v.aval.dtype)  # noqa: E731
+  for carry in range(min(rest, len(body.outvars)), -1, -1):
+    if [kind(v) for v in body.outvars[:carry]] == [kind(v) for v in body.invars[rest - carry : rest]]:
+      return rest - carry, carry
+  return rest, 0
+
+
 def _count_sub(eqn, ins: list[bool]) -> tuple[float, float, list[bool]]:
   """FLOPs of the jaxprs inside an equation (loops times their trips, calls, remat, the costliest cond branch)
   and which of its outputs depend on a trained parameter."""
   name, p = eqn.primitive.name, eqn.params
   anything = [any(ins)] * len(eqn.outvars)
   if name == 'scan':  # invars: consts, carry, xs; outvars: carry, ys
-    t, c, outs = _loop_body(_closed(p['jaxpr']), list(ins), slice(p['num_consts'], p['num_consts'] + p['num_carry']))
+    body = _closed(p['jaxpr'])
+    consts, carry = (p['num_consts'], p['num_carry']) if 'num_carry' in p else _scan_split(eqn, body, p['length'])
+    t, c, outs = _loop_body(body, list(ins), slice(consts, consts + carry))
     return p['length'] * t, p['length'] * c, outs
   if name == 'while':  # invars: cond consts, body consts, carry; outvars: carry (trips unknown: counted once)
     return _loop_body(_closed(p['body_jaxpr']), ins[p['cond_nconsts'] :], slice(p['body_nconsts'], None))
