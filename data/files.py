@@ -207,9 +207,10 @@ def _first_null(col: pa.ChunkedArray) -> int:
   return int(pc.index(pc.is_null(col), True).as_py())
 
 
-def open_rows(cfg: Any, spec: str, what: str, keys: Sequence[str]) -> Rows:
+def open_rows(cfg: Any, spec: str, what: str, keys: Sequence[str], every_column: bool = False) -> Rows:
   """The rows of `spec` (a glob of files, or a split of config.dataset.path for 'hf'); ConfigError, naming the
-  file and line, for a glob matching nothing, an empty or unreadable file, a row without one of `keys`."""
+  file and line, for a glob matching nothing, an empty or unreadable file, a row without one of `keys`. A row holds
+  `keys`, or with `every_column` the first file's columns (GRPO's rows go whole to the reward functions)."""
   fmt = cfg.name
   if fmt == 'hf':
     tables, names, unit = [_hf(cfg, spec, what)], [f'{cfg.path} split {spec}'], 'row'
@@ -223,7 +224,7 @@ def open_rows(cfg: Any, spec: str, what: str, keys: Sequence[str]) -> Rows:
       col = _column(t, key, name)
       if col.null_count:
         raise ConfigError(f'{name} {unit} {_first_null(col) + 1} has no {key!r} (config.dataset.*_key)')
-  return Rows(tables, names, keys, unit)
+  return Rows(tables, names, tables[0].column_names if every_column else keys, unit)
 
 
 def with_assistant(rows: Rows, key: str, policy: str) -> tuple[Rows, int]:

@@ -375,3 +375,20 @@ def sample(request: Any) -> np.ndarray:
   )
   out = gen.generate(request.prompts.tolist(), Sampling(request.new_tokens, temperature=1.0, seed=request.seed))
   return np.asarray([g.ids for g in out], np.int32)
+
+
+def policy_sampler(graphdef: Any, *, rules: Any, mesh: Any, max_len: int | None, vocab: int | None):
+  """A sampler of a model in training (GRPO's rollouts, training/rollout.py Sample): called with the current
+  parameters as the train state holds them (placed by the training rules, on the training mesh: no copy), the
+  prompts, and the sampling settings; one Generator, so one compile per shape for the whole run."""
+  gen: Generator | None = None
+
+  def sample(params, model_state, prompts, max_new_tokens, temperature, seed, stop_id):
+    nonlocal gen
+    if gen is None:
+      gen = Generator(graphdef, params, model_state, rules=rules, mesh=mesh, max_len=max_len, vocab=vocab)
+    gen.params, gen.model_state = params, model_state
+    out = gen.generate(prompts, Sampling(max_new_tokens, temperature=temperature, seed=seed), stop_id)
+    return [g.ids for g in out]
+
+  return sample
