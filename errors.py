@@ -5,6 +5,11 @@ sizes, file). train.py and the other entry points print it as `shardzoo: <kind> 
 traceback (`one_line`)."""
 
 import contextlib
+import errno
+import os
+import re
+import sys
+from typing import NamedTuple
 
 
 class ConfigError(ValueError):
@@ -60,9 +65,40 @@ def out_of_device_memory(e: BaseException) -> str | None:
 
 
 class StorageError(RuntimeError):
-  """The run cannot write where it must: a workdir that is not writable (found before anything compiles) or
-  a disk that fills up mid-save. Names the directory, the step and the OS error. Not bad input: the
-  checkpoints written before it are intact, and a rerun resumes from the newest."""
+  """The run cannot write where it must: a workdir that is not writable (found before anything compiles), a disk
+  that fills up mid-save, a save that blocks. Names the directory, the step and the OS error. Not bad input: the
+  checkpoints written before it are intact, and a rerun resumes from the newest. `blocked`: threads of the save
+  are blocked and may never return (one_line then ends the process without waiting for them)."""
+
+  blocked = False
+
+
+def describe_os_error(code: int | None, strerror: str | None, filename: str | None) -> str:
+  name = f'{errno.errorcode[code]}, ' if code in errno.errorcode else ''
+  return f'{strerror} [{name}errno {code}]' + (f' ({filename})' if filename else '')
+
+
+class OsError(NamedTuple):
+  """An OS error as the one-line messages name it."""
+
+  code: int
+  strerror: str
+  filename: str | None
+  filename2: str | None = None  # a rename's destination
+
+
+def os_error_of(e: BaseException) -> OsError | None:
+  """The OS error behind `e` (it, or what caused it): an OSError, or TensorStore's ValueError that carries
+  os_error_code (how a failed array write reaches orbax); None otherwise."""
+  while e is not None:
+    if isinstance(e, OSError) and e.errno:
+      return OsError(e.errno, e.strerror or os.strerror(e.errno), e.filename, getattr(e, 'filename2', None))
+    m = re.search(r"os_error_code='?(\d+)", str(e)) if isinstance(e, ValueError) else None
+    if m:
+      paths = re.findall(r'"(/[^"]+)"', str(e))
+      return OsError(int(m.group(1)), os.strerror(int(m.group(1))), paths[-1] if paths else None)
+    e = e.__cause__ or e.__context__
+  return None
 
 
 def usage(message: str) -> SystemExit:
@@ -86,6 +122,11 @@ def one_line():
   except ConfigError as e:
     raise SystemExit(f'shardzoo: config error: {e}') from None
   except StorageError as e:  # the directory and the OS error are named; earlier checkpoints are intact
+    if e.blocked:  # the interpreter would wait for the blocked threads before exiting: the line, then exit now
+      print(f'shardzoo: storage error: {e}', file=sys.stderr)
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(1)
     raise SystemExit(f'shardzoo: storage error: {e}') from None
   except NonFiniteError as e:  # the parameters stayed finite; the last good checkpoint is named
     raise SystemExit(f'shardzoo: training stopped: {e}') from None

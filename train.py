@@ -96,9 +96,10 @@ def run(
     if start.done:
       steps.next_steps(config, inp, workdir)
       return {'state': start.state, 'nonfinite_skipped': []}
+    rollout = steps.make_rollout(config, trainer, inp, generation.policy_sampler)  # GRPO's sampling, else None
     compiled = steps.compile_steps(built, peak_tflops)
     state = steps.starting_state(start, trainer, inp.train_iter)
-    state, result, guard = steps.train_loop(trainer, state, compiled, inp, ckpt, workdir, cleanup)
+    state, result, guard = steps.train_loop(trainer, state, compiled, inp, ckpt, workdir, cleanup, rollout)
     cleanup.close()  # flush, finish saving, restore SIGTERM, stop the prefetch threads
     result = steps.finish(trainer, state, result, guard, inp, workdir)
     if sample := steps.sample_request(trainer, result, inp):

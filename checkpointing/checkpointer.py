@@ -22,29 +22,29 @@ Checkpointer opens the directory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import errno
-import functools
+import gc
+import glob
 import json
 import os
 import re
 import shutil
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from checkpointing import storage
-from checkpointing.storage import describe_os_error
+from checkpointing import deadlines, integrity, storage
 from checkpointing.weights import check_compatible
 from data.pipeline import RowsIterator
-from errors import CheckpointError, DamagedCheckpointError, StorageError
+from errors import CheckpointError, DamagedCheckpointError, OsError, StorageError, describe_os_error, os_error_of
 from partitioning import path_str
 
 # Orbax writes a replicated array in slices, one per replica ("replica-parallel"), each cut by an eager
@@ -103,46 +103,6 @@ def _data_positions(directory: epath.Path) -> list[dict[str, Any]]:
     return [json.loads(found[i, n].read_text()) for i in range(n)]
   except Exception as e:  # any failure to read or parse the checkpoint's own file is damage
     raise DamagedCheckpointError(f'the data position in {directory} cannot be read ({type(e).__name__}: {e})') from e
-
-
-# Integrity. Each array's checksum is the sum, modulo 2**32, of its 32-bit words (one per element; two per 64-bit
-# element; 8- and 16-bit elements widened) each times an odd weight derived from the word's position in the whole
-# array. A sum is the same however the array is split: every device sums its own shard inside one jitted program
-# (no copy to the host, so the save stays asynchronous) and XLA adds the partial sums; the figure is independent of
-# the mesh, rules and process count, so a checkpoint restored onto another layout is checked all the same. An odd
-# weight makes any change to a single word change the sum; several changes escape with odds of about 2**-32.
-_WEIGHT = 0x9E3779B1  # odd; Knuth's multiplicative hash constant spreads neighbouring positions apart
-
-
-def _words(x: jax.Array) -> jax.Array:
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint32)
-  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[np.dtype(x.dtype).itemsize]
-  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-
-
-def _checksum(x: jax.Array) -> jax.Array:
-  w = _words(x)
-  index, stride = jnp.zeros(w.shape, jnp.uint32), 1
-  for d in reversed(range(w.ndim)):  # the word's flat position, from per-dimension iotas (each device makes its own)
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
-    stride *= w.shape[d]
-  return jnp.sum(w * (index * jnp.uint32(_WEIGHT) | jnp.uint32(1)), dtype=jnp.uint32)
-
-
-@functools.cache
-def _checksums_on(mesh: Any) -> Any:
-  replicated = jax.sharding.NamedSharding(mesh, jax.P()) if mesh is not None else None
-  return jax.jit(lambda tree: jnp.stack([_checksum(x) for x in jax.tree.leaves(tree)]), out_shardings=replicated)
-
-
-def checksums(tree: Any) -> jax.Array:
-  """One uint32 per leaf of `tree` (jax.Arrays, in jax.tree.leaves order), computed on the devices that hold them;
-  the result is replicated. Dispatched asynchronously like any jitted call."""
-  sharding = jax.tree.leaves(tree)[0].sharding
-  return _checksums_on(getattr(sharding, 'mesh', None))(tree)
 
 
 class DataPositionHandler(grain.checkpoint.CheckpointHandler):
@@ -235,6 +195,7 @@ class Checkpointer:
     async_save: bool = True,
     log: str | None = None,
     gather: Gather = one_process,
+    timeout_s: float = 0.0,
   ):
     self.directory = os.path.abspath(directory)
     storage.ensure_writable(self.directory, 'checkpoint directory')
@@ -253,12 +214,19 @@ class Checkpointer:
         create=True,
         enable_async_checkpointing=async_save,
         cleanup_tmp_directories=True,
+        # Directories created in save() itself: created by a background thread, a directory that cannot be made
+        # (read-only, full) left orbax's writer threads waiting for it until orbax's own 20-minute timeout.
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
       ),
     )
     self._reader = ocp.StandardCheckpointHandler()  # its restore has no barrier: processes agree on their own
     self._tracebacks = storage.OrbaxTracebacks(log or os.path.join(os.path.dirname(self.directory), 'orbax_errors.log'))
     self._last_saved = self.manager.latest_step()
     self._in_flight: int | None = None  # the step of the asynchronous save not yet known to be complete
+    self._deadlines, self._save = deadlines.Deadlines(timeout_s), None  # _save: the one in flight (its deadline)
+    self._faulted = self._stuck = False  # a save failed; a save blocked (its threads may never return)
+    self._removed: int | None = None  # the failed save whose partial checkpoint the line says was removed
+    self._stopping = False  # the run stops after its last save (SIGTERM)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -267,37 +235,49 @@ class Checkpointer:
     """Whether save(step, force=force) would write a checkpoint."""
     return step != self._last_saved and (force or self.manager.should_save(step))
 
-  def save(self, step: int, state: dict[str, Any], data_iter: Any, *, force: bool = False) -> bool:
+  def save(
+    self, step: int, state: dict[str, Any], data_iter: Any, *, force: bool = False, stopping: bool = False
+  ) -> bool:
     """Starts an asynchronous save (when due or forced; once per step); training continues while
     it writes. Orbax copies the arrays to host memory before returning, so donating them is safe. The arrays'
     checksums are computed on the devices and saved with them (an item of their own). A failure of the previous
-    save (found now) or of this one is a StorageError when the disk is to blame."""
+    save (found now) or of this one is a StorageError when the disk is to blame, and so is a save past its deadline
+    (deadlines.py: orbax's save() runs in a thread of its own, so that nothing here waits without one). `stopping`:
+    the run stops after this save (SIGTERM): from now on a save that stops writing is blocked at once."""
     if not self.due(step, force=force):
       return False
+    self._stopping |= stopping
     self.wait()  # orbax would wait here anyway; waiting first tells which step's save failed
     tree = dict(state)
+    args = ocp.args.Composite(
+      state=ocp.args.StandardSave(tree),
+      data=DataSave(data_iter),
+      checksums=integrity.save_args(tree),
+    )
+    save = self._deadlines.start(step, storage.state_bytes(tree))
     try:
-      saved = self.manager.save(
-        step,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardSave(tree),
-          data=DataSave(data_iter),
-          checksums=ocp.args.StandardSave({'sums': checksums(tree)}),
-        ),
-        force=force,
+      saved = deadlines.in_thread(
+        lambda: self.manager.save(step, args=args, force=force), save, self._written(step), self._stopping
       )
+    except deadlines.Blocked as e:
+      raise self._blocked(step, str(e)) from None
     except Exception as e:
-      if (err := self._storage_error(step, e)) is None:
+      if (err := self._fault(step, e)) is None:
         raise
       raise err from e
     if saved:
-      self._last_saved, self._in_flight = step, step
+      self._last_saved, self._in_flight, self._save = step, step, save
     return saved
 
   def poll(self) -> None:
-    """Once per step: a StorageError as soon as the save in flight has failed (not at the next save)."""
-    if self._in_flight is not None and not self.manager.is_saving_in_progress():
+    """Once per step: a StorageError as soon as the save in flight has failed (not at the next save), or has
+    passed its deadline."""
+    if self._in_flight is None:
+      return
+    if not self.manager.is_saving_in_progress():
       self.wait()
+    elif self._save is not None and (late := self._save.overdue()):
+      raise self._blocked(self._in_flight, late)
 
   def check(self, target: dict[str, Any], step: int | None = None, data_iter: Any = None) -> Any:
     """Checks a checkpoint's shapes against the target's from its metadata alone (train.py: before compiling):
@@ -348,9 +328,7 @@ class Checkpointer:
       state = self._reader.restore(step_dir / 'state', args=ocp.args.StandardRestore(abstract))
       sums = None
       if (step_dir / 'checksums').exists():
-        target = {
-          'sums': jax.ShapeDtypeStruct((len(jax.tree.leaves(abstract)),), jnp.uint32, sharding=_replicated(abstract))
-        }
+        target = integrity.sums_target(len(jax.tree.leaves(abstract)), abstract)
         sums = self._reader.restore(step_dir / 'checksums', args=ocp.args.StandardRestore(target))['sums']
       try:  # the data position last, once the arrays are read (no prefetching before the processes agree)
         if saved is None:
@@ -398,7 +376,7 @@ class Checkpointer:
       return None, damaged[0][1] + seen
     (state, sums) = restored
     if sums is not None:  # every process computes the same replicated figures: they agree without asking
-      found, expected = np.asarray(jax.device_get(checksums(state))), np.asarray(jax.device_get(sums))
+      found, expected = np.asarray(jax.device_get(integrity.checksums(state))), np.asarray(jax.device_get(sums))
       if found.shape != expected.shape or (found != expected).any():
         paths = [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)]
         bad = [p for p, f, e in zip(paths, found, expected) if f != e] if found.shape == expected.shape else paths
@@ -476,68 +454,189 @@ class Checkpointer:
     return moved
 
   def wait(self) -> None:
-    """Blocks until the save in flight is complete; a StorageError if the disk made it fail."""
-    step, self._in_flight = self._in_flight, None
+    """Blocks until the save in flight is complete; a StorageError if the disk made it fail, or if it passes its
+    deadline (or stops writing after SIGTERM) first."""
+    step, save = self._in_flight, self._save
+    self._in_flight = self._save = None
+    if self._stuck:  # a blocked save's threads never return: nothing to wait for
+      return
     try:
+      if save is not None:
+        deadlines.wait_for(self.manager.is_saving_in_progress, save, self._written(save.step), self._stopping)
       self.manager.wait_until_finished()
+    except deadlines.Blocked as e:
+      raise self._blocked(step, str(e)) from None
     except Exception as e:
-      if (err := self._storage_error(step, e)) is None:
+      if (err := self._fault(step, e)) is None:
         raise
       raise err from e
+    if save is not None:
+      self._deadlines.finished(save)
 
-  def _remove_partial(self, step: int | None, settle_s: float = 0.3, timeout_s: float = 10.0) -> None:
-    """Removes the failed save's <step>.orbax-checkpoint-tmp*. orbax's other writer threads of that save may still
-    be finishing (and recreating directories) after the first one failed, so it is removed until it stays gone."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-      partials = list(epath.Path(self.directory).glob(f'{step}.orbax-checkpoint-tmp*'))
-      for partial in partials:
-        shutil.rmtree(partial, ignore_errors=True)
-      time.sleep(settle_s)
-      if not partials and not list(epath.Path(self.directory).glob(f'{step}.orbax-checkpoint-tmp*')):
-        return
+  def _written(self, step: int) -> Callable[[], int | None]:
+    """The bytes written so far into step's <step>.orbax-checkpoint-tmp (None when they cannot be counted within a
+    second): how wait_for tells a save that stopped writing from a slow one."""
+    tmp = os.path.join(self.directory, f'{step}.orbax-checkpoint-tmp')
 
-  def _storage_error(self, step: int | None, e: Exception) -> StorageError | None:
-    """The StorageError for a save of `step` that failed for `e`, if an OS error is to blame (else None). The
-    partial checkpoint is removed (nothing a rerun could use), and orbax's tracebacks go to the log file."""
-    found = storage.os_error_of(e)
-    if found is None:
-      return None
-    self._remove_partial(step)
-    try:
-      self.manager.reload()
-      newest = self.manager.latest_step()
-    except Exception:  # pylint: disable=broad-except  # the directory itself is gone or unreadable
-      newest = None
-    kept = (
-      f'the last good checkpoint is {self.directory}/{newest} and a rerun resumes from it'
-      if newest is not None
-      else 'no checkpoint was written before it'
+    def count() -> int:
+      total = 0
+      for root, _, files in os.walk(tmp):
+        for f in files:
+          with contextlib.suppress(OSError):
+            total += os.stat(os.path.join(root, f)).st_size
+      return total
+
+    return lambda: storage.within(count, 1.0)
+
+  def _partials(self, step: int) -> list[str]:
+    return sorted(glob.glob(os.path.join(glob.escape(self.directory), f'{step}.orbax-checkpoint-tmp*')))
+
+  def _remove_partial(self, step: int, settle_s: float = 0.3, timeout_s: float = 5.0) -> str:
+    """Removes the failed save's <step>.orbax-checkpoint-tmp*, and says what is on disk after. Orbax's other writer
+    threads of that save may still be finishing (and recreating directories) after the first one failed, so it is
+    removed until it stays gone; a removal that fails (a read-only directory) is not tried again."""
+    failed: list[BaseException] = []
+    seen = []
+
+    def remove() -> None:
+      deadline = time.monotonic() + timeout_s
+      while time.monotonic() < deadline and not failed:
+        partials = self._partials(step)
+        seen.extend(partials)
+        for partial in partials:
+          shutil.rmtree(partial, onerror=lambda fn, path, info: failed.append(info[1]))
+        time.sleep(settle_s)
+        if not partials and not self._partials(step):
+          return
+
+    storage.within(remove, timeout_s + 1)
+    left = storage.within(lambda: self._partials(step), 2.0, [f'{self.directory}/{step}.orbax-checkpoint-tmp'])
+    if not left:
+      return 'the partial checkpoint was removed' if seen else 'nothing of it was written'
+    why = next((describe_os_error(e.errno, e.strerror, None) for e in failed if isinstance(e, OSError)), None)
+    why = f'it cannot be removed: {why}' if why else 'it could not be removed in time'
+    return (
+      f'the partial checkpoint {left[0]} is left on disk ({why}; no run takes it for a checkpoint, and the next '
+      'that can write there removes it)'
     )
+
+  def _last_good(self) -> str:
+    """The newest complete checkpoint on disk now (orbax's own list may have dropped steps it meant to delete)."""
+
+    def newest() -> int | None:
+      self.manager.reload()
+      return self.manager.latest_step()
+
     try:
-      usage = shutil.disk_usage(self.directory)
-      space = f'{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB there; '
-    except OSError:
-      space = ''
-    full = ' (the disk is full)' if found[0] in (errno.ENOSPC, errno.EDQUOT) else ''
-    log = self._tracebacks.flush()
+      step = storage.within(newest, 5.0)
+    except Exception:  # pylint: disable=broad-except  # the directory itself is gone or unreadable
+      step = None
+    if step is None:
+      return 'no checkpoint of this run is on disk'
+    return f'the last good checkpoint is {self.directory}/{step} and a rerun resumes from it'
+
+  def _log(self) -> str:
+    """Where orbax's tracebacks of the failure went, once the failed save's futures are collected (each reports
+    its failure then, into the log: storage.caught)."""
+    gc.collect()
+    path, failed = self._tracebacks.flush()
+    if failed:
+      return f"; orbax's tracebacks could not be written to {self._tracebacks.path}: {failed}"
+    return f"; orbax's tracebacks are in {path}" if path else ''
+
+  def _operation(self, step: int, e: BaseException, found: OsError) -> tuple[str, int | None]:
+    """Which operation of a save of `step` failed ('write', 'rename', or 'delete': of an old checkpoint, after
+    `step` was written) and the step it concerned, from the path the OS error names and orbax's frames (a removal
+    names paths relative to the directory it empties); None where the old step is no longer on disk."""
+    name = os.path.relpath(found.filename, self.directory).split(os.sep)[0] if found.filename else ''
+    if name.isdigit() and int(name) != step:
+      return 'delete', int(name)
+    frames = set()
+    while e is not None:
+      frames |= {f.name for f in traceback.extract_tb(e.__traceback__)}
+      e = e.__cause__ or e.__context__
+    if frames & {'delete_steps', 'rmtree', '_rmtree_safe_fd', '_rmtree_unsafe'}:
+      older = sorted(storage.steps_in(self.directory))[: -self.keep]  # kept past keep_checkpoints: not deleted
+      return 'delete', older[0] if older else None
+    if found.filename2 is not None:  # os.rename's errors name both paths
+      return 'rename', step
+    return 'write', step
+
+  def _fault(self, step: int | None, e: Exception) -> StorageError | None:
+    """The StorageError for a save of `step` that failed for `e`, if an OS error is to blame (else None): the
+    operation that failed, the step it concerned, what is on disk after cleanup (the partial checkpoint removed or
+    not; an old checkpoint that could not be deleted still there or not), the last good checkpoint, advice that
+    fits the cause, and where orbax's tracebacks went. An orbax wait that timed out is a blocked save."""
+    found = os_error_of(e)
+    if found is None:
+      cause = e
+      while cause is not None and not isinstance(cause, TimeoutError):
+        cause = cause.__cause__ or cause.__context__
+      return None if cause is None else self._blocked(step, f'timed out in orbax ({storage.first_line(cause)})')
+    self._faulted = True
+    storage.quiet_after_fault(self.directory)
+    op, concerned = self._operation(step, e, found)
+    where = f'{self.directory}/{concerned}'
+    if op == 'delete':
+      left = 'it is still on disk' if concerned is not None and os.path.exists(where) else 'it is gone'
+      old = f'old checkpoint {where}' if concerned is not None else f'an old checkpoint in {self.directory}'
+      what = f'{old} could not be deleted after checkpoint {step} was written'
+    else:
+      left = self._remove_partial(step)
+      self._removed = step if left == 'the partial checkpoint was removed' else None
+      what = f'checkpoint {where} could not be ' + ('renamed into place' if op == 'rename' else 'written')
+    path = found.filename if found.filename and os.path.isabs(found.filename) else None  # not one in a removal
+    advice = storage.advice(found.code, where if op == 'delete' and concerned is not None else self.directory)
     err = StorageError(
-      f'checkpoint {self.directory}/{step} could not be written: {describe_os_error(*found)}{full}; {space}{kept} '
-      '(free space or choose another --workdir; the partial checkpoint was removed'
-      + (f", orbax's tracebacks are in {log})" if log else ')')
+      f'{what}: {describe_os_error(found.code, found.strerror, path)}; {left}; {self._last_good()} '
+      f'({advice}){self._log()}'
     )
     err.__cause__ = e
     return err
 
+  def _blocked(self, step: int | None, reason: str) -> StorageError:
+    """The StorageError for a save that blocked (deadlines.Blocked): what blocks it (a directory no longer
+    writable, a filesystem that does not answer, or where orbax's threads wait), what is on disk after cleanup,
+    the last good checkpoint and advice. Its threads may never return: the error says so (`blocked`)."""
+    self._faulted = self._stuck = True
+    self._in_flight = self._save = None
+    what, code = storage.probe(self.directory)
+    if code is not None:
+      advice = storage.advice(code, self.directory)
+    elif what:
+      advice = f'check the filesystem of {self.directory} (a network mount that stopped answering?) or choose another '
+      advice += '--workdir'
+    else:
+      waits = storage.where_orbax_waits()
+      what = f'{self.directory} is writable' + (f'; orbax waits in {waits}' if waits else '')
+      advice = 'set config.checkpoint_timeout above the time a save takes here, or choose another --workdir'
+    storage.quiet_after_fault(self.directory)
+    err = StorageError(
+      f'checkpoint {self.directory}/{step} could not be written: the save {reason}: {what}; '
+      f'{self._remove_partial(step)}; {self._last_good()} ({advice}){self._log()}'
+    )
+    err.blocked = True
+    return err
+
   def close(self) -> None:
     try:
-      # orbax removes earlier runs' unfinished temporary directories in a thread its constructor starts, and joins
-      # it only before the first save (not in close): a run stopped before that (bad input found once the manager
-      # exists) would leave the thread to outlive the interpreter's executors, printing a traceback after our line.
-      getattr(self.manager, '_maybe_await_cleanup_tmp_directory', lambda: None)()
-      self.manager.close()
+      if not self._stuck:  # a blocked save's threads never return: orbax's close would wait for them
+        # orbax removes earlier runs' unfinished temporary directories in a thread its constructor starts, and
+        # joins it only before the first save (not in close): a run stopped before that (bad input found once the
+        # manager exists) would leave the thread to outlive the interpreter's executors, printing a traceback after
+        # our line.
+        getattr(self.manager, '_maybe_await_cleanup_tmp_directory', lambda: None)()
+        try:
+          self.manager.close()
+        except Exception:  # pylint: disable=broad-except
+          if not self._faulted:  # after a failed save, orbax's close meets the same fault again: told already
+            raise
+        # orbax's other writer threads of a failed save, finished only now, may have made its directories again
+        # after they were removed: removed once more, so that what the line said stays true.
+        for partial in self._partials(self._removed) if self._removed is not None else []:
+          shutil.rmtree(partial, ignore_errors=True)
     finally:
-      self._tracebacks.close()
+      self._tracebacks.close(faulted=self._faulted)
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -555,8 +654,3 @@ def _read_metadata(manager: ocp.CheckpointManager, step: int, source: str) -> Ma
   if md is None:
     raise DamagedCheckpointError(f'{source} is missing or corrupt (no state metadata)')
   return md.tree if hasattr(md, 'tree') else md
-
-
-def _replicated(target: Any) -> jax.sharding.NamedSharding:
-  """The checksums' sharding: replicated on the mesh the target's arrays live on."""
-  return jax.sharding.NamedSharding(jax.tree.leaves(target)[0].sharding.mesh, jax.P())

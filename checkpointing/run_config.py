@@ -12,7 +12,7 @@ import ml_collections
 
 from checkpointing import storage
 from configs import schema
-from errors import ConfigError, StorageError
+from errors import ConfigError, StorageError, describe_os_error
 
 FILE = 'run_config.json'
 
@@ -28,8 +28,8 @@ def save(config: ml_collections.ConfigDict, workdir: str, last_good: str = 'none
         f.write(config.to_json_best_effort(indent=2, sort_keys=True))
     except OSError as e:  # a full disk, a quota, a read-only or vanished workdir: one line, like a checkpoint's
       raise StorageError(
-        f'{path} could not be written: {e.strerror} [errno {e.errno}]; the last good checkpoint is {last_good} '
-        '(free space or choose another --workdir)'
+        f'{path} could not be written: {describe_os_error(e.errno, e.strerror, None)}; the last good checkpoint is '
+        f'{last_good} ({storage.advice(e.errno, workdir)})'
       ) from e
 
 

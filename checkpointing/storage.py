@@ -1,25 +1,32 @@
 """Where checkpoints and event files are written, and what goes wrong there: writability, free space, OS errors
-named in one line, TensorBoard writers whose disk faults are one StorageError, and the filters that keep orbax's
-own tracebacks (a failed save, abandoned reads of a damaged checkpoint) off the terminal. The checkpointer and the
-weight loaders share them; nothing here knows a train state."""
+named in one line with advice fitting their cause, TensorBoard writers whose disk faults are one StorageError, a
+probe of a directory that may not answer, and what keeps orbax's own failures (a failed save's background threads
+and futures, abandoned reads of a damaged checkpoint) off the terminal: the event loops orbax runs in report
+unretrieved failures into the error log, and a log filter keeps its threads' tracebacks there. The checkpointer and
+the weight loaders share them; nothing here knows a train state."""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import errno
 import logging
 import math
 import os
-import re
 import shutil
 import sys
 import tempfile
+import threading
+import traceback
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from errors import StorageError
+from errors import StorageError, describe_os_error, os_error_of
 
 
 def ensure_writable(directory: str, what: str = 'workdir') -> None:
@@ -36,23 +43,70 @@ def ensure_writable(directory: str, what: str = 'workdir') -> None:
     ) from e
 
 
-def describe_os_error(code: int | None, strerror: str | None, filename: str | None) -> str:
-  name = f'{errno.errorcode[code]}, ' if code in errno.errorcode else ''
-  return f'{strerror} [{name}errno {code}]' + (f' ({filename})' if filename else '')
+def advice(code: int, directory: str) -> str:
+  """What to do about the OS error `code` met writing under `directory`, fitting its cause: free space (with the
+  figures) for a full disk or quota, a remount for a read-only filesystem, permissions for a denied write."""
+  if code in (errno.ENOSPC, errno.EDQUOT):
+    try:
+      usage = shutil.disk_usage(directory)
+      figures = f', {usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB there'
+    except OSError:
+      figures = ''
+    what = 'the disk quota is used up' if code == errno.EDQUOT else 'the disk is full'
+    return f'{what}{figures}: free space or choose another --workdir'
+  if code == errno.EROFS:
+    return f'{directory} is on a filesystem mounted read-only: remount it read-write or choose another --workdir'
+  if code in (errno.EACCES, errno.EPERM):
+    return (
+      f'this user (uid {os.getuid()}) may not write in {directory}: give it write permission there or choose '
+      'another --workdir'
+    )
+  if code == errno.ENOENT:
+    return f'{directory} or a directory in it vanished while it was written: choose another --workdir'
+  if code == errno.EIO:
+    return 'the device reports an I/O error: check the disk (dmesg) or choose another --workdir'
+  return 'choose another --workdir'
 
 
-def os_error_of(e: BaseException) -> tuple[int, str, str | None] | None:
-  """(errno, strerror, filename) when `e` (or what caused it) is an OS error: an OSError, or TensorStore's
-  ValueError that carries os_error_code (how a failed array write reaches orbax); None otherwise."""
-  while e is not None:
-    if isinstance(e, OSError) and e.errno:
-      return e.errno, e.strerror or os.strerror(e.errno), e.filename
-    m = re.search(r"os_error_code='?(\d+)", str(e)) if isinstance(e, ValueError) else None
-    if m:
-      paths = re.findall(r'"(/[^"]+)"', str(e))
-      return int(m.group(1)), os.strerror(int(m.group(1))), paths[-1] if paths else None
-    e = e.__cause__ or e.__context__
-  return None
+def within(fn: Callable[[], Any], timeout_s: float, default: Any = None) -> Any:
+  """fn() in a thread of its own, or `default` if it has not returned within timeout_s (a call into a
+  filesystem that does not answer blocks in the kernel; the thread is left to it)."""
+  box = []
+  thread = threading.Thread(target=lambda: box.append(fn()), name='shardzoo-storage', daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  return box[0] if box else default
+
+
+def probe(directory: str, timeout_s: float = 2.0) -> tuple[str, int | None]:
+  """Whether a small file can be written in `directory` now: ('', None) if it can, else (what stops it, its errno or
+  None), within timeout_s even where the filesystem does not answer."""
+
+  def attempt() -> tuple[str, int | None]:
+    try:
+      with tempfile.NamedTemporaryFile(dir=directory, prefix='.shardzoo-write-test-') as f:
+        f.write(b'0')
+        f.flush()
+      return '', None
+    except OSError as e:
+      return f'{directory} is not writable: {describe_os_error(e.errno, e.strerror, None)}', e.errno
+
+  late = f'a write to {directory} did not return within {timeout_s:g} s (the filesystem does not answer)', None
+  return within(attempt, timeout_s, late)
+
+
+def where_orbax_waits() -> str | None:
+  """The innermost orbax function each of orbax's threads is in now (sys._current_frames, documented for such
+  diagnostics), e.g. 'wait_for_signals (orbax/checkpoint/_src/futures/future.py:264)'."""
+  found = []
+  for frame in sys._current_frames().values():  # noqa: SLF001
+    for fs in reversed(traceback.extract_stack(frame)):
+      if '/orbax/' in fs.filename:
+        where = f'{fs.name} ({fs.filename[fs.filename.index("orbax/") :]}:{fs.lineno})'
+        if where not in found:
+          found.append(where)
+        break
+  return ', '.join(found[:3]) if found else None
 
 
 _STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.ENOENT, errno.EIO)
@@ -89,49 +143,126 @@ class GuardedWriter:
         raise
       raise StorageError(
         f'the event files in {self._workdir} could not be written: {describe_os_error(code, os.strerror(code), None)}; '
-        f'the last good checkpoint is {self._last_good()} (free space or choose another --workdir)'
+        f'the last good checkpoint is {self._last_good()} ({advice(code, self._workdir)})'
       ) from e
 
 
 class OrbaxTracebacks(logging.Filter):
-  """A save that fails (a full disk) fails in several of orbax's background threads, and each logs the error with
-  its traceback: hundreds of lines for the one StorageError the run stops with (clu's event writer logs one per
-  failed write). Orbax's errors are kept here (in
-  memory: the disk may be the one that is full) and written to `path` when the StorageError is raised, once the
-  partial checkpoint is removed, or when the Checkpointer closes. Orbax's warnings still reach the terminal."""
+  """A save that fails (a full disk, a read-only directory) fails in several of orbax's background threads and
+  futures at once: each thread logs the error with its traceback, and each future whose failure nobody awaited (orbax
+  stops at the first) is reported by its event loop as 'Future exception was never retrieved' when it is collected:
+  hundreds of lines for the one StorageError the run stops with (clu's event writer logs one per failed write too).
+  Both are kept here, in memory (the disk may be the one that is full): orbax's and clu's error records by a log
+  filter, the futures' failures by the exception handler of every event loop (`caught`, storage faults only), and
+  written to `path` when the StorageError is made, after the partial checkpoint is removed, and when the
+  Checkpointer closes. Orbax's warnings still reach the terminal."""
 
-  MAX_RECORDS = 100
+  MAX_ENTRIES = 200
 
   def __init__(self, path: str):
     super().__init__()
-    self.path, self.records, self.written = path, [], 0
+    self.path, self.entries, self.dropped, self.written = path, [], 0, 0
     self.format = logging.Formatter('%(asctime)s %(threadName)s %(pathname)s:%(lineno)d %(levelname)s %(message)s')
+    self.lock = threading.Lock()
     for logger in (logging.getLogger('absl'), logging.getLogger()):  # orbax logs through absl, or plain logging
       logger.addFilter(self)
+    _sinks.append(self)
 
   def filter(self, record: logging.LogRecord) -> bool:
     if record.levelno < logging.ERROR or not ('/orbax/' in record.pathname or '/clu/asynclib' in record.pathname):
       return True
-    if len(self.records) < self.MAX_RECORDS:
-      self.records.append(record)
+    self.keep(self.format.format(record))
     return False
 
-  def flush(self) -> str | None:
-    """Writes what was kept to the log file: its path, or None if nothing was logged (or it cannot be written)."""
-    if self.records:
-      try:
-        with open(self.path, 'a') as f:
-          f.writelines(self.format.format(r) + '\n' for r in self.records)
-        self.written += len(self.records)
-      except OSError:
-        return None
-      self.records = []
-    return self.path if self.written else None
+  def keep(self, text: str) -> None:
+    with self.lock:
+      if len(self.entries) < self.MAX_ENTRIES:
+        self.entries.append(text)
+      else:
+        self.dropped += 1
 
-  def close(self) -> None:
+  def flush(self) -> tuple[str | None, str | None]:
+    """Writes what was kept since the last flush to the log file, whole or not at all (written beside it, then
+    renamed over it): (its path, None) once anything is in it; (None, the OS error) if it could not be written;
+    (None, None) if nothing was logged."""
+    with self.lock:
+      entries, dropped = self.entries, self.dropped
+      self.entries, self.dropped = [], 0
+    if entries or dropped:
+      text = ''.join(e.rstrip('\n') + '\n' for e in entries)
+      text += f'... and {dropped} more such records, not kept\n' if dropped else ''
+      aside = f'{self.path}.writing'
+      try:
+        before = ''
+        if os.path.exists(self.path):
+          with open(self.path) as f:
+            before = f.read()
+        with open(aside, 'w') as f:
+          f.write(before + text)
+          f.flush()
+          os.fsync(f.fileno())
+        os.replace(aside, self.path)
+      except OSError as e:
+        with contextlib.suppress(OSError):
+          os.remove(aside)
+        return None, describe_os_error(e.errno, e.strerror, None)
+      self.written += len(entries) + dropped
+    return (self.path if self.written else None), None
+
+  def close(self, *, faulted: bool = False) -> None:
+    """Writes what is left and stops filtering the logs. After a storage fault (`faulted`) it goes on: what orbax's
+    threads and futures of the failed save report later (as they end, or are collected) goes to this log when
+    the process exits (or nowhere, if it cannot be written then), never to the terminal."""
     self.flush()
+    if faulted:
+      atexit.register(self.flush)
+      return
     for logger in (logging.getLogger('absl'), logging.getLogger()):
       logger.removeFilter(self)
+    if self in _sinks:
+      _sinks.remove(self)
+
+
+_sinks: list[OrbaxTracebacks] = []  # the open error logs; the newest takes what event loops report
+
+
+def _format_context(context: dict[str, Any]) -> str:
+  e = context['exception']
+  return f'{context.get("message", "")}\n' + ''.join(traceback.format_exception(type(e), e, e.__traceback__))
+
+
+def caught(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+  """Every event loop's exception handler (_CaughtLoops): a failure of a future or task nobody awaited ('Future
+  exception was never retrieved') that an OS error caused goes to the newest error log, where orbax's tracebacks go;
+  anything else, or with no log open, to asyncio's own handler."""
+  e = context.get('exception')
+  if _sinks and e is not None and os_error_of(e) is not None:
+    _sinks[-1].keep(_format_context(context))
+    return
+  loop.default_exception_handler(context)
+
+
+class _CaughtLoops(asyncio.DefaultEventLoopPolicy):
+  """Orbax runs its work on event loops it makes with asyncio.new_event_loop: each gets `caught` as its exception
+  handler (asyncio's public hook for failures nobody retrieved), so those failures are caught where they are born."""
+
+  def new_event_loop(self) -> asyncio.AbstractEventLoop:
+    loop = super().new_event_loop()
+    loop.set_exception_handler(caught)
+    return loop
+
+
+def catch_loop_failures() -> None:
+  """Installs _CaughtLoops, unless another event loop policy than asyncio's default is in place."""
+  if type(asyncio.get_event_loop_policy()) is asyncio.DefaultEventLoopPolicy:
+    asyncio.set_event_loop_policy(_CaughtLoops())
+
+
+def quiet_after_fault(directory: str) -> None:
+  """After a save under `directory` failed: orbax's abandoned work on it reports nothing more on the terminal (its
+  futures' callbacks into closed loops, coroutines it never started, collected as the process exits)."""
+  abandoned_reads.met(directory)
+  warnings.filterwarnings('ignore', message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
 
 
 def state_bytes(abstract: Any) -> int:
@@ -246,3 +377,4 @@ class AbandonedReads(logging.Filter):
 
 abandoned_reads = AbandonedReads()
 abandoned_reads.install()
+catch_loop_failures()

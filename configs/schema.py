@@ -342,6 +342,11 @@ def _data_vocabulary(config: ml_collections.ConfigDict) -> int | None:
   return None
 
 
+def _prompt_key(config: ml_collections.ConfigDict) -> str | None:
+  """config.dataset.prompt_key's default: 'prompt' for the post-training tasks' rows; None (plain text) otherwise."""
+  return 'prompt' if config.get('task') in POST else None
+
+
 def _warmup(config: ml_collections.ConfigDict) -> int:
   """config.optim.warmup_steps's default: 100 steps, or a tenth of a shorter run (config.total_steps)."""
   total = config.get('total_steps')
@@ -387,15 +392,16 @@ _DECODER = (
   'attn_softcap',
   'final_softcap',
 )
+_CAUSAL = ('lm', 'dpo', 'grpo')  # the causal language models' tasks: next tokens, preference pairs, rewards
 _MOE = ('num_experts', 'top_k', 'capacity_factor', 'group_size', 'aux_loss_weight')
 # The dense decoder families (models/decoder.py FAMILIES): one block, declared options. max_len: their rotary
 # positions have no table (None: config.json's, or none).
 DECODERS = ('llama', 'qwen2', 'qwen3', 'mistral', 'gemma', 'gemma2', 'gemma3', 'phi3', 'olmo2')
 FAMILIES = {
   # max_len: learned position tables need it; vocab_size: the LMs' may be left to the data (data.vocabulary)
-  'gpt2': Family(('lm',), ('max_len', *_SIZES), ('vocab_size', 'pad_vocab_to', *_LM)),
-  **{name: Family(('lm',), _SIZES, ('vocab_size', 'max_len', *_DECODER, *_LM)) for name in DECODERS},
-  'moe': Family(('lm',), (*_SIZES, *_MOE), ('vocab_size', *_DECODER, 'router_z_loss_weight', *_LM)),
+  'gpt2': Family(_CAUSAL, ('max_len', *_SIZES), ('vocab_size', 'pad_vocab_to', *_LM)),
+  **{name: Family(_CAUSAL, _SIZES, ('vocab_size', 'max_len', *_DECODER, *_LM)) for name in DECODERS},
+  'moe': Family(_CAUSAL, (*_SIZES, *_MOE), ('vocab_size', *_DECODER, 'router_z_loss_weight', *_LM)),
   'bert': Family(
     ('mlm', 'text_classification'),
     ('max_len', 'vocab_size', *_SIZES),
@@ -428,6 +434,9 @@ DTYPES = ('float32', 'bfloat16', 'float16')
 TEXT = ('lm', 'mlm', 'text_classification')  # the tasks of text datasets (data/registry.py)
 # The tasks your own files serve (data/files.py): every language-model config takes them from the command line.
 FILES = ('lm', 'mlm')
+POST = ('dpo', 'grpo')  # post-training (training/preference.py, training/rl.py): rows of your own files
+OWN_FILES = (*FILES, *POST)
+TOKENS = (*TEXT, *POST)  # the tasks whose rows a tokenizer makes, to a length
 LABELS = ('classification', 'text_classification')
 IMAGES = ('classification',)
 
@@ -449,6 +458,9 @@ FIELDS: dict[str, Field] = {
   'keep_checkpoints': _int(1, 2),  # the last K are kept; rerunning the same command resumes from the latest
   'resume_fallback': Field(bool, default=True),  # a damaged latest checkpoint: moved aside, the previous resumed
   'checkpoint_space': Field(str, values=('refuse', 'warn'), default='refuse'),  # too little free space at start
+  # Seconds a save may take before the run stops naming what blocks it; 0: from the state's size and the slowest
+  # write rate measured in the run (checkpointing/deadlines.py).
+  'checkpoint_timeout': _float(0, 0.0),
   # A non-finite loss or gradient never reaches the parameters (the update is skipped in the step). 'stop' ends the
   # run at once, naming the step and the first non-finite gradient's parameter, and writes no checkpoint after it;
   # 'skip' goes on and stops after max_nonfinite_skips bad steps in a row.
@@ -549,7 +561,7 @@ FIELDS: dict[str, Field] = {
   # data (data/registry.py): the fields the datasets of config.task read. None, where allowed: the dataset's own
   # (TFDS_DEFAULTS and the offline datasets' sizes).
   'dataset.name': Field(str),
-  'dataset.seq_len': _int(1, None, optional=True, only=TEXT),  # None: the model's max_len (fine-tune configs)
+  'dataset.seq_len': _int(1, None, optional=True, only=TOKENS),  # None: the model's max_len (fine-tune configs)
   'dataset.data_dir': Field(str, optional=True, default=None),  # where TFDS datasets are prepared
   'dataset.train_split': Field(str, default='train'),
   'dataset.eval_split': Field(str, optional=True, default=None),
@@ -571,21 +583,39 @@ FIELDS: dict[str, Field] = {
   'dataset.max_shift': _int(0, 2, only=IMAGES),
   'dataset.augment': Field(str, owner='data.vision', optional=True, default=None, only=IMAGES),
   # text
-  'dataset.tokenizer': Field(str, default='byte', only=TEXT),  # 'byte' or a Hugging Face tokenizer directory
+  'dataset.tokenizer': Field(str, default='byte', only=TOKENS),  # 'byte' or a Hugging Face tokenizer directory
   'dataset.text_key': Field(str, default='text'),  # the text feature of TFDS datasets and files
   'dataset.pack': Field(bool, default=False, only=TEXT),  # documents packed into rows (task lm only)
   'dataset.mlm_probability': Field(float, lo=0, hi=1, lo_open=True, hi_open=True, default=0.15, only=('mlm',)),
   # your own files (data/files.py, docs/your_data.md): name 'json', 'parquet', 'text' or 'hf'
-  'dataset.train_files': Field(str, default='', only=FILES),  # globs, comma-separated ('hf': a split, '': train)
-  'dataset.eval_files': Field(str, default='', only=FILES),
-  'dataset.mixture': Field('mixture', optional=True, default=None, only=FILES),  # (glob, weight) pairs instead
-  'dataset.path': Field(str, default='', only=FILES),  # 'hf': a hub id or a save_to_disk directory
-  'dataset.cache_dir': Field(str, optional=True, default=None, only=FILES),  # the Arrow cache; None: HF's
-  'dataset.sample_by': Field(str, owner='data.files', default='line', only=FILES),  # 'text' files' rows
-  'dataset.prompt_key': Field(str, optional=True, default=None, only=FILES),  # with completion_key: the loss on it
+  'dataset.train_files': Field(str, default='', only=OWN_FILES),  # globs, comma-separated ('hf': a split, '': train)
+  'dataset.eval_files': Field(str, default='', only=OWN_FILES),
+  'dataset.mixture': Field('mixture', optional=True, default=None, only=OWN_FILES),  # (glob, weight) pairs instead
+  'dataset.path': Field(str, default='', only=OWN_FILES),  # 'hf': a hub id or a save_to_disk directory
+  'dataset.cache_dir': Field(str, optional=True, default=None, only=OWN_FILES),  # the Arrow cache; None: HF's
+  'dataset.sample_by': Field(str, owner='data.files', default='line', only=OWN_FILES),  # 'text' files' rows
+  # with completion_key: the loss on it; the prompt of a preference pair or of a GRPO row
+  'dataset.prompt_key': Field(str, optional=True, default=_prompt_key, only=OWN_FILES),
   'dataset.completion_key': Field(str, optional=True, default=None, only=FILES),
   'dataset.messages_key': Field(str, optional=True, default=None, only=FILES),  # chats: the loss on the answers
   'dataset.no_assistant': Field(str, owner='data.files', default='skip', only=FILES),  # a chat with no answer
+  # preference pairs (task dpo, data/preference.py): the two answers to prompt_key's prompt, texts or chats
+  'dataset.chosen_key': Field(str, default='chosen', only=('dpo',)),
+  'dataset.rejected_key': Field(str, default='rejected', only=('dpo',)),
+  # preference tuning (docs/post_training.md, training/preference.py)
+  'dpo.loss': Field(str, owner='training.preference', default='sigmoid', only=('dpo',)),
+  'dpo.beta': _float(0, 0.1, lo_open=True, only=('dpo',)),  # how far from the reference the policy may move
+  'dpo.gamma': _float(0, 0.5, only=('dpo',)),  # simpo's target margin (TRL's simpo_gamma)
+  # GRPO (docs/post_training.md, training/rl.py): 'module:function' rewards, comma-separated, each '*weight' optional
+  'grpo.reward': Field(str, default='', only=('grpo',)),
+  'grpo.group_size': _int(2, 8, only=('grpo',)),  # completions sampled per prompt; config.batch_size counts them
+  'grpo.max_new_tokens': _int(1, 32, only=('grpo',)),  # a completion's longest; prompts get seq_len - this
+  'grpo.temperature': _float(0, 1.0, lo_open=True, only=('grpo',)),
+  'grpo.beta': _float(0, 0.04, only=('grpo',)),  # the KL (k3) term's weight against the reference; 0: none
+  'grpo.epsilon': _float(0, 0.2, lo_open=True, only=('grpo',)),  # the policy ratio is clipped to 1 +- epsilon
+  'grpo.iterations': _int(1, 1, only=('grpo',)),  # updates per batch of samples (TRL's num_iterations)
+  'grpo.scale_rewards': Field(str, values=('group', 'batch', 'none'), default='group', only=('grpo',)),
+  'grpo.loss_aggregation': Field(str, values=('dapo', 'grpo'), default='dapo', only=('grpo',)),
 }
 FIELDS = {path: dataclasses.replace(field, path=path) for path, field in FIELDS.items()}
 
@@ -623,7 +653,7 @@ def complete(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     for path, field in FIELDS.items():
       section, _, key = path.rpartition('.')
       node = config if not section else config.get(section)
-      if node is None and section in ('optim', 'lora', 'pipeline'):
+      if node is None and (section in ('optim', 'lora', 'pipeline') or (section in POST and _has(config, field))):
         node = config[section] = ml_collections.ConfigDict()
       if not isinstance(node, ml_collections.ConfigDict) or key in node or not _has(config, field):
         continue

@@ -9,15 +9,20 @@ what is read). Its columns are Arrow arrays, so the checks below (a row without 
 assistant turn) run over whole columns before training, without decoding the rows one by one.
 
 Files are opened one by one (one Arrow cache each, then concatenated), so a bad row is named by its file and
-line. The fields a row is read by: `text_key` (plain language modelling), `prompt_key` + `completion_key`
-(the loss on the completion), `messages_key` (chats rendered by the tokenizer's own chat template, the loss on
-the assistant turns).
+line. A cache is built aside and renamed into place when complete: a full or read-only cache directory is one
+StorageError naming it, with nothing half-built left behind. The fields a row is read by: `text_key` (plain
+language modelling), `prompt_key` + `completion_key` (the loss on the completion), `messages_key` (chats rendered
+by the tokenizer's own chat template, the loss on the assistant turns).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import glob
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from configs import schema
-from errors import ConfigError
+from errors import ConfigError, StorageError, describe_os_error, os_error_of
 
 FORMATS = ('json', 'parquet', 'text')  # config.dataset.name for files; 'hf' for a Hugging Face dataset
 NAMES = (*FORMATS, 'hf')
@@ -91,17 +96,79 @@ class Rows:
 
 
 def _load(fmt: str, file: str, cfg: Any) -> Any:
-  """One file as a memory-mapped datasets.Dataset (built into the Arrow cache the first time)."""
+  """One file as a memory-mapped datasets.Dataset (built into the Arrow cache the first time: _build_aside)."""
   if os.path.getsize(file) == 0:
     raise ConfigError(f'{file} is empty (config.dataset.name={fmt!r})')
-  kwargs = {'sample_by': cfg.sample_by} if fmt == 'text' else {}
+  ds, kwargs = _datasets(), {'sample_by': cfg.sample_by} if fmt == 'text' else {}
+  builder = lambda cache_dir: ds.load_dataset_builder(fmt, data_files=[file], cache_dir=cache_dir, **kwargs)
+  root = os.path.abspath(os.path.expanduser(cfg.cache_dir or ds.config.HF_DATASETS_CACHE))
   try:
-    return _datasets().load_dataset(fmt, data_files=[file], split='train', cache_dir=cfg.cache_dir, **kwargs)
+    with tempfile.TemporaryDirectory() as elsewhere:  # where under a cache this file's goes (builders lock there)
+      where = os.path.relpath(builder(elsewhere).cache_dir, elsewhere)
+    if not os.path.isfile(os.path.join(root, where, 'dataset_info.json')):
+      _build_aside(builder, file, root, where)
+    return builder(root).as_dataset(split='train')
+  except StorageError:
+    raise
   except StopIteration:
     raise ConfigError(f'{file} has no rows (config.dataset.name={fmt!r})') from None
   except Exception as e:  # datasets wraps the reader's error (e.g. pyarrow's JSON parse error and its row)
     cause = e.__cause__ or e
     raise ConfigError(f'{file} cannot be read as {fmt}: {type(cause).__name__}: {str(cause).splitlines()[0]}') from None
+
+
+_WRITING = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # errors only writing meets (reading the file meets others)
+
+
+def _build_aside(builder: Any, file: str, root: str, where: str) -> None:
+  """Builds `file`'s Arrow cache in a directory of its own under the cache's `root` and renames it to `where` (its
+  place there) once complete, so that a build cut short (a full disk, a read-only directory, a kill) leaves nothing a
+  later run could take for a cache, nor datasets' empty directories and locks. StorageError naming the cache
+  directory, the OS error and what is left (checked); a build another process finished first is taken as it is."""
+  made, aside = [], None
+  final = os.path.join(root, where)
+  try:
+    d = os.path.dirname(final)
+    while not os.path.isdir(d):  # the directories this build adds, removed again if it fails
+      made.append(d)
+      d = os.path.dirname(d)
+    os.makedirs(root, exist_ok=True)
+    aside = tempfile.mkdtemp(prefix='.shardzoo-building-', dir=root)
+    built = builder(aside)
+    built.download_and_prepare()
+    os.makedirs(os.path.dirname(final), exist_ok=True)
+    try:
+      os.rename(built.cache_dir, final)
+    except OSError:
+      if not os.path.isfile(os.path.join(final, 'dataset_info.json')):
+        raise
+  except Exception as e:
+    found = os_error_of(e)
+    if found is None or found.code not in _WRITING and not str(found.filename or '').startswith(root):
+      raise  # not the cache's fault (the file's own errors: _load)
+    left = _remove(aside, made)
+    advice = (
+      'free space there or set config.dataset.cache_dir to a directory with space'
+      if found.code in (errno.ENOSPC, errno.EDQUOT)
+      else 'set config.dataset.cache_dir to a writable directory'
+    )
+    raise StorageError(
+      f'the Arrow cache of {file} could not be built in {root}: {describe_os_error(found.code, found.strerror, None)}'
+      f'; {left} ({advice})'
+    ) from None
+  finally:
+    _remove(aside, [])
+
+
+def _remove(aside: str | None, made: list[str]) -> str:
+  """Removes an unfinished build and the directories made for it; what is left of them (checked)."""
+  if aside is not None:
+    shutil.rmtree(aside, ignore_errors=True)
+  for d in made:
+    with contextlib.suppress(OSError):
+      os.rmdir(d)
+  left = [p for p in [aside, *made] if p is not None and os.path.exists(p)]
+  return f'{left[0]} is left there (no run takes it for a cache)' if left else 'nothing of it is left there'
 
 
 def _hf(cfg: Any, split: str, what: str) -> Any:
@@ -140,9 +207,10 @@ def _first_null(col: pa.ChunkedArray) -> int:
   return int(pc.index(pc.is_null(col), True).as_py())
 
 
-def open_rows(cfg: Any, spec: str, what: str, keys: Sequence[str]) -> Rows:
+def open_rows(cfg: Any, spec: str, what: str, keys: Sequence[str], every_column: bool = False) -> Rows:
   """The rows of `spec` (a glob of files, or a split of config.dataset.path for 'hf'); ConfigError, naming the
-  file and line, for a glob matching nothing, an empty or unreadable file, a row without one of `keys`."""
+  file and line, for a glob matching nothing, an empty or unreadable file, a row without one of `keys`. A row holds
+  `keys`, or with `every_column` the first file's columns (GRPO's rows go whole to the reward functions)."""
   fmt = cfg.name
   if fmt == 'hf':
     tables, names, unit = [_hf(cfg, spec, what)], [f'{cfg.path} split {spec}'], 'row'
@@ -156,7 +224,7 @@ def open_rows(cfg: Any, spec: str, what: str, keys: Sequence[str]) -> Rows:
       col = _column(t, key, name)
       if col.null_count:
         raise ConfigError(f'{name} {unit} {_first_null(col) + 1} has no {key!r} (config.dataset.*_key)')
-  return Rows(tables, names, keys, unit)
+  return Rows(tables, names, tables[0].column_names if every_column else keys, unit)
 
 
 def with_assistant(rows: Rows, key: str, policy: str) -> tuple[Rows, int]:

@@ -25,7 +25,7 @@ from typing import Any
 import ml_collections
 
 from configs import schema
-from data import files, pipeline, row_checks, text, tfds_source, tokens, vision
+from data import files, pipeline, preference, row_checks, text, tfds_source, tokens, vision
 from data.dataset import Dataset
 from data.markov import MarkovLanguage, MarkovText
 from data.text import lm_example
@@ -362,7 +362,11 @@ def build(config: ml_collections.ConfigDict) -> Dataset:
   an unprepared TFDS dataset fails at once with the command that prepares it.
   """
   cfg, task = config.dataset, config.task
-  if cfg.name in files.NAMES:
+  if task == 'dpo':
+    ds = preference.pairs(cfg)
+  elif task == 'grpo':
+    ds = preference.prompts(cfg, config.grpo.max_new_tokens)
+  elif cfg.name in files.NAMES:
     ds = _files(cfg, task)
   else:
     ds = _offline(cfg, task) if cfg.name in OFFLINE else _tfds(cfg, task)

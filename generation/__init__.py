@@ -7,7 +7,7 @@ Face directory, the tokenizer, and the entry points' command line: from_flags, r
 (ZooLM, lm-eval's model adapter; imports lm_eval, so it is not imported here).
 """
 
-from generation.engine import CacheLayout, Generated, Generator, Sampling, cache_layout, sample
+from generation.engine import CacheLayout, Generated, Generator, Sampling, cache_layout, policy_sampler, sample
 from generation.loading import (
   build,
   decode_config,
@@ -30,6 +30,7 @@ __all__ = [
   'encode',
   'from_flags',
   'load',
+  'policy_sampler',
   'read_prompts',
   'sample',
   'tokenizer',

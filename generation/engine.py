@@ -387,3 +387,20 @@ def _fix(prompt_len: int, new: int, max_len: int) -> str:
   else:
     fixes.append(f'shorten the prompt below {max_len} tokens and ask for fewer new ones')
   return ' or '.join(fixes)
+
+
+def policy_sampler(graphdef: Any, *, rules: Any, mesh: Any, max_len: int | None, vocab: int | None):
+  """A sampler of a model in training (GRPO's rollouts, training/rollout.py Sample): called with the current
+  parameters as the train state holds them (placed by the training rules, on the training mesh: no copy), the
+  prompts, and the sampling settings; one Generator, so one compile per shape for the whole run."""
+  gen: Generator | None = None
+
+  def sample(params, model_state, prompts, max_new_tokens, temperature, seed, stop_id):
+    nonlocal gen
+    if gen is None:
+      gen = Generator(graphdef, params, model_state, rules=rules, mesh=mesh, max_len=max_len, vocab=vocab)
+    gen.params, gen.model_state = params, model_state
+    out = gen.generate(prompts, Sampling(max_new_tokens, temperature=temperature, seed=seed), stop_id)
+    return [g.ids for g in out]
+
+  return sample

@@ -7,6 +7,8 @@ kernel's input logical axes plus 'lora_rank', B 'lora_rank' plus its output axes
 sharded by the same rules as the layer. B starts at zero: the adapted model starts equal to the base.
 In a scanned stack the adapters get the leading 'layers' axis like every other parameter.
 `merge(model)` folds the adapters into the base kernels (for export) and removes them.
+`nnx.view(model, adapters=False)` is the base model, the adapters switched off, sharing every array: preference
+tuning's reference (training/preference.py) without a second copy of the weights.
 """
 
 from __future__ import annotations
@@ -63,8 +65,16 @@ class LoRADense(Dense):
     )
     self.scale = alpha / rank
     self.dtype = base.layer.dtype or jnp.float32
+    self.adapters = True
+
+  def set_view(self, adapters: bool | None = None) -> None:
+    """nnx.view(model, adapters=False): the base layer alone."""
+    if adapters is not None:
+      self.adapters = adapters
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    if not self.adapters:
+      return self.layer(x)
     a = self.lora_a[...].astype(self.dtype)
     b = self.lora_b[...].astype(self.dtype)
     low = jnp.einsum(self.down_einsum, x.astype(self.dtype), a)

@@ -15,7 +15,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import data
-from checkpointing import checkpointer, weights
+import models
+import training
+from checkpointing import checkpointer, integrity, weights
 from errors import CheckpointError, DamagedCheckpointError
 from tests.conftest import ROOT, build_trainer, subprocess_env, tiny_config, train_on_random_batches
 from training.trainer import state_tree
@@ -167,7 +169,7 @@ def test_unreadable_array_data_is_a_one_line_checkpoint_error_when_loading_weigh
   with pytest.raises(
     CheckpointError,
     match=r'^checkpoint .*/2 could not be restored: OUT_OF_RANGE: '
-    r'Error reading "params.embed" in OCDBT database$',
+    r'Error reading "params.embed" in OCDBT database; no older step to load instead in .*$',
   ):
     weights.load_params(directory, trainer.checkpoint_target()['params'])
   monkeypatch.setattr(
@@ -436,3 +438,116 @@ def test_any_error_reading_a_data_position_is_damage_and_falls_back(saved, tmp_p
     r'resumed from step 2',
     warnings[0],
   ), warnings[0]
+
+
+def _noise(x, rng):
+  """Random finite float32 bit patterns: incompressible, so zstd stores them verbatim and a bit flipped in the
+  file is the same bit flipped in the array orbax reads back."""
+  if x.dtype != np.float32:
+    return x
+  bits = rng.integers(0, 2**32, x.shape, dtype=np.uint32)
+  bits = np.where((bits >> 23) & 0xFF == 0xFF, bits & ~np.uint32(1 << 30), bits)  # no inf or NaN
+  return jax.device_put(bits.view(np.float32), x.sharding)
+
+
+def _flip_a_bit(step_dir, array) -> None:
+  """One bit of `array`'s first shard, flipped where the step's array files hold it."""
+  shard = np.asarray(array.addressable_shards[0].data).tobytes()
+  window = shard[len(shard) // 2 : len(shard) // 2 + 16]
+  f = next(f for f in step_dir.rglob('d/*') if window in f.read_bytes())
+  raw = bytearray(f.read_bytes())
+  raw[raw.index(window) + 5] ^= 0x10
+  f.write_bytes(bytes(raw))
+
+
+@pytest.fixture(scope='module')
+def noisy(tmp_path_factory):
+  """A run's checkpoints 1 and 2 (tiny fsdp_tp model, params of random bits) and a params-only one
+  (weights.save_weights, what a merged LoRA export writes), and the parameters they hold."""
+  d = tmp_path_factory.mktemp('noisy')
+  trainer = build_trainer(tiny_config('fsdp_tp'))
+  state = state_tree(training.init_state(trainer))
+  rng = np.random.default_rng(0)
+  state['params'] = jax.tree.map(lambda x: _noise(x, rng), state['params'])
+  with checkpointer.Checkpointer(str(d / 'run'), every_steps=1, keep=3) as ckpt:
+    for step in (1, 2):
+      ckpt.save(step, state, _Iter())
+      ckpt.wait()
+  weights.save_weights(str(d / 'export'), {'params': state['params']})
+  return d, state['params']
+
+
+def _load_for_decoding(directory, params_only):
+  import generation
+  import partitioning
+
+  cfg = tiny_config('fsdp_tp')
+  if params_only:
+    cfg.init_from = str(directory)
+    return generation.load(cfg, partitioning.make_mesh(cfg.mesh))
+  return generation.load(cfg, partitioning.make_mesh(cfg.mesh), checkpoints=str(directory))
+
+
+def _init_from(directory, params_only):
+  from training import pretrained
+
+  cfg = tiny_config('fsdp_tp')
+  cfg.init_from = str(directory)
+  return pretrained.init_state(build_trainer(cfg), models.HF_FAMILIES)
+
+
+def _export(directory, params_only):
+  from training import export
+
+  return export.export_hf(
+    build_trainer(tiny_config('fsdp_tp')), str(directory), str(directory) + '-hf', models.HF_FAMILIES
+  )
+
+
+@pytest.mark.parametrize(
+  'load,params_only',
+  [(_init_from, False), (_init_from, True), (_load_for_decoding, False), (_load_for_decoding, True), (_export, False)],
+  ids=['init_from a run', 'init_from params only', 'decode a run', 'decode params only', 'export a run'],
+)
+def test_every_weight_load_refuses_a_flipped_bit_naming_the_step_the_array_and_an_older_step(
+  noisy, tmp_path, load, params_only
+):
+  """One bit flipped in the file of one array of the newest step: every load of a run's weights (a fine-tune's
+  init_from, decoding, export) and of a params-only checkpoint checks the checksums saved with it, as a resume
+  does, and refuses in one line (before, init_from and the others loaded the changed array silently)."""
+  d, params = noisy
+  src = d / ('export' if params_only else 'run')
+  shutil.copytree(src, tmp_path / 'c')
+  step = 0 if params_only else 2
+  _flip_a_bit(tmp_path / 'c' / str(step), params['tok']['embed']['embedding'])
+  fix = (
+    f'load an older step instead: step 1 ({tmp_path}/c/1)' if step else f'no older step to load instead in {tmp_path}/c'
+  )
+  with pytest.raises(DamagedCheckpointError) as info:
+    load(tmp_path / 'c', params_only)
+  assert str(info.value) == (
+    f'checkpoint {tmp_path}/c/{step} is corrupt: the checksums of 1 of the {len(jax.tree.leaves(params))} arrays '
+    f'read differ from those saved with it (params/tok/embed/embedding); {fix}'
+  )
+
+
+def test_weights_of_checkpoints_saved_without_their_checksums_paths_are_checked_in_jax_order(noisy, tmp_path):
+  """Checksums saved before their paths were (the last round's checkpoints) are matched to the arrays by the order
+  JAX saved them in, rebuilt from orbax's metadata, where a layer index 10 sorts after 9."""
+  d, params = noisy
+  shutil.copytree(d / 'run', tmp_path / 'c')
+  sums = tmp_path / 'c' / '2' / 'checksums' / '_METADATA'
+  md = json.loads(sums.read_text())
+  md['custom_metadata'] = None
+  sums.write_text(json.dumps(md))
+  target = build_trainer(tiny_config('fsdp_tp')).checkpoint_target()['params']
+  _assert_equal(weights.load_params(str(tmp_path / 'c'), target), jax.device_get(params))
+  _flip_a_bit(tmp_path / 'c' / '2', params['blocks']['layers'][1]['mlp']['up']['layer']['kernel'])
+  with pytest.raises(DamagedCheckpointError, match=r'\(params/blocks/layers/1/mlp/up/layer/kernel\); load an older'):
+    weights.load_params(str(tmp_path / 'c'), target)
+  layers = {str(i): {'w': jax.ShapeDtypeStruct((1,), np.float32)} for i in range(12)}
+  assert integrity.saved_order({'params': {'layers': layers, 'embed': layers['0']}, 'opt': [layers['1']]}) == [
+    'opt/0/w',
+    'params/embed/w',
+    *[f'params/layers/{i}/w' for i in range(12)],
+  ]

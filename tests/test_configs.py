@@ -22,7 +22,7 @@ import partitioning
 import train
 import training
 from checkpointing import run_config
-from configs import default
+from configs import default, schema
 from tests import conftest
 from tests.conftest import ROOT, assert_every_leaf_named
 
@@ -139,10 +139,12 @@ def test_first_preset_validates_in_a_dry_run(name):
 
 @pytest.mark.parametrize('name', ['gpt2_finetune', 'llama_lora'])
 def test_tokenizer_follows_init_from_overrides(name):
-  """Derived fields are field references: --config.init_from=DIR also moves the tokenizer."""
+  """Derived fields follow their inputs until set: --config.init_from=DIR also moves the tokenizer once the config is
+  completed (as cli.parse_flags does after the overrides)."""
   cfg = importlib.import_module(f'configs.{name}').get_config()
   cfg.lock()
   cfg.init_from = '/elsewhere/model'  # what config_flags does for --config.init_from=/elsewhere/model
+  schema.complete(cfg)
   assert cfg.dataset.tokenizer == '/elsewhere/model' == cfg.to_dict()['dataset']['tokenizer']
 
 

@@ -16,7 +16,6 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
@@ -256,10 +255,8 @@ def _token_ids(tok: Any) -> dict[str, int]:
 
 def export_merged_lora(trainer: Trainer, state: TrainState, workdir: str) -> str:
   """Saves the params with LoRA adapters folded into the base kernels, as a params-only checkpoint
-  (<workdir>/export/0/state) that `init_from` reads with the base model's config (no LoRA)."""
+  (<workdir>/export/0/{state,checksums}) that `init_from` reads with the base model's config (no LoRA)."""
   merged = _merged_weights(trainer, state.params, state.model_state)
   directory = os.path.join(os.path.abspath(workdir), 'export')
-  with ocp.StandardCheckpointer() as saver:
-    saver.save(os.path.join(directory, '0', 'state'), {'params': merged}, force=True)
-    saver.wait_until_finished()
+  weights.save_weights(directory, {'params': merged})  # with the checksums every load checks
   return directory

@@ -23,7 +23,7 @@ from errors import ConfigError
 from models import hf_import, lora
 from partitioning import path_str
 from training import optim
-from training.trainer import Trainer, TrainState, split_model
+from training.trainer import Trainer, TrainState, split_model, task_state
 
 # A length derived from the model is at most this many tokens: a whole context per example (131,072 positions
 # for Llama 3.2) would not fit a fine-tune's memory.
@@ -159,7 +159,7 @@ def with_params(trainer: Trainer, loaded: Any, loaded_state: Any = None) -> Trai
     merged = jax.tree.unflatten(treedef, [loaded_flat.get(p, fresh[p]) for p in param_paths])
     fresh_state = dict(zip(state_paths, jax.tree.leaves(rest), strict=True))
     rest = jax.tree.unflatten(state_treedef, [state_flat.get(p, fresh_state[p]) for p in state_paths])
-    return TrainState(jnp.zeros((), jnp.int32), merged, trainer.tx.init(merged), rest)
+    return TrainState(jnp.zeros((), jnp.int32), merged, trainer.tx.init(merged), rest, task_state(trainer, merged))
 
   in_shardings = (
     {p: s for p, s in _flat(trainer.shardings.params).items() if p in loaded_flat},

@@ -27,6 +27,7 @@ from checkpointing import checkpointer, hf_config, run_config, storage
 from configs import schema
 from models import attention, hf_import
 from training import accumulate, cluster, export, flops, pretrained, profiling
+from training import rollout as rollout_lib
 from training.preemption import Preemption
 from training.trainer import state_tree, train_state
 
@@ -185,8 +186,11 @@ def make_input(
       f'+ sample_len) would be {2 + config.sample_len} tokens, over config.model.max_len='
       f'{max_len}'
     )
+  n = trainer.task.data_batch(config)  # GRPO: prompts, group_size completions each
   rows = data.local_rows(trainer.batch_shardings['mask'], trainer.batch_abstract['mask'].shape)
-  train_iter = ds.train_iterator(config.batch_size, rows, config.seed)
+  if n != config.batch_size:
+    rows = slice(rows.start * n // config.batch_size, rows.stop * n // config.batch_size)
+  train_iter = ds.train_iterator(n, rows, config.seed)
   cleanup.callback(train_iter.close)  # stops the prefetch threads
   say(f'data: {ds.description}')
   floor = None
@@ -224,7 +228,11 @@ def checkpoints(
     if note := storage.check_space(directory, storage.state_bytes(trainer.abstract), keep, config.checkpoint_space):
       warn('checkpoint', note)
     ckpt = checkpointer.Checkpointer(
-      directory, every_steps=config.checkpoint_every, keep=keep, gather=cluster.gather_strings
+      directory,
+      every_steps=config.checkpoint_every,
+      keep=keep,
+      gather=cluster.gather_strings,
+      timeout_s=config.checkpoint_timeout,
     )
     cleanup.callback(ckpt.close)
     cleanup.callback(ckpt.wait)  # runs first: a save in flight completes
@@ -357,10 +365,12 @@ def train_loop(
   ckpt,
   workdir: str | None,
   cleanup: contextlib.ExitStack,
+  rollout: Any = None,
 ) -> tuple[Any, dict[str, Any], training.NonFiniteGuard]:
   """Steps from the state's step to config.total_steps: progress every log_every steps, exact eval every
   eval_every, checkpoints as due, a SIGTERM saves and stops. Returns the last state, what was logged last
-  (train, eval, preempted_at) and the non-finite guard."""
+  (train, eval, preempted_at) and the non-finite guard. `rollout` (GRPO, training/rollout.py): makes the batches
+  from the data's prompts and the current parameters, one every config.grpo.iterations steps, and evaluates."""
   config = trainer.config
   last_good = lambda: 'none' if ckpt is None or ckpt.latest_step() is None else f'{ckpt.directory}/{ckpt.latest_step()}'
   if workdir:  # what export.py rebuilds the model from; written once the run has started (a failed resume keeps it)
@@ -374,12 +384,18 @@ def train_loop(
   B, unit, step_flops = config.batch_size, trainer.task.unit, compiled.step_flops
   units_per_step = math.prod(trainer.batch_abstract[trainer.task.unit_field].shape)
   pending, wait_s, t_last, step_last, result = [], 0.0, time.perf_counter(), int(state.step), {}
+  batch, rollout_stats, every = None, [], config.grpo.iterations if rollout is not None else 1
   for step in range(int(state.step) + 1, config.total_steps + 1):
     # Input wait = time the device sat idle for the next batch: next() is timed only when the previous
     # step had already finished (with asynchronous dispatch, time spent in next() while the device is
     # still busy costs nothing). A lower bound when the step finishes during next().
     t_in, idle = time.perf_counter(), not pending or pending[-1]['loss'].is_ready()
-    batch = data.to_global(next(inp.train_iter), trainer.batch_shardings, B)
+    if rollout is None:
+      batch = data.to_global(next(inp.train_iter), trainer.batch_shardings, B)
+    elif batch is None or (step - 1) % every == 0:  # sampling is the rollout's work, not input wait
+      batch, stats = rollout(state, next(inp.train_iter), step)
+      rollout_stats.append(stats)
+      idle = False
     wait_s += (time.perf_counter() - t_in) if idle else 0.0
     profiler.before(step)
     state, metrics = compiled.train_step(state, batch)
@@ -395,6 +411,9 @@ def train_loop(
       logged = {
         k: float(np.mean([m[k] for m in jax.device_get(pending)])) for k in pending[0] if k != training.FIRST_NONFINITE
       }
+      if rollout_stats:  # the rollouts' rewards and lengths, averaged over those since the last log
+        logged |= {k: float(np.mean([r[k] for r in rollout_stats])) for k in rollout_stats[0]}
+        rollout_stats = []
       dt, n = time.perf_counter() - t_last, step - step_last
       logged |= {
         'steps_per_sec': n / dt,
@@ -407,7 +426,8 @@ def train_loop(
       writer.write_scalars(step, {f'train/{k}': v for k, v in logged.items()})
       say(
         f'step {step:5d} | loss {logged["loss"]:.4f} | acc {logged["accuracy"]:.3f} | '
-        f'{logged["steps_per_sec"]:.2f} steps/s | {logged[f"{unit}_per_sec"]:,.0f} '
+        + ''.join(f'{k} {logged[k]:.4g} | ' for k in trainer.task.progress if k in logged)
+        + f'{logged["steps_per_sec"]:.2f} steps/s | {logged[f"{unit}_per_sec"]:,.0f} '
         f'{unit}/s | input wait {100 * logged["input_wait_fraction"]:.1f}%'
         + (
           f' | {logged["tflops_per_device"]:.1f} TFLOP/s/device | MFU {100 * logged["mfu"]:.1f}%' if step_flops else ''
@@ -416,10 +436,15 @@ def train_loop(
       pending, wait_s, t_last, step_last, result['train'] = [], 0.0, time.perf_counter(), step, logged
     if step % config.eval_every == 0 or step == config.total_steps:
       t_eval = time.perf_counter()
-      ev = evaluate(compiled.eval_step, state, inp.ds, trainer, inp.rows)
-      writer.write_scalars(step, {f'eval/{k}': v for k, v in ev.items() if k != 'weight'})
-      gap = f' (floor {inp.floor:.4f}, gap {ev["loss"] - inp.floor:+.4f})' if inp.floor is not None else ''
-      say(f'eval @ {step:5d} | loss {ev["loss"]:.4f}{gap} | acc {ev["accuracy"]:.3f}')
+      if rollout is not None:  # GRPO: the rewards of greedy completions of the eval prompts
+        ev = rollout.evaluate(state)
+        writer.write_scalars(step, {f'eval/{k}': v for k, v in ev.items() if k != 'weight'})
+        say(f'eval @ {step:5d} | ' + ' | '.join(f'{k} {v:.4f}' for k, v in ev.items() if k not in ('weight', 'loss')))
+      else:
+        ev = evaluate(compiled.eval_step, state, inp.ds, trainer, inp.rows)
+        writer.write_scalars(step, {f'eval/{k}': v for k, v in ev.items() if k != 'weight'})
+        gap = f' (floor {inp.floor:.4f}, gap {ev["loss"] - inp.floor:+.4f})' if inp.floor is not None else ''
+        say(f'eval @ {step:5d} | loss {ev["loss"]:.4f}{gap} | acc {ev["accuracy"]:.3f}')
       result['eval'] = ev
       t_last += time.perf_counter() - t_eval  # eval time is not train time
     if ckpt is not None and ckpt.due(step, force=step == config.total_steps):
@@ -430,7 +455,7 @@ def train_loop(
     if stop:
       if ckpt is not None:
         guard.check(last_good())
-        ckpt.save(step, state_tree(state), inp.train_iter, force=True)
+        ckpt.save(step, state_tree(state), inp.train_iter, force=True, stopping=True)
       say(f'SIGTERM: stopped at step {step}' + (f', checkpoint in {ckpt.directory}' if ckpt else ' (no checkpoints)'))
       result['preempted_at'] = step
       break
@@ -454,6 +479,26 @@ def finish(
   if config.lora.rank and config.lora.export_merged and workdir:
     say(f'LoRA adapters merged into the base weights: {export.export_merged_lora(trainer, state, workdir)}')
   return result
+
+
+# --- GRPO's rollouts (sampled by generation: train.py hands the sampler over, training never imports it) --------
+
+
+def make_rollout(config: ml_collections.ConfigDict, trainer: training.Trainer, inp: Input, sampler) -> Any:
+  """GRPO's rollout (training/rollout.py), its reward functions imported and checked before compiling; None for
+  other tasks. `sampler`: generation.policy_sampler."""
+  if config.task != 'grpo':
+    return None
+  t = trainer
+  sample = sampler(t.graphdef, rules=t.rules, mesh=t.mesh, max_len=config.model.get('max_len'),
+                   vocab=config.model.vocab_size)  # fmt: skip
+  r = rollout_lib.Rollout(trainer, inp.ds, sample)
+  say(
+    f'grpo: {config.batch_size // config.grpo.group_size} prompts x {config.grpo.group_size} completions per '
+    f'rollout, up to {config.grpo.max_new_tokens} new tokens; rewards '
+    + ', '.join(f'{x.name} x{x.weight:g}' for x in r.rewards)
+  )
+  return r
 
 
 # --- End-of-run sample (decoded by generation: train.py hands it over, training never imports it) ---------------

@@ -48,6 +48,19 @@ class Task:
   batch_axes: dict[str, tuple[str, ...]]
   unit = 'examples'  # what throughput is counted in
   unit_field = 'mask'
+  progress: tuple[str, ...] = ()  # logged metrics the progress line shows after loss and accuracy
+
+  def __init__(self, config: Any = None):
+    self.config = config
+
+  def data_batch(self, config: Any) -> int:
+    """Examples the dataset gives per step (the global batch; GRPO: prompts, each sampled group_size times)."""
+    return config.batch_size
+
+  def task_state(self, config: Any) -> tuple[str, ...]:
+    """What the train state keeps for this task besides the model and optimizer (TrainState.task_state's keys):
+    'reference', a frozen copy of the starting parameters; 'rollout', the batch of samples being trained on."""
+    return ()
 
   def fields(self, config: Any) -> dict[str, tuple[str, ...]]:
     """Batch field -> its logical axes (the first is 'batch')."""
@@ -117,13 +130,13 @@ class Task:
       out[name] = np.asarray(x, dtype)
     return out
 
-  def metric_sums(self, model: Any, batch: dict[str, jax.Array]) -> Metrics:
+  def metric_sums(self, model: Any, batch: dict[str, jax.Array], **task_state: Any) -> Metrics:
     """Sums over the batch (so eval over many batches is exact): loss, correct, weight (+ aux)."""
     logits, aux = self.forward(model, batch)
     return _sums(*self.per_example(logits.astype(jnp.float32), batch), aux)
 
-  def loss(self, model: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
-    m = self.metric_sums(model, batch)
+  def loss(self, model: Any, batch: dict[str, jax.Array], **task_state: Any) -> tuple[jax.Array, Metrics]:
+    m = self.metric_sums(model, batch, **task_state)
     w = jnp.maximum(m['weight'], 1.0)
     loss = m['loss_sum'] / w
     metrics = {'loss': loss, 'accuracy': m['correct_sum'] / w}
@@ -284,16 +297,21 @@ class TextClassification(MaskedLanguageModeling):
     return xent.loss_and_hits(logits, batch['label'], batch['mask'])
 
 
+# Post-training's tasks live in their own modules, built on Task (they import this one).
+from training import preference, rl  # noqa: E402
+
 TASKS = {
   'lm': LanguageModeling,
   'classification': Classification,
   'mlm': MaskedLanguageModeling,
   'text_classification': TextClassification,
+  'dpo': preference.Preference,
+  'grpo': rl.GroupRelative,
 }
 schema.register('task', sorted(TASKS))
 
 
-def get(name: str) -> Task:
+def get(name: str, config: Any = None) -> Task:
   if name not in TASKS:
     raise ConfigError(f'config.task={name!r} is not a known task; known: {sorted(TASKS)}')
-  return TASKS[name]()
+  return TASKS[name](config)

@@ -36,16 +36,20 @@ class TrainState:
   params: Any  # pure dict of arrays, as nnx.to_pure_dict gives
   opt_state: Any
   model_state: Any  # non-parameter model variables (e.g. BatchNorm statistics); often {}
+  # What the task keeps besides (Task.task_state): e.g. {'reference': the starting params} for DPO; often {}.
+  task_state: Any = dataclasses.field(default_factory=dict)
 
 
 def state_tree(state: TrainState) -> dict[str, Any]:
-  """The train state as checkpoints hold it: checkpointing saves and restores dicts, not TrainStates."""
-  return {'step': state.step, 'params': state.params, 'opt_state': state.opt_state, 'model_state': state.model_state}
+  """The train state as checkpoints hold it: checkpointing saves and restores dicts, not TrainStates. A task's
+  state is there only where the task keeps one (checkpoints of other tasks are unchanged)."""
+  tree = {'step': state.step, 'params': state.params, 'opt_state': state.opt_state, 'model_state': state.model_state}
+  return tree | ({'task_state': state.task_state} if state.task_state else {})
 
 
 def train_state(tree: dict[str, Any]) -> TrainState:
   """state_tree's inverse (a restored checkpoint)."""
-  return TrainState(tree['step'], tree['params'], tree['opt_state'], tree['model_state'])
+  return TrainState(tree['step'], tree['params'], tree['opt_state'], tree['model_state'], tree.get('task_state', {}))
 
 
 @dataclasses.dataclass
@@ -145,7 +149,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
     num_layers=config.model.get('num_layers'),
     batch_size=config.batch_size,
   )
-  task = tasks.get(config.task)
+  task = tasks.get(config.task, config)
 
   seen: set[str] = set()
   model = partitioning.place_model(make_model, rules, mesh, seed=config.seed, seen=seen)
@@ -155,11 +159,19 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   opt_shapes = jax.eval_shape(tx.init, param_shapes)
   opt_axes = partitioning.opt_state_axes(opt_shapes, param_shapes, param_axes)
 
-  abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32), param_shapes, opt_shapes, model.abstract['model_state'])
-  axes = TrainState((), param_axes, opt_axes, model.axes['model_state'])
+  # A task's frozen reference is the parameters again, with their axes and shardings.
+  kept = {k: {'reference': param_shapes}[k] for k in task.task_state(config)}
+  abstract = TrainState(
+    jax.ShapeDtypeStruct((), jnp.int32), param_shapes, opt_shapes, model.abstract['model_state'], kept
+  )
+  axes = TrainState((), param_axes, opt_axes, model.axes['model_state'], {k: param_axes for k in kept})
   resolve = lambda shapes, names, kind: partitioning.tree_specs(shapes, names, rules, mesh.shape, kind=kind, seen=seen)
   specs = TrainState(
-    PartitionSpec(), model.specs['params'], resolve(opt_shapes, opt_axes, 'optimizer state'), model.specs['model_state']
+    PartitionSpec(),
+    model.specs['params'],
+    resolve(opt_shapes, opt_axes, 'optimizer state'),
+    model.specs['model_state'],
+    {k: model.specs['params'] for k in kept},
   )
 
   # Batches: check the global batch against the 'batch' rule first, for the clearest message.
@@ -223,6 +235,11 @@ def trainable(config: ml_collections.ConfigDict, params: Any) -> Any:
   return optim.trainable_labels(params, freeze, train_only)
 
 
+def task_state(trainer: Trainer, params: Any) -> dict[str, Any]:
+  """The task's state at the start (Task.task_state): the reference is the starting parameters."""
+  return {k: {'reference': params}[k] for k in trainer.abstract.task_state}
+
+
 def jit_init(trainer: Trainer, seed: int | None = None):
   """A jitted initialiser whose outputs are born in their shardings: each device computes only its
   own slices (partitionable threefry), so no device or host ever holds the full state."""
@@ -231,7 +248,7 @@ def jit_init(trainer: Trainer, seed: int | None = None):
   def init():
     with partitioning.use_rules(trainer.rules, trainer.mesh):  # model code may place what it creates
       _, params, rest = split_model(trainer.make_model(nnx.Rngs(seed)))
-    return TrainState(jnp.zeros((), jnp.int32), params, trainer.tx.init(params), rest)
+    return TrainState(jnp.zeros((), jnp.int32), params, trainer.tx.init(params), rest, task_state(trainer, params))
 
   return jax.jit(init, out_shardings=trainer.shardings)
 
@@ -247,25 +264,32 @@ def init_state(trainer: Trainer, seed: int | None = None) -> TrainState:
   return jit_init(trainer, seed).lower().compile(compiler_options=INIT_CPU_COMPILE if cpu else None)()
 
 
-def loss_of(trainer: Trainer, model_state: Any, batch: dict) -> Callable[[Any], tuple[Any, tuple[dict, Any]]]:
+def _task_args(task_state: Any) -> dict[str, Any]:
+  """The keyword a task with a state of its own is given it by (metric_sums(model, batch, task_state=...))."""
+  return {'task_state': task_state} if task_state else {}
+
+
+def loss_of(
+  trainer: Trainer, model_state: Any, batch: dict, task_state: Any = None
+) -> Callable[[Any], tuple[Any, tuple[dict, Any]]]:
   """params -> (loss, (metrics, new model state)): what the train step differentiates (trace it under
   partitioning.use_rules)."""
 
   def loss_fn(params):
     model = nnx.merge(trainer.graphdef, params, model_state)
-    loss, metrics = trainer.task.loss(model, batch)
+    loss, metrics = trainer.task.loss(model, batch, **_task_args(task_state))
     return loss, (metrics, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
 
   return loss_fn
 
 
-def sums_of(trainer: Trainer) -> accumulate.SumsFn:
+def sums_of(trainer: Trainer, task_state: Any = None) -> accumulate.SumsFn:
   """(params, model state, batch) -> (the task's metric sums, new model state): what a train step accumulates
-  (trace it under partitioning.use_rules)."""
+  (trace it under partitioning.use_rules). `task_state`: the task's own (TrainState.task_state), held fixed."""
 
   def sums_fn(params, model_state, batch):
     model = nnx.merge(trainer.graphdef, params, model_state)
-    sums = trainer.task.metric_sums(model, batch)
+    sums = trainer.task.metric_sums(model, batch, **_task_args(task_state))
     return sums, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
   return sums_fn
@@ -281,7 +305,7 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
       # Gradients live where their parameters live (lets XLA reduce-scatter them under FSDP); with
       # config.grad_accum_steps > 1 they are summed over micro-batches in a scan (training/accumulate.py).
       grads, metrics, model_state = accumulate.gradients(
-        sums_of(trainer),
+        sums_of(trainer, state.task_state),
         state.params,
         state.model_state,
         batch,
@@ -322,7 +346,7 @@ def train_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], tuple[TrainS
       'nonfinite': 1.0 - finite.astype(jnp.float32),
       FIRST_NONFINITE: first_bad,
     }
-    return TrainState(state.step + 1, params, opt_state, model_state), metrics
+    return TrainState(state.step + 1, params, opt_state, model_state, state.task_state), metrics
 
   return step
 
@@ -333,7 +357,7 @@ def eval_step_fn(trainer: Trainer) -> Callable[[TrainState, dict], dict]:
       trainer.rules, trainer.mesh, seen=trainer.seen, balance=trainer.balance > 1, pipeline=trainer.pipeline
     ):
       model = tasks.eval_view(nnx.merge(trainer.graphdef, state.params, state.model_state))
-      return trainer.task.metric_sums(model, batch)
+      return trainer.task.metric_sums(model, batch, **_task_args(state.task_state))
 
   return step
 

@@ -1,0 +1,199 @@
+"""Post-training rows of your own files: preference pairs (task 'dpo') and prompts to sample from (task 'grpo').
+
+A pair is a row with a prompt and two answers (config.dataset.prompt_key, chosen_key, rejected_key): texts, encoded
+as prompt/completion rows are (tokens.prompt_completion: the loss on the answer and its end-of-text), or chats in
+TRL's conversational form (the prompt a list of messages, each answer a list of assistant messages), rendered by the
+tokenizer's chat template with the loss on the answer's turns. A GRPO row has a prompt (a text, or a chat rendered
+with the generation prompt); the whole row goes to the reward functions with each completion.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grain
+import numpy as np
+import pyarrow.compute as pc
+
+from data import files, text, tokens
+from data.dataset import Dataset
+from errors import ConfigError
+
+
+def _answer(tok, prompt: Any, answer: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
+  """(ids, loss) of prompt + answer: the loss on the answer only."""
+  if isinstance(prompt, str) and isinstance(answer, str):
+    return tokens.prompt_completion(tok, prompt, answer)
+  if isinstance(prompt, list) and isinstance(answer, list):
+    tokens.check_chat_template(tok, 'a preference pair of chats')
+    ids, loss = tokens.chat(tok, [*prompt, *answer], where)
+    loss[: len(tokens.chat_prompt(tok, prompt))] = 0  # the prompt's own assistant turns are context, not answers
+    return ids, loss
+  raise ConfigError(
+    f'{where}: the prompt is {type(prompt).__name__} and the answer {type(answer).__name__}: a pair is texts '
+    '(strings) or chats (lists of {"role", "content"} messages)'
+  )
+
+
+class _Side(grain.transforms.Map):
+  """One answer of a pair as an LM document (inputs, targets, mask), for text.LMRow to pad."""
+
+  def __init__(self, tok, prompt_key: str, answer_key: str, truncations: text.Truncations):
+    self.tok, self.keys, self.truncations = tok, (prompt_key, answer_key), truncations
+
+  def map(self, example: Any) -> dict[str, np.ndarray]:
+    ids, loss = _answer(self.tok, example[self.keys[0]], example[self.keys[1]], example.get('_where', 'a pair'))
+    ids = self.truncations.cut(ids, example)
+    return {'inputs': ids[:-1], 'targets': ids[1:], 'mask': loss[1 : len(ids)].astype(np.float32)}
+
+
+class PreferencePair(grain.transforms.Map):
+  """A row -> chosen_{inputs,targets,mask} and rejected_* (seq_len each, padding masked) and the pair's mask 1."""
+
+  def __init__(self, tok, prompt_key: str, chosen_key: str, rejected_key: str, seq_len: int):
+    cut = text.Truncations(seq_len + 1)
+    self.sides = {
+      s: text.LMRow(_Side(tok, prompt_key, key, cut), seq_len)
+      for s, key in (('chosen', chosen_key), ('rejected', rejected_key))
+    }
+
+  def map(self, example: Any) -> dict[str, np.ndarray]:
+    out = {f'{s}_{k}': v for s, row in self.sides.items() for k, v in row.map(example).items()}
+    return out | {'mask': np.float32(1.0)}
+
+
+def check_distinct(rows: files.Rows, chosen_key: str, rejected_key: str) -> None:
+  """ConfigError naming the first row whose chosen and rejected answers are the same (nothing to prefer)."""
+  table = rows.data.data
+  a, b = table.column(chosen_key), table.column(rejected_key)
+  try:
+    same = np.asarray(pc.fill_null(pc.equal(a, b), False))
+  except Exception:  # chats (lists of structs): compared as Python values
+    same = np.asarray([x == y for x, y in zip(a.to_pylist(), b.to_pylist())])
+  if rows.keep is not None:
+    same = same[rows.keep]
+  if same.any():
+    i = int(np.argmax(same))
+    raise ConfigError(
+      f'{rows.where(i)}: the chosen and the rejected answer are the same ({chosen_key!r} == {rejected_key!r}): '
+      f'a pair must prefer one answer to another ({int(same.sum())} such rows)'
+    )
+
+
+def _tokenizer(cfg) -> Any:
+  from configs import schema  # noqa: PLC0415
+
+  tok = tokens.tokenizer(cfg.tokenizer, schema.derived_from(cfg, 'tokenizer'))
+  if tok.eos_id is None:
+    raise ConfigError(f'tokenizer {tok.name!r} has no end-of-text token: answers end with one')
+  return tok
+
+
+def _open(cfg, keys: list[str], every_column: bool = False) -> tuple[files.Rows, files.Rows, str]:
+  name = cfg.name
+  if name not in files.NAMES:
+    raise ConfigError(
+      f'config.dataset.name={name!r}: preference pairs and GRPO prompts come from your own files: one of '
+      f'{list(files.NAMES)} (docs/post_training.md)'
+    )
+  if not cfg.train_files or not cfg.eval_files:
+    raise ConfigError(f'config.dataset.name={name!r} needs config.dataset.train_files and eval_files (globs)')
+  train = files.open_rows(cfg, cfg.train_files, 'train_files', keys, every_column)
+  eval_ = files.open_rows(cfg, cfg.eval_files, 'eval_files', keys, every_column)
+  return train, eval_, f'{cfg.train_files}; eval {cfg.eval_files}'
+
+
+def pairs(cfg) -> Dataset:
+  """The preference pairs of config.dataset (task 'dpo')."""
+  keys = [cfg.prompt_key, cfg.chosen_key, cfg.rejected_key]
+  if not cfg.prompt_key:
+    raise ConfigError('config.task=dpo needs config.dataset.prompt_key (the column of the prompts)')
+  train, eval_, where = _open(cfg, keys)
+  for r in (train, eval_):
+    check_distinct(r, cfg.chosen_key, cfg.rejected_key)
+  tok, L = _tokenizer(cfg), cfg.seq_len
+  return Dataset(
+    cfg.name,
+    train,
+    eval_,
+    PreferencePair(tok, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key, L),
+    num_threads=cfg.num_threads,
+    prefetch=cfg.prefetch,
+    tokenizer=tok,
+    vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
+    description=f'{cfg.name} ({where}): train {len(train):,} / eval {len(eval_):,} preference pairs '
+    f'({cfg.prompt_key!r}, {cfg.chosen_key!r} over {cfg.rejected_key!r}); {tok.name} tokenizer '
+    f'({tok.vocab_size} ids); two rows of {L} tokens per pair, the loss on the answers',
+  )
+
+
+class Indexed:
+  """Rows that carry their index (`_index`): a rollout reads the whole row again for the reward functions."""
+
+  def __init__(self, rows: files.Rows):
+    self.rows = rows
+
+  def __len__(self) -> int:
+    return len(self.rows)
+
+  def __getitem__(self, i: int) -> dict[str, Any]:
+    return self.rows[i] | {'_index': int(i)}
+
+
+def prompt_ids(tok, prompt: Any, where: str) -> list[int]:
+  """A GRPO prompt's ids: a text as a decode's prompt (tokens.prompt), a chat with the generation prompt."""
+  if isinstance(prompt, str):
+    return tokens.prompt(tok, prompt)
+  if isinstance(prompt, list):
+    return tokens.chat_prompt(tok, prompt)
+  raise ConfigError(f'{where}: the prompt is {type(prompt).__name__}: give a text or a chat (a list of messages)')
+
+
+class Prompt(grain.transforms.Map):
+  """A row -> 'prompt' (its ids, left-aligned and padded to `length`), 'prompt_len', 'index' (the row's), 'mask' 1."""
+
+  def __init__(self, tok, key: str, length: int):
+    self.tok, self.key, self.length = tok, key, length
+
+  def map(self, example: Any) -> dict[str, np.ndarray]:
+    where = example.get('_where', 'a prompt')
+    ids = prompt_ids(self.tok, example[self.key], where)
+    if len(ids) > self.length:
+      raise ConfigError(
+        f'{where}: the prompt has {len(ids)} tokens, over the {self.length} a prompt may have (config.dataset.seq_len '
+        '- config.grpo.max_new_tokens)'
+      )
+    row = np.full(self.length, self.tok.pad_id, np.int32)
+    row[: len(ids)] = ids
+    return {
+      'prompt': row,
+      'prompt_len': np.int32(len(ids)),
+      'index': np.int32(example['_index']),
+      'mask': np.float32(1),
+    }
+
+
+def prompts(cfg, max_new_tokens: int) -> Dataset:
+  """The prompts of config.dataset (task 'grpo'): rows with config.dataset.prompt_key, the rest of each row for the
+  reward functions."""
+  if not cfg.prompt_key:
+    raise ConfigError('config.task=grpo needs config.dataset.prompt_key (the column of the prompts)')
+  train, eval_, where = _open(cfg, [cfg.prompt_key], every_column=True)
+  tok, P = _tokenizer(cfg), cfg.seq_len - max_new_tokens
+  if P < 1:
+    raise ConfigError(
+      f'config.dataset.seq_len={cfg.seq_len} leaves no room for a prompt before config.grpo.max_new_tokens='
+      f'{max_new_tokens} new tokens'
+    )
+  return Dataset(
+    cfg.name,
+    Indexed(train),
+    Indexed(eval_),
+    Prompt(tok, cfg.prompt_key, P),
+    num_threads=cfg.num_threads,
+    prefetch=cfg.prefetch,
+    tokenizer=tok,
+    vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
+    description=f'{cfg.name} ({where}): train {len(train):,} / eval {len(eval_):,} prompts ({cfg.prompt_key!r}, at '
+    f'most {P} tokens); {tok.name} tokenizer ({tok.vocab_size} ids)',
+  )
