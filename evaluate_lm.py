@@ -51,8 +51,9 @@ def main(argv) -> None:
   with errors.one_line():  # flags and files first: nothing is indexed or loaded for a command that is refused
     if FLAGS.out:
       guards.output_file(
-        FLAGS.out, '--out', what='evaluate_lm.py --out (JSON results)', previous=is_results, overwrite=FLAGS.overwrite
-      )
+        FLAGS.out, '--out', what='evaluate_lm.py --out (JSON results)', previous=is_results,
+        overwrite=FLAGS.overwrite, inputs=[('--init_from', FLAGS.init_from), ('--tokenizer', FLAGS.tokenizer)],
+      )  # fmt: skip
     import lm_eval  # noqa: PLC0415 (heavy: only here)
 
     from generation import lm_eval_model  # noqa: PLC0415 (imports lm_eval)

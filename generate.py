@@ -68,7 +68,8 @@ def main(argv) -> None:
     if FLAGS.out:  # before any work: a refused --out costs nothing, and no file of the user's is replaced
       guards.output_file(
         FLAGS.out, '--out', what='generate.py --out (JSON Lines of results)', previous=is_results,
-        overwrite=FLAGS.overwrite, inputs=[('--prompts', FLAGS.prompts)],
+        overwrite=FLAGS.overwrite,
+        inputs=[('--prompts', FLAGS.prompts), ('--init_from', FLAGS.init_from), ('--tokenizer', FLAGS.tokenizer)],
       )  # fmt: skip
     sampling = generation.Sampling(
       FLAGS.max_new_tokens or DEFAULT_NEW_TOKENS, FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed

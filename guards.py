@@ -87,7 +87,8 @@ def output_file(
   """Checks, before any work, that `path` can take this command's output (`what`, e.g. 'generate.py results'):
   its directory exists and is writable; it is not a directory, not one of `inputs` ((flag, path) pairs), not a
   file of a run; an existing file is replaced only when `previous(path)` says it is an earlier output of this kind,
-  or with --overwrite. ConfigError naming the flag, the path and what to do. Returns the path."""
+  or with --overwrite. `inputs` that are directories (a model's) hold no output. ConfigError naming the flag, the
+  path and what to do. Returns the path."""
   full = os.path.abspath(path)
   if os.path.isdir(full):
     raise ConfigError(f'{flag}={path} is a directory: give a file path for the {what}')
@@ -97,8 +98,12 @@ def output_file(
     raise ConfigError(f'{flag}={path}: its directory {parent} {kind}')
   if not os.access(parent, os.W_OK | os.X_OK):
     raise ConfigError(f'{flag}={path}: its directory {parent} is not writable')
-  for other, given in inputs:
-    if given and os.path.exists(given) and os.path.exists(full) and os.path.samefile(full, given):
+  for other, given in inputs:  # a file the command reads, or a directory it reads (a model's, a tokenizer's)
+    if not given or not os.path.exists(given):
+      continue
+    if os.path.isdir(given) and os.path.commonpath([full, os.path.abspath(given)]) == os.path.abspath(given):
+      raise ConfigError(f'{flag}={path} is inside {other}={given}, which this command reads: give another path')
+    if os.path.exists(full) and os.path.samefile(full, given):
       raise ConfigError(f'{flag}={path} is also {other}, which this command reads: give another path for the {what}')
   if (run := run_of(full)) is not None:
     raise ConfigError(

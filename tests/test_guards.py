@@ -58,6 +58,10 @@ TABLES = {
       'exists and is not an earlier generate.py',
     ),
     (['--workdir', '{S}/run', '--prompt', 'a', '--out', '{S}/adir'], '--out={S}/adir is a directory'),
+    (
+      ['--workdir', '{S}/run', '--prompt', 'a', '--tokenizer', '{S}/adir', '--out', '{S}/adir/x.jsonl', '--overwrite'],
+      '--out={S}/adir/x.jsonl is inside --tokenizer={S}/adir, which this command reads',
+    ),
     (['--workdir', '{S}/missing', '--prompt', 'a'], '--workdir {S}/missing does not exist'),
     (['--workdir', '{S}/notes.txt', '--prompt', 'a'], '--workdir {S}/notes.txt is a file, not a directory'),
     (['--workdir', '{S}/run/checkpoints', '--prompt', 'a'], "is a run's checkpoints/ directory (steps [1])"),
