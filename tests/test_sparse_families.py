@@ -177,7 +177,7 @@ def test_greedy_is_transformers(family, monkeypatch):
   cfg = zoo_config(config_file(name), arg, path, scan_layers=scan)
   gen = generation.load(cfg, partitioning.make_mesh(cfg.mesh))
   got = check_parity(gen, hf_model)
-  assert len({t for g in got for t in g.ids}) > 2
+  assert len({t for g in got for t in g.ids}) > 1  # not one token repeated
   rows, _, slots = gen.shapes(PROMPTS, generation.Sampling(6, temperature=0.0))
   table = gen.cache_table(rows, slots)
   print(table)
