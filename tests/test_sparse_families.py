@@ -17,8 +17,13 @@ import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import generation  # noqa: E402
+import models  # noqa: E402
 import partitioning  # noqa: E402
-from tests.conftest import assert_hf_round_trip, load_exported  # noqa: E402
+import training  # noqa: E402
+from models import moe  # noqa: E402
+from tests.conftest import assert_hf_round_trip, build_trainer, load_exported  # noqa: E402
+from tests.test_context import _train as train  # noqa: E402
+from tests.test_equivalence import ATOL, RTOL  # noqa: E402
 from tests.test_generation import check_parity  # noqa: E402
 from tests.test_hf_families import import_hf, save, zoo_config  # noqa: E402
 from training import tasks  # noqa: E402
@@ -183,3 +188,65 @@ def test_greedy_is_transformers(family, monkeypatch):
   print(table)
   if name == 'deepseek_v3':
     assert 'full keys and values' in table
+
+
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_ep_and_fsdp_presets_train_equal_to_one_device(name):
+  """2 AdamW steps on the same batches from the same initial state under the expert-parallel and FSDP presets:
+  losses and parameters within fp32 1e-5 of the 1-device run (tests/test_equivalence.py's tolerance)."""
+
+  def tiny(preset):
+    cfg = config_file(name).get_config(f'{preset},tiny')
+    cfg.update(batch_size=16)
+    cfg.dataset.update(seq_len=32)
+    cfg.model.update(group_size=16, num_layers=cfg.model.first_dense_layers + 2)  # one scanned group per stack
+    cfg.optim.warmup_steps = 1
+    return cfg
+
+  one = tiny('ep').copy_and_resolve_references()
+  one.mesh.update({k: 1 for k in one.mesh})
+  trainer_1 = build_trainer(one, jax.devices()[:1])
+  start = jax.device_get(training.init_state(trainer_1))
+  batches = [training.tasks.get('lm').synthetic_batch(one, seed=i) for i in range(2)]
+  losses_1, params_1 = train(trainer_1, jax.device_put(start, trainer_1.shardings), batches)
+  for preset in ('ep', 'fsdp'):
+    trainer = build_trainer(tiny(preset))
+    assert trainer.mesh.size == 8 and trainer.abstract.params == trainer_1.abstract.params
+    losses, params = train(trainer, jax.device_put(start, trainer.shardings), batches)
+    np.testing.assert_allclose(losses, losses_1, rtol=RTOL, atol=ATOL, err_msg=f'{name}:{preset}')
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(params_1)):
+      np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f'{name}:{preset} {jax.tree_util.keystr(path)}')
+
+
+# (family, size) -> (total, active parameters) as published (model cards, rounded as they give them). Active counts
+# here: every layer's attention and norms, top_k routed and all shared experts, the embedding and the head.
+PUBLISHED = {
+  ('qwen3_moe', '30b_a3b'): ('30.5B', '3.3B'),
+  ('qwen3_moe', '235b_a22b'): ('235B', '22B'),
+  ('deepseek_v3', '671b'): ('671B', '37B'),
+  ('deepseek_v3', 'v2_lite'): ('15.7B', None),
+  ('gpt_oss', '20b'): ('20.9B', None),
+  ('gpt_oss', '120b'): ('116.8B', None),
+}
+
+
+def test_parameter_counts_are_the_published_ones():
+  """The closed form (moe.num_params) at every real size rounds to the published count, and at every tiny size is
+  the model's own (built abstractly)."""
+  from flax import nnx
+
+  def rounded(n, published):
+    digits = published[:-1]
+    decimals = len(digits.partition('.')[2])
+    return f'{round(n / 1e9, decimals):.{decimals}f}B' == published
+
+  for (name, size), (total, active) in PUBLISHED.items():
+    cfg = config_file(name).get_config(size).model
+    assert rounded(moe.num_params(cfg), total), (name, size, moe.num_params(cfg))
+    if active:  # the cards round these loosely (3.35B is '3.3B'): within 2%
+      assert abs(moe.num_active_params(cfg) / 1e9 / float(active[:-1]) - 1) < 0.02, (name, size)
+  for name in CASES:
+    cfg = config_file(name).get_config('tiny').model
+    abstract = nnx.eval_shape(lambda cfg=cfg: models.create(cfg, nnx.Rngs(0)))
+    built = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert built == moe.num_params(cfg), name
