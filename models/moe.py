@@ -170,6 +170,11 @@ def expert_dim(cfg: Any) -> int:
   return cfg.mlp_dim if cfg.expert_mlp_dim is None else cfg.expert_mlp_dim
 
 
+class ScoreBias(nnx.Variable):
+  """The router's score-correction bias (DeepSeek-V3's e_score_correction_bias): model state, not a parameter;
+  auxiliary-loss-free balancing moves it between steps, not the optimizer."""
+
+
 class MoEMLP(nnx.Module):
   """Top-k mixture of SwiGLU experts. x (B, L, D) -> (y (B, L, D), aux); aux['aux_loss'] is weighted."""
 
@@ -203,8 +208,8 @@ class MoEMLP(nnx.Module):
       param_dtype=kw['param_dtype'],
       rngs=rngs,
     )
-    if cfg.score_correction_bias:  # chooses, never weights: no gradient reaches it (aux-free balancing moves it)
-      self.correction_bias = nnx.Param(jnp.zeros((E,), jnp.float32), **axes('expert'))
+    if cfg.score_correction_bias:  # model state, as DeepSeek's buffer: it chooses, never weights, so no gradient
+      self.correction_bias = ScoreBias(jnp.zeros((E,), jnp.float32), **axes('expert'))
     expert = lambda shape, names, init=NORMAL_002: nnx.Param(
       init(rngs.params(), shape, kw['param_dtype']), **axes(*names)
     )
@@ -368,7 +373,7 @@ def _counts(cfg: Any) -> tuple[int, int, int]:
   D, N, E, first = cfg.embed_dim, cfg.num_layers, cfg.num_experts, cfg.first_dense_layers
   F = expert_dim(cfg)
   V = padded_vocab(cfg)
-  router = D * E + (E if opts.router_bias else 0) + (E if cfg.score_correction_bias else 0)
+  router = D * E + (E if opts.router_bias else 0)  # the score-correction bias is model state
   block = 2 * D + attention_params(cfg) + router + 3 * D * cfg.shared_experts * F  # 2 RMSNorms
   dense = first * (2 * D + attention_params(cfg) + 3 * D * cfg.mlp_dim)
   heads = 1 if cfg.tie_embeddings else 2
@@ -756,7 +761,7 @@ def _expert_rows(name: str) -> list[hf.Param]:
   )
   return [
     hf.Param(f'{b}/router/layer/kernel', f'{h}.gate.weight', _LIN),
-    hf.Param(f'{b}/correction_bias', f'{h}.gate.e_score_correction_bias'),
+    hf.Param(f'{b}/correction_bias', f'{h}.gate.e_score_correction_bias', state=True),
     *(hf.Param(f'{b}/{n}', f'{h}.experts.{{e}}.{n}_proj.weight', _LIN) for n in ('gate', 'up', 'down')),
     hf.Param(f'{b}/gate', f'{h}.experts.gate_up_proj', half(0)),
     hf.Param(f'{b}/up', f'{h}.experts.gate_up_proj', half(1)),
