@@ -5,9 +5,10 @@ r"""Evaluates a trained run or a Hugging Face model on lm-evaluation-harness tas
       [--num_fewshot K] [--batch_size 8] [--config FILE[:args]] [--config.key=value ...]
 
 The model and its tokenizer are loaded as generate.py loads them (generation/loading.py: run_config.json or --config;
-a Hugging Face directory with its family's config); the tokenizer must be a Hugging Face one (the run's
-config.dataset.tokenizer, the directory's, or --tokenizer DIR). lm-eval's model adapter is generation/lm_eval_model.py
-(loglikelihood, loglikelihood_rolling, generate_until, scored and encoded as lm-eval's Hugging Face backend does).
+a Hugging Face directory with its family's config): the run's config.dataset.tokenizer (byte or Hugging Face), the
+directory's, or --tokenizer. lm-eval's model adapter is generation/lm_eval_model.py (loglikelihood,
+loglikelihood_rolling, generate_until, scored and encoded as lm-eval's Hugging Face backend does, texts beginning
+as training begins them).
 Tasks need their data where lm-eval finds it (the Hugging Face cache, or local files named by a task YAML under
 --include_path). Prints lm-eval's results table; --out writes its results as JSON.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import json
 import sys
 
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 import errors
@@ -34,7 +35,7 @@ flags.DEFINE_string('include_path', None, 'A directory of extra task YAML files.
 flags.DEFINE_integer('num_fewshot', None, 'Few-shot examples per prompt (default: each task its own).')
 flags.DEFINE_integer('limit', None, 'At most this many examples per task.')
 flags.DEFINE_integer('batch_size', 8, 'Rows per scoring or generation call.')
-flags.DEFINE_string('tokenizer', None, "A local Hugging Face tokenizer directory (default: the run's).")
+flags.DEFINE_string('tokenizer', None, "'byte' or a local Hugging Face tokenizer directory (default: the run's).")
 flags.DEFINE_string('out', None, 'Write the results as JSON here.')
 
 
@@ -43,20 +44,20 @@ def main(argv) -> None:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if bool(FLAGS.workdir) == bool(FLAGS.init_from) or not FLAGS.tasks:
     raise SystemExit('shardzoo: usage error: give --workdir RUN or --init_from HF_DIR (one of them), and --tasks')
-  logging.set_verbosity(logging.WARNING)
   import lm_eval  # noqa: PLC0415 (heavy: only here)
-  from lm_eval.tasks import TaskManager  # noqa: PLC0415
 
   from generation import lm_eval_model  # noqa: PLC0415 (imports lm_eval)
 
   with errors.one_line():
-    gen, tok = generation.from_flags(FLAGS.config, FLAGS.workdir, FLAGS.step, FLAGS.init_from, FLAGS.tokenizer)
+    gen, tok = generation.from_flags(
+      FLAGS.config, FLAGS.workdir, FLAGS.step, FLAGS.init_from, FLAGS.tokenizer, cli.overridden(sys.argv)
+    )
     results = lm_eval.simple_evaluate(
       model=lm_eval_model.ZooLM(gen, tok, batch_size=FLAGS.batch_size),
       tasks=FLAGS.tasks,
       num_fewshot=FLAGS.num_fewshot,
       limit=FLAGS.limit,
-      task_manager=TaskManager(include_path=FLAGS.include_path),
+      task_manager=lm_eval_model.task_manager(FLAGS.tasks, FLAGS.include_path),
     )
   print(lm_eval.utils.make_table(results))
   if FLAGS.out:

@@ -16,7 +16,7 @@ import os
 import time
 
 import jax
-from absl import app, flags, logging
+from absl import app, flags
 from ml_collections import config_flags
 
 import errors
@@ -48,7 +48,6 @@ def main(argv) -> None:
   del argv  # cli.parse_flags refused stray arguments
   if not FLAGS.workdir or not FLAGS.out:
     raise errors.usage('--workdir and --out are required')
-  logging.set_verbosity(logging.WARNING)  # orbax logs every restore detail at INFO
   try:
     export.check_options(FLAGS.dtype, FLAGS.max_shard_size)  # before anything is built
     run_config.check_workdir(FLAGS.workdir)
@@ -75,7 +74,8 @@ def main(argv) -> None:
         f'exported {out["step_dir"]} -> {FLAGS.out}: {out["tensors"]} tensors, {out["bytes"] / 2**20:.1f} MiB '
         f'{out["dtype"]} in {len(out["files"])} file(s), {time.perf_counter() - t0:.1f}s'
         + (f'; removed {", ".join(out["removed"])}' if out['removed'] else '')
-        + (f'; copied {", ".join(out["copied"])}' if out['copied'] else ''),
+        + (f'; copied {", ".join(out["copied"])}' if out['copied'] else '')
+        + (f'; wrote {", ".join(out["written"])}' if out.get('written') else ''),
         flush=True,
       )
   except errors.CheckpointError as e:

@@ -7,30 +7,24 @@ A run prints the sharding table per module (--sharding_table=full, or --dry_run,
 writes the full table to <workdir>/sharding_table.txt.
 
 The config is checked first (configs/schema.py), before JAX, TensorFlow and the data libraries are imported.
-Then `run` takes the steps of training/run.py in order: mesh -> model, optimizer and shardings (validated) ->
-sharding table -> input pipeline (validated) -> starting point (resume, pretrained or scratch) -> compile ->
-starting state -> train loop with eval -> finish (LoRA export) -> a language model's sample, decoded by the
-generation package and scored under the true language.
+Then `run` takes the steps of training/run.py in order: mesh -> pretrained config and lengths -> data (files,
+keys, tokenizer) -> model, optimizer and shardings (validated) -> sharding table -> input pipeline (validated) ->
+starting point (resume, pretrained or scratch) -> compile -> starting state -> train loop with eval -> finish
+(LoRA export) -> a language model's sample, decoded by the generation package and scored under the true language
+-> where the checkpoint is, and the commands that use it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging as logging_std
-import os
 from typing import Any
 
-# TensorFlow (imported by clu's metric writers and the datasets) announces itself from C++ at start-up, twice
-# with its oneDNN kernels on; it computes no model math here (only the input pipeline), so they stay off and its
-# INFO lines quiet unless the environment says otherwise. Set before anything imports it.
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
-os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
+from absl import app, flags, logging
+from ml_collections import config_flags
 
-from absl import app, flags, logging  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
-
-import errors  # noqa: E402
-from configs import cli, schema  # noqa: E402
+import errors
+from configs import cli, schema  # sets TensorFlow's C++ logging before anything imports it
 
 # JAX, TensorFlow, clu and grain are imported once the config is checked (in `run` and `main`): a misspelled
 # field is reported in about a second, not after their imports. The fields whose choices other modules own
@@ -87,15 +81,17 @@ def run(
       steps.warn('config', w)
     mesh = steps.make_mesh(config)
     steps.adopt_pretrained(config, dry_run)
+    ds = None if dry_run else steps.open_data(config)  # files, keys, tokenizer: checked before the model is built
     built = steps.build(config, mesh)
     trainer = built.trainer
     steps.show_shardings(trainer, workdir, full=dry_run or sharding_table == 'full')
     if dry_run:
       return {'num_params': training.num_params(trainer)}
-    inp = steps.make_input(config, trainer, cleanup)
+    inp = steps.make_input(config, trainer, ds, cleanup)
     ckpt = steps.checkpoints(config, trainer, workdir, cleanup)
     start = steps.choose_start(config, trainer, ckpt, inp.train_iter)
     if start.done:
+      steps.next_steps(config, inp, workdir)
       return {'state': start.state, 'nonfinite_skipped': []}
     compiled = steps.compile_steps(built, peak_tflops)
     state = steps.starting_state(start, trainer, inp.train_iter)
@@ -104,6 +100,8 @@ def run(
     result = steps.finish(trainer, state, result, guard, inp, workdir)
     if sample := steps.sample_request(trainer, result, inp):
       steps.score_sample(sample, generation.sample(sample), inp, result)
+    if not result.get('preempted_at'):
+      steps.next_steps(config, inp, workdir)
     return result
 
 
@@ -140,7 +138,7 @@ def main(argv) -> None:
     # Simulated CPU devices must be requested before JAX starts its backends (no effect on GPU/TPU): enough
     # per process for the mesh (a -1 axis counts as 1); make_mesh checks the real count once JAX has started.
     needed = partitioning.devices_needed(config.mesh, config.dcn_mesh)
-    partitioning.simulate_cpu_devices(-(-needed // launch.num_processes))
+    partitioning.simulate_cpu_devices(-(-needed // launch.num_processes), honour_environment=True)
     launch.start(heartbeat_timeout_s=max(100, int(3 * FLAGS.peer_timeout)))  # JAX's own bound, above ours
     partitioning.check_platform()
     if launch.num_processes > 1:

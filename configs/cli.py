@@ -6,6 +6,9 @@ preset or size, a value of the wrong type: each is one `shardzoo: config error: 
 raises while it runs is named with its line and the error (the traceback's innermost frame in that file); one
 whose get_config() returns something else than a ConfigDict, or leaves out a field every config sets, is named
 too. The fields themselves, their defaults and what they allow are configs/schema.py's.
+
+Every entry point is quiet by default: progress lines and warnings, not the INFO lines of JAX's backend search,
+TensorFlow's start-up or our own modules (`--verbose` brings them back).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
-from absl import flags
+from absl import flags, logging
 from ml_collections import config_flags
 
 import errors
@@ -51,6 +54,13 @@ class _ListParser(flags.ArgumentParser):
 
 
 config_flags.register_flag_parser_for_type(list, _ListParser())
+
+# TensorFlow (imported by clu's metric writers and the TFDS datasets) announces itself from C++ when it is imported,
+# twice with its oneDNN kernels on; it computes no model math here (only input pipelines), so they stay off and its
+# INFO lines quiet unless the environment says otherwise. Set before anything imports it.
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
+os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
+flags.DEFINE_bool('verbose', False, 'Also print the INFO lines of JAX, TensorFlow, orbax and our modules.')
 
 
 class _Completed(flags.ArgumentParser):
@@ -90,6 +100,8 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) ->
           _check_loaded(flag_values[name].value, argv, flag_values)
     if len(rest) > 1:
       raise errors.usage(_stray(rest[1:], argv, flag_values))
+    if flag_values is flags.FLAGS:  # an entry point's own flags (tests parse theirs into fresh FlagValues)
+      logging.set_verbosity(logging.INFO if flag_values.verbose else logging.WARNING)
     return rest
   except flags.Error as e:  # the config file's get_config(arg) refused its argument, or a value ml_collections refused
     text = str(e)
@@ -308,6 +320,12 @@ def _check_overrides(overrides: list[_Override], config: ml_collections.ConfigDi
         _PARSES[kind](o.value)
       except (ValueError, KeyError):
         raise _BadOverride(f'flag {o}: cannot parse {o.value!r} (must be {_KIND[kind]})') from None
+
+
+def overridden(argv: list[str], flag_values: flags.FlagValues | None = None) -> set[str]:
+  """The config fields the command line sets (--config.model.dtype=... -> {'model.dtype'}): where an entry point
+  takes a value from elsewhere (a checkpoint's config.json) unless it is given."""
+  return {o.path for o in _overrides(argv, flags.FLAGS if flag_values is None else flag_values)}
 
 
 def _config_flags(flag_values: flags.FlagValues) -> list[str]:

@@ -35,7 +35,8 @@ def get_config(arg: str | None = 'fsdp_tp'):
   c.mesh = common.mesh(MESHES[preset])  # mesh axis name -> size, outermost first; one size may be -1
   c.logical_axis_rules = RULES[preset]
   # The speed and memory options of docs/model_options.md (attention, remat, ...) at their defaults.
-  model = dict(name='gpt2', vocab_size=16, max_len=64, num_layers=4, num_heads=4, embed_dim=128, mlp_dim=512)
+  # vocab_size: the language's 16 symbols (left to the data: configs/schema.py)
+  model = dict(name='gpt2', max_len=64, num_layers=4, num_heads=4, embed_dim=128, mlp_dim=512)
   c.model = common.ConfigDict(dict(**model, norm_eps=1e-5))
   # The Markov language of 16 symbols, branching 4, smoothing 0.03 (configs/schema.py's defaults).
   c.dataset = common.ConfigDict(dict(name='markov', seq_len=64, num_train=65536, num_eval=2000))

@@ -25,7 +25,8 @@ SIZES = {
   'real': dict(
     vocab_size=50257, pad_vocab_to=128, max_len=1024, num_layers=12, num_heads=12, embed_dim=768, mlp_dim=3072
   ),
-  'tiny': dict(vocab_size=16, max_len=64, num_layers=2, num_heads=4, embed_dim=64, mlp_dim=256),
+  # vocab_size unset: the data's (the Markov language's 16 symbols; a tokenizer's ids: configs/schema.py)
+  'tiny': dict(max_len=64, num_layers=2, num_heads=4, embed_dim=64, mlp_dim=256),
 }
 
 
@@ -55,6 +56,6 @@ def get_config(arg: str | None = None):
     c.dataset = common.ConfigDict(dict(name='markov', seq_len=64, num_eval=512))
     c.batch_size = 32
     c.total_steps = 400  # enough to come close to the language's entropy floor (docs/performance.md)
-    c.optim = common.ConfigDict(dict(lr=1e-2, warmup_steps=30))
+    c.optim = common.ConfigDict(dict(lr=1e-2))  # warmup: a tenth of the run (configs/schema.py)
     c.eval_every = 400
   return schema.complete(common.pipeline_preset(c))

@@ -27,9 +27,11 @@ def get_config(arg: str | None = None):
   c.init_from = HF_DIR
   c.model.pad_vocab_to = 1  # GPT-2's 50257 rows; vocab stays replicated in these presets' rules
   c.logical_axis_rules = [r if r[0] != 'vocab' else ('vocab', None) for r in c.logical_axis_rules]
-  # The tokenizer is init_from's (a field reference: --config.init_from=DIR moves both); the length is unset
-  # (None), so it follows the model (training/pretrained.py derive_lengths) unless --config.dataset.seq_len sets it.
-  c.dataset.update(name='lm1b', pack=True, tokenizer=c.get_ref('init_from'))
+  # The tokenizer follows init_from (--config.init_from=DIR moves it) unless --config.dataset.tokenizer sets
+  # another; the length is unset (None), so it follows the model (training/pretrained.py derive_lengths) unless
+  # --config.dataset.seq_len sets it.
+  c.dataset.update(name='lm1b', pack=True)
+  c.dataset.tokenizer = schema.follows('init_from')
   c.dataset.seq_len = config_dict.placeholder(int)
   c.batch_size = 32
   c.total_steps = 5000

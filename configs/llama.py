@@ -63,8 +63,7 @@ SIZES = {
     tie_embeddings=False,
     max_len=8192,
   ),
-  'tiny': dict(
-    vocab_size=16,
+  'tiny': dict(  # vocab_size unset: the data's (the Markov language's 16 symbols; a tokenizer's ids)
     embed_dim=64,
     mlp_dim=128,
     num_layers=2,
@@ -129,6 +128,6 @@ def get_config(arg: str | None = None):
     c.dataset = common.ConfigDict(dict(name='markov', seq_len=64, num_eval=512))
     c.batch_size = 16
     c.total_steps = 300
-    c.optim = common.ConfigDict(dict(lr=3e-3, warmup_steps=30))
+    c.optim = common.ConfigDict(dict(lr=3e-3))  # warmup: a tenth of the run (configs/schema.py)
     c.eval_every = 300
   return schema.complete(common.pipeline_preset(c))

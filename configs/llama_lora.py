@@ -31,7 +31,7 @@ def get_config(arg: str | None = None):
     c.optim.update(lr=1e-2)
     return schema.complete(c)
   c.init_from = 'hf/llama-3.2-1b'
-  c.dataset.update(tokenizer=c.get_ref('init_from'))  # follows --config.init_from
+  c.dataset.tokenizer = schema.follows('init_from')  # init_from's, unless --config.dataset.tokenizer sets another
   # Unset (None): both follow the imported model (training/pretrained.py derive_lengths) unless given.
   c.dataset.seq_len = config_dict.placeholder(int)
   c.model.max_len = config_dict.placeholder(int)

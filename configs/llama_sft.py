@@ -47,7 +47,7 @@ def get_config(arg: str | None = None):
       train_files='chats/train*.jsonl',
       eval_files='chats/eval.jsonl',
       messages_key='messages',  # prompt/completion files: set prompt_key, completion_key and messages_key= (empty)
-      tokenizer=c.get_ref('init_from'),  # follows --config.init_from
+      tokenizer=schema.follows('init_from'),  # init_from's, unless --config.dataset.tokenizer sets another
       seq_len=c.model.max_len,  # 2048 (cp: 32768)
       pack=True,
     )

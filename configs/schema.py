@@ -47,6 +47,9 @@ class Field:
   # What `complete` fills in where a config does not set the field (a function of the config: derived from its
   # other fields when filled); REQUIRED: none, the config must set it.
   default: Any = REQUIRED
+  # A default that is a function of other fields and follows them (a `Derived` value): a --config.* override of
+  # those fields moves it too, until the field itself is set.
+  follows: bool = False
   # The config.task values (dataset fields) or optimizers (optim fields) whose configs have the field; None: all.
   # config.model's fields are the family's (FAMILIES).
   only: tuple[str, ...] | None = None
@@ -213,6 +216,77 @@ class Field:
     return f'config.{path}={shown!r}: must be {self.allowed()}'
 
 
+class Derived(ml_collections.FieldReference):
+  """A field's value derived from other fields of its config (`rule(config)`), recomputed by `complete` until the
+  field is set: a config file or a --config.* override writing it makes the value its own, and writes nothing else.
+  (A shared ml_collections field reference would write both ways: setting the tokenizer would move init_from.)"""
+
+  def __init__(self, rule: Callable[[ml_collections.ConfigDict], Any], kind: type, source: str):
+    super().__init__(None, field_type=kind)
+    self.rule, self.source, self.given = rule, source, False
+
+  def set(self, value: Any, type_safe: bool = True) -> None:
+    self.given = True
+    super().set(value, type_safe)
+
+  def derive(self, config: ml_collections.ConfigDict) -> bool:
+    """Recomputes the value unless it was set; whether it changed."""
+    if self.given:
+      return False
+    value = self.rule(config)
+    changed = value != self.get()
+    ml_collections.FieldReference.set(self, value)  # not `set`: a derived value is not given
+    return changed
+
+
+def follows(path: str, kind: type = str) -> Derived:
+  """For a config file: a field that takes the value of the field at `path` until it is set itself, e.g.
+  `tokenizer=schema.follows('init_from')` (the pretrained model's tokenizer, unless --config.dataset.tokenizer)."""
+
+  def rule(config: ml_collections.ConfigDict) -> Any:
+    node = config
+    for key in path.split('.'):
+      node = node.get(key) if isinstance(node, ml_collections.ConfigDict) else None
+    return node
+
+  return Derived(rule, kind, f'config.{path}')
+
+
+def derived_from(config: ml_collections.ConfigDict, path: str) -> str | None:
+  """What the field at `path` follows ('config.init_from', ...) while it is derived and not set, else None: for
+  messages about its value ('config.dataset.tokenizer=... (it follows config.init_from)')."""
+  section, _, key = path.rpartition('.')
+  node = config.get(section) if section else config
+  ref = _stored(node, key) if isinstance(node, ml_collections.ConfigDict) else None
+  return ref.source if isinstance(ref, Derived) and not ref.given else None
+
+
+def _stored(node: ml_collections.ConfigDict, key: str) -> Any:
+  # What a ConfigDict holds for `key` before references are resolved (a Derived value, or a plain one);
+  # ml_collections has no public reader of it that leaves the field as it is (get_ref makes it a reference).
+  return node._fields.get(key)
+
+
+def _derived(config: ml_collections.ConfigDict) -> list[Derived]:
+  out = []
+  for key in config:
+    stored = _stored(config, key)
+    if isinstance(stored, Derived):
+      out.append(stored)
+    elif isinstance(config[key], ml_collections.ConfigDict) and key not in OPAQUE:
+      out += _derived(config[key])
+  return out
+
+
+def derive(config: ml_collections.ConfigDict) -> None:
+  """Recomputes every derived field of `config` that was not set (`Derived`), after other fields changed (the
+  command line's overrides; init_from resolved to a directory)."""
+  refs = _derived(config)
+  for _ in range(len(refs) + 1):  # a derived field may read another: until nothing changes
+    if not any([r.derive(config) for r in refs]):
+      return
+
+
 # --- What owners register ----------------------------------------------------------------------------------------
 # The modules that own a field's choices (models.MODELS, training.tasks.TASKS, ...) give them to the schema when they
 # are imported, so configs/ never imports training/ or models/: the schema checks the rest first, in about a second,
@@ -258,6 +332,22 @@ def _kind_problem(kind: str, value: Any) -> str:
 # --- The fields --------------------------------------------------------------------------------------------------
 
 
+def _data_vocabulary(config: ml_collections.ConfigDict) -> int | None:
+  """config.model.vocab_size's default for the language models that leave it unset (the tiny sizes): the data's
+  vocabulary. A Markov language's symbols (config.dataset.vocab_size); for text, None: the tokenizer's ids, which
+  the run sets when it starts (data.vocabulary), as configs/ never loads a tokenizer."""
+  dataset = config.get('dataset')
+  if isinstance(dataset, ml_collections.ConfigDict) and dataset.get('name') == 'markov':
+    return dataset.get('vocab_size')
+  return None
+
+
+def _warmup(config: ml_collections.ConfigDict) -> int:
+  """config.optim.warmup_steps's default: 100 steps, or a tenth of a shorter run (config.total_steps)."""
+  total = config.get('total_steps')
+  return min(100, total // 10) if isinstance(total, int) and not isinstance(total, bool) else 100
+
+
 def _one_slice_per_axis(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict | None:
   """config.dcn_mesh's default: one slice (host, TPU slice) along every axis of config.mesh."""
   mesh = config.get('mesh')
@@ -285,7 +375,7 @@ class Family:
 EVERY_FAMILY = ('dtype', 'param_dtype')
 _STACK = ('scan_layers', 'remat')  # models/layers.Stack
 _LM = ('attention', *_STACK, 'logits_dtype', 'loss_chunks')
-_SIZES = ('vocab_size', 'num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')
+_SIZES = ('num_layers', 'num_heads', 'embed_dim', 'mlp_dim', 'norm_eps')  # and vocab_size (the LMs: the data's)
 # models/decoder.py's per-checkpoint fields (its families' options are declared there, not here)
 _ROTARY = ('num_kv_heads', 'head_dim', 'rope_theta', 'rope_scaling', 'tie_embeddings', 'pad_vocab_to')
 _DECODER = (
@@ -317,17 +407,19 @@ _MLA = ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', '
 # positions have no table (None: config.json's, or none).
 DECODERS = ('llama', 'qwen2', 'qwen3', 'mistral', 'gemma', 'gemma2', 'gemma3', 'phi3', 'olmo2')
 FAMILIES = {
-  # max_len: learned position tables need it
-  'gpt2': Family(('lm',), ('max_len', *_SIZES), ('pad_vocab_to', *_LM)),
-  **{name: Family(('lm',), _SIZES, ('max_len', *_DECODER, *_LM)) for name in DECODERS},
-  'moe': Family(('lm',), (*_SIZES, *_MOE), (*_DECODER, *_ROUTING, *_LM)),
+  # max_len: learned position tables need it; vocab_size: the LMs' may be left to the data (data.vocabulary)
+  'gpt2': Family(('lm',), ('max_len', *_SIZES), ('vocab_size', 'pad_vocab_to', *_LM)),
+  **{name: Family(('lm',), _SIZES, ('vocab_size', 'max_len', *_DECODER, *_LM)) for name in DECODERS},
+  'moe': Family(('lm',), (*_SIZES, *_MOE), ('vocab_size', *_DECODER, *_ROUTING, *_LM)),
   # the sparse families on the MoE block (models/moe.py): Qwen3-MoE, DeepSeek-V3 (latent attention), GPT-OSS
-  'qwen3_moe': Family(('lm',), (*_SIZES, *_MOE), ('max_len', *_DECODER, *_ROUTING, *_LM)),
-  'deepseek_v3': Family(('lm',), (*_SIZES, *_MOE, *_MLA[1:5]), ('max_len', *_DECODER, *_ROUTING, *_MLA, *_LM)),
-  'gpt_oss': Family(('lm',), (*_SIZES, *_MOE), ('max_len', *_DECODER, *_ROUTING, 'swiglu_limit', *_LM)),
+  'qwen3_moe': Family(('lm',), (*_SIZES, *_MOE), ('vocab_size', 'max_len', *_DECODER, *_ROUTING, *_LM)),
+  'deepseek_v3': Family(
+    ('lm',), (*_SIZES, *_MOE, *_MLA[1:5]), ('vocab_size', 'max_len', *_DECODER, *_ROUTING, *_MLA, *_LM)
+  ),
+  'gpt_oss': Family(('lm',), (*_SIZES, *_MOE), ('vocab_size', 'max_len', *_DECODER, *_ROUTING, 'swiglu_limit', *_LM)),
   'bert': Family(
     ('mlm', 'text_classification'),
-    ('max_len', *_SIZES),
+    ('max_len', 'vocab_size', *_SIZES),
     ('pad_vocab_to', 'type_vocab_size', 'head', 'attention', *_STACK),
   ),
   'vit': Family(
@@ -412,7 +504,7 @@ FIELDS: dict[str, Field] = {
   # optimizer: linear warmup, cosine decay to lr * min_lr_ratio, gradients clipped to grad_clip (0: not)
   'optim.name': Field(str, owner='training.optim', default='adamw'),
   'optim.lr': _float(0),
-  'optim.warmup_steps': _int(0, 100),
+  'optim.warmup_steps': _int(0, _warmup, follows=True),
   'optim.min_lr_ratio': Field(float, lo=0, hi=1, default=0.1),
   'optim.grad_clip': _float(0, 1.0),
   'optim.weight_decay': _float(0, 0.1, only=('adamw',)),  # not on vectors (norms, biases)
@@ -430,7 +522,8 @@ FIELDS: dict[str, Field] = {
   'model.attention': Field(str, owner='models.attention', default='auto'),
   'model.remat': Field('remat', owner='models.layers', default='none'),  # True/False: full/none (older configs)
   'model.scan_layers': Field(bool, default=False),  # the blocks stacked and scanned: one to compile
-  'model.vocab_size': _int(1),
+  # None: the tokenizer's ids, set when the run starts (the language models' tiny sizes leave it to the data)
+  'model.vocab_size': _int(1, _data_vocabulary, optional=True, follows=True),
   'model.pad_vocab_to': _int(1, 1),  # vocabulary rows rounded up to a multiple of this (padded logits masked)
   'model.max_len': _int(1, None, optional=True),  # positions; None: no table of its own (the imported model's)
   'model.num_layers': _int(1),
@@ -572,11 +665,15 @@ def complete(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         node = config[section] = ml_collections.ConfigDict()
       if not isinstance(node, ml_collections.ConfigDict) or key in node or not _has(config, field):
         continue
+      if field.follows:  # derived below, and again whenever the fields it reads change, until it is set
+        node[key] = Derived(field.default, _PYTHON_TYPE.get(field.kind, field.kind), f'the default of config.{path}')
+        continue
       value = field.default(config) if callable(field.default) else field.default
       if value is not None:
         node[key] = list(value) if isinstance(value, list) else value
       elif field.optional:  # a typed None, so that --config.<field>=... can set it
         node[key] = ml_collections.config_dict.placeholder(_PYTHON_TYPE[field.kind])
+  derive(config)
   return config
 
 

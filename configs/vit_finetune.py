@@ -5,7 +5,7 @@ r"""Fine-tune pretrained ViT-B/16 (Hugging Face weights, 1000 ImageNet classes) 
   python train.py --config configs/vit_finetune.py:tiny --workdir /tmp/vit_ft_tiny     # offline, from scratch
 
 `init_from`: a Hugging Face ViTForImageClassification directory (config.json + *.safetensors), e.g.
-`huggingface-cli download google/vit-base-patch16-224 --local-dir hf/vit-base-patch16-224`.
+`hf download google/vit-base-patch16-224 --local-dir hf/vit-base-patch16-224`.
 `dont_load='^head/'` leaves the classifier freshly initialised for 10 classes; any other parameter the
 checkpoint does not explain is an error that lists it. CIFAR-10 images are resized to 224.
 Set `--config.train_only='^head/'` to train only the new head (linear probe).

@@ -10,7 +10,8 @@ datasets, the config.dataset fields and the batch of each task.
   data.to_global(next(it), shardings, B)  # -> global jax.Arrays
 
 Modules: registry (the datasets and build), dataset (Dataset), pipeline (grain: shuffling, per-process
-rows, packing, global arrays), markov (offline Markov languages), text (tokenizers, text transforms),
+rows, packing, global arrays), markov (offline Markov languages), tokens (tokenizers, and how text becomes ids for
+training and decoding alike), text (text transforms),
 vision (image transforms, offline images), tfds_source (opening prepared TFDS datasets, offline), files
 (JSON Lines, parquet, text and Hugging Face datasets; docs/your_data.md).
 The batch fields, their logical axes, shapes and dtypes belong to the tasks (training/tasks.py).
@@ -19,7 +20,7 @@ The batch fields, their logical axes, shapes and dtypes belong to the tasks (tra
 from data.dataset import Dataset
 from data.markov import MarkovLanguage, MarkovText
 from data.pipeline import eval_batches, local_rows, to_global, train_dataset
-from data.registry import build
+from data.registry import build, vocabulary
 from data.text import lm_example
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
   'local_rows',
   'to_global',
   'train_dataset',
+  'vocabulary',
 ]

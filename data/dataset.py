@@ -36,6 +36,7 @@ class Dataset:
   tokenizer: Any = None
   vocab: tuple[int, str] | None = None  # token datasets: (number of ids, what emits them)
   num_classes: int | None = None  # labelled datasets: labels are below this
+  prompt: tuple[str, str] | None = None  # language data: generate.py's flag and text for a prompt like its eval rows'
 
   def train_dataset(self, global_batch: int, rows: slice, seed: int) -> grain.IterDataset:
     """This process's `rows` of every global batch, forever; `iter()` of it has get_state/set_state."""

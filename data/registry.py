@@ -24,7 +24,8 @@ from typing import Any
 
 import ml_collections
 
-from data import files, pipeline, text, tfds_source, vision
+from configs import schema
+from data import files, pipeline, text, tfds_source, tokens, vision
 from data.dataset import Dataset
 from data.markov import MarkovLanguage, MarkovText
 from data.text import lm_example
@@ -72,7 +73,7 @@ def _text_dataset(
 ) -> Dataset:
   """Tokenizer, then the task's transform: packed or per-row LM documents, MLM masking, or classification."""
   L = _seq_len(cfg, task)
-  tok = text.tokenizer(cfg.tokenizer)
+  tok = tokens.tokenizer(cfg.tokenizer, schema.derived_from(cfg, 'tokenizer'))
   key, pack = cfg.text_key, cfg.pack
   if pack and task != 'lm':
     raise ConfigError(f'config.dataset.pack=True packs documents for task lm, not {task!r}')
@@ -99,6 +100,7 @@ def _text_dataset(
     tokenizer=tok,
     vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
     num_classes=num_classes if task == 'text_classification' else None,
+    prompt=('--prompt', _opening(eval_[0][key])) if task == 'lm' and len(eval_) else None,
     description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} documents; '
     f'{tok.name} tokenizer ({tok.vocab_size} ids); {layout}',
   )
@@ -146,13 +148,16 @@ def _offline(cfg, task: str) -> Dataset:
     if cfg.pack:
       raise ConfigError("config.dataset.pack=True: 'markov' rows are single sequences, there is nothing to pack")
     lang = MarkovLanguage(cfg.vocab_size, cfg.branching, cfg.smoothing, seed)
-    n = cfg.seq_len + 1
+    n, letters = cfg.seq_len + 1, tokens.Letters(lang.vocab_size)
+    eval_rows = lang.sample(cfg.num_eval, n, seed=seed + 2)
     return Dataset(
       name,
       lang.sample(cfg.num_train, n, seed=seed + 1),
-      lang.sample(cfg.num_eval, n, seed=seed + 2),
+      eval_rows,
       lm_example,
       language=lang,
+      tokenizer=letters,
+      prompt=('--prompt', letters.decode(eval_rows[0, :2])),  # as the end-of-run sample starts
       vocab=(lang.vocab_size, 'the markov language (config.dataset.vocab_size)'),
       description=f'markov: {cfg.num_train:,} train / {cfg.num_eval:,} eval sequences of {n} tokens',
     )
@@ -253,6 +258,19 @@ def _sft_keys(cfg) -> tuple[str | None, str | None, str | None]:
   return prompt or None, completion or None, messages or None
 
 
+def _opening(text: Any, words: int = 4) -> str:
+  """The first words of a document: a prompt to continue."""
+  return ' '.join(str(text).split()[:words])
+
+
+def _sft_prompt(row: dict, prompt: str | None, messages: str | None) -> tuple[str, str]:
+  """generate.py's flag and text for a held-out row: its prompt, or its chat's first user turn (--chat)."""
+  if prompt:
+    return '--prompt', str(row[prompt])
+  first = next((m['content'] for m in row[messages] if m['role'] == 'user'), row[messages][0]['content'])
+  return '--chat', str(first)
+
+
 def _files(cfg, task: str) -> Dataset:
   """JSON Lines / parquet / text files or a Hugging Face dataset (data/files.py): plain text by `text_key` for
   'lm' and 'mlm'; prompt/completion pairs or chats for 'lm' with the loss on the answers (SFT)."""
@@ -294,7 +312,7 @@ def _files(cfg, task: str) -> Dataset:
     return _text_dataset(cfg, task, name, train, eval_, where)
   _check_task(name, task, ('lm',))
   L = _seq_len(cfg, task)
-  tok = text.tokenizer(cfg.tokenizer)
+  tok = tokens.tokenizer(cfg.tokenizer, schema.derived_from(cfg, 'tokenizer'))
   if tok.eos_id is None:
     raise ConfigError(f'tokenizer {tok.name!r} has no end-of-text token: LM documents need one')
   cut = text.Truncations(L + 1)
@@ -313,9 +331,20 @@ def _files(cfg, task: str) -> Dataset:
     prefetch=cfg.prefetch,
     tokenizer=tok,
     vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
+    prompt=_sft_prompt(eval_[0], prompt, messages),
     description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} {kind}; {tok.name} tokenizer '
     f'({tok.vocab_size} ids); {layout}; longer ones truncated (counted in the log)',
   )
+
+
+def vocabulary(config: ml_collections.ConfigDict) -> str | None:
+  """config.model.vocab_size where it is None (the language models' tiny sizes leave it to the data: configs/schema.py)
+  set to the data's, its tokenizer's ids; the line that says so, or None where it was set."""
+  if 'vocab_size' not in config.model or config.model.vocab_size is not None:
+    return None
+  tok = tokens.for_dataset(config.dataset, schema.derived_from(config.dataset, 'tokenizer'))
+  config.model.vocab_size = tok.vocab_size
+  return f"config.model.vocab_size={tok.vocab_size}: the {tok.name} tokenizer's ids"
 
 
 def build(config: ml_collections.ConfigDict) -> Dataset:

@@ -1,100 +1,19 @@
-"""Tokenizers and per-example text transforms for the 'lm', 'mlm' and 'text_classification' tasks
-(and `lm_example`, the 'lm' transform of rows of token ids, used by the offline 'markov' dataset).
-
-Tokenizers: 'byte' (UTF-8 bytes 0..255 plus four special ids; no files) or a local directory holding
-a Hugging Face tokenizer (loaded with `local_files_only=True`: never a hub download at run time).
+"""Per-example text transforms for the 'lm', 'mlm' and 'text_classification' tasks (and `lm_example`, the 'lm'
+transform of rows of token ids, used by the offline 'markov' dataset). The tokenizers, and how a document, a
+prompt/completion pair and a chat become ids, are data/tokens.py's (decoding calls the same rules).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import os
 import threading
 from typing import Any
 
 import grain
 import numpy as np
 
-from errors import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class ByteTokenizer:
-  """UTF-8 bytes are ids 0..255; then <pad> 256, <bos>/[CLS] 257, <eos>/[SEP] 258, [MASK] 259."""
-
-  vocab_size: int = 260
-  pad_id: int = 256
-  bos_id: int = 257
-  eos_id: int = 258
-  mask_id: int = 259
-  num_regular: int = 256  # ids 0..num_regular-1 are ordinary tokens (MLM's random replacements)
-  name: str = 'byte'
-
-  @property
-  def cls_id(self) -> int:
-    return self.bos_id
-
-  @property
-  def sep_id(self) -> int:
-    return self.eos_id
-
-  def encode(self, text: str | bytes) -> np.ndarray:
-    raw = text if isinstance(text, bytes) else str(text).encode('utf-8')
-    return np.frombuffer(raw, np.uint8).astype(np.int32)
-
-  def decode(self, ids: Any) -> str:
-    return bytes(int(i) for i in np.asarray(ids).ravel() if i < 256).decode('utf-8', errors='replace')
-
-
-class HFTokenizer:
-  """A Hugging Face tokenizer from a local directory (tokenizer.json / vocab files + config)."""
-
-  def __init__(self, path: str):
-    try:
-      import transformers  # noqa: PLC0415 (optional: only needed for this tokenizer)
-    except ImportError:
-      raise ConfigError(
-        f'config.dataset.tokenizer={path!r} needs the transformers package '
-        '(pip install transformers), or use the byte tokenizer'
-      ) from None
-    try:
-      self.tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-      raise ConfigError(
-        f'config.dataset.tokenizer={path!r}: no Hugging Face tokenizer could be loaded from '
-        f'that directory ({str(e).splitlines()[0]})'
-      ) from None
-    t = self.tok
-    self.name = path
-    self.vocab_size = len(t)
-    self.num_regular = self.vocab_size
-    self.pad_id = t.pad_token_id if t.pad_token_id is not None else 0
-    self.bos_id = t.bos_token_id if t.bos_token_id is not None else t.cls_token_id
-    self.eos_id = t.eos_token_id if t.eos_token_id is not None else t.sep_token_id
-    self.cls_id = t.cls_token_id if t.cls_token_id is not None else self.bos_id
-    self.sep_id = t.sep_token_id if t.sep_token_id is not None else self.eos_id
-    self.mask_id = t.mask_token_id
-
-  def encode(self, text: str | bytes) -> np.ndarray:
-    text = text.decode('utf-8') if isinstance(text, bytes) else str(text)
-    return np.asarray(self.tok(text, add_special_tokens=False)['input_ids'], np.int32)
-
-  def decode(self, ids: Any) -> str:
-    return self.tok.decode([int(i) for i in np.asarray(ids).ravel()])
-
-
-def tokenizer(spec: str | None) -> ByteTokenizer | HFTokenizer:
-  if spec in (None, 'byte'):
-    return ByteTokenizer()
-  if not os.path.isdir(spec):
-    raise ConfigError(
-      f"config.dataset.tokenizer={spec!r} is neither 'byte' nor a local directory with a "
-      'Hugging Face tokenizer (hub names are not downloaded at run time; save_pretrained() '
-      'the tokenizer to a directory first)'
-    )
-  return HFTokenizer(spec)
+from data import tokens
 
 
 def _framed(tok, ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
@@ -152,71 +71,37 @@ def _document(ids: np.ndarray, loss: np.ndarray | None, truncations: Truncations
 
 
 class LMDocument(grain.transforms.Map):
-  """One document: ids = <bos> text <eos>; inputs ids[:-1], targets ids[1:] (every target trained on)."""
+  """One document (tokens.document: begin(text) <eos>); inputs ids[:-1], targets ids[1:], every target trained on."""
 
   def __init__(self, tok, key: str = 'text', truncations: Truncations | None = None):
     self.tok, self.key, self.truncations = tok, key, truncations
 
   def map(self, example: Any) -> dict[str, np.ndarray]:
-    t = self.tok
-    bos = [t.bos_id] if t.bos_id is not None else []
-    ids = np.concatenate([bos, t.encode(example[self.key]), [t.eos_id]]).astype(np.int32)
-    return _document(ids, None, self.truncations, example)
+    return _document(tokens.document(self.tok, example[self.key]), None, self.truncations, example)
 
 
 class PromptCompletion(grain.transforms.Map):
-  """<bos> prompt completion <eos>, the loss on the completion and <eos> only (mask 0 on the prompt's targets)."""
+  """tokens.prompt_completion: begin(prompt) completion <eos>, the loss on the completion and <eos> only."""
 
   def __init__(self, tok, prompt_key: str, completion_key: str, truncations: Truncations | None = None):
     self.tok, self.keys, self.truncations = tok, (prompt_key, completion_key), truncations
 
   def map(self, example: Any) -> dict[str, np.ndarray]:
-    t = self.tok
-    bos = [t.bos_id] if t.bos_id is not None else []
-    prompt = np.concatenate([bos, t.encode(example[self.keys[0]])])
-    answer = np.concatenate([t.encode(example[self.keys[1]]), [t.eos_id]])
-    ids = np.concatenate([prompt, answer]).astype(np.int32)
-    loss = np.concatenate([np.zeros(len(prompt)), np.ones(len(answer))])
+    ids, loss = tokens.prompt_completion(self.tok, example[self.keys[0]], example[self.keys[1]])
     return _document(ids, loss, self.truncations, example)
 
 
 class ChatDocument(grain.transforms.Map):
-  """A chat (a list of {'role', 'content'}) as the tokenizer's chat template renders it (transformers'
-  apply_chat_template, token for token), the loss on the assistant turns only.
-
-  An assistant turn's tokens are those that rendering the chat up to and including it adds to the chat before
-  it rendered with the generation prompt (so the header the template writes before an answer is not trained on;
-  the end-of-turn token after it is). Templates that do not render a chat's beginning as a prefix of the whole
-  (some drop earlier turns' reasoning) are refused, naming the row."""
+  """A chat (a list of {'role', 'content'}) as the tokenizer's chat template renders it (tokens.chat: transformers'
+  apply_chat_template, token for token), the loss on the assistant turns only."""
 
   def __init__(self, tok, key: str, truncations: Truncations | None = None):
-    if getattr(getattr(tok, 'tok', None), 'chat_template', None) is None:
-      raise ConfigError(
-        f"config.dataset.messages_key={key!r} renders chats with the tokenizer's chat template, and tokenizer "
-        f'{tok.name!r} has none (config.dataset.tokenizer: a Hugging Face tokenizer directory whose '
-        'tokenizer_config.json or chat_template.jinja holds one)'
-      )
+    tokens.check_chat_template(tok, f'config.dataset.messages_key={key!r}')
     self.tok, self.key, self.truncations = tok, key, truncations
 
-  def _render(self, messages: list, prompt: bool = False) -> list[int]:
-    return list(self.tok.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=prompt)['input_ids'])
-
   def map(self, example: Any) -> dict[str, np.ndarray]:
-    messages = [{'role': m['role'], 'content': m['content']} for m in example[self.key]]
-    ids = self._render(messages)
-    loss = np.zeros(len(ids))
-    for i, m in enumerate(messages):
-      if m['role'] != 'assistant':
-        continue
-      before = self._render(messages[:i], prompt=True) if i else []
-      upto = self._render(messages[: i + 1])
-      if upto != ids[: len(upto)] or before != upto[: len(before)]:
-        raise ConfigError(
-          f'{example.get("_where", "a chat")}: the chat template of {self.tok.name} does not render the chat up '
-          f'to turn {i} as the beginning of the whole chat, so its assistant tokens cannot be told apart'
-        )
-      loss[len(before) : len(upto)] = 1
-    return _document(np.asarray(ids, np.int32), loss, self.truncations, example)
+    ids, loss = tokens.chat(self.tok, example[self.key], example.get('_where', 'a chat'))
+    return _document(ids, loss, self.truncations, example)
 
 
 class LMRow(grain.transforms.Map):

@@ -2,12 +2,14 @@
 runs on a trained run or an imported Hugging Face model, sharded as its config says (evaluate_lm.py).
 
 It scores and generates as lm-eval's Hugging Face backend (`lm_eval.models.huggingface.HFLM`) does, so results
-compare one for one: prompts are encoded with the same Hugging Face tokenizer and the same rules (lm-eval's
-TemplateLM splits context and continuation; an empty context is the BOS, else EOS, token; rolling windows of
-max_length tokens), loglikelihoods are sums of float32 log-softmax over the continuation's tokens with the greedy
-flag, and generations are greedy (or sampled when a task asks) up to max_gen_toks with the KV cache
-(generation/engine.py), cut at the first stop sequence. The scoring forward pass is one jitted program per
-(rows, length) bucket, run under the config's rules.
+compare one for one: a text is encoded as the tokenizer begins one (what `tok(text)` adds: HFLM's default, and the
+rule training follows, data/tokens.py; the byte tokenizer's <|bos|>), lm-eval's TemplateLM splits context and
+continuation, an empty context is the BOS (else EOS) token, rolling windows are max_length tokens;
+loglikelihoods are sums of float32 log-softmax over the continuation's tokens with the greedy flag, and
+generations are greedy (or sampled when a task asks) up to max_gen_toks with the KV cache (generation/engine.py),
+cut at the first stop sequence. Any tokenizer of data/tokens.py serves (TemplateLM needs only encode and decode):
+the byte tokenizer, as a Hugging Face one. The scoring forward pass is one jitted program per (rows, length)
+bucket, run under the config's rules.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import numpy as np
 from flax import nnx
 from lm_eval.api.model import TemplateLM
 from lm_eval.models import utils as lm_utils
+from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 import partitioning
-from data import text
+from data import tokens
 from errors import ConfigError
 from generation import engine
 
@@ -33,32 +36,32 @@ MAX_GEN_TOKS = 256  # HFLM's default
 
 
 class ZooLM(TemplateLM):
-  """`generator` (generation.load) and its Hugging Face tokenizer (data.text.HFTokenizer); `batch_size`
-  rows per scoring or generation call."""
+  """`generator` (generation.load) and its tokenizer (data.tokens: byte or Hugging Face); `batch_size` rows per
+  scoring or generation call."""
 
   def __init__(self, generator: engine.Generator, tokenizer: Any, *, batch_size: int = 8):
     super().__init__()
-    if not isinstance(tokenizer, text.HFTokenizer):
-      raise ConfigError('lm-eval needs a Hugging Face tokenizer (a local directory), not the byte tokenizer')
-    self.gen, self.tokenizer, self.batch_size = generator, tokenizer.tok, batch_size
+    if getattr(tokenizer, 'eos_id', None) is None:
+      raise ConfigError(f'lm-eval needs a tokenizer with an end-of-text token; {tokenizer.name!r} has none')
+    self.gen, self.tok, self.batch_size = generator, tokenizer, batch_size
     self.max_length = generator.max_len or DEFAULT_MAX_LENGTH
     self._scorers: dict[tuple[int, int], Any] = {}
 
   # --- tokens, as HFLM encodes and decodes them ----------------------------------------------------------
   @property
   def eot_token_id(self) -> int:
-    return self.tokenizer.eos_token_id
+    return self.tok.eos_id
 
   @property
   def prefix_token_id(self) -> int:
-    bos = self.tokenizer.bos_token_id
-    return bos if bos is not None else self.tokenizer.eos_token_id
+    return self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id
 
   def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None, **kw) -> list[int]:
-    special = lm_utils._add_special_kwargs(add_special_tokens, None)
-    if add_special_tokens is None and lm_utils.has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
-      special['add_special_tokens'] = False
-    ids = self.tokenizer.encode(string, **special)
+    """HFLM's tok_encode: the tokenizer's own special tokens (tokens.prompt: as training begins a text) unless
+    add_special_tokens=False or the string already starts with the BOS token's text."""
+    if add_special_tokens is None:
+      add_special_tokens = not lm_utils.has_bos_prefix(string, self.tok.decode([self.prefix_token_id], specials=True))
+    ids = tokens.prompt(self.tok, string) if add_special_tokens else self.tok.encode(string).tolist()
     return ids[-left_truncate_len:] if left_truncate_len else ids
 
   # --- scoring ------------------------------------------------------------------------------------------
@@ -126,7 +129,7 @@ class ZooLM(TemplateLM):
     groups = collections.defaultdict(list)  # one Sampling per distinct set of generation kwargs
     for i, (context, gen_kwargs) in enumerate(r.args for r in requests):
       groups[repr(sorted(gen_kwargs.items()))].append((i, context, gen_kwargs))
-    eos = self.tokenizer.decode(self.eot_token_id, skip_special_tokens=False)
+    eos = self.tok.decode([self.eot_token_id], specials=True)
     for group in groups.values():
       kwargs = lm_utils.normalize_gen_kwargs(group[0][2], MAX_GEN_TOKS)
       until = lm_utils.handle_stop_sequences(kwargs.pop('until', None), eos=eos)
@@ -140,6 +143,16 @@ class ZooLM(TemplateLM):
         chunk = group[start : start + self.batch_size]
         ids = [self.tok_encode(c, left_truncate_len=self.max_length - new) for _, c, _ in chunk]
         for (i, _, _), g in zip(chunk, self.gen.generate(ids, sampling, self.eot_token_id), strict=True):
-          text_out = self.tokenizer.decode(g.ids, skip_special_tokens=True)
+          text_out = self.tok.decode(g.ids)
           results[i] = lm_utils.postprocess_generated_text(text_out, until, None)
     return results
+
+
+def task_manager(tasks: list[str], include_path: str | None):
+  """lm-eval's task index: indexing lm-eval's own thousands of task YAMLs takes ~10 s, so where every task named
+  is one of --include_path's, that directory alone is indexed."""
+  if include_path:
+    local = TaskManager(include_path=include_path, include_defaults=False)
+    if all(t in local.all_tasks for t in tasks):
+      return local
+  return TaskManager(include_path=include_path)

@@ -1,7 +1,8 @@
 """Loading a language model for decoding: a decode-only build (the model built abstractly and placed by the
 config's rules, or config.decode_rules; no optimizer, no train step, no batch checks) whose weights are read
-straight into their shardings from a run's checkpoint, a params-only checkpoint, or a Hugging Face directory; the
-tokenizer prompts are encoded with; and the command line of generate.py and evaluate_lm.py (`from_flags`)."""
+straight into their shardings from a run's checkpoint, a params-only checkpoint, or a Hugging Face directory (its
+own compute dtype and lengths); the tokenizer prompts are encoded with, by training's rules (data/tokens.py); and
+the command line of generate.py and evaluate_lm.py (`from_flags`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import models
 import partitioning
 from checkpointing import hf_config, run_config, weights
 from configs import schema
-from data import text
+from data import tokens
 from errors import ConfigError
 from generation.engine import Generator, cache_layout
 from models import hf_import
@@ -114,32 +115,65 @@ def family_config(hf_dir: str) -> str:
 
 def tokenizer(config: ml_collections.ConfigDict, *, given: str | None = None, hf_dir: str | None = None) -> Any:
   """What prompts are encoded and ids decoded with: `given` ('byte' or a local Hugging Face tokenizer directory),
-  else the Hugging Face directory's own tokenizer, else the run's (config.dataset.tokenizer). ConfigError naming
-  what is missing."""
+  else the Hugging Face directory's own tokenizer, else the run's (data.tokens.for_dataset: config.dataset.tokenizer,
+  or a Markov language's letters). ConfigError naming what is missing."""
   if given:
-    return text.tokenizer(given)
+    return tokens.tokenizer(given)
   if hf_dir:
     if not any(glob.glob(os.path.join(glob.escape(hf_dir), p)) for p in hf_import.TOKENIZER_FILES):
       raise ConfigError(
         f'{hf_dir} has no tokenizer files ({", ".join(hf_import.TOKENIZER_FILES)}): save the tokenizer there '
         '(tokenizer.save_pretrained) or give --tokenizer DIR'
       )
-    return text.HFTokenizer(hf_dir)
-  spec = config.dataset.get('tokenizer')  # text datasets only
-  if not spec:
-    raise ConfigError(
-      f'the run has no tokenizer (config.dataset.name={config.dataset.name!r} makes token ids, not text): '
-      'give --tokenizer DIR (a local Hugging Face tokenizer) or --tokenizer byte'
-    )
-  return text.tokenizer(spec)
+    return tokens.HFTokenizer(hf_dir)
+  return tokens.for_dataset(config.dataset)
 
 
-def encode(tok: Any, prompt: str) -> list[int]:
-  """A prompt's ids: a Hugging Face tokenizer adds its special tokens (e.g. Llama's <s>) as transformers does when
-  it generates; the byte tokenizer gives the bytes."""
-  if isinstance(tok, text.HFTokenizer):
-    return list(tok.tok(prompt)['input_ids'])
-  return [int(i) for i in tok.encode(prompt)]
+def encode(tok: Any, prompt: str | list[dict]) -> list[int]:
+  """A prompt's ids as training gave the same text (data/tokens.py): a string begins as the tokenizer begins a text
+  (a prompt/completion row's first part), a chat (a list of {'role', 'content'}) is rendered by the chat template
+  with its generation prompt."""
+  return tokens.chat_prompt(tok, prompt) if isinstance(prompt, list) else tokens.prompt(tok, prompt)
+
+
+def read_prompts(prompt: list[str], chat: list[str], path: str | None) -> list[str | list[dict]]:
+  """generate.py's prompts: `prompt` strings (--prompt), one-turn chats of `chat` (--chat), and a JSONL file's rows
+  (--prompts: {"prompt": ...} gives a string, {"messages": [...]} a chat). ConfigError naming the file:line."""
+  prompts = [*prompt, *([{'role': 'user', 'content': c}] for c in chat)]
+  if path:
+    with open(path) as f:
+      for n, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        row = json.loads(line)
+        messages = row.get('messages') if isinstance(row, dict) else None
+        if isinstance(messages, list) and all(isinstance(m, dict) and {'role', 'content'} <= set(m) for m in messages):
+          prompts.append(messages)
+        elif isinstance(row, dict) and isinstance(row.get('prompt'), str):
+          prompts.append(row['prompt'])
+        else:
+          raise ConfigError(
+            f'{path}:{n}: a JSON object with a "prompt" string or "messages" (a list of {{"role", "content"}}) is '
+            'needed'
+          )
+  if not prompts:
+    raise ConfigError('no prompts: give --prompt TEXT or --chat TEXT (repeatable) or --prompts FILE.jsonl')
+  return prompts
+
+
+def checkpoint_facts(config: ml_collections.ConfigDict, overridden: set[str] = frozenset()) -> dict[str, Any]:
+  """A Hugging Face directory's own compute dtype and lengths, taken where the command line does not set them
+  (`overridden`: 'model.dtype', ...) over the family config's (a training config: bf16 compute, 2048 positions):
+  config.json's dtype, and its lengths through hf_config.adopt. Returns what was taken."""
+  with open(os.path.join(config.init_from, 'config.json')) as f:
+    hf = json.load(f)
+  taken = {}
+  dtype = hf.get('dtype') or hf.get('torch_dtype') or 'float32'  # transformers loads float32 where none is said
+  if 'model.dtype' not in overridden and dtype in schema.DTYPES:
+    config.model.dtype = taken['dtype'] = dtype
+  if 'model.max_len' not in overridden and 'max_len' in config.model:
+    config.model.max_len = None  # config.json's (hf_config.adopt keeps a length the config sets)
+  return taken
 
 
 def with_family_config(argv: list[str]) -> list[str]:
@@ -165,22 +199,31 @@ def from_flags(
   step: int | None,
   init_from: str | None,
   tokenizer_dir: str | None = None,
+  overridden: set[str] = frozenset(),
 ) -> tuple[Generator, Any]:
   """What generate.py and evaluate_lm.py decode with: (Generator, tokenizer) for a run (`workdir`: its config from
   run_config.json unless `config` is given; the latest checkpoint, or `step`'s) or a Hugging Face directory / hub
-  id (`init_from`, architecture adopted into `config`), on the config's mesh fitted to the devices here."""
+  id (`init_from`: architecture, compute dtype and lengths from its config.json, except the config fields the
+  command line sets, `overridden`), on the config's mesh fitted to the devices here."""
   hf_dir, checkpoints = None, None
   if workdir:
+    run_config.check_workdir(workdir)
     config = config or run_config.load(workdir)
     checkpoints = os.path.join(workdir, 'checkpoints', *([str(step)] if step is not None else []))
   else:
     config.init_from = hf_dir = hf_import.resolve(init_from)
     config.dont_load = ''
+    taken = checkpoint_facts(config, overridden)
     hf_config.adopt(config, models.HF_FAMILIES)
+    print(f'{hf_dir}: ' + ', '.join(f'{k}={v!r}' for k, v in {**taken, 'max_len': config.model.get('max_len')}.items()))
   schema.check(config)
   tok = tokenizer(config, given=tokenizer_dir, hf_dir=hf_dir)
+  if config.model.vocab_size is None:  # a config whose vocabulary follows the data (the tiny sizes): its tokenizer's
+    config.model.vocab_size = tok.vocab_size
   mesh, note = partitioning.start_mesh(config.mesh)
   if note:
     print(f'WARNING {note}')
-  print(f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices')
+  platform = jax.devices()[0].platform
+  cpu = f' ({partitioning.cpu_devices_note()})' if platform == 'cpu' else ''
+  print(f'mesh: {dict(mesh.shape)} on {jax.device_count()} {platform} devices{cpu}')
   return load(config, mesh, checkpoints=checkpoints), tok

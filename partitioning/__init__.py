@@ -42,6 +42,7 @@ from partitioning.hlo import replica_groups
 from partitioning.mesh import (
   accelerator_present,
   check_platform,
+  cpu_devices_note,
   dcn_coordinates,
   dcn_shape,
   describe_dcn,
@@ -53,6 +54,7 @@ from partitioning.mesh import (
   resolve_mesh_shape,
   simulate_cpu_devices,
   start_mesh,
+  user_cpu_devices,
 )
 from partitioning.plan import (
   PlacedModel,
@@ -91,6 +93,7 @@ __all__ = [
   'entry_size',
   'leading_rows',
   'devices_needed',
+  'cpu_devices_note',
   'fit_mesh',
   'fit_mesh_shape',
   'fmt_bytes',
@@ -112,6 +115,7 @@ __all__ = [
   'sharding_table',
   'simulate_cpu_devices',
   'start_mesh',
+  'user_cpu_devices',
   'suspend_rules',
   'tree_bytes_per_device',
   'tree_specs',

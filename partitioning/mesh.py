@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping, MutableMapping, Sequence
 
 import jax
@@ -105,9 +106,10 @@ def fit_mesh_shape(
 def fit_mesh(mesh_cfg: MutableMapping[str, int], dcn_cfg: Mapping[str, int] | None = None) -> str | None:
   """On GPUs/TPUs, fits the mesh config (config.mesh, updated in place) to the devices found
   (fit_mesh_shape; per slice when config.dcn_mesh has several) and returns the note saying so, or None when it
-  fits already; on the CPU (simulated devices, sized to the mesh) it does nothing."""
+  fits already; on the CPU likewise where the user set the device count (user_cpu_devices), else nothing
+  (simulated devices are sized to the mesh)."""
   platform = jax.devices()[0].platform
-  if platform == 'cpu':
+  if platform == 'cpu' and user_cpu_devices() is None:
     return None
   per_slice = _devices_per_slice(dcn_shape(mesh_cfg, dcn_cfg), jax.device_count(), platform)
   fitted, note = fit_mesh_shape(mesh_cfg, per_slice, platform)
@@ -147,8 +149,32 @@ def accelerator_present() -> str | None:
   return 'tpu' if hardware_utils.num_available_tpu_chips_and_device_id()[0] else None
 
 
-def simulate_cpu_devices(n: int) -> None:
-  """Asks the CPU backend for `n` devices. Must run before JAX initialises its backends.
+# Where a user sets the number of CPU devices themselves (the entry points honour it: simulate_cpu_devices).
+CPU_COUNT_FLAG = re.compile(r'--xla_force_host_platform_device_count=(\d+)')
+
+
+def user_cpu_devices() -> tuple[int, str] | None:
+  """(count, where it is set) when the environment sets the number of CPU devices (JAX_NUM_CPU_DEVICES, or
+  --xla_force_host_platform_device_count in XLA_FLAGS), else None."""
+  given = os.environ.get('JAX_NUM_CPU_DEVICES', '').strip()
+  if given.isdigit() and int(given) > 0:
+    return int(given), 'JAX_NUM_CPU_DEVICES'
+  found = CPU_COUNT_FLAG.findall(os.environ.get('XLA_FLAGS', ''))
+  return (int(found[-1]), 'XLA_FLAGS') if found else None
+
+
+def cpu_devices_note() -> str:
+  """For the mesh line on the CPU: whose number of devices it is (the user's, or simulated for the mesh)."""
+  user = user_cpu_devices()
+  if user:
+    return f'as {user[1]} sets'
+  return 'simulated, as many as the mesh needs; XLA_FLAGS=--xla_force_host_platform_device_count=N sets the number'
+
+
+def simulate_cpu_devices(n: int, honour_environment: bool = False) -> None:
+  """Asks the CPU backend for `n` devices. Must run before JAX initialises its backends. With
+  `honour_environment` (the entry points), a count the user set (user_cpu_devices) is kept instead, and the mesh
+  is then fitted to it (fit_mesh).
 
   On GPU/TPU machines this only affects the (unused) CPU backend; the real devices are used.
 
@@ -159,8 +185,10 @@ def simulate_cpu_devices(n: int) -> None:
   run aborts after 40 s ("Termination timeout for all reduce"). We saw this once in ~2,500 steps
   of the default config; 4 threads per device costs ~8% of step time on 2 cores.
   """
-  os.environ.setdefault('NPROC', str(max(32, 4 * n)))
-  jax.config.update('jax_num_cpu_devices', n)
+  user = user_cpu_devices() if honour_environment else None
+  os.environ.setdefault('NPROC', str(max(32, 4 * (user[0] if user else n))))
+  if user is None:
+    jax.config.update('jax_num_cpu_devices', n)
 
 
 def make_mesh(
@@ -254,7 +282,7 @@ def start_mesh(mesh_cfg: MutableMapping[str, int]) -> tuple[Mesh, str | None]:
   the mesh, the CPU-only-jaxlib-on-a-GPU check, the mesh fitted to the accelerators (config.mesh updated in
   place) and built. Returns (mesh, the fitting note or None). train.py does the same steps across its main()
   (devices, several processes) and train_and_evaluate()."""
-  simulate_cpu_devices(devices_needed(mesh_cfg))
+  simulate_cpu_devices(devices_needed(mesh_cfg), honour_environment=True)
   check_platform()
   note = fit_mesh(mesh_cfg)
   return make_mesh(mesh_cfg), note

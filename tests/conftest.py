@@ -33,6 +33,7 @@ jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 import models  # noqa: E402
 import training  # noqa: E402
 from configs import default, schema  # noqa: E402
+from tests.interrupt import pytest_configure  # noqa: E402, F401  (Ctrl-C stops the workers too)
 
 
 def pytest_addoption(parser):

@@ -288,7 +288,7 @@ def test_init_from_that_is_not_there_or_only_pytorch_weights(tmp_path):
     pretrained._is_hf_dir('gpt2')
   assert str(e.value).startswith("config.init_from='gpt2' is neither a checkpoint directory of this project nor a ")
   assert 'owner/name, e.g. openai-community/gpt2' in str(e.value) and 'HF_HUB_OFFLINE=1' in str(e.value)
-  assert 'huggingface-cli download' in str(e.value)
+  assert 'hf download owner/name' in str(e.value)
   with pytest.raises(errors.ConfigError, match=r'no such directory$'):
     pretrained._is_hf_dir(str(tmp_path / 'nowhere'))
   (tmp_path / 'config.json').write_text('{"model_type": "gpt2"}')

@@ -1,19 +1,24 @@
 """The user guide holds together: the docs site builds in strict mode, the README's links resolve, the README stays a
 short guide, the tables of contents (docs/index.md, the README's list) follow mkdocs.yml's nav, the one source of
 which pages there are, and library code and user pages carry no calendar dates (measured figures and their dates
-belong on docs/performance.md, their history on docs/changelog.md)."""
+belong on docs/performance.md, their history on docs/changelog.md). Every command block of README.md and docs/ runs
+as written (tests/doc_commands.py), or says by name why it cannot here (a download, a GPU, ...)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests import doc_commands
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / 'README.md'
@@ -203,3 +208,73 @@ def test_user_pages_carry_no_calendar_dates():
     if DATE.search(line)
   ]
   assert dated == [], 'dated figures belong on docs/performance.md:\n' + '\n'.join(dated)
+
+
+# --- The command blocks, run as written (tests/doc_commands.py) ---------------------------------------------------
+
+LOOKS_LIKE_A_COMMAND = re.compile(r'^\s*(python|pip|pytest|bash|tfds|hf) ', re.M)
+
+
+def test_a_blocks_commands_are_its_lines_joined_and_without_comments():
+  body = 'python a.py --x=1 \\\n    --y="a b"   # why\n\n# a comment line\npython -c "print(1)  # kept"\n'
+  assert doc_commands.commands_of(body) == [
+    'python a.py --x=1 --y="a b"   # why',
+    'python -c "print(1)  # kept"',
+  ]
+  assert doc_commands.words_of('python a.py --x=1 --y="a b"   # why') == ['python', 'a.py', '--x=1', '--y=a b']
+  assert doc_commands.argv_of('python train.py --workdir /tmp/r', '/T') == [
+    'python', 'train.py', '--workdir', '/T/r', f'--config.total_steps={doc_commands.STEPS}',
+  ]  # fmt: skip
+  assert doc_commands.unsupported('tfds build lm1b').startswith("'tfds build lm1b': only `python SCRIPT ...`")
+
+
+def test_every_command_block_is_runnable_or_marked_with_a_known_reason():
+  """A block of commands says `bash`; the suite runs it unless the line above its fence says why not, by one of
+  doc_commands.NOT_RUN's names; a command the runner cannot run is in a marked block."""
+  problems = []
+  for page in doc_commands.PAGES:
+    text = page.read_text()
+    for m in doc_commands.FENCE.finditer(text):
+      lang = m['lang'].strip()
+      if lang not in doc_commands.COMMAND_LANGS and not lang and LOOKS_LIKE_A_COMMAND.search(m['body']):
+        problems.append(f'{page.name}:{text.count(chr(10), 0, m.start()) + 1}: commands in a block not marked bash')
+    for block in doc_commands.blocks(page):
+      if block.not_run and block.not_run not in doc_commands.NOT_RUN:
+        problems.append(f'{block.where}: not run for an unknown reason {block.not_run!r}')
+      elif not block.not_run:
+        problems += [f'{block.where}: {why}' for c in block.commands if (why := doc_commands.unsupported(c))]
+  assert problems == [], '\n'.join(problems)
+
+
+@pytest.fixture(scope='module')
+def doc_runs(tmp_path_factory):
+  """Every runnable command of README.md and docs/*.md, run once (tests/doc_commands.py: one process imports,
+  a forked child per command); the report and what it cost."""
+  report = tmp_path_factory.mktemp('doc_commands') / 'report.json'
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'TF_CPP_MIN_LOG_LEVEL': '2', 'HF_HUB_OFFLINE': '1'}
+  env.pop('XLA_FLAGS', None)
+  t0 = time.perf_counter()
+  run = subprocess.run(
+    [sys.executable, str(ROOT / 'tests' / 'doc_commands.py'), str(report)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  return json.loads(report.read_text()), time.perf_counter() - t0
+
+
+RUN_PAGES = sorted(
+  str(p.relative_to(ROOT)) for p in doc_commands.PAGES if any(not b.not_run for b in doc_commands.blocks(p))
+)
+
+
+@pytest.mark.parametrize('page', RUN_PAGES)
+def test_every_command_block_runs_as_written(doc_runs, page):
+  report, _ = doc_runs
+  failed = [
+    f'{r["where"]}: {r["command"]}\n  exit {r["status"]}:\n{r["log"]}' for r in report[page] if r['status'] != 0
+  ]
+  assert failed == [], '\n'.join(failed)

@@ -21,6 +21,7 @@ import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import generation  # noqa: E402
+import models  # noqa: E402
 import partitioning  # noqa: E402
 import train  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
@@ -137,6 +138,25 @@ def test_llama_greedy_is_transformers_and_steps_are_full_forward_passes(llama_di
   gen = zoo(llama_config, arg, path, scan_layers=scan)
   assert gen.layout.kv_heads == 4 and gen.layout.scanned == scan
   check_parity(gen, hf_model, eos=hf_model.generation_config.eos_token_id)
+
+
+def test_a_hugging_face_directory_decodes_with_its_own_dtype_and_lengths(tmp_path):
+  """The family config (a training config: bfloat16, 2048 positions) gives way to config.json's dtype and
+  max_position_embeddings, unless the command line sets them (`overridden`)."""
+  from checkpointing import hf_config
+  from generation import loading
+
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=8, max_position_embeddings=128, dtype='float32',
+  )).save_pretrained(tmp_path)  # fmt: skip
+  for overridden, want in ((set(), ('float32', 128)), ({'model.dtype', 'model.max_len'}, ('bfloat16', 64))):
+    cfg = llama_config.get_config()
+    cfg.model.update(dtype='bfloat16', max_len=64 if overridden else cfg.model.max_len)
+    cfg.init_from = str(tmp_path)
+    loading.checkpoint_facts(cfg, overridden)
+    hf_config.adopt(cfg, models.HF_FAMILIES)
+    assert (cfg.model.dtype, cfg.model.max_len) == want, overridden
 
 
 def test_mixtral_greedy_is_transformers_and_steps_are_full_forward_passes(tmp_path):
@@ -291,7 +311,7 @@ def run_generate(*args):
 
 
 def test_generate_py_from_a_hugging_face_directory_is_transformers_greedy(tmp_path):
-  """--init_from DIR (its family's config chosen from config.json, fp32 by override): the JSONL out holds the
+  """--init_from DIR (its family's config chosen from config.json, float32 as config.json says): the JSONL out holds the
   prompt's ids from the directory's tokenizer and transformers' greedy tokens; a directory without a tokenizer
   is one line."""
   path = str(tmp_path / 'hf')
@@ -301,10 +321,11 @@ def test_generate_py_from_a_hugging_face_directory_is_transformers_greedy(tmp_pa
   prompts.write_text('{"prompt": "lazy dog jumps", "completion": "ignored"}\n')
   run = run_generate(
     '--init_from', path, '--prompt', 'the quick', '--prompts', str(prompts), '--temperature', '0',
-    '--max_new_tokens', '5', '--config.model.dtype=float32', '--out', str(out),
+    '--max_new_tokens', '5', '--out', str(out),
   )  # fmt: skip
   assert run.returncode == 0, run.stderr[-3000:]
   assert 'KV cache: ' in run.stdout and 'cache_batch' in run.stdout, run.stdout
+  assert f"{path}: dtype='float32'" in run.stdout, run.stdout
   rows = [json.loads(line) for line in out.read_text().splitlines()]
   tok = transformers.AutoTokenizer.from_pretrained(path)
   hf_model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
@@ -338,15 +359,15 @@ def test_generate_py_from_a_run_is_greedy_decoding_of_its_checkpoint(tmp_path):
                      '--out', str(out))  # fmt: skip
   assert run.returncode == 0, run.stderr[-3000:]
   (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-  assert row['prompt_ids'] == [97, 98]
+  assert row['prompt_ids'] == [257, 97, 98]  # as training begins a byte text: <|bos|>, then the bytes
   trainer = build_trainer(cfg)
-  tokens = [97, 98]
+  tokens = [257, 97, 98]
   for _ in range(4):  # the reference: argmax of a full forward pass, one token at a time
     tokens.append(int(np.argmax(full_forward_logits_of(trainer, state, tokens))))
-  assert row['ids'] == tokens[2:], row
+  assert row['ids'] == tokens[3:], row
   run = run_generate('--workdir', str(tmp_path), '--prompt', 'a' * 30, '--max_new_tokens', '4')
   assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].startswith(
-    "shardzoo: config error: prompt 0 has 30 tokens: with max_new_tokens=4 that is 34, over the model's 32"
+    "shardzoo: config error: prompt 0 has 31 tokens: with max_new_tokens=4 that is 35, over the model's 32"
   ), run.stderr[-2000:]
 
 

@@ -20,7 +20,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 import generation  # noqa: E402
 import partitioning  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
-from data import text  # noqa: E402
+from data import tokens  # noqa: E402
 from generation import lm_eval_model  # noqa: E402
 from tests.conftest import ROOT, subprocess_env  # noqa: E402
 from tests.test_hf_export import tiny_gpt2_with_tokenizer  # noqa: E402
@@ -84,7 +84,7 @@ def test_per_example_results_are_lm_evals_hugging_face_backends(setup):
   path, include_path = setup
   cfg = zoo_config(gpt2_config, 'tp,tiny', path, pad_vocab_to=8)
   gen = generation.load(cfg, partitioning.make_mesh(cfg.mesh))
-  ours = samples(lm_eval_model.ZooLM(gen, text.HFTokenizer(path), batch_size=4), include_path)
+  ours = samples(lm_eval_model.ZooLM(gen, tokens.HFTokenizer(path), batch_size=4), include_path)
   theirs = samples(HFLM(pretrained=path, backend='causal', batch_size=4, device='cpu', dtype='float32'), include_path)
   assert ours.keys() == theirs.keys() == {'zoo_mc', 'zoo_ppl', 'zoo_gen'}
   for task in ours:
@@ -128,7 +128,9 @@ def test_scores_and_generations_are_transformers_without_lm_evals_backend(setup)
 
   path, _ = setup
   cfg = zoo_config(gpt2_config, 'tp,tiny', path, pad_vocab_to=8)
-  lm = lm_eval_model.ZooLM(generation.load(cfg, partitioning.make_mesh(cfg.mesh)), text.HFTokenizer(path), batch_size=4)
+  lm = lm_eval_model.ZooLM(
+    generation.load(cfg, partitioning.make_mesh(cfg.mesh)), tokens.HFTokenizer(path), batch_size=4
+  )
   tok = transformers.AutoTokenizer.from_pretrained(path)
   model = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
 

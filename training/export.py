@@ -21,6 +21,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from checkpointing import weights
+from data import tokens
 from errors import ConfigError
 from models import hf_export, hf_import, lora
 from partitioning import path_str
@@ -160,9 +161,11 @@ def write_hf(
   overwrite: bool = False,
 ) -> dict[str, Any]:
   """Writes the model's weights (sharded arrays, as the trainer holds them) as a Hugging Face directory:
-  config.json, safetensors (sharded with an index above max_shard_size), the tokenizer files of a local
-  Hugging Face tokenizer the run used (else those of the Hugging Face model it started from), and
-  generation_config.json of the Hugging Face model it started from. LoRA adapters are merged. dtype: the
+  config.json (with the tokenizer's bos/eos/pad ids where the model's config.json had none), safetensors
+  (sharded with an index above max_shard_size), the tokenizer (a local Hugging Face tokenizer's files copied; the
+  byte tokenizer written as a Hugging Face one, its chat template included; else the tokenizer files of the
+  Hugging Face model it started from), and generation_config.json (the Hugging Face model's it started from, else
+  the token ids), so transformers' AutoTokenizer and pipelines load it. LoRA adapters are merged. dtype: the
   weights' dtype on disk (default: the parameters'). Each zoo tensor is gathered to the host once, alone, and
   written in place. out_dir must be empty (or new), and not the run's source directories (check_out_dir);
   `overwrite` first removes the files an export writes (WRITTEN) from it, listed in the result's 'removed'."""
@@ -198,26 +201,57 @@ def write_hf(
     if source:  # its config.json only (HFDir would also list every tensor of its files)
       with open(os.path.join(source, 'config.json')) as f:
         base = json.load(f)
+    tok = _tokenizer(config)
+    hf_config = hf_export.config_json(family, config.model, dtype, base)
+    ids = _token_ids(tok)
+    hf_config.update({k: v for k, v in ids.items() if hf_config.get(k) is None})  # the run's tokenizer's, if unset
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
-      json.dump(hf_export.config_json(family, config.model, dtype, base), f, indent=2, sort_keys=True)
+      json.dump(hf_config, f, indent=2, sort_keys=True)
     copied = []
-    tok = config.dataset.get('tokenizer')  # text tasks' datasets only
-    tok_dir = tok if isinstance(tok, str) and os.path.isdir(tok) else None
+    tok_dir = config.dataset.get('tokenizer')  # text tasks' datasets only
+    tok_dir = tok_dir if isinstance(tok_dir, str) and os.path.isdir(tok_dir) else None
+    byte = isinstance(tok, tokens.ByteTokenizer)  # written below, as the ids the run trained on
     for src, patterns in (
       (tok_dir, hf_import.TOKENIZER_FILES),
       # the Hugging Face directory the run started from: its generation config, and its tokenizer (with its chat
-      # template) where the run read no other tokenizer directory
-      (source, ('generation_config.json', *(() if tok_dir else hf_import.TOKENIZER_FILES))),
+      # template) where the run read no other tokenizer
+      (source, ('generation_config.json', *(() if tok_dir or byte else hf_import.TOKENIZER_FILES))),
     ):
       for path in sorted({p for pattern in patterns for p in glob.glob(os.path.join(src, pattern))} if src else ()):
         target = os.path.join(out_dir, os.path.basename(path))
         if not (os.path.exists(target) and os.path.samefile(path, target)):  # never a file onto itself
           shutil.copy(path, target)
         copied.append(os.path.basename(path))
+    if byte:  # no files to copy: written as a Hugging Face tokenizer
+      stats['written'] = tok.save_pretrained(out_dir)
+    if not os.path.exists(os.path.join(out_dir, 'generation_config.json')) and ids:
+      with open(os.path.join(out_dir, 'generation_config.json'), 'w') as f:
+        json.dump(ids, f, indent=2, sort_keys=True)  # what transformers' generate stops at and pads with
+      stats['written'] = [*stats.get('written', []), 'generation_config.json']
     stats['copied'] = sorted(copied)
   stats['removed'] = removed
   multihost_utils.sync_global_devices('shardzoo:export_hf')
   return dict(stats, dtype=dtype.name)
+
+
+def _tokenizer(config: ml_collections.ConfigDict) -> Any:
+  """The run's tokenizer where it has one that transformers can load (byte, or a Hugging Face directory), else
+  None (a Markov language's ids; a tokenizer directory no longer there: the export still writes the weights)."""
+  if 'tokenizer' not in config.dataset:  # an image dataset
+    return None
+  try:
+    tok = tokens.for_dataset(config.dataset)
+  except ConfigError:
+    return None
+  return tok if isinstance(tok, (tokens.ByteTokenizer, tokens.HFTokenizer)) else None
+
+
+def _token_ids(tok: Any) -> dict[str, int]:
+  """bos/eos/pad token ids for config.json and generation_config.json (transformers' pipelines need them)."""
+  if tok is None:
+    return {}
+  ids = {'bos_token_id': tok.bos_id, 'eos_token_id': tok.eos_id, 'pad_token_id': tok.pad_id}
+  return {k: int(v) for k, v in ids.items() if v is not None}
 
 
 def export_merged_lora(trainer: Trainer, state: TrainState, workdir: str) -> str:

@@ -105,7 +105,7 @@ def _is_hf_dir(path: str) -> bool:
       else (
         '; as a Hugging Face hub id it needs its owner (owner/name, e.g. openai-community/gpt2: legacy short '
         'names are not looked up) and is read from the Hugging Face cache (HF_HOME; offline, with '
-        'HF_HUB_OFFLINE=1, fetch it first where the hub can be reached: huggingface-cli download owner/name)'
+        'HF_HUB_OFFLINE=1, fetch it first where the hub can be reached: hf download owner/name)'
       )
     )
     raise ConfigError(

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shlex
 import sys
 import time
 from typing import Any
@@ -16,7 +17,6 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
-from clu import metric_writers
 
 import data
 import errors
@@ -24,6 +24,7 @@ import models
 import partitioning
 import training
 from checkpointing import checkpointer, hf_config, run_config, storage
+from configs import schema
 from models import attention, hf_import
 from training import accumulate, cluster, export, flops, pretrained, profiling
 from training.preemption import Preemption
@@ -61,9 +62,11 @@ def make_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
     warn('mesh', note)
   mesh = partitioning.make_mesh(config.mesh, dcn_cfg=dcn)
   slices = partitioning.num_slices(mesh, dcn)
+  platform = jax.devices()[0].platform
   say(
-    f'mesh: {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} devices, '
-    f'{jax.process_count()} process(es)'
+    f'mesh: {dict(mesh.shape)} on {jax.device_count()} {platform} devices'
+    + (f' ({partitioning.cpu_devices_note()})' if platform == 'cpu' else '')
+    + f', {jax.process_count()} process(es)'
     + (f', {slices} DCN slices ({partitioning.describe_dcn(mesh, dcn)})' if slices > 1 else '')
   )
   return mesh
@@ -82,10 +85,11 @@ class Built:
 def adopt_pretrained(config: ml_collections.ConfigDict, dry_run: bool) -> None:
   """config.init_from resolved (a hub id becomes its directory in the Hugging Face cache, downloaded if need be)
   and checked to exist, at once; a Hugging Face directory's config.json gives the architecture and, where the
-  config leaves them unset, the lengths."""
+  config leaves them unset, the lengths; a vocabulary left unset is the tokenizer's."""
   fallback = None
   if config.init_from:
     config.init_from = hf_import.resolve(config.init_from, download=not dry_run)
+    schema.derive(config)  # the fields that follow init_from (the fine-tune configs' tokenizer) follow its directory
     if not dry_run:
       pretrained.check_path(config.init_from)
     elif not os.path.exists(config.init_from):
@@ -101,6 +105,8 @@ def adopt_pretrained(config: ml_collections.ConfigDict, dry_run: bool) -> None:
         + ''.join(f'; kept config.model.{k}={ours!r} (config.json: {theirs!r})' for k, (ours, theirs) in kept.items())
       )
   pretrained.derive_lengths(config, fallback)
+  if vocab := data.vocabulary(config):  # the tiny sizes leave the vocabulary to the data: the tokenizer's
+    say(f'model: {vocab}')
 
 
 def build(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Built:
@@ -148,10 +154,17 @@ class Input:
   floor: float | None  # the eval loss's entropy floor (synthetic languages)
 
 
-def make_input(config: ml_collections.ConfigDict, trainer: training.Trainer, cleanup: contextlib.ExitStack) -> Input:
-  """The dataset, checked against the task (fields, shapes, dtypes, vocabulary, classes) before compiling, so a
-  bad dataset, split or size fails in seconds; its train iterator resumes exactly, with any process count."""
-  ds = data.build(config)
+def open_data(config: ml_collections.ConfigDict) -> Any:
+  """The dataset, opened before the model is built: a missing file, a row without its key, a tokenizer that does
+  not load or an unprepared TFDS dataset fails in seconds."""
+  return data.build(config)
+
+
+def make_input(
+  config: ml_collections.ConfigDict, trainer: training.Trainer, ds: Any, cleanup: contextlib.ExitStack
+) -> Input:
+  """The dataset (open_data) checked against the task (fields, shapes, dtypes, vocabulary, classes) before
+  compiling; its train iterator resumes exactly, with any process count."""
   trainer.task.check_data(config, ds.example_spec(), ds.vocab, ds.num_classes)
   max_len = config.model.get('max_len')
   if ds.language is not None and config.sample_len and max_len and 2 + config.sample_len > max_len:
@@ -313,6 +326,8 @@ def metric_writer(
   """TensorBoard events in the workdir (process 0), the config's scalar fields as hyperparameters. Not clu's
   default writer: its logging half would repeat every progress line and the hyperparameters on the console.
   A full disk under the event files is one line, like a checkpoint's (storage.GuardedWriter)."""
+  from clu import metric_writers  # noqa: PLC0415 (imports TensorFlow, ~3 s: only once a run trains)
+
   if not workdir or jax.process_index() > 0:
     return metric_writers.MultiWriter([])
   make = lambda: metric_writers.AsyncWriter(metric_writers.SummaryWriter(workdir))
@@ -481,3 +496,23 @@ def score_sample(request: SampleRequest, new_ids: np.ndarray, inp: Input, result
   )
   result['sample_nll'] = nll
   return result
+
+
+# --- What next -------------------------------------------------------------------------------------------------
+
+
+def next_steps(config: ml_collections.ConfigDict, inp: Input, workdir: str | None) -> None:
+  """Where the run's checkpoint is, and the commands that use it (generate, export) as they would be typed."""
+  steps = storage.steps_in(os.path.join(workdir, 'checkpoints')) if workdir else []
+  if not steps:
+    return
+  w = shlex.quote(workdir)
+  say(
+    f'checkpoint: {os.path.join(workdir, "checkpoints", str(steps[-1]))} (the same command resumes from it; '
+    f'with --config.total_steps above {steps[-1]} it trains on)'
+  )
+  if config.task == 'lm' and inp.ds.prompt:
+    flag, text = inp.ds.prompt
+    say(f'generate: python generate.py --workdir {w} {flag} {shlex.quote(text)}')
+  if config.model.name in models.HF_FAMILIES:
+    say(f'export:   python export.py --workdir {w} --out {shlex.quote(os.path.join(workdir, "hf"))}')
