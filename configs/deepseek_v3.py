@@ -74,8 +74,7 @@ SIZES = {
     max_len=163_840,
     group_size=512,
   ),
-  'tiny': dict(
-    vocab_size=16,
+  'tiny': dict(  # vocab_size unset: the data's (the Markov language's 16 symbols; a tokenizer's ids)
     embed_dim=64,
     mlp_dim=64,
     expert_mlp_dim=32,

@@ -38,8 +38,7 @@ _GPT_OSS = dict(
 SIZES = {
   '20b': dict(_GPT_OSS, num_layers=24, num_experts=32),  # gpt-oss-20b: 20.9B parameters, 3.6B active
   '120b': dict(_GPT_OSS, num_layers=36, num_experts=128),  # gpt-oss-120b: 116.8B parameters, 5.1B active
-  'tiny': dict(
-    vocab_size=16,
+  'tiny': dict(  # vocab_size unset: the data's (the Markov language's 16 symbols; a tokenizer's ids)
     num_layers=2,
     embed_dim=64,
     num_heads=4,

@@ -32,8 +32,7 @@ SIZES = {
   '235b_a22b': dict(
     _QWEN3_MOE, embed_dim=4096, mlp_dim=12_288, expert_mlp_dim=1536, num_layers=94, num_heads=64, num_kv_heads=4
   ),
-  'tiny': dict(
-    vocab_size=16,
+  'tiny': dict(  # vocab_size unset: the data's (the Markov language's 16 symbols; a tokenizer's ids)
     num_layers=2,
     embed_dim=64,
     num_heads=4,
