@@ -135,7 +135,6 @@ SIZES = {
     head_dim=64,
     mlp_dim=2816,
     group_size=512,
-    **_MOE,
   ),
   'tiny': dict(  # vocab_size unset: the data's (the Markov language's 16 symbols; a tokenizer's ids)
     num_layers=2,
@@ -145,27 +144,31 @@ SIZES = {
     head_dim=16,
     mlp_dim=64,
     group_size=64,
-    **_MOE,
   ),
 }
 
 
 def get_config(arg: str | None = None):
-  preset, size = common.parse_arg(arg, RULES, SIZES, default_preset='fsdp_ep', default_size='small', file='moe.py')
+  return sparse_config('moe', arg, RULES, SIZES, default_size='small', model=dict(rope_theta=1e6, norm_eps=1e-5))
+
+
+def sparse_config(
+  name: str, arg: str | None, rules: dict, sizes: dict, *, default_size: str, model: dict | None = None
+):
+  """Family `name`'s config (the MoE families: this file, configs/qwen3_moe.py, deepseek_v3.py, gpt_oss.py) for
+  `arg`: the presets above (`rules`: a copy with the family's own logical names), bf16 and lm1b at real sizes (any
+  size but 'tiny'), the offline Markov language at tiny size."""
+  preset, size = common.parse_arg(
+    arg, rules, sizes, default_preset='fsdp_ep', default_size=default_size, file=f'{name}.py'
+  )
   c = common.base(preset, size)
   c.task = 'lm'
   c.mesh = common.mesh(MESHES[preset])
-  c.logical_axis_rules = RULES[preset]
+  c.logical_axis_rules = rules[preset]
   c.model = common.ConfigDict(
-    dict(
-      name='moe',
-      **SIZES[size],
-      rope_theta=1e6,
-      norm_eps=1e-5,
-      scan_layers=True,
-    )
+    {'name': name, **_MOE, **(model or {}), **sizes[size], 'scan_layers': True}
   )  # the speed and memory options (attention, remat, loss_chunks, ...): docs/model_options.md
-  if size == 'small':
+  if size != 'tiny':
     c.model.update(common.REAL_SIZE_MODEL)  # bf16 compute, unrolled layers
     c.model.remat = 'full'  # without it the ep train step's temporaries are about 9x larger (docs/performance.md)
     c.dataset = common.ConfigDict(dict(name='lm1b', eval_split='test', seq_len=1024, pack=True))  # byte tokenizer

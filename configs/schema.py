@@ -394,6 +394,21 @@ _DECODER = (
 )
 _CAUSAL = ('lm', 'dpo', 'grpo')  # the causal language models' tasks: next tokens, preference pairs, rewards
 _MOE = ('num_experts', 'top_k', 'capacity_factor', 'group_size', 'aux_loss_weight')
+# models/moe.py's declared routing and expert options (per checkpoint; what a family does differently is declared
+# in models/decoder.py FAMILIES)
+_ROUTING = (
+  'router_z_loss_weight',
+  'expert_mlp_dim',
+  'first_dense_layers',
+  'shared_experts',
+  'router_score',
+  'norm_topk',
+  'routed_scale',
+  'router_groups',
+  'router_group_topk',
+  'score_correction_bias',
+)
+_MLA = ('q_lora_rank', 'kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim', 'rope_interleave')
 # The dense decoder families (models/decoder.py FAMILIES): one block, declared options. max_len: their rotary
 # positions have no table (None: config.json's, or none).
 DECODERS = ('llama', 'qwen2', 'qwen3', 'mistral', 'gemma', 'gemma2', 'gemma3', 'phi3', 'olmo2')
@@ -401,7 +416,13 @@ FAMILIES = {
   # max_len: learned position tables need it; vocab_size: the LMs' may be left to the data (data.vocabulary)
   'gpt2': Family(_CAUSAL, ('max_len', *_SIZES), ('vocab_size', 'pad_vocab_to', *_LM)),
   **{name: Family(_CAUSAL, _SIZES, ('vocab_size', 'max_len', *_DECODER, *_LM)) for name in DECODERS},
-  'moe': Family(_CAUSAL, (*_SIZES, *_MOE), ('vocab_size', *_DECODER, 'router_z_loss_weight', *_LM)),
+  'moe': Family(_CAUSAL, (*_SIZES, *_MOE), ('vocab_size', *_DECODER, *_ROUTING, *_LM)),
+  # the sparse families on the MoE block (models/moe.py): Qwen3-MoE, DeepSeek-V3 (latent attention), GPT-OSS
+  'qwen3_moe': Family(_CAUSAL, (*_SIZES, *_MOE), ('vocab_size', 'max_len', *_DECODER, *_ROUTING, *_LM)),
+  'deepseek_v3': Family(
+    _CAUSAL, (*_SIZES, *_MOE, *_MLA[1:5]), ('vocab_size', 'max_len', *_DECODER, *_ROUTING, *_MLA, *_LM)
+  ),
+  'gpt_oss': Family(_CAUSAL, (*_SIZES, *_MOE), ('vocab_size', 'max_len', *_DECODER, *_ROUTING, 'swiglu_limit', *_LM)),
   'bert': Family(
     ('mlm', 'text_classification'),
     ('max_len', 'vocab_size', *_SIZES),
@@ -542,6 +563,23 @@ FIELDS: dict[str, Field] = {
   'model.group_size': _int(1),
   'model.aux_loss_weight': _float(0),
   'model.router_z_loss_weight': _float(0, 0.0),
+  'model.expert_mlp_dim': _int(1, None, optional=True),  # an expert's hidden width; None: mlp_dim
+  'model.first_dense_layers': _int(0, 0),  # the first layers have a dense MLP (of mlp_dim), not experts
+  'model.shared_experts': _int(0, 0),  # experts every token goes through, beside its routed ones
+  'model.router_score': Field(str, values=('softmax', 'sigmoid'), default='softmax'),
+  'model.norm_topk': Field(bool, default=True),  # the top-k weights renormalised to sum to 1
+  'model.routed_scale': _float(0, 1.0, lo_open=True),  # the routed experts' weights times this
+  'model.router_groups': _int(1, 1),  # experts in groups; a token picks among router_group_topk groups only
+  'model.router_group_topk': _int(1, 1),
+  'model.score_correction_bias': Field(bool, default=False),  # a per-expert bias added for choosing, not weighting
+  'model.swiglu_limit': _float(0, 7.0, lo_open=True),  # GPT-OSS's clamp of the expert gate and up projections
+  # multi-head latent attention (DeepSeek-V2/V3): q and kv through low-rank latents
+  'model.q_lora_rank': _int(1, None, optional=True),  # None: a full-rank q projection (V2-Lite)
+  'model.kv_lora_rank': _int(1),
+  'model.qk_nope_head_dim': _int(1),
+  'model.qk_rope_head_dim': _int(2),
+  'model.v_head_dim': _int(1),
+  'model.rope_interleave': Field(bool, default=True),  # the rotary dims in (x0, x1) pairs, as DeepSeek's weights
   'model.type_vocab_size': _int(1, 2),
   'model.head': Field(str, owner='models.bert', default='mlm'),
   'model.num_classes': _int(1),

@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import partitioning
 from errors import ConfigError
+from models import mla
 from models.layers import CACHE_AXES, Attention, Decoding
 
 MIN_PROMPT_BUCKET = 8
@@ -72,7 +73,12 @@ class CacheLayout:
   A global layer keeps every slot; a local one min(window, slots), a ring of its window's last tokens
   (models/layers.Attention._cached), so its memory does not grow with the decode. Scanned, the cache is laid out
   as the stack runs (layers.Stack.decode): one (keys, values) pair per place of the pattern, stacked over the
-  layers // period groups, then the pairs of the layers % period layers left over."""
+  layers // period groups, then the pairs of the layers % period layers left over.
+
+  Latent attention (models/mla.py) caches a pair of other widths: the latent (head_dim: kv_lora_rank) and the
+  rotary key (value_dim), one 'head' each, named `names`; `full_kv` (heads, key dim, value dim) is what full keys
+  and values would hold instead (the cache table compares). `first` layers (dense layers first, models/moe.py)
+  are a stack of their own, laid out the same way before the others (paths 'dense/...'), all global."""
 
   layers: int
   kv_heads: int
@@ -80,6 +86,10 @@ class CacheLayout:
   dtype: Any
   scanned: bool
   windows: tuple[int | None, ...] = (None,)
+  value_dim: int | None = None  # None: head_dim
+  names: tuple[str, str] = ('key', 'value')
+  first: int = 0
+  full_kv: tuple[int, int, int] | None = None
 
   @property
   def period(self) -> int:
@@ -93,21 +103,31 @@ class CacheLayout:
   def kind(self, place: int) -> str:
     return 'global' if self.windows[place] is None else f'local (window {self.windows[place]})'
 
-  def _entries(self, rows: int, slots: int) -> list[tuple[str, tuple[int, ...], tuple, int]]:
-    """(path, shape, logical axes, place) of every array, in the cache's order."""
-    one = lambda j: (rows, self.kv_heads, self.slots(j, slots), self.head_dim)
+  def _shapes(self, rows: int, slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The pair's shapes for a global layer."""
+    one = lambda dim: (rows, self.kv_heads, slots, dim)
+    return one(self.head_dim), one(self.head_dim if self.value_dim is None else self.value_dim)
+
+  def _stack(self, layers: int, period: int, rows: int, slots: int, prefix: str = ''):
+    """(path, shape, logical axes, place) of a stack's arrays, in its cache's order."""
+    pair = lambda j: zip(self.names, self._shapes(rows, self.slots(j, slots)))
     out = []
     if not self.scanned:
-      for i in range(self.layers):
-        out += [(f'{i}/{k}', one(i % self.period), CACHE_AXES, i % self.period) for k in ('key', 'value')]
+      for i in range(layers):
+        out += [(f'{prefix}{i}/{k}', shape, CACHE_AXES, i % period) for k, shape in pair(i % period)]
       return out
-    groups = self.layers // self.period
-    for j in range(self.period if groups else 0):
-      where = '' if self.period == 1 else f'{j}/'
-      out += [(f'{where}{k}', (groups, *one(j)), ('layers', *CACHE_AXES), j) for k in ('key', 'value')]
-    for j in range(self.layers % self.period):
-      out += [(f'rest/{j}/{k}', one(j), CACHE_AXES, j) for k in ('key', 'value')]
+    groups = layers // period
+    for j in range(period if groups else 0):
+      where = '' if period == 1 else f'{j}/'
+      out += [(f'{prefix}{where}{k}', (groups, *shape), ('layers', *CACHE_AXES), j) for k, shape in pair(j)]
+    for j in range(layers % period):
+      out += [(f'{prefix}rest/{j}/{k}', shape, CACHE_AXES, j) for k, shape in pair(j)]
     return out
+
+  def _entries(self, rows: int, slots: int) -> list[tuple[str, tuple[int, ...], tuple, int]]:
+    """(path, shape, logical axes, place) of every array, in the cache's order."""
+    dense = self._stack(self.first, 1, rows, slots, 'dense/') if self.first else []
+    return dense + self._stack(self.layers - self.first, self.period, rows, slots)
 
   def abstract(self, rows: int, slots: int) -> tuple[dict[str, jax.ShapeDtypeStruct], dict[str, tuple]]:
     """(shapes, logical axes) of the whole cache, by path, for the sharding table."""
@@ -126,13 +146,20 @@ class CacheLayout:
 
   def zeros(self, rows: int, slots: int) -> Any:
     """The empty cache, constrained to its logical axes (under partitioning.use_rules)."""
-    pair = lambda shape, names: tuple(partitioning.shard_logical(jnp.zeros(shape, self.dtype), names) for _ in range(2))
-    one = lambda j: (rows, self.kv_heads, self.slots(j, slots), self.head_dim)
-    if not self.scanned:
-      return [pair(one(i % self.period), CACHE_AXES) for i in range(self.layers)]
-    groups = self.layers // self.period
-    stacked = tuple(pair((groups, *one(j)), ('layers', *CACHE_AXES)) for j in range(self.period))
-    return stacked, tuple(pair(one(j), CACHE_AXES) for j in range(self.layers % self.period))
+    zero = lambda shape, names: partitioning.shard_logical(jnp.zeros(shape, self.dtype), names)
+
+    def stack(layers: int, period: int) -> Any:
+      pair = lambda j, lead=(): tuple(
+        zero((*lead, *shape), (*(('layers',) if lead else ()), *CACHE_AXES))
+        for shape in self._shapes(rows, self.slots(j, slots))
+      )
+      if not self.scanned:
+        return [pair(i % period) for i in range(layers)]
+      groups = layers // period
+      return tuple(pair(j, (groups,)) for j in range(period)), tuple(pair(j) for j in range(layers % period))
+
+    main = stack(self.layers - self.first, self.period)
+    return (stack(self.first, 1), main) if self.first else main
 
 
 def cache_layout(model: nnx.Module) -> CacheLayout:
@@ -143,10 +170,27 @@ def cache_layout(model: nnx.Module) -> CacheLayout:
       f'{type(model).__name__} is not a decoder language model: generation needs a causal LM (gpt2, llama, qwen3, '
       'gemma3, moe, ...)'
     )
-  attn = next(m for _, m in nnx.iter_graph(blocks) if isinstance(m, Attention))
+  attn = next(m for _, m in nnx.iter_graph(blocks) if isinstance(m, (Attention, mla.MLA)))
   first = blocks.layers if blocks.scan else blocks.layers[0]
   windows = tuple(w for w, _ in getattr(first, 'places', ((None, None),)))  # decoder blocks: models/decoder.py
-  return CacheLayout(blocks.num, attn.kv_heads, attn.head_dim, jnp.dtype(attn.dtype), blocks.scan, windows)
+  dense = getattr(model, 'dense_blocks', None)
+  lead = dict(first=dense.num) if dense is not None else {}
+  if isinstance(attn, mla.MLA):
+    H, R, N, P, V = attn.dims
+    return CacheLayout(
+      blocks.num + (dense.num if dense is not None else 0),
+      1,
+      R,
+      jnp.dtype(attn.dtype),
+      blocks.scan,
+      windows,
+      value_dim=P,
+      names=mla.CACHE_NAMES,
+      full_kv=(H, N + P, V),
+      **lead,
+    )
+  layers = blocks.num + (dense.num if dense is not None else 0)
+  return CacheLayout(layers, attn.kv_heads, attn.head_dim, jnp.dtype(attn.dtype), blocks.scan, windows, **lead)
 
 
 def _choose(logits_BV, key, step, temperature, top_p, *, greedy: bool, top_k: int, nucleus: bool) -> jax.Array:
@@ -239,6 +283,18 @@ class Generator:
       for k, s in shapes.items()
     }
     table = partitioning.sharding_table(shapes, names, specs, mesh_shape, what='KV cache')
+    if self.layout.full_kv is not None:  # latent attention: what full keys and values would take
+      H, K, V = self.layout.full_kv
+      ours = partitioning.tree_bytes_per_device(shapes, specs, mesh_shape)
+      per_token = lambda width: width * self.layout.dtype.itemsize * self.layout.layers
+      latent = per_token(self.layout.head_dim + (self.layout.value_dim or 0))
+      full = per_token(H * (K + V))
+      table += (
+        f'\nlatent cache: {latent:,} bytes per token ({self.layout.layers} layers x (latent {self.layout.head_dim} + '
+        f'rotary key {self.layout.value_dim})); full keys and values would take {full:,} bytes per token '
+        f'({H} heads x ({K} + {V})): {full / latent:.1f}x; this cache {partitioning.fmt_bytes(ours)} per device, '
+        f'full keys and values about {partitioning.fmt_bytes(ours * full // latent)}'
+      )
     kinds = self.layout.kinds(rows, slots)
     if len(kinds) == 1 and 'global' in kinds:
       return table

@@ -27,6 +27,7 @@ MODELS: dict[str, Callable[..., nnx.Module]] = {
   'gpt2': gpt2.GPT2,
   'bert': bert.Bert,
   'moe': moe.MoE,
+  **{name: moe.MoE for name in moe.SPARSE_HF},  # qwen3_moe, deepseek_v3, gpt_oss
   'mlp': simple.MLP,
   'cnn': simple.CNN,
   'resnet': resnet.ResNet,
@@ -43,6 +44,7 @@ HF_FAMILIES = {
   'vit': vit.HF,
   'resnet': resnet.HF,
   'moe': moe.HF,
+  **moe.SPARSE_HF,
 }
 
 

@@ -51,6 +51,7 @@ class Logits:
   scale: float | None = None
   softcap: float | None = None
   window: int | None = None
+  sinks: bool = False  # a learned per-head logit joins every row's softmax (GPT-OSS); its values come with attend
 
   def scale_for(self, head_dim: int) -> float:
     return head_dim**-0.5 if self.scale is None else self.scale
@@ -60,7 +61,11 @@ class Logits:
     return s if self.softcap is None else self.softcap * jnp.tanh(s / self.softcap)
 
   def describe(self) -> list[str]:
-    return ([f'window {self.window}'] if self.window else []) + ([f'softcap {self.softcap:g}'] if self.softcap else [])
+    return (
+      ([f'window {self.window}'] if self.window else [])
+      + ([f'softcap {self.softcap:g}'] if self.softcap else [])
+      + (['sinks'] if self.sinks else [])
+    )
 
 
 PLAIN = Logits()
@@ -212,6 +217,13 @@ def choose(
   )
   if impl == 'xla':
     _record(f'xla ({what}): config.model.attention=xla')
+    return 'xla', None
+  if logits.sinks:  # a sink is a logit column no kernel here takes: XLA, partitioned by GSPMD
+    if impl != 'auto':
+      raise ConfigError(
+        f"config.model.attention={impl} cannot run this attention ({what}): attention sinks run on 'xla' only"
+      )
+    _record(f'xla ({what}): attention sinks (no fused kernel here takes a sink logit)')
     return 'xla', None
   mesh = active_mesh()
   specs = _local_specs(q_BLHK, k_BLGK) if mesh is not None and mesh.size > 1 else None
@@ -409,12 +421,15 @@ def _causal_mask(q_pos_L: jax.Array, k_pos_S: jax.Array, window: int | None) -> 
   return seen if window is None else seen & (q_pos_L[:, None] - k_pos_S[None, :] < window)
 
 
-def _dense(q_BLHK, k_BSGK, v_BSGK, mask, is_causal: bool, logits: Logits, implementation: str = 'xla') -> jax.Array:
+def _dense(
+  q_BLHK, k_BSGK, v_BSGK, mask, is_causal: bool, logits: Logits, implementation: str = 'xla', sinks_H: Any = None
+) -> jax.Array:
   """Attention with the whole (L, S) score matrix: jax.nn.dot_product_attention ('xla' or 'cudnn', its softmax in
-  float32), or with a soft cap (which it has no argument for) the same steps written out: scores in float32,
-  scaled, capped, masked, softmax, then the values in the compute dtype."""
+  float32), or with a soft cap or sinks (which it has no argument for) the same steps written out: scores in
+  float32, scaled, capped, masked, softmax (with each head's sink logit as one more column, dropped after), then
+  the values in the compute dtype."""
   K = q_BLHK.shape[-1]
-  if logits.softcap is None:
+  if logits.softcap is None and sinks_H is None:
     return jax.nn.dot_product_attention(
       q_BLHK, k_BSGK, v_BSGK, mask=mask, is_causal=is_causal, scale=logits.scale, implementation=implementation
     )
@@ -428,8 +443,17 @@ def _dense(q_BLHK, k_BSGK, v_BSGK, mask, is_causal: bool, logits: Logits, implem
   s_BGRLS = logits.cap(s_BGRLS * logits.scale_for(K))
   if mask is not None:  # (B|1, 1, L, S): the same for every head
     s_BGRLS = jnp.where(mask[:, :, None], s_BGRLS, jnp.finfo(jnp.float32).min)
-  p_BGRLS = jax.nn.softmax(s_BGRLS, axis=-1).astype(q_BLHK.dtype)
+  p_BGRLS = softmax_with_sinks(s_BGRLS, None if sinks_H is None else sinks_H.reshape(G, H // G)).astype(q_BLHK.dtype)
   return jnp.einsum('bgrls,bsgk->blgrk', p_BGRLS, v_BSGK).reshape(B, L, H, K)
+
+
+def softmax_with_sinks(s_BGRLS: jax.Array, sinks_GR: jax.Array | None) -> jax.Array:
+  """softmax over the last axis (float32); with sinks, each head's sink logit joins the denominator as one more
+  column (not scaled, never masked) that takes its share of the mass and is then dropped, as GPT-OSS's."""
+  if sinks_GR is None:
+    return jax.nn.softmax(s_BGRLS, axis=-1)
+  sink = jnp.broadcast_to(sinks_GR.astype(jnp.float32)[None, :, :, None, None], (*s_BGRLS.shape[:-1], 1))
+  return jax.nn.softmax(jnp.concatenate([s_BGRLS, sink], axis=-1), axis=-1)[..., :-1]
 
 
 def _document_mask(seg_q_BL, seg_k_BS, valid_k_BS) -> jax.Array | None:
@@ -771,7 +795,9 @@ def _blockwise(
   )
 
 
-def _xla(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, logits: Logits = PLAIN) -> jax.Array:
+def _xla(
+  q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, logits: Logits = PLAIN, sinks_H: Any = None
+) -> jax.Array:
   """jax.nn.dot_product_attention (softmax in float32, grouped kv heads), written out with a soft cap (`_dense`);
   causality via is_causal, or with a sliding window or for rows in zigzag order (context_load_balance) from the
   tokens' natural positions (jax's own local window is aligned top-left: right here, but the mask says it)."""
@@ -782,7 +808,7 @@ def _xla(q_BLHK, k_BLGK, v_BLGK, segment_ids_BL, valid_BL, *, causal: bool, logi
     pos_L = jnp.asarray(zigzag_positions(L, zigzag)) if zigzag > 1 else jnp.arange(L)
     later = _causal_mask(pos_L, pos_L, logits.window)[None, None]
     mask, causal = later if mask is None else mask & later, False
-  return _dense(q_BLHK, k_BLGK, v_BLGK, mask, causal, logits)
+  return _dense(q_BLHK, k_BLGK, v_BLGK, mask, causal, logits, sinks_H=sinks_H)
 
 
 def length_multiple(impl: str, dtype: Any, head_dim: int) -> int:
@@ -807,6 +833,7 @@ def attend(
   valid_BL: jax.Array | None = None,
   kv_length: int | None = None,
   logits: Logits = PLAIN,
+  sinks_H: jax.Array | None = None,
 ) -> jax.Array:
   """softmax(q k^T / sqrt(K) [+ masks]) v for every head; grouped-query when G < H. Masks: causal, packed
   documents (attend within the same segment id), padding (valid_BL: 1 = real key), and `kv_length` (a Python
@@ -815,6 +842,7 @@ def attend(
   key lengths exactly. `logits`: another scale than 1 / sqrt(K), a soft cap, a sliding window (Logits)."""
   B, L = q_BLHK.shape[:2]
   masked = valid_BL is not None
+  logits = dataclasses.replace(logits, sinks=sinks_H is not None)  # `sinks_H`: each head's sink logit (H,)
   if kv_length is not None:
     if not 0 < kv_length <= L or k_BLGK.shape[1] != L:
       raise ValueError(f'kv_length={kv_length} for {L} queries and {k_BLGK.shape[1]} keys')
@@ -837,6 +865,7 @@ def attend(
     {'cudnn': _cudnn, 'pallas': _pallas, 'splash': _splash, 'xla': _xla, 'blockwise': _blockwise}[kind],
     causal=causal,
     logits=logits,
+    **({'sinks_H': sinks_H} if sinks_H is not None else {}),
   )
   # Named so FLOP counting (training/flops.py) can tell causal attention's matmuls from the rest.
   with jax.named_scope('causal_attention' if causal else 'attention'):

@@ -44,7 +44,7 @@ import ml_collections
 from flax import nnx
 
 from errors import ConfigError, HFExportError
-from models import attention
+from models import attention, mla
 from models import hf_import as hf
 from models.layers import (
   Attention,
@@ -79,6 +79,14 @@ class Options:
   norm_plus_one: bool = False  # RMSNorm scales x by (1 + w), w stored (Gemma)
   embed_scale: bool = False  # token embeddings times sqrt(embed_dim) (Gemma)
   activation: str = 'silu'  # the gated MLP's: SwiGLU 'silu' or GeGLU 'gelu_tanh' (Gemma)
+  # The sparse families (models/moe.py's block, models/mla.py):
+  attention: str = 'mha'  # 'mha' (grouped-query) or 'mla' (multi-head latent attention: DeepSeek-V2/V3)
+  out_bias: bool = False  # a bias on the attention's output projection too (GPT-OSS)
+  sinks: bool = False  # a learned per-head logit in every softmax's denominator (GPT-OSS)
+  router_bias: bool = False  # the router's linear layer has a bias (GPT-OSS)
+  expert_bias: bool = False  # the experts' projections have biases (GPT-OSS)
+  expert_activation: str = 'silu'  # 'silu' (SwiGLU) or 'clamped' (GPT-OSS: clamped gate and up, (up + 1) * glu)
+  fused_gate_up: bool = False  # the experts' gate and up stored as one (expert, embed, mlp, 2) tensor (GPT-OSS)
 
 
 FAMILIES = {  # config.model.name -> its block's options
@@ -92,6 +100,17 @@ FAMILIES = {  # config.model.name -> its block's options
   'phi3': Options(),
   'olmo2': Options(qk_norm='whole', norms='post'),
   'moe': Options(),  # Mixtral's attention half (models/moe.py swaps the MLP for its experts)
+  'qwen3_moe': Options(qk_norm='head'),
+  'deepseek_v3': Options(attention='mla'),
+  'gpt_oss': Options(
+    qkv_bias=True,
+    out_bias=True,
+    sinks=True,
+    router_bias=True,
+    expert_bias=True,
+    expert_activation='clamped',
+    fused_gate_up=True,
+  ),
 }
 
 
@@ -137,22 +156,26 @@ class Block(nnx.Module):
     if opts.norms in ('pre_post', 'post'):
       self.post_feedforward_layernorm = norm()
     scalar = cfg.query_pre_attn_scalar
-    self.self_attn = Attention(
-      D,
-      cfg.num_heads,
-      num_kv_heads=cfg.num_kv_heads,
-      head_dim=cfg.head_dim,
-      use_bias=opts.qkv_bias,
-      out_bias=False,
-      rope_theta=cfg.rope_theta,
-      rope_scaling=cfg.rope_scaling,
-      qk_norm=opts.qk_norm,
-      norm_eps=cfg.norm_eps,
-      norm_plus_one=opts.norm_plus_one,
-      logits=attention.Logits(scale=None if scalar is None else scalar**-0.5, softcap=cfg.attn_softcap),
-      impl=cfg.attention,
-      **kw,
-    )
+    if opts.attention == 'mla':
+      self.self_attn = mla.MLA(cfg, **kw)
+    else:
+      self.self_attn = Attention(
+        D,
+        cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        use_bias=opts.qkv_bias,
+        out_bias=opts.out_bias,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
+        qk_norm=opts.qk_norm,
+        norm_eps=cfg.norm_eps,
+        norm_plus_one=opts.norm_plus_one,
+        logits=attention.Logits(scale=None if scalar is None else scalar**-0.5, softcap=cfg.attn_softcap),
+        sinks=opts.sinks,
+        impl=cfg.attention,
+        **kw,
+      )
     self.init_mlp(cfg, opts, rngs)
     # Each place of the layer pattern: its window and rotary (theta, scaling); local layers take local_rope_theta
     # without scaling where it is set (Gemma 3's linear scaling stretches its global layers only).
@@ -225,10 +248,7 @@ class Decoder(nnx.Module):
     kw = dtypes(cfg)
     D, V = cfg.embed_dim, cfg.vocab_size
     self.embed_tokens = Embed(V, D, pad_to=cfg.pad_vocab_to, logits_dtype=logits_dtype(cfg), **kw, rngs=rngs)
-    period = len(pattern(cfg))
-    self.blocks = Stack(
-      lambda r: self.block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg), period=period, rngs=rngs
-    )
+    self.make_stacks(cfg, rngs)
     self.norm = RMSNorm(D, eps=cfg.norm_eps, plus_one=opts.norm_plus_one, **kw, rngs=rngs)
     self.tied = cfg.tie_embeddings
     if not self.tied:
@@ -240,6 +260,13 @@ class Decoder(nnx.Module):
     self.final_softcap, self.vocab_size, self.num_layers = cfg.final_softcap, V, cfg.num_layers
     self.dtype = kw['dtype']
     self.loss_chunks = loss_chunks(cfg)
+
+  def make_stacks(self, cfg: ml_collections.ConfigDict, rngs: nnx.Rngs) -> None:
+    """The blocks (models/moe.py adds a stack of dense layers before its experts' where a checkpoint has them)."""
+    period = len(pattern(cfg))
+    self.blocks = Stack(
+      lambda r: self.block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg), period=period, rngs=rngs
+    )
 
   def __call__(
     self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
@@ -439,7 +466,7 @@ def _rope_fields(c: dict, layout: Checkpoint) -> dict:
   return dict(rope_theta=theta, rope_scaling=scaling, local_rope_theta=local)
 
 
-def _windows(c: dict, layout: Checkpoint) -> dict:
+def hf_windows(c: dict, layout: Checkpoint) -> dict:
   """sliding_window and layer_pattern from config.json (its layer_types where it has them)."""
   N = c['num_hidden_layers']
   W = c.get('sliding_window')
@@ -518,7 +545,7 @@ def hf_config(name: str, c: dict) -> dict:
     tie_embeddings=bool(c.get('tie_word_embeddings', False)),
     max_len=c.get('max_position_embeddings', 2048),
     **_rope_fields(c, layout),
-    **_windows(c, layout),
+    **hf_windows(c, layout),
   )
   if 'query_pre_attn_scalar' in layout.carries:
     out.update(

@@ -121,7 +121,7 @@ def plan(family: hf.Family, model_cfg: Any, zoo_shapes: Mapping[str, tuple[int, 
   pieces: dict[str, list[Piece]] = {}
   slices: dict[str, list[tuple[int, hf.Slice, tuple[int, ...]]]] = {}  # fused key -> its parts
   exported_by: dict[str, int] = {}  # zoo path -> the row that exports it
-  for r, row in enumerate(family.params):
+  for r, row in enumerate(family.rows(model_cfg)):
     ops = tuple(row.ops_for(model_cfg))
     targets = []  # (zoo path, index into the zoo tensor's leading axes, HF key indices)
     for zoo, fixed, stack in hf.row_targets(row, zoo_shapes):

@@ -248,7 +248,8 @@ class Family:
 
   model_types: tuple[str, ...]  # config.json "model_type" values this family imports
   config: Callable[[dict], dict]  # config.json -> zoo model config fields
-  params: Sequence[Param]
+  # The rows; a function of config.model where they depend on it (a stack starting at another layer).
+  params: Sequence[Param] | Callable[[Any], Sequence[Param]]
   prefixes: tuple[str, ...] = ('',)  # tried in order in front of every HF key (e.g. 'transformer.')
   ignore: tuple[str, ...] = ()  # regexes of HF keys that are not parameters (buffers, unused heads)
   to_config: Callable[[Any], dict] | None = None  # config.model -> config.json (the inverse of `config`)
@@ -273,6 +274,10 @@ class Family:
   # Export only: the config.json a run started from as this family's own (Gemma 3's vision-language checkpoints
   # hold the language model's in text_config; the export writes the language model alone).
   own_config: Callable[[dict], dict] | None = None
+
+  def rows(self, model_cfg: Any) -> Sequence[Param]:
+    """The table for this config.model."""
+    return self.params(model_cfg) if callable(self.params) else self.params
 
 
 # --- Reading a directory ----------------------------------------------------------------------
@@ -429,7 +434,7 @@ def import_weights(
   out: dict[bool, dict[str, jax.Array]] = {False: {}, True: {}}
   used: set[str] = set()
   dropped: set[str] = set()  # the HF keys of zoo leaves not loaded (dont_load)
-  for row in family.params:
+  for row in family.rows(model_cfg):
     ops = row.ops_for(model_cfg)
     for zoo, fixed, stack in row_targets(row, flat[row.state]):
       if zoo not in flat[row.state]:

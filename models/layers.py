@@ -624,6 +624,7 @@ class Attention(nnx.Module):
     norm_eps: float = 1e-6,
     norm_plus_one: bool = False,
     logits: attention.Logits = attention.PLAIN,
+    sinks: bool = False,
     out_init_scale: float = 1.0,
     kernel_init: Initializer = NORMAL_002,
     impl: str = 'auto',
@@ -663,6 +664,8 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(num_kv_heads * K, shape=(num_kv_heads, K), names=('kv_heads', 'kv'), **norm)
     elif qk_norm:
       raise ConfigError(f"qk_norm={qk_norm!r}: 'head', 'whole' or ''")
+    if sinks:  # GPT-OSS: one learned logit per head in every softmax's denominator
+      self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype), **axes('heads'))
     self.qk_norm, self.logits = qk_norm, logits
     self.rope_theta = rope_theta
     self.rope_scaling = rope_scaling_params(rope_scaling)  # hashable (static): None or (key, value) pairs
@@ -699,8 +702,9 @@ class Attention(nnx.Module):
       q_BLHK = rope(q_BLHK, positions_BL, theta, scaling)
       k_BLGK = rope(k_BLGK, positions_BL, theta, scaling)
     logits = dataclasses.replace(self.logits, window=window)
+    sinks_H = self.sinks[...] if hasattr(self, 'sinks') else None
     if cache is not None:
-      o_BLHK, cache = self._cached(q_BLHK, k_BLGK, v_BLGK, cache, decoding, logits)
+      o_BLHK, cache = self._cached(q_BLHK, k_BLGK, v_BLGK, cache, decoding, logits, sinks_H)
       return self.out(shard_logical(o_BLHK, ('batch', 'length', 'heads', 'kv'))), cache
     o_BLHK = attention.attend(
       q_BLHK,
@@ -712,11 +716,12 @@ class Attention(nnx.Module):
       valid_BL=valid_BL,
       kv_length=kv_length,
       logits=logits,
+      sinks_H=sinks_H,
     )
     o_BLHK = shard_logical(o_BLHK, ('batch', 'length', 'heads', 'kv'))
     return self.out(o_BLHK)
 
-  def _cached(self, q_BTHK, k_BTGK, v_BTGK, cache, d: Decoding, logits: attention.Logits):
+  def _cached(self, q_BTHK, k_BTGK, v_BTGK, cache, d: Decoding, logits: attention.Logits, sinks_H: Any = None):
     """Attention of T new queries with the KV cache. Every row writes the same slots (prompts are left-padded),
     so the write is one dynamic_update_slice on the unsharded slot axis, not a per-row scatter (which SPMD
     partitions poorly; T5X's decoder writes per-row slots with a one-hot sum instead).
@@ -753,7 +758,7 @@ class Attention(nnx.Module):
     k_BGCK, v_BGCK = (shard_logical(c, CACHE_AXES) for c in (k_BGCK, v_BGCK))
     if d.prefill:  # the prompt alone, causal with its pads masked: attend's kernel choice, no S-long keys
       o_BTHK = attention.attend(
-        q_BTHK, k_BTGK, v_BTGK, causal=True, impl=self.impl, valid_BL=d.valid_BS[:, :T], logits=logits
+        q_BTHK, k_BTGK, v_BTGK, causal=True, impl=self.impl, valid_BL=d.valid_BS[:, :T], logits=logits, sinks_H=sinks_H
       )
       return o_BTHK, (k_BGCK, v_BGCK)
     # A query sees the real slots up to its own (within its window); softmax in float32 (as
@@ -776,7 +781,8 @@ class Attention(nnx.Module):
       )
       s_BGRTC = logits.cap(s_BGRTC * logits.scale_for(K))
       s_BGRTC = jnp.where(mask_BTC[:, None, None], s_BGRTC, jnp.finfo(jnp.float32).min)
-      p_BGRTC = jax.nn.softmax(s_BGRTC, axis=-1).astype(q_BTHK.dtype)
+      sinks_GR = None if sinks_H is None else sinks_H.reshape(G, H // G)
+      p_BGRTC = attention.softmax_with_sinks(s_BGRTC, sinks_GR).astype(q_BTHK.dtype)
       o_BTGRK = jnp.einsum('bgrtc,bgck->btgrk', p_BGRTC, v_BGCK.astype(q_BTHK.dtype))
     return o_BTGRK.reshape(B, T, H, K), (k_BGCK, v_BGCK)
 

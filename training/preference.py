@@ -90,7 +90,7 @@ def rows(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
 
 def row_logps(model: Any, rows_: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
   """(summed answer log-probs, answer tokens, summed answer logits (mean over the vocabulary), aux) per row."""
-  logits, aux = tasks._split_output(model(rows_['inputs']))
+  logits, aux = tasks.split_output(model(rows_['inputs']))
   logits = logits.astype(jnp.float32)
   mask = rows_['mask']
   logp = -xent.softmax_xent(logits, rows_['targets'])
@@ -107,7 +107,7 @@ class Preference(tasks.Task):
   progress = ('rewards/margins',)
 
   def example_shapes(self, config: Any) -> tasks.FieldSpec:
-    L = tasks._check_length(config)
+    L = tasks.check_length(config)
     return {
       k: ((), jnp.float32) if k == 'mask' else ((L,), jnp.float32 if k.endswith('mask') else jnp.int32)
       for k in self.fields(config)
@@ -151,7 +151,7 @@ class Preference(tasks.Task):
       loss_sum = loss_sum + pairs * nll
       logged |= {'nll_loss': nll, 'log_odds_ratio': mean(jax.nn.log_sigmoid(log_odds_ratio(chosen, rejected)))}
     correct = ((cr > rr).astype(jnp.float32) * w).sum()
-    return tasks._metrics(loss_sum, correct, pairs, {**aux, **logged})
+    return tasks.sums_of(loss_sum, correct, pairs, {**aux, **logged})
 
   @staticmethod
   def reference_logps(model: Any, both: dict[str, jax.Array], task_state: Any) -> jax.Array:

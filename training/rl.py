@@ -67,7 +67,7 @@ def token_losses(
 
 def token_logps(model: Any, inputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
   """(log-prob of each target, whether it is the argmax, aux) under `model`."""
-  logits, aux = tasks._split_output(model(inputs))
+  logits, aux = tasks.split_output(model(inputs))
   loss, hits, _ = xent.loss_and_hits(logits.astype(jnp.float32), targets, None)
   return -loss, hits, aux
 
@@ -87,7 +87,7 @@ class GroupRelative(tasks.Task):
   progress = ('reward', 'kl', 'clip_ratio/region_mean')
 
   def example_shapes(self, config: Any) -> tasks.FieldSpec:
-    L = tasks._check_length(config)
+    L = tasks.check_length(config)
     ints = ('inputs', 'targets')
     return {k: ((), jnp.float32) if k == 'advantages' else ((L,), jnp.int32 if k in ints else jnp.float32)
             for k in self.batch_axes}  # fmt: skip
@@ -132,11 +132,11 @@ class GroupRelative(tasks.Task):
       'clip_ratio/region_mean': token_mean(low + high),
     }
     if c.loss_aggregation == 'dapo':  # every completion token of the batch weighs the same
-      return tasks._metrics((loss * mask).sum(), (hits * mask).sum(), mask.sum(), {**aux, **logged})
+      return tasks.sums_of((loss * mask).sum(), (hits * mask).sum(), mask.sum(), {**aux, **logged})
     n = mask.sum(-1)  # 'grpo': each completion's token mean, then the mean over completions
     rows = (n > 0).astype(jnp.float32)
     per_row = lambda x: ((x * mask).sum(-1) / jnp.maximum(n, 1.0) * rows).sum()
-    return tasks._metrics(per_row(loss), per_row(hits), rows.sum(), {**aux, **logged})
+    return tasks.sums_of(per_row(loss), per_row(hits), rows.sum(), {**aux, **logged})
 
 
 def check_group(config: Any) -> None:

@@ -32,7 +32,7 @@ Metrics = dict[str, jax.Array]
 FieldSpec = dict[str, tuple[tuple[int, ...], Any]]
 
 
-def _split_output(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+def split_output(out: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
   return out if isinstance(out, tuple) else (out, {})
 
 
@@ -147,14 +147,15 @@ class Task:
 
 
 def _sums(loss: jax.Array, correct: jax.Array, weight: jax.Array, aux: dict[str, jax.Array]) -> Metrics:
-  return _metrics((loss * weight).sum(), (correct * weight).sum(), weight.sum(), aux)
+  return sums_of((loss * weight).sum(), (correct * weight).sum(), weight.sum(), aux)
 
 
-def _metrics(loss_sum: jax.Array, correct_sum: jax.Array, weight: jax.Array, aux: dict[str, jax.Array]) -> Metrics:
+def sums_of(loss_sum: jax.Array, correct_sum: jax.Array, weight: jax.Array, aux: dict[str, jax.Array]) -> Metrics:
+  """A task's metric sums in the form the train and eval loops add up (every task returns this from metric_sums)."""
   return {'loss_sum': loss_sum, 'correct_sum': correct_sum, 'weight': weight, **{f'aux/{k}': v for k, v in aux.items()}}
 
 
-def _check_length(config: Any) -> int:
+def check_length(config: Any) -> int:
   L = config.dataset.seq_len
   max_len = config.model.get('max_len')
   if max_len is not None and L > max_len:
@@ -177,7 +178,7 @@ class LanguageModeling(Task):
     return {**self.batch_axes, **(self.packed_axes if config.dataset.pack else {})}
 
   def example_shapes(self, config: Any) -> FieldSpec:
-    L = _check_length(config)
+    L = check_length(config)
     chunks = config.model.loss_chunks
     if chunks > 1:
       xent.check_loss_chunks(chunks, L)
@@ -185,7 +186,7 @@ class LanguageModeling(Task):
 
   @staticmethod
   def forward(model: Any, batch: dict[str, jax.Array]):
-    return _split_output(model(batch['inputs'], **LanguageModeling._packed(batch)))
+    return split_output(model(batch['inputs'], **LanguageModeling._packed(batch)))
 
   @staticmethod
   def _packed(batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -208,10 +209,10 @@ class LanguageModeling(Task):
     chunks = getattr(model, 'loss_chunks', 0)
     if chunks <= 1:
       return super().metric_sums(model, batch)
-    x_BLD, aux = _split_output(model.hidden_states(batch['inputs'], **self._packed(batch)))
+    x_BLD, aux = split_output(model.hidden_states(batch['inputs'], **self._packed(batch)))
     weight = batch['mask'].sum()
     loss_sum, correct_sum = xent.chunked_softmax_xent(model, x_BLD, batch['targets'], batch['mask'], weight, chunks)
-    return _metrics(loss_sum, correct_sum, weight, aux)
+    return sums_of(loss_sum, correct_sum, weight, aux)
 
   @staticmethod
   def per_example(logits, batch):
@@ -240,7 +241,7 @@ class Classification(Task):
 
   @staticmethod
   def forward(model: Any, batch: dict[str, jax.Array]):
-    return _split_output(model(batch['image']))
+    return split_output(model(batch['image']))
 
   @staticmethod
   def per_example(logits, batch):
@@ -261,12 +262,12 @@ class MaskedLanguageModeling(Task):
   unit_field = 'inputs'
 
   def example_shapes(self, config: Any) -> FieldSpec:
-    L = _check_length(config)
+    L = check_length(config)
     return {k: ((L,), jnp.float32 if k == 'mask' else jnp.int32) for k in self.batch_axes}
 
   @staticmethod
   def forward(model: Any, batch: dict[str, jax.Array]):
-    return _split_output(model(batch['inputs'], valid_BL=batch['input_mask'], token_types_BL=batch['token_types']))
+    return split_output(model(batch['inputs'], valid_BL=batch['input_mask'], token_types_BL=batch['token_types']))
 
   @staticmethod
   def per_example(logits, batch):
@@ -287,7 +288,7 @@ class TextClassification(MaskedLanguageModeling):
   unit_field = 'mask'
 
   def example_shapes(self, config: Any) -> FieldSpec:
-    L = _check_length(config)
+    L = check_length(config)
     return {
       k: (() if k in ('label', 'mask') else (L,), jnp.float32 if k == 'mask' else jnp.int32) for k in self.batch_axes
     }
