@@ -10,12 +10,14 @@ directory's, or --tokenizer. lm-eval's model adapter is generation/lm_eval_model
 loglikelihood_rolling, generate_until, scored and encoded as lm-eval's Hugging Face backend does, texts beginning
 as training begins them).
 Tasks need their data where lm-eval finds it (the Hugging Face cache, or local files named by a task YAML under
---include_path). Prints lm-eval's results table; --out writes its results as JSON.
+--include_path). Prints lm-eval's results table; --out writes its results as JSON (a new file or an
+earlier --out; --overwrite for another). Flags, task names and --out are checked before the model loads.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from absl import app, flags
@@ -23,6 +25,7 @@ from ml_collections import config_flags
 
 import errors
 import generation
+import guards
 from configs import cli
 
 FLAGS = flags.FLAGS
@@ -36,7 +39,8 @@ flags.DEFINE_integer('num_fewshot', None, 'Few-shot examples per prompt (default
 flags.DEFINE_integer('limit', None, 'At most this many examples per task.')
 flags.DEFINE_integer('batch_size', 8, 'Rows per scoring or generation call.')
 flags.DEFINE_string('tokenizer', None, "'byte' or a local Hugging Face tokenizer directory (default: the run's).")
-flags.DEFINE_string('out', None, 'Write the results as JSON here.')
+flags.DEFINE_string('out', None, 'Write the results as JSON here (a new file, or an earlier --out of evaluate_lm.py).')
+flags.DEFINE_bool('overwrite', False, 'Let --out replace a file that is not an earlier --out (never a run file).')
 
 
 def main(argv) -> None:
@@ -44,11 +48,18 @@ def main(argv) -> None:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   if bool(FLAGS.workdir) == bool(FLAGS.init_from) or not FLAGS.tasks:
     raise SystemExit('shardzoo: usage error: give --workdir RUN or --init_from HF_DIR (one of them), and --tasks')
-  import lm_eval  # noqa: PLC0415 (heavy: only here)
+  with errors.one_line():  # flags and files first: nothing is indexed or loaded for a command that is refused
+    if FLAGS.out:
+      guards.output_file(
+        FLAGS.out, '--out', what='evaluate_lm.py --out (JSON results)', previous=is_results,
+        overwrite=FLAGS.overwrite, inputs=[('--init_from', FLAGS.init_from), ('--tokenizer', FLAGS.tokenizer)],
+      )  # fmt: skip
+    import lm_eval  # noqa: PLC0415 (heavy: only here)
 
-  from generation import lm_eval_model  # noqa: PLC0415 (imports lm_eval)
+    from generation import lm_eval_model  # noqa: PLC0415 (imports lm_eval)
 
-  with errors.one_line():
+    lm_eval_model.check_flags(FLAGS.limit, FLAGS.num_fewshot, FLAGS.batch_size, FLAGS.include_path)
+    tasks = lm_eval_model.task_manager(FLAGS.tasks, FLAGS.include_path)  # names resolved before the model loads
     gen, tok = generation.from_flags(
       FLAGS.config, FLAGS.workdir, FLAGS.step, FLAGS.init_from, FLAGS.tokenizer, cli.overridden(sys.argv)
     )
@@ -57,12 +68,24 @@ def main(argv) -> None:
       tasks=FLAGS.tasks,
       num_fewshot=FLAGS.num_fewshot,
       limit=FLAGS.limit,
-      task_manager=lm_eval_model.task_manager(FLAGS.tasks, FLAGS.include_path),
+      task_manager=tasks,
     )
   print(lm_eval.utils.make_table(results))
   if FLAGS.out:
-    with open(FLAGS.out, 'w') as f:
-      json.dump({k: results[k] for k in ('results', 'configs', 'versions') if k in results}, f, indent=2, default=str)
+    kept = {k: results[k] for k in ('results', 'configs', 'versions') if k in results}
+    guards.write_text(FLAGS.out, json.dumps(kept, indent=2, default=str))
+
+
+def is_results(path: str) -> bool:
+  """An earlier --out of evaluate_lm.py (a JSON object with lm-eval's 'results'), or an empty file."""
+  if os.path.getsize(path) == 0:
+    return True
+  try:
+    with open(path, encoding='utf-8') as f:
+      got = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    return False
+  return isinstance(got, dict) and 'results' in got
 
 
 if __name__ == '__main__':

@@ -13,13 +13,16 @@ the ids training gave the same text (data/tokens.py): --prompt as a prompt/compl
 JSON object per line, {"prompt": ...} or {"messages": [...]}. The tokenizer is the run's (config.dataset.tokenizer,
 or a Markov language's letters), the Hugging Face directory's, or --tokenizer. --out writes one JSON object per
 prompt: {"prompt", "prompt_ids", "ids" (generated only), "text"}. Greedy by default (temperature 0), as
-transformers. The mesh is the config's, fitted to the devices there are; the KV cache's sharding table is printed.
+transformers. --out must be new or an earlier --out (--overwrite for another file; never an input or a run's
+file), checked before any work. The mesh is the config's, fitted to the devices there are; the KV cache's
+sharding table is printed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -28,6 +31,7 @@ from ml_collections import config_flags
 
 import errors
 import generation
+import guards
 from configs import cli
 
 FLAGS = flags.FLAGS
@@ -48,7 +52,10 @@ flags.DEFINE_float('temperature', 0.0, 'Sampling temperature; 0 (the default) is
 flags.DEFINE_integer('top_k', 0, 'Sample among the k most probable tokens (0: all).')
 flags.DEFINE_float('top_p', 1.0, 'Sample among the most probable tokens whose probability reaches p (1: all).')
 flags.DEFINE_integer('seed', 0, 'Sampling seed.')
-flags.DEFINE_string('out', None, 'Write the results here as JSONL.')
+flags.DEFINE_string('out', None, 'Write the results here as JSONL (a new file, or an earlier --out of generate.py).')
+flags.DEFINE_bool(
+  'overwrite', False, 'Let --out replace a file that is not an earlier --out (never an input or a run file).'
+)
 flags.DEFINE_string('tokenizer', None, "'byte' or a local Hugging Face tokenizer directory (default: the run's).")
 
 
@@ -58,6 +65,12 @@ def main(argv) -> None:
   if bool(FLAGS.workdir) == bool(FLAGS.init_from):
     raise SystemExit('shardzoo: usage error: give --workdir RUN or --init_from HF_DIR (one of them)')
   with errors.one_line():
+    if FLAGS.out:  # before any work: a refused --out costs nothing, and no file of the user's is replaced
+      guards.output_file(
+        FLAGS.out, '--out', what='generate.py --out (JSON Lines of results)', previous=is_results,
+        overwrite=FLAGS.overwrite,
+        inputs=[('--prompts', FLAGS.prompts), ('--init_from', FLAGS.init_from), ('--tokenizer', FLAGS.tokenizer)],
+      )  # fmt: skip
     sampling = generation.Sampling(
       FLAGS.max_new_tokens or DEFAULT_NEW_TOKENS, FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed
     )
@@ -84,9 +97,16 @@ def main(argv) -> None:
       print(f'--- {shown!r}\n{r["text"]}')
     print(f'{sum(len(g.ids) for g in out)} tokens in {took:.2f}s (with compilation)')
     if FLAGS.out:
-      with open(FLAGS.out, 'w') as f:
-        for r in results:
-          f.write(json.dumps(r) + '\n')
+      guards.write_text(FLAGS.out, ''.join(json.dumps(r) + '\n' for r in results))
+
+
+RESULT_KEYS = {'prompt', 'prompt_ids', 'ids', 'text'}
+
+
+def is_results(path: str) -> bool:
+  """An earlier --out of generate.py (its first line a result), or an empty file."""
+  first = guards.first_json_line(path)
+  return os.path.getsize(path) == 0 or (isinstance(first, dict) and RESULT_KEYS <= set(first))
 
 
 if __name__ == '__main__':

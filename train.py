@@ -24,6 +24,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import errors
+import guards
 from configs import cli, schema  # sets TensorFlow's C++ logging before anything imports it
 
 # JAX, TensorFlow, clu and grain are imported once the config is checked (in `run` and `main`): a misspelled
@@ -84,12 +85,14 @@ def run(
     ds = None if dry_run else steps.open_data(config)  # files, keys, tokenizer: checked before the model is built
     built = steps.build(config, mesh)
     trainer = built.trainer
-    steps.show_shardings(trainer, workdir, full=dry_run or sharding_table == 'full')
+    table = steps.show_shardings(trainer, workdir, full=dry_run or sharding_table == 'full')
     if dry_run:
+      steps.write_table(table, workdir, dry_run=True)
       return {'num_params': training.num_params(trainer)}
     inp = steps.make_input(config, trainer, ds, cleanup)
     ckpt = steps.checkpoints(config, trainer, workdir, cleanup)
     start = steps.choose_start(config, trainer, ckpt, inp.train_iter)
+    steps.write_table(table, workdir)  # once the run is known to start: a refused rerun leaves the run's table
     if start.done:
       steps.next_steps(config, inp, workdir)
       return {'state': start.state, 'nonfinite_skipped': []}
@@ -123,6 +126,8 @@ def main(argv) -> None:
     raise errors.usage('--workdir is required: metrics and checkpoints are written there')
   with errors.one_line():  # bad input, disk trouble, divergence: one line, no traceback
     schema.check(config, owned=False)  # before the heavy imports and before JAX starts
+    if FLAGS.workdir:
+      guards.workdir(FLAGS.workdir)  # a directory, not another run's checkpoints/
     if not FLAGS.peer_timeout >= 5:  # beats come every peer_timeout / 5 s; a peer busy compiling is not dead
       raise errors.ConfigError(f'--peer_timeout={FLAGS.peer_timeout}: must be at least 5 seconds')
     import data  # noqa: F401  (it, models and training register the choices of the fields they own)

@@ -91,6 +91,11 @@ def parse_flags(argv: list[str], flag_values: flags.FlagValues | None = None) ->
   try:
     with _file_errors(argv, flag_values):
       overrides = _overrides(argv, flag_values)
+      if overrides and not _config_flag(argv, flag_values)[1]:
+        raise _BadOverride(
+          f'{overrides[0]}: --{overrides[0].flag}.* flags override a --{overrides[0].flag} file, and none is given: '
+          f"add --{overrides[0].flag} FILE (the run's config file; a run's run_config.json is read as it is)"
+        )
       if overrides:
         _check_overrides(overrides, _loaded(argv, flag_values))
       rest = flag_values(argv)

@@ -807,6 +807,16 @@ def keep_written_order(config: ml_collections.ConfigDict) -> None:
       config[name] = ml_collections.ConfigDict(_written(config[name]), sort_keys=False)
 
 
+def _pipelined(config: ml_collections.ConfigDict) -> bool | None:
+  """Whether a rule maps 'layers' to the 'stage' mesh axis (the first 'layers' rule, as partitioning reads it);
+  None where the rules are not a list of pairs (their own check names them)."""
+  try:
+    axes = next((r[1] for r in config.logical_axis_rules if r[0] == 'layers'), None)
+  except (TypeError, IndexError):
+    return None
+  return 'stage' in (axes if isinstance(axes, (tuple, list)) else (axes,))
+
+
 def warnings(config: ml_collections.ConfigDict) -> list[str]:
   """Settings that are valid but would not do what they say (train.py prints each as a warning line)."""
   out = []
@@ -815,6 +825,16 @@ def warnings(config: ml_collections.ConfigDict) -> list[str]:
     out.append(
       f'config.optim.warmup_steps={warmup} with config.total_steps={total}: the warmup is cut to '
       f'{max(total - 1, 0)} steps (the learning rate peaks at the last step)'
+    )
+  if config.accum_gather_once and config.grad_accum_steps == 1:
+    out.append(
+      'config.accum_gather_once=True has no effect with config.grad_accum_steps=1: it gathers the weights once for '
+      'all micro-batches of a step, and there is one'
+    )
+  if _pipelined(config) is False and (config.pipeline.microbatches > 1 or config.pipeline.repeats > 1):
+    out.append(
+      f'config.pipeline.microbatches={config.pipeline.microbatches}, repeats={config.pipeline.repeats} have no '
+      "effect: no rule maps 'layers' to the 'stage' mesh axis, so nothing is pipelined (docs/pipelines.md)"
     )
   if config.dont_load and not config.init_from:
     out.append(

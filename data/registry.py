@@ -25,7 +25,7 @@ from typing import Any
 import ml_collections
 
 from configs import schema
-from data import files, pipeline, preference, text, tfds_source, tokens, vision
+from data import files, pipeline, preference, row_checks, text, tfds_source, tokens, vision
 from data.dataset import Dataset
 from data.markov import MarkovLanguage, MarkovText
 from data.text import lm_example
@@ -290,12 +290,15 @@ def _files(cfg, task: str) -> Dataset:
       f'config.dataset.name={name!r} needs config.dataset.eval_files: a glob of held-out files'
       + (' (a split of config.dataset.path)' if name == 'hf' else '')
     )
-  skipped = {}
+  skipped, sources = {}, {}
 
   def rows(spec: str, what: str) -> files.Rows:
     r = files.open_rows(cfg, spec, what, keys)
+    if prompt or messages:
+      row_checks.check_types(r, [prompt, completion] if prompt else [], messages)
     if messages:
       r, skipped[what] = files.with_assistant(r, messages, cfg.no_assistant)
+    sources[what] = r
     return r
 
   if mixture:
@@ -315,6 +318,10 @@ def _files(cfg, task: str) -> Dataset:
   tok = tokens.tokenizer(cfg.tokenizer, schema.derived_from(cfg, 'tokenizer'))
   if tok.eos_id is None:
     raise ConfigError(f'tokenizer {tok.name!r} has no end-of-text token: LM documents need one')
+  if messages:
+    tokens.check_chat_template(tok, f'config.dataset.messages_key={messages!r}')
+  for what, r in sources.items():  # answers that seq_len cuts away entirely: counted before training starts
+    row_checks.check_sft(r, what, tok, L, prompt, completion, messages)
   cut = text.Truncations(L + 1)
   doc = text.ChatDocument(tok, messages, cut) if messages else text.PromptCompletion(tok, prompt, completion, cut)
   pack = cfg.pack

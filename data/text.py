@@ -13,7 +13,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from data import tokens
+from data import row_checks, tokens
 
 
 def _framed(tok, ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
@@ -87,7 +87,8 @@ class PromptCompletion(grain.transforms.Map):
     self.tok, self.keys, self.truncations = tok, (prompt_key, completion_key), truncations
 
   def map(self, example: Any) -> dict[str, np.ndarray]:
-    ids, loss = tokens.prompt_completion(self.tok, example[self.keys[0]], example[self.keys[1]])
+    with row_checks.row_named(example):  # a loader thread's error names its row
+      ids, loss = tokens.prompt_completion(self.tok, example[self.keys[0]], example[self.keys[1]])
     return _document(ids, loss, self.truncations, example)
 
 
@@ -100,7 +101,8 @@ class ChatDocument(grain.transforms.Map):
     self.tok, self.key, self.truncations = tok, key, truncations
 
   def map(self, example: Any) -> dict[str, np.ndarray]:
-    ids, loss = tokens.chat(self.tok, example[self.key], example.get('_where', 'a chat'))
+    with row_checks.row_named(example):
+      ids, loss = tokens.chat(self.tok, example[self.key], example.get('_where', 'a chat'))
     return _document(ids, loss, self.truncations, example)
 
 

@@ -266,7 +266,7 @@ class Generator:
         raise ConfigError(
           f'prompt {i} has {len(p)} tokens: with max_new_tokens={sampling.max_new_tokens} that is '
           f"{len(p) + sampling.max_new_tokens}, over the model's {self.max_len} positions (config.model.max_len); "
-          f'shorten it to {self.max_len - sampling.max_new_tokens} tokens or ask for fewer new ones'
+          + _fix(len(p), sampling.max_new_tokens, self.max_len)
         )
     m = self.row_multiple()
     rows = -(-len(prompts) // m) * m
@@ -431,6 +431,18 @@ def sample(request: Any) -> np.ndarray:
   )
   out = gen.generate(request.prompts.tolist(), Sampling(request.new_tokens, temperature=1.0, seed=request.seed))
   return np.asarray([g.ids for g in out], np.int32)
+
+
+def _fix(prompt_len: int, new: int, max_len: int) -> str:
+  """What makes a prompt of `prompt_len` tokens and `new` new ones fit `max_len` positions."""
+  fixes = []
+  if max_len - new >= 1:
+    fixes.append(f'shorten the prompt to {max_len - new} tokens')
+  if prompt_len < max_len:
+    fixes.append(f'ask for at most --max_new_tokens={max_len - prompt_len}')
+  else:
+    fixes.append(f'shorten the prompt below {max_len} tokens and ask for fewer new ones')
+  return ' or '.join(fixes)
 
 
 def policy_sampler(graphdef: Any, *, rules: Any, mesh: Any, max_len: int | None, vocab: int | None):

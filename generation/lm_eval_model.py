@@ -15,6 +15,8 @@ bucket, run under the config's rules.
 from __future__ import annotations
 
 import collections
+import difflib
+import os
 from typing import Any
 
 import jax
@@ -43,6 +45,7 @@ class ZooLM(TemplateLM):
     super().__init__()
     if getattr(tokenizer, 'eos_id', None) is None:
       raise ConfigError(f'lm-eval needs a tokenizer with an end-of-text token; {tokenizer.name!r} has none')
+    _check_batch_size(batch_size)
     self.gen, self.tok, self.batch_size = generator, tokenizer, batch_size
     self.max_length = generator.max_len or DEFAULT_MAX_LENGTH
     self._scorers: dict[tuple[int, int], Any] = {}
@@ -148,11 +151,46 @@ class ZooLM(TemplateLM):
     return results
 
 
-def task_manager(tasks: list[str], include_path: str | None):
-  """lm-eval's task index: indexing lm-eval's own thousands of task YAMLs takes ~10 s, so where every task named
-  is one of --include_path's, that directory alone is indexed."""
+def check_flags(limit: int | None, num_fewshot: int | None, batch_size: int, include_path: str | None) -> None:
+  """evaluate_lm.py's numeric flags and --include_path, before anything is indexed or loaded: one ConfigError each."""
+  if limit is not None and limit < 1:
+    raise ConfigError(f'--limit={limit}: must be at least 1 (examples per task; leave it out for all of them)')
+  if num_fewshot is not None and num_fewshot < 0:
+    raise ConfigError(f"--num_fewshot={num_fewshot}: must be >= 0 (leave it out for each task's own)")
+  _check_batch_size(batch_size, '--batch_size')
+  if include_path is not None:
+    if not os.path.exists(include_path):
+      raise ConfigError(f'--include_path={include_path}: no such directory (a directory of task YAML files)')
+    if not os.path.isdir(include_path):
+      raise ConfigError(f'--include_path={include_path} is a file: give the directory of task YAML files')
+
+
+def _check_batch_size(batch_size: int, flag: str = 'batch_size') -> None:
+  if not isinstance(batch_size, int) or batch_size < 1:
+    raise ConfigError(f'{flag}={batch_size!r}: must be an integer >= 1 (rows per scoring or generation call)')
+
+
+def task_manager(tasks: list[str], include_path: str | None) -> TaskManager:
+  """lm-eval's task index, with every name of `tasks` (a task, group or tag; glob patterns as lm-eval matches
+  them) checked to be in it: ConfigError naming the unknown ones and the nearest names. Indexing lm-eval's own
+  thousands of task YAMLs takes ~10 s, so where every task named is one of --include_path's, that directory alone
+  is indexed."""
   if include_path:
     local = TaskManager(include_path=include_path, include_defaults=False)
-    if all(t in local.all_tasks for t in tasks):
+    if not _unknown(local, tasks):
       return local
-  return TaskManager(include_path=include_path)
+  manager = TaskManager(include_path=include_path)
+  if unknown := _unknown(manager, tasks):
+    near = {t: difflib.get_close_matches(t, manager.all_tasks, n=3) for t in unknown}
+    hints = '; '.join(f'{t!r}: did you mean {", ".join(map(repr, n))}?' for t, n in near.items() if n)
+    where = f"lm-eval's tasks and {include_path}'s YAML files" if include_path else "lm-eval's tasks"
+    raise ConfigError(
+      f'--tasks: {", ".join(map(repr, unknown))} not among {where}'
+      + (f' ({hints})' if hints else '')
+      + ('' if include_path else '; a task of your own needs --include_path DIR (its YAML files)')
+    )
+  return manager
+
+
+def _unknown(manager: TaskManager, tasks: list[str]) -> list[str]:
+  return [t for t in tasks if not manager.match_tasks([t])]

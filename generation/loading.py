@@ -16,6 +16,7 @@ import ml_collections
 from flax import nnx
 
 import errors
+import guards
 import models
 import partitioning
 from checkpointing import hf_config, run_config, weights
@@ -26,14 +27,19 @@ from generation.engine import Generator, cache_layout
 from models import hf_import
 
 
-def decode_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """The config a decode is built from: config.decode_rules (when set) in place of the training rules, so the
-  parameters are loaded in the layout decoding runs in. ConfigError for a run that is not a language model."""
+def check_language_model(config: ml_collections.ConfigDict) -> None:
+  """ConfigError for a run that is not a language model (said before anything about its tokenizer)."""
   if config.task != 'lm':
     raise ConfigError(
       f'config.task={config.task!r} (model {config.model.name!r}): generation needs a language model '
       f"(task 'lm': {', '.join(n for n, f in schema.FAMILIES.items() if 'lm' in f.tasks)})"
     )
+
+
+def decode_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config a decode is built from: config.decode_rules (when set) in place of the training rules, so the
+  parameters are loaded in the layout decoding runs in. ConfigError for a run that is not a language model."""
+  check_language_model(config)
   config = ml_collections.ConfigDict(config.to_dict())
   if config.decode_rules:
     config.logical_axis_rules = [tuple(r) for r in config.decode_rules]
@@ -47,6 +53,13 @@ def build(
   (partitioning.place_model, as training builds it), checked to decode; nothing allocated. (placed, rules)."""
   rules = partitioning.AxisRules(config.logical_axis_rules)
   rules.check_mesh(mesh.shape)
+  if (stages := partitioning.pipeline.stages_of(rules, dict(mesh.shape))) > 1:
+    field = 'config.decode_rules' if config.decode_rules else 'config.logical_axis_rules'
+    raise ConfigError(
+      f"{field} pipeline the layers over stage={stages} (('layers', 'stage')), and decoding runs no pipeline: "
+      "give config.decode_rules without it, e.g. the fsdp preset's list with --config FILE:fsdp[,size] "
+      '--config.decode_rules="[...]" (docs/generation.md)'
+    )
   make_model = lambda rngs: models.create(config.model, rngs, config.lora)
   placed = partitioning.place_model(make_model, rules, mesh, seed=config.seed)
   cache_layout(nnx.merge(placed.graphdef, placed.abstract['params'], placed.abstract['model_state']))
@@ -141,24 +154,44 @@ def read_prompts(prompt: list[str], chat: list[str], path: str | None) -> list[s
   (--prompts: {"prompt": ...} gives a string, {"messages": [...]} a chat). ConfigError naming the file:line."""
   prompts = [*prompt, *([{'role': 'user', 'content': c}] for c in chat)]
   if path:
-    with open(path) as f:
-      for n, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        row = json.loads(line)
-        messages = row.get('messages') if isinstance(row, dict) else None
-        if isinstance(messages, list) and all(isinstance(m, dict) and {'role', 'content'} <= set(m) for m in messages):
-          prompts.append(messages)
-        elif isinstance(row, dict) and isinstance(row.get('prompt'), str):
-          prompts.append(row['prompt'])
-        else:
-          raise ConfigError(
-            f'{path}:{n}: a JSON object with a "prompt" string or "messages" (a list of {{"role", "content"}}) is '
-            'needed'
-          )
+    for n, row in guards.json_lines(path, '--prompts'):
+      messages = row.get('messages') if isinstance(row, dict) else None
+      if isinstance(messages, list) and messages and all(_is_message(m) for m in messages):
+        prompts.append(messages)
+      elif isinstance(row, dict) and isinstance(row.get('prompt'), str):
+        prompts.append(row['prompt'])
+      else:
+        got = _describe_row(row)
+        raise ConfigError(
+          f'{path}:{n}: {got}; each line must be a JSON object with a "prompt" string or "messages" (a list of '
+          '{"role": string, "content": string})'
+        )
   if not prompts:
     raise ConfigError('no prompts: give --prompt TEXT or --chat TEXT (repeatable) or --prompts FILE.jsonl')
   return prompts
+
+
+def _is_message(m: Any) -> bool:
+  return isinstance(m, dict) and isinstance(m.get('role'), str) and isinstance(m.get('content'), str)
+
+
+def _describe_row(row: Any) -> str:
+  """What a --prompts line holds instead of a prompt, for its error."""
+  if not isinstance(row, dict):
+    return f'{guards.json_kind(row)}, not a JSON object'
+  if 'prompt' in row:
+    return f'"prompt" is {guards.json_kind(row["prompt"])}, not a string'
+  messages = row.get('messages')
+  if messages is None:
+    return f'neither "prompt" nor "messages" (keys: {sorted(row)})'
+  if not isinstance(messages, list) or not messages:
+    return '"messages" is not a non-empty list'
+  i = next(i for i, m in enumerate(messages) if not _is_message(m))
+  m = messages[i]
+  if not isinstance(m, dict):
+    return f'messages[{i}] is {guards.json_kind(m)}, not an object'
+  bad = [k for k in ('role', 'content') if not isinstance(m.get(k), str)]
+  return f'messages[{i}] has ' + ', '.join(f'"{k}": {json.dumps(m.get(k))}' for k in bad) + ' (strings needed)'
 
 
 def checkpoint_facts(config: ml_collections.ConfigDict, overridden: set[str] = frozenset()) -> dict[str, Any]:
@@ -217,6 +250,7 @@ def from_flags(
     hf_config.adopt(config, models.HF_FAMILIES)
     print(f'{hf_dir}: ' + ', '.join(f'{k}={v!r}' for k, v in {**taken, 'max_len': config.model.get('max_len')}.items()))
   schema.check(config)
+  check_language_model(config)
   tok = tokenizer(config, given=tokenizer_dir, hf_dir=hf_dir)
   if config.model.vocab_size is None:  # a config whose vocabulary follows the data (the tiny sizes): its tokenizer's
     config.model.vocab_size = tok.vocab_size

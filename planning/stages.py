@@ -88,6 +88,16 @@ def check_input(
   if bad:
     raise errors.ConfigError(f'--micro_batches={",".join(micro_batches)}: {bad} not whole numbers')
   micro = [int(m) for m in micro_batches]
+  if small := [m for m in micro if m < 2]:
+    raise errors.ConfigError(
+      f'--micro_batches={",".join(micro_batches)}: {small} would split no batch (counts must be >= 2; '
+      '--micro_batches= tries none)'
+    )
+  if config.grad_accum_steps > 1:  # each plan sets its own (candidates.Candidate.micro)
+    say(
+      f'WARNING config: config.grad_accum_steps={config.grad_accum_steps} is not searched from: every plan is tried '
+      f'with 1 micro-batch, and those over the memory with --micro_batches={",".join(micro_batches) or "(none)"}'
+    )
   config_path, _, config_arg = config_file.partition(':')
   if out:
     plan_file.check_out_path(out, overwrite=overwrite, config_file=config_path)

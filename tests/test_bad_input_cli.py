@@ -61,11 +61,13 @@ def overridden(argv):
     ),
     (
       ['--config=configs/gpt2.py:tiny', '--config.task=classification'],
-      r"^config.model.name='gpt2' with config.task='classification': gpt2 trains on config.task='lm' only \(",
+      r"^config.model.name='gpt2' with config.task='classification': gpt2 trains on config.task='lm' or 'dpo' or "
+      r"'grpo' only \(",
     ),
     (
       ['--config=configs/gpt2.py:tiny', '--config.task=mlm'],
-      r"^config.model.name='gpt2' with config.task='mlm': gpt2 trains on config.task='lm' only \(",
+      r"^config.model.name='gpt2' with config.task='mlm': gpt2 trains on config.task='lm' or 'dpo' or 'grpo' "
+      r'only \(',
     ),
     (
       ['--config=configs/bert.py:tiny', '--config.task=lm'],

@@ -128,7 +128,7 @@ def test_search_py_is_a_spine_over_its_stages():
   assert main.end_lineno - main.lineno + 1 < 60
 
 
-def test_the_search_request_is_checked_before_jax_starts(tmp_path):
+def test_the_search_request_is_checked_before_jax_starts(tmp_path, capsys):
   config = llama.get_config('tiny')
   counts = dict(stages.LEAST)
   given = dict(
@@ -152,12 +152,20 @@ def test_the_search_request_is_checked_before_jax_starts(tmp_path):
     (dict(devices=7, hosts=2), '--devices 7 --hosts 2: the device count must be a positive multiple of the host count'),
     (dict(counts={**counts, 'top': 0}), '--top=0: must be >= 1'),
     (dict(micro_batches=['2', 'x']), "--micro_batches=2,x: ['x'] not whole numbers"),
+    (dict(micro_batches=['-2', '0', '4']), '--micro_batches=-2,0,4: [-2, 0] would split no batch (counts must be >= 2'),
     (dict(remat='bogus,none'), "--remat 'bogus,none': ['bogus'] not remat policies"),
     (dict(out=str(tmp_path / 'plan.txt')), 'ending in .py'),
     (dict(device_kind='h1000'), "unknown device kind 'h1000'"),
   ]:
     with pytest.raises(ConfigError, match=re.escape(message)):
       check(**kw)
+  capsys.readouterr()
+  config.grad_accum_steps = 4  # each plan sets its own: said, not silently replaced
+  check()
+  assert capsys.readouterr().out == (
+    'WARNING config: config.grad_accum_steps=4 is not searched from: every plan is tried with 1 micro-batch, and '
+    'those over the memory with --micro_batches=2,4\n'
+  )
 
 
 # --- The HLO replica-group parser -------------------------------------------------------------------------------

@@ -124,24 +124,36 @@ def build(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> Built:
   return built
 
 
-def show_shardings(trainer: training.Trainer, workdir: str | None, full: bool) -> None:
-  """The sharding table: summarised per module (or in full), the full one written to the workdir; then the
-  rules' warnings."""
+def show_shardings(trainer: training.Trainer, workdir: str | None, full: bool) -> str:
+  """The sharding table: summarised per module (or in full); then the rules' warnings. Returns the full table,
+  which `write_table` puts in the workdir once the run is known to start (a refused rerun leaves the run's own)."""
   t = trainer
   shapes = (t.abstract.params, t.specs.params, t.mesh.shape, t.abstract.opt_state, t.specs.opt_state)
   table = partitioning.sharding_table(
     t.abstract.params, t.axes.params, t.specs.params, t.mesh.shape, t.abstract.opt_state, t.specs.opt_state
   )
-  if workdir and jax.process_index() == 0:
-    storage.ensure_writable(workdir)
-    with open(os.path.join(workdir, TABLE_FILE), 'w') as f:
-      f.write(table + '\n')
   if full:
     say(table)
   else:
     say(partitioning.sharding_summary(*shapes) + (f'\nper parameter: {workdir}/{TABLE_FILE}' if workdir else ''))
   for w in trainer.warnings():
     warn('sharding', w)
+  return table
+
+
+def write_table(table: str, workdir: str | None, dry_run: bool = False) -> None:
+  """The full sharding table in <workdir>/sharding_table.txt (process 0): after the starting point is chosen, so a
+  rerun refused there (another model in the run's directory) leaves the run's table as it was; a dry run writes it
+  only into a directory that holds no run."""
+  if not workdir or jax.process_index() > 0:
+    return
+  if dry_run and (
+    os.path.isdir(os.path.join(workdir, 'checkpoints')) or os.path.isfile(os.path.join(workdir, run_config.FILE))
+  ):
+    return
+  storage.ensure_writable(workdir)
+  with open(os.path.join(workdir, TABLE_FILE), 'w') as f:
+    f.write(table + '\n')
 
 
 # --- Input pipeline: each process reads only its rows of every global batch -------------------------------------

@@ -121,6 +121,22 @@ def split_model(model: nnx.Module) -> tuple[Any, dict, dict]:
   return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
 
+def _check_pipelined_rows(B: int, A: int, M: int, batch_spec: PartitionSpec, mesh_shape: dict[str, int]) -> None:
+  """The global batch B runs as A accumulation micro-batches, each cut into the pipeline's M micro-batches, whose
+  rows split over the batch's shards inside the pipeline (its mesh axes but 'stage'). ConfigError naming the three
+  fields where that leaves a pipeline micro-batch the shards cannot split."""
+  entry = batch_spec[0] if len(batch_spec) else None
+  names = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+  inner = math.prod(mesh_shape[a] for a in names if a != pipeline.STAGE)
+  if B % (A * M * inner):
+    rows = f'{B / (A * M):g} row(s)'
+    raise ConfigError(
+      f'config.batch_size={B} / config.grad_accum_steps={A} / config.pipeline.microbatches={M} leaves {rows} per '
+      f'pipeline micro-batch, which the {inner} batch shards inside the pipeline cannot split: make batch_size a '
+      f'multiple of {A * M * inner}, or lower grad_accum_steps or pipeline.microbatches'
+    )
+
+
 def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[nnx.Rngs], nnx.Module]) -> Trainer:
   rules = AxisRules(config.logical_axis_rules)
   rules.check_mesh(mesh.shape)
@@ -164,6 +180,8 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
   partitioning.check_batch(B, batch_spec, mesh.shape)
   shards = partitioning.entry_size(batch_spec[0] if len(batch_spec) else None, mesh.shape)
   accumulate.check(B, config.grad_accum_steps, shards)  # every micro-batch splits over the shards
+  if schedule_ is not None:  # and each of those again into the pipeline's, over the shards inside it
+    _check_pipelined_rows(B, config.grad_accum_steps, schedule_.microbatches, batch_spec, dict(mesh.shape))
   batch_abstract = {
     k: jax.ShapeDtypeStruct((B,) + tuple(shape), dtype) for k, (shape, dtype) in task.example_shapes(config).items()
   }
