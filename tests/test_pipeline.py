@@ -32,6 +32,8 @@ def config(
   """The family's tiny size with 4 layers and 16 rows; with a mesh, the pp preset's rules on it."""
   c = FAMILIES[family].get_config('pp,tiny')
   c.update(batch_size=16, total_steps=2, grad_accum_steps=accum)
+  # Adam moves a near-zero gradient's weight by ~lr whatever its rounding: a long warmup keeps those steps small.
+  c.optim.warmup_steps = 100
   c.model.update(num_layers=4, remat=remat)
   c.dataset.seq_len = 16
   c.pipeline.update(microbatches=microbatches, repeats=repeats)
