@@ -201,7 +201,7 @@ def test_the_run_says_where_its_checkpoint_is_and_the_commands_that_use_it_work(
   _, tok, ids, _ = run.decoded()
   assert [generation.encode(tok, p) for p in given] == ids
   (tmp_path / 'bad.jsonl').write_text('{"prompt": "a"}\n{"text": "b"}\n')
-  with pytest.raises(errors.ConfigError, match=r'bad.jsonl:2: a JSON object with a "prompt" string or "messages"'):
+  with pytest.raises(errors.ConfigError, match=r'bad.jsonl:2: .*a JSON object with a "prompt" string or "messages"'):
     generation.read_prompts([], [], str(tmp_path / 'bad.jsonl'))
 
 
