@@ -415,25 +415,9 @@ def _hf_config(c: dict) -> dict:
   ):
     if (c.get(field) or want) != want:
       raise decoder.unsupported(field, c[field], why)
-  H = c['num_attention_heads']
-  theta, scaling = decoder.hf_rope(c)
-  E, k = c['num_local_experts'], c['num_experts_per_tok']
-  return dict(
-    vocab_size=c['vocab_size'],
-    embed_dim=c['hidden_size'],
-    mlp_dim=c['intermediate_size'],
-    num_layers=c['num_hidden_layers'],
-    num_heads=H,
-    num_kv_heads=c.get('num_key_value_heads') or H,
-    head_dim=c.get('head_dim') or c['hidden_size'] // H,
-    num_experts=E,
-    top_k=k,
-    capacity_factor=E / k,
-    rope_theta=theta,
-    rope_scaling=scaling,
-    norm_eps=c.get('rms_norm_eps', 1e-5),
-    tie_embeddings=bool(c.get('tie_word_embeddings', False)),
-  )
+  out = _common(c, c['num_local_experts'], eps=1e-5)  # MixtralConfig's default eps
+  del out['max_len']  # Mixtral's rotary positions have no table: its config.model has no max_len
+  return out
 
 
 def to_hf_config(cfg: Any) -> dict:
@@ -513,8 +497,8 @@ HF = hf.Family(
 # group_size; training settings (router_aux_loss_coef, output_router_logits, dropout) are not read.
 
 
-def _common(c: dict, E: int) -> dict:
-  """config.json's fields every sparse family has -> config.model's."""
+def _common(c: dict, E: int, eps: float = 1e-6) -> dict:
+  """config.json's fields every MoE family has -> config.model's (`eps`: the family's default rms_norm_eps)."""
   H = c['num_attention_heads']
   theta, scaling = decoder.hf_rope(c)
   k = c['num_experts_per_tok']
@@ -531,7 +515,7 @@ def _common(c: dict, E: int) -> dict:
     capacity_factor=E / k,
     rope_theta=theta,
     rope_scaling=scaling,
-    norm_eps=c.get('rms_norm_eps', 1e-6),
+    norm_eps=c.get('rms_norm_eps', eps),
     tie_embeddings=bool(c.get('tie_word_embeddings', False)),
     max_len=c.get('max_position_embeddings', 2048),
   )
