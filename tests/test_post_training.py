@@ -18,7 +18,7 @@ import data
 import models
 import partitioning
 import training
-from configs import llama_dpo, schema
+from configs import llama_dpo, llama_grpo, schema
 from errors import ConfigError
 from models import lora
 from training import preference, rl
@@ -259,37 +259,60 @@ def _steps(config, devices, batch, n=2):
   return out, jax.device_get(state.params)
 
 
-def _dpo_config(preset):
-  c = llama_dpo.get_config(f'{preset},tiny')
+def _post_config(task, preset):
+  c = (llama_dpo if task == 'dpo' else llama_grpo).get_config(f'{preset},tiny')
   c.model.vocab_size = 260
+  c.batch_size = 16
   c.optim.update(warmup_steps=0, lr=1e-3)  # Adam's first steps move a parameter of ~0 gradient by ~lr: keep it small
   return c
 
 
-@pytest.fixture(scope='module')
-def pair_batch():
-  batch = _pairs(np.random.default_rng(4), 16, 16, 260)
-  batch['mask'][:] = 1.0
-  return batch
+def _rollout_rows(rng, B, L, V):
+  """A GRPO batch as a rollout makes it: completions after prompts of different lengths, old log-probs near the
+  starting model's (ratios near 1), advantages of both signs."""
+  mask = (np.arange(L) >= rng.integers(2, L // 2, B)[:, None]).astype(np.float32)
+  return {
+    'inputs': rng.integers(0, V, (B, L)).astype(np.int32),
+    'targets': rng.integers(0, V, (B, L)).astype(np.int32),
+    'mask': mask,
+    'old_logps': (-np.log(V) + rng.normal(scale=0.1, size=(B, L))).astype(np.float32),
+    'advantages': rng.normal(size=B).astype(np.float32),
+  }
 
 
 @pytest.fixture(scope='module')
-def one_device_run(pair_batch):
-  c = _dpo_config('dp')
-  c.mesh = schema.ml_collections.ConfigDict({a: 1 for a in c.mesh}, sort_keys=False)
-  return _steps(c, jax.devices()[:1], pair_batch)
+def post_batches():
+  pairs = _pairs(np.random.default_rng(4), 16, 16, 260)
+  pairs['mask'][:] = 1.0
+  return {'dpo': pairs, 'grpo': _rollout_rows(np.random.default_rng(5), 16, 16, 260)}
+
+
+@pytest.fixture(scope='module')
+def one_device_runs(post_batches):
+  out = {}
+  for task, batch in post_batches.items():
+    c = _post_config(task, 'dp')
+    c.mesh = schema.ml_collections.ConfigDict({a: 1 for a in c.mesh}, sort_keys=False)
+    out[task] = _steps(c, jax.devices()[:1], batch)
+  return out
+
+
+PROGRESS = {'dpo': 'rewards/margins', 'grpo': 'kl'}
 
 
 @pytest.mark.parametrize('preset', ['fsdp', 'tp'])
-def test_dpo_steps_sharded_equal_one_device(preset, pair_batch, one_device_run):
-  (m1, p1), (m8, p8) = one_device_run, _steps(_dpo_config(preset), None, pair_batch)
+@pytest.mark.parametrize('task', ['dpo', 'grpo'])
+def test_post_training_steps_sharded_equal_one_device(task, preset, post_batches, one_device_runs):
+  """Two steps of each task (DPO: the reference kept in the train state; GRPO: the reference's KL and the ratio
+  against old log-probs) on 8 devices equal one device: metrics and parameters."""
+  (m1, p1), (m8, p8) = one_device_runs[task], _steps(_post_config(task, preset), None, post_batches[task])
   for a, b in zip(m1, m8):
-    for k in ('loss', 'rewards/margins', 'grad_norm'):
+    for k in ('loss', PROGRESS[task], 'grad_norm'):
       np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=1e-6, err_msg=k)
-  # At step 1 the policy is the reference: every reward is 0 up to rounding, and a strict comparison of two zeros
-  # is rounding's choice; after an update the preference is real.
+  # At step 1 the policy is the reference: every reward is 0 and the KL too, up to rounding (a strict comparison
+  # of two zeros is rounding's choice); after an update both are real.
   assert m1[1]['accuracy'] == m8[1]['accuracy']
-  assert m1[1]['loss'] != m1[0]['loss']
+  assert m1[1]['loss'] != m1[0]['loss'] and m1[1][PROGRESS[task]] != 0
   # Adam moves a parameter whose gradient is near 0 by up to lr (1e-3) on the gradient's sign and size relative to
   # eps: rounding in such gradients shows as ~1e-5 here, far below one step.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=3e-5), p1, p8)
