@@ -15,7 +15,7 @@ import grain
 import numpy as np
 import pyarrow.compute as pc
 
-from data import files, text, tokens
+from data import files, row_checks, text, tokens
 from data.dataset import Dataset
 from errors import ConfigError
 
@@ -110,6 +110,7 @@ def pairs(cfg) -> Dataset:
     raise ConfigError('config.task=dpo needs config.dataset.prompt_key (the column of the prompts)')
   train, eval_, where = _open(cfg, keys)
   for r in (train, eval_):
+    row_checks.check_post(r, keys)
     check_distinct(r, cfg.chosen_key, cfg.rejected_key)
   tok, L = _tokenizer(cfg), cfg.seq_len
   return Dataset(
@@ -179,6 +180,8 @@ def prompts(cfg, max_new_tokens: int) -> Dataset:
   if not cfg.prompt_key:
     raise ConfigError('config.task=grpo needs config.dataset.prompt_key (the column of the prompts)')
   train, eval_, where = _open(cfg, [cfg.prompt_key], every_column=True)
+  for r in (train, eval_):
+    row_checks.check_post(r, [cfg.prompt_key])
   tok, P = _tokenizer(cfg), cfg.seq_len - max_new_tokens
   if P < 1:
     raise ConfigError(

@@ -21,7 +21,7 @@ import training
 from configs import llama_dpo, llama_grpo, schema
 from errors import ConfigError
 from models import lora
-from training import preference, rl
+from training import preference, rl, rollout
 
 LOSSES = preference.LOSSES
 
@@ -327,41 +327,62 @@ def _pairs_file(tmp_path, rows, name='p.jsonl'):
   return str(path)
 
 
-def test_bad_pairs_are_one_line_naming_the_row(tmp_path):
-  good = {'prompt': '1+1=', 'chosen': '2', 'rejected': '3'}
-  c = llama_dpo.get_config('tiny')
-  c.dataset.update(cache_dir=str(tmp_path / 'cache'), eval_files='examples/arith/pairs_eval.jsonl')
-  c.dataset.train_files = _pairs_file(tmp_path, [good, good, {'prompt': '2+2=', 'chosen': '4', 'rejected': '4'}])
-  with pytest.raises(ConfigError, match=r'p.jsonl line 3: the chosen and the rejected answer are the same'):
-    data.build(c)
-  c.dataset.train_files = _pairs_file(tmp_path, [good, {'prompt': '2+2=', 'chosen': '4'}], 'q.jsonl')
-  with pytest.raises(ConfigError, match=r"q.jsonl line 2 has no 'rejected'"):
-    data.build(c)
+GOOD_PAIR = {'prompt': '1+1=', 'chosen': ' two', 'rejected': ' three'}
+REWARDS = 'def boom(p, c, r):\n  raise ValueError("no")\n\ndef text(p, c, r):\n  return "high"\n\n'
+REWARDS += 'def nan(p, c, r):\n  return float("nan")\n\ndef ok(p, c, r):\n  return 1\n'
 
 
-def test_bad_rewards_and_group_sizes_are_one_line_naming_them(tmp_path, monkeypatch):
-  from training import rollout
+def _data(tmp_path, task, rows):
+  c = (llama_dpo if task == 'dpo' else llama_grpo).get_config('tiny')
+  c.dataset.update(cache_dir=str(tmp_path / 'cache'), train_files=_pairs_file(tmp_path, [GOOD_PAIR, *rows]))
+  data.build(c)
 
-  (tmp_path / 'my_rewards.py').write_text(
-    'def boom(p, c, r):\n  raise ValueError("no")\n\n'
-    'def text(p, c, r):\n  return "high"\n\n'
-    'def ok(p, c, r):\n  return 1\n'
-  )
+
+def _reward(name):
+  (r,) = rollout.rewards(f'my_rewards:{name}')
+  rollout.score(r, '1+1=', '2', {}, 'f.jsonl line 2')
+
+
+def _group(batch_size):
+  c = llama_grpo.get_config('tiny')
+  c.batch_size = batch_size
+  rl.check_group(c)
+
+
+BAD_INPUT = {  # what -> (how it is given, the line it must give)
+  'identical answers': (
+    lambda t: _data(t, 'dpo', [GOOD_PAIR, {'prompt': '2+2=', 'chosen': '4', 'rejected': '4'}]),
+    r'p.jsonl line 3: the chosen and the rejected answer are the same',
+  ),
+  'missing key': (lambda t: _data(t, 'dpo', [{'prompt': '2+2=', 'chosen': '4'}]), r"p.jsonl line 2 has no 'rejected'"),
+  'answer not text': (
+    lambda t: _data(t, 'dpo', [{'prompt': '2+2=', 'chosen': 4, 'rejected': '5'}]),
+    r"p.jsonl line 2: 'chosen' is 4 \(int\), not text",
+  ),
+  'prompt not text': (
+    lambda t: _data(t, 'grpo', [{'prompt': 5, 'answer': 5}]),
+    r"p.jsonl line 2: 'prompt' is 5 \(int\), not text",
+  ),
+  'reward not importable': (
+    lambda t: rollout.rewards('no_such_module:f'),
+    r"'no_such_module:f': module 'no_such_module' cannot be imported",
+  ),
+  'reward not in its module': (lambda t: _reward('missing'), r"module 'my_rewards' has no 'missing'"),
+  'no reward': (lambda t: rollout.rewards(' '), r'config.grpo.reward is empty'),
+  'reward raises': (lambda t: _reward('boom'), r'reward my_rewards:boom raised ValueError: no \(on f.jsonl line 2'),
+  'reward not a number': (lambda t: _reward('text'), r"reward my_rewards:text returned 'high' on f.jsonl line 2"),
+  'reward not finite': (lambda t: _reward('nan'), r'reward my_rewards:nan returned nan on f.jsonl line 2'),
+  'group size': (lambda t: _group(20), r'config.batch_size=20 is not a multiple of config.grpo.group_size=8'),
+}
+
+
+@pytest.mark.parametrize('what', BAD_INPUT)
+def test_bad_post_training_input_is_one_line_naming_it(what, tmp_path, monkeypatch):
+  """Pairs and GRPO rows (data/preference.py through data/row_checks.py), reward functions (training/rollout.py)
+  and the group size: one ConfigError each, one line, naming the culprit."""
+  (tmp_path / 'my_rewards.py').write_text(REWARDS)
   monkeypatch.syspath_prepend(str(tmp_path))
-  with pytest.raises(ConfigError, match=r"'no_such_module:f': module 'no_such_module' cannot be imported"):
-    rollout.rewards('no_such_module:f')
-  with pytest.raises(ConfigError, match=r"module 'my_rewards' has no 'missing'"):
-    rollout.rewards('my_rewards:ok,my_rewards:missing')
-  with pytest.raises(ConfigError, match=r'config.grpo.reward is empty'):
-    rollout.rewards(' ')
-  boom, text, ok = rollout.rewards('my_rewards:boom,my_rewards:text*0.5,my_rewards:ok')
-  assert (text.weight, ok.weight) == (0.5, 1.0)
-  with pytest.raises(ConfigError, match=r'reward my_rewards:boom raised ValueError: no \(on f.jsonl line 2'):
-    rollout.score(boom, '1+1=', '2', {}, 'f.jsonl line 2')
-  with pytest.raises(ConfigError, match=r"reward my_rewards:text returned 'high' on f.jsonl line 2"):
-    rollout.score(text, '1+1=', '2', {}, 'f.jsonl line 2')
-  c = llama_dpo.get_config('tiny')
-  c.task, c.batch_size = 'grpo', 20
-  schema.complete(c)
-  with pytest.raises(ConfigError, match=r'config.batch_size=20 is not a multiple of config.grpo.group_size=8'):
-    rl.check_group(c)
+  make, line = BAD_INPUT[what]
+  with pytest.raises(ConfigError, match=line) as e:
+    make(tmp_path)
+  assert '\n' not in str(e.value)
