@@ -644,6 +644,8 @@ FIELDS: dict[str, Field] = {
   'dpo.loss': Field(str, owner='training.preference', default='sigmoid', only=('dpo',)),
   'dpo.beta': _float(0, 0.1, lo_open=True, only=('dpo',)),  # how far from the reference the policy may move
   'dpo.gamma': _float(0, 0.5, only=('dpo',)),  # simpo's target margin (TRL's simpo_gamma)
+  # the reference's log-probs computed in one pass before training and stored beside the data (no reference in the step)
+  'dpo.precompute_reference': Field(bool, default=False, only=('dpo',)),
   # GRPO (docs/post_training.md, training/rl.py): 'module:function' rewards, comma-separated, each '*weight' optional
   'grpo.reward': Field(str, default='', only=('grpo',)),
   'grpo.group_size': _int(2, 8, only=('grpo',)),  # completions sampled per prompt; config.batch_size counts them

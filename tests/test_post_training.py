@@ -5,6 +5,7 @@ costs no second copy under LoRA; sharded runs equal one device; bad input is one
 from __future__ import annotations
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -386,3 +387,53 @@ def test_bad_post_training_input_is_one_line_naming_it(what, tmp_path, monkeypat
   with pytest.raises(ConfigError, match=line) as e:
     make(tmp_path)
   assert '\n' not in str(e.value)
+
+
+# --- The reference's log-probs precomputed ---------------------------------------------------------------------
+
+
+def test_precomputed_reference_logps_give_the_losses_of_a_reference_in_the_step(tmp_path, monkeypatch):
+  """config.dpo.precompute_reference: one pass of the starting weights, stored beside the data (read back the
+  second time, another file for another seq_len or model); the losses of a train batch (shuffled: each row finds
+  its own) and an eval batch equal those of the reference run in the step, with the policy moved off the start."""
+  from training import run as run_lib
+
+  c = _config('sigmoid', 0.5)
+  c.batch_size = 8
+  c.dataset.cache_dir = str(tmp_path / 'cache')
+  pre = c.copy_and_resolve_references()
+  pre.dpo.precompute_reference = True
+  t_ref, t_pre = _trainer(c), _trainer(pre)
+  assert t_pre.abstract.task_state == {} and 'reference' in t_ref.abstract.task_state
+  ds = data.build(c)
+  with_ref = run_lib.precompute_reference(pre, t_pre, ds)
+  monkeypatch.setattr(preference, 'pass_over', lambda *a: pytest.fail('computed again'))
+  again = run_lib.precompute_reference(pre, t_pre, ds)
+  np.testing.assert_array_equal(again.transform.reference, with_ref.transform.reference)
+  identity = run_lib._reference_identity(pre)
+  path = data.preference.reference_path(pre.dataset, identity)
+  assert os.path.isfile(path)
+  other = pre.copy_and_resolve_references()
+  other.dataset.seq_len = 12
+  assert data.preference.reference_path(other.dataset, identity) != path
+  other_model = dict(identity, model={**identity['model'], 'num_layers': 1})
+  assert data.preference.reference_path(pre.dataset, other_model) != path
+
+  state = training.init_state(t_ref)
+  moved = jax.tree.map(lambda p: p * 1.5 + 0.01, state.params)  # the policy after some training
+  B = c.batch_size
+  train_iter = with_ref.train_iterator(B, slice(0, B), c.seed)
+  batches = [next(train_iter), next(iter(with_ref.eval_batches(B, slice(0, B))))]
+  train_iter.close()
+  step_ref = training.compile_step(t_ref, training.jit_eval_step(t_ref))
+  step_pre = training.compile_step(t_pre, training.jit_eval_step(t_pre))
+  for batch in batches:
+    plain = {k: v for k, v in batch.items() if k not in preference.REF_FIELDS}
+    a = step_ref(state.replace(params=moved), data.to_global(plain, t_ref.batch_shardings, B))
+    b = step_pre(
+      state.replace(params=moved, task_state={}, opt_state=state.opt_state),
+      data.to_global(batch, t_pre.batch_shardings, B),
+    )
+    assert abs(float(a['loss_sum']) - B * np.log(2)) > 0.1  # the policy is not the reference
+    np.testing.assert_allclose(float(b['loss_sum']), float(a['loss_sum']), rtol=1e-5)
+    assert float(a['correct_sum']) == float(b['correct_sum'])
