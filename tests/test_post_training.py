@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -350,6 +351,14 @@ def _group(batch_size):
   rl.check_group(c)
 
 
+def _several_processes():
+  from unittest import mock  # noqa: PLC0415
+
+  c = llama_grpo.get_config('tiny')
+  with mock.patch.object(jax, 'process_count', lambda: 2):
+    rollout.Rollout(types.SimpleNamespace(config=c), None, None)
+
+
 BAD_INPUT = {  # what -> (how it is given, the line it must give)
   'identical answers': (
     lambda t: _data(t, 'dpo', [GOOD_PAIR, {'prompt': '2+2=', 'chosen': '4', 'rejected': '4'}]),
@@ -374,6 +383,7 @@ BAD_INPUT = {  # what -> (how it is given, the line it must give)
   'reward not a number': (lambda t: _reward('text'), r"reward my_rewards:text returned 'high' on f.jsonl line 2"),
   'reward not finite': (lambda t: _reward('nan'), r'reward my_rewards:nan returned nan on f.jsonl line 2'),
   'group size': (lambda t: _group(20), r'config.batch_size=20 is not a multiple of config.grpo.group_size=8'),
+  'grpo in several processes': (lambda t: _several_processes(), r'config.task=grpo runs in one process'),
 }
 
 
@@ -410,7 +420,7 @@ def test_precomputed_reference_logps_give_the_losses_of_a_reference_in_the_step(
   monkeypatch.setattr(preference, 'pass_over', lambda *a: pytest.fail('computed again'))
   again = run_lib.precompute_reference(pre, t_pre, ds)
   np.testing.assert_array_equal(again.transform.reference, with_ref.transform.reference)
-  identity = run_lib._reference_identity(pre)
+  identity = run_lib.reference_identity(pre)
   path = data.preference.reference_path(pre.dataset, identity)
   assert os.path.isfile(path)
   other = pre.copy_and_resolve_references()

@@ -159,7 +159,7 @@ def write_table(table: str, workdir: str | None, dry_run: bool = False) -> None:
 # --- DPO's reference log-probs, precomputed (config.dpo.precompute_reference) ------------------------------------
 
 
-def _reference_identity(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def reference_identity(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """What makes the starting weights (the reference): the model, the adapters, the seed (initialisation, and
   config.dont_load's parameters) and init_from with its files' sizes and modification times."""
   src, stats = config.init_from, []
@@ -183,7 +183,7 @@ def precompute_reference(config: ml_collections.ConfigDict, trainer: training.Tr
   or init_from's) and stored there; other runs: `ds` as it is."""
   if ds is None or config.task != 'dpo' or not preference.precomputed(config):
     return ds
-  path = data.preference.reference_path(config.dataset, _reference_identity(config))
+  path = data.preference.reference_path(config.dataset, reference_identity(config))
   stored = data.preference.load_reference(path, ds)
   if stored is not None:
     say(f'dpo: the reference log-probs of {len(ds.train):,} + {len(ds.eval):,} pairs read from {path}')
