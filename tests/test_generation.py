@@ -100,6 +100,23 @@ def test_gpt2_greedy_is_transformers_and_steps_are_full_forward_passes(gpt2_dir,
   check_parity(zoo(gpt2_config, arg, path, scan_layers=scan), hf_model)
 
 
+def test_a_bfloat16_decode_stores_its_weights_in_bfloat16_and_decodes_the_same_tokens(gpt2_dir):
+  """decode_config narrows param_dtype to a narrower compute dtype: half the bytes a step reads, no cast per step;
+  the layers cast float32 weights to bfloat16 anyway, so the tokens and logits equal the float32-stored weights'."""
+  path, _ = gpt2_dir
+  gen = zoo(gpt2_config, 'tp,tiny', path, scan_layers=False, dtype='bfloat16')
+  floats = [x for x in jax.tree.leaves(gen.params) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+  assert {x.dtype for x in floats} == {jax.numpy.dtype('bfloat16')}
+  wide = jax.tree.map(lambda x: x.astype('float32') if x.dtype == jax.numpy.bfloat16 else x, gen.params)
+  kept = generation.Generator(gen.graphdef, wide, gen.model_state, rules=gen.rules, mesh=gen.mesh)
+  sampling = generation.Sampling(max_new_tokens=NEW, temperature=0.0)
+  for a, b in zip(
+    gen.generate(PROMPTS, sampling, keep_logits=True), kept.generate(PROMPTS, sampling, keep_logits=True)
+  ):
+    assert a.ids == b.ids
+    np.testing.assert_array_equal(a.logits, b.logits)
+
+
 # --- Llama (grouped-query attention; tied and untied heads; llama3 rope scaling) and Mixtral ---------------
 
 LLAMA_CASES = {  # name -> (LlamaConfig overrides, zoo preset, scan_layers)
