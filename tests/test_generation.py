@@ -157,6 +157,18 @@ def test_llama_greedy_is_transformers_and_steps_are_full_forward_passes(llama_di
   check_parity(gen, hf_model, eos=hf_model.generation_config.eos_token_id)
 
 
+def test_one_row_decodes_each_prompt_as_the_batch_does(llama_dir):
+  """A single row's decode step attends by products summed in place of matmuls (models/layers.py Attention._cached):
+  each prompt alone gives transformers' tokens and the batch's logits."""
+  path, hf_model, arg, scan = llama_dir
+  gen = zoo(llama_config, arg, path, scan_layers=scan)
+  sampling = generation.Sampling(max_new_tokens=NEW, temperature=0.0)
+  for p, b in zip(PROMPTS, gen.generate(PROMPTS, sampling, keep_logits=True), strict=True):
+    (one,) = gen.generate([p], sampling, keep_logits=True)
+    assert one.ids == b.ids == hf_greedy(hf_model, p, None), p
+    np.testing.assert_allclose(one.logits, b.logits, atol=STEP_ATOL, rtol=0)
+
+
 def test_a_hugging_face_directory_decodes_with_its_own_dtype_and_lengths(tmp_path):
   """The family config (a training config: bfloat16, 2048 positions) gives way to config.json's dtype and
   max_position_embeddings, unless the command line sets them (`overridden`)."""
