@@ -12,7 +12,8 @@ Built so that it cannot flatter either side:
 * the 1-minute load average is read before the run and before and after each process, and the CPU time of other
   programs during each process (/proc/stat less this run's own): a busy machine (load over --max_load, or others
   using over --max_load cores while a side ran) is refused, or with --busy its rows are flagged 'BUSY';
-* the same prompts (seeded by the batch size) go to both sides, and their greedy tokens are compared.
+* the same prompts (seeded by the batch size) go to both sides, and their greedy tokens are compared (equal in
+  float32; in bfloat16 the two libraries round differently, and a near tie may go the other way).
 
 The bound beside each figure: a decode step must read every weight it multiplies with once (the tied head's too;
 not the rows of position tables) and the KV cache up to its length (its mean over the decode), so at best it takes
