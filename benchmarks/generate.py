@@ -63,6 +63,7 @@ flags.DEFINE_bool('torch_compile', None, 'transformers with static cache + torch
 flags.DEFINE_integer('reps', 5, 'Timed repetitions per side and batch (after a warm-up).')
 flags.DEFINE_integer('rounds', 1, 'Processes per side, alternating ours/theirs, theirs/ours, ...')
 flags.DEFINE_float('max_load', 0.3, 'Busiest the machine may be: 1-minute load average, and cores used by others.')
+flags.DEFINE_integer('wait', 0, 'Seconds to wait for the load average to fall below --max_load before refusing.')
 flags.DEFINE_bool('busy', False, 'Run on a busy machine anyway, its rows flagged BUSY (development, not figures).')
 flags.DEFINE_enum('side', None, ['ours', 'theirs', 'machine'], 'Internal: the one side this process measures.')
 flags.DEFINE_string('path', None, 'Internal: the saved Hugging Face model.')
@@ -293,11 +294,14 @@ def main(argv) -> None:
       json.dump(got, f)
     return
 
-  load = os.getloadavg()[0]
+  deadline = time.time() + FLAGS.wait  # a run's own load takes about 3 minutes to decay below 0.3
+  while (load := os.getloadavg()[0]) > FLAGS.max_load and time.time() < deadline:
+    time.sleep(15)
   if load > FLAGS.max_load and not FLAGS.busy:
     sys.exit(
       f'shardzoo: the machine is busy (1-minute load average {load:.2f} > --max_load {FLAGS.max_load}): figures '
-      'taken now would be wrong; wait for it to be quiet, or pass --busy for a development run (rows flagged BUSY)'
+      'taken now would be wrong; wait for it to be quiet (--wait SECONDS), or pass --busy for a development run '
+      '(rows flagged BUSY)'
     )
   path = tempfile.mkdtemp(prefix='shardzoo_generate_bench_')
   try:
