@@ -2,9 +2,9 @@
 weight_scale_inv block scales and its multi-token-prediction layer, GPT-OSS's MXFP4 experts. Tiny float models are
 quantized here by the formats' definitions (torch's float8_e4m3fn; OCP MX e2m1 with e8m0 scales), written with the
 hub's key layout and quantization_config, and imported sharded so that device slices start inside blocks. The
-import equals the import of the same weights dequantized by the definition (bitwise), lies within the format's
-rounding of the float model, gives transformers' logits on the dequantized weights, and exports to bfloat16
-safetensors that transformers loads without a quantization_config."""
+import equals the import of the same weights dequantized by the definition (bitwise; for GPT-OSS also transformers'
+own reading of the MXFP4 file), lies within the format's rounding of the float model, gives transformers' logits on
+the dequantized weights, and exports to bfloat16 safetensors that transformers loads without a quantization_config."""
 
 import json
 import logging
@@ -177,6 +177,11 @@ def test_quantized_import_is_the_dequantized_weights(quantized, tmp_path, caplog
   assert changed >= (9 if name == 'deepseek_v3' else 2), changed  # the quantized leaves differ from the float ones
   # transformers on the same weights dequantized
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
+  if name == 'gpt_oss':  # transformers reads the MXFP4 file itself (dequantized on CPU): the same weights
+    theirs_q = transformers.AutoModelForCausalLM.from_pretrained(
+      qdir, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)
+    ).state_dict()
+    assert all(torch.equal(theirs_q[k].float(), v) for k, v in hf_model.state_dict().items())
   tokens = np.random.default_rng(0).integers(0, 96, (2, 16))
   with torch.no_grad():
     theirs = hf_model(torch.tensor(tokens)).logits.numpy()
