@@ -20,12 +20,14 @@ sample_by, prompt_key, completion_key, messages_key, no_assistant).
 
 from __future__ import annotations
 
+import glob
+import os
 from typing import Any
 
 import ml_collections
 
 from configs import schema
-from data import files, pipeline, preference, row_checks, text, tfds_source, tokens, vision
+from data import files, pipeline, preference, row_checks, text, tfds_source, token_cache, tokens, vision
 from data.dataset import Dataset
 from data.markov import MarkovLanguage, MarkovText
 from data.text import lm_example
@@ -68,19 +70,55 @@ def _check_task(name: str, task: str, serves: tuple[str, ...]) -> None:
     raise ConfigError(f'config.task={task!r} does not fit dataset {name!r}, which serves {list(serves)}')
 
 
+def _cached(source: Any, cache: Any, what: str) -> Any:
+  """`source` (a Mixture: each of its sources) as its token cache's documents (`cache(source, what)`; None: it
+  has none, and is read as it is), or None where no part of it has one."""
+  if isinstance(source, pipeline.Mixture):
+    parts = [_cached(s, cache, f'{what}[{i}]') for i, s in enumerate(source.sources)]
+    return None if None in parts else pipeline.Mixture(parts, source.weights)
+  return cache(source, what)
+
+
+def _token_cached(cfg, train: Any, eval_: Any, cache: Any, doc: Any, truncations: Any) -> tuple[Any, Any, Any]:
+  """(train, eval, document transform) read from the sources' token caches (data/token_cache.py) where
+  config.dataset.token_cache is on and both have one; else the sources as they are and `doc`, which tokenizes a
+  row as it is read (the reference the caches are tested against)."""
+  if cache is None or not cfg.get('token_cache', True):
+    return train, eval_, doc
+  cached_train = _cached(train, cache, 'train_files' if isinstance(train, files.Rows) else 'train')
+  cached_eval = (
+    _cached(eval_, cache, 'eval_files' if isinstance(eval_, files.Rows) else 'eval') if cached_train else None
+  )
+  if cached_eval is None:
+    return train, eval_, doc
+  return cached_train, cached_eval, text.CachedDocument(truncations)
+
+
 def _text_dataset(
-  cfg, task: str, name: str, train: Any, eval_: Any, where: str, num_classes: int | None = None
+  cfg,
+  task: str,
+  name: str,
+  train: Any,
+  eval_: Any,
+  where: str,
+  num_classes: int | None = None,
+  cache: Any = None,
 ) -> Dataset:
-  """Tokenizer, then the task's transform: packed or per-row LM documents, MLM masking, or classification."""
+  """Tokenizer, then the task's transform: packed or per-row LM documents, MLM masking, or classification.
+  `cache(source, what)`: the source's token cache for LM documents (token_cache.TokenDocs), or None."""
   L = _seq_len(cfg, task)
   tok = tokens.tokenizer(cfg.tokenizer, schema.derived_from(cfg, 'tokenizer'))
   key, pack = cfg.text_key, cfg.pack
   if pack and task != 'lm':
     raise ConfigError(f'config.dataset.pack=True packs documents for task lm, not {task!r}')
+  prompt = ('--prompt', _opening(eval_[0][key])) if task == 'lm' and len(eval_) else None
   if task == 'lm':
     if tok.eos_id is None:
       raise ConfigError(f'tokenizer {tok.name!r} has no end-of-text token: LM documents need one')
-    transform = text.LMDocument(tok, key) if pack else text.LMRow(text.LMDocument(tok, key, text.Truncations(L + 1)), L)
+    cut = None if pack else text.Truncations(L + 1)
+    bound = (lambda source, what: cache(source, tok, what)) if cache else None
+    train, eval_, doc = _token_cached(cfg, train, eval_, bound, text.LMDocument(tok, key, cut), cut)
+    transform = doc if pack else text.LMRow(doc, L)
     layout = f'packed rows of {L} tokens' if pack else f'one document per row (truncated to {L} tokens)'
   elif task == 'mlm':
     if tok.mask_id is None:
@@ -100,7 +138,7 @@ def _text_dataset(
     tokenizer=tok,
     vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
     num_classes=num_classes if task == 'text_classification' else None,
-    prompt=('--prompt', _opening(eval_[0][key])) if task == 'lm' and len(eval_) else None,
+    prompt=prompt,
     description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} documents; '
     f'{tok.name} tokenizer ({tok.vocab_size} ids); {layout}',
   )
@@ -237,9 +275,14 @@ def _tfds(cfg, task: str) -> Dataset:
     _check_task(name, task, TEXT_TASKS if labelled else ('lm', 'mlm'))
     if task == 'text_classification' and cfg.num_classes not in (None, features['label'].num_classes):
       raise ConfigError(f'config.dataset.num_classes={cfg.num_classes} but {name} has {features["label"].num_classes}')
-    return _text_dataset(
-      cfg, task, name, *open_(), f'TFDS, {b.data_dir}', features['label'].num_classes if labelled else None
-    )
+    ident = {'tfds': b.info.full_name, 'data_dir': str(b.data_dir)}
+    ident['files'] = token_cache.files_identity(sorted(glob.glob(os.path.join(str(b.data_dir), '*'))))
+    cache = lambda source, tok, what: token_cache.of_source(
+      source, {**ident, 'split': train_split if what == 'train' else eval_split}, tok, key, cfg.cache_dir,
+      f'{name} {what}',
+    )  # fmt: skip
+    labels = features['label'].num_classes if labelled else None
+    return _text_dataset(cfg, task, name, *open_(), f'TFDS, {b.data_dir}', labels, cache)
   raise ConfigError(
     f'TFDS dataset {name!r} has neither image+label nor a {key!r} text feature '
     f'(its features: {sorted(features)}); set config.dataset.text_key for text datasets'
@@ -312,7 +355,8 @@ def _files(cfg, task: str) -> Dataset:
     where = f'{cfg.path}: {where}'
   where += ''.join(f'; {n:,} chats without an assistant turn left out of {w}' for w, n in skipped.items() if n)
   if not (prompt or messages):
-    return _text_dataset(cfg, task, name, train, eval_, where)
+    cache = lambda source, tok, what: token_cache.of_rows(source, tok, 'text', keys, cfg.cache_dir, what)
+    return _text_dataset(cfg, task, name, train, eval_, where, cache=cache)
   _check_task(name, task, ('lm',))
   L = _seq_len(cfg, task)
   tok = tokens.tokenizer(cfg.tokenizer, schema.derived_from(cfg, 'tokenizer'))
@@ -324,6 +368,10 @@ def _files(cfg, task: str) -> Dataset:
     row_checks.check_sft(r, what, tok, L, prompt, completion, messages)
   cut = text.Truncations(L + 1)
   doc = text.ChatDocument(tok, messages, cut) if messages else text.PromptCompletion(tok, prompt, completion, cut)
+  kind = 'chat' if messages else 'pair'
+  cache = lambda source, what: token_cache.of_rows(source, tok, kind, keys, cfg.cache_dir, what)
+  sft_prompt = _sft_prompt(eval_[0], prompt, messages)
+  train, eval_, doc = _token_cached(cfg, train, eval_, cache, doc, cut)
   pack = cfg.pack
   kind = 'chats (loss on the assistant turns)' if messages else 'prompt/completion pairs (loss on the completions)'
   layout = f'whole documents packed into rows of {L} tokens' if pack else f'one document per row of {L} tokens'
@@ -338,7 +386,7 @@ def _files(cfg, task: str) -> Dataset:
     prefetch=cfg.prefetch,
     tokenizer=tok,
     vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
-    prompt=_sft_prompt(eval_[0], prompt, messages),
+    prompt=sft_prompt,
     description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} {kind}; {tok.name} tokenizer '
     f'({tok.vocab_size} ids); {layout}; longer ones truncated (counted in the log)',
   )

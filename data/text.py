@@ -80,6 +80,17 @@ class LMDocument(grain.transforms.Map):
     return _document(tokens.document(self.tok, example[self.key]), None, self.truncations, example)
 
 
+class CachedDocument(grain.transforms.Map):
+  """A document from a token cache (data/token_cache.py: {'ids', 'loss'} as tokens.document, prompt_completion or
+  chat made them), truncated and split into inputs and targets as the transforms above do."""
+
+  def __init__(self, truncations: Truncations | None = None):
+    self.truncations = truncations
+
+  def map(self, example: Any) -> dict[str, np.ndarray]:
+    return _document(example['ids'], example['loss'], self.truncations, example)
+
+
 class PromptCompletion(grain.transforms.Map):
   """tokens.prompt_completion: begin(prompt) completion <eos>, the loss on the completion and <eos> only."""
 
