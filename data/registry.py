@@ -28,7 +28,7 @@ import ml_collections
 
 from configs import schema
 from data import files, pipeline, preference, row_checks, text, tfds_source, token_cache, tokens, vision
-from data.dataset import Dataset
+from data.dataset import Cached, Dataset
 from data.markov import MarkovLanguage, MarkovText
 from data.text import lm_example
 from errors import ConfigError
@@ -79,19 +79,17 @@ def _cached(source: Any, cache: Any, what: str) -> Any:
   return cache(source, what)
 
 
-def _token_cached(cfg, train: Any, eval_: Any, cache: Any, doc: Any, truncations: Any) -> tuple[Any, Any, Any]:
-  """(train, eval, document transform) read from the sources' token caches (data/token_cache.py) where
-  config.dataset.token_cache is on and both have one; else the sources as they are and `doc`, which tokenizes a
-  row as it is read (the reference the caches are tested against)."""
+def _token_cached(cfg, train: Any, eval_: Any, cache: Any, row: Any) -> Cached | None:
+  """The sources' token caches (data/token_cache.py), read by `row` (a cached document -> what the rows'
+  transform makes), where config.dataset.token_cache is on and both splits have one; else None, and the rows are
+  tokenized as they are read (the reference the caches are tested against)."""
   if cache is None or not cfg.get('token_cache', True):
-    return train, eval_, doc
+    return None
   cached_train = _cached(train, cache, 'train_files' if isinstance(train, files.Rows) else 'train')
   cached_eval = (
     _cached(eval_, cache, 'eval_files' if isinstance(eval_, files.Rows) else 'eval') if cached_train else None
   )
-  if cached_eval is None:
-    return train, eval_, doc
-  return cached_train, cached_eval, text.CachedDocument(truncations)
+  return None if cached_eval is None else Cached(cached_train, cached_eval, row)
 
 
 def _text_dataset(
@@ -108,7 +106,7 @@ def _text_dataset(
   `cache(source, what)`: the source's token cache for LM documents (token_cache.TokenDocs), or None."""
   L = _seq_len(cfg, task)
   tok = tokens.tokenizer(cfg.tokenizer, schema.derived_from(cfg, 'tokenizer'))
-  key, pack = cfg.text_key, cfg.pack
+  key, pack, cached = cfg.text_key, cfg.pack, None
   if pack and task != 'lm':
     raise ConfigError(f'config.dataset.pack=True packs documents for task lm, not {task!r}')
   prompt = ('--prompt', _opening(eval_[0][key])) if task == 'lm' and len(eval_) else None
@@ -116,9 +114,10 @@ def _text_dataset(
     if tok.eos_id is None:
       raise ConfigError(f'tokenizer {tok.name!r} has no end-of-text token: LM documents need one')
     cut = None if pack else text.Truncations(L + 1)
+    row = (lambda doc: doc) if pack else (lambda doc: text.LMRow(doc, L))
+    transform = row(text.LMDocument(tok, key, cut))
     bound = (lambda source, what: cache(source, tok, what)) if cache else None
-    train, eval_, doc = _token_cached(cfg, train, eval_, bound, text.LMDocument(tok, key, cut), cut)
-    transform = doc if pack else text.LMRow(doc, L)
+    cached = _token_cached(cfg, train, eval_, bound, row(text.CachedDocument(cut)))
     layout = f'packed rows of {L} tokens' if pack else f'one document per row (truncated to {L} tokens)'
   elif task == 'mlm':
     if tok.mask_id is None:
@@ -133,6 +132,7 @@ def _text_dataset(
     eval_,
     transform,
     pack_len=L if pack else None,
+    cached=cached,
     num_threads=cfg.num_threads,
     prefetch=cfg.prefetch,
     tokenizer=tok,
@@ -370,9 +370,10 @@ def _files(cfg, task: str) -> Dataset:
   doc = text.ChatDocument(tok, messages, cut) if messages else text.PromptCompletion(tok, prompt, completion, cut)
   kind = 'chat' if messages else 'pair'
   cache = lambda source, what: token_cache.of_rows(source, tok, kind, keys, cfg.cache_dir, what)
-  sft_prompt = _sft_prompt(eval_[0], prompt, messages)
-  train, eval_, doc = _token_cached(cfg, train, eval_, cache, doc, cut)
   pack = cfg.pack
+  cached = _token_cached(
+    cfg, train, eval_, cache, text.CachedDocument(cut) if pack else text.LMRow(text.CachedDocument(cut), L)
+  )
   kind = 'chats (loss on the assistant turns)' if messages else 'prompt/completion pairs (loss on the completions)'
   layout = f'whole documents packed into rows of {L} tokens' if pack else f'one document per row of {L} tokens'
   return Dataset(
@@ -382,11 +383,12 @@ def _files(cfg, task: str) -> Dataset:
     doc if pack else text.LMRow(doc, L),
     pack_len=L if pack else None,
     pack_whole=True,
+    cached=cached,
     num_threads=cfg.num_threads,
     prefetch=cfg.prefetch,
     tokenizer=tok,
     vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
-    prompt=sft_prompt,
+    prompt=_sft_prompt(eval_[0], prompt, messages),
     description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} {kind}; {tok.name} tokenizer '
     f'({tok.vocab_size} ids); {layout}; longer ones truncated (counted in the log)',
   )

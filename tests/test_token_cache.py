@@ -59,7 +59,7 @@ def test_batches_from_the_cache_are_the_inline_pipelines(tmp_path, tok_dir, kind
   for pack in (True, False) if kind == 'pair' else (True,):
     fields = dict(name='json', seq_len=48, tokenizer=tok, pack=pack, cache_dir=str(tmp_path / 'c'), **KINDS[kind](path))
     cfg = lambda cache, fields=fields: make(token_cache=cache, **fields)
-    assert type(data.build(cfg(True)).train).__name__ == 'TokenDocs'
+    assert isinstance(data.build(cfg(True)).cached.train, token_cache.TokenDocs)
     assert_same(batches(cfg(False)), batches(cfg(True)))
 
 
@@ -67,7 +67,7 @@ def test_tfds_text_through_the_cache_is_the_inline_pipelines(tmp_path):
   tfds = pytest.importorskip('tensorflow_datasets')
   with tfds.testing.mock_data(num_examples=48):
     cfg = lambda cache: make(name='lm1b', seq_len=24, pack=True, token_cache=cache, cache_dir=str(tmp_path))
-    assert isinstance(data.build(cfg(True)).train, token_cache.TokenDocs)
+    assert isinstance(data.build(cfg(True)).cached.train, token_cache.TokenDocs)
     assert_same(batches(cfg(False), 3), batches(cfg(True), 3))
 
 
