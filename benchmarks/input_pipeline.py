@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 import tensorflow_datasets as tfds  # noqa: E402
 
 import data  # noqa: E402
+from configs import schema  # noqa: E402
 
 MOCK_EXAMPLES = 4096
 # What one H100 consumes, from docs/performance.md (training throughput against PyTorch): GPT-2 124M at 16 x 1024
@@ -131,7 +132,9 @@ def memory() -> dict[str, float]:
 
 
 def config(task: str, **dataset) -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(dict(task=task, dataset=dataset))
+  """The task's config with `dataset` and every other dataset field at its default (configs/schema.py)."""
+  model = {'name': 'gpt2' if task == 'lm' else 'cnn'}
+  return schema.complete(ml_collections.ConfigDict(dict(task=task, dataset=dataset, model=model)))
 
 
 def measure(cfg: ml_collections.ConfigDict, batch: int, steps: int, warmup: int = 3) -> dict[str, float]:

@@ -50,6 +50,7 @@ class Truncations:
       n = self.count
     if n == 10 ** int(math.log10(n)):
       where = example.get('_where', 'a row') if isinstance(example, dict) else 'a row'
+      where = where() if callable(where) else where  # a cached document names its row only here
       logging.warning(
         'data: %s has %d tokens, truncated to %d (config.dataset.seq_len + 1); %d document(s) truncated so far',
         where,

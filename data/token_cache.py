@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import functools
 import glob
 import hashlib
 import json
@@ -91,6 +92,14 @@ def files_identity(paths: Sequence[str]) -> list[tuple[str, int, int]]:
   return out
 
 
+def _mapped(path: str, dtype: Any, count: int) -> np.ndarray:
+  return np.asarray(np.memmap(path, dtype, 'r', shape=(count,))) if count else np.zeros(0, dtype)
+
+
+def _nth(i: int) -> str:
+  return f'document {i + 1}'
+
+
 class TokenDocs:
   """A source's documents from its cache: random access, item i = {'ids', 'loss' (None for plain text), '_where'}
   (the row's file and line, for the truncation log and errors)."""
@@ -98,11 +107,10 @@ class TokenDocs:
   def __init__(self, path: str, meta: dict[str, Any], where: Callable[[int], str] | None = None):
     self.path, self.meta, self._where = path, meta, where
     n, count = meta['documents'], meta['ids']
-    self.offsets = np.memmap(os.path.join(path, 'offsets.bin'), np.int64, 'r', shape=(n + 1,))
-    self.ids = np.memmap(os.path.join(path, 'ids.bin'), meta['dtype'], 'r', shape=(count,)) if count else np.zeros(0)
-    self.loss = (
-      np.memmap(os.path.join(path, 'loss.bin'), np.uint8, 'r', shape=(count,)) if meta['loss'] and count else None
-    )
+    # Plain ndarray views of the mapped files: slicing one costs less than slicing a np.memmap.
+    self.offsets = np.asarray(np.memmap(os.path.join(path, 'offsets.bin'), np.int64, 'r', shape=(n + 1,)))
+    self.ids = _mapped(os.path.join(path, 'ids.bin'), meta['dtype'], count)
+    self.loss = _mapped(os.path.join(path, 'loss.bin'), np.uint8, count) if meta['loss'] else None
 
   def __len__(self) -> int:
     return int(self.meta['documents'])
@@ -111,9 +119,9 @@ class TokenDocs:
     i = int(i)
     lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
     return {
-      'ids': np.asarray(self.ids[lo:hi], np.int32),
-      'loss': None if self.loss is None else np.asarray(self.loss[lo:hi], np.float64),
-      '_where': self._where(i) if self._where else f'document {i + 1}',
+      'ids': self.ids[lo:hi].astype(np.int32),
+      'loss': None if self.loss is None else self.loss[lo:hi].astype(np.float64),
+      '_where': functools.partial(self._where or _nth, i),  # named only when logged (text.Truncations)
     }
 
   @property
@@ -124,8 +132,9 @@ class TokenDocs:
 # --- Building ------------------------------------------------------------------------------------------------------
 
 
-def encode(tok: Any, kind: str, keys: Sequence[str], batch: dict[str, list], where: Sequence[str]) -> list[tuple]:
-  """(ids, loss or None) of each row of `batch` (columns), by data/tokens.py's rules; an error names its row."""
+def encode(tok: Any, kind: str, keys: Sequence[str], batch: dict[str, list], where: Callable[[int], str]) -> list:
+  """(ids, loss or None) of each row of `batch` (columns), by data/tokens.py's rules; an error names its row
+  (`where(j)`: row j's file and line)."""
   try:
     if kind == 'text':
       return [(ids, None) for ids in tokens.documents(tok, batch[keys[0]])]
@@ -134,7 +143,8 @@ def encode(tok: Any, kind: str, keys: Sequence[str], batch: dict[str, list], whe
   except Exception:  # noqa: BLE001 (row by row below, to name the row)
     pass
   out = []
-  for j, w in enumerate(where):
+  for j in range(len(batch[keys[0]])):
+    w = where(j)
     with row_checks.row_named({'_where': w}):
       if kind == 'text':
         out.append((tokens.document(tok, batch[keys[0]][j]), None))
@@ -155,8 +165,7 @@ def _init_worker(read: Any, tok: Any, kind: str, keys: Sequence[str]) -> None:
 
 def _encode_span(span: tuple[int, int]) -> list[tuple]:
   w = _WORKER
-  batch, where = w['read'](*span)
-  return encode(w['tok'], w['kind'], w['keys'], batch, where)
+  return encode(w['tok'], w['kind'], w['keys'], w['read'](*span), lambda j: w['read'].where(span[0] + j))
 
 
 def _batches(read: Any, n: int, tok: Any, kind: str, keys: Sequence[str], num_proc: int):
@@ -169,9 +178,8 @@ def _batches(read: Any, n: int, tok: Any, kind: str, keys: Sequence[str], num_pr
     with concurrent.futures.ProcessPoolExecutor(num_proc, ctx, _init_worker, (read, tok, kind, keys)) as pool:
       yield from zip(spans, pool.map(_encode_span, spans))
     return
-  for span in spans:
-    batch, where = read(*span)
-    yield span, encode(tok, kind, keys, batch, where)
+  for lo, hi in spans:
+    yield (lo, hi), encode(tok, kind, keys, read(lo, hi), lambda j, lo=lo: read.where(lo + j))
 
 
 def _complete(path: str) -> dict[str, Any] | None:
@@ -219,7 +227,7 @@ def _write(aside: str, batches: Any, n: int, loss: bool, dtype: np.dtype, label:
 def build(
   root: str,
   identity: dict[str, Any],
-  read: Callable[[int, int], tuple[dict[str, list], list[str]]],
+  read: Any,
   n: int,
   tok: Any,
   kind: str,
@@ -229,7 +237,7 @@ def build(
   num_proc: int | None = None,
 ) -> tuple[str, dict[str, Any]]:
   """The path and meta of the cache of `identity` under `root`, built first where there is none (once per host:
-  a file lock); `read(lo, hi)` gives rows [lo, hi) as columns and their names ('file line n')."""
+  a file lock); `read(lo, hi)` gives rows [lo, hi) as columns, `read.where(i)` names row i ('file line n')."""
   if kind not in KINDS:
     raise ValueError(f'token cache kind {kind!r}; one of {KINDS}')
   full = {'version': VERSION, 'kind': kind, 'keys': list(keys), 'tokenizer': tokenizer_identity(tok), **identity}
@@ -301,10 +309,11 @@ class _RowsReader:
   def __init__(self, rows: Any, keys: Sequence[str]):
     self.data, self.keep, self.keys, self.rows = rows.data.select_columns(list(keys)), rows.keep, list(keys), rows
 
-  def __call__(self, lo: int, hi: int) -> tuple[dict[str, list], list[str]]:
-    index = self.keep[lo:hi].tolist() if self.keep is not None else list(range(lo, hi))
-    batch = self.data[index] if self.keep is not None else self.data[lo:hi]
-    return batch, [self.rows.where(i) for i in range(lo, hi)]
+  def __call__(self, lo: int, hi: int) -> dict[str, list]:
+    return self.data[self.keep[lo:hi].tolist()] if self.keep is not None else self.data[lo:hi]
+
+  def where(self, i: int) -> str:
+    return self.rows.where(i)
 
 
 def of_rows(rows: Any, tok: Any, kind: str, keys: Sequence[str], cache_dir: str | None, label: str) -> TokenDocs | None:
@@ -330,9 +339,12 @@ class _SourceReader:
   def __init__(self, source: Any, keys: Sequence[str]):
     self.source, self.keys = source, list(keys)
 
-  def __call__(self, lo: int, hi: int) -> tuple[dict[str, list], list[str]]:
+  def __call__(self, lo: int, hi: int) -> dict[str, list]:
     examples = [self.source[i] for i in range(lo, hi)]
-    return {k: [ex[k] for ex in examples] for k in self.keys}, [f'example {i + 1}' for i in range(lo, hi)]
+    return {k: [ex[k] for ex in examples] for k in self.keys}
+
+  def where(self, i: int) -> str:
+    return f'example {i + 1}'
 
 
 def of_source(

@@ -197,11 +197,14 @@ class HFTokenizer:
 
   def encode_batch(self, texts: list) -> list[np.ndarray]:
     """encode() of each text, in one call: the fast tokenizer encodes a batch in its own threads, on every core."""
-    out = self.tok([_text(t) for t in texts], add_special_tokens=False)['input_ids']
-    return [np.asarray(ids, np.int32) for ids in out]
+    return self._batch(texts, add_special_tokens=False)
 
   def begin_batch(self, texts: list) -> list[np.ndarray]:
-    return [np.asarray(ids, np.int32) for ids in self.tok([_text(t) for t in texts])['input_ids']]
+    return self._batch(texts)
+
+  def _batch(self, texts: list, **kwargs: Any) -> list[np.ndarray]:
+    masks = dict(return_attention_mask=False, return_token_type_ids=False)  # the ids alone
+    return [np.asarray(ids, np.int32) for ids in self.tok([_text(t) for t in texts], **masks, **kwargs)['input_ids']]
 
   def decode(self, ids: Any, specials: bool = False) -> str:
     return self.tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=not specials)

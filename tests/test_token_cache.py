@@ -73,7 +73,7 @@ def test_tfds_text_through_the_cache_is_the_inline_pipelines(tmp_path):
 
 def _build(root, n=300, **kw):
   texts = [f'document {i} ' * (i % 5 + 1) for i in range(n)]
-  read = lambda lo, hi: ({'text': texts[lo:hi]}, [f'row {i}' for i in range(lo, hi)])
+  read = token_cache._SourceReader([{'text': t} for t in texts], ['text'])
   tok = data.tokens.ByteTokenizer()
   return token_cache.build(str(root), {'source': 'test'}, read, n, tok, 'text', ['text'], label='test', **kw), texts
 
