@@ -5,6 +5,7 @@ what the model the batch feeds consumes on one H100 (NEEDS).
   python benchmarks/input_pipeline.py                  # all pipelines below
   python benchmarks/input_pipeline.py --only lm1b --batch 64 --seq_len 1024
   python benchmarks/input_pipeline.py --only jsonl --tokenizer bpe --token_cache off   # tokenized as read (before)
+  python benchmarks/input_pipeline.py --only imagenet_jpeg --workers 2                  # decoded in 2 processes
 
 Pipelines:
   imagenet_jpeg  a TFDS dataset prepared here with ImageNet-sized JPEGs (500x375, smooth random content):
@@ -53,53 +54,56 @@ MOCK_EXAMPLES = 4096
 # image models' images/s there. The input must deliver at least this per process to keep that GPU busy.
 NEEDS = {
   'tokens': (0.356 * 989e12 / (6 * 124.4e6 + 6 * 12 * 1024 * 768), 'GPT-2 124M on one H100'),
-  'imagenet': (3_037, 'ViT-B/16 on one H100 (ResNet-50: 5,639 images/s)'),
+  'images': (3_037, 'ViT-B/16 on one H100 (ResNet-50: 5,639 images/s)'),
 }
 
 
-class ShardzooJpegs(tfds.core.GeneratorBasedBuilder):
-  """ImageNet-like JPEGs (500x375, smooth random colours), prepared locally: no download."""
+def register_builders() -> None:
+  """The locally prepared TFDS datasets, registered by main() only: worker processes (--workers) import this
+  module again, and a second registration of a builder's name is an error."""
 
-  VERSION = tfds.core.Version('1.0.0')
+  class ShardzooJpegs(tfds.core.GeneratorBasedBuilder):
+    """ImageNet-like JPEGs (500x375, smooth random colours), prepared locally: no download."""
 
-  def _info(self):
-    return tfds.core.DatasetInfo(
-      builder=self,
-      features=tfds.features.FeaturesDict(
-        {
-          'image': tfds.features.Image(shape=(None, None, 3), encoding_format='jpeg'),
-          'label': tfds.features.ClassLabel(num_classes=1000),
-        }
-      ),
-    )
+    VERSION = tfds.core.Version('1.0.0')
 
-  def _split_generators(self, dl_manager):
-    return {'train': self._generate_examples(512), 'validation': self._generate_examples(64)}
+    def _info(self):
+      return tfds.core.DatasetInfo(
+        builder=self,
+        features=tfds.features.FeaturesDict(
+          {
+            'image': tfds.features.Image(shape=(None, None, 3), encoding_format='jpeg'),
+            'label': tfds.features.ClassLabel(num_classes=1000),
+          }
+        ),
+      )
 
-  def _generate_examples(self, n):
-    rng = np.random.default_rng(0)
-    for i in range(n):
-      coarse = rng.integers(0, 256, (12, 16, 3)).astype(np.float32)
-      image = np.repeat(np.repeat(coarse, 32, 0), 32, 1)[:375, :500] + rng.normal(0, 12, (375, 500, 3))
-      yield i, {'image': np.clip(image, 0, 255).astype(np.uint8), 'label': int(rng.integers(1000))}
+    def _split_generators(self, dl_manager):
+      return {'train': self._generate_examples(512), 'validation': self._generate_examples(64)}
 
+    def _generate_examples(self, n):
+      rng = np.random.default_rng(0)
+      for i in range(n):
+        coarse = rng.integers(0, 256, (12, 16, 3)).astype(np.float32)
+        image = np.repeat(np.repeat(coarse, 32, 0), 32, 1)[:375, :500] + rng.normal(0, 12, (375, 500, 3))
+        yield i, {'image': np.clip(image, 0, 255).astype(np.uint8), 'label': int(rng.integers(1000))}
 
-class ShardzooSentences(tfds.core.GeneratorBasedBuilder):
-  """lm1b-like sentences (random words, 8-40 of them, ~130 bytes on average), prepared locally."""
+  class ShardzooSentences(tfds.core.GeneratorBasedBuilder):
+    """lm1b-like sentences (random words, 8-40 of them, ~130 bytes on average), prepared locally."""
 
-  VERSION = tfds.core.Version('1.0.0')
+    VERSION = tfds.core.Version('1.0.0')
 
-  def _info(self):
-    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({'text': tfds.features.Text()}))
+    def _info(self):
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({'text': tfds.features.Text()}))
 
-  def _split_generators(self, dl_manager):
-    return {'train': self._generate_examples(5000), 'test': self._generate_examples(100)}
+    def _split_generators(self, dl_manager):
+      return {'train': self._generate_examples(5000), 'test': self._generate_examples(100)}
 
-  def _generate_examples(self, n):
-    rng = np.random.default_rng(0)
-    words = [''.join(rng.choice(list('etaoinshrdlucmfwyp'), size=rng.integers(1, 9))) for _ in range(5000)]
-    for i in range(n):
-      yield i, {'text': ' '.join(rng.choice(words, size=rng.integers(8, 41))) + ' .'}
+    def _generate_examples(self, n):
+      rng = np.random.default_rng(0)
+      words = [''.join(rng.choice(list('etaoinshrdlucmfwyp'), size=rng.integers(1, 9))) for _ in range(5000)]
+      for i in range(n):
+        yield i, {'text': ' '.join(rng.choice(words, size=rng.integers(8, 41))) + ' .'}
 
 
 def write_jsonl(path: str, megabytes: float) -> int:
@@ -214,11 +218,13 @@ def main() -> None:
   p.add_argument('--steps', type=int, default=20)
   p.add_argument('--seq_len', type=int, default=512)
   p.add_argument('--threads', type=int, default=1, help='grain read threads for the map-style pipelines')
+  p.add_argument('--workers', type=int, default=0, help='imagenet_jpeg: worker processes (config.dataset.num_workers)')
   p.add_argument('--jsonl_mb', type=float, default=1024, help='size of the generated JSON Lines file (jsonl)')
   p.add_argument('--tokenizer', default='byte', help="jsonl: 'byte', 'bpe' or a Hugging Face tokenizer directory")
   p.add_argument('--token_cache', default='on', choices=('on', 'off'), help='text pipelines: through the token cache')
   p.add_argument('--dir', default=None, help='where the jsonl file and its Arrow cache go (default: a temp dir)')
   args = p.parse_args()
+  register_builders()
   b, n, cache = args.batch, args.threads, args.token_cache == 'on'
   text = lambda d: dict(token_cache=cache, cache_dir=os.path.join(d, 'cache'))
   pipelines = {
@@ -230,6 +236,7 @@ def main() -> None:
       image_size=224,
       augment='inception_crop',
       num_threads=n,
+      num_workers=args.workers,
     ),
     'imagenet2012': lambda d: config('classification', name='imagenet2012', image_size=224, num_threads=n),
     'cifar10': lambda d: config('classification', name='cifar10', num_threads=n),
@@ -268,7 +275,7 @@ def main() -> None:
       if name in ('lm1b', 'sentences'):
         print(cache_line(r) + '\n' + need_line(r['targets/s'], 'tokens'), flush=True)
       elif name.startswith('imagenet'):
-        print(need_line(r['examples/s'], 'imagenet'), flush=True)
+        print(need_line(r['examples/s'], 'images'), flush=True)
 
 
 def run_jsonl(tmp: str, args: argparse.Namespace) -> None:

@@ -41,6 +41,7 @@ class Dataset:
   pack_whole: bool = False  # packed documents with a loss mask: never split across rows (pipeline._packed_rows)
   cached: Cached | None = None  # token caches, read instead of train/eval and the transforms where set
   num_threads: int = 1
+  num_workers: int = 0  # unpacked train batches: made in this many worker processes (pipeline.train_dataset)
   prefetch: int = 4
   description: str = ''
   language: MarkovLanguage | None = None  # 'markov': the true language (entropy floor, sample NLL)
@@ -73,7 +74,14 @@ class Dataset:
         whole=self.pack_whole,
       )
     return pipeline.train_dataset(
-      source, global_batch, rows, seed, transform, num_threads=self.num_threads, prefetch=self.prefetch
+      source,
+      global_batch,
+      rows,
+      seed,
+      transform,
+      num_threads=self.num_threads,
+      prefetch=self.prefetch,
+      num_workers=self.num_workers,
     )
 
   def train_iterator(self, global_batch: int, rows: slice, seed: int) -> pipeline.RowsIterator:

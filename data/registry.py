@@ -172,6 +172,7 @@ def _image_dataset(
     vision.TrainImages(size, augment, mean, std),
     vision.EvalImages(size, augment, mean, std),
     num_threads=cfg.num_threads,
+    num_workers=cfg.get('num_workers', 0),
     prefetch=cfg.prefetch,
     num_classes=num_classes,
     description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} images, '

@@ -129,3 +129,14 @@ def test_a_cache_that_cannot_be_written_is_one_storage_error_that_leaves_nothing
   with pytest.raises(StorageError, match=r'the token cache of test could not be built in .*No space left on device'):
     _build(tmp_path)
   assert [f for f in os.listdir(tmp_path) if not f.endswith('.lock')] == []
+
+
+def test_image_batches_from_worker_processes_are_the_threads(tmp_path):
+  """config.dataset.num_workers: the same batches, in order, as the threads make (one pool of two spawned workers:
+  the suite's only one, seconds)."""
+  cfg = lambda workers: make('classification', name='synthetic_images', num_train=64, num_eval=8, num_workers=workers)
+  its = [data.build(cfg(w)).train_iterator(8, slice(0, 8), 0) for w in (0, 2)]
+  threads, workers = ([next(it) for _ in range(5)] for it in its)
+  for it in its:
+    it.close()
+  assert_same(threads, workers)
