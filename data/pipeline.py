@@ -27,6 +27,9 @@ document; packing per process would make the batches depend on the process count
 mask (prompt/completion pairs, chats) are packed whole instead: one that does not fit the rest of a row
 starts the next (grain's first-fit packer with one bin), so an answer never loses its prompt.
 
+Language-model documents are read from their token cache where they have one (token_cache.py: ids tokenized
+once, memory-mapped), so the packers do no tokenizing; the batches are the same either way.
+
 Mixtures: several sources, each shuffled and repeated on its own, interleaved by weight (grain's
 MapDataset.mix); the result is one random-access stream, so all of the above holds for it unchanged.
 """

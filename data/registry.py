@@ -13,8 +13,8 @@ the dataset's own (TFDS_DEFAULTS for well-known TFDS datasets).
 
 config.dataset fields (their types and defaults: configs/schema.py FIELDS): name, data_dir, train_split,
 eval_split, seq_len, image_size, channels, num_classes, tokenizer ('byte' or a local Hugging Face tokenizer
-directory), pack, augment, text_key, mlm_probability, num_threads, prefetch, the offline datasets' own
-(num_train, num_eval, seed, ...), and the files' own (train_files, eval_files, mixture, path, cache_dir,
+directory), pack, token_cache, augment, text_key, mlm_probability, num_threads, num_workers, prefetch, the offline
+datasets' own (num_train, num_eval, seed, ...), and the files' own (train_files, eval_files, mixture, path, cache_dir,
 sample_by, prompt_key, completion_key, messages_key, no_assistant).
 """
 
