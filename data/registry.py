@@ -83,7 +83,7 @@ def _token_cached(cfg, train: Any, eval_: Any, cache: Any, row: Any) -> Cached |
   """The sources' token caches (data/token_cache.py), read by `row` (a cached document -> what the rows'
   transform makes), where config.dataset.token_cache is on and both splits have one; else None, and the rows are
   tokenized as they are read (the reference the caches are tested against)."""
-  if cache is None or not cfg.get('token_cache', True):
+  if cache is None or not cfg.token_cache:
     return None
   cached_train = _cached(train, cache, 'train_files' if isinstance(train, files.Rows) else 'train')
   cached_eval = (
@@ -172,7 +172,7 @@ def _image_dataset(
     vision.TrainImages(size, augment, mean, std),
     vision.EvalImages(size, augment, mean, std),
     num_threads=cfg.num_threads,
-    num_workers=cfg.get('num_workers', 0),
+    num_workers=cfg.num_workers,
     prefetch=cfg.prefetch,
     num_classes=num_classes,
     description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} images, '
