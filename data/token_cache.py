@@ -172,13 +172,21 @@ def _batches(read: Any, n: int, tok: Any, kind: str, keys: Sequence[str], num_pr
   """Encoded rows, batch by batch in order. Text and pairs: one tokenizer call per batch (a fast tokenizer's own
   threads use every core; the byte tokenizer is numpy). Chats render one by one in Python, so many of them go to
   `num_proc` worker processes (spawned: a fork would copy JAX's and the tokenizer's threads)."""
-  spans = [(lo, min(lo + BATCH, n)) for lo in range(0, n, BATCH)]
+  spans, done = [(lo, min(lo + BATCH, n)) for lo in range(0, n, BATCH)], 0
   if kind == 'chat' and num_proc > 1 and n >= POOL_MIN_ROWS:
     ctx = multiprocessing.get_context('spawn')
-    with concurrent.futures.ProcessPoolExecutor(num_proc, ctx, _init_worker, (read, tok, kind, keys)) as pool:
-      yield from zip(spans, pool.map(_encode_span, spans))
-    return
-  for lo, hi in spans:
+    try:
+      with concurrent.futures.ProcessPoolExecutor(num_proc, ctx, _init_worker, (read, tok, kind, keys)) as pool:
+        for span, out in zip(spans, pool.map(_encode_span, spans)):
+          yield span, out
+          done += 1
+      return
+    except concurrent.futures.process.BrokenProcessPool:
+      logging.warning(
+        'data: the token cache could not start worker processes (a script that calls data.build needs '
+        "`if __name__ == '__main__':` for them); tokenizing in this process"
+      )
+  for lo, hi in spans[done:]:
     yield (lo, hi), encode(tok, kind, keys, read(lo, hi), lambda j, lo=lo: read.where(lo + j))
 
 
