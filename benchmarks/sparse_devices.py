@@ -13,24 +13,33 @@ compiles the survivors for those), so the count is a floor.
 from __future__ import annotations
 
 import collections
+import os
+import sys
 
-from absl import app, flags
-from flax import nnx
-from ml_collections import config_flags
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import models
-from errors import ShardingError
-from partitioning import AxisRules, nnx_logical_axes, tree_bytes_per_device, tree_specs
-from planning import candidates
-from training import flops
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+import errors  # noqa: E402
+import models  # noqa: E402
+from configs import cli  # noqa: E402
+from errors import ShardingError  # noqa: E402
+from partitioning import AxisRules, nnx_logical_axes, tree_bytes_per_device, tree_specs  # noqa: E402
+from planning import candidates  # noqa: E402
+from training import flops  # noqa: E402
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Config file and size, e.g. configs/deepseek_v3.py:671b.')
-flags.DEFINE_string('device_kind', 'h100', f'The chip: one of {sorted(flops.CHIPS)}.')
+flags.DEFINE_enum('device_kind', 'h100', sorted(flops.CHIPS), 'The chip whose memory holds the state.')
 flags.DEFINE_integer('max_devices', 4096, 'Give up above this many devices.')
 
 
-def main(_):
+@errors.one_line()  # bad input: one line, no traceback
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   config = FLAGS.config
   chip = flops.CHIPS[FLAGS.device_kind]
   config.model.scan_layers = True  # stacked leaves: the same bytes per device (no preset shards 'layers'), fewer
@@ -66,4 +75,4 @@ def main(_):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)  # a bad --config is one line too
