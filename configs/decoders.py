@@ -40,85 +40,40 @@ _TINY = dict(
   norm_eps=1e-6,
   max_len=64,
 )
+
+
+def _shape(vocab_size, embed_dim, mlp_dim, num_layers, num_heads, num_kv_heads, head_dim) -> dict:
+  """The seven numbers every config.json has, in one row of the table below."""
+  return dict(
+    vocab_size=vocab_size,
+    embed_dim=embed_dim,
+    mlp_dim=mlp_dim,
+    num_layers=num_layers,
+    num_heads=num_heads,
+    num_kv_heads=num_kv_heads,
+    head_dim=head_dim,
+  )
+
+
+# Each real size: _shape(vocab, width, MLP width, layers, heads, KV heads, head dim), then its other fields.
 SIZES = {
   'qwen2': {
     # Qwen2.5-0.5B: 494,032,768 parameters (tied); Qwen2.5-7B: 7,615,616,512 (untied)
-    '0.5b': dict(
-      vocab_size=151_936,
-      embed_dim=896,
-      mlp_dim=4864,
-      num_layers=24,
-      num_heads=14,
-      num_kv_heads=2,
-      head_dim=64,
-      tie_embeddings=True,
-      max_len=32_768,
-      **_QWEN,
-    ),
-    '7b': dict(
-      vocab_size=152_064,
-      embed_dim=3584,
-      mlp_dim=18_944,
-      num_layers=28,
-      num_heads=28,
-      num_kv_heads=4,
-      head_dim=128,
-      tie_embeddings=False,
-      max_len=32_768,
-      **_QWEN,
-    ),
+    '0.5b': dict(_shape(151_936, 896, 4864, 24, 14, 2, 64), tie_embeddings=True, max_len=32_768, **_QWEN),
+    '7b': dict(_shape(152_064, 3584, 18_944, 28, 28, 4, 128), tie_embeddings=False, max_len=32_768, **_QWEN),
     'tiny': dict(_TINY, tie_embeddings=True),
   },
   'qwen3': {
     # Qwen3-0.6B: 596,049,920 (tied); Qwen3-8B: 8,190,735,360; Qwen3-32B: 32,762,123,264 (untied)
-    '0.6b': dict(
-      vocab_size=151_936,
-      embed_dim=1024,
-      mlp_dim=3072,
-      num_layers=28,
-      num_heads=16,
-      num_kv_heads=8,
-      head_dim=128,
-      tie_embeddings=True,
-      max_len=40_960,
-      **_QWEN,
-    ),
-    '8b': dict(
-      vocab_size=151_936,
-      embed_dim=4096,
-      mlp_dim=12_288,
-      num_layers=36,
-      num_heads=32,
-      num_kv_heads=8,
-      head_dim=128,
-      tie_embeddings=False,
-      max_len=40_960,
-      **_QWEN,
-    ),
-    '32b': dict(
-      vocab_size=151_936,
-      embed_dim=5120,
-      mlp_dim=25_600,
-      num_layers=64,
-      num_heads=64,
-      num_kv_heads=8,
-      head_dim=128,
-      tie_embeddings=False,
-      max_len=40_960,
-      **_QWEN,
-    ),
+    '0.6b': dict(_shape(151_936, 1024, 3072, 28, 16, 8, 128), tie_embeddings=True, max_len=40_960, **_QWEN),
+    '8b': dict(_shape(151_936, 4096, 12_288, 36, 32, 8, 128), tie_embeddings=False, max_len=40_960, **_QWEN),
+    '32b': dict(_shape(151_936, 5120, 25_600, 64, 64, 8, 128), tie_embeddings=False, max_len=40_960, **_QWEN),
     'tiny': dict(_TINY, head_dim=16, tie_embeddings=False),  # head_dim apart from width / heads, as Qwen3's
   },
   'mistral': {
     # Mistral-7B-v0.1: 7,241,732,096 (sliding window 4096 on every layer)
     '7b': dict(
-      vocab_size=32_000,
-      embed_dim=4096,
-      mlp_dim=14_336,
-      num_layers=32,
-      num_heads=32,
-      num_kv_heads=8,
-      head_dim=128,
+      _shape(32_000, 4096, 14_336, 32, 32, 8, 128),
       sliding_window=4096,
       layer_pattern='L',
       rope_theta=10_000.0,
@@ -130,13 +85,7 @@ SIZES = {
   'gemma': {
     # Gemma-2B: 2,506,172,416 (multi-query attention, head_dim 256)
     '2b': dict(
-      vocab_size=256_000,
-      embed_dim=2048,
-      mlp_dim=16_384,
-      num_layers=18,
-      num_heads=8,
-      num_kv_heads=1,
-      head_dim=256,
+      _shape(256_000, 2048, 16_384, 18, 8, 1, 256),
       rope_theta=10_000.0,
       norm_eps=1e-6,
       tie_embeddings=True,
@@ -147,13 +96,7 @@ SIZES = {
   'gemma2': {
     # Gemma-2-2B: 2,614,341,888 (local and global layers alternate; soft caps 50 and 30)
     '2b': dict(
-      vocab_size=256_000,
-      embed_dim=2304,
-      mlp_dim=9216,
-      num_layers=26,
-      num_heads=8,
-      num_kv_heads=4,
-      head_dim=256,
+      _shape(256_000, 2304, 9216, 26, 8, 4, 256),
       query_pre_attn_scalar=256.0,
       sliding_window=4096,
       layer_pattern='LG',
@@ -216,13 +159,7 @@ SIZES = {
   'phi3': {
     # Phi-3-mini-4k: 3,821,079,552 (its config.json's sliding window of 2047 on every layer)
     'mini': dict(
-      vocab_size=32_064,
-      embed_dim=3072,
-      mlp_dim=8192,
-      num_layers=32,
-      num_heads=32,
-      num_kv_heads=32,
-      head_dim=96,
+      _shape(32_064, 3072, 8192, 32, 32, 32, 96),
       sliding_window=2047,
       layer_pattern='L',
       rope_theta=10_000.0,
@@ -233,18 +170,7 @@ SIZES = {
   },
   'olmo2': {
     # OLMo-2-1124-7B: 7,298,617,344 (norms after each sublayer, q/k norm over every head)
-    '7b': dict(
-      vocab_size=100_352,
-      embed_dim=4096,
-      mlp_dim=11_008,
-      num_layers=32,
-      num_heads=32,
-      num_kv_heads=32,
-      head_dim=128,
-      rope_theta=500_000.0,
-      norm_eps=1e-6,
-      max_len=4096,
-    ),
+    '7b': dict(_shape(100_352, 4096, 11_008, 32, 32, 32, 128), rope_theta=500_000.0, norm_eps=1e-6, max_len=4096),
     'tiny': dict(_TINY),
   },
 }
