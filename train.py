@@ -85,6 +85,7 @@ def run(
     ds = None if dry_run else steps.open_data(config)  # files, keys, tokenizer: checked before the model is built
     built = steps.build(config, mesh)
     trainer = built.trainer
+    ds = steps.precompute_reference(config, trainer, ds)  # DPO's reference log-probs, where asked for
     table = steps.show_shardings(trainer, workdir, full=dry_run or sharding_table == 'full')
     if dry_run:
       steps.write_table(table, workdir, dry_run=True)

@@ -1,21 +1,42 @@
-r"""Generation speed beside transformers: time to first token, tokens/s and per-token latency, greedy, no stop token.
+r"""Generation speed beside transformers and beside the machine's own bound: time to first token, tokens/s and
+per-token latency, greedy, no stop token.
 
-  python benchmarks/generate.py --family gpt2                      # GPT-2 124M shapes
-  python benchmarks/generate.py --family llama                     # Llama 3.2 1B shapes (1.24B)
-  python benchmarks/generate.py --family llama --layers 4 --hidden 1024 --heads 16 --kv_heads 4 --mlp 4096
-  python benchmarks/generate.py --family gpt2 --batches 1,32 --prompt_len 128 --new_tokens 256 --dtype float32
+  python benchmarks/generate.py --family gpt2 --batches 1,32 --prompt_len 128 --new_tokens 64 --dtype float32
+  python benchmarks/generate.py --family gpt2 --batches 1,32 --prompt_len 128 --new_tokens 64 --dtype bfloat16
+  python benchmarks/generate.py --family llama --layers 4 --hidden 512 --heads 8 --kv_heads 2 --mlp 1408 --vocab 32000
+
+Built so that it cannot flatter either side:
+* every side runs in a process of its own (`--side`, started by this script), the sides strictly alternating
+  (`--rounds` of ours, theirs / theirs, ours); a third process measures the machine (copy bandwidth, FLOP rate);
+* each process times `--reps` repetitions after a warm-up; the table gives medians and the spread (min-max);
+* the 1-minute load average is read before the run and before and after each process, and the CPU time of other
+  programs during each process (/proc/stat less this run's own): a busy machine (load over --max_load, or others
+  using over --max_load cores while a side ran) is refused, or with --busy its rows are flagged 'BUSY';
+* the same prompts (seeded by the batch size) go to both sides, and their greedy tokens are compared (equal in
+  float32; in bfloat16 the two libraries round differently, and a near tie may go the other way).
+
+The bound beside each figure: a decode step must read every weight it multiplies with once (the tied head's too;
+not the rows of position tables) and the KV cache up to its length (its mean over the decode), so at best it takes
+those bytes / the machine's memory bandwidth, measured here as the faster of an in-place jitted copy of 256 MiB
+(bytes read + written) and a jitted sum (bytes read); the prefill needs 2 FLOPs per weight per token plus its
+causal attention, at best at the rate of a jitted 2048^3 matmul (the faster of float32 and the compute dtype).
+'of bound' is bound / measured: 100% is the machine's limit.
 
 The Hugging Face model is built from its config class with random weights (torch.manual_seed(0)) and saved; the zoo
 imports the same directory (generation.load, one device) and decodes with its KV cache (generation/engine.py);
-transformers generates from the same model in the same process: on CPU with its default (dynamic) cache, on a GPU with
-its static cache and torch.compile. Each side is warmed up (compiled) on the same shapes before it is timed; the time
-to first token is a run of one new token (prefill included), the per-token latency (total - first) / (new - 1).
-Both sides must produce the same greedy tokens in float32 (checked; printed as 'same tokens').
+transformers generates from the same weights: on CPU with its default (dynamic) cache, on a GPU with its static
+cache and torch.compile (benchmarks/gpu_run.sh). The time to first token is a run of one new token (prefill
+included), the per-token latency (total - first) / (new - 1) of the same repetition.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import resource
+import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,23 +44,14 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-
-import generation  # noqa: E402
-import models  # noqa: E402
-import partitioning  # noqa: E402
-from checkpointing import hf_config  # noqa: E402
-from configs import gpt2 as gpt2_config  # noqa: E402
-from configs import llama as llama_config  # noqa: E402
-from partitioning import fmt_bytes  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum('family', 'gpt2', ['gpt2', 'llama'], 'Model family.')
 flags.DEFINE_string('batches', '1,32', 'Batch sizes, comma-separated.')
 flags.DEFINE_integer('prompt_len', 128, 'Prompt tokens per row.')
-flags.DEFINE_integer('new_tokens', 256, 'Tokens generated per row.')
+flags.DEFINE_integer('new_tokens', 64, 'Tokens generated per row.')
 flags.DEFINE_string('dtype', None, 'Compute dtype (default: float32 on CPU, bfloat16 on GPU).')
 flags.DEFINE_integer('layers', None, 'Override the number of layers (a smaller model where the real one is too slow).')
 flags.DEFINE_integer('hidden', None, 'Override the width.')
@@ -48,96 +60,317 @@ flags.DEFINE_integer('kv_heads', None, 'Override the number of kv heads (llama).
 flags.DEFINE_integer('mlp', None, 'Override the MLP width.')
 flags.DEFINE_integer('vocab', None, 'Override the vocabulary.')
 flags.DEFINE_bool('torch_compile', None, 'transformers with static cache + torch.compile (default: on a GPU only).')
+flags.DEFINE_integer('reps', 5, 'Timed repetitions per side and batch (after a warm-up).')
+flags.DEFINE_integer('rounds', 1, 'Processes per side, alternating ours/theirs, theirs/ours, ...')
+flags.DEFINE_float('max_load', 0.3, 'Busiest the machine may be: 1-minute load average, and cores used by others.')
+flags.DEFINE_integer('wait', 0, 'Seconds to wait for the load average to fall below --max_load before refusing.')
+flags.DEFINE_bool('busy', False, 'Run on a busy machine anyway, its rows flagged BUSY (development, not figures).')
+flags.DEFINE_enum('side', None, ['ours', 'theirs', 'machine'], 'Internal: the one side this process measures.')
+flags.DEFINE_string('path', None, 'Internal: the saved Hugging Face model.')
+flags.DEFINE_string('out', None, 'Internal: where this process writes its JSON.')
 
 
-def hf_model(family: str):
-  import torch
+# ---- the model, its bytes and FLOPs ----
+
+
+def hf_config():
   import transformers
 
-  torch.manual_seed(0)
   o = {k: getattr(FLAGS, k) for k in ('layers', 'hidden', 'heads', 'kv_heads', 'mlp', 'vocab')}
-  if family == 'gpt2':
-    cfg = transformers.GPT2Config(
+  if FLAGS.family == 'gpt2':
+    return transformers.GPT2Config(
       n_layer=o['layers'] or 12, n_embd=o['hidden'] or 768, n_head=o['heads'] or 12, n_inner=o['mlp'],
       vocab_size=o['vocab'] or 50257, n_positions=1024,
     )  # fmt: skip
-    return transformers.GPT2LMHeadModel(cfg).eval()
-  cfg = transformers.LlamaConfig(  # Llama 3.2 1B's shapes
+  return transformers.LlamaConfig(  # Llama 3.2 1B's shapes
     vocab_size=o['vocab'] or 128256, hidden_size=o['hidden'] or 2048, intermediate_size=o['mlp'] or 8192,
     num_hidden_layers=o['layers'] or 16, num_attention_heads=o['heads'] or 32, num_key_value_heads=o['kv_heads'] or 8,
     head_dim=(o['hidden'] or 2048) // (o['heads'] or 32), rms_norm_eps=1e-5, tie_word_embeddings=True,
     max_position_embeddings=2048, rope_parameters=dict(rope_type='default', rope_theta=500_000.0),
   )  # fmt: skip
-  return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def zoo_generator(family: str, path: str, dtype: str) -> generation.Generator:
-  config = (gpt2_config if family == 'gpt2' else llama_config).get_config('dp')
+def save_model(path: str) -> dict:
+  """Builds and saves the Hugging Face model; what the bound needs to know of its shapes."""
+  import torch
+  import transformers
+
+  torch.manual_seed(0)
+  cfg = hf_config()
+  model = (transformers.GPT2LMHeadModel if FLAGS.family == 'gpt2' else transformers.LlamaForCausalLM)(cfg).eval()
+  model.save_pretrained(path)
+  params = sum(p.numel() for p in model.parameters())
+  table = dict(model.named_parameters())
+  # A step reads a row of these, not the whole table: the position table, and an input embedding not tied to the
+  # head.
+  rows_only = [n for n in table if n.endswith(('wpe.weight',))]
+  if not cfg.tie_word_embeddings:
+    rows_only += [n for n in table if n.endswith('embed_tokens.weight')]
+  embeddings = [n for n in table if n.endswith(('wte.weight', 'wpe.weight', 'embed_tokens.weight', 'lm_head.weight'))]
+  heads = cfg.num_attention_heads
+  head_dim = getattr(cfg, 'head_dim', None) or cfg.hidden_size // heads
+  return dict(
+    params=params,
+    read=params - sum(table[n].numel() for n in rows_only),
+    matmul=params - sum(table[n].numel() for n in embeddings),
+    hidden=cfg.hidden_size,
+    layers=cfg.num_hidden_layers,
+    kv_heads=getattr(cfg, 'num_key_value_heads', None) or heads,
+    head_dim=head_dim,
+    vocab=cfg.vocab_size,
+  )
+
+
+def prompts_for(B: int, vocab: int) -> list[list[int]]:
+  return np.random.default_rng(B).integers(0, vocab, (B, FLAGS.prompt_len)).tolist()
+
+
+def repeat(fn, reps: int) -> list[tuple[float, float, object]]:
+  """(time of 1 new token, time of new_tokens, the latter's output) per repetition."""
+  out = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    fn(1)
+    t1 = time.perf_counter()
+    got = fn(FLAGS.new_tokens)
+    out.append((t1 - t0, time.perf_counter() - t1, got))
+  return out
+
+
+# ---- the sides, each in its own process ----
+
+
+def zoo_generator(path: str, dtype: str):
+  import jax
+
+  import generation
+  import models
+  import partitioning
+  from checkpointing import hf_config as adopt
+  from configs import gpt2 as gpt2_config
+  from configs import llama as llama_config
+
+  config = (gpt2_config if FLAGS.family == 'gpt2' else llama_config).get_config('dp')
   config.mesh.update({k: 1 for k in config.mesh})
   config.init_from, config.dont_load = path, ''
   config.model.update(dtype=dtype, scan_layers=False)
-  hf_config.adopt(config, models.HF_FAMILIES)
-  mesh = partitioning.make_mesh(config.mesh, jax.devices()[:1])
-  return generation.load(config, mesh)
+  adopt.adopt(config, models.HF_FAMILIES)
+  return generation.load(config, partitioning.make_mesh(config.mesh, jax.devices()[:1]))
 
 
-def timed(fn, repeats: int = 1) -> tuple[float, object]:
-  best, out = float('inf'), None
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = fn()
-    best = min(best, time.perf_counter() - t0)
-  return best, out
+def run_ours(shapes: dict, dtype: str) -> dict:
+  import jax
+
+  import generation
+
+  gen = zoo_generator(FLAGS.path, dtype)
+  out = dict(
+    device=jax.devices()[0].device_kind, param_dtypes=sorted({str(x.dtype) for x in jax.tree.leaves(gen.params)})
+  )
+  for B in [int(b) for b in FLAGS.batches.split(',')]:
+    prompts = prompts_for(B, shapes['vocab'])
+    fn = lambda n: [g.ids for g in gen.generate(prompts, generation.Sampling(max_new_tokens=n, temperature=0.0))]
+    fn(FLAGS.new_tokens)  # compiles the (B, P, S) program: max_new_tokens is traced, so 1 and N share it
+    reps = repeat(fn, FLAGS.reps)
+    rows, _, slots = gen.shapes(prompts, generation.Sampling(FLAGS.new_tokens))
+    out[B] = dict(times=[r[:2] for r in reps], tokens=reps[-1][2], cache=gen.cache_bytes_per_device(rows, slots))
+  return out
 
 
-def main(argv) -> None:
+def run_theirs(shapes: dict, dtype: str, device: str) -> dict:
   import torch
+  import transformers
 
-  on_gpu = jax.devices()[0].platform == 'gpu'
-  dtype = FLAGS.dtype or ('bfloat16' if on_gpu else 'float32')
-  compiled = on_gpu if FLAGS.torch_compile is None else FLAGS.torch_compile
-  device = 'cuda' if on_gpu else 'cpu'
-  model = hf_model(FLAGS.family)
-  n_params = sum(p.numel() for p in model.parameters())
-  path = tempfile.mkdtemp(prefix='shardzoo_generate_bench_')
-  model.save_pretrained(path)
-  gen = zoo_generator(FLAGS.family, path, dtype)
-  model = model.to(device=device, dtype=getattr(torch, dtype))
-  kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+  cls = transformers.GPT2LMHeadModel if FLAGS.family == 'gpt2' else transformers.LlamaForCausalLM
+  model = cls.from_pretrained(FLAGS.path).eval().to(device=device, dtype=getattr(torch, dtype))
+  compiled = device == 'cuda' if FLAGS.torch_compile is None else FLAGS.torch_compile
   if compiled:
     model.generation_config.cache_implementation = 'static'
     model.forward = torch.compile(model.forward, mode='reduce-overhead', fullgraph=True)
-  print(
-    f'{FLAGS.family}: {n_params / 1e6:.1f}M parameters, {dtype}, prompt {FLAGS.prompt_len}, {FLAGS.new_tokens} new '
-    f'tokens, {jax.devices()[0].device_kind}; transformers {"static cache + torch.compile" if compiled else "default"}'
-  )
-  rows = []
-  P, N = FLAGS.prompt_len, FLAGS.new_tokens
+  kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+  out = dict(peer='static cache + torch.compile' if compiled else 'default (dynamic) cache', torch=torch.__version__)
   for B in [int(b) for b in FLAGS.batches.split(',')]:
-    prompts = np.random.default_rng(B).integers(0, model.config.vocab_size, (B, P)).tolist()
-    ours = lambda n: gen.generate(prompts, generation.Sampling(max_new_tokens=n, temperature=0.0))
-    ours(N)  # compiles the (B, P, S) program: max_new_tokens is traced, so 1 and N share it
-    ttft, _ = timed(lambda: ours(1), 2)
-    total, got = timed(lambda: ours(N))
-    x = torch.tensor(prompts, device=device)
-    theirs = lambda n: model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, **kw)
-    with torch.no_grad():
-      theirs(min(N, 8))  # warm-up (and torch.compile's compilation)
-      h_ttft, _ = timed(lambda: theirs(1), 2)
-      h_total, h_out = timed(lambda: theirs(N))
-    same = [g.ids for g in got] == h_out[:, P:].tolist()
-    cache = gen.cache_bytes_per_device(*[gen.shapes(prompts, generation.Sampling(N))[i] for i in (0, 2)])
-    lat, h_lat = (total - ttft) / (N - 1), (h_total - h_ttft) / (N - 1)
-    rows.append(
-      f'| {B} | {ttft * 1e3:.0f} ms | {B * N / total:,.1f} | {lat * 1e3:.1f} | {h_ttft * 1e3:.0f} ms | '
-      f'{B * N / h_total:,.1f} | {h_lat * 1e3:.1f} | {h_total / total:.2f}x | {same} | {fmt_bytes(cache)} |'
-    )
-    print(rows[-1], flush=True)  # each batch as it is measured (a long run on a CPU)
-  head = (
-    '| batch | ours TTFT | ours tokens/s | ours ms/token | transformers TTFT | tokens/s | ms/token | speed-up '
-    '| same tokens | KV cache |'
+    x = torch.tensor(prompts_for(B, shapes['vocab']), device=device)
+    mask = torch.ones_like(x)
+
+    def fn(n):
+      with torch.no_grad():
+        got = model.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **kw)
+      if device == 'cuda':
+        torch.cuda.synchronize()
+      return got[:, FLAGS.prompt_len :].tolist()
+
+    fn(FLAGS.new_tokens)  # warm-up (and torch.compile's compilation)
+    fn(1)
+    reps = repeat(fn, FLAGS.reps)
+    out[B] = dict(times=[r[:2] for r in reps], tokens=reps[-1][2])
+  return out
+
+
+def run_machine(dtype: str) -> dict:
+  """Memory bandwidth and matmul FLOP rate, each the best of 10 after a warm-up."""
+  import jax
+  import jax.numpy as jnp
+
+  def best(fn, *args, n=10):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(n):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times.append(time.perf_counter() - t0)
+    return min(times)
+
+  # 256 MiB, well beyond any cache; the copy is in place (donated), so no fresh pages: each byte read and written once
+  copy = jax.jit(lambda a: a * 1.0000001, donate_argnums=0)
+  x = copy(jnp.ones((64 << 20,), jnp.float32))
+  times = []
+  for _ in range(10):
+    t0 = time.perf_counter()
+    x = jax.block_until_ready(copy(x))
+    times.append(time.perf_counter() - t0)
+  copy_bw = 2 * x.nbytes / min(times)
+  read_bw = x.nbytes / best(jax.jit(lambda a: a.reshape(4096, -1).sum(axis=1)), x)
+  flops = {}
+  for dt in sorted({'float32', dtype}):
+    a = jnp.ones((2048, 2048), dt)
+    flops[dt] = 2 * 2048**3 / best(jax.jit(lambda a, b: a @ b), a, a, n=20 if jax.devices()[0].platform == 'gpu' else 5)
+  return dict(
+    platform=jax.devices()[0].platform,
+    device=jax.devices()[0].device_kind,
+    copy_bw=copy_bw,
+    read_bw=read_bw,
+    bandwidth=max(copy_bw, read_bw),
+    flops=flops,
+    flop_rate=max(flops.values()),
   )
-  print('\n'.join([head, '|' + '---|' * 10, *rows]))
+
+
+# ---- the run: processes, load, table ----
+
+
+def cpu_busy() -> float:
+  """Seconds of CPU time the whole machine has spent busy (Linux /proc/stat; 0 elsewhere)."""
+  try:
+    with open('/proc/stat') as f:
+      user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+  except OSError:
+    return 0.0
+  return (user + nice + system + irq + softirq + steal) / os.sysconf('SC_CLK_TCK')
+
+
+def side(name: str, path: str, extra: list[str]) -> tuple[dict, dict]:
+  """Runs one side in a process of its own: (its JSON, the machine's load around it)."""
+  out = os.path.join(path, f'{name}.json')
+  argv = [a for a in sys.argv[1:] if not a.startswith(('--side', '--path', '--out'))]
+  cmd = [sys.executable, os.path.abspath(__file__), *argv, f'--side={name}', f'--path={path}', f'--out={out}', *extra]
+  load0, busy0, t0 = os.getloadavg()[0], cpu_busy(), time.time()
+  ours0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+  subprocess.run(cmd, check=True)
+  ours1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+  wall = time.time() - t0
+  own = (ours1.ru_utime + ours1.ru_stime) - (ours0.ru_utime + ours0.ru_stime)
+  others = max(0.0, cpu_busy() - busy0 - own) / wall  # cores kept busy by other programs, on average
+  with open(out) as f:
+    return json.load(f), dict(load_before=load0, load_after=os.getloadavg()[0], others=others, wall=wall)
+
+
+def spread(xs: list[float], scale: float = 1.0, fmt: str = '.1f') -> str:
+  xs = sorted(x * scale for x in xs)
+  return f'{statistics.median(xs):{fmt}} ({xs[0]:{fmt}}-{xs[-1]:{fmt}})'
+
+
+def main(argv) -> None:
+  if FLAGS.side is not None:
+    shapes = json.loads(open(os.path.join(FLAGS.path, 'shapes.json')).read()) if FLAGS.side != 'machine' else {}
+    dtype = FLAGS.dtype
+    if FLAGS.side == 'ours':
+      got = run_ours(shapes, dtype)
+    elif FLAGS.side == 'theirs':
+      got = run_theirs(shapes, dtype, 'cuda' if shapes['platform'] == 'gpu' else 'cpu')
+    else:
+      got = run_machine(dtype or 'float32')
+    with open(FLAGS.out, 'w') as f:
+      json.dump(got, f)
+    return
+
+  deadline = time.time() + FLAGS.wait  # a run's own load takes about 3 minutes to decay below 0.3
+  while (load := os.getloadavg()[0]) > FLAGS.max_load and time.time() < deadline:
+    time.sleep(15)
+  if load > FLAGS.max_load and not FLAGS.busy:
+    sys.exit(
+      f'shardzoo: the machine is busy (1-minute load average {load:.2f} > --max_load {FLAGS.max_load}): figures '
+      'taken now would be wrong; wait for it to be quiet (--wait SECONDS), or pass --busy for a development run '
+      '(rows flagged BUSY)'
+    )
+  path = tempfile.mkdtemp(prefix='shardzoo_generate_bench_')
+  try:
+    machine, machine_load = side('machine', path, [])
+    dtype = FLAGS.dtype or ('bfloat16' if machine['platform'] == 'gpu' else 'float32')
+    shapes = save_model(path) | dict(platform=machine['platform'])
+    with open(os.path.join(path, 'shapes.json'), 'w') as f:
+      json.dump(shapes, f)
+    runs = {'ours': [], 'theirs': []}
+    for r in range(FLAGS.rounds):
+      for name in ('ours', 'theirs') if r % 2 == 0 else ('theirs', 'ours'):
+        runs[name].append(side(name, path, [f'--dtype={dtype}']))
+        ld = runs[name][-1][1]
+        print(
+          f'{name}, round {r + 1}: {ld["wall"]:.0f} s, load average {ld["load_before"]:.2f} -> {ld["load_after"]:.2f}, '
+          f"others' cores {ld['others']:.2f}",
+          flush=True,
+        )
+  finally:
+    shutil.rmtree(path, ignore_errors=True)
+  print(table(shapes, machine, machine_load, runs, dtype, load))
+
+
+def table(shapes: dict, machine: dict, machine_load: dict, runs: dict, dtype: str, load: float) -> str:
+  from partitioning import fmt_bytes
+
+  size = np.dtype(dtype if dtype != 'bfloat16' else 'float16').itemsize
+  P, N, bw = FLAGS.prompt_len, FLAGS.new_tokens, machine['bandwidth']
+  loads = [machine_load] + [ld for side in runs.values() for _, ld in side]
+  busy = max(ld['others'] for ld in loads) > FLAGS.max_load or load > FLAGS.max_load
+  ours0, theirs0 = runs['ours'][0][0], runs['theirs'][0][0]
+  lines = [
+    f'{FLAGS.family}: {shapes["params"] / 1e6:.1f}M parameters, {dtype} (ours stored as {ours0["param_dtypes"]}), '
+    f'prompt {P}, {N} new tokens, {FLAGS.reps} repetitions x {FLAGS.rounds} process(es) per side; '
+    f'{machine["device"]}; transformers {theirs0["torch"]} {theirs0["peer"]}',
+    f'machine: bandwidth {bw / 1e9:.1f} GB/s (in-place copy {machine["copy_bw"] / 1e9:.1f}, sum '
+    f'{machine["read_bw"] / 1e9:.1f}), matmul '
+    + ', '.join(f'{k} {v / 1e9:.0f} GFLOP/s' for k, v in machine['flops'].items()),
+    f"load average at the start {load:.2f}; per process (before/after, ours included; others' cores): "
+    + '; '.join(f'{ld["load_before"]:.2f}/{ld["load_after"]:.2f}, {ld["others"]:.2f}' for ld in loads)
+    + ('  ** BUSY: not figures **' if busy else ''),
+    '',
+    '| batch | ours TTFT ms | transformers TTFT ms | TTFT bound ms | ours ms/token | transformers ms/token | '
+    'bound ms/token | ours of bound | ours tokens/s | transformers tokens/s | speed-up | same tokens | KV cache |',
+    '|' + '---|' * 13,
+  ]
+  for B in [int(b) for b in FLAGS.batches.split(',')]:
+    col = lambda name: (
+      [t1 for got, _ in runs[name] for t1, _ in got[str(B)]['times']],
+      [(tn - t1) / (N - 1) for got, _ in runs[name] for t1, tn in got[str(B)]['times']],
+      [B * N / tn for got, _ in runs[name] for _, tn in got[str(B)]['times']],
+    )
+    (o_ttft, o_lat, o_tps), (h_ttft, h_lat, h_tps) = col('ours'), col('theirs')
+    cache_row = 2 * shapes['layers'] * shapes['kv_heads'] * shapes['head_dim'] * size  # bytes per token of one row
+    step = (shapes['read'] * size + B * cache_row * (P + (N - 1) / 2)) / bw
+    flops = (
+      2 * shapes['matmul'] * B * P
+      + 2 * shapes['layers'] * B * P * P * shapes['hidden']
+      + 2 * shapes['hidden'] * shapes['vocab'] * B
+    )
+    prefill = flops / machine['flop_rate']
+    same = all(got[str(B)]['tokens'] == theirs0[str(B)]['tokens'] for side in runs.values() for got, _ in side)
+    lines.append(
+      f'| {B} | {spread(o_ttft, 1e3, ".0f")} | {spread(h_ttft, 1e3, ".0f")} | {prefill * 1e3:.0f} | '
+      f'{spread(o_lat, 1e3)} | {spread(h_lat, 1e3)} | {step * 1e3:.1f} | {step / statistics.median(o_lat):.0%} | '
+      f'{spread(o_tps)} | {spread(h_tps)} | {statistics.median(o_tps) / statistics.median(h_tps):.2f}x | {same} | '
+      f'{fmt_bytes(ours0[str(B)]["cache"])} |' + (' BUSY' if busy else '')
+    )
+  return '\n'.join(lines)
 
 
 if __name__ == '__main__':

@@ -3,6 +3,8 @@
 #   bash benchmarks/gpu_run.sh NAME:SECONDS:ARGS... (ARGS for benchmarks/throughput.py, 'parity', or a
 #   script and its args, e.g. benchmarks/loss_parity.py --config ...; ARGS may
 #   begin with VAR=VALUE words, set for that run alone, e.g. XLA_FLAGS=--xla_dump_to=/tmp/d)
+# The calls measured on a GPU are listed on docs/performance.md (training against PyTorch, then generation:
+#   bash benchmarks/gpu_run.sh generate:420:"benchmarks/generate.py --family llama --batches 1,32 --max_load 4").
 # Logs (and each throughput run's JSON) go to /tmp/shardzoo_bench, packed into $OUT/all.tgz at the end when $OUT is
 # set (the device tool returns at most 8 files). Wheels in .whl/ (e.g. ml_collections) are installed first if present:
 # the GPU image lacks ml_collections and reaches no registry, so before the first call run, here,

@@ -604,6 +604,8 @@ FIELDS: dict[str, Field] = {
   'dataset.train_split': Field(str, default='train'),
   'dataset.eval_split': Field(str, optional=True, default=None),
   'dataset.num_threads': _int(1, 1),
+  # images: train batches decoded and augmented in this many worker processes (0: in num_threads threads)
+  'dataset.num_workers': _int(0, 0, only=IMAGES),
   'dataset.prefetch': _int(0, 4),
   # the offline datasets (deterministic from their seed): 'markov', 'markov_text' languages, 'synthetic_images'
   'dataset.seed': _int(0, 0),
@@ -624,6 +626,8 @@ FIELDS: dict[str, Field] = {
   'dataset.tokenizer': Field(str, default='byte', only=TOKENS),  # 'byte' or a Hugging Face tokenizer directory
   'dataset.text_key': Field(str, default='text'),  # the text feature of TFDS datasets and files
   'dataset.pack': Field(bool, default=False, only=TEXT),  # documents packed into rows (task lm only)
+  # lm: documents tokenized once into a cache of ids (data/token_cache.py); False: tokenized as they are read
+  'dataset.token_cache': Field(bool, default=True, only=('lm',)),
   'dataset.mlm_probability': Field(float, lo=0, hi=1, lo_open=True, hi_open=True, default=0.15, only=('mlm',)),
   # your own files (data/files.py, docs/your_data.md): name 'json', 'parquet', 'text' or 'hf'
   'dataset.train_files': Field(str, default='', only=OWN_FILES),  # globs, comma-separated ('hf': a split, '': train)
@@ -644,6 +648,8 @@ FIELDS: dict[str, Field] = {
   'dpo.loss': Field(str, owner='training.preference', default='sigmoid', only=('dpo',)),
   'dpo.beta': _float(0, 0.1, lo_open=True, only=('dpo',)),  # how far from the reference the policy may move
   'dpo.gamma': _float(0, 0.5, only=('dpo',)),  # simpo's target margin (TRL's simpo_gamma)
+  # the reference's log-probs computed in one pass before training and stored beside the data (no reference in the step)
+  'dpo.precompute_reference': Field(bool, default=False, only=('dpo',)),
   # GRPO (docs/post_training.md, training/rl.py): 'module:function' rewards, comma-separated, each '*weight' optional
   'grpo.reward': Field(str, default='', only=('grpo',)),
   'grpo.group_size': _int(2, 8, only=('grpo',)),  # completions sampled per prompt; config.batch_size counts them

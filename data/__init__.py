@@ -12,7 +12,8 @@ datasets, the config.dataset fields and the batch of each task.
 Modules: registry (the datasets and build), dataset (Dataset), pipeline (grain: shuffling, per-process
 rows, packing, global arrays), markov (offline Markov languages), tokens (tokenizers, and how text becomes ids for
 training and decoding alike), text (text transforms),
-vision (image transforms, offline images), tfds_source (opening prepared TFDS datasets, offline), files
+vision (image transforms, offline images), tfds_source (opening prepared TFDS datasets, offline), token_cache
+(language-model documents tokenized once into memory-mapped ids, which the packers read), files
 (JSON Lines, parquet, text and Hugging Face datasets; docs/your_data.md).
 The batch fields, their logical axes, shapes and dtypes belong to the tasks (training/tasks.py).
 """

@@ -15,6 +15,16 @@ from errors import ConfigError
 
 
 @dataclasses.dataclass
+class Cached:
+  """A dataset's documents from its token caches (data/token_cache.py), which the pipelines read instead of the rows
+  and their transform: the same batches (tested), without tokenizing as they are read."""
+
+  train: Any  # token_cache.TokenDocs (or a pipeline.Mixture of them)
+  eval: Any
+  transform: pipeline.Transform  # a cached document -> what `Dataset.transform` makes of its row
+
+
+@dataclasses.dataclass
 class Dataset:
   """Random-access train/eval splits and the per-example transforms that make batch fields of them.
 
@@ -29,7 +39,9 @@ class Dataset:
   eval_transform: pipeline.Transform | None = None  # default: transform
   pack_len: int | None = None  # packed text: rows of this many tokens
   pack_whole: bool = False  # packed documents with a loss mask: never split across rows (pipeline._packed_rows)
+  cached: Cached | None = None  # token caches, read instead of train/eval and the transforms where set
   num_threads: int = 1
+  num_workers: int = 0  # unpacked train batches: made in this many worker processes (pipeline.train_dataset)
   prefetch: int = 4
   description: str = ''
   language: MarkovLanguage | None = None  # 'markov': the true language (entropy floor, sample NLL)
@@ -38,21 +50,38 @@ class Dataset:
   num_classes: int | None = None  # labelled datasets: labels are below this
   prompt: tuple[str, str] | None = None  # language data: generate.py's flag and text for a prompt like its eval rows'
 
+  def reads(self, split: str) -> tuple[Any, pipeline.Transform]:
+    """(source, transform) the pipelines read for 'train' or 'eval': the token caches where there are, else the
+    rows and their transforms."""
+    if self.cached is not None:
+      return getattr(self.cached, split), self.cached.transform
+    if split == 'eval':
+      return self.eval, self.eval_transform or self.transform
+    return self.train, self.transform
+
   def train_dataset(self, global_batch: int, rows: slice, seed: int) -> grain.IterDataset:
     """This process's `rows` of every global batch, forever; `iter()` of it has get_state/set_state."""
+    source, transform = self.reads('train')
     if self.pack_len:
       return pipeline.packed_train_dataset(
-        self.train,
+        source,
         global_batch,
         rows,
         seed,
-        self.transform,
+        transform,
         self.pack_len,
         prefetch=self.prefetch,
         whole=self.pack_whole,
       )
     return pipeline.train_dataset(
-      self.train, global_batch, rows, seed, self.transform, num_threads=self.num_threads, prefetch=self.prefetch
+      source,
+      global_batch,
+      rows,
+      seed,
+      transform,
+      num_threads=self.num_threads,
+      prefetch=self.prefetch,
+      num_workers=self.num_workers,
     )
 
   def train_iterator(self, global_batch: int, rows: slice, seed: int) -> pipeline.RowsIterator:
@@ -61,24 +90,20 @@ class Dataset:
 
   def eval_batches(self, global_batch: int, rows: slice) -> Iterator[dict[str, np.ndarray]]:
     """This process's rows of the whole eval split; padding rows have mask 0."""
-    t = self.eval_transform or self.transform
+    source, t = self.reads('eval')
     if self.pack_len:
-      return pipeline.packed_eval_batches(self.eval, global_batch, rows, t, self.pack_len, whole=self.pack_whole)
-    return pipeline.eval_batches(self.eval, global_batch, rows, t, num_threads=self.num_threads, prefetch=self.prefetch)
+      return pipeline.packed_eval_batches(source, global_batch, rows, t, self.pack_len, whole=self.pack_whole)
+    return pipeline.eval_batches(source, global_batch, rows, t, num_threads=self.num_threads, prefetch=self.prefetch)
 
   def example_spec(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Field -> (shape, dtype) of one example as the pipelines make it, measured on the first train and
     eval examples (their transforms must agree)."""
     whole = self.pack_whole
     train = pipeline.example_spec(
-      self.train, self.transform, self.pack_len, what=f'the train split of {self.name!r}', whole=whole
+      *self.reads('train'), self.pack_len, what=f'the train split of {self.name!r}', whole=whole
     )
     eval_ = pipeline.example_spec(
-      self.eval,
-      self.eval_transform or self.transform,
-      self.pack_len,
-      what=f'the eval split of {self.name!r}',
-      whole=whole,
+      *self.reads('eval'), self.pack_len, what=f'the eval split of {self.name!r}', whole=whole
     )
     if train != eval_:
       raise ConfigError(f'dataset {self.name!r} makes train examples {train} but eval examples {eval_}')

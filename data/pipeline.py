@@ -27,6 +27,9 @@ document; packing per process would make the batches depend on the process count
 mask (prompt/completion pairs, chats) are packed whole instead: one that does not fit the rest of a row
 starts the next (grain's first-fit packer with one bin), so an answer never loses its prompt.
 
+Language-model documents are read from their token cache where they have one (token_cache.py: ids tokenized
+once, memory-mapped), so the packers do no tokenizing; the batches are the same either way.
+
 Mixtures: several sources, each shuffled and repeated on its own, interleaved by weight (grain's
 MapDataset.mix); the result is one random-access stream, so all of the above holds for it unchanged.
 """
@@ -41,6 +44,7 @@ from typing import Any
 import grain
 import jax
 import numpy as np
+from absl import flags as absl_flags
 from grain import experimental as grain_exp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
@@ -148,18 +152,25 @@ def train_dataset(
   *,
   num_threads: int = 1,
   prefetch: int = 4,
+  num_workers: int = 0,
 ) -> grain.IterDataset:
   """Infinite, reshuffled-per-epoch stream of this process's rows of each global batch.
 
   `transform` runs per example, only on the examples this process reads (grain is lazy), in
-  `num_threads` background threads with `prefetch` local batches buffered. The iterator supports
-  get_state()/set_state() (JSON-serialisable) for exact resumption.
+  `num_threads` background threads with `prefetch` local batches buffered, or with `num_workers` > 0 in that many
+  worker processes (grain's mp_prefetch: each makes every num_workers-th local batch, in order), for transforms
+  that hold the GIL (image decoding and augmentation in PIL and numpy) and so do not scale with threads. The
+  iterator supports get_state()/set_state() (JSON-serialisable) for exact resumption with the same num_workers.
   """
   local = _check_rows(rows, global_batch)
   if len(source) < global_batch:
     raise ConfigError(f'the training split has {len(source)} examples, fewer than one global batch ({global_batch})')
   ds = _apply(_stream(source, seed), transform, seed)
   ds = ds.batch(local, drop_remainder=True, batch_fn=_stack)[rows.start // local :: global_batch // local]
+  if num_workers:
+    if not absl_flags.FLAGS.is_parsed():  # grain reads its absl flags to start workers; a library caller's are unparsed
+      absl_flags.FLAGS.mark_as_parsed()
+    return ds.to_iter_dataset(_read_options(1, 1)).mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
   return ds.to_iter_dataset(_read_options(num_threads, prefetch))
 
 

@@ -9,13 +9,19 @@ with the generation prompt); the whole row goes to the reward functions with eac
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
 from typing import Any
 
 import grain
 import numpy as np
 import pyarrow.compute as pc
 
-from data import files, text, tokens
+from data import files, row_checks, text, tokens
 from data.dataset import Dataset
 from errors import ConfigError
 
@@ -48,7 +54,9 @@ class _Side(grain.transforms.Map):
 
 
 class PreferencePair(grain.transforms.Map):
-  """A row -> chosen_{inputs,targets,mask} and rejected_* (seq_len each, padding masked) and the pair's mask 1."""
+  """A row -> chosen_{inputs,targets,mask} and rejected_* (seq_len each, padding masked) and the pair's mask 1;
+  with the reference's log-probs of the split attached (`with_reference`), ref_chosen_logps and ref_rejected_logps
+  of the row (its '_index')."""
 
   def __init__(self, tok, prompt_key: str, chosen_key: str, rejected_key: str, seq_len: int):
     cut = text.Truncations(seq_len + 1)
@@ -56,9 +64,18 @@ class PreferencePair(grain.transforms.Map):
       s: text.LMRow(_Side(tok, prompt_key, key, cut), seq_len)
       for s, key in (('chosen', chosen_key), ('rejected', rejected_key))
     }
+    self.reference: np.ndarray | None = None  # (rows, 2): the reference's summed answer log-probs per pair
+
+  def with_reference(self, logps: np.ndarray) -> PreferencePair:
+    out = copy.copy(self)
+    out.reference = np.asarray(logps, np.float32)
+    return out
 
   def map(self, example: Any) -> dict[str, np.ndarray]:
     out = {f'{s}_{k}': v for s, row in self.sides.items() for k, v in row.map(example).items()}
+    if self.reference is not None:
+      chosen, rejected = self.reference[example['_index']]
+      out |= {'ref_chosen_logps': np.float32(chosen), 'ref_rejected_logps': np.float32(rejected)}
     return out | {'mask': np.float32(1.0)}
 
 
@@ -110,12 +127,13 @@ def pairs(cfg) -> Dataset:
     raise ConfigError('config.task=dpo needs config.dataset.prompt_key (the column of the prompts)')
   train, eval_, where = _open(cfg, keys)
   for r in (train, eval_):
+    row_checks.check_post(r, keys)
     check_distinct(r, cfg.chosen_key, cfg.rejected_key)
   tok, L = _tokenizer(cfg), cfg.seq_len
   return Dataset(
     cfg.name,
-    train,
-    eval_,
+    Indexed(train),  # a row's index finds its precomputed reference log-probs (with_reference)
+    Indexed(eval_),
     PreferencePair(tok, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key, L),
     num_threads=cfg.num_threads,
     prefetch=cfg.prefetch,
@@ -179,6 +197,8 @@ def prompts(cfg, max_new_tokens: int) -> Dataset:
   if not cfg.prompt_key:
     raise ConfigError('config.task=grpo needs config.dataset.prompt_key (the column of the prompts)')
   train, eval_, where = _open(cfg, [cfg.prompt_key], every_column=True)
+  for r in (train, eval_):
+    row_checks.check_post(r, [cfg.prompt_key])
   tok, P = _tokenizer(cfg), cfg.seq_len - max_new_tokens
   if P < 1:
     raise ConfigError(
@@ -196,4 +216,69 @@ def prompts(cfg, max_new_tokens: int) -> Dataset:
     vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
     description=f'{cfg.name} ({where}): train {len(train):,} / eval {len(eval_):,} prompts ({cfg.prompt_key!r}, at '
     f'most {P} tokens); {tok.name} tokenizer ({tok.vocab_size} ids)',
+  )
+
+
+# --- The reference's log-probs, precomputed (config.dpo.precompute_reference) -----------------------------------
+
+REFERENCE_DIR = 'shardzoo_reference_logps'
+
+
+def _file_ids(spec: str | None, what: str) -> list[Any]:
+  if not spec:
+    return []
+  return [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files.expand(spec, what)]
+
+
+def reference_path(cfg: Any, reference: dict[str, Any]) -> str:
+  """Where the reference's log-probs of config.dataset's pairs are kept: beside the data's Arrow cache
+  (config.dataset.cache_dir, else Hugging Face's), in a file named by a hash of `reference` (what makes the
+  reference's weights) and of the data (each file's path, size and modification time; the keys, tokenizer and
+  seq_len that make its rows): another model or other data is another file, never a stale one."""
+  data_id = {
+    'name': cfg.name,
+    'path': cfg.get('path'),
+    'train': _file_ids(cfg.train_files, 'train_files') if cfg.name != 'hf' else cfg.train_files,
+    'eval': _file_ids(cfg.eval_files, 'eval_files') if cfg.name != 'hf' else cfg.eval_files,
+    'keys': [cfg.prompt_key, cfg.chosen_key, cfg.rejected_key],
+    'tokenizer': str(cfg.tokenizer),
+    'seq_len': cfg.seq_len,
+  }
+  blob = json.dumps({'reference': reference, 'data': data_id}, sort_keys=True, default=str)
+  import datasets  # noqa: PLC0415  (only to find its cache)
+
+  root = os.path.abspath(os.path.expanduser(cfg.cache_dir or datasets.config.HF_DATASETS_CACHE))
+  return os.path.join(root, REFERENCE_DIR, hashlib.sha256(blob.encode()).hexdigest()[:32] + '.npz')
+
+
+def load_reference(path: str, ds: Dataset) -> tuple[np.ndarray, np.ndarray] | None:
+  """(train, eval) log-probs stored at `path` for `ds`'s pairs, or None where there are none (or not for as
+  many pairs)."""
+  if not os.path.isfile(path):
+    return None
+  with np.load(path) as f:
+    train, eval_ = f['train'], f['eval']
+  if train.shape != (len(ds.train), 2) or eval_.shape != (len(ds.eval), 2):
+    return None
+  return train, eval_
+
+
+def save_reference(path: str, train: np.ndarray, eval_: np.ndarray) -> None:
+  """Written whole or not at all: into a temporary file beside `path`, then renamed over it."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fd, tmp = tempfile.mkstemp(prefix='.writing-', suffix='.npz', dir=os.path.dirname(path))
+  try:
+    with os.fdopen(fd, 'wb') as f:
+      np.savez(f, train=train, eval=eval_)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+def with_reference(ds: Dataset, train: np.ndarray, eval_: np.ndarray) -> Dataset:
+  """`ds` whose pairs carry the reference's log-probs (ref_chosen_logps, ref_rejected_logps) of each split."""
+  return dataclasses.replace(
+    ds, transform=ds.transform.with_reference(train), eval_transform=ds.transform.with_reference(eval_)
   )

@@ -13,20 +13,22 @@ the dataset's own (TFDS_DEFAULTS for well-known TFDS datasets).
 
 config.dataset fields (their types and defaults: configs/schema.py FIELDS): name, data_dir, train_split,
 eval_split, seq_len, image_size, channels, num_classes, tokenizer ('byte' or a local Hugging Face tokenizer
-directory), pack, augment, text_key, mlm_probability, num_threads, prefetch, the offline datasets' own
-(num_train, num_eval, seed, ...), and the files' own (train_files, eval_files, mixture, path, cache_dir,
+directory), pack, token_cache, augment, text_key, mlm_probability, num_threads, num_workers, prefetch, the offline
+datasets' own (num_train, num_eval, seed, ...), and the files' own (train_files, eval_files, mixture, path, cache_dir,
 sample_by, prompt_key, completion_key, messages_key, no_assistant).
 """
 
 from __future__ import annotations
 
+import glob
+import os
 from typing import Any
 
 import ml_collections
 
 from configs import schema
-from data import files, pipeline, preference, row_checks, text, tfds_source, tokens, vision
-from data.dataset import Dataset
+from data import files, pipeline, preference, row_checks, text, tfds_source, token_cache, tokens, vision
+from data.dataset import Cached, Dataset
 from data.markov import MarkovLanguage, MarkovText
 from data.text import lm_example
 from errors import ConfigError
@@ -68,19 +70,54 @@ def _check_task(name: str, task: str, serves: tuple[str, ...]) -> None:
     raise ConfigError(f'config.task={task!r} does not fit dataset {name!r}, which serves {list(serves)}')
 
 
+def _cached(source: Any, cache: Any, what: str) -> Any:
+  """`source` (a Mixture: each of its sources) as its token cache's documents (`cache(source, what)`; None: it
+  has none, and is read as it is), or None where no part of it has one."""
+  if isinstance(source, pipeline.Mixture):
+    parts = [_cached(s, cache, f'{what}[{i}]') for i, s in enumerate(source.sources)]
+    return None if None in parts else pipeline.Mixture(parts, source.weights)
+  return cache(source, what)
+
+
+def _token_cached(cfg, train: Any, eval_: Any, cache: Any, row: Any) -> Cached | None:
+  """The sources' token caches (data/token_cache.py), read by `row` (a cached document -> what the rows'
+  transform makes), where config.dataset.token_cache is on and both splits have one; else None, and the rows are
+  tokenized as they are read (the reference the caches are tested against)."""
+  if cache is None or not cfg.token_cache:
+    return None
+  cached_train = _cached(train, cache, 'train_files' if isinstance(train, files.Rows) else 'train')
+  cached_eval = (
+    _cached(eval_, cache, 'eval_files' if isinstance(eval_, files.Rows) else 'eval') if cached_train else None
+  )
+  return None if cached_eval is None else Cached(cached_train, cached_eval, row)
+
+
 def _text_dataset(
-  cfg, task: str, name: str, train: Any, eval_: Any, where: str, num_classes: int | None = None
+  cfg,
+  task: str,
+  name: str,
+  train: Any,
+  eval_: Any,
+  where: str,
+  num_classes: int | None = None,
+  cache: Any = None,
 ) -> Dataset:
-  """Tokenizer, then the task's transform: packed or per-row LM documents, MLM masking, or classification."""
+  """Tokenizer, then the task's transform: packed or per-row LM documents, MLM masking, or classification.
+  `cache(source, what)`: the source's token cache for LM documents (token_cache.TokenDocs), or None."""
   L = _seq_len(cfg, task)
   tok = tokens.tokenizer(cfg.tokenizer, schema.derived_from(cfg, 'tokenizer'))
-  key, pack = cfg.text_key, cfg.pack
+  key, pack, cached = cfg.text_key, cfg.pack, None
   if pack and task != 'lm':
     raise ConfigError(f'config.dataset.pack=True packs documents for task lm, not {task!r}')
+  prompt = ('--prompt', _opening(eval_[0][key])) if task == 'lm' and len(eval_) else None
   if task == 'lm':
     if tok.eos_id is None:
       raise ConfigError(f'tokenizer {tok.name!r} has no end-of-text token: LM documents need one')
-    transform = text.LMDocument(tok, key) if pack else text.LMRow(text.LMDocument(tok, key, text.Truncations(L + 1)), L)
+    cut = None if pack else text.Truncations(L + 1)
+    row = (lambda doc: doc) if pack else (lambda doc: text.LMRow(doc, L))
+    transform = row(text.LMDocument(tok, key, cut))
+    bound = (lambda source, what: cache(source, tok, what)) if cache else None
+    cached = _token_cached(cfg, train, eval_, bound, row(text.CachedDocument(cut)))
     layout = f'packed rows of {L} tokens' if pack else f'one document per row (truncated to {L} tokens)'
   elif task == 'mlm':
     if tok.mask_id is None:
@@ -95,12 +132,13 @@ def _text_dataset(
     eval_,
     transform,
     pack_len=L if pack else None,
+    cached=cached,
     num_threads=cfg.num_threads,
     prefetch=cfg.prefetch,
     tokenizer=tok,
     vocab=(tok.vocab_size, f'the {tok.name} tokenizer'),
     num_classes=num_classes if task == 'text_classification' else None,
-    prompt=('--prompt', _opening(eval_[0][key])) if task == 'lm' and len(eval_) else None,
+    prompt=prompt,
     description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} documents; '
     f'{tok.name} tokenizer ({tok.vocab_size} ids); {layout}',
   )
@@ -134,6 +172,7 @@ def _image_dataset(
     vision.TrainImages(size, augment, mean, std),
     vision.EvalImages(size, augment, mean, std),
     num_threads=cfg.num_threads,
+    num_workers=cfg.num_workers,
     prefetch=cfg.prefetch,
     num_classes=num_classes,
     description=f'{name} ({where}): train {len(train):,} / eval {len(eval_):,} images, '
@@ -237,9 +276,14 @@ def _tfds(cfg, task: str) -> Dataset:
     _check_task(name, task, TEXT_TASKS if labelled else ('lm', 'mlm'))
     if task == 'text_classification' and cfg.num_classes not in (None, features['label'].num_classes):
       raise ConfigError(f'config.dataset.num_classes={cfg.num_classes} but {name} has {features["label"].num_classes}')
-    return _text_dataset(
-      cfg, task, name, *open_(), f'TFDS, {b.data_dir}', features['label'].num_classes if labelled else None
-    )
+    ident = {'tfds': b.info.full_name, 'data_dir': str(b.data_dir)}
+    ident['files'] = token_cache.files_identity(sorted(glob.glob(os.path.join(str(b.data_dir), '*'))))
+    cache = lambda source, tok, what: token_cache.of_source(
+      source, {**ident, 'split': train_split if what == 'train' else eval_split}, tok, key, cfg.cache_dir,
+      f'{name} {what}',
+    )  # fmt: skip
+    labels = features['label'].num_classes if labelled else None
+    return _text_dataset(cfg, task, name, *open_(), f'TFDS, {b.data_dir}', labels, cache)
   raise ConfigError(
     f'TFDS dataset {name!r} has neither image+label nor a {key!r} text feature '
     f'(its features: {sorted(features)}); set config.dataset.text_key for text datasets'
@@ -312,7 +356,8 @@ def _files(cfg, task: str) -> Dataset:
     where = f'{cfg.path}: {where}'
   where += ''.join(f'; {n:,} chats without an assistant turn left out of {w}' for w, n in skipped.items() if n)
   if not (prompt or messages):
-    return _text_dataset(cfg, task, name, train, eval_, where)
+    cache = lambda source, tok, what: token_cache.of_rows(source, tok, 'text', keys, cfg.cache_dir, what)
+    return _text_dataset(cfg, task, name, train, eval_, where, cache=cache)
   _check_task(name, task, ('lm',))
   L = _seq_len(cfg, task)
   tok = tokens.tokenizer(cfg.tokenizer, schema.derived_from(cfg, 'tokenizer'))
@@ -324,7 +369,12 @@ def _files(cfg, task: str) -> Dataset:
     row_checks.check_sft(r, what, tok, L, prompt, completion, messages)
   cut = text.Truncations(L + 1)
   doc = text.ChatDocument(tok, messages, cut) if messages else text.PromptCompletion(tok, prompt, completion, cut)
+  kind = 'chat' if messages else 'pair'
+  cache = lambda source, what: token_cache.of_rows(source, tok, kind, keys, cfg.cache_dir, what)
   pack = cfg.pack
+  cached = _token_cached(
+    cfg, train, eval_, cache, text.CachedDocument(cut) if pack else text.LMRow(text.CachedDocument(cut), L)
+  )
   kind = 'chats (loss on the assistant turns)' if messages else 'prompt/completion pairs (loss on the completions)'
   layout = f'whole documents packed into rows of {L} tokens' if pack else f'one document per row of {L} tokens'
   return Dataset(
@@ -334,6 +384,7 @@ def _files(cfg, task: str) -> Dataset:
     doc if pack else text.LMRow(doc, L),
     pack_len=L if pack else None,
     pack_whole=True,
+    cached=cached,
     num_threads=cfg.num_threads,
     prefetch=cfg.prefetch,
     tokenizer=tok,

@@ -113,3 +113,15 @@ def check_sft(
     rows.where(cut[0]),
     fix,
   )
+
+
+def check_post(rows: Any, keys: list[str]) -> None:
+  """`check_types` for post-training rows (data/preference.py): each of `keys` (a pair's prompt and answers, a
+  GRPO row's prompt) holds texts, or chats whose messages' content is text; anything else is a ConfigError naming
+  the column and the first row (file and line) holding it."""
+  features = rows.data.features
+  for key in keys:
+    if _message_fields(features[key]) is not None:
+      check_types(rows, [], key)
+    else:
+      check_types(rows, [key], None)

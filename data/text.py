@@ -50,6 +50,7 @@ class Truncations:
       n = self.count
     if n == 10 ** int(math.log10(n)):
       where = example.get('_where', 'a row') if isinstance(example, dict) else 'a row'
+      where = where() if callable(where) else where  # a cached document names its row only here
       logging.warning(
         'data: %s has %d tokens, truncated to %d (config.dataset.seq_len + 1); %d document(s) truncated so far',
         where,
@@ -78,6 +79,17 @@ class LMDocument(grain.transforms.Map):
 
   def map(self, example: Any) -> dict[str, np.ndarray]:
     return _document(tokens.document(self.tok, example[self.key]), None, self.truncations, example)
+
+
+class CachedDocument(grain.transforms.Map):
+  """A document from a token cache (data/token_cache.py: {'ids', 'loss'} as tokens.document, prompt_completion or
+  chat made them), truncated and split into inputs and targets as the transforms above do."""
+
+  def __init__(self, truncations: Truncations | None = None):
+    self.truncations = truncations
+
+  def map(self, example: Any) -> dict[str, np.ndarray]:
+    return _document(example['ids'], example['loss'], self.truncations, example)
 
 
 class PromptCompletion(grain.transforms.Map):

@@ -67,6 +67,12 @@ class ByteTokenizer:
   def begin(self, text: str) -> np.ndarray:
     return np.concatenate([[self.bos_id], self.encode(text)]).astype(np.int32)
 
+  def encode_batch(self, texts: list) -> list[np.ndarray]:
+    return _each(self.encode, texts)
+
+  def begin_batch(self, texts: list) -> list[np.ndarray]:
+    return _each(self.begin, texts)
+
   def decode(self, ids: Any, specials: bool = False) -> str:
     out, run = [], bytearray()
     for i in (int(i) for i in np.asarray(ids).ravel()):
@@ -144,6 +150,11 @@ class Letters:
 
   begin = encode
 
+  def encode_batch(self, texts: list) -> list[np.ndarray]:
+    return _each(self.encode, texts)
+
+  begin_batch = encode_batch
+
   def decode(self, ids: Any, specials: bool = False) -> str:
     return ''.join(ALPHABET[int(i)] for i in np.asarray(ids).ravel() if 0 <= int(i) < self.vocab_size)
 
@@ -179,11 +190,21 @@ class HFTokenizer:
     self.chat_template = t.chat_template
 
   def encode(self, text: str | bytes) -> np.ndarray:
-    text = text.decode('utf-8') if isinstance(text, bytes) else str(text)
-    return np.asarray(self.tok(text, add_special_tokens=False)['input_ids'], np.int32)
+    return np.asarray(self.tok(_text(text), add_special_tokens=False)['input_ids'], np.int32)
 
-  def begin(self, text: str) -> np.ndarray:
-    return np.asarray(self.tok(str(text))['input_ids'], np.int32)
+  def begin(self, text: str | bytes) -> np.ndarray:
+    return np.asarray(self.tok(_text(text))['input_ids'], np.int32)
+
+  def encode_batch(self, texts: list) -> list[np.ndarray]:
+    """encode() of each text, in one call: the fast tokenizer encodes a batch in its own threads, on every core."""
+    return self._batch(texts, add_special_tokens=False)
+
+  def begin_batch(self, texts: list) -> list[np.ndarray]:
+    return self._batch(texts)
+
+  def _batch(self, texts: list, **kwargs: Any) -> list[np.ndarray]:
+    masks = dict(return_attention_mask=False, return_token_type_ids=False)  # the ids alone
+    return [np.asarray(ids, np.int32) for ids in self.tok([_text(t) for t in texts], **masks, **kwargs)['input_ids']]
 
   def decode(self, ids: Any, specials: bool = False) -> str:
     return self.tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=not specials)
@@ -197,6 +218,15 @@ class HFTokenizer:
 
 
 Tokenizer = ByteTokenizer | HFTokenizer | Letters
+
+
+def _text(text: str | bytes) -> str:
+  """TFDS text features are bytes: UTF-8 text, as the byte tokenizer reads them."""
+  return text.decode('utf-8') if isinstance(text, bytes) else str(text)
+
+
+def _each(method: Any, texts: list) -> list[np.ndarray]:
+  return [method(t) for t in texts]
 
 
 def tokenizer(spec: str | None, follows: str | None = None) -> ByteTokenizer | HFTokenizer:
@@ -229,6 +259,11 @@ def document(tok: Tokenizer, text: str) -> np.ndarray:
   return np.concatenate([tok.begin(text), [tok.eos_id]]).astype(np.int32)
 
 
+def documents(tok: Tokenizer, texts: list) -> list[np.ndarray]:
+  """document() of each text, the tokenizer called once for the batch (the same ids: tested)."""
+  return [np.concatenate([ids, [tok.eos_id]]).astype(np.int32) for ids in tok.begin_batch(texts)]
+
+
 def prompt(tok: Tokenizer, text: str) -> list[int]:
   """A prompt's ids, in a prompt/completion row and in a decode alike: begin(text)."""
   return [int(i) for i in tok.begin(text)]
@@ -240,6 +275,15 @@ def prompt_completion(tok: Tokenizer, prompt_text: str, completion: str) -> tupl
   answer = [*tok.encode(completion).tolist(), tok.eos_id]
   loss = np.concatenate([np.zeros(len(first)), np.ones(len(answer))])
   return np.asarray(first + answer, np.int32), loss
+
+
+def prompt_completions(tok: Tokenizer, prompts: list, completions: list) -> list[tuple[np.ndarray, np.ndarray]]:
+  """prompt_completion() of each pair, the tokenizer called once per batch of prompts and of completions."""
+  out = []
+  for first, answer in zip(tok.begin_batch(prompts), tok.encode_batch(completions)):
+    loss = np.concatenate([np.zeros(len(first)), np.ones(len(answer) + 1)])
+    out.append((np.concatenate([first, answer, [tok.eos_id]]).astype(np.int32), loss))
+  return out
 
 
 def check_chat_template(tok: Tokenizer, field: str) -> None:

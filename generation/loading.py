@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
@@ -38,11 +39,17 @@ def check_language_model(config: ml_collections.ConfigDict) -> None:
 
 def decode_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """The config a decode is built from: config.decode_rules (when set) in place of the training rules, so the
-  parameters are loaded in the layout decoding runs in. ConfigError for a run that is not a language model."""
+  parameters are loaded in the layout decoding runs in, and stored in the compute dtype where it is narrower than
+  param_dtype (float32 parameters kept for a bfloat16 decode would be read at twice the bytes and cast at every
+  step; the layers cast them to the compute dtype anyway, so the tokens are the same). ConfigError for a run that
+  is not a language model."""
   check_language_model(config)
   config = ml_collections.ConfigDict(config.to_dict())
   if config.decode_rules:
     config.logical_axis_rules = [tuple(r) for r in config.decode_rules]
+  compute, stored = (jnp.dtype(config.model.get(k, 'float32')) for k in ('dtype', 'param_dtype'))
+  if jnp.issubdtype(compute, jnp.floating) and compute.itemsize < stored.itemsize:
+    config.model.param_dtype = compute.name
   return config
 
 

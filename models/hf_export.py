@@ -267,4 +267,5 @@ def config_json(family: hf.Family, model_cfg: Any, dtype: Any, base: Mapping[str
     out.pop('label2id', None)
   out['dtype'] = np.dtype(dtype).name
   out.pop('torch_dtype', None)
+  out.pop('quantization_config', None)  # a quantized checkpoint's: the export writes its weights unquantized
   return out

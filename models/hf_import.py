@@ -29,6 +29,14 @@ Rules: every zoo parameter and model-state leaf is explained by a row (or exclud
 left to fresh initialisation), every HF tensor is used or ignored, and a shape mismatch names the
 HF key and the zoo path. Anything else is an HFImportError.
 
+Quantized checkpoints (config.json's `quantization_config`) are read as the float tensors they stand for, so the
+tables name the same keys as for a bfloat16 file: `fp8` (DeepSeek-V3): an e4m3 `X.weight` times its float32
+`X.weight_scale_inv`, one scale per block of `weight_block_size` (128 x 128) over the last two dims, the grid
+ceil(rows / 128) x ceil(cols / 128) (edge blocks partial); `mxfp4` (GPT-OSS experts): `X_blocks` (uint8 [..., out,
+G, 16], two e2m1 values per byte, the low nibble first) and `X_scales` (uint8 e8m0 exponents + 127, one per 32
+values) read as `X` [..., in, out] (transformers' layout, integrations/mxfp4.py). A slice reads only the blocks and
+scales its region covers and is dequantized in float32, then cast to the leaf's dtype.
+
 Streaming: every leaf is created with `jax.make_array_from_callback` on its target NamedSharding.
 The callback for one device maps that device's slice of the zoo tensor back through the ops to a
 region of the HF tensor and reads only that region with safetensors' `get_slice` (a reshape that
@@ -50,7 +58,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
+from absl import logging
 from flax import traverse_util
 from safetensors import safe_open
 
@@ -274,6 +284,9 @@ class Family:
   # Export only: the config.json a run started from as this family's own (Gemma 3's vision-language checkpoints
   # hold the language model's in text_config; the export writes the language model alone).
   own_config: Callable[[dict], dict] | None = None
+  # config.json -> (regex of HF keys of parts the model does not build, why) or None: those tensors are skipped
+  # with one log line saying why (DeepSeek-V3's multi-token-prediction layer).
+  skip: Callable[[dict], tuple[str, str] | None] | None = None
 
   def rows(self, model_cfg: Any) -> Sequence[Param]:
     """The table for this config.model."""
@@ -313,26 +326,140 @@ class HFDir:
       raise HFImportError(f'{path!r}: the index names {missing[0]!r}, which is not there')
     self._shapes: dict[str, tuple[int, ...]] = {}
     self._dtypes: dict[str, str] = {}
+    self.quantization = Quantization.of(self.config, cfg_file)
+    # key -> (its packed tensors: fp8 (weight, scale_inv), mxfp4 (blocks, scales)); those are not keys themselves
+    self.packed: dict[str, tuple[str, str]] = {}
+    if self.quantization:
+      self.packed = self.quantization.packed(set(self.files))
+    hidden = {k for pair in self.packed.values() for k in pair}
+    self._keys = (set(self.files) - hidden) | set(self.packed)
 
   def keys(self) -> set[str]:
-    return set(self.files)
+    return set(self._keys)
 
-  def shape(self, key: str) -> tuple[int, ...]:
+  def _raw_shape(self, key: str) -> tuple[int, ...]:
     if key not in self._shapes:
       with _open(self.files[key]) as f:
         self._shapes[key] = tuple(f.get_slice(key).get_shape())
         self._dtypes[key] = f.get_slice(key).get_dtype()
     return self._shapes[key]
 
+  def shape(self, key: str) -> tuple[int, ...]:
+    """A quantized tensor's shape is that of the float tensor it stands for."""
+    if key in self.packed:
+      return self.quantization.shape(self, key, *self.packed[key])
+    return self._raw_shape(key)
+
   def dtype(self, key: str) -> str:
-    """The safetensors dtype tag ('F32', 'BF16', 'I64', ...)."""
-    self.shape(key)
-    return self._dtypes[key]
+    """The safetensors dtype tag ('F32', 'BF16', 'I64', ...); 'F32' for a quantized tensor (read dequantized)."""
+    return 'F32' if key in self.packed else self._raw_dtype(key)
 
   def read(self, key: str, region: Region) -> np.ndarray:
-    """Only `region` of tensor `key` is read from disk."""
+    """Only `region` of tensor `key` is read from disk (of a quantized one: the blocks and scales it covers)."""
+    if key in self.packed:
+      return self.quantization.read(self, region, *self.packed[key])
+    return self._read_raw(key, region)
+
+  def __contains__(self, key: str) -> bool:
+    return key in self._keys
+
+  def _raw_dtype(self, key: str) -> str:
+    self._raw_shape(key)
+    return self._dtypes[key]
+
+  def _read_raw(self, key: str, region: Region) -> np.ndarray:
+    if self._raw_dtype(key).startswith('F8'):
+      _float8_on_numpy()
     with _open(self.files[key]) as f:
       return f.get_slice(key)[tuple(slice(a, b) for a, b in region)]
+
+
+def _float8_on_numpy() -> None:
+  """safetensors (0.8.0) finds a float8 tensor's numpy dtype as an attribute of numpy (numpy.float8_e4m3fn), which
+  numpy lacks; ml_dtypes (jax's dependency) defines them, so they are set there once (bfloat16 it finds by name)."""
+  for name in ('float8_e4m3fn', 'float8_e5m2'):
+    if not hasattr(np, name):
+      setattr(np, name, getattr(ml_dtypes, name))
+
+
+FP4_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)  # by nibble
+QUANT_METHODS = ('fp8', 'mxfp4')
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+  """config.json's quantization_config: how the file's quantized tensors are laid out (module docstring)."""
+
+  method: str
+  block: tuple[int, int] = (128, 128)  # fp8: rows x cols of one scale
+
+  @classmethod
+  def of(cls, config: Mapping[str, Any], cfg_file: str) -> Quantization | None:
+    q = config.get('quantization_config')
+    if not q:
+      return None
+    method = q.get('quant_method')
+    if method not in QUANT_METHODS:
+      raise HFImportError(
+        f'{cfg_file}: quantization_config.quant_method={method!r} is not one the zoo reads (it dequantizes '
+        f'{" and ".join(QUANT_METHODS)} checkpoints); dequantize the checkpoint to bfloat16 first'
+      )
+    if method == 'fp8':
+      fmt, block = q.get('fmt', 'e4m3'), q.get('weight_block_size') or (128, 128)
+      if fmt != 'e4m3' or len(block) != 2:
+        raise HFImportError(
+          f'{cfg_file}: quantization_config fmt={fmt!r}, weight_block_size={block!r}: the zoo reads fp8 e4m3 '
+          'weights with 2-d block scales (weight_block_size [rows, cols])'
+        )
+      return cls(method, tuple(int(b) for b in block))
+    return cls(method)
+
+  def packed(self, keys: set[str]) -> dict[str, tuple[str, str]]:
+    """The quantized tensors among `keys`: name -> its two packed tensors."""
+    if self.method == 'fp8':
+      return {k: (k, k + '_scale_inv') for k in keys if k + '_scale_inv' in keys}
+    return {
+      k[: -len('_blocks')]: (k, k[: -len('_blocks')] + '_scales')
+      for k in keys
+      if k.endswith('_blocks') and k[: -len('_blocks')] + '_scales' in keys
+    }
+
+  def shape(self, hf: HFDir, key: str, a: str, b: str) -> tuple[int, ...]:
+    """The float tensor's shape, after checking the packed tensors' shapes agree (an HFImportError naming them)."""
+    sa, sb = hf._raw_shape(a), hf._raw_shape(b)
+    if self.method == 'fp8':
+      grid = (*sa[:-2], *(-(-n // blk) for n, blk in zip(sa[-2:], self.block, strict=True)))
+      if len(sa) < 2 or sb != grid:
+        raise HFImportError(
+          f'{hf.path}: {b} has shape {sb}, but {a} {sa} in blocks of {self.block} (weight_block_size) needs {grid}'
+        )
+      if hf._raw_dtype(a) != 'F8_E4M3':
+        raise HFImportError(f'{hf.path}: {a} holds {hf._raw_dtype(a)} values, not fp8 e4m3 (F8_E4M3), beside {b}')
+      return sa
+    if len(sa) < 3 or sb != sa[:-1] or hf._raw_dtype(a) != 'U8' or hf._raw_dtype(b) != 'U8':
+      raise HFImportError(
+        f'{hf.path}: mxfp4 {a} {hf._raw_dtype(a)} {sa} and {b} {hf._raw_dtype(b)} {sb}: expected uint8 '
+        'blocks [..., out, groups, 16] and uint8 scales [..., out, groups]'
+      )
+    return (*sa[:-3], sa[-2] * sa[-1] * 2, sa[-3])
+
+  def read(self, hf: HFDir, region: Region, a: str, b: str) -> np.ndarray:
+    if self.method == 'fp8':
+      *lead, (r0, r1), (c0, c1) = region
+      bm, bn = self.block
+      s0, t0 = r0 // bm, c0 // bn
+      w = hf._read_raw(a, region).astype(np.float32)
+      s = hf._read_raw(b, [*lead, (s0, -(-r1 // bm)), (t0, -(-c1 // bn))]).astype(np.float32)
+      s = np.repeat(np.repeat(s, bm, axis=-2), bn, axis=-1)
+      return w * s[..., r0 - s0 * bm : r1 - s0 * bm, c0 - t0 * bn : c1 - t0 * bn]
+    *lead, (i0, i1), (o0, o1) = region
+    per = 2 * hf._raw_shape(a)[-1]  # values per scale
+    g0, g1 = i0 // per, -(-i1 // per)
+    packed = hf._read_raw(a, [*lead, (o0, o1), (g0, g1), (0, per // 2)])
+    exps = hf._read_raw(b, [*lead, (o0, o1), (g0, g1)]).astype(np.int32) - 127
+    x = np.stack([FP4_E2M1[packed & 0x0F], FP4_E2M1[packed >> 4]], axis=-1).reshape(*packed.shape[:-1], per)
+    x = np.ldexp(x, exps[..., None]).reshape(*packed.shape[:-2], -1)[..., i0 - g0 * per : i1 - g0 * per]
+    return np.swapaxes(x, -1, -2)
 
 
 def _open(file: str) -> Any:
@@ -382,7 +509,7 @@ class Imported:
 def _resolve_key(hf: HFDir, family: Family, template: str, index: Mapping[str, int]) -> str | None:
   name = template.format(**index)
   for prefix in family.prefixes:
-    if prefix + name in hf.files:
+    if prefix + name in hf:
       return prefix + name
   return None
 
@@ -422,6 +549,13 @@ def import_weights(
   Leaves whose path matches `dont_load` are skipped (returned paths, to be initialised fresh).
   Raises HFImportError listing zoo leaves nothing explains and HF tensors nothing uses.
   """
+  if hf.quantization:
+    logging.info(
+      "%s: %d %s tensors dequantized to the parameters' dtype as each slice is read",
+      hf.path,
+      len(hf.packed),
+      hf.quantization.method,
+    )
   kinds = {False: (abstract, shardings), True: (state_abstract or {}, state_shardings or {})}
   flat = {
     state: {path_str(p): (p, leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(tree)}
@@ -492,6 +626,11 @@ def import_weights(
       )
     used.add(h)
   ignored = [re.compile(r) for r in family.ignore]
+  if (extra := family.skip and family.skip(hf.config)) and any(re.search(extra[0], k) for k in hf.keys()):
+    logging.warning(
+      '%s: %d tensors not imported: %s', hf.path, sum(bool(re.search(extra[0], k)) for k in hf.keys()), extra[1]
+    )
+    ignored.append(re.compile(extra[0]))
   unused = sorted(k for k in hf.keys() - used if not any(r.search(k) for r in ignored))
   every = set(flat[False]) | set(flat[True])
   skipped = {z for z in every if skip and skip.search(z)}

@@ -586,6 +586,19 @@ def _deepseek_config(c: dict) -> dict:
 GPT_OSS_LAYOUT = decoder.Checkpoint(('gpt_oss',), 'GptOssForCausalLM', windows='types', default_pattern='LG')
 
 
+def _deepseek_skip(c: dict) -> tuple[str, str] | None:
+  """DeepSeek-V3's multi-token-prediction layers, model.layers.{num_hidden_layers} on: not imported."""
+  n, N = c.get('num_nextn_predict_layers') or 0, c['num_hidden_layers']
+  if not n:
+    return None
+  return (
+    rf'^(model\.)?layers\.({"|".join(str(N + k) for k in range(n))})\.',
+    f'model.layers.{N}{f"-{N + n - 1}" if n > 1 else ""} is the multi-token-prediction module '
+    f'(num_nextn_predict_layers={n}), which predicts a further token for that training objective and speculative '
+    'decoding; the causal LM does not run it (transformers skips it too), so it is left out',
+  )
+
+
 def _gpt_oss_config(c: dict) -> dict:
   _refuse(
     c,
@@ -786,7 +799,7 @@ def _sparse_rows(name: str) -> Any:
   return rows
 
 
-def _sparse_family(name: str, model_types: tuple[str, ...], config: Any, to_config: Any) -> hf.Family:
+def _sparse_family(name: str, model_types: tuple[str, ...], config: Any, to_config: Any, skip: Any = None) -> hf.Family:
   """Keys 'model.'-prefixed in <Family>ForCausalLM files, bare in <Family>Model ones; lm_head never prefixed. The
   rotary inv_freq buffers of older files are ignored; a tied model accepts a file's lm_head.weight only as a copy
   of the embedding; max_len may be shorter than config.json's (rotary positions have no table)."""
@@ -801,11 +814,12 @@ def _sparse_family(name: str, model_types: tuple[str, ...], config: Any, to_conf
     tied=(('lm_head.weight', 'embed_tokens.weight'),),
     to_config=to_config,
     unprefixed=(r'^lm_head\.',),
+    skip=skip,
   )
 
 
 SPARSE_HF = {
   'qwen3_moe': _sparse_family('qwen3_moe', ('qwen3_moe',), _qwen3_moe_config, _to_qwen3_moe),
-  'deepseek_v3': _sparse_family('deepseek_v3', ('deepseek_v3',), _deepseek_config, _to_deepseek),
+  'deepseek_v3': _sparse_family('deepseek_v3', ('deepseek_v3',), _deepseek_config, _to_deepseek, _deepseek_skip),
   'gpt_oss': _sparse_family('gpt_oss', ('gpt_oss',), _gpt_oss_config, _to_gpt_oss),
 }

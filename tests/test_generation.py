@@ -100,6 +100,23 @@ def test_gpt2_greedy_is_transformers_and_steps_are_full_forward_passes(gpt2_dir,
   check_parity(zoo(gpt2_config, arg, path, scan_layers=scan), hf_model)
 
 
+def test_a_bfloat16_decode_stores_its_weights_in_bfloat16_and_decodes_the_same_tokens(gpt2_dir):
+  """decode_config narrows param_dtype to a narrower compute dtype: half the bytes a step reads, no cast per step;
+  the layers cast float32 weights to bfloat16 anyway, so the tokens and logits equal the float32-stored weights'."""
+  path, _ = gpt2_dir
+  gen = zoo(gpt2_config, 'tp,tiny', path, scan_layers=False, dtype='bfloat16')
+  floats = [x for x in jax.tree.leaves(gen.params) if jax.numpy.issubdtype(x.dtype, jax.numpy.floating)]
+  assert {x.dtype for x in floats} == {jax.numpy.dtype('bfloat16')}
+  wide = jax.tree.map(lambda x: x.astype('float32') if x.dtype == jax.numpy.bfloat16 else x, gen.params)
+  kept = generation.Generator(gen.graphdef, wide, gen.model_state, rules=gen.rules, mesh=gen.mesh)
+  sampling = generation.Sampling(max_new_tokens=NEW, temperature=0.0)
+  for a, b in zip(
+    gen.generate(PROMPTS, sampling, keep_logits=True), kept.generate(PROMPTS, sampling, keep_logits=True)
+  ):
+    assert a.ids == b.ids
+    np.testing.assert_array_equal(a.logits, b.logits)
+
+
 # --- Llama (grouped-query attention; tied and untied heads; llama3 rope scaling) and Mixtral ---------------
 
 LLAMA_CASES = {  # name -> (LlamaConfig overrides, zoo preset, scan_layers)
@@ -138,6 +155,18 @@ def test_llama_greedy_is_transformers_and_steps_are_full_forward_passes(llama_di
   gen = zoo(llama_config, arg, path, scan_layers=scan)
   assert gen.layout.kv_heads == 4 and gen.layout.scanned == scan
   check_parity(gen, hf_model, eos=hf_model.generation_config.eos_token_id)
+
+
+def test_one_row_decodes_each_prompt_as_the_batch_does(llama_dir):
+  """A single row's decode step attends by products summed in place of matmuls (models/layers.py Attention._cached):
+  each prompt alone gives transformers' tokens and the batch's logits."""
+  path, hf_model, arg, scan = llama_dir
+  gen = zoo(llama_config, arg, path, scan_layers=scan)
+  sampling = generation.Sampling(max_new_tokens=NEW, temperature=0.0)
+  for p, b in zip(PROMPTS, gen.generate(PROMPTS, sampling, keep_logits=True), strict=True):
+    (one,) = gen.generate([p], sampling, keep_logits=True)
+    assert one.ids == b.ids == hf_greedy(hf_model, p, None), p
+    np.testing.assert_allclose(one.logits, b.logits, atol=STEP_ATOL, rtol=0)
 
 
 def test_a_hugging_face_directory_decodes_with_its_own_dtype_and_lengths(tmp_path):

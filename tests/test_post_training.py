@@ -5,6 +5,8 @@ costs no second copy under LoRA; sharded runs equal one device; bad input is one
 from __future__ import annotations
 
 import json
+import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -18,10 +20,10 @@ import data
 import models
 import partitioning
 import training
-from configs import llama_dpo, schema
+from configs import llama_dpo, llama_grpo, schema
 from errors import ConfigError
 from models import lora
-from training import preference, rl
+from training import preference, rl, rollout
 
 LOSSES = preference.LOSSES
 
@@ -259,37 +261,60 @@ def _steps(config, devices, batch, n=2):
   return out, jax.device_get(state.params)
 
 
-def _dpo_config(preset):
-  c = llama_dpo.get_config(f'{preset},tiny')
+def _post_config(task, preset):
+  c = (llama_dpo if task == 'dpo' else llama_grpo).get_config(f'{preset},tiny')
   c.model.vocab_size = 260
+  c.batch_size = 16
   c.optim.update(warmup_steps=0, lr=1e-3)  # Adam's first steps move a parameter of ~0 gradient by ~lr: keep it small
   return c
 
 
-@pytest.fixture(scope='module')
-def pair_batch():
-  batch = _pairs(np.random.default_rng(4), 16, 16, 260)
-  batch['mask'][:] = 1.0
-  return batch
+def _rollout_rows(rng, B, L, V):
+  """A GRPO batch as a rollout makes it: completions after prompts of different lengths, old log-probs near the
+  starting model's (ratios near 1), advantages of both signs."""
+  mask = (np.arange(L) >= rng.integers(2, L // 2, B)[:, None]).astype(np.float32)
+  return {
+    'inputs': rng.integers(0, V, (B, L)).astype(np.int32),
+    'targets': rng.integers(0, V, (B, L)).astype(np.int32),
+    'mask': mask,
+    'old_logps': (-np.log(V) + rng.normal(scale=0.1, size=(B, L))).astype(np.float32),
+    'advantages': rng.normal(size=B).astype(np.float32),
+  }
 
 
 @pytest.fixture(scope='module')
-def one_device_run(pair_batch):
-  c = _dpo_config('dp')
-  c.mesh = schema.ml_collections.ConfigDict({a: 1 for a in c.mesh}, sort_keys=False)
-  return _steps(c, jax.devices()[:1], pair_batch)
+def post_batches():
+  pairs = _pairs(np.random.default_rng(4), 16, 16, 260)
+  pairs['mask'][:] = 1.0
+  return {'dpo': pairs, 'grpo': _rollout_rows(np.random.default_rng(5), 16, 16, 260)}
+
+
+@pytest.fixture(scope='module')
+def one_device_runs(post_batches):
+  out = {}
+  for task, batch in post_batches.items():
+    c = _post_config(task, 'dp')
+    c.mesh = schema.ml_collections.ConfigDict({a: 1 for a in c.mesh}, sort_keys=False)
+    out[task] = _steps(c, jax.devices()[:1], batch)
+  return out
+
+
+PROGRESS = {'dpo': 'rewards/margins', 'grpo': 'kl'}
 
 
 @pytest.mark.parametrize('preset', ['fsdp', 'tp'])
-def test_dpo_steps_sharded_equal_one_device(preset, pair_batch, one_device_run):
-  (m1, p1), (m8, p8) = one_device_run, _steps(_dpo_config(preset), None, pair_batch)
+@pytest.mark.parametrize('task', ['dpo', 'grpo'])
+def test_post_training_steps_sharded_equal_one_device(task, preset, post_batches, one_device_runs):
+  """Two steps of each task (DPO: the reference kept in the train state; GRPO: the reference's KL and the ratio
+  against old log-probs) on 8 devices equal one device: metrics and parameters."""
+  (m1, p1), (m8, p8) = one_device_runs[task], _steps(_post_config(task, preset), None, post_batches[task])
   for a, b in zip(m1, m8):
-    for k in ('loss', 'rewards/margins', 'grad_norm'):
+    for k in ('loss', PROGRESS[task], 'grad_norm'):
       np.testing.assert_allclose(a[k], b[k], rtol=2e-4, atol=1e-6, err_msg=k)
-  # At step 1 the policy is the reference: every reward is 0 up to rounding, and a strict comparison of two zeros
-  # is rounding's choice; after an update the preference is real.
+  # At step 1 the policy is the reference: every reward is 0 and the KL too, up to rounding (a strict comparison
+  # of two zeros is rounding's choice); after an update both are real.
   assert m1[1]['accuracy'] == m8[1]['accuracy']
-  assert m1[1]['loss'] != m1[0]['loss']
+  assert m1[1]['loss'] != m1[0]['loss'] and m1[1][PROGRESS[task]] != 0
   # Adam moves a parameter whose gradient is near 0 by up to lr (1e-3) on the gradient's sign and size relative to
   # eps: rounding in such gradients shows as ~1e-5 here, far below one step.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=3e-5), p1, p8)
@@ -304,41 +329,121 @@ def _pairs_file(tmp_path, rows, name='p.jsonl'):
   return str(path)
 
 
-def test_bad_pairs_are_one_line_naming_the_row(tmp_path):
-  good = {'prompt': '1+1=', 'chosen': '2', 'rejected': '3'}
-  c = llama_dpo.get_config('tiny')
-  c.dataset.update(cache_dir=str(tmp_path / 'cache'), eval_files='examples/arith/pairs_eval.jsonl')
-  c.dataset.train_files = _pairs_file(tmp_path, [good, good, {'prompt': '2+2=', 'chosen': '4', 'rejected': '4'}])
-  with pytest.raises(ConfigError, match=r'p.jsonl line 3: the chosen and the rejected answer are the same'):
-    data.build(c)
-  c.dataset.train_files = _pairs_file(tmp_path, [good, {'prompt': '2+2=', 'chosen': '4'}], 'q.jsonl')
-  with pytest.raises(ConfigError, match=r"q.jsonl line 2 has no 'rejected'"):
-    data.build(c)
+GOOD_PAIR = {'prompt': '1+1=', 'chosen': ' two', 'rejected': ' three'}
+REWARDS = 'def boom(p, c, r):\n  raise ValueError("no")\n\ndef text(p, c, r):\n  return "high"\n\n'
+REWARDS += 'def nan(p, c, r):\n  return float("nan")\n\ndef ok(p, c, r):\n  return 1\n'
 
 
-def test_bad_rewards_and_group_sizes_are_one_line_naming_them(tmp_path, monkeypatch):
-  from training import rollout
+def _data(tmp_path, task, rows):
+  c = (llama_dpo if task == 'dpo' else llama_grpo).get_config('tiny')
+  c.dataset.update(cache_dir=str(tmp_path / 'cache'), train_files=_pairs_file(tmp_path, [GOOD_PAIR, *rows]))
+  data.build(c)
 
-  (tmp_path / 'my_rewards.py').write_text(
-    'def boom(p, c, r):\n  raise ValueError("no")\n\n'
-    'def text(p, c, r):\n  return "high"\n\n'
-    'def ok(p, c, r):\n  return 1\n'
-  )
+
+def _reward(name):
+  (r,) = rollout.rewards(f'my_rewards:{name}')
+  rollout.score(r, '1+1=', '2', {}, 'f.jsonl line 2')
+
+
+def _group(batch_size):
+  c = llama_grpo.get_config('tiny')
+  c.batch_size = batch_size
+  rl.check_group(c)
+
+
+def _several_processes():
+  from unittest import mock  # noqa: PLC0415
+
+  c = llama_grpo.get_config('tiny')
+  with mock.patch.object(jax, 'process_count', lambda: 2):
+    rollout.Rollout(types.SimpleNamespace(config=c), None, None)
+
+
+BAD_INPUT = {  # what -> (how it is given, the line it must give)
+  'identical answers': (
+    lambda t: _data(t, 'dpo', [GOOD_PAIR, {'prompt': '2+2=', 'chosen': '4', 'rejected': '4'}]),
+    r'p.jsonl line 3: the chosen and the rejected answer are the same',
+  ),
+  'missing key': (lambda t: _data(t, 'dpo', [{'prompt': '2+2=', 'chosen': '4'}]), r"p.jsonl line 2 has no 'rejected'"),
+  'answer not text': (
+    lambda t: _data(t, 'dpo', [{'prompt': '2+2=', 'chosen': 4, 'rejected': '5'}]),
+    r"p.jsonl line 2: 'chosen' is 4 \(int\), not text",
+  ),
+  'prompt not text': (
+    lambda t: _data(t, 'grpo', [{'prompt': 5, 'answer': 5}]),
+    r"p.jsonl line 2: 'prompt' is 5 \(int\), not text",
+  ),
+  'reward not importable': (
+    lambda t: rollout.rewards('no_such_module:f'),
+    r"'no_such_module:f': module 'no_such_module' cannot be imported",
+  ),
+  'reward not in its module': (lambda t: _reward('missing'), r"module 'my_rewards' has no 'missing'"),
+  'no reward': (lambda t: rollout.rewards(' '), r'config.grpo.reward is empty'),
+  'reward raises': (lambda t: _reward('boom'), r'reward my_rewards:boom raised ValueError: no \(on f.jsonl line 2'),
+  'reward not a number': (lambda t: _reward('text'), r"reward my_rewards:text returned 'high' on f.jsonl line 2"),
+  'reward not finite': (lambda t: _reward('nan'), r'reward my_rewards:nan returned nan on f.jsonl line 2'),
+  'group size': (lambda t: _group(20), r'config.batch_size=20 is not a multiple of config.grpo.group_size=8'),
+  'grpo in several processes': (lambda t: _several_processes(), r'config.task=grpo runs in one process'),
+}
+
+
+@pytest.mark.parametrize('what', BAD_INPUT)
+def test_bad_post_training_input_is_one_line_naming_it(what, tmp_path, monkeypatch):
+  """Pairs and GRPO rows (data/preference.py through data/row_checks.py), reward functions (training/rollout.py)
+  and the group size: one ConfigError each, one line, naming the culprit."""
+  (tmp_path / 'my_rewards.py').write_text(REWARDS)
   monkeypatch.syspath_prepend(str(tmp_path))
-  with pytest.raises(ConfigError, match=r"'no_such_module:f': module 'no_such_module' cannot be imported"):
-    rollout.rewards('no_such_module:f')
-  with pytest.raises(ConfigError, match=r"module 'my_rewards' has no 'missing'"):
-    rollout.rewards('my_rewards:ok,my_rewards:missing')
-  with pytest.raises(ConfigError, match=r'config.grpo.reward is empty'):
-    rollout.rewards(' ')
-  boom, text, ok = rollout.rewards('my_rewards:boom,my_rewards:text*0.5,my_rewards:ok')
-  assert (text.weight, ok.weight) == (0.5, 1.0)
-  with pytest.raises(ConfigError, match=r'reward my_rewards:boom raised ValueError: no \(on f.jsonl line 2'):
-    rollout.score(boom, '1+1=', '2', {}, 'f.jsonl line 2')
-  with pytest.raises(ConfigError, match=r"reward my_rewards:text returned 'high' on f.jsonl line 2"):
-    rollout.score(text, '1+1=', '2', {}, 'f.jsonl line 2')
-  c = llama_dpo.get_config('tiny')
-  c.task, c.batch_size = 'grpo', 20
-  schema.complete(c)
-  with pytest.raises(ConfigError, match=r'config.batch_size=20 is not a multiple of config.grpo.group_size=8'):
-    rl.check_group(c)
+  make, line = BAD_INPUT[what]
+  with pytest.raises(ConfigError, match=line) as e:
+    make(tmp_path)
+  assert '\n' not in str(e.value)
+
+
+# --- The reference's log-probs precomputed ---------------------------------------------------------------------
+
+
+def test_precomputed_reference_logps_give_the_losses_of_a_reference_in_the_step(tmp_path, monkeypatch):
+  """config.dpo.precompute_reference: one pass of the starting weights, stored beside the data (read back the
+  second time, another file for another seq_len or model); the losses of a train batch (shuffled: each row finds
+  its own) and an eval batch equal those of the reference run in the step, with the policy moved off the start."""
+  from training import run as run_lib
+
+  c = _config('sigmoid', 0.5)
+  c.batch_size = 8
+  c.dataset.cache_dir = str(tmp_path / 'cache')
+  pre = c.copy_and_resolve_references()
+  pre.dpo.precompute_reference = True
+  t_ref, t_pre = _trainer(c), _trainer(pre)
+  assert t_pre.abstract.task_state == {} and 'reference' in t_ref.abstract.task_state
+  ds = data.build(c)
+  with_ref = run_lib.precompute_reference(pre, t_pre, ds)
+  monkeypatch.setattr(preference, 'pass_over', lambda *a: pytest.fail('computed again'))
+  again = run_lib.precompute_reference(pre, t_pre, ds)
+  np.testing.assert_array_equal(again.transform.reference, with_ref.transform.reference)
+  identity = run_lib.reference_identity(pre)
+  path = data.preference.reference_path(pre.dataset, identity)
+  assert os.path.isfile(path)
+  other = pre.copy_and_resolve_references()
+  other.dataset.seq_len = 12
+  assert data.preference.reference_path(other.dataset, identity) != path
+  other_model = dict(identity, model={**identity['model'], 'num_layers': 1})
+  assert data.preference.reference_path(pre.dataset, other_model) != path
+
+  state = training.init_state(t_ref)
+  moved = jax.tree.map(lambda p: p * 1.5 + 0.01, state.params)  # the policy after some training
+  B = c.batch_size
+  train_iter = with_ref.train_iterator(B, slice(0, B), c.seed)
+  batches = [next(train_iter), next(iter(with_ref.eval_batches(B, slice(0, B))))]
+  train_iter.close()
+  step_ref = training.compile_step(t_ref, training.jit_eval_step(t_ref))
+  step_pre = training.compile_step(t_pre, training.jit_eval_step(t_pre))
+  for batch in batches:
+    plain = {k: v for k, v in batch.items() if k not in preference.REF_FIELDS}
+    a = step_ref(state.replace(params=moved), data.to_global(plain, t_ref.batch_shardings, B))
+    b = step_pre(
+      state.replace(params=moved, task_state={}, opt_state=state.opt_state),
+      data.to_global(batch, t_pre.batch_shardings, B),
+    )
+    assert abs(float(a['loss_sum']) - B * np.log(2)) > 0.1  # the policy is not the reference
+    np.testing.assert_allclose(float(b['loss_sum']), float(a['loss_sum']), rtol=1e-5)
+    assert float(a['correct_sum']) == float(b['correct_sum'])

@@ -20,6 +20,7 @@ import generation  # noqa: E402
 import models  # noqa: E402
 import partitioning  # noqa: E402
 import training  # noqa: E402
+from errors import ConfigError  # noqa: E402
 from models import moe  # noqa: E402
 from tests.conftest import assert_hf_round_trip, build_trainer, load_exported  # noqa: E402
 from tests.test_context import _train as train  # noqa: E402
@@ -191,29 +192,45 @@ def test_greedy_is_transformers(family, monkeypatch):
 
 
 # By default each family trains under the preset that shards what is new in it: Qwen3-MoE's 128-way routing over
-# `expert`, DeepSeek's latent projections and GPT-OSS's sinks and expert biases over `fsdp`; `pytest --all-presets`
-# trains both presets for each (every compile here costs tens of seconds on 2 cores).
-PRESETS = {'qwen3_moe': ('ep',), 'deepseek_v3': ('fsdp',), 'gpt_oss': ('fsdp',)}
+# `expert`, DeepSeek's latent attention in 'fsdp_tp_cp' (fsdp=2 x context=2 x tensor=2: its weights over `fsdp`,
+# its heads and latent dims over `tensor`, every row split over `context`), GPT-OSS's sinks and expert biases over
+# `fsdp`; `pytest --all-presets` trains the shipped presets too (every compile here costs tens of seconds on 2 cores).
+PRESETS = {'qwen3_moe': ('ep',), 'deepseek_v3': ('fsdp_tp_cp',), 'gpt_oss': ('fsdp',)}
+EVERY = {
+  'qwen3_moe': ('ep', 'fsdp'),
+  'deepseek_v3': ('ep', 'fsdp', 'ep_tp', 'cp', 'fsdp_tp_cp'),
+  'gpt_oss': ('ep', 'fsdp'),
+}
+# Test-only rules: the cp preset's, with latent attention's heads and latent dims (and the MLPs) on `tensor`;
+# the latents take `tensor` first, so kv_b_proj and q_b_proj keep their heads whole (the fallback).
+TP_CP = [('q_lora', 'tensor'), ('kv_lora', 'tensor'), ('heads', 'tensor'), ('mlp', 'tensor'), ('heads', None)]
 
 
 def pytest_generate_tests(metafunc):
   if 'family_presets' in metafunc.fixturenames:
-    every = metafunc.config.getoption('--all-presets')
-    cases = {name: ('ep', 'fsdp') if every else PRESETS[name] for name in sorted(CASES)}
-    metafunc.parametrize('family_presets', list(cases.items()), ids=list(cases))
+    cases = (EVERY if metafunc.config.getoption('--all-presets') else PRESETS).items()
+    metafunc.parametrize('family_presets', list(cases), ids=[name for name, _ in cases])
 
 
 def test_ep_and_fsdp_presets_train_equal_to_one_device(family_presets):
-  """2 AdamW steps on the same batches from the same initial state under the expert-parallel and FSDP presets:
-  losses and parameters within fp32 1e-5 of the 1-device run (tests/test_equivalence.py's tolerance)."""
+  """2 AdamW steps on the same batches from the same initial state under the expert-parallel and FSDP presets (and
+  DeepSeek's latent attention under tensor and context parallelism): losses and parameters within fp32 1e-5 of the
+  1-device run (tests/test_equivalence.py's tolerance)."""
   name, presets = family_presets
 
   def tiny(preset):
-    cfg = config_file(name).get_config(f'{preset},tiny')
+    cfg = config_file(name).get_config(f'{"cp" if preset == "fsdp_tp_cp" else preset},tiny')
     cfg.update(batch_size=16)
     cfg.dataset.update(seq_len=32)
     cfg.model.update(group_size=16, num_layers=cfg.model.first_dense_layers + 2)  # one scanned group per stack
     cfg.optim.warmup_steps = 1
+    if preset == 'fsdp_tp_cp':
+      cfg.mesh.update(fsdp=2, context=2, tensor=2)
+      cfg.logical_axis_rules = TP_CP + list(cfg.logical_axis_rules)
+    if preset == 'ep_tp':  # the shipped preset leaves the latents whole; here they are split too
+      cfg.logical_axis_rules = TP_CP[:2] + list(cfg.logical_axis_rules) + TP_CP[-1:]
+    if any('cp' in p for p in presets):  # a routing group split over `context` drops other tokens than one
+      cfg.model.capacity_factor = cfg.model.num_experts / cfg.model.top_k  # device's: every run dropless
     return cfg
 
   one = tiny(presets[0]).copy_and_resolve_references()
@@ -225,10 +242,26 @@ def test_ep_and_fsdp_presets_train_equal_to_one_device(family_presets):
   for preset in presets:
     trainer = build_trainer(tiny(preset))
     assert trainer.mesh.size == 8 and trainer.abstract.params == trainer_1.abstract.params
+    if preset == 'fsdp_tp_cp':  # rows split over `context`, the latent projections over `tensor`
+      attn = trainer.specs.params['blocks']['layers']['self_attn']
+      assert trainer.mesh.shape['context'] == 2 and attn['kv_a_proj']['layer']['kernel'][-1] == 'tensor'
     losses, params = train(trainer, jax.device_put(start, trainer.shardings), batches)
     np.testing.assert_allclose(losses, losses_1, rtol=RTOL, atol=ATOL, err_msg=f'{name}:{preset}')
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(params_1)):
       np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f'{name}:{preset} {jax.tree_util.keystr(path)}')
+
+
+def test_latent_attention_under_a_pipeline_is_one_error_naming_the_rule():
+  """DeepSeek's stacks hold experts, whose per-layer losses the pipeline does not collect: the rule ('layers',
+  'stage') is refused when the step is traced (before compiling), naming the rule to change."""
+  cfg = config_file('deepseek_v3').get_config('fsdp,tiny')
+  cfg.model.update(num_layers=4, first_dense_layers=2)
+  cfg.mesh = dict(cfg.mesh, fsdp=4, stage=2)
+  cfg.logical_axis_rules = [('layers', 'stage'), ('batch', ('data', 'fsdp', 'stage'))] + list(cfg.logical_axis_rules)
+  cfg.pipeline.microbatches = 4
+  trainer = build_trainer(cfg)
+  with pytest.raises(ConfigError, match=r"per-layer losses .*\(a mixture of experts\).*map 'layers' to None"):
+    training.trace(trainer, training.jit_train_step(trainer))
 
 
 # (family, size) -> (total, active parameters) as published (model cards, rounded as they give them). Active counts

@@ -336,7 +336,7 @@ def test_each_process_reads_only_its_rows(tmp_path, tok_dir):
   ds = data.build(cfg)
   read = []
   for rows in (slice(0, 4), slice(4, 8)):
-    source = ds.train
+    source = ds.cached.train  # what the pipeline reads: the rows' token cache
     seen = set()
 
     class Recorder:  # the rows' indices this process reads
@@ -347,7 +347,7 @@ def test_each_process_reads_only_its_rows(tmp_path, tok_dir):
         seen.add(int(i))
         return source[i]
 
-    take(dataclasses.replace(ds, train=Recorder(), prefetch=1), 5, rows=rows)
+    take(dataclasses.replace(ds, cached=dataclasses.replace(ds.cached, train=Recorder()), prefetch=1), 5, rows=rows)
     read.append(seen)
   assert read[0] and read[1] and not read[0] & read[1]
 

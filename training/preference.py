@@ -14,7 +14,9 @@ pass; a row's log-probability is the sum of its answer tokens' log-probabilities
 The reference is the starting weights, frozen: with LoRA (config.lora.rank > 0) the same model with its adapters
 switched off (`nnx.view(model, adapters=False)`: no second copy); otherwise a copy of the starting parameters in
 the train state (`TrainState.task_state['reference']`), sharded by the parameters' own rules and checkpointed with
-them. simpo and orpo need none and keep none.
+them. simpo and orpo need none and keep none. With config.dpo.precompute_reference, the reference's log-probs of
+every pair are computed once before training (`pass_over`, training/run.py) and stored beside the data; each batch
+then carries them (ref_chosen_logps, ref_rejected_logps) and the step neither keeps nor runs a reference.
 
 Logged as TRL logs them: rewards/chosen and rewards/rejected (β times the policy-reference log-ratio; simpo and orpo:
 β times the policy's log-prob), rewards/margins, rewards/accuracies (chosen's reward strictly above rejected's: 0 at
@@ -32,8 +34,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
+import data
+import partitioning
 from configs import schema
 from errors import ConfigError
 from training import tasks, xent
@@ -45,10 +51,17 @@ schema.register('dpo.loss', LOSSES)
 
 SIDES = ('chosen', 'rejected')
 ROW_FIELDS = ('inputs', 'targets', 'mask')
+REF_FIELDS = ('ref_chosen_logps', 'ref_rejected_logps')  # precomputed: the reference's summed log-probs per pair
 
 
 def needs_reference(config: Any) -> bool:
   return config.dpo.loss not in REFERENCE_FREE
+
+
+def precomputed(config: Any) -> bool:
+  """Whether the batches carry the reference's log-probs (config.dpo.precompute_reference, a loss with a
+  reference)."""
+  return needs_reference(config) and bool(config.dpo.precompute_reference)
 
 
 def pair_losses(
@@ -106,16 +119,20 @@ class Preference(tasks.Task):
   unit_field = 'mask'
   progress = ('rewards/margins',)
 
+  def fields(self, config: Any) -> dict[str, tuple[str, ...]]:
+    return dict(self.batch_axes) | ({k: ('batch',) for k in REF_FIELDS} if precomputed(config) else {})
+
   def example_shapes(self, config: Any) -> tasks.FieldSpec:
     L = tasks.check_length(config)
+    scalar = ('mask', *REF_FIELDS)
     return {
-      k: ((), jnp.float32) if k == 'mask' else ((L,), jnp.float32 if k.endswith('mask') else jnp.int32)
+      k: ((), jnp.float32) if k in scalar else ((L,), jnp.float32 if k.endswith('mask') else jnp.int32)
       for k in self.fields(config)
     }
 
   def task_state(self, config: Any) -> tuple[str, ...]:
     """What the train state holds for this task: the reference's parameters, where it has no other source."""
-    return ('reference',) if needs_reference(config) and not config.lora.rank else ()
+    return ('reference',) if needs_reference(config) and not config.lora.rank and not precomputed(config) else ()
 
   def metric_sums(self, model: Any, batch: dict[str, jax.Array], task_state: Any = None) -> tasks.Metrics:
     c = self.config.dpo
@@ -129,7 +146,10 @@ class Preference(tasks.Task):
     chosen, rejected = (lc / jnp.maximum(nc, 1), lr / jnp.maximum(nr, 1)) if mean_logps else (lc, lr)
     ref_c = ref_r = None
     if kind not in REFERENCE_FREE:
-      ref = jax.lax.stop_gradient(self.reference_logps(model, both, task_state))
+      if REF_FIELDS[0] in batch:
+        ref = jnp.concatenate([batch[k] for k in REF_FIELDS])
+      else:
+        ref = jax.lax.stop_gradient(self.reference_logps(model, both, task_state))
       ref_c, ref_r = per(ref / jnp.maximum(n, 1) if mean_logps else ref)
     losses, cr, rr = pair_losses(kind, chosen, rejected, ref_c, ref_r, beta, c.gamma)
     w = batch['mask']
@@ -155,14 +175,39 @@ class Preference(tasks.Task):
 
   @staticmethod
   def reference_logps(model: Any, both: dict[str, jax.Array], task_state: Any) -> jax.Array:
-    """The reference's summed answer log-probs per row: precomputed ones are not asked for here (the batch's
-    ref_*_logps); the stored starting parameters, else the model with its adapters off."""
+    """The reference's summed answer log-probs per row: the stored starting parameters, else the model with its
+    adapters off (precomputed ones come with the batch)."""
     if task_state and 'reference' in task_state:
       graphdef, _, rest = nnx.split(model, nnx.Param, ...)
       ref_model = nnx.merge(graphdef, task_state['reference'], rest)
     else:
       ref_model = nnx.view(model, adapters=False)
     return row_logps(ref_model, both)[0]
+
+
+def pass_over(trainer: Any, params: Any, model_state: Any, ds: Any) -> tuple[np.ndarray, np.ndarray]:
+  """The reference (`params`: the starting weights) over every pair of both splits of `ds` in order, one forward
+  pass per batch on the training mesh: (train, eval) arrays of (pairs, 2) summed answer log-probs, chosen and
+  rejected."""
+  t, B = trainer, trainer.config.batch_size
+  fields = [f'{s}_{k}' for s in SIDES for k in ROW_FIELDS]
+
+  def logps(params, model_state, batch):
+    with partitioning.use_rules(t.rules, t.mesh):
+      return row_logps(nnx.merge(t.graphdef, params, model_state), rows(batch))[0]
+
+  jitted = jax.jit(
+    logps, in_shardings=(t.shardings.params, t.shardings.model_state, {k: t.batch_shardings[k] for k in fields})
+  )
+  local = data.local_rows(t.batch_shardings['mask'], t.batch_abstract['mask'].shape)
+  out = []
+  for split in (ds.train, ds.eval):
+    sums = []
+    for batch in data.eval_batches(split, B, local, ds.transform):
+      both = jitted(params, model_state, data.to_global({k: batch[k] for k in fields}, t.batch_shardings, B))
+      sums.append(np.asarray(multihost_utils.process_allgather(both, tiled=True)).reshape(2, B).T)
+    out.append(np.concatenate(sums)[: len(split)])
+  return out[0], out[1]
 
 
 def check(config: Any) -> None:

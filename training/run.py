@@ -26,7 +26,7 @@ import training
 from checkpointing import checkpointer, hf_config, run_config, storage
 from configs import schema
 from models import attention, hf_import
-from training import accumulate, cluster, export, flops, pretrained, profiling
+from training import accumulate, cluster, export, flops, preference, pretrained, profiling
 from training import rollout as rollout_lib
 from training.preemption import Preemption
 from training.trainer import state_tree, train_state
@@ -154,6 +154,51 @@ def write_table(table: str, workdir: str | None, dry_run: bool = False) -> None:
   storage.ensure_writable(workdir)
   with open(os.path.join(workdir, TABLE_FILE), 'w') as f:
     f.write(table + '\n')
+
+
+# --- DPO's reference log-probs, precomputed (config.dpo.precompute_reference) ------------------------------------
+
+
+def reference_identity(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """What makes the starting weights (the reference): the model, the adapters, the seed (initialisation, and
+  config.dont_load's parameters) and init_from with its files' sizes and modification times."""
+  src, stats = config.init_from, []
+  if src and os.path.isdir(src):
+    for root, _, names in sorted(os.walk(src)):
+      stats += [(os.path.relpath(os.path.join(root, n), src), os.stat(os.path.join(root, n)).st_size,
+                 os.stat(os.path.join(root, n)).st_mtime_ns) for n in sorted(names)]  # fmt: skip
+  return {
+    'model': config.model.to_dict(),
+    'lora': config.lora.to_dict(),
+    'seed': config.seed,
+    'init_from': src,
+    'files': stats,
+    'dont_load': config.dont_load,
+  }
+
+
+def precompute_reference(config: ml_collections.ConfigDict, trainer: training.Trainer, ds: Any) -> Any:
+  """DPO with config.dpo.precompute_reference: the dataset whose pairs carry the reference's log-probs, read from
+  beside the data, else computed in one pass of the starting weights (made again on a resume: the initialisation,
+  or init_from's) and stored there; other runs: `ds` as it is."""
+  if ds is None or config.task != 'dpo' or not preference.precomputed(config):
+    return ds
+  path = data.preference.reference_path(config.dataset, reference_identity(config))
+  stored = data.preference.load_reference(path, ds)
+  if stored is not None:
+    say(f'dpo: the reference log-probs of {len(ds.train):,} + {len(ds.eval):,} pairs read from {path}')
+    return data.preference.with_reference(ds, *stored)
+  t0 = time.perf_counter()
+  start = pretrained.init_state(trainer, models.HF_FAMILIES) if config.init_from else training.init_state(trainer)
+  train, eval_ = preference.pass_over(trainer, start.params, start.model_state, ds)
+  del start  # the reference's weights are not kept: the train state is made afresh (or restored) later
+  if jax.process_index() == 0:
+    data.preference.save_reference(path, train, eval_)
+  say(
+    f'dpo: the reference log-probs of {len(ds.train):,} train + {len(ds.eval):,} eval pairs computed in '
+    f'{time.perf_counter() - t0:.1f}s, stored in {path}'
+  )
+  return data.preference.with_reference(ds, train, eval_)
 
 
 # --- Input pipeline: each process reads only its rows of every global batch -------------------------------------
