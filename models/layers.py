@@ -1087,9 +1087,12 @@ class Stack(nnx.Module):
       return self._pipelined(apply, x, *args), {}
     remat = (lambda f: nnx.remat(f, policy=REMAT_POLICIES[self.remat])) if self.remat != 'none' else (lambda f: f)
     if not self.scan:
+      # One jitted call per place in the pattern, made afresh for this trace: identical blocks hit its trace cache,
+      # so tracing (and differentiating) a deep unrolled stack costs one block per place, not one per layer.
+      calls = {j: nnx.jit(remat(functools.partial(apply, **self.place(j)))) for j in range(self.period)}
       totals: dict[str, jax.Array] = {}
       for i, block in enumerate(self.layers):
-        x, aux = remat(functools.partial(apply, **self.place(i)))(block, x, *args)
+        x, aux = calls[i % self.period](block, x, *args)
         totals = {k: totals.get(k, 0.0) + v for k, v in aux.items()}
       return x, totals
     if self.period > 1:

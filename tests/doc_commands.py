@@ -10,7 +10,8 @@ transformers, lm-eval: about 10 s), then forks a child per command, which runs t
 (runpy, a fresh absl flag set, its own JAX backend), so a command costs its own work and not those imports. The
 commands run in order in one temporary directory (a `/tmp/` path is rewritten to it), so a
 later block uses an earlier block's run (train, then generate from it); all pages share that directory, and a
-command repeated word for word on another page (the README's loop, walked through on its page) runs once. A
+command repeated word for word on another page (the README's loop, walked through on its page), its comment aside,
+runs once. A
 `train.py` command that trains (not `--dry_run`) gets `--config.total_steps=STEPS` appended: the point is that the
 command runs as written, not its full length.
 """
@@ -204,8 +205,8 @@ def run_pages(pages: list[Path], report: str, timeout: float = 300) -> None:
 
 
 def _run_in(pages: list[Path], tmp: str, ran: dict, results: dict, timeout: float) -> None:
-  """run_pages's loop, in `tmp` (removed afterwards with the runs' checkpoints): `ran` {command: where it ran},
-  `results` the report, filled in."""
+  """run_pages's loop, in `tmp` (removed afterwards with the runs' checkpoints): `ran` {a command's words: where it
+  ran}, `results` the report, filled in."""
   for page in pages:
     results[str(page.relative_to(ROOT))] = out = []
     for block in blocks(page):
@@ -215,8 +216,9 @@ def _run_in(pages: list[Path], tmp: str, ran: dict, results: dict, timeout: floa
         if why := unsupported(command):
           out.append(dict(where=block.where, command=command, status=None, seconds=0.0, log=why))
           continue
-        if command in ran:
-          out.append(dict(where=block.where, command=command, status=0, seconds=0.0, log=f'as run at {ran[command]}'))
+        words = tuple(words_of(command))  # the same command with another comment (a page's note) runs once
+        if words in ran:
+          out.append(dict(where=block.where, command=command, status=0, seconds=0.0, log=f'as run at {ran[words]}'))
           continue
         log = os.path.join(tmp, f'command_{len(ran)}.log')
         status, seconds = run_command(argv_of(command, tmp), log, timeout)
@@ -224,7 +226,7 @@ def _run_in(pages: list[Path], tmp: str, ran: dict, results: dict, timeout: floa
           text = f.read()
         out.append(dict(where=block.where, command=command, status=status, seconds=seconds, log=text[-4000:]))
         if status == 0:
-          ran[command] = block.where
+          ran[words] = block.where
 
 
 if __name__ == '__main__':  # python tests/doc_commands.py REPORT.json [PAGE.md ...]

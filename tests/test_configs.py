@@ -1,7 +1,8 @@
 """The config matrix: every config file in configs/ is built and trained for 2 steps on 8 simulated
 CPU devices under its last preset (all with `pytest --all-presets`; the first is dry-run), at its tiny size
 (configs/default.py, which has none, shrunk as tests/conftest.py shrinks it), so a new config file is covered
-automatically.
+automatically. The checkpoint families' config files (FAMILY_TESTED) are dry-run under that preset instead (built
+and both steps traced, nothing compiled): their family tests compile and train them against references.
 
 A config file is any configs/*.py with a get_config(arg); it must define RULES (its presets) and,
 when it has real sizes, SIZES with a 'tiny' entry that the matrix uses.
@@ -27,6 +28,16 @@ from tests import conftest
 from tests.conftest import ROOT, assert_every_leaf_named
 
 MAX_TINY_PARAMS = 2_000_000  # keeps the matrix inside the CI budget; shrink a config's 'tiny' size instead
+# Model families whose own test file runs them against transformers (logits, export, greedy tokens) and trains
+# the presets that shard what is new in them equal to one device (test_presets_train_equal_to_one_device,
+# test_ep_and_fsdp_presets_train_equal_to_one_device); the train.py path around the model (data, eval, the run's
+# config, frozen weights) is the same for every LM and trained here by the other configs. Their config files are
+# dry-run here (every compile of these families costs tens of seconds on 2 cores); `--all-presets` trains them too.
+FAMILY_TESTS = {
+  'tests/test_decoder_families.py': ('qwen2', 'qwen3', 'mistral', 'gemma', 'gemma2', 'gemma3', 'phi3', 'olmo2'),
+  'tests/test_sparse_families.py': ('qwen3_moe', 'deepseek_v3', 'gpt_oss'),
+}
+FAMILY_TESTED = {family for families in FAMILY_TESTS.values() for family in families}
 
 
 def config_modules():
@@ -57,14 +68,21 @@ def matrix_presets(module, all_presets: bool) -> list[str]:
   return presets if all_presets else [presets[-1]]
 
 
+def trained_here(module, all_presets: bool) -> bool:
+  """Whether the matrix trains the config file (else it dry-runs it): all but the FAMILY_TESTED families'."""
+  return all_presets or tiny_config(module, list(module.RULES)[-1]).model.name not in FAMILY_TESTED
+
+
 def pytest_generate_tests(metafunc):
   if {'name', 'preset'} <= set(metafunc.fixturenames):
     all_presets = metafunc.config.getoption('--all-presets')
+    train_them = metafunc.function.__name__ == 'test_config_trains_two_steps'
     metafunc.parametrize(
       'name,preset',
       [
         pytest.param(name, preset, id=f'{name}:{preset}')
         for name, module in MODULES
+        if trained_here(module, all_presets) == train_them
         for preset in matrix_presets(module, all_presets)
       ],
     )
@@ -81,16 +99,43 @@ def test_every_config_file_is_in_the_matrix_with_two_presets():
     )
 
 
-def test_config_trains_two_steps(name, preset, tmp_path):
-  module = dict(MODULES)[name]
-  cfg = tiny_config(module, preset)
-  assert math.prod(v for v in cfg.mesh.values() if v > 0) in (8, jax.device_count()) or -1 in cfg.mesh.values()
+def test_family_tests_hold_the_families_dry_run_here():
+  """FAMILY_TESTED names only families that their test file runs (a CASES entry there)."""
+  for path, families in FAMILY_TESTS.items():
+    text = open(os.path.join(ROOT, path)).read()
+    assert all(f"\n  '{family}': (" in text for family in families), path
 
-  # Every parameter names its logical axes (one per dimension) before anything is allocated.
+
+def check_tiny_model(name, preset, cfg):
+  """The tiny size's every parameter names its logical axes (one per dimension) before anything is allocated, and
+  the size stays small."""
+  assert math.prod(v for v in cfg.mesh.values() if v > 0) in (8, jax.device_count()) or -1 in cfg.mesh.values()
   abstract = nnx.eval_shape(lambda: models.create(cfg.model, nnx.Rngs(0)))
   assert_every_leaf_named(nnx.state(abstract), f'configs/{name}.py:{preset}')
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
   assert n <= MAX_TINY_PARAMS, f'configs/{name}.py tiny size has {n:,} parameters'
+
+
+def test_family_config_builds_and_traces(name, preset, tmp_path):
+  """A FAMILY_TESTED config file under the preset the matrix would train: built and both steps traced on 8
+  devices (every rule and activation constraint checked), and its config kept in a workdir rebuilds the same
+  model, shapes and shardings."""
+  module = dict(MODULES)[name]
+  cfg = tiny_config(module, preset)
+  check_tiny_model(name, preset, cfg)
+  assert train.train_and_evaluate(cfg, None, dry_run=True)['num_params'] > 0
+  run_config.save(cfg, str(tmp_path))
+  make = lambda c: training.build(
+    c, partitioning.make_mesh(c.mesh), lambda rngs: models.create(c.model, rngs, c.get('lora'))
+  )
+  trainer, rebuilt = make(cfg), make(run_config.load(str(tmp_path)))
+  assert rebuilt.abstract == trainer.abstract and rebuilt.specs == trainer.specs, f'{name}:{preset}'
+
+
+def test_config_trains_two_steps(name, preset, tmp_path):
+  module = dict(MODULES)[name]
+  cfg = tiny_config(module, preset)
+  check_tiny_model(name, preset, cfg)
 
   cfg.update(total_steps=2, log_every=1, eval_every=2, sample_len=0)
   result = train.train_and_evaluate(cfg, str(tmp_path))
