@@ -775,25 +775,15 @@ class Attention(nnx.Module):
       mask_BTC = d.valid_BS[:, None, :] & seen_TS[None]
     G = k_BGCK.shape[1]
     q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
-    # One row, one token: XLA's CPU matmuls drop the unit batch dimension and then copy the cache each step (the
-    # keys' update twice, the values transposed); as products summed in float32 both read it where it lies.
-    one = B == 1 and T == 1
     with jax.named_scope('attention'):
-      if one:
-        s_BGRTC = jnp.sum(q_BTGRK[:, 0, :, :, None].astype(jnp.float32) * k_BGCK[:, :, None], axis=-1)[:, :, :, None]
-      else:
-        s_BGRTC = jnp.einsum(
-          'btgrk,bgck->bgrtc', q_BTGRK, k_BGCK.astype(q_BTHK.dtype), preferred_element_type=jnp.float32
-        )
+      s_BGRTC = jnp.einsum(
+        'btgrk,bgck->bgrtc', q_BTGRK, k_BGCK.astype(q_BTHK.dtype), preferred_element_type=jnp.float32
+      )
       s_BGRTC = logits.cap(s_BGRTC * logits.scale_for(K))
       s_BGRTC = jnp.where(mask_BTC[:, None, None], s_BGRTC, jnp.finfo(jnp.float32).min)
       sinks_GR = None if sinks_H is None else sinks_H.reshape(G, H // G)
       p_BGRTC = attention.softmax_with_sinks(s_BGRTC, sinks_GR).astype(q_BTHK.dtype)
-      if one:
-        o_BGRK = jnp.sum(p_BGRTC[:, :, :, 0, :, None].astype(jnp.float32) * v_BGCK[:, :, None], axis=3)
-        o_BTGRK = o_BGRK[:, None].astype(q_BTHK.dtype)
-      else:
-        o_BTGRK = jnp.einsum('bgrtc,bgck->btgrk', p_BGRTC, v_BGCK.astype(q_BTHK.dtype))
+      o_BTGRK = jnp.einsum('bgrtc,bgck->btgrk', p_BGRTC, v_BGCK.astype(q_BTHK.dtype))
     return o_BTGRK.reshape(B, T, H, K), (k_BGCK, v_BGCK)
 
 
