@@ -96,28 +96,28 @@ def save_model(path: str) -> dict:
   import transformers
 
   torch.manual_seed(0)
-  cfg = hf_config()
-  model = (transformers.GPT2LMHeadModel if FLAGS.family == 'gpt2' else transformers.LlamaForCausalLM)(cfg).eval()
+  hf = hf_config()
+  model = (transformers.GPT2LMHeadModel if FLAGS.family == 'gpt2' else transformers.LlamaForCausalLM)(hf).eval()
   model.save_pretrained(path)
   params = sum(p.numel() for p in model.parameters())
   table = dict(model.named_parameters())
   # A step reads a row of these, not the whole table: the position table, and an input embedding not tied to the
   # head.
   rows_only = [n for n in table if n.endswith(('wpe.weight',))]
-  if not cfg.tie_word_embeddings:
+  if not hf.tie_word_embeddings:
     rows_only += [n for n in table if n.endswith('embed_tokens.weight')]
   embeddings = [n for n in table if n.endswith(('wte.weight', 'wpe.weight', 'embed_tokens.weight', 'lm_head.weight'))]
-  heads = cfg.num_attention_heads
-  head_dim = getattr(cfg, 'head_dim', None) or cfg.hidden_size // heads
+  heads = hf.num_attention_heads
+  head_dim = getattr(hf, 'head_dim', None) or hf.hidden_size // heads
   return dict(
     params=params,
     read=params - sum(table[n].numel() for n in rows_only),
     matmul=params - sum(table[n].numel() for n in embeddings),
-    hidden=cfg.hidden_size,
-    layers=cfg.num_hidden_layers,
-    kv_heads=getattr(cfg, 'num_key_value_heads', None) or heads,
+    hidden=hf.hidden_size,
+    layers=hf.num_hidden_layers,
+    kv_heads=getattr(hf, 'num_key_value_heads', None) or heads,
     head_dim=head_dim,
-    vocab=cfg.vocab_size,
+    vocab=hf.vocab_size,
   )
 
 

@@ -65,7 +65,7 @@ def main(argv):
       if state <= budget:
         fits[cand.rules_name].append((state, {a: s for a, s in cand.mesh if s > 1}))
     if fits:
-      print(f'{file}:{config.get("size") or ""} fits {n} x {FLAGS.device_kind} (state <= 0.9 x {chip.memory_gib} GiB):')
+      print(f'{FLAGS["config"].config_filename} fits {n} x {FLAGS.device_kind} (state <= 0.9 x {chip.memory_gib} GiB):')
       for name, plans in sorted(fits.items()):
         state, mesh = min(plans, key=lambda p: p[0])
         print(f'  {name}: {len(plans)} meshes, least state {state / 2**30:.1f} GiB/device on {mesh}')

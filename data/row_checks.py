@@ -91,7 +91,10 @@ def check_sft(
   trained on, or evaluated), some a warning with the count and the seq_len that fits them."""
   n = len(rows)
   checked = sorted({int(i) for i in np.linspace(0, n - 1, min(n, SAMPLE))})
-  starts = {i: first_trained(tok, rows[i], prompt, completion, messages) for i in checked}
+  starts = {}
+  for i in checked:
+    with row_named({'_where': rows.where(i)}):  # a template or tokenizer error here names its row too
+      starts[i] = first_trained(tok, rows[i], prompt, completion, messages)
   cut = [i for i, s in starts.items() if s > seq_len]
   if not cut:
     return

@@ -337,21 +337,34 @@ def test_settings_that_do_nothing_are_warned_and_pipelines_named_where_they_cann
     loading.build(loading.decode_config(pp), mesh)
 
 
-def test_an_error_while_a_loader_thread_makes_a_row_into_ids_names_the_row(tmp_path, monkeypatch):
+@pytest.mark.parametrize('token_cache', [True, False], ids=['while-the-token-cache-builds', 'in-a-loader-thread'])
+def test_an_error_while_a_row_is_made_into_ids_names_the_row(tmp_path, monkeypatch, token_cache):
+  """Where a row becomes ids (the token cache's build, or a grain loader thread without the cache), a tokenizer or
+  template error is one line naming the row's file and line; so is one in the rows the build checks first."""
   import data  # noqa: PLC0415
-  from data import tokens  # noqa: PLC0415
+  from data import row_checks, tokens  # noqa: PLC0415
   from tests.test_your_data import make, take, write_jsonl  # noqa: PLC0415
 
-  path = write_jsonl(
-    tmp_path / 'c.jsonl', [{'messages': [{'role': 'user', 'content': 'a'}, {'role': 'assistant', 'content': 'b'}]}] * 8
-  )
-  ds = data.build(
-    make(name='json', train_files=path, eval_files=path, messages_key='messages', seq_len=32, tokenizer='byte')
-  )
+  chat = lambda said: {'messages': [{'role': 'user', 'content': said}, {'role': 'assistant', 'content': 'b'}]}
+  rows = [chat('a')] * 8
+  rows[3] = chat('bad')  # line 4: not among the rows the build's check tokenizes (0 and 7, with SAMPLE=2)
+  path = write_jsonl(tmp_path / 'c.jsonl', rows)
+  real = tokens.chat
 
-  def broken(*a, **k):
-    raise TypeError('can only concatenate str (not "int") to str')
+  def broken(tok, messages, *a, **k):  # what a template meeting an unexpected value raises
+    if messages[0]['content'] == 'bad':
+      raise TypeError('can only concatenate str (not "int") to str')
+    return real(tok, messages, *a, **k)
 
-  monkeypatch.setattr(tokens, 'chat', broken)  # what a template meeting an unexpected value raises, in a grain thread
-  with pytest.raises(ConfigError, match=rf'^{path} line \d+ cannot be made into ids: TypeError: can only concatenate'):
-    take(ds, 1, global_batch=4, rows=slice(0, 4))
+  monkeypatch.setattr(tokens, 'chat', broken)
+  monkeypatch.setattr(row_checks, 'SAMPLE', 2)
+  config = make(
+    name='json', train_files=path, eval_files=path, messages_key='messages', seq_len=32, tokenizer='byte',
+    token_cache=token_cache, cache_dir=str(tmp_path / 'cache'),
+  )  # fmt: skip
+  with pytest.raises(ConfigError, match=rf'^{path} line 4 cannot be made into ids: TypeError: can only concatenate'):
+    take(data.build(config), 8, global_batch=4, rows=slice(0, 4))
+  rows[3], rows[0] = chat('a'), chat('bad')  # now in the first row the build checks
+  write_jsonl(tmp_path / 'c.jsonl', rows)
+  with pytest.raises(ConfigError, match=rf'^{path} line 1 cannot be made into ids: TypeError: can only concatenate'):
+    data.build(config)
