@@ -1,10 +1,11 @@
 """Checkpoints quantized as the hub ships them (models/hf_import.py): DeepSeek-V3's fp8 e4m3 weights with
-weight_scale_inv block scales and its multi-token-prediction layer, GPT-OSS's MXFP4 experts. Tiny float models are
-quantized here by the formats' definitions (torch's float8_e4m3fn; OCP MX e2m1 with e8m0 scales), written with the
-hub's key layout and quantization_config, and imported sharded so that device slices start inside blocks. The
-import equals the import of the same weights dequantized by the definition (bitwise; for GPT-OSS also transformers'
-own reading of the MXFP4 file), lies within the format's rounding of the float model, gives transformers' logits on
-the dequantized weights, and exports to bfloat16 safetensors that transformers loads without a quantization_config."""
+weight_scale_inv block scales (Qwen3-MoE's -FP8 checkpoints have the same) and its multi-token-prediction layer,
+GPT-OSS's MXFP4 experts. Tiny float models are quantized here by the formats' definitions (torch's float8_e4m3fn;
+OCP MX e2m1 with e8m0 scales), written with the hub's key layout and quantization_config, and imported sharded so
+that device slices start inside blocks. The import equals the import of the same weights dequantized by the
+definition (bitwise; for GPT-OSS also transformers' own reading of the MXFP4 file), lies within the format's
+rounding of the float model, gives transformers' logits on the dequantized weights, and exports to bfloat16
+safetensors that transformers loads without a quantization_config."""
 
 import json
 import logging
@@ -37,6 +38,7 @@ MTP = 'model.layers.2.'  # DeepSeek's multi-token-prediction layer: num_hidden_l
 # matrices mid-block: hidden 40 over fsdp=8 is 5 rows a device across 16-row blocks, 64 is 8 of a 32-value group)
 QUANT_CASES = {
   'deepseek_v3': (dict(hidden_size=40, num_hidden_layers=2), 'fsdp,tiny'),
+  'qwen3_moe': (dict(hidden_size=40), 'fsdp,tiny'),  # as Qwen's -FP8 checkpoints: the same block-scaled fp8
   'gpt_oss': (dict(hidden_size=64, intermediate_size=32), 'fsdp,tiny'),
 }
 
@@ -90,7 +92,8 @@ def quantize(name, float_dir, root):
   with open(os.path.join(float_dir, 'config.json')) as f:
     config = json.load(f)
   quant, deq = {}, {}
-  if name == 'deepseek_v3':  # every projection in fp8 (the router, norms, embedding and head stay float)
+  extra = {}
+  if name == 'deepseek_v3':
     # the multi-token-prediction layer: a decoder layer (layer 1's weights) and its own norms and projection
     extra = {MTP + k.removeprefix('model.layers.1.'): v for k, v in sd.items() if k.startswith('model.layers.1.')}
     D = config['hidden_size']
@@ -98,6 +101,7 @@ def quantize(name, float_dir, root):
     for part, shape in (('enorm', (D,)), ('hnorm', (D,)), ('eh_proj', (D, 2 * D)), ('shared_head.norm', (D,))):
       extra[f'{MTP}{part}.weight'] = rng.normal(size=shape).astype(np.float32)
     extra[f'{MTP}shared_head.head.weight'] = sd['lm_head.weight']
+  if name != 'gpt_oss':  # every projection in fp8 (the router, norms, embedding and head stay float)
     for k, w in {**sd, **extra}.items():
       if k.endswith('proj.weight') or k.endswith('proj_with_mqa.weight'):
         q, scale, deq[k] = fp8_blocks(w)
@@ -106,7 +110,7 @@ def quantize(name, float_dir, root):
         quant[k] = deq[k] = w
     deq = {k: v for k, v in deq.items() if not k.startswith(MTP)}
     qcfg = dict(quant_method='fp8', fmt='e4m3', activation_scheme='dynamic', weight_block_size=list(FP8_BLOCK))
-    config_q = dict(config, num_nextn_predict_layers=1, quantization_config=qcfg)
+    config_q = dict(config, quantization_config=qcfg) | ({'num_nextn_predict_layers': 1} if extra else {})
   else:  # the experts in MXFP4, everything else float
     for k, w in sd.items():
       if k.endswith(('experts.gate_up_proj', 'experts.down_proj')):
@@ -165,7 +169,7 @@ def test_quantized_import_is_the_dequantized_weights(quantized, tmp_path, caplog
   assert any(f'{name == "gpt_oss" and "mxfp4" or "fp8"} tensors dequantized' in r.getMessage() for r in caplog.records)
   # the format's rounding: e4m3 keeps 3 mantissa bits (half a step: 2^-4 relative; subnormal steps 2^-9 of a scale);
   # e2m1 is coarser (half a step up to 1/4 relative; below 0.5, a quarter of the shared power of two <= amax / 4)
-  rtol, sub = (2.0**-4, 2.0**-10 / E4M3_MAX) if name == 'deepseek_v3' else (0.25, 1 / 16)
+  rtol, sub = (2.0**-4, 2.0**-10 / E4M3_MAX) if name != 'gpt_oss' else (0.25, 1 / 16)
   got_all = _flat(state.params)
   assert got_all.keys() == ref.keys() == orig.keys()
   changed = 0
@@ -174,7 +178,7 @@ def test_quantized_import_is_the_dequantized_weights(quantized, tmp_path, caplog
     assert np.array_equal(got, want), path
     np.testing.assert_allclose(got, float_w, rtol=rtol, atol=sub * np.abs(float_w).max(), err_msg=str(path))
     changed += not np.array_equal(got, float_w)
-  assert changed >= (9 if name == 'deepseek_v3' else 2), changed  # the quantized leaves differ from the float ones
+  assert changed >= (9 if name != 'gpt_oss' else 2), changed  # the quantized leaves differ from the float ones
   # transformers on the same weights dequantized
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
   if name == 'gpt_oss':  # transformers reads the MXFP4 file itself (dequantized on CPU): the same weights

@@ -24,14 +24,15 @@ EVAL = ''.join(f'{{"prompt": "{a}+{b}=", "answer": {a + b}}}\n' for a, b in ((3,
 def _grpo_config(eval_file):
   c = llama_grpo.get_config('tiny')
   c.update(total_steps=6, log_every=2, eval_every=6, checkpoint_every=4, batch_size=8)
-  c.grpo.update(group_size=4)
+  c.grpo.update(group_size=4, iterations=2)  # two updates per batch of samples: a stop inside one waits for it
   c.dataset.eval_files = eval_file
   return c
 
 
 @pytest.fixture(scope='module')
 def grpo_run(tmp_path_factory):
-  """(config, result) of an uninterrupted 6-step GRPO run on examples/arith, 2 prompts x 4 completions a step."""
+  """(config, result) of an uninterrupted 6-step GRPO run on examples/arith: 2 prompts x 4 completions sampled at
+  steps 1, 3 and 5, each batch serving two steps."""
   tmp = tmp_path_factory.mktemp('grpo')
   (tmp / 'eval.jsonl').write_text(EVAL)
   config = _grpo_config(str(tmp / 'eval.jsonl'))
@@ -39,17 +40,18 @@ def grpo_run(tmp_path_factory):
 
 
 def test_grpo_resumes_bitwise_mid_run(grpo_run, tmp_path, monkeypatch):
-  """Stopped after step 3 (a SIGTERM's save, between the periodic ones), resumed: every rollout after the stop
-  samples the prompts and the seed the uninterrupted run did, so parameters, optimizer and step are bitwise equal."""
+  """A SIGTERM at step 3, inside the batch sampled at step 3: the run finishes that batch's second update, saves at
+  step 4 (between the periodic saves) and stops; resumed, every rollout after the stop samples the prompts and the
+  seed the uninterrupted run did, so parameters, optimizer and step are bitwise equal."""
   config, full = grpo_run
 
   class StopAt3(run_lib.Preemption):
     def requested(self, step):
-      return step == 3
+      return step >= 3  # a signal stays received
 
   workdir = str(tmp_path / 'stopped')
   monkeypatch.setattr(run_lib, 'Preemption', StopAt3)
-  assert train.train_and_evaluate(config.copy_and_resolve_references(), workdir)['preempted_at'] == 3
+  assert train.train_and_evaluate(config.copy_and_resolve_references(), workdir)['preempted_at'] == 4
   monkeypatch.undo()
   resumed = train.train_and_evaluate(config.copy_and_resolve_references(), workdir)
   assert 'preempted_at' not in resumed

@@ -430,6 +430,7 @@ def train_loop(
   units_per_step = math.prod(trainer.batch_abstract[trainer.task.unit_field].shape)
   pending, wait_s, t_last, step_last, result = [], 0.0, time.perf_counter(), int(state.step), {}
   batch, rollout_stats, every = None, [], config.grpo.iterations if rollout is not None else 1
+  owed = False  # a checkpoint fell due inside a GRPO batch's iterations: it is written when the batch is used up
   for step in range(int(state.step) + 1, config.total_steps + 1):
     # Input wait = time the device sat idle for the next batch: next() is timed only when the previous
     # step had already finished (with asynchronous dispatch, time spent in next() while the device is
@@ -450,7 +451,10 @@ def train_loop(
     guard.add(step, metrics)
     if profiler.after(step, state):
       say(f'profile of steps {profiler.first}-{step} in {workdir} (TensorBoard profile tab; perfetto_trace.json.gz)')
-    stop = preemption.requested(step)  # SIGTERM: log the pending steps, save and stop
+    # GRPO with iterations > 1 saves and stops only once a batch of samples is used up: a run resumed inside one
+    # would sample that batch again from later parameters, and so not resume bitwise.
+    used_up = step % every == 0 or step == config.total_steps
+    stop = preemption.requested(step) and used_up  # SIGTERM: log the pending steps, save and stop
     if step % config.log_every == 0 or step == config.total_steps or stop:
       guard.check(last_good())  # a non-finite step stops the run here ('stop'), or is counted ('skip')
       logged = {
@@ -492,11 +496,11 @@ def train_loop(
         say(f'eval @ {step:5d} | loss {ev["loss"]:.4f}{gap} | acc {ev["accuracy"]:.3f}')
       result['eval'] = ev
       t_last += time.perf_counter() - t_eval  # eval time is not train time
-    if ckpt is not None and ckpt.due(step, force=step == config.total_steps):
+    owed = ckpt is not None and (owed or ckpt.due(step, force=step == config.total_steps))
+    if owed and used_up:
+      owed = False
       guard.check(last_good())  # no checkpoint is written after a non-finite step under 'stop'
-      ckpt.save(
-        step, state_tree(state), inp.train_iter, force=step == config.total_steps
-      )  # asynchronous: training goes on
+      ckpt.save(step, state_tree(state), inp.train_iter, force=True)  # due (maybe inside the batch): asynchronous
     if stop:
       if ckpt is not None:
         guard.check(last_good())
