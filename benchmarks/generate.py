@@ -108,7 +108,7 @@ def save_model(path: str) -> dict:
     rows_only += [n for n in table if n.endswith('embed_tokens.weight')]
   embeddings = [n for n in table if n.endswith(('wte.weight', 'wpe.weight', 'embed_tokens.weight', 'lm_head.weight'))]
   heads = hf.num_attention_heads
-  head_dim = getattr(hf, 'head_dim', None) or hf.hidden_size // heads
+  head_dim = (hf.head_dim if hasattr(hf, 'head_dim') else None) or hf.hidden_size // heads  # GPT-2's has none
   return dict(
     params=params,
     read=params - sum(table[n].numel() for n in rows_only),
