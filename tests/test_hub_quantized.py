@@ -108,7 +108,7 @@ def quantize(name, float_dir, root):
         quant[k], quant[k + '_scale_inv'] = q, scale
       else:
         quant[k] = deq[k] = w
-    deq = {k: v for k, v in deq.items() if not k.startswith(MTP)}
+    deq = {k: v for k, v in deq.items() if k not in extra}  # transformers has no multi-token-prediction layer
     qcfg = dict(quant_method='fp8', fmt='e4m3', activation_scheme='dynamic', weight_block_size=list(FP8_BLOCK))
     config_q = dict(config, quantization_config=qcfg) | ({'num_nextn_predict_layers': 1} if extra else {})
   else:  # the experts in MXFP4, everything else float

@@ -21,29 +21,39 @@ from training import run as run_lib
 EVAL = ''.join(f'{{"prompt": "{a}+{b}=", "answer": {a + b}}}\n' for a, b in ((3, 9), (1, 2), (7, 5), (4, 4)))
 
 
-def _grpo_config(eval_file):
+def _grpo_config(eval_file, iterations):
   c = llama_grpo.get_config('tiny')
   c.update(total_steps=6, log_every=2, eval_every=6, checkpoint_every=4, batch_size=8)
-  c.grpo.update(group_size=4, iterations=2)  # two updates per batch of samples: a stop inside one waits for it
+  c.grpo.update(group_size=4, iterations=iterations)
   c.dataset.eval_files = eval_file
   return c
 
 
-@pytest.fixture(scope='module')
-def grpo_run(tmp_path_factory):
-  """(config, result) of an uninterrupted 6-step GRPO run on examples/arith: 2 prompts x 4 completions sampled at
-  steps 1, 3 and 5, each batch serving two steps."""
+def _run(tmp_path_factory, iterations):
   tmp = tmp_path_factory.mktemp('grpo')
   (tmp / 'eval.jsonl').write_text(EVAL)
-  config = _grpo_config(str(tmp / 'eval.jsonl'))
+  config = _grpo_config(str(tmp / 'eval.jsonl'), iterations)
   return config, train.train_and_evaluate(config, str(tmp / 'full'))
 
 
-def test_grpo_resumes_bitwise_mid_run(grpo_run, tmp_path, monkeypatch):
+@pytest.fixture(scope='module')
+def grpo_run(tmp_path_factory):
+  """(config, result) of an uninterrupted 6-step GRPO run on examples/arith, 2 prompts x 4 completions a step."""
+  return _run(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope='module')
+def grpo_run_reusing(tmp_path_factory):
+  """The same with iterations=2: samples drawn at steps 1, 3 and 5, each batch serving two updates (a stop inside
+  one waits for it)."""
+  return _run(tmp_path_factory, 2)
+
+
+def test_grpo_resumes_bitwise_mid_run(grpo_run_reusing, tmp_path, monkeypatch):
   """A SIGTERM at step 3, inside the batch sampled at step 3: the run finishes that batch's second update, saves at
   step 4 (between the periodic saves) and stops; resumed, every rollout after the stop samples the prompts and the
   seed the uninterrupted run did, so parameters, optimizer and step are bitwise equal."""
-  config, full = grpo_run
+  config, full = grpo_run_reusing
 
   class StopAt3(run_lib.Preemption):
     def requested(self, step):
