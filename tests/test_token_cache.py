@@ -13,6 +13,7 @@ import pytest
 import data
 from data import token_cache
 from errors import StorageError
+from tests.test_data_offline import assert_same
 from tests.test_your_data import chats, make, pairs, save_tokenizer, write_jsonl
 
 KINDS = {
@@ -41,14 +42,6 @@ def batches(cfg, n: int = 6) -> list[dict]:
   out = [next(it) for _ in range(n)]
   it.close()
   return out + list(ds.eval_batches(8, slice(0, 8)))
-
-
-def assert_same(a: list[dict], b: list[dict]) -> None:
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    assert x.keys() == y.keys()
-    for k in x:
-      np.testing.assert_array_equal(x[k], y[k], err_msg=k)
 
 
 @pytest.mark.parametrize('kind', list(KINDS))
