@@ -47,6 +47,16 @@ def _datasets():
   return datasets
 
 
+def identity(paths: Sequence[str]) -> list[tuple[str, int, int]]:
+  """(absolute path, size, mtime in ns) of each file: what keys a cache built from them (a rewritten file, a new
+  cache)."""
+  out = []
+  for p in paths:
+    st = os.stat(p)
+    out.append((os.path.abspath(p), st.st_size, st.st_mtime_ns))
+  return out
+
+
 def expand(spec: str, what: str) -> list[str]:
   """The files of `spec`: one or more globs separated by commas (`**` reaches into folders), each sorted."""
   if not isinstance(spec, str) or not spec.strip():

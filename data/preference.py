@@ -225,9 +225,7 @@ REFERENCE_DIR = 'shardzoo_reference_logps'
 
 
 def _file_ids(spec: str | None, what: str) -> list[Any]:
-  if not spec:
-    return []
-  return [(os.path.abspath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files.expand(spec, what)]
+  return files.identity(files.expand(spec, what)) if spec else []
 
 
 def reference_path(cfg: Any, reference: dict[str, Any]) -> str:

@@ -277,7 +277,7 @@ def _tfds(cfg, task: str) -> Dataset:
     if task == 'text_classification' and cfg.num_classes not in (None, features['label'].num_classes):
       raise ConfigError(f'config.dataset.num_classes={cfg.num_classes} but {name} has {features["label"].num_classes}')
     ident = {'tfds': b.info.full_name, 'data_dir': str(b.data_dir)}
-    ident['files'] = token_cache.files_identity(sorted(glob.glob(os.path.join(str(b.data_dir), '*'))))
+    ident['files'] = files.identity(sorted(glob.glob(os.path.join(str(b.data_dir), '*'))))
     cache = lambda source, tok, what: token_cache.of_source(
       source, {**ident, 'split': train_split if what == 'train' else eval_split}, tok, key, cfg.cache_dir,
       f'{name} {what}',

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from data import row_checks, tokens
+from data import files, row_checks, tokens
 from errors import StorageError, describe_os_error, os_error_of
 
 VERSION = 1  # of the files' layout: a change makes new keys
@@ -81,15 +81,6 @@ def tokenizer_identity(tok: Any) -> dict[str, Any]:
   else:
     ident['settings'] = repr(tok)
   return ident
-
-
-def files_identity(paths: Sequence[str]) -> list[tuple[str, int, int]]:
-  """(absolute path, size, mtime in ns) of each file: a rewritten file gets a new cache."""
-  out = []
-  for p in paths:
-    st = os.stat(p)
-    out.append((os.path.abspath(p), st.st_size, st.st_mtime_ns))
-  return out
 
 
 def _mapped(path: str, dtype: Any, count: int) -> np.ndarray:
@@ -333,7 +324,7 @@ def of_rows(rows: Any, tok: Any, kind: str, keys: Sequence[str], cache_dir: str 
   if not arrow:
     return None
   ident = {
-    'source': files_identity(arrow),
+    'source': files.identity(arrow),
     'rows': len(rows),
     'keep': None if rows.keep is None else hashlib.sha256(np.asarray(rows.keep).tobytes()).hexdigest(),
   }

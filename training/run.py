@@ -162,11 +162,9 @@ def write_table(table: str, workdir: str | None, dry_run: bool = False) -> None:
 def reference_identity(config: ml_collections.ConfigDict) -> dict[str, Any]:
   """What makes the starting weights (the reference): the model, the adapters, the seed (initialisation, and
   config.dont_load's parameters) and init_from with its files' sizes and modification times."""
-  src, stats = config.init_from, []
-  if src and os.path.isdir(src):
-    for root, _, names in sorted(os.walk(src)):
-      stats += [(os.path.relpath(os.path.join(root, n), src), os.stat(os.path.join(root, n)).st_size,
-                 os.stat(os.path.join(root, n)).st_mtime_ns) for n in sorted(names)]  # fmt: skip
+  src = config.init_from
+  walked = sorted(os.path.join(root, n) for root, _, names in os.walk(src) for n in names) if src else []
+  stats = data.files.identity(walked)
   return {
     'model': config.model.to_dict(),
     'lora': config.lora.to_dict(),
