@@ -15,11 +15,14 @@ Built so that it cannot flatter either side:
 * the same prompts (seeded by the batch size) go to both sides, and their greedy tokens are compared (equal in
   float32; in bfloat16 the two libraries round differently, and a near tie may go the other way).
 
-The bound beside each figure: a decode step must read every weight it multiplies with once (the tied head's too;
-not the rows of position tables) and the KV cache up to its length (its mean over the decode), so at best it takes
-those bytes / the machine's memory bandwidth, measured here as the faster of an in-place jitted copy of 256 MiB
-(bytes read + written) and a jitted sum (bytes read); the prefill needs 2 FLOPs per weight per token plus its
-causal attention, at best at the rate of a jitted 2048^3 matmul (the faster of float32 and the compute dtype).
+The bound beside each figure is a roofline: the larger of the bytes a step must move over the machine's read
+bandwidth and the FLOPs it must do over its matmul rate. A decode step reads every weight it multiplies with once
+(the tied head's too; not the rows of position tables) and the KV cache up to its length (its mean over the
+decode), and does 2 FLOPs per weight per row plus its attention (4 per cached key element per row); at batch 1
+the bytes bound it, at batch 32 the FLOPs. The bandwidth is a jitted sum's read rate of 256 MiB: a decode step
+reads, and writes almost nothing, so an in-place copy's rate (bytes read + written, printed beside it) is not one
+it can reach. The prefill needs 2 FLOPs per weight per token plus its causal attention, at best at the rate of a
+jitted 2048^3 matmul (the faster of float32 and the compute dtype), and reads the weights once.
 'of bound' is bound / measured: 100% is the machine's limit.
 
 The Hugging Face model is built from its config class with random weights (torch.manual_seed(0)) and saved; the zoo
@@ -65,6 +68,9 @@ flags.DEFINE_integer('rounds', 1, 'Processes per side, alternating ours/theirs, 
 flags.DEFINE_float('max_load', 0.3, 'Busiest the machine may be: 1-minute load average, and cores used by others.')
 flags.DEFINE_integer('wait', 0, 'Seconds to wait for the load average to fall below --max_load before refusing.')
 flags.DEFINE_bool('busy', False, 'Run on a busy machine anyway, its rows flagged BUSY (development, not figures).')
+flags.DEFINE_bool('inline', False, 'Run the sides in this process (the smoke test; not figures: flagged INLINE).')
+flags.DEFINE_integer('probe_mib', 256, 'Size of the bandwidth probe (well beyond the caches).')
+flags.DEFINE_integer('probe_matmul', 2048, 'Side of the FLOP-rate probe matmul.')
 flags.DEFINE_enum('side', None, ['ours', 'theirs', 'machine'], 'Internal: the one side this process measures.')
 flags.DEFINE_string('path', None, 'Internal: the saved Hugging Face model.')
 flags.DEFINE_string('out', None, 'Internal: where this process writes its JSON.')
@@ -115,6 +121,7 @@ def save_model(path: str) -> dict:
     matmul=params - sum(table[n].numel() for n in embeddings),
     hidden=hf.hidden_size,
     layers=hf.num_hidden_layers,
+    heads=heads,
     kv_heads=getattr(hf, 'num_key_value_heads', None) or heads,
     head_dim=head_dim,
     vocab=hf.vocab_size,
@@ -221,26 +228,26 @@ def run_machine(dtype: str) -> dict:
       times.append(time.perf_counter() - t0)
     return min(times)
 
-  # 256 MiB, well beyond any cache; the copy is in place (donated), so no fresh pages: each byte read and written once
+  # well beyond any cache; the copy is in place (donated), so no fresh pages: each byte read and written once
   copy = jax.jit(lambda a: a * 1.0000001, donate_argnums=0)
-  x = copy(jnp.ones((64 << 20,), jnp.float32))
+  x = copy(jnp.ones((FLAGS.probe_mib << 18,), jnp.float32))
   times = []
   for _ in range(10):
     t0 = time.perf_counter()
     x = jax.block_until_ready(copy(x))
     times.append(time.perf_counter() - t0)
   copy_bw = 2 * x.nbytes / min(times)
-  read_bw = x.nbytes / best(jax.jit(lambda a: a.reshape(4096, -1).sum(axis=1)), x)
-  flops = {}
+  read_bw = x.nbytes / best(jax.jit(lambda a: a.reshape(4096, -1).sum(axis=1)), x)  # what a decode step does
+  flops, n = {}, FLAGS.probe_matmul
   for dt in sorted({'float32', dtype}):
-    a = jnp.ones((2048, 2048), dt)
-    flops[dt] = 2 * 2048**3 / best(jax.jit(lambda a, b: a @ b), a, a, n=20 if jax.devices()[0].platform == 'gpu' else 5)
+    a = jnp.ones((n, n), dt)
+    flops[dt] = 2 * n**3 / best(jax.jit(lambda a, b: a @ b), a, a, n=20 if jax.devices()[0].platform == 'gpu' else 5)
   return dict(
     platform=jax.devices()[0].platform,
     device=jax.devices()[0].device_kind,
     copy_bw=copy_bw,
     read_bw=read_bw,
-    bandwidth=max(copy_bw, read_bw),
+    bandwidth=read_bw,
     flops=flops,
     flop_rate=max(flops.values()),
   )
@@ -259,15 +266,21 @@ def cpu_busy() -> float:
   return (user + nice + system + irq + softirq + steal) / os.sysconf('SC_CLK_TCK')
 
 
-def side(name: str, path: str, extra: list[str]) -> tuple[dict, dict]:
-  """Runs one side in a process of its own: (its JSON, the machine's load around it)."""
+def side(name: str, path: str, dtype: str | None) -> tuple[dict, dict]:
+  """Runs one side in a process of its own (--inline: in this one): (its JSON, the machine's load around it)."""
   out = os.path.join(path, f'{name}.json')
   argv = [a for a in sys.argv[1:] if not a.startswith(('--side', '--path', '--out'))]
-  cmd = [sys.executable, os.path.abspath(__file__), *argv, f'--side={name}', f'--path={path}', f'--out={out}', *extra]
+  argv += [f'--side={name}', f'--path={path}', f'--out={out}'] + ([f'--dtype={dtype}'] if dtype else [])
   load0, busy0, t0 = os.getloadavg()[0], cpu_busy(), time.time()
-  ours0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-  subprocess.run(cmd, check=True)
-  ours1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+  who = resource.RUSAGE_SELF if FLAGS.inline else resource.RUSAGE_CHILDREN
+  ours0 = resource.getrusage(who)
+  if FLAGS.inline:
+    FLAGS([sys.argv[0], *argv])
+    measure()
+    FLAGS.side = None
+  else:
+    subprocess.run([sys.executable, os.path.abspath(__file__), *argv], check=True)
+  ours1 = resource.getrusage(who)
   wall = time.time() - t0
   own = (ours1.ru_utime + ours1.ru_stime) - (ours0.ru_utime + ours0.ru_stime)
   others = max(0.0, cpu_busy() - busy0 - own) / wall  # cores kept busy by other programs, on average
@@ -280,19 +293,23 @@ def spread(xs: list[float], scale: float = 1.0, fmt: str = '.1f') -> str:
   return f'{statistics.median(xs):{fmt}} ({xs[0]:{fmt}}-{xs[-1]:{fmt}})'
 
 
+def measure() -> None:
+  """The side FLAGS.side names, its JSON written to FLAGS.out."""
+  shapes = json.loads(open(os.path.join(FLAGS.path, 'shapes.json')).read()) if FLAGS.side != 'machine' else {}
+  dtype = FLAGS.dtype
+  if FLAGS.side == 'ours':
+    got = run_ours(shapes, dtype)
+  elif FLAGS.side == 'theirs':
+    got = run_theirs(shapes, dtype, 'cuda' if shapes['platform'] == 'gpu' else 'cpu')
+  else:
+    got = run_machine(dtype or 'float32')
+  with open(FLAGS.out, 'w') as f:
+    json.dump(got, f)
+
+
 def main(argv) -> None:
   if FLAGS.side is not None:
-    shapes = json.loads(open(os.path.join(FLAGS.path, 'shapes.json')).read()) if FLAGS.side != 'machine' else {}
-    dtype = FLAGS.dtype
-    if FLAGS.side == 'ours':
-      got = run_ours(shapes, dtype)
-    elif FLAGS.side == 'theirs':
-      got = run_theirs(shapes, dtype, 'cuda' if shapes['platform'] == 'gpu' else 'cpu')
-    else:
-      got = run_machine(dtype or 'float32')
-    with open(FLAGS.out, 'w') as f:
-      json.dump(got, f)
-    return
+    return measure()
 
   deadline = time.time() + FLAGS.wait  # a run's own load takes about 3 minutes to decay below 0.3
   while (load := os.getloadavg()[0]) > FLAGS.max_load and time.time() < deadline:
@@ -305,7 +322,7 @@ def main(argv) -> None:
     )
   path = tempfile.mkdtemp(prefix='shardzoo_generate_bench_')
   try:
-    machine, machine_load = side('machine', path, [])
+    machine, machine_load = side('machine', path, None)
     dtype = FLAGS.dtype or ('bfloat16' if machine['platform'] == 'gpu' else 'float32')
     shapes = save_model(path) | dict(platform=machine['platform'])
     with open(os.path.join(path, 'shapes.json'), 'w') as f:
@@ -313,7 +330,7 @@ def main(argv) -> None:
     runs = {'ours': [], 'theirs': []}
     for r in range(FLAGS.rounds):
       for name in ('ours', 'theirs') if r % 2 == 0 else ('theirs', 'ours'):
-        runs[name].append(side(name, path, [f'--dtype={dtype}']))
+        runs[name].append(side(name, path, dtype))
         ld = runs[name][-1][1]
         print(
           f'{name}, round {r + 1}: {ld["wall"]:.0f} s, load average {ld["load_before"]:.2f} -> {ld["load_after"]:.2f}, '
@@ -337,12 +354,13 @@ def table(shapes: dict, machine: dict, machine_load: dict, runs: dict, dtype: st
     f'{FLAGS.family}: {shapes["params"] / 1e6:.1f}M parameters, {dtype} (ours stored as {ours0["param_dtypes"]}), '
     f'prompt {P}, {N} new tokens, {FLAGS.reps} repetitions x {FLAGS.rounds} process(es) per side; '
     f'{machine["device"]}; transformers {theirs0["torch"]} {theirs0["peer"]}',
-    f'machine: bandwidth {bw / 1e9:.1f} GB/s (in-place copy {machine["copy_bw"] / 1e9:.1f}, sum '
-    f'{machine["read_bw"] / 1e9:.1f}), matmul '
+    f'machine: read bandwidth {bw / 1e9:.1f} GB/s (a jitted sum; an in-place copy moved '
+    f'{machine["copy_bw"] / 1e9:.1f}, read + written), matmul '
     + ', '.join(f'{k} {v / 1e9:.0f} GFLOP/s' for k, v in machine['flops'].items()),
     f"load average at the start {load:.2f}; per process (before/after, ours included; others' cores): "
     + '; '.join(f'{ld["load_before"]:.2f}/{ld["load_after"]:.2f}, {ld["others"]:.2f}' for ld in loads)
-    + ('  ** BUSY: not figures **' if busy else ''),
+    + ('  ** BUSY: not figures **' if busy else '')
+    + ('  ** INLINE (the sides in one process): not figures **' if FLAGS.inline else ''),
     '',
     '| batch | ours TTFT ms | transformers TTFT ms | TTFT bound ms | ours ms/token | transformers ms/token | '
     'bound ms/token | ours of bound | ours tokens/s | transformers tokens/s | speed-up | same tokens | KV cache |',
@@ -356,19 +374,25 @@ def table(shapes: dict, machine: dict, machine_load: dict, runs: dict, dtype: st
     )
     (o_ttft, o_lat, o_tps), (h_ttft, h_lat, h_tps) = col('ours'), col('theirs')
     cache_row = 2 * shapes['layers'] * shapes['kv_heads'] * shapes['head_dim'] * size  # bytes per token of one row
-    step = (shapes['read'] * size + B * cache_row * (P + (N - 1) / 2)) / bw
+    context = P + (N - 1) / 2  # the mean cache length of a decode step
+    attention = 4 * shapes['layers'] * shapes['heads'] * shapes['head_dim']  # FLOPs per row per cached token
+    step = max(  # the roofline: bytes at the read bandwidth, or FLOPs at the matmul rate
+      (shapes['read'] * size + B * cache_row * context) / bw,
+      (2 * (shapes['matmul'] + shapes['hidden'] * shapes['vocab']) * B + attention * B * context)
+      / machine['flop_rate'],
+    )
     flops = (
       2 * shapes['matmul'] * B * P
       + 2 * shapes['layers'] * B * P * P * shapes['hidden']
       + 2 * shapes['hidden'] * shapes['vocab'] * B
     )
-    prefill = flops / machine['flop_rate']
+    prefill = max(flops / machine['flop_rate'], shapes['read'] * size / bw)
     same = all(got[str(B)]['tokens'] == theirs0[str(B)]['tokens'] for side in runs.values() for got, _ in side)
     lines.append(
       f'| {B} | {spread(o_ttft, 1e3, ".0f")} | {spread(h_ttft, 1e3, ".0f")} | {prefill * 1e3:.0f} | '
       f'{spread(o_lat, 1e3)} | {spread(h_lat, 1e3)} | {step * 1e3:.1f} | {step / statistics.median(o_lat):.0%} | '
       f'{spread(o_tps)} | {spread(h_tps)} | {statistics.median(o_tps) / statistics.median(h_tps):.2f}x | {same} | '
-      f'{fmt_bytes(ours0[str(B)]["cache"])} |' + (' BUSY' if busy else '')
+      f'{fmt_bytes(ours0[str(B)]["cache"])} |' + (' BUSY' if busy else '') + (' INLINE' if FLAGS.inline else '')
     )
   return '\n'.join(lines)
 

@@ -1,0 +1,20 @@
+"""benchmarks/generate.py, smoke-tested so it cannot rot: a 1-layer GPT-2, both sides in one process (--inline,
+to spare two interpreter starts), on whatever machine the suite runs (--busy); the table comes out with the bound
+beside every figure and the two sides' greedy tokens equal. A child process: the script defines its own flags."""
+
+import subprocess
+import sys
+
+from tests.conftest import ROOT, subprocess_env
+
+
+def test_generate_benchmark_smoke():
+  cmd = [sys.executable, 'benchmarks/generate.py', '--busy', '--inline', '--probe_mib=16', '--probe_matmul=256']
+  cmd += ['--batches=2', '--prompt_len=5', '--new_tokens=3', '--reps=1', '--layers=1', '--hidden=32', '--heads=2']
+  r = subprocess.run(cmd + ['--vocab=128'], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert 'machine: read bandwidth' in r.stdout and 'INLINE (the sides in one process): not figures' in r.stdout
+  rows = [line.split('|')[1:-1] for line in r.stdout.splitlines() if line.startswith('| 2 |')]
+  assert len(rows) == 1, r.stdout
+  cells = [c.strip() for c in rows[0]]
+  assert float(cells[6]) >= 0 and cells[7].endswith('%') and cells[11] == 'True', r.stdout  # bound, of bound, same
