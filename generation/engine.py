@@ -5,7 +5,7 @@ token sits in slot P-1 and every row writes the same cache slot at each step; ea
 (slot - its padding) and its pads are masked as keys. One prefill forward pass writes the prompts' keys and values
 into the cache and gives the first token; one jitted `lax.while_loop` then decodes a token per step until
 `max_new_tokens` or every row has emitted its stop token. One compile per (rows, P, S, sampling kind): S, the cache
-slots, is P + max_new_tokens rounded up to a power of two, and max_new_tokens itself is a traced bound.
+slots, is P + max_new_tokens rounded up (`cache_slots`), and max_new_tokens itself is a traced bound.
 
 The cache (per layer: keys and values, (B, G, S, K) each; scanned stacks add a leading 'layers' axis) names the
 logical axes of models/layers.CACHE_AXES: 'cache_batch', 'cache_heads', 'cache_length', 'cache_kv'. The config's
@@ -63,6 +63,13 @@ class Sampling:
 def bucket(n: int, least: int = 1) -> int:
   """The power of two at or above n (at least `least`): one compile serves every length up to it."""
   return max(least, 1 << max(0, n - 1).bit_length())
+
+
+def cache_slots(P: int, new: int) -> int:
+  """The cache slots of a decode of `new` tokens after a prompt bucket of P: P + new rounded up to a power of two,
+  or P + new's power-of-two bucket where that is fewer (128 + 64 -> 192, not 256). A decode step attends to every
+  slot, so the slots past the last token are read for nothing: at batch 32 the cache outweighs the weights."""
+  return min(bucket(P + new), P + bucket(new, MIN_PROMPT_BUCKET))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +278,7 @@ class Generator:
     m = self.row_multiple()
     rows = -(-len(prompts) // m) * m
     P = bucket(max(len(p) for p in prompts), MIN_PROMPT_BUCKET)
-    return rows, P, bucket(P + sampling.max_new_tokens)
+    return rows, P, cache_slots(P, sampling.max_new_tokens)
 
   def cache_table(self, rows: int, slots: int) -> str:
     """The cache's sharding table (path, shape, logical axes, spec, bytes per device) under the rules."""

@@ -296,6 +296,15 @@ def test_sampling_is_seeded_and_cut_by_top_k_and_top_p(gpt2_gen):
           assert float(np.sum(p[:rank])) < kw['top_p']  # the tokens before it had not reached top_p
 
 
+def test_the_cache_holds_no_power_of_two_of_slots_it_never_fills():
+  """P + new rounded to a power of two, or P + new's own bucket where fewer: a decode step reads every slot."""
+  from generation.engine import cache_slots
+
+  assert [cache_slots(128, 64), cache_slots(128, 65), cache_slots(8, 6), cache_slots(8, 3), cache_slots(8, 100)] == [
+    192, 256, 16, 16, 128,
+  ]  # fmt: skip
+
+
 def test_a_row_stops_at_its_own_stop_token(gpt2_gen):
   greedy = [g.ids for g in gpt2_gen.generate(PROMPTS, generation.Sampling(NEW, temperature=0.0))]
   stop = greedy[0][2]
