@@ -106,6 +106,15 @@ class TokenDocs:
   def __len__(self) -> int:
     return int(self.meta['documents'])
 
+  def where(self, i: int) -> str:
+    return (self._where or _nth)(int(i))
+
+  def __getstate__(self) -> dict[str, Any]:  # worker processes map the files again; the arrays do not travel
+    return {'path': self.path, 'meta': self.meta, 'where': self._where}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__init__(state['path'], state['meta'], state['where'])
+
   def __getitem__(self, i: int) -> dict[str, Any]:
     i = int(i)
     lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
