@@ -145,6 +145,56 @@ def _read_options(num_threads: int, prefetch: int) -> grain.ReadOptions:
   return grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
 
 
+class BatchesInWorkers(grain.IterDataset):
+  """Local batches (`batches[i]`: the i-th this process reads) made in `workers` processes (grain's mp_prefetch:
+  worker w makes batches w, w+W, ...; they come back in order), with the position a thread-made stream of them has
+  ({'next_index': batches read}), so that it resumes with any number of workers; set_state starts them again
+  there."""
+
+  def __init__(self, batches: grain.MapDataset, workers: int):
+    super().__init__()
+    self.batches, self.workers = batches, workers
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return _BatchesInWorkersIterator(self)
+
+
+class _BatchesInWorkersIterator(grain.DatasetIterator):
+  def __init__(self, ds: BatchesInWorkers):
+    super().__init__()
+    self.ds, self._it, self._next = ds, None, 0
+
+  def _start(self) -> grain.DatasetIterator:
+    if self._it is None:
+      packing.mark_flags_parsed()
+      read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=1)
+      ds = self.ds.batches[self._next :].to_iter_dataset(read)
+      self._it = iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.ds.workers)))
+    return self._it
+
+  def __next__(self) -> Any:
+    batch = next(self._start())
+    self._next += 1
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    return {'next_index': self._next}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self.close()
+    self._next = int(state['next_index'])
+
+  def start_prefetch(self) -> None:
+    it = self._start()
+    if hasattr(it, 'start_prefetch'):
+      it.start_prefetch()
+
+  def close(self) -> None:
+    if self._it is not None:
+      self._it.close()
+      self._it = None
+
+
 def train_dataset(
   source: Any,
   global_batch: int,
@@ -160,9 +210,10 @@ def train_dataset(
 
   `transform` runs per example, only on the examples this process reads (grain is lazy), in
   `num_threads` background threads with `prefetch` local batches buffered, or with `num_workers` > 0 in that many
-  worker processes (grain's mp_prefetch: each makes every num_workers-th local batch, in order), for transforms
-  that hold the GIL (image decoding and augmentation in PIL and numpy) and so do not scale with threads. The
-  iterator supports get_state()/set_state() (JSON-serialisable) for exact resumption with the same num_workers.
+  worker processes (BatchesInWorkers: each makes every num_workers-th local batch, in order), for
+  transforms that hold the GIL (image decoding and augmentation in PIL and numpy) and so do not scale with threads.
+  The iterator supports get_state()/set_state() (JSON-serialisable: the number of batches read) for exact
+  resumption with any num_workers.
   """
   local = _check_rows(rows, global_batch)
   if len(source) < global_batch:
@@ -170,8 +221,7 @@ def train_dataset(
   ds = _apply(_stream(source, seed), transform, seed)
   ds = ds.batch(local, drop_remainder=True, batch_fn=_stack)[rows.start // local :: global_batch // local]
   if num_workers:
-    packing.mark_flags_parsed()
-    return ds.to_iter_dataset(_read_options(1, 1)).mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+    return BatchesInWorkers(ds, num_workers)
   return ds.to_iter_dataset(_read_options(num_threads, prefetch))
 
 

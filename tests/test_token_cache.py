@@ -126,14 +126,20 @@ def test_a_cache_that_cannot_be_written_is_one_storage_error_that_leaves_nothing
 
 
 def test_image_batches_from_worker_processes_are_the_threads(tmp_path):
-  """config.dataset.num_workers: the same batches, in order, as the threads make (one pool of two spawned workers:
-  the suite's only one, seconds)."""
+  """config.dataset.num_workers: the same batches, in order, as the threads make, and a position saved by the
+  threads resumes in the workers (one pool of two spawned workers: seconds)."""
   cfg = lambda workers: make('classification', name='synthetic_images', num_train=64, num_eval=8, num_workers=workers)
   its = [data.build(cfg(w)).train_iterator(8, slice(0, 8), 0) for w in (0, 2)]
-  threads, workers = ([next(it) for _ in range(5)] for it in its)
+  threads, states = [], []
+  for _ in range(9):  # crosses an epoch
+    states.append(json.loads(json.dumps(its[0].get_state())))
+    threads.append(next(its[0]))
+  its[1].set_state([states[3]])
+  workers = [next(its[1]) for _ in range(6)]
+  assert its[1].get_state() == json.loads(json.dumps(its[0].get_state()))
   for it in its:
     it.close()
-  assert_same(threads, workers)
+  assert_same(threads[3:], workers)
 
 
 def cached_docs(tmp_path, docs: list, loss: list | None = None) -> token_cache.TokenDocs:
