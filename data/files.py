@@ -18,6 +18,7 @@ by the tokenizer's own chat template, the loss on the assistant turns).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import glob
 import os
@@ -100,6 +101,23 @@ class Rows:
 
   def where(self, i: int) -> str:
     """'file line n' of row i (of the rows served)."""
+    return self.names()(i)
+
+  def names(self) -> RowNames:
+    """`where` without the rows (what a token cache's documents are named by in worker processes)."""
+    return RowNames(self.files, self.starts, self.keep, self.unit)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowNames:
+  """'file line n' of row i of a Rows (of the rows served)."""
+
+  files: list[str]
+  starts: np.ndarray
+  keep: np.ndarray | None
+  unit: str
+
+  def __call__(self, i: int) -> str:
     j = int(self.keep[i]) if self.keep is not None else int(i)
     f = int(np.searchsorted(self.starts, j, side='right')) - 1
     return f'{self.files[f]} {self.unit} {j - self.starts[f] + 1}'

@@ -319,7 +319,7 @@ def of_rows(rows: Any, tok: Any, kind: str, keys: Sequence[str], cache_dir: str 
     'keep': None if rows.keep is None else hashlib.sha256(np.asarray(rows.keep).tobytes()).hexdigest(),
   }
   path, meta = build(default_root(cache_dir), ident, _RowsReader(rows, keys), len(rows), tok, kind, keys, label=label)
-  return TokenDocs(path, meta, rows.where)
+  return TokenDocs(path, meta, rows.names())  # names, not rows: worker processes need no Arrow tables
 
 
 class _SourceReader:

@@ -201,15 +201,13 @@ def test_the_numpy_packer_makes_grains_rows_and_positions(tmp_path, whole):
     assert_same(packed(NotCached(docs), whole, 5, fast_states[k])[0], fast[k : k + 5])
 
 
-def test_packed_rows_from_worker_processes_are_this_processs(tmp_path, tok_dir):
+def test_packed_rows_from_worker_processes_are_this_processs(tmp_path):
   """config.dataset.num_workers on packed text: the same batches and data positions as packing here, and a position
   saved without workers resumes in them. Prompt/completion pairs through their token cache (whole documents, loss
   masks); which packer runs in the workers is pinned above, the caches against the in-line rows by the first test
   (one pool of two spawned workers: seconds)."""
   path = write_jsonl(tmp_path / 'rows.jsonl', rows_of('pair'))
-  fields = dict(
-    name='json', seq_len=48, tokenizer=tok_dir, pack=True, cache_dir=str(tmp_path / 'c'), **KINDS['pair'](path)
-  )
+  fields = dict(name='json', seq_len=48, pack=True, cache_dir=str(tmp_path / 'c'), **KINDS['pair'](path))
   its = [data.build(make(num_workers=w, **fields)).train_iterator(8, slice(0, 8), 0) for w in (0, 2)]
   here, states = [], []
   for _ in range(6):
