@@ -302,7 +302,7 @@ class MoE(decoder.Decoder):
   layers (the lm task adds it to the loss); the other aux entries are unweighted means over the expert layers.
   `hidden_states` (-> (x, aux)) and `head` are the two halves of `__call__` (the chunked LM loss runs the
   head per chunk). With first_dense_layers, those layers are a stack of their own ('dense_blocks', dense MLPs of
-  mlp_dim) before the experts' ('blocks')."""
+  mlp_dim, stacked on 'dense_layers') before the experts' ('blocks'); a pipeline cuts only the experts' stack."""
 
   block = Block
 
@@ -317,7 +317,11 @@ class MoE(decoder.Decoder):
         'and a pattern of local and global layers are not implemented together'
       )
     if first:
-      self.dense_blocks = Stack(lambda r: decoder.Block(cfg, rngs=r), first, **stack_options(cfg), rngs=rngs)
+      # Stacked on an axis of their own: a pipeline cuts the expert layers ('layers') into stages and runs these
+      # before it, where the rules put them ('dense_layers'; the presets replicate the axis).
+      self.dense_blocks = Stack(
+        lambda r: decoder.Block(cfg, rngs=r), first, **stack_options(cfg), axis='dense_layers', rngs=rngs
+      )
     self.blocks = Stack(
       lambda r: self.block(cfg, rngs=r), cfg.num_layers - first, **stack_options(cfg), period=period, rngs=rngs
     )
