@@ -4,7 +4,7 @@ bias and group limits, one shared expert; three dense layers first) and DeepSeek
   python train.py --config configs/deepseek_v3.py:tiny --workdir /tmp/dsv3_tiny        # seconds on CPU
   python train.py --config configs/deepseek_v3.py:671b --workdir /tmp/d --dry_run      # per-device memory
 
-Presets: dp, fsdp, ep, fsdp_ep (default), cp, ep_tp (configs/moe.py), each with rules for the latent dims
+Presets: dp, fsdp, ep, fsdp_ep (default), cp, pp, ep_tp (configs/moe.py), each with rules for the latent dims
 ('q_lora', 'kv_lora': sharded as the preset shards 'embed'; map them to 'tensor' to split the latent projections).
 Sizes: 671b (DeepSeek-V3/R1), v2_lite (DeepSeek-V2-Lite, 16B: softmax routing, two shared experts, full-rank q), tiny.
 """

@@ -3,7 +3,7 @@ r"""GPT-OSS (attention sinks, sliding-window and global layers alternating, bias
   python train.py --config configs/gpt_oss.py:tiny --workdir /tmp/gpt_oss_tiny         # seconds on CPU
   python train.py --config configs/gpt_oss.py:20b --workdir /tmp/g --dry_run           # per-device memory
 
-Presets: dp, fsdp, ep, fsdp_ep (default), cp, ep_tp (configs/moe.py). Sizes: 20b (gpt-oss-20b), 120b
+Presets: dp, fsdp, ep, fsdp_ep (default), cp, pp, ep_tp (configs/moe.py). Sizes: 20b (gpt-oss-20b), 120b
 (gpt-oss-120b), tiny.
 """
 

@@ -13,6 +13,8 @@ Presets (one word switches the strategy; rules and meshes below stay editable):
             on embed (dense weights 8 ways over fsdp x expert, expert weights on fsdp)
   :cp       context parallel           mesh fsdp=2, context=4; as fsdp, each row split in 4 along the sequence
             (the routing groups of group_size tokens are split too: dispatch sums over the context axis)
+  :pp       pipeline + experts + FSDP  mesh stage=2, fsdp=2, expert=2: the expert layers cut into 2 stages, ep and
+            FSDP inside each; 16 micro-batches (4 at tiny size), GPipe (docs/pipelines.md)
   :ep_tp    experts + tensor           mesh expert=4, tensor=2; batch on expert, mlp/heads/vocab on tensor
 Under expert parallelism, 'batch' and 'expert' share the mesh axis 'expert': the dense layers are
 data parallel over it, the experts are split over it, and the dispatched tokens (expert, batch, ...)
@@ -23,7 +25,15 @@ tiny (2 layers, d=64, 8 experts, on the offline Markov language). Combine: confi
 
 from configs import common, schema
 
-_REST = [('layers', None), ('length', None), ('kv', None), ('norm', None), ('cache_length', None), ('cache_kv', None)]
+_REST = [
+  ('layers', None),
+  ('dense_layers', None),
+  ('length', None),
+  ('kv', None),
+  ('norm', None),
+  ('cache_length', None),
+  ('cache_kv', None),
+]
 # The KV cache of generation (configs/common.py): rows like 'batch', kv heads like 'kv_heads'.
 _CACHE = {
   'dp': [('cache_batch', 'data'), ('cache_heads', None)],
@@ -31,6 +41,7 @@ _CACHE = {
   'ep': [('cache_batch', ('data', 'expert')), ('cache_batch', 'data'), ('cache_heads', None)],
   'fsdp_ep': [('cache_batch', ('fsdp', 'expert')), ('cache_batch', 'fsdp'), ('cache_heads', None)],
   'cp': [('cache_batch', ('data', 'fsdp')), ('cache_heads', None), ('cache_length', None), ('cache_kv', None)],
+  'pp': [('cache_batch', ('fsdp', 'expert', 'stage')), ('cache_batch', 'fsdp'), ('cache_heads', None)],
   'ep_tp': [
     ('cache_batch', ('data', 'expert')),
     ('cache_batch', 'data'),
@@ -98,8 +109,25 @@ RULES = {
     ('kv_heads', None),
     ('vocab', None),
     ('layers', None),
+    ('dense_layers', None),
     ('kv', None),
     ('norm', None),
+  ],
+  # Pipeline + experts + FSDP (docs/pipelines.md): the expert layers' stack cut into 'stage' stages, inside each the
+  # ep and FSDP rules; the dense layers first (DeepSeek, Qwen3-MoE) run before the pipeline, replicated.
+  'pp': [
+    ('batch', ('fsdp', 'expert', 'stage')),
+    ('batch', ('fsdp', 'stage')),  # dispatched tokens: 'expert' is taken
+    ('layers', 'stage'),
+    ('expert', 'expert'),
+    ('expert', None),
+    ('embed', 'fsdp'),
+    ('embed', None),
+    ('mlp', None),
+    ('heads', None),
+    ('kv_heads', None),
+    ('vocab', None),
+    *[r for r in _REST if r[0] != 'layers'],
   ],
   'ep_tp': [
     ('batch', ('data', 'expert')),
@@ -121,6 +149,7 @@ MESHES = {
   'ep': dict(data=2, fsdp=1, expert=4, tensor=1),
   'fsdp_ep': dict(data=1, fsdp=2, expert=4, tensor=1),
   'cp': dict(data=1, fsdp=2, context=4, expert=1, tensor=1),
+  'pp': dict(stage=2, data=1, fsdp=2, expert=2, tensor=1),
   'ep_tp': dict(data=1, fsdp=1, expert=4, tensor=2),
 }
 _MOE = dict(num_experts=8, top_k=2, capacity_factor=1.25, aux_loss_weight=0.01, router_z_loss_weight=1e-3)
@@ -183,4 +212,9 @@ def sparse_config(
     c.total_steps = 300
     c.optim = common.ConfigDict(dict(lr=3e-3))  # warmup: a tenth of the run (configs/schema.py)
     c.eval_every = 300
+  if preset == 'pp':  # scanned layers (the stacked dimension is what the stages cut); 2 expert layers per stage
+    c.model.scan_layers = True
+    c.pipeline = common.ConfigDict(dict(microbatches=16 if size != 'tiny' else 4))  # 4 rows for fsdp x expert
+    if size == 'tiny':
+      c.model.num_layers = c.model.get('first_dense_layers', 0) + 2 * len(c.model.get('layer_pattern') or 'G')
   return schema.complete(c)

@@ -4,7 +4,7 @@ r"""Qwen3-MoE (128 experts, top-8, q/k norms): the MoE presets of configs/moe.py
   python train.py --config configs/qwen3_moe.py:30b_a3b --workdir /tmp/q --dry_run    # per-device memory
   python train.py --config configs/qwen3_moe.py:ep,tiny --init_from /path/to/Qwen3-30B-A3B ...
 
-Presets: dp, fsdp, ep, fsdp_ep (default), cp, ep_tp (configs/moe.py). Sizes: 30b_a3b (Qwen3-30B-A3B), 235b_a22b
+Presets: dp, fsdp, ep, fsdp_ep (default), cp, pp, ep_tp (configs/moe.py). Sizes: 30b_a3b (Qwen3-30B-A3B), 235b_a22b
 (Qwen3-235B-A22B), tiny. Published counts: docs/model_options.md (and tests/test_sparse_families.py).
 """
 

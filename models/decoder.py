@@ -261,12 +261,27 @@ class Decoder(nnx.Module):
     self.dtype = kw['dtype']
     self.loss_chunks = loss_chunks(cfg)
 
-  def make_stacks(self, cfg: ml_collections.ConfigDict, rngs: nnx.Rngs) -> None:
-    """The blocks (models/moe.py adds a stack of dense layers before its experts' where a checkpoint has them)."""
-    period = len(pattern(cfg))
+  def make_stacks(self, cfg: ml_collections.ConfigDict, rngs: nnx.Rngs, dense_first: int = 0) -> None:
+    """The blocks: num_layers of `self.block` in the family's pattern. `dense_first` (a mixture of experts' dense
+    layers first, models/moe.py): that many plain blocks before them, a stack of their own on the 'dense_layers'
+    axis ('dense_blocks'), which a pipeline does not cut."""
+    if dense_first:
+      self.dense_blocks = Stack(
+        lambda r: Block(cfg, rngs=r), dense_first, **stack_options(cfg), axis='dense_layers', rngs=rngs
+      )
     self.blocks = Stack(
-      lambda r: self.block(cfg, rngs=r), cfg.num_layers, **stack_options(cfg), period=period, rngs=rngs
+      lambda r: self.block(cfg, rngs=r),
+      cfg.num_layers - dense_first,
+      **stack_options(cfg),
+      period=len(pattern(cfg)),
+      rngs=rngs,
     )
+
+  def stacks(self, x_BLD: jax.Array, *args: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """x through the dense layers first (if any) and the blocks: (x, the blocks' aux summed over layers)."""
+    if hasattr(self, 'dense_blocks'):
+      x_BLD, _ = self.dense_blocks(x_BLD, *args)
+    return self.blocks(x_BLD, *args)
 
   def __call__(
     self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
@@ -284,12 +299,19 @@ class Decoder(nnx.Module):
     self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
   ) -> jax.Array:
     """The last block's output after the final RMSNorm, (B, L, D)."""
-    x_BLD, _ = self.blocks(self.embed(tokens_BL), positions_BL, segment_ids_BL)
+    x_BLD, _ = self.stacks(self.embed(tokens_BL), positions_BL, segment_ids_BL)
     return self.norm(x_BLD)
 
   def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any, decoding: Any) -> tuple[jax.Array, Any]:
-    """The last token's logits (B, V) and the KV cache with tokens_BT written into it (generation/engine.py)."""
-    x_BTD, cache = self.blocks.decode(self.embed(tokens_BT), cache, decoding, positions_BT, None)
+    """The last token's logits (B, V) and the KV cache with tokens_BT written into it (generation/engine.py); with
+    dense layers first, `cache` is (theirs, the blocks')."""
+    x_BTD = self.embed(tokens_BT)
+    if hasattr(self, 'dense_blocks'):
+      dense, cache = cache
+      x_BTD, dense = self.dense_blocks.decode(x_BTD, dense, decoding, positions_BT, None)
+    x_BTD, cache = self.blocks.decode(x_BTD, cache, decoding, positions_BT, None)
+    if hasattr(self, 'dense_blocks'):
+      cache = (dense, cache)
     return self.head(self.norm(x_BTD[:, -1:]))[:, 0], cache
 
   def head(self, x_BLD: jax.Array) -> jax.Array:

@@ -1031,6 +1031,10 @@ class Stack(nnx.Module):
   A block maps (x, *args) -> x, or -> (x, aux) with aux a dict of scalars, summed over layers.
   `remat` names what each block keeps for the backward pass (REMAT_POLICIES); the rest is recomputed.
 
+  `axis`: the logical name of the stacked dimension. The pipeline (partitioning/pipeline.py) cuts the 'layers'
+  axis only; a stack on another axis (a mixture of experts' dense layers first: 'dense_layers') runs whole, before
+  the pipelined one, wherever its rule puts its weights.
+
   `period` > 1: the blocks differ by their place in a repeating pattern of that many layers (a decoder's local and
   global attention layers: Gemma 3's five local to one global), told to each block as `layer=i % period`. Stored
   as before (one stacked 'layers' axis, so checkpoints and rules do not change); a scanned stack runs in groups of
@@ -1047,11 +1051,12 @@ class Stack(nnx.Module):
     rngs: nnx.Rngs,
     remat: Any = 'none',
     period: int = 1,
+    axis: str = 'layers',
   ):
-    self.scan, self.remat, self.num, self.period = scan, remat_policy(remat), num, period
+    self.scan, self.remat, self.num, self.period, self.axis = scan, remat_policy(remat), num, period, axis
     # Both layouts come from one vmapped initialiser (same values): unrolled blocks are split from it, since
     # num separate initialisers compile far more slowly.
-    metadata = {nnx.PARTITION_NAME: 'layers'} if scan else {}  # unrolled: each block keeps its own axes
+    metadata = {nnx.PARTITION_NAME: axis} if scan else {}  # unrolled: each block keeps its own axes
     stacked = nnx.vmap(make_block, in_axes=0, out_axes=0, transform_metadata=metadata)(rngs.split(num))
     if scan:
       self.layers = stacked
@@ -1073,8 +1078,8 @@ class Stack(nnx.Module):
       out = block(x, *args, **place)
       return out if isinstance(out, tuple) else (out, {})
 
-    if self.scan and pipeline.active() is not None:  # the rules cut the stack into pipeline stages
-      return self._pipelined(apply, x, *args), {}
+    if self.scan and self.axis == 'layers' and pipeline.active() is not None:  # the rules cut it into stages
+      return self._pipelined(apply, x, *args)
     remat = (lambda f: nnx.remat(f, policy=REMAT_POLICIES[self.remat])) if self.remat != 'none' else (lambda f: f)
     if not self.scan:
       # One jitted call per place in the pattern, made afresh for this trace: identical blocks hit its trace cache,
@@ -1092,7 +1097,7 @@ class Stack(nnx.Module):
     @nnx.scan(
       in_axes=(nnx.Carry, 0) + (None,) * len(args),
       out_axes=(nnx.Carry, 0),
-      transform_metadata={nnx.PARTITION_NAME: 'layers'},
+      transform_metadata={nnx.PARTITION_NAME: self.axis},
     )
     def body(x, block, *args):
       return apply(block, x, *args)
@@ -1126,9 +1131,10 @@ class Stack(nnx.Module):
       totals = {k: totals.get(k, 0.0) + v for k, v in aux.items()}
     return x, totals
 
-  def _pipelined(self, apply: Callable[..., Any], x: jax.Array, *args: Any) -> jax.Array:
-    """The scanned stack as the active pipeline (partitioning/pipeline.py), remat per stage iteration. With a
-    pattern, a pipeline 'layer' is a group of `period` layers, so the stages must hold whole groups."""
+  def _pipelined(self, apply: Callable[..., Any], x: jax.Array, *args: Any) -> tuple[jax.Array, dict]:
+    """The scanned stack as the active pipeline (partitioning/pipeline.py), remat per stage iteration: (x, aux),
+    aux summed over the layers and averaged over the pipeline's micro-batches. With a pattern, a pipeline 'layer'
+    is a group of `period` layers, so the stages must hold whole groups."""
     if self.period > 1:
       if self.num % self.period:
         raise ConfigError(
@@ -1140,19 +1146,13 @@ class Stack(nnx.Module):
       graphdef, weights = nnx.split(self.layers)
 
     def layer(w, x, *args):
-      if self.period > 1:
-        aux = {}
-        for j in range(self.period):
-          x, more = apply(nnx.merge(graphdef, jax.tree.map(lambda v: v[j], w)), x, *args, layer=j)
-          aux.update(more)
-      else:
-        x, aux = apply(nnx.merge(graphdef, w), x, *args)
-      if aux:
-        raise ConfigError(
-          f'a pipelined layer stack returns per-layer losses {sorted(aux)} (a mixture of experts), which the '
-          "pipeline does not collect: map 'layers' to None for this model"
-        )
-      return x
+      if self.period == 1:
+        return apply(nnx.merge(graphdef, w), x, *args)
+      totals: dict[str, jax.Array] = {}
+      for j in range(self.period):
+        x, aux = apply(nnx.merge(graphdef, jax.tree.map(lambda v: v[j], w)), x, *args, layer=j)
+        totals = {k: totals.get(k, 0.0) + v for k, v in aux.items()}
+      return x, totals
 
     return pipeline.run(layer, weights, x, *args, x_axes=('batch',), policy=REMAT_POLICIES[self.remat])
 

@@ -66,12 +66,10 @@ from models.layers import (
   NOT_MODEL_FLOPS,
   Dense,
   GatedMLP,
-  Stack,
   active_scope,
   axes,
   dtypes,
   padded_vocab,
-  stack_options,
 )
 from partitioning import shard_logical
 
@@ -302,7 +300,7 @@ class MoE(decoder.Decoder):
   layers (the lm task adds it to the loss); the other aux entries are unweighted means over the expert layers.
   `hidden_states` (-> (x, aux)) and `head` are the two halves of `__call__` (the chunked LM loss runs the
   head per chunk). With first_dense_layers, those layers are a stack of their own ('dense_blocks', dense MLPs of
-  mlp_dim) before the experts' ('blocks')."""
+  mlp_dim, stacked on 'dense_layers') before the experts' ('blocks'); a pipeline cuts only the experts' stack."""
 
   block = Block
 
@@ -316,11 +314,7 @@ class MoE(decoder.Decoder):
         f'config.model.first_dense_layers={first} with layer_pattern={cfg.layer_pattern!r}: dense layers first '
         'and a pattern of local and global layers are not implemented together'
       )
-    if first:
-      self.dense_blocks = Stack(lambda r: decoder.Block(cfg, rngs=r), first, **stack_options(cfg), rngs=rngs)
-    self.blocks = Stack(
-      lambda r: self.block(cfg, rngs=r), cfg.num_layers - first, **stack_options(cfg), period=period, rngs=rngs
-    )
+    super().make_stacks(cfg, rngs, dense_first=first)
     self.expert_layers = cfg.num_layers - first
 
   def __call__(
@@ -333,23 +327,9 @@ class MoE(decoder.Decoder):
     self, tokens_BL: jax.Array, *, positions_BL: jax.Array | None = None, segment_ids_BL: jax.Array | None = None
   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The last block's output after the final RMSNorm, (B, L, D), and aux (the class docstring)."""
-    x_BLD = self.embed(tokens_BL)
-    if hasattr(self, 'dense_blocks'):
-      x_BLD, _ = self.dense_blocks(x_BLD, positions_BL, segment_ids_BL)
-    x_BLD, totals = self.blocks(x_BLD, positions_BL, segment_ids_BL)
+    x_BLD, totals = self.stacks(self.embed(tokens_BL), positions_BL, segment_ids_BL)
     aux = {k: v if k == 'aux_loss' else v / self.expert_layers for k, v in totals.items()}
     return self.norm(x_BLD), aux
-
-  def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any, decoding: Any) -> tuple[jax.Array, Any]:
-    """As Decoder.decode; with dense layers first, `cache` is (theirs, the expert layers')."""
-    x_BTD = self.embed(tokens_BT)
-    if hasattr(self, 'dense_blocks'):
-      dense, cache = cache
-      x_BTD, dense = self.dense_blocks.decode(x_BTD, dense, decoding, positions_BT, None)
-    x_BTD, cache = self.blocks.decode(x_BTD, cache, decoding, positions_BT, None)
-    if hasattr(self, 'dense_blocks'):
-      cache = (dense, cache)
-    return self.head(self.norm(x_BTD[:, -1:]))[:, 0], cache
 
 
 def attention_params(cfg: Any) -> int:

@@ -7,6 +7,9 @@ at once: a `vmap` over a [stages, micro-batch, ...] buffer whose stage dimension
 (`spmd_axis_name`), then the buffer moves one stage on, a roll of that dimension that XLA compiles to a
 collective-permute. A scan runs R x M + S - 1 iterations; the S - 1 extra ones are the bubble, where some stages
 compute on nothing. The backward pass is autodiff of the scan (the transposed roll is a permute the other way).
+A layer may return scalars beside x (a mixture of experts' load-balancing and z-losses): each stage sums its
+layers' per iteration, the bubble's iterations count zero, and the sums over stages and iterations, divided by M,
+come back with the output (the mean over micro-batches, as gradient accumulation takes it), gradients included.
 
 Schedules: GPipe (repeats R = 1) and circular (R > 1): the stack is cut into R x S virtual stages of
 N / (R S) layers, virtual stage v on device v mod S, so a micro-batch goes round the devices R times and the
@@ -79,10 +82,12 @@ def schedule(
   scan_layers: bool,
   num_layers: int | None,
   batch_size: int,
+  dense_first: int = 0,
 ) -> Schedule | None:
   """The pipeline a config asks for (None where no rule maps 'layers' to a 'stage' axis of size > 1), checked
-  against the config's numbers (config.pipeline.*, config.model.scan_layers and num_layers, config.batch_size)
-  before anything is built: one ConfigError naming them."""
+  against the config's numbers (config.pipeline.*, config.model.scan_layers, num_layers and first_dense_layers,
+  config.batch_size) before anything is built: one ConfigError naming them. `dense_first`: a mixture of experts'
+  dense layers first, a stack of their own that runs before the pipeline, which cuts the rest."""
   S = stages_of(rules, mesh_shape)
   if S == 1:
     return None
@@ -93,10 +98,14 @@ def schedule(
       'is False (unrolled layers have no stacked dimension to cut): set --config.model.scan_layers=True'
     )
   N = num_layers
-  if N is not None and N % (S * R):
+  if N is not None and (N - dense_first) % (S * R):
+    layers = f'config.model.num_layers={N}'
+    if dense_first:
+      layers += f' - first_dense_layers={dense_first} = {N - dense_first} expert layers'
     raise ConfigError(
-      f'config.model.num_layers={N} is not divisible by stage={S} x config.pipeline.repeats={R} = {S * R} '
-      f'(each of the {S * R} pipeline stages holds the same number of layers)'
+      f"{layers} is not divisible by stage={S} x config.pipeline.repeats={R} = {S * R} (the rule ('layers', "
+      f"'stage'): each of the {S * R} pipeline stages holds the same number of layers"
+      + (', and the dense layers first run before the pipeline)' if dense_first else ')')
     )
   if M < S:
     raise ConfigError(
@@ -125,12 +134,18 @@ def run(
   *args: Any,
   x_axes: Sequence[str | None],
   policy: Any = None,
-) -> jax.Array:
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Applies the N stacked layers of `weights` (leading dimension N in every leaf) to x in order, as the
-  pipeline of the active schedule: `layer(w, x, *args) -> x` is one layer with its weights `w`. `x` is
-  (B, ...) with logical axes `x_axes` ('batch' first); an arg with a leading batch dimension B is split into
-  micro-batches with x, other args (None, broadcast rows) pass as they are. `policy`: the remat policy of one
-  stage iteration (None: keep everything)."""
+  pipeline of the active schedule: `layer(w, x, *args) -> (x, aux)` is one layer with its weights `w`, aux a
+  dict of scalars (a mixture of experts' losses and statistics; {} for none). `x` is (B, ...) with logical axes
+  `x_axes` ('batch' first); an arg with a leading batch dimension B is split into micro-batches with x, other
+  args (None, broadcast rows) pass as they are. `policy`: the remat policy of one stage iteration (None: keep
+  everything).
+
+  Returns (y, aux): aux is each entry summed over the N layers and averaged over the M micro-batches, what
+  gradient accumulation over the same M micro-batches gives (training/accumulate.py): equal to the whole batch's
+  for means over tokens. Each stage sums its layers' aux per iteration, and the iterations of the bubble (a stage
+  holding no micro-batch) count zero, so their gradient is zero too."""
   ctx = active_context()
   sched, mesh = ctx.pipeline, ctx.mesh
   S, M, R = sched.stages, sched.microbatches, sched.repeats
@@ -170,18 +185,16 @@ def run(
   args_M = [micro(a) if bt else a for a, bt in zip(args, batched)]
 
   def stage(w_R, x, t, s):
-    """One stage's layers for the micro-batch it holds at iteration t: stage s runs item t - s."""
+    """One stage's layers for the micro-batch it holds at iteration t: stage s runs item t - s. Returns its
+    output and its layers' aux summed, zero in the bubble (no item: t - s outside 0 .. R M - 1)."""
     item = jnp.clip(t - s, 0, R * M - 1)
     r, m = item // M, item % M
     w_per = jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, r, keepdims=False), w_R)
     a = [jax.lax.dynamic_index_in_dim(arg, m, keepdims=False) if bt else arg for arg, bt in zip(args_M, batched)]
     with inner():
-
-      def body(x, w):
-        out = layer(w, x, *a)
-        return out, None
-
-      return jax.lax.scan(body, x, w_per)[0]
+      x, aux = jax.lax.scan(lambda x, w: layer(w, x, *a), x, w_per)
+    held = (t - s >= 0) & (t - s < R * M)
+    return x, {k: jnp.where(held, v.sum(0), 0.0) for k, v in aux.items()}
 
   if policy is not None:
     stage = jax.checkpoint(stage, policy=policy)
@@ -205,10 +218,12 @@ def run(
     first = jax.lax.dynamic_index_in_dim(store, t % M, axis=1, keepdims=False)
     x_in = jnp.where(first_only[:, 0], first, rotated)
     x_in = constrain(x_in, (STAGE,), x_axes[:1])
-    out = stages(w_SR, x_in, t, stage_ids)
-    return (out, store), out  # kept whole: picking the last stage's row here would broadcast it every iteration
+    out, aux = stages(w_SR, x_in, t, stage_ids)
+    # Both kept whole: picking the last stage's row (or summing aux over the stages) here would broadcast it, or
+    # all-reduce it over 'stage', every iteration.
+    return (out, store), (out, aux)
 
   buf = constrain(jnp.zeros((S, b, *x.shape[1:]), x.dtype), (STAGE,), x_axes[:1])
-  _, ys = jax.lax.scan(iteration, (buf, store), jnp.arange(sched.iterations))
+  _, (ys, aux) = jax.lax.scan(iteration, (buf, store), jnp.arange(sched.iterations))
   y_M = ys[sched.iterations - M :, S - 1]  # the last stage's outputs of the last repeat, in micro-batch order
-  return y_M.swapaxes(0, 1).reshape(x.shape)
+  return y_M.swapaxes(0, 1).reshape(x.shape), {k: v.sum() / M for k, v in aux.items()}

@@ -1,19 +1,24 @@
-"""Pipeline parallelism (partitioning/pipeline.py): pipelined training equals 1 device; only collective-permutes
-cross 'stage' inside the pipeline; checkpoints move between pipeline and FSDP; bad numbers fail before compiling."""
+"""Pipeline parallelism (partitioning/pipeline.py): pipelined training equals 1 device (the mixtures of experts with
+their per-layer losses too); only collective-permutes cross 'stage' inside the pipeline; checkpoints move between
+pipeline and FSDP; bad numbers fail before compiling."""
 
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import models
 import partitioning
 import training
 from checkpointing import checkpointer
-from configs import gpt2, llama
+from configs import deepseek_v3, gpt2, llama, moe
 from errors import ConfigError
-from partitioning import hlo, pipeline
+from partitioning import AxisRules, hlo, pipeline
+from partitioning.shard import use_rules
 from planning import candidates
 from planning import search as search_lib
 from tests.conftest import all_eqns, build_trainer, train_on_random_batches
@@ -204,3 +209,107 @@ def test_plan_search_scores_micro_batch_counts_with_the_bubble():
   # FSDP each iteration gathers its stage's weights again, so more micro-batches are not always faster)
   assert by_micro[4].profile.flops < by_micro[2].profile.flops
   assert by_micro[4].prediction.compute_s < by_micro[2].prediction.compute_s
+
+
+def test_pipeline_sums_aux_over_layers_and_averages_micro_batches_not_the_bubble():
+  """pipeline.run's aux: each layer's scalars summed over the layers and averaged over the micro-batches, as a loop
+  over the micro-batches gives, value and gradients; a circular schedule (S=2, R=2) over M=3 micro-batches (not a
+  multiple of S) runs 2 of its 14 stage iterations in the bubble, which would add to the totals and to the
+  gradients if they counted."""
+  S, R, M, N, B, D = 2, 2, 3, 4, 24, 4  # 8 rows a micro-batch, over data=4
+  mesh = partitioning.make_mesh(dict(stage=S, data=4))
+  rules = AxisRules([('batch', ('data', 'stage')), ('batch', 'stage'), ('layers', 'stage'), ('embed', None)])
+  w_NDD = jax.random.normal(jax.random.key(0), (N, D, D)) / 2
+  x_BD = jax.random.normal(jax.random.key(1), (B, D))
+
+  def layer(w, x):
+    y = jnp.tanh(x @ w)
+    return y, {'energy': jnp.mean(y**2), 'one': jnp.ones(())}
+
+  def objective(w, x):  # the output and the aux both in the loss: the aux's gradient reaches the weights
+    with use_rules(rules, mesh, pipeline=pipeline.Schedule(S, M, R)):
+      y, aux = pipeline.run(layer, w, x, x_axes=('batch', 'embed'))
+    return jnp.sum(y**2) + 3 * aux['energy'], (y, aux)
+
+  def reference(w, x):  # micro-batch i = rows i, i + M, ...; no pipeline
+    ys, aux = [], {'energy': 0.0, 'one': 0.0}
+    for i in range(M):
+      y = x[i::M]
+      for n in range(N):
+        y, a = layer(w[n], y)
+        aux = {k: aux[k] + a[k] / M for k in aux}
+      ys.append(y)
+    y = jnp.stack(ys, 1).reshape(x.shape)
+    return jnp.sum(y**2) + 3 * aux['energy'], (y, aux)
+
+  w_sharded = jax.device_put(w_NDD, NamedSharding(mesh, P('stage')))
+  (_, (y, aux)), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(w_sharded, x_BD)
+  (_, (y_1, aux_1)), grads_1 = jax.value_and_grad(reference, has_aux=True)(w_NDD, x_BD)
+  assert S * pipeline.Schedule(S, M, R).iterations - S * R * M == 2  # stage iterations in the bubble
+  assert float(aux['one']) == N  # every layer once per micro-batch, averaged: no bubble iteration counted
+  np.testing.assert_allclose(aux['energy'], aux_1['energy'], rtol=1e-6)
+  np.testing.assert_allclose(y, y_1, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(grads, grads_1, rtol=1e-5, atol=1e-6)
+
+
+MOE_FAMILIES = {'moe': moe, 'deepseek_v3': deepseek_v3}
+
+
+def moe_config(family: str, mesh: dict | None, accum: int = 1):
+  """The family's tiny size with 2 expert layers (DeepSeek: after its dense one), 16 rows of 16 tokens, 4 pipeline
+  micro-batches; with a mesh, the pp preset's rules (experts over 'expert' inside the stages, FSDP on embed)."""
+  c = MOE_FAMILIES[family].get_config('pp,tiny')
+  c.update(batch_size=16, total_steps=2, grad_accum_steps=accum)
+  c.optim.warmup_steps = 100  # as config(): small steps, so near-zero gradients do not move weights by ~lr
+  c.dataset.seq_len = 16
+  c.model.update(num_layers=c.model.first_dense_layers + 2, group_size=16)
+  c.pipeline.microbatches = 4
+  if mesh is None:
+    c.mesh = {k: 1 for k in c.mesh}
+  return c
+
+
+def _steps(trainer, steps=2):
+  batches = [trainer.task.synthetic_batch(trainer.config, seed=i) for i in range(steps)]
+  step = training.jit_train_step(trainer)
+  state, out = training.init_state(trainer), []
+  for batch in batches:
+    state, metrics = step(state, partitioning.shard(batch, trainer.batch_shardings))
+    out.append(jax.device_get(metrics))
+  return out, jax.device_get(state.params)
+
+
+@pytest.mark.parametrize('family', sorted(MOE_FAMILIES))
+def test_mixture_of_experts_pipeline_trains_as_one_device(family):
+  """A mixture of experts under the pp preset (stage=2 x expert=2 x fsdp=2; DeepSeek's latent attention, its dense
+  layer first before the pipeline): 2 steps, the loss, the aux losses and statistics of each step, the gradient norm
+  and the parameters equal to one device's within fp32 tolerance. The reference accumulates the same 4 micro-batches
+  (grad_accum_steps=4): the aux entries are averaged over micro-batches either way, which is the whole batch's value
+  for the token means (router z-loss, dropped fraction) and not for the load-balancing loss, a product of two means
+  (training/accumulate.py)."""
+  trainer = build_trainer(moe_config(family, {}))
+  assert trainer.pipeline == pipeline.Schedule(2, 4, 1)
+  specs = trainer.specs.params
+  assert specs['blocks']['layers']['moe']['up'][:2] == ('stage', 'expert')  # each stage its layers' experts
+  if family == 'deepseek_v3':  # the dense layer first is whole on every stage
+    assert 'stage' not in jax.tree.leaves(specs['dense_blocks'], is_leaf=lambda s: isinstance(s, P))[0]
+  got, params = _steps(trainer)
+  want, params_1 = _steps(build_trainer(moe_config(family, None, accum=4), jax.devices()[:1]))
+  for step, (a, b) in enumerate(zip(got, want)):
+    assert a['aux_loss'] > 0 and a['dropped_fraction'] > 0  # the aux losses count; capacity drops tokens
+    for k in ('loss', 'grad_norm', 'aux_loss', 'load_balance_loss', 'router_z_loss', 'dropped_fraction'):
+      np.testing.assert_allclose(a[k], b[k], rtol=RTOL, atol=ATOL, err_msg=f'{family} step {step}: {k}')
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL), params, params_1)
+
+
+def test_expert_layers_the_stages_cannot_divide_are_one_error():
+  """DeepSeek's dense layers first run before the pipeline, which cuts the expert layers: a count of those the
+  stages do not divide is one error naming both fields and the rule, before anything is built."""
+  c = moe_config('deepseek_v3', {})
+  c.model.num_layers = 4
+  with pytest.raises(
+    ConfigError,
+    match=r'num_layers=4 - first_dense_layers=1 = 3 expert layers is not divisible by '
+    r"stage=2 x config.pipeline.repeats=1 = 2 \(the rule \('layers', 'stage'\)",
+  ):
+    build_trainer(c)

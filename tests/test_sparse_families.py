@@ -2,7 +2,8 @@
 and GPT-OSS (attention sinks, sliding windows, biases, clamped SwiGLU), each from a tiny Hugging Face model whose
 config no other test uses, against transformers (torch, fp32): logits within 1e-5 and an export bitwise the
 checkpoint that transformers loads; greedy tokens equal to transformers' (latent caches, ring caches of the
-windows); the ep and fsdp presets trained equal to one device; the published parameter counts."""
+windows); the ep and fsdp presets trained equal to one device (the pp preset: tests/test_pipeline.py); the published
+parameter counts."""
 
 import importlib
 import os
@@ -20,7 +21,6 @@ import generation  # noqa: E402
 import models  # noqa: E402
 import partitioning  # noqa: E402
 import training  # noqa: E402
-from errors import ConfigError  # noqa: E402
 from models import moe  # noqa: E402
 from tests.conftest import assert_hf_round_trip, build_trainer, load_exported  # noqa: E402
 from tests.test_context import _train as train  # noqa: E402
@@ -249,19 +249,6 @@ def test_ep_and_fsdp_presets_train_equal_to_one_device(family_presets):
     np.testing.assert_allclose(losses, losses_1, rtol=RTOL, atol=ATOL, err_msg=f'{name}:{preset}')
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(params_1)):
       np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f'{name}:{preset} {jax.tree_util.keystr(path)}')
-
-
-def test_latent_attention_under_a_pipeline_is_one_error_naming_the_rule():
-  """DeepSeek's stacks hold experts, whose per-layer losses the pipeline does not collect: the rule ('layers',
-  'stage') is refused when the step is traced (before compiling), naming the rule to change."""
-  cfg = config_file('deepseek_v3').get_config('fsdp,tiny')
-  cfg.model.update(num_layers=4, first_dense_layers=2)
-  cfg.mesh = dict(cfg.mesh, fsdp=4, stage=2)
-  cfg.logical_axis_rules = [('layers', 'stage'), ('batch', ('data', 'fsdp', 'stage'))] + list(cfg.logical_axis_rules)
-  cfg.pipeline.microbatches = 4
-  trainer = build_trainer(cfg)
-  with pytest.raises(ConfigError, match=r"per-layer losses .*\(a mixture of experts\).*map 'layers' to None"):
-    training.trace(trainer, training.jit_train_step(trainer))
 
 
 # (family, size) -> (total, active parameters) as published (model cards, rounded as they give them). Active counts

@@ -94,7 +94,9 @@ class Trainer:
     """Unused rules, and mesh axes no rule uses (everything is replicated over them)."""
     # The 'layers' axis exists only with scanned (stacked) layers; one rule list serves both settings of
     # config.model.scan_layers, so its rule is idle, not forgotten, when they are unrolled.
-    idle = {'layers'} if self.config.model.get('scan_layers') is False else set()  # None: no layer stack
+    idle = {'layers', 'dense_layers'} if self.config.model.get('scan_layers') is False else set()  # None: no stack
+    if not self.config.model.get('first_dense_layers'):  # a mixture of experts' dense layers first: none here
+      idle.add('dense_layers')
     if not self.config.lora.rank:  # likewise the adapters' axis, LoRA off
       idle.add('lora_rank')
     idle |= set(layers.CACHE_AXES)  # the KV cache's rules serve generation, which a train step never traces
@@ -147,6 +149,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
     repeats=config.pipeline.repeats,
     scan_layers=bool(config.model.get('scan_layers')),  # None: a family without a layer stack
     num_layers=config.model.get('num_layers'),
+    dense_first=config.model.get('first_dense_layers') or 0,
     batch_size=config.batch_size,
   )
   task = tasks.get(config.task, config)
