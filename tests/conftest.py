@@ -56,6 +56,46 @@ def pytest_xdist_auto_num_workers(config):
   return min(4, os.cpu_count() or 1)
 
 
+# The files that take longest, or hold a test of 15 s or more, longest first (a quiet 2-core run's durations). The
+# workers take files in collection order (pytest.ini: --no-loadscope-reorder) as each runs out of work: these
+# first, then the rest by number of tests (what xdist's own order would be), so the end of the run is short
+# files that let both workers finish together, not a minute-long file that one worker starts last.
+HEAVY_FIRST = (
+  'test_docs.py',
+  'test_configs.py',
+  'test_faults.py',
+  'test_sparse_families.py',
+  'test_speed_paths.py',
+  'test_multiprocess.py',
+  'test_train.py',
+  'test_resume.py',
+  'test_generation.py',
+  'test_decoder_families.py',
+  'test_pipeline.py',
+  'test_hf_families.py',
+  'test_lm_eval_model.py',
+  'test_context.py',
+  'test_your_data.py',
+  'test_soak.py',
+  'test_post_training_runs.py',
+  'test_moe.py',
+  'test_accumulate.py',
+  'test_bad_input.py',
+  'test_hf_export.py',
+  'test_journeys.py',
+  'test_guards.py',
+  'test_data_multiprocess.py',
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  files = [os.path.basename(str(item.path)) for item in items]
+  count = {f: files.count(f) for f in set(files)}
+  rank = lambda f: (HEAVY_FIRST.index(f), 0) if f in HEAVY_FIRST else (len(HEAVY_FIRST), -count[f])
+  order = sorted(range(len(items)), key=lambda i: (rank(files[i]), files[i], i))
+  items[:] = [items[i] for i in order]
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND_COMPILE = '/jax/core/compile/backend_compile_duration'  # also timed around a persistent-cache hit
 
