@@ -6,6 +6,7 @@ what the model the batch feeds consumes on one H100 (NEEDS).
   python benchmarks/input_pipeline.py --only lm1b --batch 64 --seq_len 1024
   python benchmarks/input_pipeline.py --only jsonl --tokenizer bpe --token_cache off   # tokenized as read (before)
   python benchmarks/input_pipeline.py --only imagenet_jpeg --workers 2                  # decoded in 2 processes
+  python benchmarks/input_pipeline.py --only lm1b jsonl --workers 0 2                  # packed here, then in 2
 
 Pipelines:
   imagenet_jpeg  a TFDS dataset prepared here with ImageNet-sized JPEGs (500x375, smooth random content):
@@ -22,7 +23,9 @@ Pipelines:
                  own text) or a Hugging Face tokenizer directory) and packed whole into rows of seq_len with the
                  loss on the completions; prints the caches' build times and the process's peak memory
                  (resident, and of it anonymous: not file pages the OS can drop)
-Each runs the real `data.build(config).train_dataset(...)` iterator: warm-up batches, then timed ones.
+Each runs the real `data.build(config).train_dataset(...)` iterator: warm-up batches, then timed ones, once per
+--workers count (config.dataset.num_workers: images decoded, text packed in that many worker processes; 0: here).
+The TFDS mocks (lm1b, imagenet2012, cifar10) exist in this process only: with workers, lm1b reads its token cache.
 --token_cache off reads the text pipelines as before the token cache (each document tokenized when read, in the
 packing thread); on (the default) builds the token cache first (timed: its rate is the tokenization rate).
 
@@ -218,7 +221,7 @@ def main() -> None:
   p.add_argument('--steps', type=int, default=20)
   p.add_argument('--seq_len', type=int, default=512)
   p.add_argument('--threads', type=int, default=1, help='grain read threads for the map-style pipelines')
-  p.add_argument('--workers', type=int, default=0, help='imagenet_jpeg: worker processes (config.dataset.num_workers)')
+  p.add_argument('--workers', type=int, nargs='+', default=[0], help='config.dataset.num_workers: one run per count')
   p.add_argument('--jsonl_mb', type=float, default=1024, help='size of the generated JSON Lines file (jsonl)')
   p.add_argument('--tokenizer', default='byte', help="jsonl: 'byte', 'bpe' or a Hugging Face tokenizer directory")
   p.add_argument('--token_cache', default='on', choices=('on', 'off'), help='text pipelines: through the token cache')
@@ -226,9 +229,9 @@ def main() -> None:
   args = p.parse_args()
   register_builders()
   b, n, cache = args.batch, args.threads, args.token_cache == 'on'
-  text = lambda d: dict(token_cache=cache, cache_dir=os.path.join(d, 'cache'))
+  text = lambda d, w: dict(token_cache=cache, cache_dir=os.path.join(d, 'cache'), num_workers=w)
   pipelines = {
-    'imagenet_jpeg': lambda d: config(
+    'imagenet_jpeg': lambda d, w: config(
       'classification',
       name='shardzoo_jpegs',
       data_dir=d,
@@ -236,15 +239,15 @@ def main() -> None:
       image_size=224,
       augment='inception_crop',
       num_threads=n,
-      num_workers=args.workers,
+      num_workers=w,
     ),
-    'imagenet2012': lambda d: config('classification', name='imagenet2012', image_size=224, num_threads=n),
-    'cifar10': lambda d: config('classification', name='cifar10', num_threads=n),
-    'lm1b': lambda d: config('lm', name='lm1b', seq_len=args.seq_len, pack=True, **text(d)),
-    'sentences': lambda d: config(
-      'lm', name='shardzoo_sentences', data_dir=d, seq_len=args.seq_len, pack=True, **text(d)
+    'imagenet2012': lambda d, w: config('classification', name='imagenet2012', image_size=224, num_threads=n),
+    'cifar10': lambda d, w: config('classification', name='cifar10', num_threads=n),
+    'lm1b': lambda d, w: config('lm', name='lm1b', seq_len=args.seq_len, pack=True, **text(d, w)),
+    'sentences': lambda d, w: config(
+      'lm', name='shardzoo_sentences', data_dir=d, seq_len=args.seq_len, pack=True, **text(d, w)
     ),
-    'markov': lambda d: config(
+    'markov': lambda d, w: config(
       'lm', name='markov', vocab_size=16, branching=4, smoothing=0.03, seq_len=64, num_train=65536, num_eval=100
     ),
     'jsonl': None,
@@ -262,20 +265,23 @@ def main() -> None:
         continue
       if name in ('imagenet_jpeg', 'sentences'):
         t0 = time.perf_counter()
-        tfds.builder(make(tmp).dataset.name, data_dir=tmp, file_format='array_record').download_and_prepare()
+        tfds.builder(make(tmp, 0).dataset.name, data_dir=tmp, file_format='array_record').download_and_prepare()
         print(f'  (prepared {name} in {time.perf_counter() - t0:.0f}s)')
-        r = measure(make(tmp), b, args.steps)
-      elif name in ('imagenet2012', 'cifar10', 'lm1b'):
-        with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
-          r = measure(make(tmp), b, args.steps)
-      else:
-        r = measure(make(tmp), b, args.steps)
-      extra = f' | {r["targets/s"]:,.0f} tokens/s' if name in ('lm1b', 'sentences', 'markov') else ''
-      print(f'{name:14s} {r["examples/s"]:10,.0f} examples/s | {r["ms/batch"]:7.1f} ms/batch{extra}', flush=True)
-      if name in ('lm1b', 'sentences'):
-        print(cache_line(r) + '\n' + need_line(r['targets/s'], 'tokens'), flush=True)
-      elif name.startswith('imagenet'):
-        print(need_line(r['examples/s'], 'images'), flush=True)
+      for w in args.workers:
+        if name in ('imagenet2012', 'cifar10', 'lm1b'):
+          with tfds.testing.mock_data(num_examples=MOCK_EXAMPLES):
+            r = measure(make(tmp, w), b, args.steps)
+        else:
+          r = measure(make(tmp, w), b, args.steps)
+        extra = f' | {r["targets/s"]:,.0f} packed tokens/s' if name in ('lm1b', 'sentences', 'markov') else ''
+        print(
+          f'{name:14s} {r["examples/s"]:10,.0f} examples/s | {r["ms/batch"]:7.1f} ms/batch{extra} | {w} workers',
+          flush=True,
+        )
+        if name in ('lm1b', 'sentences'):
+          print(cache_line(r) + '\n' + need_line(r['targets/s'], 'tokens'), flush=True)
+        elif name.startswith('imagenet'):
+          print(need_line(r['examples/s'], 'images'), flush=True)
 
 
 def run_jsonl(tmp: str, args: argparse.Namespace) -> None:
@@ -289,7 +295,7 @@ def run_jsonl(tmp: str, args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     tokenizer = train_bpe(path, os.path.join(tmp, 'bpe'))
     print(f'  (trained an 8,192-id byte-level BPE in {time.perf_counter() - t0:.0f}s)', flush=True)
-  cfg = lambda cache: config(
+  cfg = lambda cache, workers=0: config(
     'lm',
     name='json',
     train_files=path,
@@ -301,21 +307,24 @@ def run_jsonl(tmp: str, args: argparse.Namespace) -> None:
     pack=True,
     cache_dir=os.path.join(tmp, 'cache'),
     token_cache=cache,
+    num_workers=workers,
   )
   t0 = time.perf_counter()
   data.build(cfg(False))  # builds the Arrow cache once (train and eval are the same file)
   built, m = time.perf_counter() - t0, memory()
   print(f'  (Arrow cache built in {built:.0f}s; peak resident {m["VmHWM"]:.2f} GiB so far)', flush=True)
-  r = measure(cfg(args.token_cache == 'on'), args.batch, args.steps)
-  m = memory()
-  print(cache_line(r), flush=True)
-  print(
-    f'jsonl          {r["examples/s"]:10,.0f} packed rows/s | {r["ms/batch"]:7.1f} ms/batch | {r["row tokens/s"]:,.0f} '
-    f'tokens/s in rows ({r["targets/s"]:,.0f} trained on) | peak resident {m["VmHWM"]:.2f} GiB, now anonymous '
-    f'{m["RssAnon"]:.2f} GiB + file pages {m["RssFile"]:.2f} GiB',
-    flush=True,
-  )
-  print(need_line(r['row tokens/s'], 'tokens'), flush=True)
+  for w in args.workers:
+    r = measure(cfg(args.token_cache == 'on', w), args.batch, args.steps)
+    m = memory()
+    print(cache_line(r), flush=True)
+    print(
+      f'jsonl          {r["examples/s"]:10,.0f} packed rows/s | {r["ms/batch"]:7.1f} ms/batch | '
+      f'{r["row tokens/s"]:,.0f} packed tokens/s ({r["targets/s"]:,.0f} trained on) | {w} workers | '
+      f'peak resident {m["VmHWM"]:.2f} GiB, now '
+      f'anonymous {m["RssAnon"]:.2f} GiB + file pages {m["RssFile"]:.2f} GiB (this process)',
+      flush=True,
+    )
+    print(need_line(r['row tokens/s'], 'tokens'), flush=True)
 
 
 if __name__ == '__main__':

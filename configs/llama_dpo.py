@@ -29,15 +29,7 @@ def get_config(arg: str | None = None):
   c = llama_sft.get_config(arg)
   c.task = 'dpo'
   tiny = c.size == 'tiny'
-  c.dataset = ml_collections.ConfigDict(
-    dict(
-      name='json',
-      train_files='examples/arith/pairs_train.jsonl' if tiny else 'pairs/train*.jsonl',
-      eval_files='examples/arith/pairs_eval.jsonl' if tiny else 'pairs/eval.jsonl',
-      tokenizer='byte' if tiny else schema.follows('init_from'),
-      seq_len=16 if tiny else 1024,  # prompt + answer, per row (a pair is two rows)
-    )
-  )
+  c.dataset = llama_sft.post_training_files('pairs', tiny)
   if tiny:
     c.model.vocab_size = 260  # the byte tokenizer's ids
     c.batch_size, c.total_steps = 16, 120

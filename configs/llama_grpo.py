@@ -31,15 +31,7 @@ def get_config(arg: str | None = None):
   c = llama_sft.get_config(arg)
   c.task = 'grpo'
   tiny = c.size == 'tiny'
-  c.dataset = ml_collections.ConfigDict(
-    dict(
-      name='json',
-      train_files='examples/arith/prompts_train.jsonl' if tiny else 'prompts/train*.jsonl',
-      eval_files='examples/arith/prompts_eval.jsonl' if tiny else 'prompts/eval.jsonl',
-      tokenizer='byte' if tiny else schema.follows('init_from'),
-      seq_len=16 if tiny else 1024,  # prompt + completion
-    )
-  )
+  c.dataset = llama_sft.post_training_files('prompts', tiny)
   c.grpo = ml_collections.ConfigDict(
     dict(
       reward='examples.arith.rewards:correct,examples.arith.rewards:digits*0.5' if tiny else '',

@@ -57,3 +57,17 @@ def get_config(arg: str | None = None):
   c.optim.update(lr=2e-4 if lora else 2e-5, warmup_steps=50, weight_decay=0.0)
   c.checkpoint_every, c.eval_every, c.log_every = 200, 200, 10
   return schema.complete(c)
+
+
+def post_training_files(kind: str, tiny: bool) -> ml_collections.ConfigDict:
+  """The dataset of a post-training config (DPO pairs, GRPO prompts): `kind`_train*.jsonl / `kind`/eval.jsonl
+  with init_from's tokenizer, or the tiny size's offline examples/arith files with the byte tokenizer."""
+  return ml_collections.ConfigDict(
+    dict(
+      name='json',
+      train_files=f'examples/arith/{kind}_train.jsonl' if tiny else f'{kind}/train*.jsonl',
+      eval_files=f'examples/arith/{kind}_eval.jsonl' if tiny else f'{kind}/eval.jsonl',
+      tokenizer='byte' if tiny else schema.follows('init_from'),
+      seq_len=16 if tiny else 1024,  # prompt + answer per row
+    )
+  )

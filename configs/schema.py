@@ -604,8 +604,8 @@ FIELDS: dict[str, Field] = {
   'dataset.train_split': Field(str, default='train'),
   'dataset.eval_split': Field(str, optional=True, default=None),
   'dataset.num_threads': _int(1, 1),
-  # images: train batches decoded and augmented in this many worker processes (0: in num_threads threads)
-  'dataset.num_workers': _int(0, 0, only=IMAGES),
+  # train batches made in this many worker processes (images decoded, text packed; 0: in this process's threads)
+  'dataset.num_workers': _int(0, 0, only=(*IMAGES, *TEXT)),
   'dataset.prefetch': _int(0, 4),
   # the offline datasets (deterministic from their seed): 'markov', 'markov_text' languages, 'synthetic_images'
   'dataset.seed': _int(0, 0),

@@ -38,10 +38,10 @@ class Dataset:
   transform: pipeline.Transform  # per example (for packed text: example -> one tokenized document)
   eval_transform: pipeline.Transform | None = None  # default: transform
   pack_len: int | None = None  # packed text: rows of this many tokens
-  pack_whole: bool = False  # packed documents with a loss mask: never split across rows (pipeline._packed_rows)
+  pack_whole: bool = False  # packed documents with a loss mask: never split across rows (packing.grain_row)
   cached: Cached | None = None  # token caches, read instead of train/eval and the transforms where set
   num_threads: int = 1
-  num_workers: int = 0  # unpacked train batches: made in this many worker processes (pipeline.train_dataset)
+  num_workers: int = 0  # train batches made (packed: their rows packed) in this many worker processes
   prefetch: int = 4
   description: str = ''
   language: MarkovLanguage | None = None  # 'markov': the true language (entropy floor, sample NLL)
@@ -72,6 +72,7 @@ class Dataset:
         self.pack_len,
         prefetch=self.prefetch,
         whole=self.pack_whole,
+        num_workers=self.num_workers,
       )
     return pipeline.train_dataset(
       source,

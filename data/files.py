@@ -18,12 +18,13 @@ by the tokenizer's own chat template, the loss on the assistant turns).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import glob
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -100,13 +101,30 @@ class Rows:
 
   def where(self, i: int) -> str:
     """'file line n' of row i (of the rows served)."""
+    return self.names()(i)
+
+  def names(self) -> RowNames:
+    """`where` without the rows (what a token cache's documents are named by in worker processes)."""
+    return RowNames(self.files, self.starts, self.keep, self.unit)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowNames:
+  """'file line n' of row i of a Rows (of the rows served)."""
+
+  files: list[str]
+  starts: np.ndarray
+  keep: np.ndarray | None
+  unit: str
+
+  def __call__(self, i: int) -> str:
     j = int(self.keep[i]) if self.keep is not None else int(i)
     f = int(np.searchsorted(self.starts, j, side='right')) - 1
     return f'{self.files[f]} {self.unit} {j - self.starts[f] + 1}'
 
 
 def _load(fmt: str, file: str, cfg: Any) -> Any:
-  """One file as a memory-mapped datasets.Dataset (built into the Arrow cache the first time: _build_aside)."""
+  """One file as a memory-mapped datasets.Dataset (built into the Arrow cache the first time: build_aside)."""
   if os.path.getsize(file) == 0:
     raise ConfigError(f'{file} is empty (config.dataset.name={fmt!r})')
   ds, kwargs = _datasets(), {'sample_by': cfg.sample_by} if fmt == 'text' else {}
@@ -115,8 +133,14 @@ def _load(fmt: str, file: str, cfg: Any) -> Any:
   try:
     with tempfile.TemporaryDirectory() as elsewhere:  # where under a cache this file's goes (builders lock there)
       where = os.path.relpath(builder(elsewhere).cache_dir, elsewhere)
-    if not os.path.isfile(os.path.join(root, where, 'dataset_info.json')):
-      _build_aside(builder, file, root, where)
+
+    def build(aside: str) -> str:
+      built = builder(aside)
+      built.download_and_prepare()
+      return built.cache_dir
+
+    complete = lambda path: os.path.isfile(os.path.join(path, 'dataset_info.json'))
+    build_aside(root, os.path.join(root, where), build, f'the Arrow cache of {file}', complete)
     return builder(root).as_dataset(split='train')
   except StorageError:
     raise
@@ -130,32 +154,58 @@ def _load(fmt: str, file: str, cfg: Any) -> Any:
 _WRITING = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # errors only writing meets (reading the file meets others)
 
 
-def _build_aside(builder: Any, file: str, root: str, where: str) -> None:
-  """Builds `file`'s Arrow cache in a directory of its own under the cache's `root` and renames it to `where` (its
-  place there) once complete, so that a build cut short (a full disk, a read-only directory, a kill) leaves nothing a
-  later run could take for a cache, nor datasets' empty directories and locks. StorageError naming the cache
-  directory, the OS error and what is left (checked); a build another process finished first is taken as it is."""
+def build_aside(
+  root: str,
+  final: str,
+  build: Callable[[str], str],
+  what: str,
+  complete: Callable[[str], bool],
+  *,
+  lock: bool = False,
+  also: str = '',
+) -> bool:
+  """Builds the cache directory `final` under the cache's `root` unless `complete(final)`: `build(aside)` writes it
+  in a new directory of its own under `root` and returns the directory it made there (aside, or one inside it),
+  which is renamed to `final` once whole, so that a build cut short (a full disk, a read-only directory, a kill)
+  leaves nothing a later run could take for a cache, nor empty directories. A build another process finished first
+  is taken as it is; with `lock`, builds of one `final` wait for each other (a file lock beside it, which stays),
+  and the first to get it removes what killed builds left (an incomplete `final`, directories aside). Whether this
+  call built it. A full or read-only root is one StorageError naming `what`, `root`, the OS error, what is left
+  and what to do (`also`: one more way out)."""
+  if complete(final):
+    return False
   made, aside = [], None
-  final = os.path.join(root, where)
+  prefix = f'.{os.path.basename(final)}.building-'
   try:
     d = os.path.dirname(final)
     while not os.path.isdir(d):  # the directories this build adds, removed again if it fails
       made.append(d)
       d = os.path.dirname(d)
     os.makedirs(root, exist_ok=True)
-    aside = tempfile.mkdtemp(prefix='.shardzoo-building-', dir=root)
-    built = builder(aside)
-    built.download_and_prepare()
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    try:
-      os.rename(built.cache_dir, final)
-    except OSError:
-      if not os.path.isfile(os.path.join(final, 'dataset_info.json')):
-        raise
+    if lock:
+      os.makedirs(os.path.dirname(final), exist_ok=True)
+    from filelock import FileLock  # noqa: PLC0415 (datasets' own dependency)
+
+    with FileLock(final + '.lock') if lock else contextlib.nullcontext():
+      if lock:
+        if complete(final):  # another process built it while this one waited
+          return False
+        for stale in [final, *glob.glob(os.path.join(root, glob.escape(prefix) + '*'))]:  # builds cut short
+          shutil.rmtree(stale, ignore_errors=True)
+      aside = tempfile.mkdtemp(prefix=prefix, dir=root)
+      built = build(aside)
+      os.makedirs(os.path.dirname(final), exist_ok=True)
+      try:
+        os.rename(built, final)
+      except OSError:
+        if not complete(final):
+          raise
+        return False
+    return True
   except Exception as e:
     found = os_error_of(e)
     if found is None or found.code not in _WRITING and not str(found.filename or '').startswith(root):
-      raise  # not the cache's fault (the file's own errors: _load)
+      raise  # not the cache's fault (the source's own errors)
     left = _remove(aside, made)
     advice = (
       'free space there or set config.dataset.cache_dir to a directory with space'
@@ -163,8 +213,8 @@ def _build_aside(builder: Any, file: str, root: str, where: str) -> None:
       else 'set config.dataset.cache_dir to a writable directory'
     )
     raise StorageError(
-      f'the Arrow cache of {file} could not be built in {root}: {describe_os_error(found.code, found.strerror, None)}'
-      f'; {left} ({advice})'
+      f'{what} could not be built in {root}: {describe_os_error(found.code, found.strerror, None)}; {left} '
+      f'({advice}{", or " + also if also else ""})'
     ) from None
   finally:
     _remove(aside, [])

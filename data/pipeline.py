@@ -28,7 +28,9 @@ mask (prompt/completion pairs, chats) are packed whole instead: one that does no
 starts the next (grain's first-fit packer with one bin), so an answer never loses its prompt.
 
 Language-model documents are read from their token cache where they have one (token_cache.py: ids tokenized
-once, memory-mapped), so the packers do no tokenizing; the batches are the same either way.
+once, memory-mapped), so the packers do no tokenizing, and packing.py's numpy packer makes those rows with no Python
+per document; the batches are the same either way. packing.py also packs the rows in worker processes
+(config.dataset.num_workers).
 
 Mixtures: several sources, each shuffled and repeated on its own, interleaved by weight (grain's
 MapDataset.mix); the result is one random-access stream, so all of the above holds for it unchanged.
@@ -44,12 +46,12 @@ from typing import Any
 import grain
 import jax
 import numpy as np
-from absl import flags as absl_flags
 from grain import experimental as grain_exp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 import partitioning
+from data import packing
 from errors import CheckpointError, ConfigError, ShardingError
 
 # A per-example transform: a callable or grain.transforms.Map (example -> dict of arrays), or a
@@ -143,6 +145,56 @@ def _read_options(num_threads: int, prefetch: int) -> grain.ReadOptions:
   return grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
 
 
+class BatchesInWorkers(grain.IterDataset):
+  """Local batches (`batches[i]`: the i-th this process reads) made in `workers` processes (grain's mp_prefetch:
+  worker w makes batches w, w+W, ...; they come back in order), with the position a thread-made stream of them has
+  ({'next_index': batches read}), so that it resumes with any number of workers; set_state starts them again
+  there."""
+
+  def __init__(self, batches: grain.MapDataset, workers: int):
+    super().__init__()
+    self.batches, self.workers = batches, workers
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return _BatchesInWorkersIterator(self)
+
+
+class _BatchesInWorkersIterator(grain.DatasetIterator):
+  def __init__(self, ds: BatchesInWorkers):
+    super().__init__()
+    self.ds, self._it, self._next = ds, None, 0
+
+  def _start(self) -> grain.DatasetIterator:
+    if self._it is None:
+      packing.mark_flags_parsed()
+      read = grain.ReadOptions(num_threads=1, prefetch_buffer_size=1)
+      ds = self.ds.batches[self._next :].to_iter_dataset(read)
+      self._it = iter(ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self.ds.workers)))
+    return self._it
+
+  def __next__(self) -> Any:
+    batch = next(self._start())
+    self._next += 1
+    return batch
+
+  def get_state(self) -> dict[str, Any]:
+    return {'next_index': self._next}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self.close()
+    self._next = int(state['next_index'])
+
+  def start_prefetch(self) -> None:
+    it = self._start()
+    if hasattr(it, 'start_prefetch'):
+      it.start_prefetch()
+
+  def close(self) -> None:
+    if self._it is not None:
+      self._it.close()
+      self._it = None
+
+
 def train_dataset(
   source: Any,
   global_batch: int,
@@ -158,9 +210,10 @@ def train_dataset(
 
   `transform` runs per example, only on the examples this process reads (grain is lazy), in
   `num_threads` background threads with `prefetch` local batches buffered, or with `num_workers` > 0 in that many
-  worker processes (grain's mp_prefetch: each makes every num_workers-th local batch, in order), for transforms
-  that hold the GIL (image decoding and augmentation in PIL and numpy) and so do not scale with threads. The
-  iterator supports get_state()/set_state() (JSON-serialisable) for exact resumption with the same num_workers.
+  worker processes (BatchesInWorkers: each makes every num_workers-th local batch, in order), for
+  transforms that hold the GIL (image decoding and augmentation in PIL and numpy) and so do not scale with threads.
+  The iterator supports get_state()/set_state() (JSON-serialisable: the number of batches read) for exact
+  resumption with any num_workers.
   """
   local = _check_rows(rows, global_batch)
   if len(source) < global_batch:
@@ -168,9 +221,7 @@ def train_dataset(
   ds = _apply(_stream(source, seed), transform, seed)
   ds = ds.batch(local, drop_remainder=True, batch_fn=_stack)[rows.start // local :: global_batch // local]
   if num_workers:
-    if not absl_flags.FLAGS.is_parsed():  # grain reads its absl flags to start workers; a library caller's are unparsed
-      absl_flags.FLAGS.mark_as_parsed()
-    return ds.to_iter_dataset(_read_options(1, 1)).mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+    return BatchesInWorkers(ds, num_workers)
   return ds.to_iter_dataset(_read_options(num_threads, prefetch))
 
 
@@ -199,67 +250,6 @@ def eval_batches(
   return iter(ds.to_iter_dataset(_read_options(num_threads, prefetch)))
 
 
-class _JsonSafeState(grain.IterDataset):
-  """Passes elements through; restores a packer state that went through JSON.
-
-  grain 0.2.18's ConcatThenSplit compares its `remainder_slices` with a tuple, but JSON (which
-  grain.checkpoint and orbax use) turns tuples into lists, and the restored packer would then
-  resume at the wrong token. This turns them back into tuples.
-  """
-
-  def __iter__(self) -> grain.DatasetIterator:
-    return _JsonSafeStateIterator(self._parent.__iter__())
-
-
-class _JsonSafeStateIterator(grain.DatasetIterator):
-  def __next__(self):
-    return next(self._parent)
-
-  def get_state(self) -> dict[str, Any]:
-    return self._parent.get_state()
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    slices = {k: tuple(v) for k, v in state['remainder_slices'].items()}
-    self._parent.set_state({**state, 'remainder_slices': slices})
-
-
-def _packed_rows(
-  docs: grain.MapDataset, global_batch: int, rows: slice, seq_len: int, whole: bool = False
-) -> list[grain.IterDataset]:
-  """One packer per row of this process: row r packs documents r, r+B, r+2B, ... of `docs`.
-
-  `whole` (documents with a loss mask, at most seq_len targets each): a document that does not fit the rest of
-  a row starts the next row instead of being split (grain's first-fit packing with one bin: rows in stream
-  order), so an answer is never trained on without its prompt."""
-
-  def stream(r: int) -> grain.IterDataset:
-    ds = docs[r::global_batch].to_iter_dataset(_read_options(0, 0))
-    if whole:
-      length = {'inputs': seq_len, 'targets': seq_len, 'mask': seq_len}
-      return grain_exp.FirstFitPackIterDataset(ds, length_struct=length, num_packing_bins=1, shuffle_bins=False)
-    return _JsonSafeState(
-      grain_exp.ConcatThenSplitIterDataset(ds, length_struct={'inputs': seq_len, 'targets': seq_len})
-    )
-
-  return [stream(r) for r in range(rows.start, rows.stop)]
-
-
-def _stack_packed(rows: tuple[Mapping[str, np.ndarray] | None, ...], seq_len: int) -> dict[str, np.ndarray]:
-  """Local batch from packed rows (None = padding row): mask 1 on every packed target, or the documents' own
-  loss mask where they carry one; 0 on padding."""
-  pad = np.zeros(seq_len, np.int32)
-  get = lambda r, k: pad if r is None else r[k]
-  seg = np.stack([get(r, 'inputs_segment_ids') for r in rows]).astype(np.int32)
-  loss = np.stack([(r or {}).get('mask', np.ones(seq_len)) for r in rows])
-  return {
-    'inputs': np.stack([get(r, 'inputs') for r in rows]).astype(np.int32),
-    'targets': np.stack([get(r, 'targets') for r in rows]).astype(np.int32),
-    'mask': ((seg > 0) * loss).astype(np.float32),
-    'segment_ids': seg,
-    'positions': np.stack([get(r, 'inputs_positions') for r in rows]).astype(np.int32),
-  }
-
-
 def packed_train_dataset(
   source: Any,
   global_batch: int,
@@ -270,24 +260,27 @@ def packed_train_dataset(
   *,
   prefetch: int = 4,
   whole: bool = False,
+  num_workers: int = 0,
 ) -> grain.IterDataset:
   """Infinite stream of this process's rows of packed global batches (see the module docstring).
 
   `tokenize` maps an example to one document {'inputs': ids[:-1], 'targets': ids[1:]}; rows hold
   inputs, targets, mask, segment_ids (1, 2, .. per document in a row, 0 = padding) and positions
-  (within the document). Packing runs in one background thread with `prefetch` batches buffered. `whole`:
-  documents carry a loss mask ('mask') and are never split (`_packed_rows`).
+  (within the document). `whole`: documents carry a loss mask ('mask') and are never split (packing.grain_row).
+  Packing runs in one background thread with `prefetch` batches buffered, or with `num_workers` > 0 in that many
+  worker processes (at most one per row; packing.InWorkers): the same batches and data positions either way.
   """
-  _check_rows(rows, global_batch)
+  local = _check_rows(rows, global_batch)
   if len(source) < global_batch:
     raise ConfigError(
       f'the training split has {len(source)} documents, fewer than one global batch '
       f'({global_batch}): every row of a batch packs documents of its own'
     )
   docs = _apply(_stream(source, seed), tokenize, seed)
-  ds = grain_exp.ZipIterDataset(_packed_rows(docs, global_batch, rows, seq_len, whole))
-  ds = ds.map(lambda r: _stack_packed(r, seq_len))
-  return grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch)
+  packers = packing.rows_of(source, tokenize, docs, seed, global_batch, rows, seq_len, whole)
+  if num_workers:
+    return packing.InWorkers(packers, seq_len, min(num_workers, local), prefetch)
+  return grain_exp.ThreadPrefetchIterDataset(packing.PackedRows(packers, seq_len), prefetch_buffer_size=prefetch)
 
 
 def packed_eval_batches(
@@ -300,7 +293,7 @@ def packed_eval_batches(
   """
   _check_rows(rows, global_batch)
   docs = _apply(grain.MapDataset.source(source), tokenize, seed)
-  streams = [iter(s) for s in _packed_rows(docs, global_batch, rows, seq_len, whole)]
+  streams = [iter(s) for s in packing.grain_rows(docs, global_batch, rows, seq_len, whole)]
   while True:
     batch = tuple(next(s, None) for s in streams)
     more = any(r is not None for r in batch)
@@ -308,7 +301,7 @@ def packed_eval_batches(
       more = bool(np.any(multihost_utils.process_allgather(np.int32(more))))
     if not more:
       return
-    yield _stack_packed(batch, seq_len)
+    yield packing.stack_rows(batch, seq_len)
 
 
 def example_spec(
@@ -326,8 +319,8 @@ def example_spec(
   if not len(examples):
     raise ConfigError(f'{what} is empty: no examples to train or evaluate on')
   if pack_len:
-    row = next(iter(_packed_rows(examples, 1, slice(0, 1), pack_len, whole)[0]))
-    example = {k: v[0] for k, v in _stack_packed((row,), pack_len).items()}
+    row = next(iter(packing.grain_rows(examples, 1, slice(0, 1), pack_len, whole)[0]))
+    example = {k: v[0] for k, v in packing.stack_rows((row,), pack_len).items()}
   else:
     example = examples[0]
   return {k: (np.shape(v), np.asarray(v).dtype) for k, v in example.items()}

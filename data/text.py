@@ -45,20 +45,30 @@ class Truncations:
   def cut(self, ids: np.ndarray, example: Any) -> np.ndarray:
     if len(ids) <= self.max_ids:
       return ids
+    self.note(len(ids), example.get('_where', 'a row') if isinstance(example, dict) else 'a row')
+    return ids[: self.max_ids]
+
+  def note(self, length: int, where: Any) -> None:
+    """Counts one document of `length` ids cut to max_ids; `where` (or a callable giving it) names its row."""
     with self._lock:
       self.count += 1
       n = self.count
     if n == 10 ** int(math.log10(n)):
-      where = example.get('_where', 'a row') if isinstance(example, dict) else 'a row'
       where = where() if callable(where) else where  # a cached document names its row only here
       logging.warning(
         'data: %s has %d tokens, truncated to %d (config.dataset.seq_len + 1); %d document(s) truncated so far',
         where,
-        len(ids),
+        length,
         self.max_ids,
         n,
       )
-    return ids[: self.max_ids]
+
+  def __getstate__(self) -> dict[str, Any]:  # to worker processes (a lock does not pickle); each counts its own
+    return {'max_ids': self.max_ids, 'count': self.count}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__init__(state['max_ids'])
+    self.count = state['count']
 
 
 def _document(ids: np.ndarray, loss: np.ndarray | None, truncations: Truncations | None, example: Any) -> dict:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import errno
 import functools
 import glob
 import hashlib
@@ -31,8 +30,6 @@ import json
 import logging
 import multiprocessing
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,13 +37,11 @@ from typing import Any
 import numpy as np
 
 from data import files, row_checks, tokens
-from errors import StorageError, describe_os_error, os_error_of
 
 VERSION = 1  # of the files' layout: a change makes new keys
 KINDS = ('text', 'pair', 'chat')  # tokens.document of keys[0]; prompt_completion of keys[0], keys[1]; chat of keys[0]
 BATCH = 1024  # rows per tokenizer call (and per progress update)
 POOL_MIN_ROWS = 4096  # chats render in Python (jinja): in worker processes, above this many rows
-_WRITING = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 _TOKENIZER_FILES = (
   'tokenizer*',
   'vocab*',
@@ -105,6 +100,15 @@ class TokenDocs:
 
   def __len__(self) -> int:
     return int(self.meta['documents'])
+
+  def where(self, i: int) -> str:
+    return (self._where or _nth)(int(i))
+
+  def __getstate__(self) -> dict[str, Any]:  # worker processes map the files again; the arrays do not travel
+    return {'path': self.path, 'meta': self.meta, 'where': self._where}
+
+  def __setstate__(self, state: dict[str, Any]) -> None:
+    self.__init__(state['path'], state['meta'], state['where'])
 
   def __getitem__(self, i: int) -> dict[str, Any]:
     i = int(i)
@@ -242,52 +246,38 @@ def build(
   full = {'version': VERSION, 'kind': kind, 'keys': list(keys), 'tokenizer': tokenizer_identity(tok), **identity}
   key = hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
   path = os.path.join(root, key)
-  meta = _complete(path)
-  if meta is not None:
-    return path, meta
-  from filelock import FileLock  # noqa: PLC0415 (datasets' own dependency)
+  took = {}
 
-  aside = None
-  try:
-    os.makedirs(root, exist_ok=True)
-    with FileLock(path + '.lock'):
-      meta = _complete(path)
-      if meta is not None:  # another process built it while this one waited
-        return path, meta
-      for stale in [path, *glob.glob(os.path.join(root, f'.{key}.building-*'))]:  # a build cut short
-        shutil.rmtree(stale, ignore_errors=True)
-      aside = tempfile.mkdtemp(prefix=f'.{key}.building-', dir=root)
-      dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.int32)
-      t0 = time.perf_counter()
-      count = _write(aside, _batches(read, n, tok, kind, keys, num_proc or cores()), n, kind != 'text', dtype, label)
-      took = time.perf_counter() - t0
-      meta = {**full, 'documents': n, 'ids': count, 'dtype': dtype.name, 'loss': kind != 'text', 'seconds': took}
-      with open(os.path.join(aside, 'meta.json'), 'w') as f:
-        json.dump(meta, f, indent=1, default=str)
-      os.rename(aside, path)
-      aside = None
-      logging.info(
-        'data: token cache of %s built in %.1fs: %d documents, %d tokens (%s tokens/s) in %s',
-        label,
-        took,
-        n,
-        count,
-        f'{count / max(took, 1e-9):,.0f}',
-        path,
-      )
-    return path, meta
-  except Exception as e:
-    found = os_error_of(e)
-    if found is None or found.code not in _WRITING and not str(found.filename or '').startswith(root):
-      raise
-    raise StorageError(
-      f'the token cache of {label} could not be built in {root}: '
-      f'{describe_os_error(found.code, found.strerror, None)} (free space there, or set config.dataset.cache_dir '
-      'to a writable directory with space, or config.dataset.token_cache=False)'
-    ) from None
-  finally:
-    if aside is not None:
-      shutil.rmtree(aside, ignore_errors=True)
+  def write(aside: str) -> str:
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.int32)
+    t0 = time.perf_counter()
+    count = _write(aside, _batches(read, n, tok, kind, keys, num_proc or cores()), n, kind != 'text', dtype, label)
+    took.update(seconds=time.perf_counter() - t0, ids=count)
+    meta = {
+      **full,
+      'documents': n,
+      'ids': count,
+      'dtype': dtype.name,
+      'loss': kind != 'text',
+      'seconds': took['seconds'],
+    }
+    with open(os.path.join(aside, 'meta.json'), 'w') as f:
+      json.dump(meta, f, indent=1, default=str)
+    return aside
+
+  complete = lambda p: _complete(p) is not None
+  if files.build_aside(root, path, write, f'the token cache of {label}', complete, lock=True,
+                       also='config.dataset.token_cache=False'):  # fmt: skip
+    logging.info(
+      'data: token cache of %s built in %.1fs: %d documents, %d tokens (%s tokens/s) in %s',
+      label,
+      took['seconds'],
+      n,
+      took['ids'],
+      f'{took["ids"] / max(took["seconds"], 1e-9):,.0f}',
+      path,
+    )
+  return path, _complete(path)
 
 
 # --- Sources -------------------------------------------------------------------------------------------------------
@@ -329,7 +319,7 @@ def of_rows(rows: Any, tok: Any, kind: str, keys: Sequence[str], cache_dir: str 
     'keep': None if rows.keep is None else hashlib.sha256(np.asarray(rows.keep).tobytes()).hexdigest(),
   }
   path, meta = build(default_root(cache_dir), ident, _RowsReader(rows, keys), len(rows), tok, kind, keys, label=label)
-  return TokenDocs(path, meta, rows.where)
+  return TokenDocs(path, meta, rows.names())  # names, not rows: worker processes need no Arrow tables
 
 
 class _SourceReader:

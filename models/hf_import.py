@@ -626,11 +626,11 @@ def import_weights(
       )
     used.add(h)
   ignored = [re.compile(r) for r in family.ignore]
-  if (extra := family.skip and family.skip(hf.config)) and any(re.search(extra[0], k) for k in hf.keys()):
-    logging.warning(
-      '%s: %d tensors not imported: %s', hf.path, sum(bool(re.search(extra[0], k)) for k in hf.keys()), extra[1]
-    )
-    ignored.append(re.compile(extra[0]))
+  if extra := family.skip and family.skip(hf.config):
+    pattern = re.compile(extra[0])
+    if n := sum(1 for k in hf.keys() if pattern.search(k)):
+      logging.warning('%s: %d tensors not imported: %s', hf.path, n, extra[1])
+      ignored.append(pattern)
   unused = sorted(k for k in hf.keys() - used if not any(r.search(k) for r in ignored))
   every = set(flat[False]) | set(flat[True])
   skipped = {z for z in every if skip and skip.search(z)}

@@ -3,6 +3,7 @@
 cache is reused, built once when several builders race, and a half-built or damaged one is rebuilt, never read."""
 
 import errno
+import json
 import os
 import threading
 import time
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import data
-from data import token_cache
+from data import packing, pipeline, text, token_cache
 from errors import StorageError
 from tests.test_data_offline import assert_same
 from tests.test_your_data import chats, make, pairs, save_tokenizer, write_jsonl
@@ -125,11 +126,96 @@ def test_a_cache_that_cannot_be_written_is_one_storage_error_that_leaves_nothing
 
 
 def test_image_batches_from_worker_processes_are_the_threads(tmp_path):
-  """config.dataset.num_workers: the same batches, in order, as the threads make (one pool of two spawned workers:
-  the suite's only one, seconds)."""
+  """config.dataset.num_workers: the same batches, in order, as the threads make, and a position saved by the
+  threads resumes in the workers (one pool of two spawned workers: seconds)."""
   cfg = lambda workers: make('classification', name='synthetic_images', num_train=64, num_eval=8, num_workers=workers)
   its = [data.build(cfg(w)).train_iterator(8, slice(0, 8), 0) for w in (0, 2)]
-  threads, workers = ([next(it) for _ in range(5)] for it in its)
+  threads, states = [], []
+  for _ in range(9):  # crosses an epoch
+    states.append(json.loads(json.dumps(its[0].get_state())))
+    threads.append(next(its[0]))
+  its[1].set_state([states[3]])
+  workers = [next(its[1]) for _ in range(6)]
+  assert its[1].get_state() == json.loads(json.dumps(its[0].get_state()))
   for it in its:
     it.close()
-  assert_same(threads, workers)
+  assert_same(threads[3:], workers)
+
+
+def cached_docs(tmp_path, docs: list, loss: list | None = None) -> token_cache.TokenDocs:
+  """A token cache of these ids (and loss masks), written as token_cache.build lays one out."""
+  offsets = np.concatenate([[0], np.cumsum([len(d) for d in docs])]).astype(np.int64)
+  offsets.tofile(tmp_path / 'offsets.bin')
+  np.concatenate(docs).astype(np.uint16).tofile(tmp_path / 'ids.bin')
+  if loss is not None:
+    np.concatenate(loss).astype(np.uint8).tofile(tmp_path / 'loss.bin')
+  meta = {'documents': len(docs), 'ids': int(offsets[-1]), 'dtype': 'uint16', 'loss': loss is not None}
+  return token_cache.TokenDocs(str(tmp_path), meta)
+
+
+class NotCached:
+  """The same documents, not a TokenDocs: read through grain's packer."""
+
+  def __init__(self, docs):
+    self.docs = docs
+
+  def __len__(self):
+    return len(self.docs)
+
+  def __getitem__(self, i):
+    return self.docs[i]
+
+
+def packed(source, whole: bool, n: int, state=None, workers: int = 0, L: int = 16) -> tuple[list, list]:
+  """n batches of rows 0-3 of a global batch of 4 and the data position before each (through JSON)."""
+  cut = text.Truncations(L + 1) if whole else None
+  ds = pipeline.packed_train_dataset(source, 4, slice(0, 4), 1, text.CachedDocument(cut), L, whole=whole,
+                                     num_workers=workers)  # fmt: skip
+  it = iter(ds)
+  if state is not None:
+    it.set_state(state)
+  states, out = [], []
+  for _ in range(n):
+    states.append(json.loads(json.dumps(it.get_state())))
+    out.append(next(it))
+  it.close()
+  return out, states
+
+
+@pytest.mark.parametrize('whole', [False, True], ids=['concat_then_split', 'whole'])
+def test_the_numpy_packer_makes_grains_rows_and_positions(tmp_path, whole):
+  """Documents of every awkward length (no targets, exactly a row, several rows; loss masks): the numpy packer's
+  batches and data positions are grain's, and each resumes the other's."""
+  rng = np.random.default_rng(0)
+  lengths = rng.choice([0, 1, 1, 2, 3, 5, 8, 15, 16, 17, 40], 400)
+  docs = cached_docs(tmp_path, [rng.integers(1, 250, n) for n in lengths], [rng.integers(0, 2, n) for n in lengths])
+  if not whole:
+    docs.loss = None  # plain text: every target counted
+  fast, fast_states = packed(docs, whole, 40)
+  assert packing.numpy_packs(docs, text.CachedDocument())
+  slow, slow_states = packed(NotCached(docs), whole, 40)
+  assert_same(fast, slow)
+  assert fast_states == slow_states
+  for k in (1, 13, 30):
+    assert_same(packed(docs, whole, 5, slow_states[k])[0], slow[k : k + 5])
+    assert_same(packed(NotCached(docs), whole, 5, fast_states[k])[0], fast[k : k + 5])
+
+
+def test_packed_rows_from_worker_processes_are_this_processs(tmp_path):
+  """config.dataset.num_workers on packed text: the same batches and data positions as packing here, and a position
+  saved without workers resumes in them. Prompt/completion pairs through their token cache (whole documents, loss
+  masks); which packer runs in the workers is pinned above, the caches against the in-line rows by the first test
+  (one pool of two spawned workers: seconds)."""
+  path = write_jsonl(tmp_path / 'rows.jsonl', rows_of('pair'))
+  fields = dict(name='json', seq_len=48, pack=True, cache_dir=str(tmp_path / 'c'), **KINDS['pair'](path))
+  its = [data.build(make(num_workers=w, **fields)).train_iterator(8, slice(0, 8), 0) for w in (0, 2)]
+  here, states = [], []
+  for _ in range(6):
+    states.append(json.loads(json.dumps(its[0].get_state())))
+    here.append(next(its[0]))
+  its[1].set_state([states[2]])
+  workers = [next(its[1]) for _ in range(4)]
+  assert json.loads(json.dumps(its[1].get_state())) == json.loads(json.dumps(its[0].get_state()))
+  for it in its:
+    it.close()
+  assert_same(workers, here[2:])
