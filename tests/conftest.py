@@ -22,13 +22,22 @@ import partitioning  # noqa: E402
 partitioning.simulate_cpu_devices(8)
 
 # Many tests compile the same programs (the same tiny config under the same mesh, built by different
-# trainers). A compilation cache private to this test session serves the repeats; it starts empty
-# every session, so nothing carries over between runs, and is removed when the session's process exits.
-_CACHE = tempfile.mkdtemp(prefix='shardzoo_jax_cache_')
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-jax.config.update('jax_compilation_cache_dir', _CACHE)
-jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
-jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+# trainers, in either xdist worker, or by the train.py children of several tests). A compilation cache private
+# to this test session serves the repeats; it starts empty every session, so nothing carries over between runs,
+# and is removed when the process that made it (pytest's main process) exits; the workers it starts find it in
+# the environment. A size limit turns on the cache's file lock: processes write into it while others read it.
+_CACHE = os.environ.get('SHARDZOO_TEST_JAX_CACHE')
+if not _CACHE:
+  _CACHE = os.environ['SHARDZOO_TEST_JAX_CACHE'] = tempfile.mkdtemp(prefix='shardzoo_jax_cache_')
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+CACHE_CONFIG = {
+  'jax_compilation_cache_dir': _CACHE,
+  'jax_persistent_cache_min_compile_time_secs': 0,
+  'jax_persistent_cache_min_entry_size_bytes': 0,
+  'jax_compilation_cache_max_size': 8 << 30,
+}
+for _k, _v in CACHE_CONFIG.items():
+  jax.config.update(_k, _v)
 
 import models  # noqa: E402
 import training  # noqa: E402
@@ -47,8 +56,48 @@ def pytest_xdist_auto_num_workers(config):
   return min(4, os.cpu_count() or 1)
 
 
+# The files that take longest, or hold a test of 15 s or more, longest first (a quiet 2-core run's durations). The
+# workers take files in collection order (pytest.ini: --no-loadscope-reorder) as each runs out of work: these
+# first, then the rest by number of tests (what xdist's own order would be), so the end of the run is short
+# files that let both workers finish together, not a minute-long file that one worker starts last.
+HEAVY_FIRST = (
+  'test_docs.py',
+  'test_configs.py',
+  'test_faults.py',
+  'test_sparse_families.py',
+  'test_speed_paths.py',
+  'test_multiprocess.py',
+  'test_train.py',
+  'test_resume.py',
+  'test_generation.py',
+  'test_decoder_families.py',
+  'test_pipeline.py',
+  'test_hf_families.py',
+  'test_lm_eval_model.py',
+  'test_context.py',
+  'test_your_data.py',
+  'test_soak.py',
+  'test_post_training_runs.py',
+  'test_moe.py',
+  'test_accumulate.py',
+  'test_bad_input.py',
+  'test_hf_export.py',
+  'test_journeys.py',
+  'test_guards.py',
+  'test_data_multiprocess.py',
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  files = [os.path.basename(str(item.path)) for item in items]
+  count = {f: files.count(f) for f in set(files)}
+  rank = lambda f: (HEAVY_FIRST.index(f), 0) if f in HEAVY_FIRST else (len(HEAVY_FIRST), -count[f])
+  order = sorted(range(len(items)), key=lambda i: (rank(files[i]), files[i], i))
+  items[:] = [items[i] for i in order]
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BACKEND_COMPILE = '/jax/core/compile/backend_compile_duration'
+BACKEND_COMPILE = '/jax/core/compile/backend_compile_duration'  # also timed around a persistent-cache hit
 
 
 # The default config shrunk as tiny_config shrinks it, as flat overrides (train.py: --config.<key>=<value>;
@@ -149,10 +198,14 @@ def all_eqns(jaxpr):
     yield from all_eqns(sub)
 
 
-def subprocess_env() -> dict[str, str]:
-  """Environment for running train.py in a child process: CPU only, no inherited device flags."""
+def subprocess_env(processes: int = 1) -> dict[str, str]:
+  """Environment for running train.py in a child process: CPU only, no inherited device flags. A child that runs
+  alone shares this session's compilation cache (a test's reruns of one config compile once); the processes of
+  one multi-process job (`processes` > 1) compile for themselves, as a job's processes on several hosts do."""
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'TF_CPP_MIN_LOG_LEVEL': '2'}
   env.pop('XLA_FLAGS', None)
+  if processes == 1:
+    env.update({k.upper(): str(v) for k, v in CACHE_CONFIG.items()})
   return env
 
 

@@ -11,7 +11,7 @@ transformers, lm-eval: about 10 s), then forks a child per command, which runs t
 commands run in order in one temporary directory (a `/tmp/` path is rewritten to it), so a
 later block uses an earlier block's run (train, then generate from it); all pages share that directory, and a
 command repeated word for word on another page (the README's loop, walked through on its page), its comment aside,
-runs once. A
+runs once; the children share a JAX compilation cache, so a program two commands compile compiles once. A
 `train.py` command that trains (not `--dry_run`) gets `--config.total_steps=STEPS` appended: the point is that the
 command runs as written, not its full length.
 """
@@ -145,6 +145,18 @@ def _preload() -> None:
   import training.run  # noqa: F401
 
 
+def _compilation_cache(directory: str) -> None:
+  """A JAX compilation cache the children inherit (set before any is forked): a program that several commands
+  compile (one model's train step under two data sources, a decode for a run's sample and for generate.py)
+  compiles once, as it would for a user with a cache. The children run one at a time, so they never write it at
+  once."""
+  import jax  # noqa: PLC0415
+
+  jax.config.update('jax_compilation_cache_dir', directory)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
+  jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+
+
 def _child(argv: list[str], log: str) -> None:
   """In the forked child: stdout and stderr to `log`, then the command as `python ...` runs it; exits with its
   status."""
@@ -198,7 +210,8 @@ def run_pages(pages: list[Path], report: str, timeout: float = 300) -> None:
   sys.path.insert(0, str(ROOT))
   _preload()
   ran, results = {}, {}
-  with tempfile.TemporaryDirectory(prefix='shardzoo_docs_') as tmp:
+  with tempfile.TemporaryDirectory(prefix='shardzoo_docs_') as tmp, tempfile.TemporaryDirectory() as cache:
+    _compilation_cache(cache)
     _run_in(pages, tmp, ran, results, timeout)
   with open(report, 'w') as f:
     json.dump(results, f, indent=1)

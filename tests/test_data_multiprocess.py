@@ -57,7 +57,7 @@ def test_two_processes_assemble_the_batches_of_one():
     subprocess.Popen(
       [sys.executable, '-c', WORKER, f'127.0.0.1:{port}', str(i), BATCHES],
       cwd=ROOT,
-      env={**subprocess_env(), 'PYTHONPATH': ROOT},
+      env={**subprocess_env(2), 'PYTHONPATH': ROOT},
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,

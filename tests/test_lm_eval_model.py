@@ -15,7 +15,6 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 lm_eval = pytest.importorskip('lm_eval')
-from lm_eval.tasks import TaskManager  # noqa: E402
 
 import generation  # noqa: E402
 import partitioning  # noqa: E402
@@ -70,8 +69,11 @@ def setup(tmp_path_factory):
 
 
 def samples(model, include_path):
+  # The local tasks' index alone, as evaluate_lm.py makes it (lm_eval_model.task_manager): indexing lm-eval's own
+  # thousands of task files costs seconds and the tasks here are local.
+  tasks = ['zoo_mc', 'zoo_ppl', 'zoo_gen']
   out = lm_eval.simple_evaluate(
-    model=model, tasks=['zoo_mc', 'zoo_ppl', 'zoo_gen'], task_manager=TaskManager(include_path=include_path),
+    model=model, tasks=tasks, task_manager=lm_eval_model.task_manager(tasks, include_path),
     log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
   )  # fmt: skip
   return {task: [s['resps'] for s in rows] for task, rows in out['samples'].items()}

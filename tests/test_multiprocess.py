@@ -71,7 +71,7 @@ def _start(args: list[str], n: int) -> list[subprocess.Popen]:
     subprocess.Popen(
       [sys.executable, 'train.py', *TINY, *args, *flags, *([f'--process_id={i}'] if n > 1 else [])],
       cwd=ROOT,
-      env=subprocess_env(),
+      env=subprocess_env(n),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,
@@ -110,7 +110,7 @@ def test_slurm_launch_hybrid_mesh_and_resume_on_other_process_and_device_counts(
   (bin_dir / 'python').write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
   (bin_dir / 'python').chmod(0o755)
   env = {
-    **subprocess_env(),
+    **subprocess_env(2),
     'PATH': f'{bin_dir}:{os.environ["PATH"]}',
     'FAKE_SRUN_OUT': str(out_dir),
     'SLURM_JOB_ID': str(_free_port(SLURM_PORTS) - SLURM_PORTS),
@@ -204,7 +204,7 @@ def test_a_killed_process_stops_its_peer_within_the_timeout():
     subprocess.Popen(
       [sys.executable, '-c', PEER, f'127.0.0.1:{port}', str(i), str(timeout)],
       cwd=ROOT,
-      env=subprocess_env(),
+      env=subprocess_env(2),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,
@@ -251,7 +251,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_soon():
     subprocess.Popen(
       [sys.executable, '-c', PREEMPTED, f'127.0.0.1:{port}', str(i)],
       cwd=ROOT,
-      env=subprocess_env(),
+      env=subprocess_env(2),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,

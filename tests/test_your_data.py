@@ -380,7 +380,7 @@ def test_two_processes_share_the_cache_and_assemble_the_batches_of_one(tmp_path,
   path = write_jsonl(tmp_path / 'c.jsonl', chats(60))
   code = f'PATH, TOKENIZER, CACHE = {path!r}, {tok_dir!r}, {str(tmp_path / "cache")!r}\n' + CHAT_BATCHES
   port = _free_port()
-  env = {**conftest.subprocess_env(), 'PYTHONPATH': conftest.ROOT, 'HF_HUB_OFFLINE': '1'}
+  env = {**conftest.subprocess_env(2), 'PYTHONPATH': conftest.ROOT, 'HF_HUB_OFFLINE': '1'}
   procs = [
     subprocess.Popen(
       [sys.executable, '-c', WORKER, f'127.0.0.1:{port}', str(i), code],
