@@ -17,12 +17,13 @@ Built so that it cannot flatter either side:
 
 The bound beside each figure is a roofline: the larger of the bytes a step must move over the machine's read
 bandwidth and the FLOPs it must do over its matmul rate. A decode step reads every weight it multiplies with once
-(the tied head's too; not the rows of position tables) and the KV cache up to its length (its mean over the
-decode), and does 2 FLOPs per weight per row plus its attention (4 per cached key element per row); at batch 1
-the bytes bound it, at batch 32 the FLOPs. The bandwidth is a jitted sum's read rate of 256 MiB: a decode step
-reads, and writes almost nothing, so an in-place copy's rate (bytes read + written, printed beside it) is not one
-it can reach. The prefill needs 2 FLOPs per weight per token plus its causal attention, at best at the rate of a
-jitted 2048^3 matmul (the faster of float32 and the compute dtype), and reads the weights once.
+(the tied head's too; not the rows of position tables) and the KV cache up to its length (its mean over the decode),
+and does 2 FLOPs per weight per row plus its attention (4 per cached key element per row); at batch 1 the bytes
+bound it, at batch 32 the FLOPs. The bandwidth is the faster read of 256 MiB by a jitted sum and (on a CPU) by
+numpy's sums in a thread per core: a decode step reads, and writes almost nothing, so an in-place copy's rate (bytes
+read + written, printed beside it) is not one it can reach. The prefill needs 2 FLOPs per weight per token plus its
+causal attention, at best at the rate of a jitted 2048^3 matmul (the faster of float32 and the compute dtype), and
+reads the weights once.
 'of bound' is bound / measured: 100% is the machine's limit.
 
 The Hugging Face model is built from its config class with random weights (torch.manual_seed(0)) and saved; the zoo
@@ -42,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -177,7 +179,10 @@ def run_ours(shapes: dict, dtype: str) -> dict:
   for B in [int(b) for b in FLAGS.batches.split(',')]:
     prompts = prompts_for(B, shapes['vocab'])
     fn = lambda n: [g.ids for g in gen.generate(prompts, generation.Sampling(max_new_tokens=n, temperature=0.0))]
-    fn(FLAGS.new_tokens)  # compiles the (B, P, S) program: max_new_tokens is traced, so 1 and N share it
+    # The cache's slots follow the new tokens' bucket (generation.cache_slots), so the one-token run that times
+    # the first token is a program of its own: both are compiled here, not inside a repetition.
+    fn(FLAGS.new_tokens)
+    fn(1)
     reps = repeat(fn, FLAGS.reps)
     rows, _, slots = gen.shapes(prompts, generation.Sampling(FLAGS.new_tokens))
     out[B] = dict(times=[r[:2] for r in reps], tokens=reps[-1][2], cache=gen.cache_bytes_per_device(rows, slots))
@@ -214,6 +219,26 @@ def run_theirs(shapes: dict, dtype: str, device: str) -> dict:
   return out
 
 
+def numpy_read_bandwidth(x: np.ndarray) -> float:
+  """Bytes per second numpy's sums read from x, split across a thread per core (numpy's sum releases the GIL)."""
+  parts = np.array_split(x, os.cpu_count() or 1)
+
+  def once():
+    threads = [threading.Thread(target=p.sum) for p in parts]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+
+  once()
+  times = []
+  for _ in range(10):
+    t0 = time.perf_counter()
+    once()
+    times.append(time.perf_counter() - t0)
+  return x.nbytes / min(times)
+
+
 def run_machine(dtype: str) -> dict:
   """Memory bandwidth and matmul FLOP rate, each the best of 10 after a warm-up."""
   import jax
@@ -238,6 +263,8 @@ def run_machine(dtype: str) -> dict:
     times.append(time.perf_counter() - t0)
   copy_bw = 2 * x.nbytes / min(times)
   read_bw = x.nbytes / best(jax.jit(lambda a: a.reshape(4096, -1).sum(axis=1)), x)  # what a decode step does
+  if jax.devices()[0].platform == 'cpu':  # XLA's sum may read below the memory's rate: numpy, one thread a core
+    read_bw = max(read_bw, numpy_read_bandwidth(np.asarray(x)))
   flops, n = {}, FLAGS.probe_matmul
   for dt in sorted({'float32', dtype}):
     a = jnp.ones((n, n), dt)
@@ -354,7 +381,7 @@ def table(shapes: dict, machine: dict, machine_load: dict, runs: dict, dtype: st
     f'{FLAGS.family}: {shapes["params"] / 1e6:.1f}M parameters, {dtype} (ours stored as {ours0["param_dtypes"]}), '
     f'prompt {P}, {N} new tokens, {FLAGS.reps} repetitions x {FLAGS.rounds} process(es) per side; '
     f'{machine["device"]}; transformers {theirs0["torch"]} {theirs0["peer"]}',
-    f'machine: read bandwidth {bw / 1e9:.1f} GB/s (a jitted sum; an in-place copy moved '
+    f"machine: read bandwidth {bw / 1e9:.1f} GB/s (the faster of a jitted sum and numpy's; an in-place copy moved "
     f'{machine["copy_bw"] / 1e9:.1f}, read + written), matmul '
     + ', '.join(f'{k} {v / 1e9:.0f} GFLOP/s' for k, v in machine['flops'].items()),
     f"load average at the start {load:.2f}; per process (before/after, ours included; others' cores): "
