@@ -82,12 +82,13 @@ def schedule(
   scan_layers: bool,
   num_layers: int | None,
   batch_size: int,
-  dense_first: int = 0,
+  dense_first: int | None = None,
 ) -> Schedule | None:
   """The pipeline a config asks for (None where no rule maps 'layers' to a 'stage' axis of size > 1), checked
   against the config's numbers (config.pipeline.*, config.model.scan_layers, num_layers and first_dense_layers,
   config.batch_size) before anything is built: one ConfigError naming them. `dense_first`: a mixture of experts'
-  dense layers first, a stack of their own that runs before the pipeline, which cuts the rest."""
+  dense layers first, a stack of their own that runs before the pipeline, which cuts the rest (None: a model
+  without them)."""
   S = stages_of(rules, mesh_shape)
   if S == 1:
     return None
@@ -97,7 +98,7 @@ def schedule(
       f"the rule ('layers', 'stage') pipelines a scanned layer stack over stage={S}, and config.model.scan_layers "
       'is False (unrolled layers have no stacked dimension to cut): set --config.model.scan_layers=True'
     )
-  N = num_layers
+  N, dense_first = num_layers, dense_first or 0
   if N is not None and (N - dense_first) % (S * R):
     layers = f'config.model.num_layers={N}'
     if dense_first:

@@ -149,7 +149,7 @@ def build(config: ml_collections.ConfigDict, mesh: Mesh, make_model: Callable[[n
     repeats=config.pipeline.repeats,
     scan_layers=bool(config.model.get('scan_layers')),  # None: a family without a layer stack
     num_layers=config.model.get('num_layers'),
-    dense_first=config.model.get('first_dense_layers') or 0,
+    dense_first=config.model.get('first_dense_layers'),  # None: a family without dense layers first
     batch_size=config.batch_size,
   )
   task = tasks.get(config.task, config)
