@@ -332,7 +332,27 @@ class InWorkers(grain.IterDataset):
     return _InWorkersIterator(self)
 
 
-class _InWorkersIterator(grain.DatasetIterator):
+class WorkersIterator(grain.DatasetIterator):
+  """An iterator over a grain pipeline started in worker processes on first use (`_start`, which sets `_it`) and
+  restarted from its own state after set_state: its subclasses keep the 0-worker data position, not grain's."""
+
+  _it: grain.DatasetIterator | None = None
+
+  def _start(self) -> grain.DatasetIterator:
+    raise NotImplementedError
+
+  def start_prefetch(self) -> None:
+    it = self._start()
+    if hasattr(it, 'start_prefetch'):
+      it.start_prefetch()
+
+  def close(self) -> None:
+    if self._it is not None:
+      self._it.close()
+      self._it = None
+
+
+class _InWorkersIterator(WorkersIterator):
   def __init__(self, ds: InWorkers):
     super().__init__()
     self.ds, self._it, self._states = ds, None, None
@@ -366,13 +386,3 @@ class _InWorkersIterator(grain.DatasetIterator):
   def set_state(self, state: dict[str, Any]) -> None:
     self.close()
     self._states = list(state['parents'])
-
-  def start_prefetch(self) -> None:
-    it = self._start()
-    if hasattr(it, 'start_prefetch'):
-      it.start_prefetch()
-
-  def close(self) -> None:
-    if self._it is not None:
-      self._it.close()
-      self._it = None

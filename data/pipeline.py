@@ -159,7 +159,7 @@ class BatchesInWorkers(grain.IterDataset):
     return _BatchesInWorkersIterator(self)
 
 
-class _BatchesInWorkersIterator(grain.DatasetIterator):
+class _BatchesInWorkersIterator(packing.WorkersIterator):
   def __init__(self, ds: BatchesInWorkers):
     super().__init__()
     self.ds, self._it, self._next = ds, None, 0
@@ -183,16 +183,6 @@ class _BatchesInWorkersIterator(grain.DatasetIterator):
   def set_state(self, state: dict[str, Any]) -> None:
     self.close()
     self._next = int(state['next_index'])
-
-  def start_prefetch(self) -> None:
-    it = self._start()
-    if hasattr(it, 'start_prefetch'):
-      it.start_prefetch()
-
-  def close(self) -> None:
-    if self._it is not None:
-      self._it.close()
-      self._it = None
 
 
 def train_dataset(
