@@ -1022,6 +1022,11 @@ def remat_policy(remat: Any) -> str:
   return name
 
 
+def _add_aux(totals: dict[str, Any], aux: dict[str, Any]) -> dict[str, Any]:
+  """A stack's per-layer losses summed: totals so far plus one layer's (or group's) aux."""
+  return {k: totals.get(k, 0.0) + v for k, v in aux.items()}
+
+
 class Stack(nnx.Module):
   """`num` identical blocks, unrolled or stacked on a leading 'layers' axis and run with `nnx.scan`.
 
@@ -1088,7 +1093,7 @@ class Stack(nnx.Module):
       totals: dict[str, jax.Array] = {}
       for i, block in enumerate(self.layers):
         x, aux = calls[i % self.period](block, x, *args)
-        totals = {k: totals.get(k, 0.0) + v for k, v in aux.items()}
+        totals = _add_aux(totals, aux)
       return x, totals
     if self.period > 1:
       return self._grouped([remat(functools.partial(apply, layer=j)) for j in range(self.period)], x, *args)
@@ -1121,14 +1126,14 @@ class Stack(nnx.Module):
       totals: dict[str, jax.Array] = {}
       for j, apply in enumerate(applies):
         x, aux = apply(at(w, j), x, *args)
-        totals = {k: totals.get(k, 0.0) + v for k, v in aux.items()}
+        totals = _add_aux(totals, aux)
       return x, totals
 
     x, aux = jax.lax.scan(group, x, groups)
     totals = {k: v.sum() for k, v in aux.items()}
     for j in range(self.num % self.period):
       x, aux = applies[j](at(rest, j), x, *args)
-      totals = {k: totals.get(k, 0.0) + v for k, v in aux.items()}
+      totals = _add_aux(totals, aux)
     return x, totals
 
   def _pipelined(self, apply: Callable[..., Any], x: jax.Array, *args: Any) -> tuple[jax.Array, dict]:
@@ -1151,7 +1156,7 @@ class Stack(nnx.Module):
       totals: dict[str, jax.Array] = {}
       for j in range(self.period):
         x, aux = apply(nnx.merge(graphdef, jax.tree.map(lambda v: v[j], w)), x, *args, layer=j)
-        totals = {k: totals.get(k, 0.0) + v for k, v in aux.items()}
+        totals = _add_aux(totals, aux)
       return x, totals
 
     return pipeline.run(layer, weights, x, *args, x_axes=('batch',), policy=REMAT_POLICIES[self.remat])
