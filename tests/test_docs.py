@@ -226,6 +226,10 @@ def test_a_blocks_commands_are_its_lines_joined_and_without_comments():
   assert doc_commands.argv_of('python train.py --workdir /tmp/r', '/T') == [
     'python', 'train.py', '--workdir', '/T/r', f'--config.total_steps={doc_commands.STEPS}',
   ]  # fmt: skip
+  assert doc_commands.argv_of('python train.py --dry_run', '/T', ('--config.x=1',)) == [
+    'python', 'train.py', '--dry_run'
+  ]  # fmt: skip
+  assert doc_commands.argv_of('python train.py', '/T', ('--config.x=1',))[-1] == '--config.x=1'
   assert doc_commands.unsupported('tfds build lm1b').startswith("'tfds build lm1b': only `python SCRIPT ...`")
 
 
