@@ -13,7 +13,8 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 # The suite's programs are tiny, so XLA:CPU's LLVM optimisation is most of what a test spends compiling them and
 # saves little of their running: the tests and their children (subprocess_env) compile without it, with the same
-# float operations (no fast math). A flag set in XLA_FLAGS (user, CI) is kept and wins over ours.
+# float operations (no fast math; planning.search.FAST_CPU_COMPILE's options). A flag set in XLA_FLAGS (user, CI) is
+# kept and wins over ours.
 FAST_COMPILE_FLAGS = (
   '--xla_backend_optimization_level=0',
   '--xla_llvm_disable_expensive_passes=true',
