@@ -327,6 +327,8 @@ class Generator:
       logits, key, step, t, p, greedy=greedy, top_k=top_k, nucleus=nucleus
     )
 
+    # One row's loop carries its cache without the batch axis, as the attention then runs (models/layers.py
+    # Attention._cached): with a 4-d carry XLA's CPU compiler still copies the caches every step.
     one = rows == 1
     squeeze = lambda cache: jax.tree.map(lambda c: c.squeeze(c.ndim - 4), cache) if one else cache
     unsqueeze = lambda cache: jax.tree.map(lambda c: jnp.expand_dims(c, c.ndim - 3), cache) if one else cache
