@@ -166,7 +166,7 @@ def llama_dir(request, tmp_path_factory):
 def test_llama_greedy_is_transformers_and_steps_are_full_forward_passes(llama_dir):
   path, hf_model, arg, scan = llama_dir
   gen = zoo(llama_config, arg, path, scan_layers=scan)
-  assert gen.layout.kv_heads == 4 and gen.layout.scanned == scan
+  assert gen.layout.kv_heads == 4 and not gen.layout.scanned  # a decode runs its layers unrolled
   check_parity(gen, hf_model, eos=hf_model.generation_config.eos_token_id)
 
 
