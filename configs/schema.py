@@ -246,7 +246,7 @@ def follows(path: str, kind: type = str) -> Derived:
   def rule(config: ml_collections.ConfigDict) -> Any:
     node = config
     for key in path.split('.'):
-      node = node.get(key) if isinstance(node, ml_collections.ConfigDict) else None
+      node = _get(node, key) if isinstance(node, ml_collections.ConfigDict) else None
     return node
 
   return Derived(rule, kind, f'config.{path}')
@@ -256,9 +256,15 @@ def derived_from(config: ml_collections.ConfigDict, path: str) -> str | None:
   """What the field at `path` follows ('config.init_from', ...) while it is derived and not set, else None: for
   messages about its value ('config.dataset.tokenizer=... (it follows config.init_from)')."""
   section, _, key = path.rpartition('.')
-  node = config.get(section) if section else config
+  node = _get(config, section) if section else config
   ref = _stored(node, key) if isinstance(node, ml_collections.ConfigDict) else None
   return ref.source if isinstance(ref, Derived) and not ref.given else None
+
+
+def _get(node: Mapping[str, Any], key: str) -> Any:
+  # ConfigDict.get, less its cost on a missing key: ml_collections builds a did-you-mean message (difflib over
+  # the node's keys) for the KeyError that get() then drops. complete() and check() ask for many missing keys.
+  return node.get(key) if '.' in key or key in node else None  # (get reads a dotted path; `in` does not)
 
 
 def _stored(node: ml_collections.ConfigDict, key: str) -> Any:
@@ -336,26 +342,26 @@ def _data_vocabulary(config: ml_collections.ConfigDict) -> int | None:
   """config.model.vocab_size's default for the language models that leave it unset (the tiny sizes): the data's
   vocabulary. A Markov language's symbols (config.dataset.vocab_size); for text, None: the tokenizer's ids, which
   the run sets when it starts (data.vocabulary), as configs/ never loads a tokenizer."""
-  dataset = config.get('dataset')
-  if isinstance(dataset, ml_collections.ConfigDict) and dataset.get('name') == 'markov':
-    return dataset.get('vocab_size')
+  dataset = _get(config, 'dataset')
+  if isinstance(dataset, ml_collections.ConfigDict) and _get(dataset, 'name') == 'markov':
+    return _get(dataset, 'vocab_size')
   return None
 
 
 def _prompt_key(config: ml_collections.ConfigDict) -> str | None:
   """config.dataset.prompt_key's default: 'prompt' for the post-training tasks' rows; None (plain text) otherwise."""
-  return 'prompt' if config.get('task') in POST else None
+  return 'prompt' if _get(config, 'task') in POST else None
 
 
 def _warmup(config: ml_collections.ConfigDict) -> int:
   """config.optim.warmup_steps's default: 100 steps, or a tenth of a shorter run (config.total_steps)."""
-  total = config.get('total_steps')
+  total = _get(config, 'total_steps')
   return min(100, total // 10) if isinstance(total, int) and not isinstance(total, bool) else 100
 
 
 def _one_slice_per_axis(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict | None:
   """config.dcn_mesh's default: one slice (host, TPU slice) along every axis of config.mesh."""
-  mesh = config.get('mesh')
+  mesh = _get(config, 'mesh')
   return ml_collections.ConfigDict({a: 1 for a in mesh}, sort_keys=False) if hasattr(mesh, 'keys') else None
 
 
@@ -696,7 +702,7 @@ def complete(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   with config.unlocked():  # a config ml_collections loaded is locked (no new fields); its defaults come all the same
     for path, field in FIELDS.items():
       section, _, key = path.rpartition('.')
-      node = config if not section else config.get(section)
+      node = config if not section else _get(config, section)
       if node is None and (section in ('optim', 'lora', 'pipeline') or (section in POST and _has(config, field))):
         node = config[section] = ml_collections.ConfigDict()
       if not isinstance(node, ml_collections.ConfigDict) or key in node or not _has(config, field):
@@ -722,15 +728,15 @@ def _has(config: ml_collections.ConfigDict, field: Field) -> bool:
     return False
   section = field.path.partition('.')[0]
   if section == 'model':
-    name = config.model.get('name')
+    name = _get(config.model, 'name')
     family = FAMILIES.get(name) if isinstance(name, str) else None
     key = field.path[len('model.') :]
     return key in EVERY_FAMILY or (family is not None and key in family.reads)
   if field.only is None:
     return True
   if section == 'optim':
-    return config.optim.get('name') in field.only
-  return config.get('task') in field.only
+    return _get(config.optim, 'name') in field.only
+  return _get(config, 'task') in field.only
 
 
 def check(config: ml_collections.ConfigDict, *, owned: bool = True) -> None:
@@ -752,7 +758,7 @@ def check(config: ml_collections.ConfigDict, *, owned: bool = True) -> None:
     if (owned or not field.owned) and field.problem(value):
       raise ConfigError(field.message(path, value))
   for name in MESHES:
-    if _reordered(config.get(name)):
+    if _reordered(_get(config, name)):
       value = config[name]
       raise ConfigError(
         f'config.{name}={dict(_written(value))!r} is a ConfigDict that sorts its keys: its axes would be laid out '
@@ -809,7 +815,7 @@ def keep_written_order(config: ml_collections.ConfigDict) -> None:
   """config.mesh and config.dcn_mesh in the order written, where a plain ConfigDict (in a config file, or from
   --config.mesh="{...}") would sort the axes and so change the device layout."""
   for name in MESHES:
-    if _reordered(config.get(name)):
+    if _reordered(_get(config, name)):
       config[name] = ml_collections.ConfigDict(_written(config[name]), sort_keys=False)
 
 

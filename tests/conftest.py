@@ -11,6 +11,20 @@ from typing import Any
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
+# The suite's programs are tiny, so XLA:CPU's LLVM optimisation is most of what a test spends compiling them and
+# saves little of their running: the tests and their children (subprocess_env) compile without it, with the same
+# float operations (no fast math; planning.search.FAST_CPU_COMPILE's options). A flag set in XLA_FLAGS (user, CI) is
+# kept and wins over ours.
+FAST_COMPILE_FLAGS = (
+  '--xla_backend_optimization_level=0',
+  '--xla_llvm_disable_expensive_passes=true',
+  '--xla_cpu_use_fusion_emitters=false',
+)
+_flags = os.environ.get('XLA_FLAGS', '').split()
+os.environ['XLA_FLAGS'] = ' '.join(
+  _flags + [f for f in FAST_COMPILE_FLAGS if not any(g.startswith(f.split('=')[0] + '=') for g in _flags)]
+)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
@@ -198,12 +212,18 @@ def all_eqns(jaxpr):
     yield from all_eqns(sub)
 
 
+def child_xla_flags() -> str:
+  """This session's XLA_FLAGS less a device count (--xla_force_host_platform_device_count): what a child
+  process compiles with (XLA keys its compilation cache on them, so a child shares the session's programs)."""
+  return ' '.join(partitioning.mesh.CPU_COUNT_FLAG.sub('', os.environ.get('XLA_FLAGS', '')).split())
+
+
 def subprocess_env(processes: int = 1) -> dict[str, str]:
-  """Environment for running train.py in a child process: CPU only, no inherited device flags. A child that runs
-  alone shares this session's compilation cache (a test's reruns of one config compile once); the processes of
-  one multi-process job (`processes` > 1) compile for themselves, as a job's processes on several hosts do."""
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'TF_CPP_MIN_LOG_LEVEL': '2'}
-  env.pop('XLA_FLAGS', None)
+  """Environment for running train.py in a child process: CPU only, no inherited device count (the session's
+  other XLA flags, FAST_COMPILE_FLAGS among them, carry over). A child that runs alone shares this session's
+  compilation cache (a test's reruns of one config compile once); the processes of one multi-process job
+  (`processes` > 1) compile for themselves, as a job's processes on several hosts do."""
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'TF_CPP_MIN_LOG_LEVEL': '2', 'XLA_FLAGS': child_xla_flags()}
   if processes == 1:
     env.update({k.upper(): str(v) for k, v in CACHE_CONFIG.items()})
   return env

@@ -3,7 +3,9 @@
 A command block is a fenced block marked `bash` (output and synopses with placeholders are `text`). Each line is a
 command (a backslash continues it; `#` starts a comment): `python SCRIPT ARGS` or `python -c CODE`, run from the
 repository root. A block that needs what the suite has not (a download, a GPU, several machines) is marked on the
-line above its fence, `<!-- not run: NAME ... -->`, with NAME one of NOT_RUN, and is skipped by that name.
+line above its fence, `<!-- not run: NAME ... -->`, with NAME one of NOT_RUN, and is skipped by that name. A block
+whose training commands the suite may shorten further says how in the same place, `<!-- run with: ARGS -->` (e.g. a
+smaller eval split): ARGS are appended to each of its `train.py` commands that trains, as the step count is.
 
 How it runs cheaply (`run_pages`): one process imports the libraries the entry points use once (JAX, TensorFlow,
 transformers, lm-eval: about 10 s), then forks a child per command, which runs the script as `python SCRIPT` would
@@ -48,6 +50,7 @@ STEPS = 3  # what a training command is cut to
 COMMAND_LANGS = ('bash', 'sh', 'shell', 'console')
 FENCE = re.compile(r'^(?P<indent>[ \t]*)```(?P<lang>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$', re.M | re.S)
 MARK = re.compile(r'<!--\s*not run:\s*(?P<name>[\w-]+)(?P<why>[^>]*)-->\s*$')
+RUN_WITH = re.compile(r'<!--\s*run with:\s*(?P<args>[^>]*?)\s*-->\s*$')
 
 
 @dataclasses.dataclass
@@ -57,6 +60,7 @@ class Block:
   lang: str
   commands: list[str]
   not_run: str | None  # the marker's name
+  run_with: tuple[str, ...] = ()  # `<!-- run with: ARGS -->`: appended to its training commands
 
   @property
   def where(self) -> str:
@@ -94,17 +98,20 @@ def blocks(path: Path) -> list[Block]:
       continue
     line = text.count('\n', 0, m.start()) + 1
     before = text[: m.start()].rstrip('\n').rsplit('\n', 1)[-1]
-    mark = MARK.search(before)
+    mark, run_with = MARK.search(before), RUN_WITH.search(before)
     page = str(path.relative_to(ROOT))
-    out.append(Block(page, line, lang, commands_of(m['body'], m['indent']), mark['name'] if mark else None))
+    commands = commands_of(m['body'], m['indent'])
+    extra = tuple(shlex.split(run_with['args'])) if run_with else ()
+    out.append(Block(page, line, lang, commands, mark['name'] if mark else None, extra))
   return out
 
 
-def argv_of(command: str, tmp: str) -> list[str]:
-  """The command's words with the page's /tmp/ paths in `tmp`, and a training run cut to STEPS steps."""
+def argv_of(command: str, tmp: str, run_with: tuple[str, ...] = ()) -> list[str]:
+  """The command's words with the page's /tmp/ paths in `tmp`, and a training run cut to STEPS steps (and given
+  its block's `run_with` arguments)."""
   words = [w.replace('/tmp/', f'{tmp}/') for w in words_of(command)]
   if words[:2] == ['python', 'train.py'] and '--dry_run' not in words:
-    words.append(f'--config.total_steps={STEPS}')
+    words += [f'--config.total_steps={STEPS}', *run_with]
   return words
 
 
@@ -234,7 +241,7 @@ def _run_in(pages: list[Path], tmp: str, ran: dict, results: dict, timeout: floa
           out.append(dict(where=block.where, command=command, status=0, seconds=0.0, log=f'as run at {ran[words]}'))
           continue
         log = os.path.join(tmp, f'command_{len(ran)}.log')
-        status, seconds = run_command(argv_of(command, tmp), log, timeout)
+        status, seconds = run_command(argv_of(command, tmp, block.run_with), log, timeout)
         with open(log, errors='replace') as f:
           text = f.read()
         out.append(dict(where=block.where, command=command, status=status, seconds=seconds, log=text[-4000:]))

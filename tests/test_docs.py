@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from tests import doc_commands
+from tests.conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / 'README.md'
@@ -225,6 +226,10 @@ def test_a_blocks_commands_are_its_lines_joined_and_without_comments():
   assert doc_commands.argv_of('python train.py --workdir /tmp/r', '/T') == [
     'python', 'train.py', '--workdir', '/T/r', f'--config.total_steps={doc_commands.STEPS}',
   ]  # fmt: skip
+  assert doc_commands.argv_of('python train.py --dry_run', '/T', ('--config.x=1',)) == [
+    'python', 'train.py', '--dry_run'
+  ]  # fmt: skip
+  assert doc_commands.argv_of('python train.py', '/T', ('--config.x=1',))[-1] == '--config.x=1'
   assert doc_commands.unsupported('tfds build lm1b').startswith("'tfds build lm1b': only `python SCRIPT ...`")
 
 
@@ -251,8 +256,7 @@ def doc_runs(tmp_path_factory):
   """Every runnable command of README.md and docs/*.md, run once (tests/doc_commands.py: one process imports,
   a forked child per command); the report and what it cost."""
   report = tmp_path_factory.mktemp('doc_commands') / 'report.json'
-  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'TF_CPP_MIN_LOG_LEVEL': '2', 'HF_HUB_OFFLINE': '1'}
-  env.pop('XLA_FLAGS', None)
+  env = {**subprocess_env(), 'HF_HUB_OFFLINE': '1'}
   t0 = time.perf_counter()
   run = subprocess.run(
     [sys.executable, str(ROOT / 'tests' / 'doc_commands.py'), str(report)],

@@ -413,8 +413,9 @@ def test_generate_py_from_a_run_is_greedy_decoding_of_its_checkpoint(tmp_path):
   assert row['prompt_ids'] == [257, 97, 98]  # as training begins a byte text: <|bos|>, then the bytes
   trainer = build_trainer(cfg)
   tokens = [257, 97, 98]
+  forward = last_logits_of_a_full_pass(trainer, state, len(tokens) + 3)
   for _ in range(4):  # the reference: argmax of a full forward pass, one token at a time
-    tokens.append(int(np.argmax(full_forward_logits_of(trainer, state, tokens))))
+    tokens.append(int(np.argmax(forward(tokens))))
   assert row['ids'] == tokens[3:], row
   run = run_generate('--workdir', str(tmp_path), '--prompt', 'a' * 30, '--max_new_tokens', '4')
   assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].startswith(
@@ -422,6 +423,14 @@ def test_generate_py_from_a_run_is_greedy_decoding_of_its_checkpoint(tmp_path):
   ), run.stderr[-2000:]
 
 
-def full_forward_logits_of(trainer, state, tokens):
-  run = lambda p, s, t: tasks.eval_view(nnx.merge(trainer.graphdef, p, s, copy=True))(t)
-  return np.asarray(jax.jit(run)(state.params, state.model_state, np.asarray([tokens], np.int32))[0, -1])
+def last_logits_of_a_full_pass(trainer, state, length):
+  """tokens -> the last position's logits of a full forward pass over them. One compiled program serves every
+  length up to `length`: the tokens are padded at the end, which a causal model's earlier positions never see."""
+  run = jax.jit(lambda p, s, t: tasks.eval_view(nnx.merge(trainer.graphdef, p, s, copy=True))(t))
+
+  def last_logits(tokens):
+    padded = np.zeros((1, length), np.int32)
+    padded[0, : len(tokens)] = tokens
+    return np.asarray(run(state.params, state.model_state, padded)[0, len(tokens) - 1])
+
+  return last_logits

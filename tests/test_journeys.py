@@ -365,7 +365,8 @@ def test_the_mesh_line_says_whose_cpu_devices_and_a_users_count_is_honoured(monk
 def test_entry_points_print_no_info_lines_unless_verbose(monkeypatch):
   """A dry run prints its table and no INFO lines (JAX, TensorFlow, our modules: xent.py's), and its mesh line says
   whose CPU devices they are; --verbose sets absl's verbosity back to INFO."""
-  env = {**subprocess_env(), 'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
+  env = subprocess_env()
+  env['XLA_FLAGS'] += ' --xla_force_host_platform_device_count=8'
   argv = [sys.executable, 'train.py', '--config=configs/gpt2.py:tiny', '--dry_run']
   quiet = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert quiet.returncode == 0, quiet.stderr[-3000:]
