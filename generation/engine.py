@@ -327,6 +327,12 @@ class Generator:
       logits, key, step, t, p, greedy=greedy, top_k=top_k, nucleus=nucleus
     )
 
+    # One row's loop carries its cache without the batch axis, as the attention then runs (models/layers.py
+    # Attention._cached): with a 4-d carry XLA's CPU compiler still copies the caches every step.
+    one = rows == 1
+    squeeze = lambda cache: jax.tree.map(lambda c: c.squeeze(c.ndim - 4), cache) if one else cache
+    unsqueeze = lambda cache: jax.tree.map(lambda c: jnp.expand_dims(c, c.ndim - 3), cache) if one else cache
+
     def run(params, model_state, tokens_BP, pad_B, stop_B, live_B, key, temperature, top_p, max_new):
       def model():  # merged where it runs: a scanned stack's nnx.scan refuses Variables of an outer trace level
         return inference(nnx.merge(graphdef, params, model_state, copy=True))
@@ -350,7 +356,10 @@ class Generator:
       def body(c):
         i, tok_B, cache, out_BN, done_B, kept_BNV = c
         index = P + i - 1  # the slot of tok_B
-        logits_BV, cache = model().decode(tok_B[:, None], (index - pad_B)[:, None], cache, Decoding(index, valid_BS))
+        logits_BV, cache = model().decode(
+          tok_B[:, None], (index - pad_B)[:, None], unsqueeze(cache), Decoding(index, valid_BS)
+        )
+        cache = squeeze(cache)
         nxt_B = jnp.where(done_B, stop_B, choose(logits_BV, key, i, temperature, top_p))  # done rows repeat it
         out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, nxt_B[:, None], i, axis=1)
         if keep_logits:
@@ -359,7 +368,7 @@ class Generator:
 
       done_B = (tok_B == stop_B) | ~live_B
       i, _, _, out_BN, _, kept_BNV = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), tok_B, cache, out_BN, done_B, kept_BNV)
+        cond, body, (jnp.int32(1), tok_B, squeeze(cache), out_BN, done_B, kept_BNV)
       )
       return out_BN, i, kept_BNV
 

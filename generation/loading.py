@@ -73,10 +73,14 @@ def build(
   return placed, rules
 
 
-def load(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoints: str | None = None) -> Generator:
+def load(
+  config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoints: str | None = None, unroll: bool = True
+) -> Generator:
   """A Generator for a run's checkpoint (`checkpoints`: its checkpoint directory, latest step, or one step's), else
   for config.init_from (a Hugging Face directory whose config.json was adopted, or a params-only checkpoint of
-  this project); weights are read straight into the decoding layout (decode_config)."""
+  this project); weights are read straight into the decoding layout (decode_config), and a scanned stack's are
+  then unrolled (`unstack_layers`; unroll=False decodes the stack scanned, as GRPO's rollouts do from the
+  training state: engine.policy_sampler)."""
   config = decode_config(config)
   placed, rules = build(config, mesh)
   if checkpoints is not None:
@@ -97,6 +101,11 @@ def load(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoi
     params, model_state = weights.load_params(config.init_from, placed.targets('params')), {}
   else:
     raise ConfigError('nothing to generate from: give a run (its checkpoints) or config.init_from')
+  if unroll and config.model.get('scan_layers'):
+    config.model.scan_layers = False
+    placed, _ = build(config, mesh)
+    params = unstack_layers(params, placed.shardings['params'])
+    model_state = unstack_layers(model_state, placed.shardings['model_state'])
   return Generator(
     placed.graphdef,
     params,
@@ -106,6 +115,28 @@ def load(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, *, checkpoi
     max_len=config.model.get('max_len'),  # None: positions without a table (rotary)
     vocab=config.model.vocab_size,
   )
+
+
+def unstack_layers(stored: Any, shardings: Any) -> Any:
+  """A scanned model's weights (pure dicts; each stack's leaves stacked on a leading layers axis) as the unrolled
+  model's (`shardings`: its NamedShardings, whose {0: .., 1: ..} dicts name the layers), placed so. A decode runs
+  its layers unrolled: a scanned decode step slices every layer's weights out of the stack and rewrites the whole
+  cache, several times slower on CPU (docs/generation.md). Each stacked leaf is freed once split, so the weights
+  are held twice only one leaf at a time."""
+  if not isinstance(shardings, dict):
+    return stored
+  if shardings and all(isinstance(k, int) for k in shardings) and not any(isinstance(k, int) for k in stored):
+    n = len(shardings)
+    leaves, treedef = jax.tree.flatten(stored)
+    per_layer = [jax.tree.leaves(shardings[i]) for i in range(n)]
+    layers: list[list[jax.Array]] = [[] for _ in range(n)]
+    for j, leaf in enumerate(leaves):
+      split = jax.jit(lambda x: tuple(x[i] for i in range(n)), out_shardings=tuple(s[j] for s in per_layer))
+      for i, part in enumerate(split(leaf)):
+        layers[i].append(part)
+      leaf.delete()
+    return {i: unstack_layers(treedef.unflatten(layers[i]), shardings[i]) for i in range(n)}
+  return {k: unstack_layers(stored[k], shardings[k]) for k in shardings}
 
 
 def family_configs() -> dict[str, str]:

@@ -734,7 +734,13 @@ class Attention(nnx.Module):
     B, T, H, K = q_BTHK.shape
     C, S = cache[0].shape[2], d.valid_BS.shape[1]
     ring = C < S
-    to_cache = lambda x: x.transpose(0, 2, 1, 3).astype(cache[0].dtype)  # (B, T, G, K) -> (B, G, T, K)
+    # A decode step of one row runs without the batch axis (b: '' in the einsums below). XLA's CPU compiler drops a
+    # size-1 batch axis from the attention's matmuls itself, and around a 4-d cache it then copies each layer's
+    # keys and values up to three times a step; generation/engine.py carries such a cache without it too.
+    one = B == 1 and not d.prefill
+    lead, b, slot = ((lambda x: x[0]), '', 1) if one else ((lambda x: x), 'b', 2)
+    to_cache = lambda x: lead(x.transpose(0, 2, 1, 3).astype(cache[0].dtype))  # (B, T, G, K) -> (B, G, T, K)
+    cache = tuple(lead(c) for c in cache)
     if ring and d.prefill:
       if logits.window is None or C != logits.window:
         raise ValueError(f'a ring of {C} slots for a window of {logits.window}')
@@ -748,14 +754,15 @@ class Attention(nnx.Module):
       if T != 1:
         raise ValueError(f'a ring cache takes one token per decode step, not {T}')
       k_BGCK, v_BGCK = (
-        jax.lax.dynamic_update_slice_in_dim(c, to_cache(x), d.index % C, axis=2)
+        jax.lax.dynamic_update_slice_in_dim(c, to_cache(x), d.index % C, axis=slot)
         for c, x in zip(cache, (k_BTGK, v_BTGK))
       )
     else:
       k_BGCK, v_BGCK = (
-        jax.lax.dynamic_update_slice_in_dim(c, to_cache(x), d.index, axis=2) for c, x in zip(cache, (k_BTGK, v_BTGK))
+        jax.lax.dynamic_update_slice_in_dim(c, to_cache(x), d.index, axis=slot) for c, x in zip(cache, (k_BTGK, v_BTGK))
       )
-    k_BGCK, v_BGCK = (shard_logical(c, CACHE_AXES) for c in (k_BGCK, v_BGCK))
+    axes = CACHE_AXES[1:] if one else CACHE_AXES
+    k_BGCK, v_BGCK = (shard_logical(c, axes) for c in (k_BGCK, v_BGCK))
     if d.prefill:  # the prompt alone, causal with its pads masked: attend's kernel choice, no S-long keys
       o_BTHK = attention.attend(
         q_BTHK, k_BTGK, v_BTGK, causal=True, impl=self.impl, valid_BL=d.valid_BS[:, :T], logits=logits, sinks_H=sinks_H
@@ -773,17 +780,20 @@ class Attention(nnx.Module):
       if logits.window is not None:
         seen_TS = seen_TS & (q_T[:, None] - jnp.arange(S)[None, :] < logits.window)
       mask_BTC = d.valid_BS[:, None, :] & seen_TS[None]
-    G = k_BGCK.shape[1]
-    q_BTGRK = q_BTHK.reshape(B, T, G, H // G, K)
+    G = k_BGCK.shape[-3]
+    q_BTGRK = lead(q_BTHK.reshape(B, T, G, H // G, K))
     with jax.named_scope('attention'):
       s_BGRTC = jnp.einsum(
-        'btgrk,bgck->bgrtc', q_BTGRK, k_BGCK.astype(q_BTHK.dtype), preferred_element_type=jnp.float32
+        f'{b}tgrk,{b}gck->{b}grtc', q_BTGRK, k_BGCK.astype(q_BTHK.dtype), preferred_element_type=jnp.float32
       )
       s_BGRTC = logits.cap(s_BGRTC * logits.scale_for(K))
-      s_BGRTC = jnp.where(mask_BTC[:, None, None], s_BGRTC, jnp.finfo(jnp.float32).min)
+      s_BGRTC = jnp.where(lead(mask_BTC)[..., None, None, :, :], s_BGRTC, jnp.finfo(jnp.float32).min)
       sinks_GR = None if sinks_H is None else sinks_H.reshape(G, H // G)
-      p_BGRTC = attention.softmax_with_sinks(s_BGRTC, sinks_GR).astype(q_BTHK.dtype)
-      o_BTGRK = jnp.einsum('bgrtc,bgck->btgrk', p_BGRTC, v_BGCK.astype(q_BTHK.dtype))
+      s_BGRTC = s_BGRTC[None] if one else s_BGRTC  # softmax_with_sinks takes the batch axis
+      p_BGRTC = lead(attention.softmax_with_sinks(s_BGRTC, sinks_GR)).astype(q_BTHK.dtype)
+      o_BTGRK = jnp.einsum(f'{b}grtc,{b}gck->{b}tgrk', p_BGRTC, v_BGCK.astype(q_BTHK.dtype))
+    if one:
+      o_BTGRK, k_BGCK, v_BGCK = o_BTGRK[None], k_BGCK[None], v_BGCK[None]
     return o_BTGRK.reshape(B, T, H, K), (k_BGCK, v_BGCK)
 
 

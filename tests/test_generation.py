@@ -84,6 +84,19 @@ def check_parity(gen, hf_model, eos=None):
   return got
 
 
+def check_one_row(gen, got):
+  """The first prompt alone, a decode without the batch axis (models/layers.py Attention._cached), gives the batch's
+  first row: its tokens, and its logits within STEP_ATOL."""
+  sampling = generation.Sampling(max_new_tokens=NEW, temperature=0.0)
+  if gen.shapes(PROMPTS[:1], sampling)[0] != 1:  # a mesh that splits the rows: the same weights on one device
+    one_device = lambda tree: jax.device_put(tree, jax.devices()[0])
+    kw = dict(max_len=gen.max_len, vocab=gen.vocab)
+    gen = generation.Generator(gen.graphdef, one_device(gen.params), one_device(gen.model_state), **kw)
+  (one,) = gen.generate(PROMPTS[:1], sampling, keep_logits=True)
+  assert one.ids == got[0].ids
+  np.testing.assert_allclose(one.logits, got[0].logits, atol=STEP_ATOL, rtol=0)
+
+
 # --- GPT-2 ------------------------------------------------------------------------------------------
 
 
@@ -153,12 +166,12 @@ def llama_dir(request, tmp_path_factory):
 def test_llama_greedy_is_transformers_and_steps_are_full_forward_passes(llama_dir):
   path, hf_model, arg, scan = llama_dir
   gen = zoo(llama_config, arg, path, scan_layers=scan)
-  assert gen.layout.kv_heads == 4 and gen.layout.scanned == scan
+  assert gen.layout.kv_heads == 4 and not gen.layout.scanned  # a decode runs its layers unrolled
   check_parity(gen, hf_model, eos=hf_model.generation_config.eos_token_id)
 
 
 def test_one_row_decodes_each_prompt_as_the_batch_does(llama_dir):
-  """A single row's decode step attends by products summed in place of matmuls (models/layers.py Attention._cached):
+  """A single row decodes without its batch axis (models/layers.py Attention._cached, generation/engine.py):
   each prompt alone gives transformers' tokens and the batch's logits."""
   path, hf_model, arg, scan = llama_dir
   gen = zoo(llama_config, arg, path, scan_layers=scan)

@@ -25,7 +25,7 @@ from models import moe  # noqa: E402
 from tests.conftest import assert_hf_round_trip, build_trainer, load_exported  # noqa: E402
 from tests.test_context import _train as train  # noqa: E402
 from tests.test_equivalence import ATOL, RTOL  # noqa: E402
-from tests.test_generation import check_parity  # noqa: E402
+from tests.test_generation import check_one_row, check_parity  # noqa: E402
 from tests.test_hf_families import import_hf, save, zoo_config  # noqa: E402
 from training import tasks  # noqa: E402
 
@@ -184,6 +184,7 @@ def test_greedy_is_transformers(family, monkeypatch):
   gen = generation.load(cfg, partitioning.make_mesh(cfg.mesh))
   got = check_parity(gen, hf_model)
   assert len({t for g in got for t in g.ids}) > 1  # not one token repeated
+  check_one_row(gen, got)  # latent caches; ring caches with sinks
   rows, _, slots = gen.shapes(PROMPTS, generation.Sampling(6, temperature=0.0))
   table = gen.cache_table(rows, slots)
   print(table)
