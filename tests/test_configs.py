@@ -2,7 +2,8 @@
 CPU devices under its last preset (all with `pytest --all-presets`; the first is dry-run), at its tiny size
 (configs/default.py, which has none, shrunk as tests/conftest.py shrinks it), so a new config file is covered
 automatically. The checkpoint families' config files (FAMILY_TESTED) are dry-run under that preset instead (built
-and both steps traced, nothing compiled): their family tests compile and train them against references.
+and both steps traced, nothing compiled): their family tests compile and train them against references; so are
+the config files that other tests train through train.py (CONFIG_TESTED).
 
 A config file is any configs/*.py with a get_config(arg); it must define RULES (its presets) and,
 when it has real sizes, SIZES with a 'tiny' entry that the matrix uses.
@@ -38,6 +39,15 @@ FAMILY_TESTS = {
   'tests/test_sparse_families.py': ('qwen3_moe', 'deepseek_v3', 'gpt_oss'),
 }
 FAMILY_TESTED = {family for families in FAMILY_TESTS.values() for family in families}
+# Config files trained through train.py elsewhere, their task's sharded steps equal to one device under fsdp and tp
+# (tests/test_post_training.py's test_post_training_steps_sharded_equal_one_device): docs/post_training.md's
+# commands (tests/test_docs.py) run both at their tiny size, test_post_training_runs.py runs GRPO's. Dry-run here
+# too; `--all-presets` trains them.
+CONFIG_TESTS = {
+  'docs/post_training.md': ('llama_dpo', 'llama_grpo'),
+  'tests/test_post_training_runs.py': ('llama_grpo',),
+}
+CONFIG_TESTED = {name for names in CONFIG_TESTS.values() for name in names}
 
 
 def config_modules():
@@ -68,9 +78,12 @@ def matrix_presets(module, all_presets: bool) -> list[str]:
   return presets if all_presets else [presets[-1]]
 
 
-def trained_here(module, all_presets: bool) -> bool:
-  """Whether the matrix trains the config file (else it dry-runs it): all but the FAMILY_TESTED families'."""
-  return all_presets or tiny_config(module, list(module.RULES)[-1]).model.name not in FAMILY_TESTED
+def trained_here(name, module, all_presets: bool) -> bool:
+  """Whether the matrix trains the config file (else it dry-runs it): all but the FAMILY_TESTED families' and the
+  CONFIG_TESTED files."""
+  if all_presets:
+    return True
+  return name not in CONFIG_TESTED and tiny_config(module, list(module.RULES)[-1]).model.name not in FAMILY_TESTED
 
 
 def pytest_generate_tests(metafunc):
@@ -82,7 +95,7 @@ def pytest_generate_tests(metafunc):
       [
         pytest.param(name, preset, id=f'{name}:{preset}')
         for name, module in MODULES
-        if trained_here(module, all_presets) == train_them
+        if trained_here(name, module, all_presets) == train_them
         for preset in matrix_presets(module, all_presets)
       ],
     )
@@ -104,6 +117,11 @@ def test_family_tests_hold_the_families_dry_run_here():
   for path, families in FAMILY_TESTS.items():
     text = open(os.path.join(ROOT, path)).read()
     assert all(f"\n  '{family}': (" in text for family in families), path
+  for path, names in CONFIG_TESTS.items():  # the page's commands, or the test's train.py run, of each file
+    text = open(os.path.join(ROOT, path)).read()
+    run = 'python train.py --config configs/{}.py:tiny' if path.endswith('.md') else '{}.get_config('
+    assert all(run.format(name) in text for name in names), path
+    assert path.endswith('.md') or 'train.train_and_evaluate(' in text, path
 
 
 def check_tiny_model(name, preset, cfg):
@@ -117,9 +135,9 @@ def check_tiny_model(name, preset, cfg):
 
 
 def test_family_config_builds_and_traces(name, preset, tmp_path):
-  """A FAMILY_TESTED config file under the preset the matrix would train: built and both steps traced on 8
-  devices (every rule and activation constraint checked), and its config kept in a workdir rebuilds the same
-  model, shapes and shardings."""
+  """A FAMILY_TESTED or CONFIG_TESTED config file under the preset the matrix would train: built and both steps
+  traced on 8 devices (every rule and activation constraint checked), and its config kept in a workdir rebuilds the
+  same model, shapes and shardings."""
   module = dict(MODULES)[name]
   cfg = tiny_config(module, preset)
   check_tiny_model(name, preset, cfg)

@@ -21,7 +21,7 @@ from partitioning import AxisRules, hlo, pipeline
 from partitioning.shard import use_rules
 from planning import candidates
 from planning import search as search_lib
-from tests.conftest import all_eqns, build_trainer, train_on_random_batches
+from tests.conftest import all_eqns, build_trainer, train_steps
 from training import flops
 from training.trainer import state_tree
 
@@ -60,7 +60,16 @@ def config(
   return c
 
 
+_STARTS: dict = {}
 _TRAINED: dict = {}
+
+
+def start(family: str) -> training.TrainState:
+  """The family's 1-device initial state, on the host. Every case starts from it: one init program per family
+  (a pipelined init equals it: test_checkpoint_moves_between_pipeline_and_fsdp)."""
+  if family not in _STARTS:
+    _STARTS[family] = jax.device_get(training.init_state(build_trainer(config(family), jax.devices()[:1])))
+  return _STARTS[family]
 
 
 def trained(family: str, mesh: dict | None = None, repeats: int = 1, remat: str = 'none', accum: int = 1):
@@ -69,23 +78,35 @@ def trained(family: str, mesh: dict | None = None, repeats: int = 1, remat: str 
   if key not in _TRAINED:
     c = config(family, mesh, repeats=repeats, remat=remat, accum=accum)
     trainer = build_trainer(c, None if mesh else jax.devices()[:1])
-    start, state = train_on_random_batches(trainer, 2)
-    _TRAINED[key] = trainer, jax.device_get(state.params), start.params
+    state = train_steps(trainer, jax.device_put(start(family), trainer.shardings), 2)
+    _TRAINED[key] = trainer, jax.device_get(state.params), start(family).params
   return _TRAINED[key]
 
 
-# stage = 2 and 4, GPipe and circular, alone (the rest of the devices data parallel) and with fsdp or tensor; one
-# with remat per stage iteration (the 1-device reference keeps everything).
+# stage = 2 and 4, GPipe and circular, with data parallelism, fsdp and tensor; one with remat per stage iteration
+# (the 1-device reference keeps everything). By default three cases hold every one of these; `pytest --all-presets`
+# adds GPT-2 under GPipe with fsdp (as Llama's stage=4 case) and at stage=4 with data parallelism (as Llama's
+# stage=2 case): each compile here costs seconds on 2 cores.
 CASES = [
-  ('gpt2', dict(stage=2, fsdp=4), 1, 'none'),
-  ('gpt2', dict(stage=4, data=2), 1, 'none'),
   ('gpt2', dict(stage=2, tensor=4), 2, 'none'),
   ('llama', dict(stage=4, fsdp=2), 1, 'full'),
   ('llama', dict(stage=2, data=2, tensor=2), 2, 'none'),
 ]
+MORE_CASES = [
+  ('gpt2', dict(stage=2, fsdp=4), 1, 'none'),
+  ('gpt2', dict(stage=4, data=2), 1, 'none'),
+]
 
 
-@pytest.mark.parametrize('family,mesh,repeats,remat', CASES, ids=lambda v: str(v).replace(' ', ''))
+def pytest_generate_tests(metafunc):
+  every = metafunc.config.getoption('--all-presets')
+  if 'mesh' in metafunc.fixturenames:
+    cases = CASES + MORE_CASES if every else CASES
+    metafunc.parametrize('family,mesh,repeats,remat', cases, ids=lambda v: str(v).replace(' ', ''))
+  if 'moe_family' in metafunc.fixturenames:
+    metafunc.parametrize('moe_family', sorted(MOE_FAMILIES) if every else MOE_DEFAULT)
+
+
 def test_pipeline_trains_as_one_device(family, mesh, repeats, remat):
   trainer, params, start = trained(family, mesh, repeats, remat)
   _check_as_one_device(family, mesh, repeats, remat, trainer, params, start)
@@ -155,6 +176,8 @@ def test_checkpoint_moves_between_pipeline_and_fsdp(tmp_path, saved_under, resto
 
   saver = trainer(saved_under)
   state = training.init_state(saver)
+  if saved_under == 'pp':  # the pipelined init is the 1-device one (the training cases start from that)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state_tree(state)), state_tree(start('gpt2')))
   with checkpointer.Checkpointer(str(tmp_path), every_steps=1, keep=1) as ckpt:
     ckpt.save(1, state_tree(state), _Iter())
     ckpt.wait()
@@ -253,6 +276,10 @@ def test_pipeline_sums_aux_over_layers_and_averages_micro_batches_not_the_bubble
 
 
 MOE_FAMILIES = {'moe': moe, 'deepseek_v3': deepseek_v3}
+# DeepSeek-V3 by default: its expert layers carry the aux losses through the stages as the plain mixture's do, and
+# its latent attention and dense layer first add to them; `pytest --all-presets` trains both (each compile of these
+# costs tens of seconds on 2 cores).
+MOE_DEFAULT = ['deepseek_v3']
 
 
 def moe_config(family: str, mesh: dict | None, accum: int = 1):
@@ -269,32 +296,34 @@ def moe_config(family: str, mesh: dict | None, accum: int = 1):
   return c
 
 
-def _steps(trainer, steps=2):
+def _steps(trainer, start, steps=2):
   batches = [trainer.task.synthetic_batch(trainer.config, seed=i) for i in range(steps)]
   step = training.jit_train_step(trainer)
-  state, out = training.init_state(trainer), []
+  state, out = jax.device_put(start, trainer.shardings), []
   for batch in batches:
     state, metrics = step(state, partitioning.shard(batch, trainer.batch_shardings))
     out.append(jax.device_get(metrics))
   return out, jax.device_get(state.params)
 
 
-@pytest.mark.parametrize('family', sorted(MOE_FAMILIES))
-def test_mixture_of_experts_pipeline_trains_as_one_device(family):
+def test_mixture_of_experts_pipeline_trains_as_one_device(moe_family):
   """A mixture of experts under the pp preset (stage=2 x expert=2 x fsdp=2; DeepSeek's latent attention, its dense
   layer first before the pipeline): 2 steps, the loss, the aux losses and statistics of each step, the gradient norm
   and the parameters equal to one device's within fp32 tolerance. The reference accumulates the same 4 micro-batches
   (grad_accum_steps=4): the aux entries are averaged over micro-batches either way, which is the whole batch's value
   for the token means (router z-loss, dropped fraction) and not for the load-balancing loss, a product of two means
-  (training/accumulate.py)."""
+  (training/accumulate.py). Both start from the reference's initial state (one init program)."""
+  family = moe_family
+  trainer_1 = build_trainer(moe_config(family, None, accum=4), jax.devices()[:1])
+  start_1 = jax.device_get(training.init_state(trainer_1))
   trainer = build_trainer(moe_config(family, {}))
   assert trainer.pipeline == pipeline.Schedule(2, 4, 1)
   specs = trainer.specs.params
   assert specs['blocks']['layers']['moe']['up'][:2] == ('stage', 'expert')  # each stage its layers' experts
   if family == 'deepseek_v3':  # the dense layer first is whole on every stage
     assert 'stage' not in jax.tree.leaves(specs['dense_blocks'], is_leaf=lambda s: isinstance(s, P))[0]
-  got, params = _steps(trainer)
-  want, params_1 = _steps(build_trainer(moe_config(family, None, accum=4), jax.devices()[:1]))
+  got, params = _steps(trainer, start_1)
+  want, params_1 = _steps(trainer_1, start_1)
   for step, (a, b) in enumerate(zip(got, want)):
     assert a['aux_loss'] > 0 and a['dropped_fraction'] > 0  # the aux losses count; capacity drops tokens
     for k in ('loss', 'grad_norm', 'aux_loss', 'load_balance_loss', 'router_z_loss', 'dropped_fraction'):

@@ -241,9 +241,11 @@ def test_vit_pads_its_tokens_once_where_fused_attention_wants_it(monkeypatch):
   cfg = tiny('vit')
   w = jax.random.normal(jax.random.key(1), (8, cfg.model.num_classes))
   run = lambda p: (build(cfg.model, p, state)(image) * w).sum()
-  ref_loss, ref_grads = jax.value_and_grad(run)(params)
+  # jitted (op-by-op dispatch of the backward pass costs more than compiling it); each call jits a new function,
+  # so the second traces again under the patch
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(run))(params)
   monkeypatch.setattr(attention, 'length_multiple', lambda *a: 8)
-  loss, grads = jax.value_and_grad(run)(params)
+  loss, grads = jax.jit(jax.value_and_grad(run))(params)
   assert any('L=24, 17 real keys' in d for d in attention.decisions()), attention.decisions()
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   assert_close_tree(grads, ref_grads, rtol=1e-4, atol=1e-6)
