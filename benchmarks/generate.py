@@ -162,7 +162,7 @@ def zoo_generator(path: str, dtype: str):
   config = (gpt2_config if FLAGS.family == 'gpt2' else llama_config).get_config('dp')
   config.mesh.update({k: 1 for k in config.mesh})
   config.init_from, config.dont_load = path, ''
-  config.model.update(dtype=dtype)  # the preset's scanned layers, which generation.load unrolls as for any user
+  config.model.update(dtype=dtype)  # the real size's unrolled layers (generation.load unrolls a scanned run's too)
   adopt.adopt(config, models.HF_FAMILIES)
   return generation.load(config, partitioning.make_mesh(config.mesh, jax.devices()[:1]))
 
