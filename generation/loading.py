@@ -6,6 +6,7 @@ the command line of generate.py and evaluate_lm.py (`from_flags`)."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -131,12 +132,18 @@ def unstack_layers(stored: Any, shardings: Any) -> Any:
     per_layer = [jax.tree.leaves(shardings[i]) for i in range(n)]
     layers: list[list[jax.Array]] = [[] for _ in range(n)]
     for j, leaf in enumerate(leaves):
-      split = jax.jit(lambda x: tuple(x[i] for i in range(n)), out_shardings=tuple(s[j] for s in per_layer))
-      for i, part in enumerate(split(leaf)):
+      for i, part in enumerate(_splitter(n, tuple(s[j] for s in per_layer))(leaf)):
         layers[i].append(part)
       leaf.delete()
     return {i: unstack_layers(treedef.unflatten(layers[i]), shardings[i]) for i in range(n)}
   return {k: unstack_layers(stored[k], shardings[k]) for k in shardings}
+
+
+@functools.cache
+def _splitter(n: int, shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
+  """A stacked leaf -> its n layers, placed by `shardings`: one jitted function per placement, so leaves of one
+  shape and placement (a layer's query, key and value kernels) share its compiled program."""
+  return jax.jit(lambda x: tuple(x[i] for i in range(n)), out_shardings=shardings)
 
 
 def family_configs() -> dict[str, str]:
