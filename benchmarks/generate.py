@@ -19,9 +19,10 @@ The bound beside each figure is a roofline: the larger of the bytes a step must 
 bandwidth and the FLOPs it must do over its matmul rate. A decode step reads every weight it multiplies with once
 (the tied head's too; not the rows of position tables) and the KV cache up to its length (its mean over the decode),
 and does 2 FLOPs per weight per row plus its attention (4 per cached key element per row); at batch 1 the bytes
-bound it, at batch 32 the FLOPs. The bandwidth is the faster read of 256 MiB by a jitted sum and (on a CPU) by
-numpy's sums in a thread per core: a decode step reads, and writes almost nothing, so an in-place copy's rate (bytes
-read + written, printed beside it) is not one it can reach. The prefill needs 2 FLOPs per weight per token plus its
+bound it, at batch 32 the FLOPs. The bandwidth is the fastest read of 256 MiB by a jitted sum and, on a CPU, by
+numpy's sums in a thread per core and by the decode kernel itself (models/kernels: one row times the 256 MiB as a
+matrix): a decode step reads, and writes almost nothing, so an in-place copy's rate (bytes read + written, printed
+beside it) is not one it can reach. The prefill needs 2 FLOPs per weight per token plus its
 causal attention, at best at the rate of a jitted 2048^3 matmul (the faster of float32 and the compute dtype), and
 reads the weights once.
 'of bound' is bound / measured: 100% is the machine's limit.
@@ -65,6 +66,7 @@ flags.DEFINE_integer('kv_heads', None, 'Override the number of kv heads (llama).
 flags.DEFINE_integer('mlp', None, 'Override the MLP width.')
 flags.DEFINE_integer('vocab', None, 'Override the vocabulary.')
 flags.DEFINE_bool('torch_compile', None, 'transformers with static cache + torch.compile (default: on a GPU only).')
+flags.DEFINE_enum('decode_matmul', 'auto', ['auto', 'xla'], "Ours: config.decode_matmul ('xla': XLA's dot only).")
 flags.DEFINE_integer('reps', 5, 'Timed repetitions per side and batch (after a warm-up).')
 flags.DEFINE_integer('rounds', 1, 'Processes per side, alternating ours/theirs, theirs/ours, ...')
 flags.DEFINE_float('max_load', 0.3, 'Busiest the machine may be: 1-minute load average, and cores used by others.')
@@ -163,6 +165,7 @@ def zoo_generator(path: str, dtype: str):
   config.mesh.update({k: 1 for k in config.mesh})
   config.init_from, config.dont_load = path, ''
   config.model.update(dtype=dtype)  # the real size's unrolled layers (generation.load unrolls a scanned run's too)
+  config.decode_matmul = FLAGS.decode_matmul
   adopt.adopt(config, models.HF_FAMILIES)
   return generation.load(config, partitioning.make_mesh(config.mesh, jax.devices()[:1]))
 
@@ -174,7 +177,9 @@ def run_ours(shapes: dict, dtype: str) -> dict:
 
   gen = zoo_generator(FLAGS.path, dtype)
   out = dict(
-    device=jax.devices()[0].device_kind, param_dtypes=sorted({str(x.dtype) for x in jax.tree.leaves(gen.params)})
+    device=jax.devices()[0].device_kind,
+    param_dtypes=sorted({str(x.dtype) for x in jax.tree.leaves(gen.params)}),
+    matmul='the matvec kernel' if gen.decode_kernel() else "XLA's dot",
   )
   for B in [int(b) for b in FLAGS.batches.split(',')]:
     prompts = prompts_for(B, shapes['vocab'])
@@ -239,6 +244,12 @@ def numpy_read_bandwidth(x: np.ndarray) -> float:
   return x.nbytes / min(times)
 
 
+def kernels_matvec(kernels, w, row):
+  """row @ w through the decode kernel (models/kernels), as a decode step's matmuls run."""
+  with kernels.decode_matmuls(True):
+    return kernels.matmul('mk,kn->mn', row, w, row.dtype)
+
+
 def run_machine(dtype: str) -> dict:
   """Memory bandwidth and matmul FLOP rate, each the best of 10 after a warm-up."""
   import jax
@@ -262,9 +273,15 @@ def run_machine(dtype: str) -> dict:
     x = jax.block_until_ready(copy(x))
     times.append(time.perf_counter() - t0)
   copy_bw = 2 * x.nbytes / min(times)
-  read_bw = x.nbytes / best(jax.jit(lambda a: a.reshape(4096, -1).sum(axis=1)), x)  # what a decode step does
-  if jax.devices()[0].platform == 'cpu':  # XLA's sum may read below the memory's rate: numpy, one thread a core
-    read_bw = max(read_bw, numpy_read_bandwidth(np.asarray(x)))
+  readers = {'jitted sum': x.nbytes / best(jax.jit(lambda a: a.reshape(4096, -1).sum(axis=1)), x)}
+  if jax.devices()[0].platform == 'cpu':  # XLA's sum may read below the memory's rate
+    readers['numpy, a thread a core'] = numpy_read_bandwidth(np.asarray(x))
+    from models import kernels
+
+    if kernels.available():
+      one_row = jax.jit(lambda w, r: kernels_matvec(kernels, w.reshape(r.shape[1], -1), r))
+      readers['the decode kernel'] = x.nbytes / best(one_row, x, jnp.ones((1, 4096), jnp.float32))
+  reader, read_bw = max(readers.items(), key=lambda kv: kv[1])
   flops, n = {}, FLAGS.probe_matmul
   for dt in sorted({'float32', dtype}):
     a = jnp.ones((n, n), dt)
@@ -274,6 +291,8 @@ def run_machine(dtype: str) -> dict:
     device=jax.devices()[0].device_kind,
     copy_bw=copy_bw,
     read_bw=read_bw,
+    reader=reader,
+    readers=readers,
     bandwidth=read_bw,
     flops=flops,
     flop_rate=max(flops.values()),
@@ -380,9 +399,11 @@ def table(shapes: dict, machine: dict, machine_load: dict, runs: dict, dtype: st
   lines = [
     f'{FLAGS.family}: {shapes["params"] / 1e6:.1f}M parameters, {dtype} (ours stored as {ours0["param_dtypes"]}), '
     f'prompt {P}, {N} new tokens, {FLAGS.reps} repetitions x {FLAGS.rounds} process(es) per side; '
+    f'decode matmuls: {ours0["matmul"]}; '
     f'{machine["device"]}; transformers {theirs0["torch"]} {theirs0["peer"]}',
-    f"machine: read bandwidth {bw / 1e9:.1f} GB/s (the faster of a jitted sum and numpy's; an in-place copy moved "
-    f'{machine["copy_bw"] / 1e9:.1f}, read + written), matmul '
+    f'machine: read bandwidth {bw / 1e9:.1f} GB/s (the fastest reader: {machine["reader"]}; '
+    + ', '.join(f'{k} {v / 1e9:.1f}' for k, v in machine['readers'].items())
+    + f'; an in-place copy moved {machine["copy_bw"] / 1e9:.1f}, read + written), matmul '
     + ', '.join(f'{k} {v / 1e9:.0f} GFLOP/s' for k, v in machine['flops'].items()),
     f"load average at the start {load:.2f}; per process (before/after, ours included; others' cores): "
     + '; '.join(f'{ld["load_before"]:.2f}/{ld["load_after"]:.2f}, {ld["others"]:.2f}' for ld in loads)

@@ -503,6 +503,9 @@ FIELDS: dict[str, Field] = {
   'dcn_mesh': Field('dcn', default=_one_slice_per_axis),
   'logical_axis_rules': Field('rules'),
   'decode_rules': Field('rules', default=[]),  # generation's rules in place of logical_axis_rules; []: the same
+  # A decode step's weight matmuls on one CPU device: 'auto' runs models/kernels' matvec kernel where it builds and
+  # applies (XLA's dot elsewhere), 'xla' always XLA's dot.
+  'decode_matmul': Field(str, values=('auto', 'xla'), default='auto'),
   # Causal load balancing under context parallelism (partitioning/context.py): rows in zigzag order, so every
   # context shard's queries see as many keys as any other's; a no-op where 'length' is not sharded.
   'context_load_balance': Field(bool, default=False),

@@ -28,12 +28,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import partitioning
 from errors import ConfigError
-from models import mla
+from models import kernels, mla
 from models.layers import CACHE_AXES, Attention, Decoding
 
 MIN_PROMPT_BUCKET = 8
@@ -228,6 +229,9 @@ class Generated:
   logits: np.ndarray | None = None
 
 
+_logged: set[str] = set()  # the decode matmul choices logged once per process
+
+
 class Generator:
   """Decodes a model (graphdef + weights: pure dicts of its parameters and other variables, as nnx.split gives
   them) with a KV cache. With `rules` and `mesh` the model runs under them (parameters already placed so);
@@ -243,9 +247,11 @@ class Generator:
     mesh: jax.sharding.Mesh | None = None,
     max_len: int | None = None,
     vocab: int | None = None,
+    matmul: str = 'auto',
   ):
     self.graphdef, self.params, self.model_state = graphdef, params, model_state
     self.rules, self.mesh, self.max_len, self.vocab = rules, mesh, max_len, vocab
+    self.matmul = matmul  # config.decode_matmul: 'auto' (the CPU kernel where it applies) or 'xla'
     self.layout = cache_layout(nnx.merge(graphdef, params, model_state, copy=True))
     self._programs: dict[tuple, Any] = {}
 
@@ -318,10 +324,23 @@ class Generator:
     specs = {k: self.rules.spec(names[k], s.shape, self.mesh.shape) for k, s in shapes.items()}
     return partitioning.tree_bytes_per_device(shapes, specs, self.mesh.shape)
 
+  def decode_kernel(self) -> bool:
+    """Whether decode steps run their weight matmuls through models/kernels' CPU kernel (said once in the log)."""
+    if self.matmul == 'xla':
+      use, said = False, "decode matmuls: XLA's dot (config.decode_matmul='xla')"
+    else:
+      devices = self.mesh.devices.flat if self.mesh is not None else jax.tree.leaves(self.params)[0].devices()
+      use, said = kernels.status(devices)
+    if said not in _logged:
+      _logged.add(said)
+      logging.info('%s', said)
+    return use
+
   def _program(self, rows: int, P: int, S: int, greedy: bool, top_k: int, nucleus: bool, keep_logits: bool):
     key = (rows, P, S, greedy, top_k, nucleus, keep_logits)
     if key in self._programs:
       return self._programs[key]
+    fast = self.decode_kernel()
     graphdef, layout, N = self.graphdef, self.layout, S - P
     choose = lambda logits, key, step, t, p: _choose(
       logits, key, step, t, p, greedy=greedy, top_k=top_k, nucleus=nucleus
@@ -356,9 +375,10 @@ class Generator:
       def body(c):
         i, tok_B, cache, out_BN, done_B, kept_BNV = c
         index = P + i - 1  # the slot of tok_B
-        logits_BV, cache = model().decode(
-          tok_B[:, None], (index - pad_B)[:, None], unsqueeze(cache), Decoding(index, valid_BS)
-        )
+        with kernels.decode_matmuls(fast):
+          logits_BV, cache = model().decode(
+            tok_B[:, None], (index - pad_B)[:, None], unsqueeze(cache), Decoding(index, valid_BS)
+          )
         cache = squeeze(cache)
         nxt_B = jnp.where(done_B, stop_B, choose(logits_BV, key, i, temperature, top_p))  # done rows repeat it
         out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, nxt_B[:, None], i, axis=1)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from configs import schema
 from errors import ConfigError
-from models import attention
+from models import attention, kernels
 from partitioning import pipeline, rule_problem, shard_logical
 
 Initializer = Callable[..., jax.Array]
@@ -46,6 +46,10 @@ def wide_einsum(
   upcasts: two float32 (TF32) GEMMs, a large share of a big-vocabulary head's step. In bf16 (float32 accumulation
   inside the GEMM, as torch autocast runs it) they are several times faster. The cotangent is rounded to bf16
   first; the gradients were rounded to the operands' dtype before anyway."""
+  if out_sharding is None and precision is None:  # a decode step's matmul on one CPU device (models/kernels)
+    fast = kernels.matmul(spec, x, w, preferred_element_type or jnp.result_type(x, w))
+    if fast is not None:
+      return fast
   wide = preferred_element_type is not None and jnp.dtype(preferred_element_type).itemsize > max(
     jnp.dtype(x.dtype).itemsize, jnp.dtype(w.dtype).itemsize
   )

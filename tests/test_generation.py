@@ -6,6 +6,7 @@ device; scanned and unrolled stacks alike; sampling options are seeded and cut w
 line."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -29,6 +30,8 @@ from configs import llama as llama_config  # noqa: E402
 from configs import moe as moe_config  # noqa: E402
 from configs import vit as vit_config  # noqa: E402
 from errors import ConfigError  # noqa: E402
+from generation import engine  # noqa: E402
+from models import kernels  # noqa: E402
 from tests.conftest import BACKEND_COMPILE, ROOT, build_trainer, recorded_compile_events, subprocess_env  # noqa: E402
 from tests.test_hf_export import tiny_gpt2_with_tokenizer  # noqa: E402
 from tests.test_hf_families import LLAMA3_ROPE, save, zoo_config  # noqa: E402
@@ -128,6 +131,39 @@ def test_a_bfloat16_decode_stores_its_weights_in_bfloat16_and_decodes_the_same_t
   ):
     assert a.ids == b.ids
     np.testing.assert_array_equal(a.logits, b.logits)
+
+
+def test_a_one_device_decode_runs_the_kernel_and_decodes_as_xla_does(gpt2_dir, monkeypatch, caplog):
+  """On one CPU device a decode step's weight matmuls, the tied head's included, run through the decode kernel
+  (models/kernels), said once in the log; its tokens are transformers' and its logits XLA's dot's
+  (config.decode_matmul='xla') within STEP_ATOL."""
+  path, hf_model = gpt2_dir
+  gen = zoo(gpt2_config, 'tp,tiny', path, devices=jax.devices()[:1], scan_layers=False)
+  if not kernels.available():
+    pytest.skip(f'the decode kernel is not available here: {kernels._loaded()[1]}')
+  taken, matmul = [], kernels.matmul
+
+  def counted(spec, *args):
+    out = matmul(spec, *args)
+    if out is not None:
+      taken.append(spec)
+    return out
+
+  monkeypatch.setattr(kernels, 'matmul', counted)
+  monkeypatch.setattr(engine, '_logged', set())
+  xla = generation.Generator(gen.graphdef, gen.params, gen.model_state, rules=gen.rules, mesh=gen.mesh, matmul='xla')
+  sampling = generation.Sampling(max_new_tokens=NEW, temperature=0.0)
+  with caplog.at_level(logging.INFO):
+    got = gen.generate(PROMPTS, sampling, keep_logits=True)
+    gen.generate(PROMPTS[:1], sampling)  # a second program: the choice is not said again
+  assert {'bld,dhk->blhk', 'bld,vd->blv'} <= set(taken)
+  said = [r.getMessage() for r in caplog.records if r.getMessage().startswith('decode matmuls:')]
+  assert len(said) == 1 and 'the matvec kernel' in said[0], said
+  taken.clear()
+  for p, a, b in zip(PROMPTS, got, xla.generate(PROMPTS, sampling, keep_logits=True), strict=True):
+    assert a.ids == b.ids == hf_greedy(hf_model, p, None), p
+    np.testing.assert_allclose(a.logits, b.logits, atol=STEP_ATOL, rtol=0)
+  assert taken == []  # 'xla' traced no kernel call
 
 
 # --- Llama (grouped-query attention; tied and untied heads; llama3 rope scaling) and Mixtral ---------------

@@ -1,0 +1,187 @@
+"""A hand-written CPU kernel behind jax.ffi for the weight matmuls of a decode step, with XLA's dot as the fallback.
+
+A decode step of a few rows must read every weight once, so its time is the weights' bytes over the memory
+bandwidth. XLA's CPU dot reads float32 weights below that rate and widens bfloat16 weights into a float32 copy
+before it multiplies (a third of the rate); matvec.cc streams them in order, widens bfloat16 in registers and
+splits the rows between the caller and XLA's thread pool (docs/generation.md, "The decode kernel").
+
+The kernel is compiled from source on first use (a C++17 compiler: $CXX, else g++ or c++) into a cache directory
+($SHARDZOO_CACHE, else ~/.cache/shardzoo), keyed by the source, the compiler, the flags and the CPU. Where it does not
+build, or does not apply (more than MAX_ROWS rows, weights sharded over devices, a GPU, an einsum that is not one
+matmul), XLA's dot runs. `decode_matmuls(True)` turns it on for the einsums traced inside (generation/engine.py
+does, for a decode step on one CPU device); `status()` says what runs, and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+SOURCE = pathlib.Path(__file__).with_name('matvec.cc')
+TARGET = 'shardzoo_matvec'
+MAX_ROWS = 8  # matvec.cc kMaxRows: beyond a few rows the step is a GEMM, which XLA's code does well
+FLAGS = (
+  '-O3',
+  '-march=native',
+  # Reassociation lets the dot products vectorise; NaN and infinity keep their meaning (no -ffast-math).
+  '-fno-math-errno',
+  '-fassociative-math',
+  '-fno-signed-zeros',
+  '-fno-trapping-math',
+  '-std=c++17',
+  '-shared',
+  '-fPIC',
+  '-w',
+)
+WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+_active = contextvars.ContextVar('shardzoo_decode_matmuls', default=False)
+
+
+def _compiler() -> str | None:
+  for name in (os.environ.get('CXX'), 'g++', 'c++'):
+    if name and shutil.which(name):
+      return shutil.which(name)
+  return None
+
+
+def _cpu_flags() -> str:
+  """The CPU's feature flags (part of the cache key: the library is built for this CPU, -march=native)."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      return next((line for line in f if line.startswith(('flags', 'Features'))), platform.processor())
+  except OSError:
+    return platform.processor()
+
+
+def cache_dir() -> pathlib.Path:
+  return pathlib.Path(os.environ.get('SHARDZOO_CACHE') or pathlib.Path.home() / '.cache' / 'shardzoo') / 'kernels'
+
+
+def build() -> pathlib.Path:
+  """The compiled library (built now if the cache has none); RuntimeError saying why it could not be built."""
+  cxx = _compiler()
+  if cxx is None:
+    raise RuntimeError('no C++ compiler found ($CXX, g++ or c++)')
+  include = jax.ffi.include_dir()
+  version = subprocess.run([cxx, '--version'], capture_output=True, text=True, timeout=30).stdout
+  key = hashlib.sha256(
+    '\0'.join([SOURCE.read_text(), cxx, version, ' '.join(FLAGS), jax.__version__, _cpu_flags()]).encode()
+  ).hexdigest()[:16]
+  out = cache_dir() / f'matvec-{key}.so'
+  if out.exists():
+    return out
+  out.parent.mkdir(parents=True, exist_ok=True)
+  # Built beside its final name and renamed into place, so processes building at once never load a partial file.
+  fd, tmp = tempfile.mkstemp(suffix='.so', dir=out.parent)
+  os.close(fd)
+  try:
+    done = subprocess.run(
+      [cxx, *FLAGS, f'-I{include}', str(SOURCE), '-o', tmp], capture_output=True, text=True, timeout=300
+    )
+    if done.returncode:
+      lines = [ln for ln in done.stderr.splitlines() if 'error' in ln] or done.stderr.splitlines() or ['(no output)']
+      raise RuntimeError(f'{pathlib.Path(cxx).name} failed on {SOURCE.name}: {lines[0].strip()}')
+    os.replace(tmp, out)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+  return out
+
+
+@functools.cache
+def _loaded() -> tuple[str | None, str]:
+  """(the kernel's instruction set, '') once built, loaded and registered with XLA; else (None, why not)."""
+  if os.environ.get('SHARDZOO_DECODE_KERNEL', '1') == '0':
+    return None, 'SHARDZOO_DECODE_KERNEL=0'
+  try:
+    lib = ctypes.cdll.LoadLibrary(str(build()))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ShardzooMatvec), platform='cpu')
+    lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
+    return lib.shardzoo_matvec_isa().decode(), ''
+  except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+    return None, str(e)
+
+
+def available() -> bool:
+  return _loaded()[0] is not None
+
+
+def status(devices: Any = None) -> tuple[bool, str]:
+  """(whether decode steps on `devices` run the kernel, a line saying what runs and why) for weights on
+  `devices` (a mesh's or the arrays' devices)."""
+  devices = list(devices) if devices is not None else jax.devices()[:1]
+  if any(d.platform != 'cpu' for d in devices):
+    return False, f"decode matmuls: XLA's dot (the kernel is for CPUs; the weights are on {devices[0].platform})"
+  if len(devices) > 1:
+    return False, f"decode matmuls: XLA's dot (the kernel runs on one device; the weights are on {len(devices)})"
+  isa, why = _loaded()
+  if isa is None:
+    return False, f"decode matmuls: XLA's dot (the kernel is not available: {why})"
+  return True, f'decode matmuls: the matvec kernel ({isa}, models/kernels/matvec.cc) for steps of <= {MAX_ROWS} rows'
+
+
+@contextlib.contextmanager
+def decode_matmuls(enabled: bool):
+  """Einsums traced inside run through the kernel where it applies (`matmul`); `enabled` must come from status()."""
+  token = _active.set(enabled)
+  try:
+    yield
+  finally:
+    _active.reset(token)
+
+
+def plan(spec: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> tuple[int, int, int, bool] | None:
+  """(rows M, contracted size K, output size N, whether w is [N, K]) where `spec` is one matmul of x's rows with w
+  (x's contracted letters last, in w's order; w's contracted letters first or last; the output x's other letters
+  then w's other letters); None where it is not."""
+  if '...' in spec or '->' not in spec:
+    return None
+  ins, out = spec.replace(' ', '').split('->')
+  if ins.count(',') != 1:
+    return None
+  xs, ws = ins.split(',')
+  shared = [c for c in xs if c in ws]
+  if any(c in out for c in shared) or len(set(xs + ws)) != len(xs) + len(ws) - len(shared):
+    return None
+  rows_x, free_w = xs[: len(xs) - len(shared)], [c for c in ws if c not in shared]
+  if xs[len(rows_x) :] != ''.join(shared) or out != rows_x + ''.join(free_w) or not shared:
+    return None
+  if ws == ''.join(shared) + ''.join(free_w):
+    nk = False
+  elif ws == ''.join(free_w) + ''.join(shared):
+    nk = True
+  else:
+    return None
+  size = dict(zip(xs, x_shape)) | dict(zip(ws, w_shape))
+  M, K, N = (math.prod(size[c] for c in letters) for letters in (rows_x, shared, free_w))
+  return M, K, N, nk
+
+
+def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array | None:
+  """einsum(spec, x, w) through the kernel (float32 accumulation, the result in `out_dtype`) inside
+  decode_matmuls(True), where it applies; None where it does not (the caller runs XLA's einsum)."""
+  if not _active.get() or jnp.dtype(w.dtype) not in WEIGHT_DTYPES:
+    return None
+  found = plan(spec, x.shape, w.shape)
+  if found is None or not 0 < found[0] <= MAX_ROWS:
+    return None
+  M, K, N, nk = found
+  out_shape = jax.eval_shape(lambda a, b: jnp.einsum(spec, a, b), x, w).shape
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32))
+  y = call(x.reshape(M, K).astype(jnp.float32), w.reshape((N, K) if nk else (K, N)), nk=nk)
+  return y.reshape(out_shape).astype(out_dtype)

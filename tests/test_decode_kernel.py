@@ -1,0 +1,89 @@
+"""The decode kernel (models/kernels): each einsum it takes equals numpy's in float64 over the same (widened) values,
+for both weight layouts, float32 and bfloat16, 1 to MAX_ROWS rows and sizes that leave tails; it takes only what is
+one matmul of a few rows inside decode_matmuls(True); a compiler that fails is one line naming it and the source,
+and the decode falls back to XLA's dot. A decode through it equals XLA's: tests/test_generation.py."""
+
+import stat
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import kernels
+
+if not kernels.available():
+  pytest.skip(f'the decode kernel is not available here: {kernels._loaded()[1]}', allow_module_level=True)
+
+CASES = [
+  # spec, x shape, w shape, x dtype, w dtype, output dtype
+  ('bld,dhk->blhk', (1, 1, 45), (45, 3, 7), 'float32', 'float32', 'float32'),  # K, N not multiples of 8, 16
+  ('bld,df->blf', (3, 1, 64), (64, 100), 'bfloat16', 'bfloat16', 'bfloat16'),  # bf16 compute, 3 rows
+  ('blhk,hkd->bld', (8, 1, 2, 24), (2, 24, 40), 'float32', 'float32', 'float32'),  # MAX_ROWS rows
+  ('bld,df->blf', (2, 1, 1040), (1040, 33), 'float32', 'bfloat16', 'float32'),  # 16 chunks of K, prefetched
+  ('bld,vd->blv', (1, 1, 40), (37, 40), 'float32', 'float32', 'float32'),  # [N, K] (a tied head), tails
+  ('bld,vd->blv', (2, 1, 768), (520, 768), 'bfloat16', 'bfloat16', 'float32'),  # 3 chunks of rows, f32 logits
+]
+
+
+@pytest.mark.parametrize('spec,xs,ws,xt,wt,ot', CASES, ids=[f'{c[0]}:{c[4]}:{c[1][0]}rows' for c in CASES])
+def test_the_kernel_is_the_einsum(spec, xs, ws, xt, wt, ot):
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal(xs), xt)
+  w = jnp.asarray(rng.standard_normal(ws) * 0.1, wt)
+
+  @jax.jit
+  def run(x, w):
+    with kernels.decode_matmuls(True):
+      return kernels.matmul(spec, x, w, jnp.dtype(ot))
+
+  got = run(x, w)
+  assert 'shardzoo_matvec' in run.lower(x, w).as_text()
+  assert got.dtype == jnp.dtype(ot) and got.shape == jnp.einsum(spec, x, w).shape
+  want = np.einsum(spec, np.asarray(x, np.float64), np.asarray(w, np.float64))
+  # float32 accumulation in another order than float64's; a bfloat16 result is rounded once, to 8 bits
+  tol = 2.0**-8 if ot == 'bfloat16' else 1e-5
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_it_takes_one_matmul_of_a_few_rows_inside_decode_matmuls_only():
+  assert kernels.plan('bld,dhk->blhk', (2, 1, 8), (8, 3, 4)) == (2, 8, 12, False)
+  assert kernels.plan('bld,vd->blv', (1, 1, 8), (50, 8)) == (1, 8, 50, True)
+  assert kernels.plan('blhk,hkd->bld', (1, 1, 2, 4), (2, 4, 8)) == (1, 8, 8, False)
+  for spec, xs, ws in [
+    ('egcd,edf->egcf', (2, 1, 1, 8), (2, 8, 4)),  # experts: a batch of matmuls
+    ('bthn,rhn->bthr', (1, 1, 2, 4), (3, 2, 4)),  # heads kept: a batch of matmuls
+    ('bld,dhk->bhlk', (1, 1, 8), (8, 2, 4)),  # the output reordered
+    ('bld,hdk->blhk', (1, 1, 8), (2, 8, 4)),  # contracted letters in the weight's middle
+    ('...d,df->...f', (1, 8), (8, 4)),
+  ]:
+    assert kernels.plan(spec, xs, ws) is None, spec
+  x, w = jnp.ones((1, 1, 8)), jnp.ones((8, 4))
+  assert kernels.matmul('bld,df->blf', x, w, jnp.float32) is None  # outside decode_matmuls(True)
+  with kernels.decode_matmuls(True):
+    assert kernels.matmul('bld,df->blf', jnp.ones((kernels.MAX_ROWS + 1, 1, 8)), w, jnp.float32) is None
+    assert kernels.matmul('bld,df->blf', x, w.astype(jnp.float16), jnp.float32) is None
+    assert kernels.matmul('bld,df->blf', x, w, jnp.float32) is not None
+  with kernels.decode_matmuls(False):
+    assert kernels.matmul('bld,df->blf', x, w, jnp.float32) is None
+
+
+def test_a_failing_compiler_is_one_line_and_the_decode_falls_back(tmp_path, monkeypatch):
+  cxx = tmp_path / 'cxx'
+  cxx.write_text(
+    '#!/bin/sh\necho "c++ (fake) 1.0"\n[ "$1" = --version ] && exit 0\necho "x.cc:1: error: no" >&2\nexit 1\n'
+  )
+  cxx.chmod(cxx.stat().st_mode | stat.S_IEXEC)
+  monkeypatch.setenv('CXX', str(cxx))
+  monkeypatch.setenv('SHARDZOO_CACHE', str(tmp_path / 'cache'))
+  with pytest.raises(RuntimeError, match=r'cxx failed on matvec\.cc: x\.cc:1: error: no'):
+    kernels.build()
+  assert not any(p.suffix == '.so' for p in (tmp_path / 'cache' / 'kernels').iterdir())  # no partial library
+  monkeypatch.setattr(kernels, '_loaded', lambda: (None, 'cxx failed on matvec.cc: x.cc:1: error: no'))
+  use, said = kernels.status(jax.devices()[:1])
+  assert (
+    not use
+    and said == "decode matmuls: XLA's dot (the kernel is not available: cxx failed on matvec.cc: x.cc:1: error: no)"
+  )
+  use, said = kernels.status(jax.devices()[:2])
+  assert not use and 'the kernel runs on one device; the weights are on 2' in said
