@@ -106,27 +106,31 @@ inline __mmask16 tail(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __
 
 template <typename W>
 void kn_rows_avx(const float* x, const W* w, float* acc, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1) {
+  // Eight rows of W at a time, sixteen columns a register: each weight is loaded and widened once and used for
+  // every row of x (broadcast from memory), so a step of M rows reads and converts W once.
   int64_t k = k0;
   for (; k + 8 <= k1; k += 8) {
     const W* wk = w + k * N;
-    for (int64_t m = 0; m < M; ++m) {
-      __m512 a[8];
-      for (int i = 0; i < 8; ++i) a[i] = _mm512_set1_ps(x[m * K + k + i]);
-      float* y = acc + m * N;
-      const W* ahead = wk + PF * 8 * N;
-      for (int64_t n = 0; n < N; n += 16) {
-        const __mmask16 t = tail(N - n);
-        if (m == 0 && k + (PF + 1) * 8 <= k1) prefetch(ahead + n * 8, 128);
-        __m512 s0 = _mm512_maskz_loadu_ps(t, y + n);
-        __m512 s1 = _mm512_mul_ps(a[1], load16(wk + N + n, t));
-        s0 = _mm512_fmadd_ps(a[0], load16(wk + n, t), s0);
-        s0 = _mm512_fmadd_ps(a[2], load16(wk + 2 * N + n, t), s0);
-        s1 = _mm512_fmadd_ps(a[3], load16(wk + 3 * N + n, t), s1);
-        s0 = _mm512_fmadd_ps(a[4], load16(wk + 4 * N + n, t), s0);
-        s1 = _mm512_fmadd_ps(a[5], load16(wk + 5 * N + n, t), s1);
-        s0 = _mm512_fmadd_ps(a[6], load16(wk + 6 * N + n, t), s0);
-        s1 = _mm512_fmadd_ps(a[7], load16(wk + 7 * N + n, t), s1);
-        _mm512_mask_storeu_ps(y + n, t, _mm512_add_ps(s0, s1));
+    const W* ahead = wk + PF * 8 * N;
+    const bool fetch = k + (PF + 1) * 8 <= k1;
+    for (int64_t n = 0; n < N; n += 16) {
+      const __mmask16 t = tail(N - n);
+      if (fetch) prefetch(ahead + n * 8, 128);
+      __m512 v[8];
+      for (int i = 0; i < 8; ++i) v[i] = load16(wk + i * N + n, t);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* a = x + m * K + k;
+        float* y = acc + m * N + n;
+        __m512 s0 = _mm512_maskz_loadu_ps(t, y);
+        __m512 s1 = _mm512_mul_ps(_mm512_set1_ps(a[1]), v[1]);
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), v[0], s0);
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), v[2], s0);
+        s1 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), v[3], s1);
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), v[4], s0);
+        s1 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), v[5], s1);
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(a[6]), v[6], s0);
+        s1 = _mm512_fmadd_ps(_mm512_set1_ps(a[7]), v[7], s1);
+        _mm512_mask_storeu_ps(y, t, _mm512_add_ps(s0, s1));
       }
     }
   }
@@ -135,25 +139,34 @@ void kn_rows_avx(const float* x, const W* w, float* acc, int64_t M, int64_t K, i
 
 template <typename W>
 void nk_rows_avx(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  // Four rows of W at a time against up to four rows of x (16 accumulators): each weight is loaded and widened once
+  // per four rows of x; a fifth to eighth row of x reads the same four rows of W again, from L1.
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
     const W* w0 = w + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-      const W* ahead = w0 + PF * 4 * K;
+    const W* ahead = w0 + PF * 4 * K;
+    const bool fetch = n + (PF + 1) * 4 <= n1;
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, M - m0);
+      __m512 s[4][4];
+      for (int r = 0; r < 4; ++r)
+        for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 t = tail(K - k);
-        if (m == 0 && n + (PF + 1) * 4 <= n1) prefetch(ahead + k * 4, 64);
-        const __m512 a = load16(xm + k, t);
-        s0 = _mm512_fmadd_ps(a, load16(w0 + k, t), s0);
-        s1 = _mm512_fmadd_ps(a, load16(w0 + K + k, t), s1);
-        s2 = _mm512_fmadd_ps(a, load16(w0 + 2 * K + k, t), s2);
-        s3 = _mm512_fmadd_ps(a, load16(w0 + 3 * K + k, t), s3);
+        if (fetch && m0 == 0) prefetch(ahead + k * 4, 64);
+        const __m512 v0 = load16(w0 + k, t), v1 = load16(w0 + K + k, t);
+        const __m512 v2 = load16(w0 + 2 * K + k, t), v3 = load16(w0 + 3 * K + k, t);
+        for (int r = 0; r < 4; ++r) {
+          if (r >= rows) break;
+          const __m512 a = load16(x + (m0 + r) * K + k, t);
+          s[r][0] = _mm512_fmadd_ps(a, v0, s[r][0]);
+          s[r][1] = _mm512_fmadd_ps(a, v1, s[r][1]);
+          s[r][2] = _mm512_fmadd_ps(a, v2, s[r][2]);
+          s[r][3] = _mm512_fmadd_ps(a, v3, s[r][3]);
+        }
       }
-      float* ym = y + m * N + n;
-      ym[0] = _mm512_reduce_add_ps(s0), ym[1] = _mm512_reduce_add_ps(s1);
-      ym[2] = _mm512_reduce_add_ps(s2), ym[3] = _mm512_reduce_add_ps(s3);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < 4; ++j) y[(m0 + r) * N + n + j] = _mm512_reduce_add_ps(s[r][j]);
     }
   }
   if (n < n1) nk_rows(x, w, y, M, K, N, n, n1);
