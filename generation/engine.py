@@ -358,9 +358,10 @@ class Generator:
 
       valid_BS = jnp.arange(S)[None, :] >= pad_B[:, None]  # the slots of real tokens (as they are written)
       pos_BP = jnp.maximum(jnp.arange(P)[None, :] - pad_B[:, None], 0)
-      logits_BV, cache = model().decode(
-        tokens_BP, pos_BP, layout.zeros(rows, S), Decoding(jnp.int32(0), valid_BS, prefill=True)
-      )
+      with kernels.decode_matmuls(fast):  # the prefill's bfloat16 matmuls (models/kernels bf16_gemm)
+        logits_BV, cache = model().decode(
+          tokens_BP, pos_BP, layout.zeros(rows, S), Decoding(jnp.int32(0), valid_BS, prefill=True)
+        )
       V = logits_BV.shape[-1]
       tok_B = choose(logits_BV, key, 0, temperature, top_p)
       out_BN = jnp.zeros((rows, N), jnp.int32).at[:, 0].set(tok_B)

@@ -24,6 +24,13 @@ CASES = [
   ('bld,vd->blv', (1, 1, 40), (37, 40), 'float32', 'float32', 'float32'),  # [N, K] (a tied head), tails
   ('bld,vd->blv', (2, 1, 768), (520, 768), 'bfloat16', 'bfloat16', 'float32'),  # 3 chunks of rows, f32 logits
 ]
+GEMM_CASES = [  # more than MAX_ROWS rows: bfloat16 dot products (AVX-512 BF16), tiles of 8 (KN) and 4 (NK) rows
+  ('bld,dhk->blhk', (3, 7, 46), (46, 5, 13), 'bfloat16', 'bfloat16', 'bfloat16'),  # 21 rows, 65 columns: tails
+  ('bld,df->blf', (2, 8, 64), (64, 96), 'bfloat16', 'bfloat16', 'float32'),
+  ('bld,vd->blv', (1, 13, 70), (37, 70), 'bfloat16', 'bfloat16', 'float32'),  # a head: 13 rows, K tail of 32
+]
+if kernels.bf16_gemm():
+  CASES += GEMM_CASES
 
 
 @pytest.mark.parametrize('spec,xs,ws,xt,wt,ot', CASES, ids=[f'{c[0]}:{c[4]}:{c[1][0]}rows' for c in CASES])
@@ -38,7 +45,7 @@ def test_the_kernel_is_the_einsum(spec, xs, ws, xt, wt, ot):
       return kernels.matmul(spec, x, w, jnp.dtype(ot))
 
   got = run(x, w)
-  assert 'shardzoo_matvec' in run.lower(x, w).as_text()
+  assert ('shardzoo_gemm_bf16' if xs[0] * xs[1] > kernels.MAX_ROWS else 'shardzoo_matvec') in run.lower(x, w).as_text()
   assert got.dtype == jnp.dtype(ot) and got.shape == jnp.einsum(spec, x, w).shape
   want = np.einsum(spec, np.asarray(x, np.float64), np.asarray(w, np.float64))
   # float32 accumulation in another order than float64's; a bfloat16 result is rounded once, to 8 bits
@@ -62,6 +69,8 @@ def test_it_takes_one_matmul_of_a_few_rows_inside_decode_matmuls_only():
   assert kernels.matmul('bld,df->blf', x, w, jnp.float32) is None  # outside decode_matmuls(True)
   with kernels.decode_matmuls(True):
     assert kernels.matmul('bld,df->blf', jnp.ones((kernels.MAX_ROWS + 1, 1, 8)), w, jnp.float32) is None
+    many = jnp.ones((kernels.MAX_ROWS + 1, 1, 8), jnp.bfloat16)  # bfloat16 both: the GEMM, where the CPU has it
+    assert (kernels.matmul('bld,df->blf', many, w.astype(jnp.bfloat16), jnp.float32) is None) != kernels.bf16_gemm()
     assert kernels.matmul('bld,df->blf', x, w.astype(jnp.float16), jnp.float32) is None
     assert kernels.matmul('bld,df->blf', x, w, jnp.float32) is not None
   with kernels.decode_matmuls(False):

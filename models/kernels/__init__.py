@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 SOURCE = pathlib.Path(__file__).with_name('matvec.cc')
 TARGET = 'shardzoo_matvec'
+GEMM_TARGET = 'shardzoo_gemm_bf16'
 MAX_ROWS = 8  # matvec.cc kMaxRows: beyond a few rows the step is a GEMM, which XLA's code does well
 FLAGS = (
   '-O3',
@@ -112,9 +113,18 @@ def _loaded() -> tuple[str | None, str]:
     lib = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ShardzooMatvec), platform='cpu')
     lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
-    return lib.shardzoo_matvec_isa().decode(), ''
+    isa = lib.shardzoo_matvec_isa().decode()
+    if lib.shardzoo_has_bf16_gemm():
+      jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.ShardzooGemmBf16), platform='cpu')
+      isa += ' and AVX-512 BF16'
+    return isa, ''
   except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
     return None, str(e)
+
+
+def bf16_gemm() -> bool:
+  """Whether bfloat16 matmuls of more than MAX_ROWS rows run through the kernel too (a CPU with AVX-512 BF16)."""
+  return (_loaded()[0] or '').endswith('AVX-512 BF16')
 
 
 def available() -> bool:
@@ -132,7 +142,8 @@ def status(devices: Any = None) -> tuple[bool, str]:
   isa, why = _loaded()
   if isa is None:
     return False, f"decode matmuls: XLA's dot (the kernel is not available: {why})"
-  return True, f'decode matmuls: the matvec kernel ({isa}, models/kernels/matvec.cc) for steps of <= {MAX_ROWS} rows'
+  wide = '; bfloat16 matmuls of more rows (prefill) by AVX-512 BF16 dot products' if bf16_gemm() else ''
+  return True, f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows{wide}'
 
 
 @contextlib.contextmanager
@@ -174,14 +185,23 @@ def plan(spec: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> tuple
 
 def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array | None:
   """einsum(spec, x, w) through the kernel (float32 accumulation, the result in `out_dtype`) inside
-  decode_matmuls(True), where it applies; None where it does not (the caller runs XLA's einsum)."""
+  decode_matmuls(True), where it applies: up to MAX_ROWS rows of any x against float32 or bfloat16 weights, more
+  rows where x and w are both bfloat16 and the CPU has AVX-512 BF16 (`bf16_gemm`); None where it does not (the
+  caller runs XLA's einsum)."""
   if not _active.get() or jnp.dtype(w.dtype) not in WEIGHT_DTYPES:
     return None
   found = plan(spec, x.shape, w.shape)
-  if found is None or not 0 < found[0] <= MAX_ROWS:
+  if found is None or found[0] == 0:
     return None
   M, K, N, nk = found
+  if M <= MAX_ROWS:
+    target, x2 = TARGET, x.reshape(M, K).astype(jnp.float32)
+  elif x.dtype == w.dtype == jnp.bfloat16 and K % 2 == 0 and bf16_gemm():
+    target, x2 = GEMM_TARGET, x.reshape(M, K)
+  else:
+    return None
   out_shape = jax.eval_shape(lambda a, b: jnp.einsum(spec, a, b), x, w).shape
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, N), jnp.float32))
-  y = call(x.reshape(M, K).astype(jnp.float32), w.reshape((N, K) if nk else (K, N)), nk=nk)
+  y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, N), jnp.float32))(
+    x2, w.reshape((N, K) if nk else (K, N)), nk=nk
+  )
   return y.reshape(out_shape).astype(out_dtype)

@@ -137,36 +137,52 @@ void kn_rows_avx(const float* x, const W* w, float* acc, int64_t M, int64_t K, i
   if (k < k1) kn_rows(x, w, acc, M, K, N, k, k1);
 }
 
+// R rows of x (1-4) against four rows of W: 4R accumulators held in registers (constant indices throughout).
+template <int R, typename W>
+void nk_tile_avx(const float* x, const W* w0, float* y, int64_t K, int64_t N, int64_t n, const W* ahead) {
+  __m512 s[R][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 t = tail(K - k);
+    if (ahead) prefetch(ahead + k * 4, 64);
+    const __m512 v0 = load16(w0 + k, t), v1 = load16(w0 + K + k, t);
+    const __m512 v2 = load16(w0 + 2 * K + k, t), v3 = load16(w0 + 3 * K + k, t);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 a = load16(x + r * K + k, t);
+      s[r][0] = _mm512_fmadd_ps(a, v0, s[r][0]);
+      s[r][1] = _mm512_fmadd_ps(a, v1, s[r][1]);
+      s[r][2] = _mm512_fmadd_ps(a, v2, s[r][2]);
+      s[r][3] = _mm512_fmadd_ps(a, v3, s[r][3]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) y[r * N + n + j] = _mm512_reduce_add_ps(s[r][j]);
+}
+
 template <typename W>
 void nk_rows_avx(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  // Four rows of W at a time against up to four rows of x (16 accumulators): each weight is loaded and widened once
-  // per four rows of x; a fifth to eighth row of x reads the same four rows of W again, from L1.
+  // Four rows of W at a time against up to four rows of x: each weight is loaded and widened once per four rows of
+  // x; a fifth to eighth row of x reads the same four rows of W again, from L1.
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
     const W* w0 = w + n * K;
-    const W* ahead = w0 + PF * 4 * K;
-    const bool fetch = n + (PF + 1) * 4 <= n1;
+    const W* ahead = n + (PF + 1) * 4 <= n1 ? w0 + PF * 4 * K : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int64_t rows = std::min<int64_t>(4, M - m0);
-      __m512 s[4][4];
-      for (int r = 0; r < 4; ++r)
-        for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_ps();
-      for (int64_t k = 0; k < K; k += 16) {
-        const __mmask16 t = tail(K - k);
-        if (fetch && m0 == 0) prefetch(ahead + k * 4, 64);
-        const __m512 v0 = load16(w0 + k, t), v1 = load16(w0 + K + k, t);
-        const __m512 v2 = load16(w0 + 2 * K + k, t), v3 = load16(w0 + 3 * K + k, t);
-        for (int r = 0; r < 4; ++r) {
-          if (r >= rows) break;
-          const __m512 a = load16(x + (m0 + r) * K + k, t);
-          s[r][0] = _mm512_fmadd_ps(a, v0, s[r][0]);
-          s[r][1] = _mm512_fmadd_ps(a, v1, s[r][1]);
-          s[r][2] = _mm512_fmadd_ps(a, v2, s[r][2]);
-          s[r][3] = _mm512_fmadd_ps(a, v3, s[r][3]);
-        }
+      const float* xm = x + m0 * K;
+      float* ym = y + m0 * N;
+      const W* fetch = m0 == 0 ? ahead : nullptr;
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 4: nk_tile_avx<4>(xm, w0, ym, K, N, n, fetch); break;
+        case 3: nk_tile_avx<3>(xm, w0, ym, K, N, n, fetch); break;
+        case 2: nk_tile_avx<2>(xm, w0, ym, K, N, n, fetch); break;
+        default: nk_tile_avx<1>(xm, w0, ym, K, N, n, fetch); break;
       }
-      for (int64_t r = 0; r < rows; ++r)
-        for (int j = 0; j < 4; ++j) y[(m0 + r) * N + n + j] = _mm512_reduce_add_ps(s[r][j]);
     }
   }
   if (n < n1) nk_rows(x, w, y, M, K, N, n, n1);
@@ -253,6 +269,138 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   }
 }
 
+#if defined(__AVX512BF16__)
+// bfloat16 x bfloat16 for more rows (a prefill, a batch above kMaxRows): pairs of products summed in float32 by
+// AVX-512 BF16's dot instruction (vdpbf16ps), as torch's oneDNN path multiplies; XLA's CPU dot widens both
+// operands into float32 copies first. K must be even (every model's widths are).
+#define SHARDZOO_BF16_GEMM 1
+
+// KN: rows k and k+1 of a 32-column panel of W interleaved into (W[k, n], W[k+1, n]) pairs, the lanes
+// vdpbf16ps takes, against a broadcast pair (x[m, k], x[m, k+1]); R rows of x share each interleaved panel.
+template <int R>
+void kn_tile_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n) {
+  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
+  const int64_t left = N - n;
+  const __mmask32 cols = left >= 32 ? ~__mmask32(0) : __mmask32((1ull << left) - 1);
+  __m512 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    const __m512i r0 = _mm512_maskz_loadu_epi16(cols, w + k * N + n);
+    const __m512i r1 = _mm512_maskz_loadu_epi16(cols, w + (k + 1) * N + n);
+    const __m512bh b0 = (__m512bh)_mm512_permutex2var_epi16(r0, lo, r1);
+    const __m512bh b1 = (__m512bh)_mm512_permutex2var_epi16(r0, hi, r1);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(x + (m0 + r) * K + k));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float* out = y + (m0 + r) * N + n;
+    _mm512_mask_storeu_ps(out, __mmask16(cols), acc[r][0]);
+    _mm512_mask_storeu_ps(out + 16, __mmask16(cols >> 16), acc[r][1]);
+  }
+}
+
+// NK (a tied head, W [N, K]): R rows of x against four rows of W as dot products over K, 32 values a step.
+template <int R>
+void nk_tile_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
+  const int rows_w = int(std::min<int64_t>(4, N - n0));
+  __m512 acc[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const int64_t left = K - k;
+    const __mmask32 t = left >= 32 ? ~__mmask32(0) : __mmask32((1ull << left) - 1);
+    __m512bh b[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+      b[j] = (__m512bh)(j < rows_w ? _mm512_maskz_loadu_epi16(t, w + (n0 + j) * K + k) : _mm512_setzero_si512());
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16(t, x + (m0 + r) * K + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+    }
+  }
+  // All four reduced by constant indices (a variable index would keep the accumulators in memory), rows_w kept.
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    float sums[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) sums[j] = _mm512_reduce_add_ps(acc[r][j]);
+    for (int j = 0; j < rows_w; ++j) y[(m0 + r) * N + n0 + j] = sums[j];
+  }
+}
+
+template <int R>
+void kn_rows_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n) {
+  int64_t m = 0;
+  for (; m + R <= M; m += R) kn_tile_bf16<R>(x, w, y, K, N, m, n);
+  switch (M - m) {  // the rows left over, in one tile of their own
+    case 7: kn_tile_bf16<7>(x, w, y, K, N, m, n); break;
+    case 6: kn_tile_bf16<6>(x, w, y, K, N, m, n); break;
+    case 5: kn_tile_bf16<5>(x, w, y, K, N, m, n); break;
+    case 4: kn_tile_bf16<4>(x, w, y, K, N, m, n); break;
+    case 3: kn_tile_bf16<3>(x, w, y, K, N, m, n); break;
+    case 2: kn_tile_bf16<2>(x, w, y, K, N, m, n); break;
+    case 1: kn_tile_bf16<1>(x, w, y, K, N, m, n); break;
+    default: break;
+  }
+}
+
+void nk_rows_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) nk_tile_bf16<4>(x, w, y, K, N, m, n);
+  switch (M - m) {
+    case 3: nk_tile_bf16<3>(x, w, y, K, N, m, n); break;
+    case 2: nk_tile_bf16<2>(x, w, y, K, N, m, n); break;
+    case 1: nk_tile_bf16<1>(x, w, y, K, N, m, n); break;
+    default: break;
+  }
+}
+
+ffi::Error gemm_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                     ffi::ResultBuffer<ffi::F32> y, bool nk) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("gemm_bf16: x and w must be 2-d");
+  const int64_t M = xd[0], K = xd[1], N = nk ? wd[0] : wd[1];
+  if ((nk ? wd[1] : wd[0]) != K || K % 2) return ffi::Error::InvalidArgument("gemm_bf16: K differs or is odd");
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  float* yp = y->typed_data();
+  const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
+  // Chunks of output columns: 32-column panels of W (KN), or 4 rows of W (NK), a few to a chunk.
+  const int64_t width = nk ? 16 : 64;
+  const int64_t chunks = (N + width - 1) / width;
+  run_chunks(pool, chunks, max_workers, [&](int, int64_t c) {
+    const int64_t end = std::min(N, (c + 1) * width);
+    for (int64_t n = c * width; n < end; n += nk ? 4 : 32) {
+      if (nk)
+        nk_rows_bf16(xp, wp, yp, M, K, N, n);
+      else
+        kn_rows_bf16<8>(xp, wp, yp, M, K, N, n);
+    }
+  });
+  return ffi::Error::Success();
+}
+#else
+ffi::Error gemm_bf16(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>, ffi::ResultBuffer<ffi::F32>,
+                     bool) {
+  return ffi::Error::Unimplemented("gemm_bf16: built without AVX-512 BF16");
+}
+#endif
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooMatvec, dispatch,
@@ -262,6 +410,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooMatvec, dispatch,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("nk"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooGemmBf16, gemm_bf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("nk"));
+
+// Whether ShardzooGemmBf16 runs here (built with AVX-512 BF16).
+extern "C" int shardzoo_has_bf16_gemm() {
+#if defined(SHARDZOO_BF16_GEMM)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 extern "C" const char* shardzoo_matvec_isa() {
 #if defined(__AVX512F__)
