@@ -21,6 +21,7 @@ CASES = [
   ('bld,df->blf', (3, 1, 64), (64, 100), 'bfloat16', 'bfloat16', 'bfloat16'),  # bf16 compute, 3 rows
   ('blhk,hkd->bld', (8, 1, 2, 24), (2, 24, 40), 'float32', 'float32', 'float32'),  # MAX_ROWS rows
   ('bld,df->blf', (2, 1, 1040), (1040, 33), 'float32', 'bfloat16', 'float32'),  # 16 chunks of K, prefetched
+  ('bld,dv->blv', (2, 1, 64), (64, 16400), 'float32', 'bfloat16', 'float32'),  # an untied head: bands of columns
   ('bld,vd->blv', (1, 1, 40), (37, 40), 'float32', 'float32', 'float32'),  # [N, K] (a tied head), tails
   ('bld,vd->blv', (2, 1, 768), (520, 768), 'bfloat16', 'bfloat16', 'float32'),  # 3 chunks of rows, f32 logits
 ]

@@ -29,14 +29,17 @@ inline float widen(uint16_t v) {
 }
 
 constexpr int kMaxRows = 8;
+// Columns of a wide [K, N] weight (N >= 4 kBand) one worker takes: one accumulator per worker would be M x N each.
+constexpr int64_t kBand = 4096;
 // Blocks of weight rows prefetched ahead of the block being read. The hardware prefetcher alone, on 4 or 8 rows
 // read side by side, left bfloat16 rows at 17 GB/s; two blocks ahead gave 25-30 GB/s (1, 4 and 8 were no better).
 constexpr int64_t PF = 2;
 
-// Rows [k0, k1) of a [K, N] weight into acc[M, N] (acc += x[:, k] * W[k, :]), four weight rows per pass so each
-// pass reads and writes the accumulator once for four rows of W.
+// Rows [k0, k1) and columns [n0, n1) of a [K, N] weight into acc[M, N] (acc += x[:, k] * W[k, :]), four weight
+// rows per pass so each pass reads and writes the accumulator once for four rows of W.
 template <typename W>
-void kn_rows(const float* x, const W* w, float* acc, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1) {
+void kn_rows(const float* x, const W* w, float* acc, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1,
+             int64_t n0, int64_t n1) {
   int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
     const W* w0 = w + k * N;
@@ -47,7 +50,7 @@ void kn_rows(const float* x, const W* w, float* acc, int64_t M, int64_t K, int64
       const float a0 = x[m * K + k], a1 = x[m * K + k + 1], a2 = x[m * K + k + 2], a3 = x[m * K + k + 3];
       float* __restrict y = acc + m * N;
 #pragma GCC ivdep
-      for (int64_t n = 0; n < N; ++n) {
+      for (int64_t n = n0; n < n1; ++n) {
         y[n] += a0 * widen(w0[n]) + a1 * widen(w1[n]) + a2 * widen(w2[n]) + a3 * widen(w3[n]);
       }
     }
@@ -58,7 +61,7 @@ void kn_rows(const float* x, const W* w, float* acc, int64_t M, int64_t K, int64
       const float a0 = x[m * K + k];
       float* __restrict y = acc + m * N;
 #pragma GCC ivdep
-      for (int64_t n = 0; n < N; ++n) y[n] += a0 * widen(w0[n]);
+      for (int64_t n = n0; n < n1; ++n) y[n] += a0 * widen(w0[n]);
     }
   }
 }
@@ -105,18 +108,22 @@ inline void prefetch(const W* p, int64_t elems) {
 inline __mmask16 tail(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
 template <typename W>
-void kn_rows_avx(const float* x, const W* w, float* acc, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1) {
+void kn_rows_avx(const float* x, const W* w, float* acc, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1,
+                 int64_t n0, int64_t n1) {
   // Eight rows of W at a time, sixteen columns a register: each weight is loaded and widened once and used for
-  // every row of x (broadcast from memory), so a step of M rows reads and converts W once.
+  // every row of x (broadcast from memory), so a step of M rows reads and converts W once. Whole rows (one
+  // block of 8N in memory order) are prefetched; a band of columns is left to the hardware's row streams.
   int64_t k = k0;
+  const bool whole = n0 == 0 && n1 == N;
   for (; k + 8 <= k1; k += 8) {
     const W* wk = w + k * N;
     const W* ahead = wk + PF * 8 * N;
-    const bool fetch = k + (PF + 1) * 8 <= k1;
-    for (int64_t n = 0; n < N; n += 16) {
-      const __mmask16 t = tail(N - n);
+    const bool fetch = whole && k + (PF + 1) * 8 <= k1;
+    for (int64_t n = n0; n < n1; n += 16) {
+      const __mmask16 t = tail(n1 - n);
       if (fetch) prefetch(ahead + n * 8, 128);
       __m512 v[8];
+#pragma GCC unroll 8
       for (int i = 0; i < 8; ++i) v[i] = load16(wk + i * N + n, t);
       for (int64_t m = 0; m < M; ++m) {
         const float* a = x + m * K + k;
@@ -134,7 +141,7 @@ void kn_rows_avx(const float* x, const W* w, float* acc, int64_t M, int64_t K, i
       }
     }
   }
-  if (k < k1) kn_rows(x, w, acc, M, K, N, k, k1);
+  if (k < k1) kn_rows(x, w, acc, M, K, N, k, k1, n0, n1);
 }
 
 // R rows of x (1-4) against four rows of W: 4R accumulators held in registers (constant indices throughout).
@@ -240,17 +247,27 @@ ffi::Error matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     });
     return ffi::Error::Success();
   }
+  if (N >= kBand * 4) {  // a wide W (an untied head): bands of columns, each written by one worker
+    const int64_t chunks = (N + kBand - 1) / kBand;
+    run_chunks(pool, chunks, max_workers, [&](int, int64_t c) {
+      const int64_t n0 = c * kBand, n1 = std::min(N, n0 + kBand);
+      for (int64_t m = 0; m < M; ++m) std::fill(yp + m * N + n0, yp + m * N + n1, 0.0f);
+      KN_ROWS(xp, wp, yp, M, K, N, 0, K, n0, n1);
+    });
+    return ffi::Error::Success();
+  }
   // Split K: each worker sums its chunks into its own accumulator, added up at the end.
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(16, K / 64));
   const int64_t per = (K / chunks + 3) / 4 * 4;
-  std::vector<float> acc(size_t(max_workers) * M * N, 0.0f);
+  const int workers = int(std::min<int64_t>(max_workers, chunks));
+  std::vector<float> acc(size_t(workers) * M * N, 0.0f);
   float* ap = acc.data();
-  run_chunks(pool, chunks, max_workers, [&, ap](int worker, int64_t c) {
+  run_chunks(pool, chunks, workers, [&, ap](int worker, int64_t c) {
     const int64_t k0 = c * per, k1 = c + 1 == chunks ? K : std::min(K, (c + 1) * per);
-    if (k0 < k1) KN_ROWS(xp, wp, ap + worker * M * N, M, K, N, k0, k1);
+    if (k0 < k1) KN_ROWS(xp, wp, ap + worker * M * N, M, K, N, k0, k1, 0, N);
   });
   std::memcpy(yp, ap, sizeof(float) * M * N);
-  for (int t = 1; t < max_workers; ++t) {
+  for (int t = 1; t < workers; ++t) {
     const float* a = ap + t * M * N;
     for (int64_t i = 0; i < M * N; ++i) yp[i] += a[i];
   }
