@@ -97,3 +97,31 @@ def test_a_failing_compiler_is_one_line_and_the_decode_falls_back(tmp_path, monk
   )
   use, said = kernels.status(jax.devices()[:2])
   assert not use and 'the kernel runs on one device; the weights are on 2' in said
+
+
+def test_a_decode_loop_looks_up_a_bfloat16_table_by_its_bytes():
+  """layers.decode_rows inside decode_matmuls: a 16-bit table's rows copied as they are (kernels.take_rows), no
+  float32 copy of the table in the compiled loop; an id outside the table gives NaNs, as jnp.take's; a float32
+  table is left to jnp.take."""
+  from models import layers
+
+  table = jnp.asarray(np.random.default_rng(0).standard_normal((512, 64)), jnp.bfloat16)
+  ids = jnp.asarray([[3, 511], [0, 512]], jnp.int32)
+
+  @jax.jit
+  def loop(table, ids):
+    def body(i, acc):
+      with kernels.decode_matmuls(True):
+        return acc + layers.decode_rows(table, ids).astype(jnp.float32) * i
+
+    return jax.lax.fori_loop(0, 3, body, jnp.zeros((*ids.shape, 64), jnp.float32))
+
+  hlo = loop.lower(table, ids).compile().as_text()
+  assert 'shardzoo_take_rows' in hlo and 'f32[512,64]' not in hlo
+  got = np.asarray(loop(table, ids))
+  want = 3 * np.asarray(jnp.take(table, ids, axis=0), np.float32)  # 0 + 1 + 2 times the rows
+  np.testing.assert_array_equal(got[:, :1], want[:, :1])
+  np.testing.assert_array_equal(got[0, 1], want[0, 1])
+  assert np.isnan(got[1, 1]).all()  # id 512: outside
+  with kernels.decode_matmuls(True):
+    assert kernels.take_rows(table.astype(jnp.float32), ids) is None

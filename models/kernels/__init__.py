@@ -34,6 +34,7 @@ import jax.numpy as jnp
 SOURCE = pathlib.Path(__file__).with_name('matvec.cc')
 TARGET = 'shardzoo_matvec'
 GEMM_TARGET = 'shardzoo_gemm_bf16'
+TAKE_TARGET = 'shardzoo_take_rows'
 MAX_ROWS = 8  # matvec.cc kMaxRows: beyond a few rows the step is a GEMM, which XLA's code does well
 FLAGS = (
   '-O3',
@@ -112,6 +113,7 @@ def _loaded() -> tuple[str | None, str]:
   try:
     lib = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ShardzooMatvec), platform='cpu')
+    jax.ffi.register_ffi_target(TAKE_TARGET, jax.ffi.pycapsule(lib.ShardzooTakeRows), platform='cpu')
     lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
     isa = lib.shardzoo_matvec_isa().decode()
     if lib.shardzoo_has_bf16_gemm():
@@ -148,7 +150,10 @@ def status(devices: Any = None) -> tuple[bool, str]:
 
 @contextlib.contextmanager
 def decode_matmuls(enabled: bool):
-  """Einsums traced inside run through the kernel where it applies (`matmul`); `enabled` must come from status()."""
+  """Einsums and 16-bit table lookups traced inside run through the kernel where it applies (`matmul`,
+  `take_rows`); `enabled` comes from status(), which loads the kernel (XLA must know its targets before compiling)."""
+  if enabled and not available():
+    raise RuntimeError(f'decode_matmuls(True) without the kernel: {_loaded()[1]}')
   token = _active.set(enabled)
   try:
     yield
@@ -205,3 +210,14 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array |
     x2, w.reshape((N, K) if nk else (K, N)), nk=nk
   )
   return y.reshape(out_shape).astype(out_dtype)
+
+
+def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array | None:
+  """table[ids] (rows of a 2-d table; an id outside it: a row of NaNs) through the kernel inside
+  decode_matmuls(True) for a 16-bit table, the bytes copied as they are; None elsewhere (jnp.take runs). XLA's CPU
+  compiler gathers a bfloat16 table in float32: in a decode loop it hoisted the widening of the whole table out of
+  the loop, once per generate call (GPT-2 124M's embedding: 154 MB, a third of its time to the first token)."""
+  if not _active.get() or table.ndim != 2 or jnp.dtype(table.dtype).itemsize != 2:
+    return None
+  out = jax.ShapeDtypeStruct((*ids.shape, table.shape[1]), table.dtype)
+  return jax.ffi.ffi_call(TAKE_TARGET, out)(table, ids.astype(jnp.int32))

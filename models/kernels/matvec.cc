@@ -418,6 +418,26 @@ ffi::Error gemm_bf16(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::B
 }
 #endif
 
+// Rows of a table by id (a decode's embedding lookup): bytes copied as they are. XLA's CPU compiler gathers a
+// bfloat16 table in float32, and hoisted the widening of the whole table out of the decode loop. An id outside the
+// table gives a row of all-ones bytes: NaNs, as jnp.take's fill.
+ffi::Error take_rows(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> out) {
+  const auto td = table.dimensions();
+  if (td.size() != 2) return ffi::Error::InvalidArgument("take_rows: the table must be 2-d");
+  const int64_t rows = td[0];
+  const size_t row_bytes = size_t(td[1]) * ffi::ByteWidth(table.element_type());
+  const char* src = reinterpret_cast<const char*>(table.untyped_data());
+  char* dst = reinterpret_cast<char*>(out->untyped_data());
+  const int32_t* id = ids.typed_data();
+  for (size_t i = 0, n = ids.element_count(); i < n; ++i) {
+    if (0 <= id[i] && id[i] < rows)
+      std::memcpy(dst + i * row_bytes, src + size_t(id[i]) * row_bytes, row_bytes);
+    else
+      std::memset(dst + i * row_bytes, 0xFF, row_bytes);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooMatvec, dispatch,
@@ -435,6 +455,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooGemmBf16, gemm_bf16,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("nk"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooTakeRows, take_rows,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>());
 
 // Whether ShardzooGemmBf16 runs here (built with AVX-512 BF16).
 extern "C" int shardzoo_has_bf16_gemm() {
