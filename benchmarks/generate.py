@@ -23,8 +23,8 @@ bound it, at batch 32 the FLOPs. The bandwidth is the fastest read of 256 MiB by
 numpy's sums in a thread per core and by the decode kernel itself (models/kernels: one row times the 256 MiB as a
 matrix): a decode step reads, and writes almost nothing, so an in-place copy's rate (bytes read + written, printed
 beside it) is not one it can reach. The prefill needs 2 FLOPs per weight per token plus its
-causal attention, at best at the rate of a jitted 2048^3 matmul (the faster of float32 and the compute dtype), and
-reads the weights once.
+causal attention, at best at the rate of a jitted 2048^3 matmul (the fastest of float32, the compute dtype and, for
+bfloat16 on a CPU with AVX-512 BF16, the decode kernel's GEMM), and reads the weights once.
 'of bound' is bound / measured: 100% is the machine's limit.
 
 The Hugging Face model is built from its config class with random weights (torch.manual_seed(0)) and saved; the zoo
@@ -250,6 +250,12 @@ def kernels_matvec(kernels, w, row):
     return kernels.matmul('mk,kn->mn', row, w, row.dtype)
 
 
+def kernels_gemm(kernels, a, b):
+  """a @ b through the decode kernel's bfloat16 GEMM (models/kernels), as a prefill's matmuls run."""
+  with kernels.decode_matmuls(True):
+    return kernels.matmul('mk,kn->mn', a, b, a.dtype)
+
+
 def run_machine(dtype: str) -> dict:
   """Memory bandwidth and matmul FLOP rate, each the best of 10 after a warm-up."""
   import jax
@@ -286,6 +292,13 @@ def run_machine(dtype: str) -> dict:
   for dt in sorted({'float32', dtype}):
     a = jnp.ones((n, n), dt)
     flops[dt] = 2 * n**3 / best(jax.jit(lambda a, b: a @ b), a, a, n=20 if jax.devices()[0].platform == 'gpu' else 5)
+  if jax.devices()[0].platform == 'cpu' and dtype == 'bfloat16':  # the decode kernel's GEMM may beat XLA's
+    from models import kernels
+
+    if kernels.bf16_gemm():
+      a = jnp.ones((n, n), dtype)
+      gemm = jax.jit(lambda a, b: kernels_gemm(kernels, a, b))
+      flops['bfloat16, the decode kernel'] = 2 * n**3 / best(gemm, a, a, n=5)
   return dict(
     platform=jax.devices()[0].platform,
     device=jax.devices()[0].device_kind,

@@ -14,6 +14,7 @@ def test_generate_benchmark_smoke():
   r = subprocess.run(cmd + ['--vocab=128'], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert 'machine: read bandwidth' in r.stdout and 'INLINE (the sides in one process): not figures' in r.stdout
+  assert 'decode matmuls: ' in r.stdout
   rows = [line.split('|')[1:-1] for line in r.stdout.splitlines() if line.startswith('| 2 |')]
   assert len(rows) == 1, r.stdout
   cells = [c.strip() for c in rows[0]]
