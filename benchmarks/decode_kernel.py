@@ -1,0 +1,116 @@
+r"""The decode kernel (models/kernels) against XLA's dot on a decode step's weight matmuls: GPT-2 124M's 48 weight
+matrices (and its tied head for matrix-vector rows), chained as a step's matmuls are, `--steps` steps inside one
+jitted loop, each side's program timed `--reps` times, `--rounds` rounds alternating the sides.
+
+  python benchmarks/decode_kernel.py                      # rows 1, 4, 8 (float32, bfloat16); GEMM rows 32, 128
+  python benchmarks/decode_kernel.py --rows 1 --gemm_rows ''
+
+Matrix-vector rows (at most kernels.MAX_ROWS) run float32 and bfloat16 weights, activations in float32 as a decode
+step's; GEMM rows are bfloat16 throughout, where the CPU has AVX-512 BF16 (the prefill's path). Prints, per case, the
+median ms per step of each round (XLA, then the kernel) and the rate: GB/s of weights read (matrix-vector) or GFLOP/s
+(GEMM). Refuses a busy machine as benchmarks/generate.py does (--max_load, --busy).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_string('rows', '1,4,8', 'Matrix-vector row counts (at most models/kernels MAX_ROWS).')
+flags.DEFINE_string('gemm_rows', '32,128', 'bfloat16 GEMM row counts (empty: none).')
+flags.DEFINE_integer('hidden', 768, 'Width (GPT-2 124M: 768; the MLP is 4x).')
+flags.DEFINE_integer('layers', 12, 'Layers (4 matrices each).')
+flags.DEFINE_integer('vocab', 50304, 'Rows of the tied head (matrix-vector cases only).')
+flags.DEFINE_integer('steps', 8, 'Steps chained inside one jitted loop per call.')
+flags.DEFINE_integer('reps', 7, 'Timed calls per side and round.')
+flags.DEFINE_integer('rounds', 2, 'Rounds per case, the sides alternating.')
+flags.DEFINE_float('max_load', 0.3, 'Busiest the machine may be (1-minute load average) at the start.')
+flags.DEFINE_bool('busy', False, 'Run on a busy machine anyway (development, not figures).')
+FLAGS = flags.FLAGS
+
+
+def chain(ws, head, x, use_kernel: bool, dtype):
+  """One decode step's matmuls: every weight in order (a row's activations tiled up to a wide matrix's input),
+  then the tied head; through the kernel where `use_kernel` (kernels.matmul, as a decode step's Dense layers)."""
+  import jax.numpy as jnp
+
+  from models import kernels
+
+  def mm(spec, a, w, out):
+    with kernels.decode_matmuls(use_kernel):
+      got = kernels.matmul(spec, a, w, out)
+    return got if got is not None else jnp.einsum(spec, a.astype(w.dtype), w, preferred_element_type=out)
+
+  D = FLAGS.hidden
+  for w in ws:
+    xi = x if w.shape[0] == D else jnp.tile(x, (1, w.shape[0] // D))
+    x = jnp.tanh(mm('md,df->mf', xi.astype(dtype), w, jnp.float32)[:, :D])
+  if head is not None:
+    x = x + 1e-3 * mm('md,vd->mv', x.astype(dtype), head, jnp.float32)[:, :D]
+  return x
+
+
+def case(rows: int, wdtype: str, xdtype: str, with_head: bool) -> str:
+  import jax
+  import jax.numpy as jnp
+
+  rng = np.random.default_rng(0)
+  D = FLAGS.hidden
+  shapes = [(D, 3 * D), (D, D), (D, 4 * D), (4 * D, D)] * FLAGS.layers
+  ws = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.02, wdtype) for s in shapes]
+  head = jnp.asarray(rng.standard_normal((FLAGS.vocab, D), np.float32) * 0.02, wdtype) if with_head else None
+  x = jnp.full((rows, D), 0.1, xdtype)
+  programs = {}
+  for use in (False, True):
+    step = lambda i, x, use=use: chain(ws, head, x, use, xdtype).astype(xdtype)
+    programs[use] = jax.jit(lambda x, use=use: jax.lax.fori_loop(0, FLAGS.steps, lambda i, x: step(i, x, use), x))
+    programs[use](x).block_until_ready()
+  medians = {False: [], True: []}
+  for r in range(FLAGS.rounds):
+    for use in (False, True) if r % 2 == 0 else (True, False):
+      times = []
+      for _ in range(FLAGS.reps):
+        t0 = time.perf_counter()
+        programs[use](x).block_until_ready()
+        times.append((time.perf_counter() - t0) / FLAGS.steps)
+      medians[use].append(float(np.median(times)))
+  nbytes = sum(w.nbytes for w in ws) + (head.nbytes if with_head else 0)
+  flops = 2 * rows * sum(int(np.prod(s)) for s in shapes)
+  rate = lambda t: f'{nbytes / t / 1e9:.1f} GB/s' if with_head else f'{flops / t / 1e9:.0f} GFLOP/s'
+  fmt = lambda ts: ', '.join(f'{t * 1e3:.2f}' for t in ts) + f' ms ({rate(float(np.median(ts)))})'
+  kind = 'matrix-vector' if with_head else 'GEMM'
+  return f'| {rows} | {wdtype} | {kind} | {fmt(medians[False])} | {fmt(medians[True])} |'
+
+
+def main(argv) -> None:
+  del argv
+  load = os.getloadavg()[0]
+  if load > FLAGS.max_load and not FLAGS.busy:
+    sys.exit(f'shardzoo: the machine is busy (1-minute load average {load:.2f} > --max_load {FLAGS.max_load}); --busy')
+  from models import kernels
+
+  usable, said = kernels.status()
+  print(said)
+  if not usable:
+    sys.exit('shardzoo: nothing to compare: the decode kernel does not run here')
+  lines = ['| rows | weights | kind | XLA ms/step per round | kernel ms/step per round |', '|---|---|---|---|---|']
+  for rows in [int(r) for r in FLAGS.rows.split(',') if r]:
+    for wdtype in ('float32', 'bfloat16'):
+      lines.append(case(rows, wdtype, 'float32', with_head=True))
+  for rows in [int(r) for r in FLAGS.gemm_rows.split(',') if r] if kernels.bf16_gemm() else []:
+    lines.append(case(rows, 'bfloat16', 'bfloat16', with_head=False))
+  print(
+    f'load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end'
+    + (' BUSY' if load > FLAGS.max_load else '')
+  )
+  print('\n'.join(lines))
+
+
+if __name__ == '__main__':
+  app.run(main)
