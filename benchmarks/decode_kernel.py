@@ -1,12 +1,14 @@
 r"""The decode kernel (models/kernels) against XLA's dot on a decode step's weight matmuls: GPT-2 124M's 48 weight
 matrices (and its tied head for matrix-vector rows), chained as a step's matmuls are, `--steps` steps inside one
-jitted loop, each side's program timed `--reps` times, `--rounds` rounds alternating the sides.
+jitted loop (a decode loop's), each side's program timed `--reps` times, `--rounds` rounds alternating the sides.
+XLA's side is the model's einsums: a Dense layer's in the weights' dtype, the head's with float32 logits.
 
   python benchmarks/decode_kernel.py                      # rows 1, 4, 8 (float32, bfloat16); GEMM rows 32, 128
   python benchmarks/decode_kernel.py --rows 1 --gemm_rows ''
 
 Matrix-vector rows (at most kernels.MAX_ROWS) run float32 and bfloat16 weights, activations in float32 as a decode
-step's; GEMM rows are bfloat16 throughout, where the CPU has AVX-512 BF16 (the prefill's path). Prints, per case, the
+step's; GEMM rows are bfloat16 throughout, where the CPU has AVX-512 BF16, one step per execution (a prefill's
+path: XLA's temporaries are fresh pages in every execution, as a prefill's are). Prints, per case, the
 median ms per step of each round (XLA, then the kernel) and the rate: GB/s of weights read (matrix-vector) or GFLOP/s
 (GEMM). Refuses a busy machine as benchmarks/generate.py does (--max_load, --busy).
 """
@@ -42,21 +44,23 @@ def chain(ws, head, x, use_kernel: bool, dtype):
 
   from models import kernels
 
-  def mm(spec, a, w, out):
+  def mm(spec, a, w, preferred):
+    # XLA's side is the model's einsum: a Dense layer's in the weights' dtype, the head's with float32 logits
+    a = a.astype(w.dtype)
     with kernels.decode_matmuls(use_kernel):
-      got = kernels.matmul(spec, a, w, out)
-    return got if got is not None else jnp.einsum(spec, a.astype(w.dtype), w, preferred_element_type=out)
+      got = kernels.matmul(spec, a, w, preferred or w.dtype)
+    return got if got is not None else jnp.einsum(spec, a, w, preferred_element_type=preferred)
 
   D = FLAGS.hidden
   for w in ws:
     xi = x if w.shape[0] == D else jnp.tile(x, (1, w.shape[0] // D))
-    x = jnp.tanh(mm('md,df->mf', xi.astype(dtype), w, jnp.float32)[:, :D])
+    x = jnp.tanh(mm('md,df->mf', xi, w, None)[:, :D].astype(jnp.float32))
   if head is not None:
-    x = x + 1e-3 * mm('md,vd->mv', x.astype(dtype), head, jnp.float32)[:, :D]
+    x = x + 1e-3 * mm('md,vd->mv', x, head, jnp.float32)[:, :D]
   return x
 
 
-def case(rows: int, wdtype: str, xdtype: str, with_head: bool) -> str:
+def case(rows: int, wdtype: str, xdtype: str, with_head: bool, steps: int) -> str:
   import jax
   import jax.numpy as jnp
 
@@ -69,7 +73,7 @@ def case(rows: int, wdtype: str, xdtype: str, with_head: bool) -> str:
   programs = {}
   for use in (False, True):
     step = lambda i, x, use=use: chain(ws, head, x, use, xdtype).astype(xdtype)
-    programs[use] = jax.jit(lambda x, use=use: jax.lax.fori_loop(0, FLAGS.steps, lambda i, x: step(i, x, use), x))
+    programs[use] = jax.jit(lambda x, use=use: jax.lax.fori_loop(0, steps, lambda i, x: step(i, x, use), x))
     programs[use](x).block_until_ready()
   medians = {False: [], True: []}
   for r in range(FLAGS.rounds):
@@ -78,7 +82,7 @@ def case(rows: int, wdtype: str, xdtype: str, with_head: bool) -> str:
       for _ in range(FLAGS.reps):
         t0 = time.perf_counter()
         programs[use](x).block_until_ready()
-        times.append((time.perf_counter() - t0) / FLAGS.steps)
+        times.append((time.perf_counter() - t0) / steps)
       medians[use].append(float(np.median(times)))
   nbytes = sum(w.nbytes for w in ws) + (head.nbytes if with_head else 0)
   flops = 2 * rows * sum(int(np.prod(s)) for s in shapes)
@@ -102,9 +106,9 @@ def main(argv) -> None:
   lines = ['| rows | weights | kind | XLA ms/step per round | kernel ms/step per round |', '|---|---|---|---|---|']
   for rows in [int(r) for r in FLAGS.rows.split(',') if r]:
     for wdtype in ('float32', 'bfloat16'):
-      lines.append(case(rows, wdtype, 'float32', with_head=True))
+      lines.append(case(rows, wdtype, 'float32', with_head=True, steps=FLAGS.steps))
   for rows in [int(r) for r in FLAGS.gemm_rows.split(',') if r] if kernels.bf16_gemm() else []:
-    lines.append(case(rows, 'bfloat16', 'bfloat16', with_head=False))
+    lines.append(case(rows, 'bfloat16', 'bfloat16', with_head=False, steps=1))
   print(
     f'load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end'
     + (' BUSY' if load > FLAGS.max_load else '')
