@@ -115,7 +115,7 @@ def load(
     mesh=mesh,
     max_len=config.model.get('max_len'),  # None: positions without a table (rotary)
     vocab=config.model.vocab_size,
-    matmul=config.get('decode_matmul', 'auto'),  # a run saved before the field: 'auto'
+    matmul=config.decode_matmul,
   )
 
 
