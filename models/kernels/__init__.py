@@ -1,15 +1,20 @@
-"""A hand-written CPU kernel behind jax.ffi for the weight matmuls of a decode step, with XLA's dot as the fallback.
+"""Hand-written CPU kernels behind jax.ffi for a decode on one CPU device, with XLA as the fallback (matvec.cc).
 
-A decode step of a few rows must read every weight once, so its time is the weights' bytes over the memory
-bandwidth. XLA's CPU dot reads float32 weights below that rate and widens bfloat16 weights into a float32 copy
-before it multiplies (a third of the rate); matvec.cc streams them in order, widens bfloat16 in registers and
-splits the rows between the caller and XLA's thread pool (docs/generation.md, "The decode kernel").
+* `matmul`, up to MAX_ROWS rows: a decode step must read every weight once, so its time is the weights' bytes over
+  the memory's read rate. XLA's CPU dot reads float32 weights below that rate and widens bfloat16 weights into a
+  float32 copy before it multiplies; the kernel streams them in order, widens bfloat16 in registers and splits the
+  rows of W between the caller and XLA's thread pool.
+* `matmul`, more rows of bfloat16 against bfloat16 (the prefill) where the CPU has AVX-512 BF16 (`bf16_gemm`):
+  bfloat16 pairs multiplied by vdpbf16ps, where XLA widens both operands first.
+* `take_rows`: a decode's lookup of a 16-bit table, its bytes copied (XLA's CPU compiler gathers bfloat16 in
+  float32, and widened the whole table once per generate call).
 
-The kernel is compiled from source on first use (a C++17 compiler: $CXX, else g++ or c++) into a cache directory
+The library is compiled from source on first use (a C++17 compiler: $CXX, else g++ or c++) into a cache directory
 ($SHARDZOO_CACHE, else ~/.cache/shardzoo), keyed by the source, the compiler, the flags and the CPU. Where it does not
-build, or does not apply (more than MAX_ROWS rows, weights sharded over devices, a GPU, an einsum that is not one
-matmul), XLA's dot runs. `decode_matmuls(True)` turns it on for the einsums traced inside (generation/engine.py
-does, for a decode step on one CPU device); `status()` says what runs, and why.
+build, or does not apply (weights sharded over devices, a GPU, an einsum that is not one matmul, float32 beyond
+MAX_ROWS rows), XLA runs. `decode_matmuls(True)` turns it on for what is traced inside (generation/engine.py does,
+for the prefill and the decode step on one CPU device); `status()` says what runs, and why
+(docs/generation.md, "The decode kernel").
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ SOURCE = pathlib.Path(__file__).with_name('matvec.cc')
 TARGET = 'shardzoo_matvec'
 GEMM_TARGET = 'shardzoo_gemm_bf16'
 TAKE_TARGET = 'shardzoo_take_rows'
-MAX_ROWS = 8  # matvec.cc kMaxRows: beyond a few rows the step is a GEMM, which XLA's code does well
+MAX_ROWS = 8  # matvec.cc kMaxRows: each weight is loaded once for all rows; beyond a few rows a GEMM's tiles win
 FLAGS = (
   '-O3',
   '-march=native',
