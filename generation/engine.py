@@ -327,13 +327,13 @@ class Generator:
   def decode_kernel(self) -> bool:
     """Whether decode steps run their weight matmuls through models/kernels' CPU kernel (said once in the log)."""
     if self.matmul == 'xla':
-      use, said = False, "decode matmuls: XLA's dot (config.decode_matmul='xla')"
+      use, said, warn = False, "decode matmuls: XLA's dot (config.decode_matmul='xla')", False
     else:
-      devices = self.mesh.devices.flat if self.mesh is not None else jax.tree.leaves(self.params)[0].devices()
-      use, said = kernels.status(devices)
-    if said not in _logged:
+      devices = list(self.mesh.devices.flat if self.mesh is not None else jax.tree.leaves(self.params)[0].devices())
+      (use, said), warn = kernels.status(devices), kernels.missing(devices)
+    if said not in _logged:  # a kernel that would run but did not build is a warning: the decode is slower
       _logged.add(said)
-      logging.info('%s', said)
+      logging.log(logging.WARNING if warn else logging.INFO, '%s', said)
     return use
 
   def _program(self, rows: int, P: int, S: int, greedy: bool, top_k: int, nucleus: bool, keep_logits: bool):

@@ -95,8 +95,10 @@ def test_a_failing_compiler_is_one_line_and_the_decode_falls_back(tmp_path, monk
     not use
     and said == "decode matmuls: XLA's dot (the kernel is not available: cxx failed on matvec.cc: x.cc:1: error: no)"
   )
+  assert kernels.missing(jax.devices()[:1])
   use, said = kernels.status(jax.devices()[:2])
   assert not use and 'the kernel runs on one device; the weights are on 2' in said
+  assert not kernels.missing(jax.devices()[:2])
 
 
 def test_a_decode_loop_looks_up_a_bfloat16_table_by_its_bytes():

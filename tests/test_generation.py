@@ -174,6 +174,19 @@ def test_a_one_device_decode_runs_the_kernel_and_decodes_as_xla_does(gpt2_dir, d
   assert taken == []  # 'xla' traced no kernel call
 
 
+def test_a_one_device_decode_without_the_kernel_warns_once(gpt2_dir, monkeypatch, caplog):
+  """Where the kernel would run but is not available (no compiler, a failed build), the decode falls back to XLA's
+  dot and says so once, as a warning: the decode is slower than it could be."""
+  gen = zoo(gpt2_config, 'tp,tiny', gpt2_dir[0], devices=jax.devices()[:1], scan_layers=False)
+  monkeypatch.setattr(kernels, '_loaded', lambda: (None, 'no C++ compiler found ($CXX, g++ or c++)'))
+  monkeypatch.setattr(engine, '_logged', set())
+  with caplog.at_level(logging.INFO):
+    assert gen.decode_kernel() is False and gen.decode_kernel() is False
+  said = [(r.levelno, r.getMessage()) for r in caplog.records if r.getMessage().startswith('decode matmuls:')]
+  why = 'the kernel is not available: no C++ compiler found ($CXX, g++ or c++)'
+  assert said == [(logging.WARNING, f"decode matmuls: XLA's dot ({why})")], said
+
+
 # --- Llama (grouped-query attention; tied and untied heads; llama3 rope scaling) and Mixtral ---------------
 
 LLAMA_CASES = {  # name -> (LlamaConfig overrides, zoo preset, scan_layers)

@@ -153,6 +153,13 @@ def status(devices: Any = None) -> tuple[bool, str]:
   return True, f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows{wide}'
 
 
+def missing(devices: Any = None) -> bool:
+  """Whether weights on `devices` (one CPU device) would decode through the kernel, but it is not available (no
+  compiler, a failed build): a slower decode the log should warn of."""
+  devices = list(devices) if devices is not None else jax.devices()[:1]
+  return len(devices) == 1 and devices[0].platform == 'cpu' and not available()
+
+
 @contextlib.contextmanager
 def decode_matmuls(enabled: bool):
   """Einsums and 16-bit table lookups traced inside run through the kernel where it applies (`matmul`,
