@@ -244,14 +244,11 @@ def numpy_read_bandwidth(x: np.ndarray) -> float:
   return x.nbytes / min(times)
 
 
-def kernels_matvec(kernels, w, row):
-  """row @ w through the decode kernel (models/kernels), as a decode step's matmuls run."""
-  with kernels.decode_matmuls(True):
-    return kernels.matmul('mk,kn->mn', row, w, row.dtype)
+def kernel_matmul(a, b):
+  """a @ b through the decode kernel (models/kernels), as a decode step's matmuls (a few rows) or a bfloat16
+  prefill's run."""
+  from models import kernels
 
-
-def kernels_gemm(kernels, a, b):
-  """a @ b through the decode kernel's bfloat16 GEMM (models/kernels), as a prefill's matmuls run."""
   with kernels.decode_matmuls(True):
     return kernels.matmul('mk,kn->mn', a, b, a.dtype)
 
@@ -260,6 +257,8 @@ def run_machine(dtype: str) -> dict:
   """Memory bandwidth and matmul FLOP rate, each the best of 10 after a warm-up."""
   import jax
   import jax.numpy as jnp
+
+  from models import kernels
 
   def best(fn, *args, n=10):
     jax.block_until_ready(fn(*args))
@@ -280,25 +279,20 @@ def run_machine(dtype: str) -> dict:
     times.append(time.perf_counter() - t0)
   copy_bw = 2 * x.nbytes / min(times)
   readers = {'jitted sum': x.nbytes / best(jax.jit(lambda a: a.reshape(4096, -1).sum(axis=1)), x)}
+  cpu_kernel = jax.devices()[0].platform == 'cpu' and kernels.available()
   if jax.devices()[0].platform == 'cpu':  # XLA's sum may read below the memory's rate
     readers['numpy, a thread a core'] = numpy_read_bandwidth(np.asarray(x))
-    from models import kernels
-
-    if kernels.available():
-      one_row = jax.jit(lambda w, r: kernels_matvec(kernels, w.reshape(r.shape[1], -1), r))
-      readers['the decode kernel'] = x.nbytes / best(one_row, x, jnp.ones((1, 4096), jnp.float32))
+  if cpu_kernel:
+    one_row = jax.jit(lambda w, r: kernel_matmul(r, w.reshape(r.shape[1], -1)))
+    readers['the decode kernel'] = x.nbytes / best(one_row, x, jnp.ones((1, 4096), jnp.float32))
   reader, read_bw = max(readers.items(), key=lambda kv: kv[1])
   flops, n = {}, FLAGS.probe_matmul
   for dt in sorted({'float32', dtype}):
     a = jnp.ones((n, n), dt)
     flops[dt] = 2 * n**3 / best(jax.jit(lambda a, b: a @ b), a, a, n=20 if jax.devices()[0].platform == 'gpu' else 5)
-  if jax.devices()[0].platform == 'cpu' and dtype == 'bfloat16':  # the decode kernel's GEMM may beat XLA's
-    from models import kernels
-
-    if kernels.bf16_gemm():
-      a = jnp.ones((n, n), dtype)
-      gemm = jax.jit(lambda a, b: kernels_gemm(kernels, a, b))
-      flops['bfloat16, the decode kernel'] = 2 * n**3 / best(gemm, a, a, n=5)
+  if cpu_kernel and dtype == 'bfloat16' and kernels.bf16_gemm():  # the decode kernel's GEMM may beat XLA's
+    a = jnp.ones((n, n), dtype)
+    flops['bfloat16, the decode kernel'] = 2 * n**3 / best(jax.jit(kernel_matmul), a, a, n=5)
   return dict(
     platform=jax.devices()[0].platform,
     device=jax.devices()[0].device_kind,

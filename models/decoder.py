@@ -288,10 +288,9 @@ class Decoder(nnx.Module):
   ) -> jax.Array:
     return self.head(self.hidden_states(tokens_BL, positions_BL=positions_BL, segment_ids_BL=segment_ids_BL))
 
-  def embed(self, tokens_BL: jax.Array, *, decoding: bool = False) -> jax.Array:
-    """Token embeddings (B, L, D), times sqrt(D) in the compute dtype where the family scales them (Gemma);
-    `decoding`: layers.decode_rows."""
-    x_BLD = self.embed_tokens(tokens_BL, decoding=decoding)
+  def embed(self, tokens_BL: jax.Array) -> jax.Array:
+    """Token embeddings (B, L, D), times sqrt(D) in the compute dtype where the family scales them (Gemma)."""
+    x_BLD = self.embed_tokens(tokens_BL)
     if self.embed_scale is not None:
       x_BLD = x_BLD * jnp.asarray(self.embed_scale, self.dtype)
     return shard_logical(x_BLD, ACT)
@@ -306,7 +305,7 @@ class Decoder(nnx.Module):
   def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any, decoding: Any) -> tuple[jax.Array, Any]:
     """The last token's logits (B, V) and the KV cache with tokens_BT written into it (generation/engine.py); with
     dense layers first, `cache` is (theirs, the blocks')."""
-    x_BTD = self.embed(tokens_BT, decoding=True)
+    x_BTD = self.embed(tokens_BT)
     if hasattr(self, 'dense_blocks'):
       dense, cache = cache
       x_BTD, dense = self.dense_blocks.decode(x_BTD, dense, decoding, positions_BT, None)

@@ -22,13 +22,13 @@ from models.layers import (
   LayerNorm,
   Stack,
   axes,
-  decode_rows,
   dtypes,
   gelu_tanh,
   logits_dtype,
   loss_chunks,
   padded_vocab,
   stack_options,
+  table_rows,
 )
 from partitioning import shard_logical
 
@@ -95,8 +95,8 @@ class GPT2(nnx.Module):
 
   def decode(self, tokens_BT: jax.Array, positions_BT: jax.Array, cache: Any, decoding: Any) -> tuple[jax.Array, Any]:
     """The last token's logits (B, V) and the KV cache with tokens_BT written into it (generation/engine.py)."""
-    pos_BTD = decode_rows(shard_logical(self.pos[...], (None, None)), positions_BT)
-    x_BTD = shard_logical(self.tok(tokens_BT, decoding=True) + pos_BTD.astype(self.dtype), ACT)
+    pos_BTD = table_rows(shard_logical(self.pos[...], (None, None)), positions_BT)
+    x_BTD = shard_logical(self.tok(tokens_BT) + pos_BTD.astype(self.dtype), ACT)
     x_BTD, cache = self.blocks.decode(x_BTD, cache, decoding, None)
     return self.head(self.ln_f(x_BTD[:, -1:]))[:, 0], cache
 

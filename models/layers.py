@@ -371,10 +371,9 @@ class Conv(nnx.Conv):
     )
 
 
-def decode_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
-  """table[ids] (rows; an id outside the table: NaNs) for a decode step, where nothing differentiates it: through
-  models/kernels inside its decode_matmuls (a 16-bit table's bytes copied: kernels.take_rows says why), else
-  jnp.take."""
+def table_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+  """table[ids] (rows; an id outside the table: NaNs): inside models/kernels' decode_matmuls (a decode step, where
+  nothing differentiates it) a 16-bit table's bytes are copied (kernels.take_rows says why); elsewhere jnp.take."""
   rows = kernels.take_rows(table, ids)
   return jnp.take(table, ids, axis=0) if rows is None else rows
 
@@ -413,13 +412,11 @@ class Embed(nnx.Module):
     self.vocab_size = vocab
     self.dtype, self.logits_dtype = dtype, jnp.dtype(logits_dtype)
 
-  def __call__(self, tokens_BL: jax.Array, *, decoding: bool = False) -> jax.Array:
-    """The ids' rows (an id outside the table: NaNs); `decoding` (no gradient): `decode_rows`."""
+  def __call__(self, tokens_BL: jax.Array) -> jax.Array:
     # Gather the table's embed dim first (as FSDP does for every weight): a lookup into a table
     # sharded on embed cannot produce batch-sharded rows without a full rematerialisation.
     w_VD = shard_logical(self.embed.embedding[...], ('vocab', None))
-    take = decode_rows if decoding else functools.partial(jnp.take, axis=0)
-    return take(w_VD, tokens_BL).astype(self.dtype)
+    return table_rows(w_VD, tokens_BL).astype(self.dtype)
 
   def attend(self, x_BLD: jax.Array, softcap: float | None = None) -> jax.Array:
     """Logits against the table (a tied head); `softcap`: softcap * tanh(logits / softcap) before the padded rows

@@ -102,7 +102,7 @@ def test_a_failing_compiler_is_one_line_and_the_decode_falls_back(tmp_path, monk
 
 
 def test_a_decode_loop_looks_up_a_bfloat16_table_by_its_bytes():
-  """layers.decode_rows inside decode_matmuls: a 16-bit table's rows copied as they are (kernels.take_rows), no
+  """layers.table_rows inside decode_matmuls: a 16-bit table's rows copied as they are (kernels.take_rows), no
   float32 copy of the table in the compiled loop; an id outside the table gives NaNs, as jnp.take's; a float32
   table is left to jnp.take."""
   from models import layers
@@ -114,7 +114,7 @@ def test_a_decode_loop_looks_up_a_bfloat16_table_by_its_bytes():
   def loop(table, ids):
     def body(i, acc):
       with kernels.decode_matmuls(True):
-        return acc + layers.decode_rows(table, ids).astype(jnp.float32) * i
+        return acc + layers.table_rows(table, ids).astype(jnp.float32) * i
 
     return jax.lax.fori_loop(0, 3, body, jnp.zeros((*ids.shape, 64), jnp.float32))
 

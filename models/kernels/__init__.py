@@ -138,14 +138,22 @@ def available() -> bool:
   return _loaded()[0] is not None
 
 
+def _elsewhere(devices: Any) -> str | None:
+  """Why weights on `devices` (None: the default device) decode without the kernel whether or not it built; None
+  for one CPU device."""
+  devices = list(devices) if devices is not None else jax.devices()[:1]
+  if any(d.platform != 'cpu' for d in devices):
+    return f'the kernel is for CPUs; the weights are on {devices[0].platform}'
+  if len(devices) > 1:
+    return f'the kernel runs on one device; the weights are on {len(devices)}'
+  return None
+
+
 def status(devices: Any = None) -> tuple[bool, str]:
   """(whether decode steps on `devices` run the kernel, a line saying what runs and why) for weights on
   `devices` (a mesh's or the arrays' devices)."""
-  devices = list(devices) if devices is not None else jax.devices()[:1]
-  if any(d.platform != 'cpu' for d in devices):
-    return False, f"decode matmuls: XLA's dot (the kernel is for CPUs; the weights are on {devices[0].platform})"
-  if len(devices) > 1:
-    return False, f"decode matmuls: XLA's dot (the kernel runs on one device; the weights are on {len(devices)})"
+  if (why := _elsewhere(devices)) is not None:
+    return False, f"decode matmuls: XLA's dot ({why})"
   isa, why = _loaded()
   if isa is None:
     return False, f"decode matmuls: XLA's dot (the kernel is not available: {why})"
@@ -156,8 +164,7 @@ def status(devices: Any = None) -> tuple[bool, str]:
 def missing(devices: Any = None) -> bool:
   """Whether weights on `devices` (one CPU device) would decode through the kernel, but it is not available (no
   compiler, a failed build): a slower decode the log should warn of."""
-  devices = list(devices) if devices is not None else jax.devices()[:1]
-  return len(devices) == 1 and devices[0].platform == 'cpu' and not available()
+  return _elsewhere(devices) is None and not available()
 
 
 @contextlib.contextmanager
