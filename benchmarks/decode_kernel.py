@@ -1,16 +1,17 @@
-r"""The decode kernel (models/kernels) against XLA's dot on a decode step's weight matmuls: GPT-2 124M's 48 weight
-matrices (and its tied head for matrix-vector rows), chained as a step's matmuls are, `--steps` steps inside one
-jitted loop (a decode loop's), each side's program timed `--reps` times, `--rounds` rounds alternating the sides.
-XLA's side is the model's einsums: a Dense layer's in the weights' dtype, the head's with float32 logits.
+r"""The decode kernel (models/kernels) against XLA on a decode step's weight matmuls and cached attention: GPT-2
+124M's 48 weight matrices (and its tied head for matrix-vector rows), chained as a step's matmuls are, and its 12
+layers' attention over their KV caches (layers.Attention's cached step), `--steps` steps inside one jitted loop (a
+decode loop's), each side's program timed `--reps` times, `--rounds` rounds alternating the sides. XLA's side is
+the model's: a Dense layer's einsum in the weights' dtype, the head's with float32 logits, the attention's XLA path.
 
-  python benchmarks/decode_kernel.py                      # rows 1, 4, 8 (float32, bfloat16); GEMM rows 32, 128
-  python benchmarks/decode_kernel.py --rows 1 --gemm_rows ''
+  python benchmarks/decode_kernel.py       # rows 1, 4, 8 (float32, bfloat16); GEMM rows 32, 128; attention rows 1, 32
+  python benchmarks/decode_kernel.py --rows 1 --gemm_rows '' --attention_rows ''
 
 Matrix-vector rows (at most kernels.MAX_ROWS) run float32 and bfloat16 weights, activations in float32 as a decode
 step's; GEMM rows are bfloat16 throughout, where the CPU has AVX-512 BF16, one step per execution (a prefill's
 path: XLA's temporaries are fresh pages in every execution, as a prefill's are). Prints, per case, the
 median ms per step of each round (XLA, then the kernel) and the rate: GB/s of weights read (matrix-vector) or GFLOP/s
-(GEMM). Refuses a busy machine as benchmarks/generate.py does (--max_load, --busy).
+(GEMM), GB/s of cache read (attention, at slot `--slots` * 5 / 6 of `--slots`). Refuses a busy machine as benchmarks/generate.py does (--max_load, --busy).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from absl import app, flags  # noqa: E402
 
 flags.DEFINE_string('rows', '1,4,8', 'Matrix-vector row counts (at most models/kernels MAX_ROWS).')
 flags.DEFINE_string('gemm_rows', '32,128', 'bfloat16 GEMM row counts (empty: none).')
+flags.DEFINE_string('attention_rows', '1,32', 'Rows of the cached-attention cases (empty: none).')
+flags.DEFINE_integer('slots', 192, 'KV cache slots of the attention cases (GPT-2 at prompt 128 + 64 new tokens).')
 flags.DEFINE_integer('hidden', 768, 'Width (GPT-2 124M: 768; the MLP is 4x).')
 flags.DEFINE_integer('layers', 12, 'Layers (4 matrices each).')
 flags.DEFINE_integer('vocab', 50304, 'Rows of the tied head (matrix-vector cases only).')
@@ -60,8 +63,28 @@ def chain(ws, head, x, use_kernel: bool, dtype):
   return x
 
 
-def case(rows: int, wdtype: str, xdtype: str, with_head: bool, steps: int) -> str:
+def alternate(step, carry, steps: int) -> dict[bool, list[float]]:
+  """Median seconds per step of each round, XLA's side (False) and the kernel's (True) alternating: `steps` calls of
+  step(use_kernel, carry) inside one jitted loop per call."""
   import jax
+
+  programs = {}
+  for use in (False, True):
+    programs[use] = jax.jit(lambda c, use=use: jax.lax.fori_loop(0, steps, lambda i, c: step(use, c), c))
+    jax.block_until_ready(programs[use](carry))
+  medians = {False: [], True: []}
+  for r in range(FLAGS.rounds):
+    for use in (False, True) if r % 2 == 0 else (True, False):
+      times = []
+      for _ in range(FLAGS.reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(programs[use](carry))
+        times.append((time.perf_counter() - t0) / steps)
+      medians[use].append(float(np.median(times)))
+  return medians
+
+
+def case(rows: int, wdtype: str, xdtype: str, with_head: bool, steps: int) -> str:
   import jax.numpy as jnp
 
   rng = np.random.default_rng(0)
@@ -70,26 +93,48 @@ def case(rows: int, wdtype: str, xdtype: str, with_head: bool, steps: int) -> st
   ws = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.02, wdtype) for s in shapes]
   head = jnp.asarray(rng.standard_normal((FLAGS.vocab, D), np.float32) * 0.02, wdtype) if with_head else None
   x = jnp.full((rows, D), 0.1, xdtype)
-  programs = {}
-  for use in (False, True):
-    step = lambda i, x, use=use: chain(ws, head, x, use, xdtype).astype(xdtype)
-    programs[use] = jax.jit(lambda x, use=use: jax.lax.fori_loop(0, steps, lambda i, x: step(i, x, use), x))
-    programs[use](x).block_until_ready()
-  medians = {False: [], True: []}
-  for r in range(FLAGS.rounds):
-    for use in (False, True) if r % 2 == 0 else (True, False):
-      times = []
-      for _ in range(FLAGS.reps):
-        t0 = time.perf_counter()
-        programs[use](x).block_until_ready()
-        times.append((time.perf_counter() - t0) / steps)
-      medians[use].append(float(np.median(times)))
+  medians = alternate(lambda use, x: chain(ws, head, x, use, xdtype).astype(xdtype), x, steps)
   nbytes = sum(w.nbytes for w in ws) + (head.nbytes if with_head else 0)
   flops = 2 * rows * sum(int(np.prod(s)) for s in shapes)
   rate = lambda t: f'{nbytes / t / 1e9:.1f} GB/s' if with_head else f'{flops / t / 1e9:.0f} GFLOP/s'
   fmt = lambda ts: ', '.join(f'{t * 1e3:.2f}' for t in ts) + f' ms ({rate(float(np.median(ts)))})'
   kind = 'matrix-vector' if with_head else 'GEMM'
   return f'| {rows} | {wdtype} | {kind} | {fmt(medians[False])} | {fmt(medians[True])} |'
+
+
+def attention_case(rows: int, dtype: str, steps: int) -> str:
+  """Every layer's cached attention of one decode step (heads of 64: GPT-2's 12 a layer) at slot 5/6 of the
+  cache, its new keys and values written, as layers.Attention runs it in a decode."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from models import attention, kernels, layers
+
+  D, C = FLAGS.hidden, FLAGS.slots
+  H = max(1, D // 64)
+  K = D // H
+  attn = layers.Attention(D, H, rngs=nnx.Rngs(0))  # its cached step uses no weights
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((rows, 1, H, K)), dtype)
+  caches = [
+    tuple(jnp.asarray(rng.standard_normal((rows, H, C, K)), dtype) for _ in range(2)) for _ in range(FLAGS.layers)
+  ]
+  index = C * 5 // 6
+  d = layers.Decoding(index=jnp.int32(index), valid_BS=jnp.ones((rows, C), bool))
+
+  def step(use, carry):
+    q, caches = carry
+    outs = []
+    with kernels.decode_matmuls(use):
+      for i, cache in enumerate(caches):
+        o, caches[i] = attn._cached(q, q, q, cache, d, attention.PLAIN)
+        outs.append(o)
+    return (q + 1e-3 * sum(outs)).astype(q.dtype), caches
+
+  medians = alternate(step, (q, caches), steps)
+  nbytes = FLAGS.layers * 2 * rows * H * (index + 1) * K * jnp.dtype(dtype).itemsize
+  fmt = lambda ts: ', '.join(f'{t * 1e3:.2f}' for t in ts) + f' ms ({nbytes / float(np.median(ts)) / 1e9:.1f} GB/s)'
+  return f'| {rows} | {dtype} cache | attention | {fmt(medians[False])} | {fmt(medians[True])} |'
 
 
 def main(argv) -> None:
@@ -109,6 +154,9 @@ def main(argv) -> None:
       lines.append(case(rows, wdtype, 'float32', with_head=True, steps=FLAGS.steps))
   for rows in [int(r) for r in FLAGS.gemm_rows.split(',') if r] if kernels.bf16_gemm() else []:
     lines.append(case(rows, 'bfloat16', 'bfloat16', with_head=False, steps=1))
+  for rows in [int(r) for r in FLAGS.attention_rows.split(',') if r]:
+    for dtype in ('float32', 'bfloat16'):
+      lines.append(attention_case(rows, dtype, steps=FLAGS.steps))
   print(
     f'load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end'
     + (' BUSY' if load > FLAGS.max_load else '')

@@ -791,6 +791,19 @@ class Attention(nnx.Module):
       if logits.window is not None:
         seen_TS = seen_TS & (q_T[:, None] - jnp.arange(S)[None, :] < logits.window)
       mask_BTC = d.valid_BS[:, None, :] & seen_TS[None]
+    if T == 1:  # models/kernels' attention over the cache, inside a decode on one CPU device
+      o_BHK = kernels.decode_attention(
+        q_BTHK[:, 0],
+        *((k_BGCK[None], v_BGCK[None]) if one else (k_BGCK, v_BGCK)),
+        mask_BTC[:, 0],
+        jnp.minimum(d.index + 1, C),
+        scale=logits.scale_for(K),
+        softcap=logits.softcap,
+        sinks_H=sinks_H,
+      )
+      if o_BHK is not None:
+        cache = (k_BGCK[None], v_BGCK[None]) if one else (k_BGCK, v_BGCK)
+        return o_BHK[:, None].astype(q_BTHK.dtype), cache
     G = k_BGCK.shape[-3]
     q_BTGRK = lead(q_BTHK.reshape(B, T, G, H // G, K))
     with jax.named_scope('attention'):

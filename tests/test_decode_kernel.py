@@ -3,6 +3,10 @@ for both weight layouts, float32 and bfloat16, 1 to MAX_ROWS rows and sizes that
 one matmul of a few rows inside decode_matmuls(True); a compiler that fails is one line naming it and the source,
 and the decode falls back to XLA's dot. A decode through it equals XLA's: tests/test_generation.py."""
 
+import concurrent.futures
+import ctypes
+import functools
+import platform
 import stat
 
 import jax
@@ -127,3 +131,81 @@ def test_a_decode_loop_looks_up_a_bfloat16_table_by_its_bytes():
   assert np.isnan(got[1, 1]).all()  # id 512: outside
   with kernels.decode_matmuls(True):
     assert kernels.take_rows(table.astype(jnp.float32), ids) is None
+
+
+ATTENTION_CASES = [
+  # B, H, G, K, C slots, S positions, index, window, softcap, sinks, cache dtype
+  (3, 4, 2, 24, 10, 10, 6, None, None, False, 'float32'),  # grouped heads, K a tail of 16, left pads
+  (1, 2, 1, 32, 12, 12, 9, 4, None, False, 'bfloat16'),  # one row (the cache without its batch axis), a window
+  (2, 4, 4, 16, 4, 12, 9, 4, 5.0, True, 'float32'),  # a ring of 4 slots, soft cap, sinks
+  (2, 6, 2, 64, 16, 16, 15, None, None, True, 'bfloat16'),  # the last slot, three heads per group
+]
+
+
+@pytest.mark.parametrize('case', ATTENTION_CASES, ids=lambda c: f'B{c[0]}H{c[1]}G{c[2]}C{c[4]}:{c[10]}')
+def test_decode_attention_is_the_xla_path(case):
+  """layers.Attention's cached step through the kernel equals its XLA path: the output and the written cache."""
+  check_attention(case)
+
+
+def check_attention(case):
+  from models import attention, layers
+
+  B, H, G, K, C, S, index, window, softcap, sinks, dtype = case
+  rng = np.random.default_rng(C + index)
+  attn = layers.Attention(H * K, H, num_kv_heads=G, head_dim=K, rngs=__import__('flax').nnx.Rngs(0))
+  q = jnp.asarray(rng.standard_normal((B, 1, H, K)), dtype)
+  k, v = (jnp.asarray(rng.standard_normal((B, 1, G, K)), dtype) for _ in range(2))
+  cache = tuple(jnp.asarray(rng.standard_normal((B, G, C, K)), dtype) for _ in range(2))
+  valid = np.ones((B, S), bool)
+  valid[0, : min(3, index)] = False  # a left-padded prompt
+  sinks_H = jnp.asarray(rng.standard_normal(H), jnp.float32) if sinks else None
+  d = layers.Decoding(index=jnp.int32(index), valid_BS=jnp.asarray(valid))
+  logits = attention.Logits(softcap=softcap, window=window)
+
+  def step(fast):
+    @jax.jit
+    def run(q, k, v, cache, d, sinks_H):
+      with kernels.decode_matmuls(fast):
+        return attn._cached(q, k, v, cache, d, logits, sinks_H)
+
+    return run, run(q, k, v, cache, d, sinks_H)
+
+  run, (got, got_cache) = step(True)
+  assert 'shardzoo_decode_attention' in run.lower(q, k, v, cache, d, sinks_H).as_text()
+  _, (want, want_cache) = step(False)
+  assert got.dtype == want.dtype and got.shape == want.shape == (B, 1, H, K)
+  # float32 throughout against XLA's float32 scores; in bfloat16 XLA rounds the probabilities and the output to 8 bits
+  tol = 2.0**-7 if dtype == 'bfloat16' else 1e-5
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+  for a, b in zip(got_cache, want_cache):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@functools.cache
+def _portable_targets():
+  """The library built for x86-64-v2 (no AVX-512: the portable loops), registered under targets of its own."""
+  lib = ctypes.cdll.LoadLibrary(str(kernels.build('x86-64-v2')))
+  lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
+  assert lib.shardzoo_matvec_isa() == b'portable C++' and not lib.shardzoo_has_bf16_gemm()
+  targets = (f'{kernels.TARGET}_portable', f'{kernels.ATTENTION_TARGET}_portable')
+  for name, fn in zip(targets, [lib.ShardzooMatvec, lib.ShardzooDecodeAttention]):
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform='cpu')
+  return targets
+
+
+@pytest.mark.skipif(platform.machine() not in ('x86_64', 'AMD64'), reason='x86 targets')
+def test_builds_for_cpus_without_avx512_compute_the_same(monkeypatch):
+  """The library for a CPU without AVX-512 (its portable C++ loops) gives the einsums and the cached attention
+  above; one for AVX-512 without BF16 (Skylake: no bfloat16 GEMM) builds."""
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    skylake = pool.submit(kernels.build, 'skylake-avx512')
+    matvec, attention_target = _portable_targets()
+    assert skylake.result().exists()
+  monkeypatch.setattr(kernels, 'TARGET', matvec)
+  monkeypatch.setattr(kernels, 'ATTENTION_TARGET', attention_target)
+  for case in CASES:
+    if case[1][0] * case[1][1] <= kernels.MAX_ROWS:
+      test_the_kernel_is_the_einsum(*case)
+  for case in ATTENTION_CASES[1:3]:
+    check_attention(case)

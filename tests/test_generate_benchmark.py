@@ -26,10 +26,11 @@ def test_generate_benchmark_smoke():
 def test_decode_kernel_benchmark_smoke():
   """benchmarks/decode_kernel.py on tiny shapes: a row per case, both sides timed (where the kernel runs here)."""
   cmd = [sys.executable, 'benchmarks/decode_kernel.py', '--busy', '--hidden=32', '--layers=1', '--vocab=64']
-  cmd += ['--steps=1', '--reps=1', '--rounds=1', '--rows=3', '--gemm_rows=16']
+  cmd += ['--steps=1', '--reps=1', '--rounds=1', '--rows=3', '--gemm_rows=16', '--attention_rows=2', '--slots=12']
   r = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   if 'nothing to compare' in r.stderr:
     pytest.skip(r.stderr.strip().splitlines()[-1])
   assert r.returncode == 0, r.stderr[-3000:]
   rows = [line for line in r.stdout.splitlines() if line.startswith('| ') and ' ms (' in line]
-  assert len(rows) >= 2 and all(line.count(' ms (') == 2 for line in rows), r.stdout
+  assert len(rows) >= 4 and all(line.count(' ms (') == 2 for line in rows), r.stdout
+  assert sum(' attention |' in line for line in rows) == 2, r.stdout  # float32 and bfloat16 caches

@@ -6,6 +6,9 @@
   rows of W between the caller and XLA's thread pool.
 * `matmul`, more rows of bfloat16 against bfloat16 (the prefill) where the CPU has AVX-512 BF16 (`bf16_gemm`):
   bfloat16 pairs multiplied by vdpbf16ps, where XLA widens both operands first.
+* `decode_attention`: a decode step's attention of one new query per row over its KV cache (float32 or bfloat16),
+  each cached key and value read once for the query heads that share it. XLA's CPU compiler widens a bfloat16 cache
+  into a float32 copy every step and runs the products as batched one-row dots.
 * `take_rows`: a decode's lookup of a 16-bit table, its bytes copied (XLA's CPU compiler gathers bfloat16 in
   float32, and widened the whole table once per generate call).
 
@@ -35,11 +38,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name('matvec.cc')
 TARGET = 'shardzoo_matvec'
 GEMM_TARGET = 'shardzoo_gemm_bf16'
 TAKE_TARGET = 'shardzoo_take_rows'
+ATTENTION_TARGET = 'shardzoo_decode_attention'
 MAX_ROWS = 8  # matvec.cc kMaxRows: each weight is loaded once for all rows; beyond a few rows a GEMM's tiles win
 FLAGS = (
   '-O3',
@@ -79,15 +84,17 @@ def cache_dir() -> pathlib.Path:
   return pathlib.Path(os.environ.get('SHARDZOO_CACHE') or pathlib.Path.home() / '.cache' / 'shardzoo') / 'kernels'
 
 
-def build() -> pathlib.Path:
-  """The compiled library (built now if the cache has none); RuntimeError saying why it could not be built."""
+def build(march: str = 'native') -> pathlib.Path:
+  """The compiled library (built now if the cache has none) for `march` (-march: this CPU, or another target such
+  as x86-64-v2, whose library takes the portable loops); RuntimeError saying why it could not be built."""
+  flags = [f'-march={march}' if f == '-march=native' else f for f in FLAGS]
   cxx = _compiler()
   if cxx is None:
     raise RuntimeError('no C++ compiler found ($CXX, g++ or c++)')
   include = jax.ffi.include_dir()
   version = subprocess.run([cxx, '--version'], capture_output=True, text=True, timeout=30).stdout
   key = hashlib.sha256(
-    '\0'.join([SOURCE.read_text(), cxx, version, ' '.join(FLAGS), jax.__version__, _cpu_flags()]).encode()
+    '\0'.join([SOURCE.read_text(), cxx, version, ' '.join(flags), jax.__version__, _cpu_flags()]).encode()
   ).hexdigest()[:16]
   out = cache_dir() / f'matvec-{key}.so'
   if out.exists():
@@ -98,7 +105,7 @@ def build() -> pathlib.Path:
   os.close(fd)
   try:
     done = subprocess.run(
-      [cxx, *FLAGS, f'-I{include}', str(SOURCE), '-o', tmp], capture_output=True, text=True, timeout=300
+      [cxx, *flags, f'-I{include}', str(SOURCE), '-o', tmp], capture_output=True, text=True, timeout=300
     )
     if done.returncode:
       lines = [ln for ln in done.stderr.splitlines() if 'error' in ln] or done.stderr.splitlines() or ['(no output)']
@@ -119,6 +126,7 @@ def _loaded() -> tuple[str | None, str]:
     lib = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ShardzooMatvec), platform='cpu')
     jax.ffi.register_ffi_target(TAKE_TARGET, jax.ffi.pycapsule(lib.ShardzooTakeRows), platform='cpu')
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.ShardzooDecodeAttention), platform='cpu')
     lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
     isa = lib.shardzoo_matvec_isa().decode()
     if lib.shardzoo_has_bf16_gemm():
@@ -158,7 +166,10 @@ def status(devices: Any = None) -> tuple[bool, str]:
   if isa is None:
     return False, f"decode matmuls: XLA's dot (the kernel is not available: {why})"
   wide = '; bfloat16 matmuls of more rows (prefill) by AVX-512 BF16 dot products' if bf16_gemm() else ''
-  return True, f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows{wide}'
+  return True, (
+    f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows and the attention over '
+    f'the KV cache{wide}'
+  )
 
 
 def missing(devices: Any = None) -> bool:
@@ -240,3 +251,35 @@ def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array | None:
     return None
   out = jax.ShapeDtypeStruct((*ids.shape, table.shape[1]), table.dtype)
   return jax.ffi.ffi_call(TAKE_TARGET, out)(table, ids.astype(jnp.int32))
+
+
+def decode_attention(
+  q_BHK: jax.Array,
+  k_BGCK: jax.Array,
+  v_BGCK: jax.Array,
+  mask_BC: jax.Array,
+  filled: jax.Array,
+  *,
+  scale: float,
+  softcap: float | None = None,
+  sinks_H: jax.Array | None = None,
+) -> jax.Array | None:
+  """Attention of one query per row, q (B, H, K), over the first `filled` slots of its cache (B, G, C, K) where
+  mask_BC is set, inside decode_matmuls(True): the (B, H, K) output in float32 (scores scaled, soft-capped, masked,
+  softmax in float32 with the sinks' logits in its denominator, as layers.Attention's XLA path); None elsewhere
+  (the caller runs XLA's)."""
+  if not _active.get() or jnp.dtype(k_BGCK.dtype) not in WEIGHT_DTYPES or v_BGCK.dtype != k_BGCK.dtype:
+    return None
+  B, H, K = q_BHK.shape
+  sinks = jnp.zeros((H,), jnp.float32) if sinks_H is None else sinks_H.astype(jnp.float32)
+  return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((B, H, K), jnp.float32))(
+    q_BHK.astype(jnp.float32),
+    k_BGCK,
+    v_BGCK,
+    mask_BC.astype(jnp.bool_),
+    jnp.asarray(filled, jnp.int32),
+    sinks,
+    scale=np.float32(scale),
+    softcap=np.float32(softcap or 0.0),
+    has_sinks=sinks_H is not None,
+  )

@@ -4,8 +4,10 @@
 // rows of W between the caller and XLA's intra-op thread pool.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -287,30 +289,86 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
 }
 
 #if defined(__AVX512BF16__)
-// bfloat16 x bfloat16 for more rows (a prefill, a batch above kMaxRows): pairs of products summed in float32 by
-// AVX-512 BF16's dot instruction (vdpbf16ps), as torch's oneDNN path multiplies; XLA's CPU dot widens both
-// operands into float32 copies first. K must be even (every model's widths are).
+// bfloat16 x bfloat16 for more rows (a prefill, a batch above kMaxRows): W in 32-column panels (32 rows of an NK
+// head), each packed once into `panel` (K registers' worth, in L1/L2) as the bfloat16 pairs AVX-512 BF16's vdpbf16ps
+// takes, and read by every tile of 8 rows of x, whose 8 x 32 float32 sums stay in registers (as torch's oneDNN path
+// multiplies; XLA's CPU dot widens both operands into float32 copies first). K must be even (every model's widths
+// are). A float32 GEMM of the same shape ran no faster than XLA's dot: at 32 rows both wait on W's strided rows.
 #define SHARDZOO_BF16_GEMM 1
 
-// KN: rows k and k+1 of a 32-column panel of W interleaved into (W[k, n], W[k+1, n]) pairs, the lanes
-// vdpbf16ps takes, against a broadcast pair (x[m, k], x[m, k+1]); R rows of x share each interleaved panel.
-template <int R>
-void kn_tile_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n) {
+inline __mmask32 panel_cols(int64_t N, int64_t n) {
+  return N - n >= 32 ? ~__mmask32(0) : __mmask32((1ull << (N - n)) - 1);
+}
+
+// KN, bfloat16: rows k and k+1 interleaved into (W[k, n], W[k+1, n]) pairs, the lanes vdpbf16ps takes; panel[k]
+// and panel[k + 1] hold the pairs of columns [n, n + 16) and [n + 16, n + 32).
+void pack_panel(const uint16_t* w, __m512i* panel, int64_t K, int64_t N, int64_t n) {
   alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
-  const int64_t left = N - n;
-  const __mmask32 cols = left >= 32 ? ~__mmask32(0) : __mmask32((1ull << left) - 1);
+  const __mmask32 cols = panel_cols(N, n);
+  for (int64_t k = 0; k < K; k += 2) {
+    const __m512i r0 = _mm512_maskz_loadu_epi16(cols, w + k * N + n);
+    const __m512i r1 = _mm512_maskz_loadu_epi16(cols, w + (k + 1) * N + n);
+    panel[k] = _mm512_permutex2var_epi16(r0, lo, r1);
+    panel[k + 1] = _mm512_permutex2var_epi16(r0, hi, r1);
+  }
+}
+
+inline void transpose16(__m512i r[16]) {  // 16 x 16 dwords
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// NK (a tied head, W [N, K]): the same panel from 32 rows of W, each row's (W[n, k], W[n, k+1]) pairs (a dword)
+// transposed in blocks of 16 dwords of 16 rows, so that the head runs the KN tiles.
+void pack_panel_nk(const uint16_t* w, __m512i* panel, int64_t K, int64_t N, int64_t n) {
+  const int64_t dwords = K / 2;
+  const int32_t* d = reinterpret_cast<const int32_t*>(w);
+  for (int64_t p0 = 0; p0 < dwords; p0 += 16) {
+    const __mmask16 cols = tail(dwords - p0);
+    for (int h = 0; h < 2; ++h) {
+      __m512i r[16];
+      for (int j = 0; j < 16; ++j) {
+        const int64_t row = n + 16 * h + j;
+        r[j] = row < N ? _mm512_maskz_loadu_epi32(cols, d + row * dwords + p0) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int64_t i = 0; i < std::min<int64_t>(16, dwords - p0); ++i) panel[2 * (p0 + i) + h] = r[i];
+    }
+  }
+}
+
+// R rows of x against a packed panel: per step, a broadcast pair (x[m, k], x[m, k+1]) of each row against the
+// panel's two registers of that step.
+template <int R>
+void panel_tile(const uint16_t* x, const __m512i* panel, float* y, int64_t K, int64_t N, int64_t m0, int64_t n) {
+  const __mmask32 cols = panel_cols(N, n);
   __m512 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
-    const __m512i r0 = _mm512_maskz_loadu_epi16(cols, w + k * N + n);
-    const __m512i r1 = _mm512_maskz_loadu_epi16(cols, w + (k + 1) * N + n);
-    const __m512bh b0 = (__m512bh)_mm512_permutex2var_epi16(r0, lo, r1);
-    const __m512bh b1 = (__m512bh)_mm512_permutex2var_epi16(r0, hi, r1);
+    const __m512bh b0 = (__m512bh)panel[k], b1 = (__m512bh)panel[k + 1];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(x + (m0 + r) * K + k));
@@ -326,62 +384,17 @@ void kn_tile_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int
   }
 }
 
-// NK (a tied head, W [N, K]): R rows of x against four rows of W as dot products over K, 32 values a step.
-template <int R>
-void nk_tile_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0) {
-  const int rows_w = int(std::min<int64_t>(4, N - n0));
-  __m512 acc[R][4];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    const int64_t left = K - k;
-    const __mmask32 t = left >= 32 ? ~__mmask32(0) : __mmask32((1ull << left) - 1);
-    __m512bh b[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j)
-      b[j] = (__m512bh)(j < rows_w ? _mm512_maskz_loadu_epi16(t, w + (n0 + j) * K + k) : _mm512_setzero_si512());
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16(t, x + (m0 + r) * K + k);
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
-    }
-  }
-  // All four reduced by constant indices (a variable index would keep the accumulators in memory), rows_w kept.
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    float sums[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) sums[j] = _mm512_reduce_add_ps(acc[r][j]);
-    for (int j = 0; j < rows_w; ++j) y[(m0 + r) * N + n0 + j] = sums[j];
-  }
-}
-
-template <int R>
-void kn_rows_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n) {
+void panel_rows(const uint16_t* x, const __m512i* panel, float* y, int64_t M, int64_t K, int64_t N, int64_t n) {
   int64_t m = 0;
-  for (; m + R <= M; m += R) kn_tile_bf16<R>(x, w, y, K, N, m, n);
+  for (; m + 8 <= M; m += 8) panel_tile<8>(x, panel, y, K, N, m, n);
   switch (M - m) {  // the rows left over, in one tile of their own
-    case 7: kn_tile_bf16<7>(x, w, y, K, N, m, n); break;
-    case 6: kn_tile_bf16<6>(x, w, y, K, N, m, n); break;
-    case 5: kn_tile_bf16<5>(x, w, y, K, N, m, n); break;
-    case 4: kn_tile_bf16<4>(x, w, y, K, N, m, n); break;
-    case 3: kn_tile_bf16<3>(x, w, y, K, N, m, n); break;
-    case 2: kn_tile_bf16<2>(x, w, y, K, N, m, n); break;
-    case 1: kn_tile_bf16<1>(x, w, y, K, N, m, n); break;
-    default: break;
-  }
-}
-
-void nk_rows_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) nk_tile_bf16<4>(x, w, y, K, N, m, n);
-  switch (M - m) {
-    case 3: nk_tile_bf16<3>(x, w, y, K, N, m, n); break;
-    case 2: nk_tile_bf16<2>(x, w, y, K, N, m, n); break;
-    case 1: nk_tile_bf16<1>(x, w, y, K, N, m, n); break;
+    case 7: panel_tile<7>(x, panel, y, K, N, m, n); break;
+    case 6: panel_tile<6>(x, panel, y, K, N, m, n); break;
+    case 5: panel_tile<5>(x, panel, y, K, N, m, n); break;
+    case 4: panel_tile<4>(x, panel, y, K, N, m, n); break;
+    case 3: panel_tile<3>(x, panel, y, K, N, m, n); break;
+    case 2: panel_tile<2>(x, panel, y, K, N, m, n); break;
+    case 1: panel_tile<1>(x, panel, y, K, N, m, n); break;
     default: break;
   }
 }
@@ -397,16 +410,16 @@ ffi::Error gemm_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
   float* yp = y->typed_data();
   const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
-  // Chunks of output columns: 32-column panels of W (KN), or 4 rows of W (NK), a few to a chunk.
-  const int64_t width = nk ? 16 : 64;
-  const int64_t chunks = (N + width - 1) / width;
-  run_chunks(pool, chunks, max_workers, [&](int, int64_t c) {
-    const int64_t end = std::min(N, (c + 1) * width);
-    for (int64_t n = c * width; n < end; n += nk ? 4 : 32) {
+  const int64_t chunks = (N + 63) / 64;               // two panels a chunk
+  std::vector<__m512i> panels(size_t(max_workers) * K);  // one per worker
+  run_chunks(pool, chunks, max_workers, [&](int worker, int64_t c) {
+    __m512i* panel = panels.data() + worker * K;
+    for (int64_t n = c * 64; n < std::min(N, (c + 1) * 64); n += 32) {
       if (nk)
-        nk_rows_bf16(xp, wp, yp, M, K, N, n);
+        pack_panel_nk(wp, panel, K, N, n);
       else
-        kn_rows_bf16<8>(xp, wp, yp, M, K, N, n);
+        pack_panel(wp, panel, K, N, n);
+      panel_rows(xp, panel, yp, M, K, N, n);
     }
   });
   return ffi::Error::Success();
@@ -414,9 +427,113 @@ ffi::Error gemm_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer
 #else
 ffi::Error gemm_bf16(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>, ffi::ResultBuffer<ffi::F32>,
                      bool) {
-  return ffi::Error::Unimplemented("gemm_bf16: built without AVX-512 BF16");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "gemm_bf16: built without AVX-512 BF16");
 }
 #endif
+
+// One new query per row against its KV cache (a decode step's attention): for each row b and KV head g, the R
+// query heads of g read each cached key and value once, widened in registers. XLA's CPU compiler widens a
+// bfloat16 cache into a float32 copy every step and runs the two products as batched dots of one row each; at
+// batch 32 that was two thirds of a GPT-2 step's non-matmul time. Scores, softmax and output are float32, in the
+// order layers.Attention's XLA path takes: scale, soft cap, mask (finfo.min), softmax with the sink's logit in its
+// denominator.
+inline float cap_score(float s, float softcap) { return softcap > 0 ? softcap * std::tanh(s / softcap) : s; }
+
+template <typename C>
+inline float dot_row(const float* q, const C* k, int64_t K) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < K; i += 16) {
+    const __mmask16 t = tail(K - i);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(t, q + i), load16(k + i, t), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float s = 0;
+  for (int64_t i = 0; i < K; ++i) s += q[i] * widen(k[i]);
+  return s;
+#endif
+}
+
+template <typename C>
+inline void add_row(float* o, float p, const C* v, int64_t K) {
+#if defined(__AVX512F__)
+  const __m512 pv = _mm512_set1_ps(p);
+  for (int64_t i = 0; i < K; i += 16) {
+    const __mmask16 t = tail(K - i);
+    _mm512_mask_storeu_ps(o + i, t, _mm512_fmadd_ps(pv, load16(v + i, t), _mm512_maskz_loadu_ps(t, o + i)));
+  }
+#else
+  for (int64_t i = 0; i < K; ++i) o[i] += p * widen(v[i]);
+#endif
+}
+
+// The R query heads q[R, K] of one KV head over its first n slots k, v [n, K]; s: scratch of R x n scores.
+template <typename C>
+void attend_group(const float* q, const C* k, const C* v, const bool* mask, int64_t n, int64_t K, int64_t R,
+                  float scale, float softcap, const float* sinks, float* s, float* o) {
+  constexpr float lowest = -std::numeric_limits<float>::max();
+  for (int64_t c = 0; c < n; ++c) {
+    for (int64_t r = 0; r < R; ++r)
+      s[r * n + c] = mask[c] ? cap_score(dot_row(q + r * K, k + c * K, K) * scale, softcap) : lowest;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * n;
+    float m = sinks ? sinks[r] : lowest;
+    for (int64_t c = 0; c < n; ++c) m = std::max(m, sr[c]);
+    float total = sinks ? std::exp(sinks[r] - m) : 0.0f;
+    for (int64_t c = 0; c < n; ++c) total += (sr[c] = std::exp(sr[c] - m));
+    const float inv = 1.0f / total;
+    for (int64_t c = 0; c < n; ++c) sr[c] *= inv;
+    std::fill(o + r * K, o + (r + 1) * K, 0.0f);
+  }
+  for (int64_t c = 0; c < n; ++c) {
+    if (!mask[c]) continue;  // weight 0 (exp of finfo.min less a real score), unless every slot is masked
+    for (int64_t r = 0; r < R; ++r) add_row(o + r * K, s[r * n + c], v + c * K, K);
+  }
+}
+
+template <typename T>
+ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> filled, ffi::Buffer<ffi::F32> sinks,
+                            ffi::ResultBuffer<ffi::F32> out, float scale, float softcap, bool has_sinks) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || !std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end()))
+    return ffi::Error::InvalidArgument("decode_attention: q (B, H, K), k and v (B, G, C, K)");
+  const int64_t B = qd[0], H = qd[1], K = qd[2], G = kd[1], C = kd[2];
+  if (kd[0] != B || kd[3] != K || H % G || mask.element_count() != size_t(B * C))
+    return ffi::Error::InvalidArgument("decode_attention: q, cache and mask sizes differ");
+  const int64_t R = H / G, n = std::clamp<int64_t>(filled.typed_data()[0], 0, C);
+  const float* qp = q.typed_data();
+  const T* kp = reinterpret_cast<const T*>(k.untyped_data());
+  const T* vp = reinterpret_cast<const T*>(v.untyped_data());
+  const bool* mp = mask.typed_data();
+  const float* sp = has_sinks ? sinks.typed_data() : nullptr;
+  float* op = out->typed_data();
+  const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
+  std::vector<float> scratch(size_t(max_workers) * R * std::max<int64_t>(n, 1));
+  run_chunks(pool, B * G, max_workers, [&](int worker, int64_t item) {
+    const int64_t b = item / G, g = item % G, at = (b * G + g) * C * K;
+    attend_group(qp + (b * H + g * R) * K, kp + at, vp + at, mp + b * C, n, K, R, scale, softcap,
+                 sp ? sp + g * R : nullptr, scratch.data() + worker * R * std::max<int64_t>(n, 1),
+                 op + (b * H + g * R) * K);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error attention_dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                              ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> filled, ffi::Buffer<ffi::F32> sinks,
+                              ffi::ResultBuffer<ffi::F32> out, float scale, float softcap, bool has_sinks) {
+  if (k.element_type() != v.element_type()) return ffi::Error::InvalidArgument("decode_attention: k and v differ");
+  switch (k.element_type()) {
+    case ffi::DataType::F32:
+      return decode_attention<float>(pool, q, k, v, mask, filled, sinks, out, scale, softcap, has_sinks);
+    case ffi::DataType::BF16:
+      return decode_attention<uint16_t>(pool, q, k, v, mask, filled, sinks, out, scale, softcap, has_sinks);
+    default:
+      return ffi::Error::InvalidArgument("decode_attention: the cache must be float32 or bfloat16");
+  }
+}
 
 // Rows of a table by id (a decode's embedding lookup): bytes copied as they are. XLA's CPU compiler gathers a
 // bfloat16 table in float32, and hoisted the widening of the whole table out of the decode loop. An id outside the
@@ -455,6 +572,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooGemmBf16, gemm_bf16,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("nk"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooDecodeAttention, attention_dispatch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<bool>("has_sinks"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooTakeRows, take_rows,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>());
