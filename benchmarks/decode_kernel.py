@@ -9,9 +9,10 @@ the model's: a Dense layer's einsum in the weights' dtype, the head's with float
 
 Matrix-vector rows (at most kernels.MAX_ROWS) run float32 and bfloat16 weights, activations in float32 as a decode
 step's; GEMM rows are bfloat16 throughout, where the CPU has AVX-512 BF16, one step per execution (a prefill's
-path: XLA's temporaries are fresh pages in every execution, as a prefill's are). Prints, per case, the
-median ms per step of each round (XLA, then the kernel) and the rate: GB/s of weights read (matrix-vector) or GFLOP/s
-(GEMM), GB/s of cache read (attention, at slot `--slots` * 5 / 6 of `--slots`). Refuses a busy machine as benchmarks/generate.py does (--max_load, --busy).
+path: XLA's temporaries are fresh pages in every execution, as a prefill's are). Prints, per case, the median ms
+per step of each round (XLA, then the kernel) and the rate: GB/s of weights read (matrix-vector), GFLOP/s (GEMM),
+GB/s of cache read (attention, at slot 5/6 of `--slots`). Refuses a busy machine as benchmarks/generate.py does
+(--max_load, --busy).
 """
 
 from __future__ import annotations
