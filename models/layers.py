@@ -794,7 +794,8 @@ class Attention(nnx.Module):
     if T == 1:  # models/kernels' attention over the cache, inside a decode on one CPU device
       o_BHK = kernels.decode_attention(
         q_BTHK[:, 0],
-        *((k_BGCK[None], v_BGCK[None]) if one else (k_BGCK, v_BGCK)),
+        k_BGCK,  # (G, C, K) where `one`: with its batch axis added back, XLA copied the cache to write it
+        v_BGCK,
         mask_BTC[:, 0],
         jnp.minimum(d.index + 1, C),
         scale=logits.scale_for(K),

@@ -264,10 +264,10 @@ def decode_attention(
   softcap: float | None = None,
   sinks_H: jax.Array | None = None,
 ) -> jax.Array | None:
-  """Attention of one query per row, q (B, H, K), over the first `filled` slots of its cache (B, G, C, K) where
-  mask_BC is set, inside decode_matmuls(True): the (B, H, K) output in float32 (scores scaled, soft-capped, masked,
-  softmax in float32 with the sinks' logits in its denominator, as layers.Attention's XLA path); None elsewhere
-  (the caller runs XLA's)."""
+  """Attention of one query per row, q (B, H, K), over the first `filled` slots of its cache (B, G, C, K; one row's
+  may be (G, C, K)) where mask_BC is set, inside decode_matmuls(True): the (B, H, K) output in float32 (scores
+  scaled, soft-capped, masked, softmax in float32 with the sinks' logits in its denominator, as layers.Attention's
+  XLA path); None elsewhere (the caller runs XLA's)."""
   if not _active.get() or jnp.dtype(k_BGCK.dtype) not in WEIGHT_DTYPES or v_BGCK.dtype != k_BGCK.dtype:
     return None
   B, H, K = q_BHK.shape

@@ -497,11 +497,15 @@ template <typename T>
 ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> filled, ffi::Buffer<ffi::F32> sinks,
                             ffi::ResultBuffer<ffi::F32> out, float scale, float softcap, bool has_sinks) {
+  // A cache of one row may come without its batch axis (G, C, K): layers.Attention carries it so, and adding the
+  // axis back made XLA copy the cache to write it.
   const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || !std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end()))
-    return ffi::Error::InvalidArgument("decode_attention: q (B, H, K), k and v (B, G, C, K)");
-  const int64_t B = qd[0], H = qd[1], K = qd[2], G = kd[1], C = kd[2];
-  if (kd[0] != B || kd[3] != K || H % G || mask.element_count() != size_t(B * C))
+  if (qd.size() != 3 || kd.size() < 3 || kd.size() > 4 ||
+      !std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end()))
+    return ffi::Error::InvalidArgument("decode_attention: q (B, H, K), k and v (B, G, C, K) or (G, C, K)");
+  const size_t lead = kd.size() - 3;
+  const int64_t B = qd[0], H = qd[1], K = qd[2], G = kd[lead], C = kd[lead + 1];
+  if ((lead ? kd[0] : 1) != B || kd[lead + 2] != K || H % G || mask.element_count() != size_t(B * C))
     return ffi::Error::InvalidArgument("decode_attention: q, cache and mask sizes differ");
   const int64_t R = H / G, n = std::clamp<int64_t>(filled.typed_data()[0], 0, C);
   const float* qp = q.typed_data();
