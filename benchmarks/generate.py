@@ -181,6 +181,9 @@ def run_ours(shapes: dict, dtype: str) -> dict:
     param_dtypes=sorted({str(x.dtype) for x in jax.tree.leaves(gen.params)}),
     matmul='the matvec kernel' if gen.decode_kernel() else "XLA's dot",
   )
+  # The memory's read rate moved by a third between runs minutes apart on CPU-2: it is read again in this process
+  # just before and after each batch's repetitions, and the bound of that batch uses the faster of the two.
+  probe = np.ones(FLAGS.probe_mib << 18, np.float32) if jax.devices()[0].platform == 'cpu' else None
   for B in [int(b) for b in FLAGS.batches.split(',')]:
     prompts = prompts_for(B, shapes['vocab'])
     fn = lambda n: [g.ids for g in gen.generate(prompts, generation.Sampling(max_new_tokens=n, temperature=0.0))]
@@ -188,9 +191,16 @@ def run_ours(shapes: dict, dtype: str) -> dict:
     # the first token is a program of its own: both are compiled here, not inside a repetition.
     fn(FLAGS.new_tokens)
     fn(1)
+    read_before = numpy_read_bandwidth(probe) if probe is not None else None
     reps = repeat(fn, FLAGS.reps)
+    read_after = numpy_read_bandwidth(probe) if probe is not None else None
     rows, _, slots = gen.shapes(prompts, generation.Sampling(FLAGS.new_tokens))
-    out[B] = dict(times=[r[:2] for r in reps], tokens=reps[-1][2], cache=gen.cache_bytes_per_device(rows, slots))
+    out[B] = dict(
+      times=[r[:2] for r in reps],
+      tokens=reps[-1][2],
+      cache=gen.cache_bytes_per_device(rows, slots),
+      read=[read_before, read_after] if probe is not None else None,
+    )
   return out
 
 
@@ -410,7 +420,8 @@ def table(shapes: dict, machine: dict, machine_load: dict, runs: dict, dtype: st
     f'{machine["device"]}; transformers {theirs0["torch"]} {theirs0["peer"]}',
     f'machine: read bandwidth {bw / 1e9:.1f} GB/s (the fastest reader: {machine["reader"]}; '
     + ', '.join(f'{k} {v / 1e9:.1f}' for k, v in machine['readers'].items())
-    + f'; an in-place copy moved {machine["copy_bw"] / 1e9:.1f}, read + written), matmul '
+    + f"; an in-place copy moved {machine['copy_bw'] / 1e9:.1f}, read + written; a CPU's bounds use the read rate "
+    "around ours' repetitions, the last column), matmul "
     + ', '.join(f'{k} {v / 1e9:.0f} GFLOP/s' for k, v in machine['flops'].items()),
     f"load average at the start {load:.2f}; per process (before/after, ours included; others' cores): "
     + '; '.join(f'{ld["load_before"]:.2f}/{ld["load_after"]:.2f}, {ld["others"]:.2f}' for ld in loads)
@@ -418,8 +429,9 @@ def table(shapes: dict, machine: dict, machine_load: dict, runs: dict, dtype: st
     + ('  ** INLINE (the sides in one process): not figures **' if FLAGS.inline else ''),
     '',
     '| batch | ours TTFT ms | transformers TTFT ms | TTFT bound ms | ours ms/token | transformers ms/token | '
-    'bound ms/token | ours of bound | ours tokens/s | transformers tokens/s | speed-up | same tokens | KV cache |',
-    '|' + '---|' * 13,
+    'bound ms/token | ours of bound | ours tokens/s | transformers tokens/s | speed-up | same tokens | KV cache | '
+    'read GB/s around ours |',
+    '|' + '---|' * 14,
   ]
   for B in [int(b) for b in FLAGS.batches.split(',')]:
     col = lambda name: (
@@ -428,6 +440,9 @@ def table(shapes: dict, machine: dict, machine_load: dict, runs: dict, dtype: st
       [B * N / tn for got, _ in runs[name] for _, tn in got[str(B)]['times']],
     )
     (o_ttft, o_lat, o_tps), (h_ttft, h_lat, h_tps) = col('ours'), col('theirs')
+    # the read rate around ours' repetitions (each process's, before and after: the fastest), else the probe's
+    around = [r for got, _ in runs['ours'] for r in (got[str(B)].get('read') or [])]
+    bw = max(around) if around else machine['bandwidth']
     cache_row = 2 * shapes['layers'] * shapes['kv_heads'] * shapes['head_dim'] * size  # bytes per token of one row
     context = P + (N - 1) / 2  # the mean cache length of a decode step
     attention = 4 * shapes['layers'] * shapes['heads'] * shapes['head_dim']  # FLOPs per row per cached token
@@ -447,7 +462,11 @@ def table(shapes: dict, machine: dict, machine_load: dict, runs: dict, dtype: st
       f'| {B} | {spread(o_ttft, 1e3, ".0f")} | {spread(h_ttft, 1e3, ".0f")} | {prefill * 1e3:.0f} | '
       f'{spread(o_lat, 1e3)} | {spread(h_lat, 1e3)} | {step * 1e3:.1f} | {step / statistics.median(o_lat):.0%} | '
       f'{spread(o_tps)} | {spread(h_tps)} | {statistics.median(o_tps) / statistics.median(h_tps):.2f}x | {same} | '
-      f'{fmt_bytes(ours0[str(B)]["cache"])} |' + (' BUSY' if busy else '') + (' INLINE' if FLAGS.inline else '')
+      f'{fmt_bytes(ours0[str(B)]["cache"])} | '
+      + ('/'.join(f'{r / 1e9:.1f}' for r in around) if around else '-')
+      + ' |'
+      + (' BUSY' if busy else '')
+      + (' INLINE' if FLAGS.inline else '')
     )
   return '\n'.join(lines)
 

@@ -21,6 +21,7 @@ def test_generate_benchmark_smoke():
   assert len(rows) == 1, r.stdout
   cells = [c.strip() for c in rows[0]]
   assert float(cells[6]) >= 0 and cells[7].endswith('%') and cells[11] == 'True', r.stdout  # bound, of bound, same
+  assert all(float(gb) > 0 for gb in cells[13].split('/')), r.stdout  # the read rate before and after ours' reps
 
 
 def test_decode_kernel_benchmark_smoke():
