@@ -209,3 +209,24 @@ def test_builds_for_cpus_without_avx512_compute_the_same(monkeypatch):
       test_the_kernel_is_the_einsum(*case)
   for case in ATTENTION_CASES[1:3]:
     check_attention(case)
+
+
+def test_a_bfloat16_cache_is_written_without_widening_it():
+  """layers.write_slots: the slots a plain dynamic_update_slice writes, and on a CPU no float32 copy of a bfloat16
+  cache in the compiled loop (XLA's CPU compiler widens the whole cache to write a bfloat16 slice)."""
+  from models import layers
+
+  cache = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 16, 8)), jnp.bfloat16)
+  new = jnp.asarray(np.random.default_rng(1).standard_normal((2, 3, 1, 8)), jnp.bfloat16)
+
+  def loop(write):
+    return jax.jit(lambda c, x: jax.lax.fori_loop(0, 4, lambda i, c: write(c, x * i, i + 3, 2), c))
+
+  got = loop(layers.write_slots)
+  np.testing.assert_array_equal(
+    np.asarray(got(cache, new), np.float32),
+    np.asarray(
+      loop(lambda c, x, at, axis: jax.lax.dynamic_update_slice_in_dim(c, x, at, axis))(cache, new), np.float32
+    ),
+  )
+  assert 'f32[2,3,16,8]' not in got.lower(cache, new).compile().as_text()
