@@ -236,9 +236,9 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array |
   else:
     return None
   out_shape = jax.eval_shape(lambda a, b: jnp.einsum(spec, a, b), x, w).shape
-  y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, N), jnp.float32))(
-    x2, w.reshape((N, K) if nk else (K, N)), nk=nk
-  )
+  # the GEMM rounds a bfloat16 result itself; the matrix-vector rows' float32 result is small
+  y_dtype = jnp.bfloat16 if target == GEMM_TARGET and jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
+  y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, N), y_dtype))(x2, w.reshape((N, K) if nk else (K, N)), nk=nk)
   return y.reshape(out_shape).astype(out_dtype)
 
 
