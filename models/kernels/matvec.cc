@@ -1,7 +1,8 @@
 // y[M, N] = x[M, K] . W for a few rows M (a decode step): W is [K, N] ("kn") or [N, K] ("nk", a tied output head),
 // float32 or bfloat16; x and y are float32. A decode step is bound by reading W once, so the loops stream W from
 // memory in order, widen bfloat16 in registers (XLA's CPU dot widens it into a float32 copy first), and split the
-// rows of W between the caller and XLA's intra-op thread pool.
+// rows of W between the caller and XLA's intra-op thread pool. Beside it: a bfloat16 GEMM for more rows, a decode
+// step's attention over the KV cache, and the rows of a 16-bit table by id.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
