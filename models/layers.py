@@ -796,6 +796,7 @@ class Attention(nnx.Module):
       if logits.window is not None:
         seen_TS = seen_TS & (q_T[:, None] - jnp.arange(S)[None, :] < logits.window)
       mask_BTC = d.valid_BS[:, None, :] & seen_TS[None]
+    written = (k_BGCK[None], v_BGCK[None]) if one else (k_BGCK, v_BGCK)  # the batch axis back for the caller
     if T == 1:  # models/kernels' attention over the cache, inside a decode on one CPU device
       o_BHK = kernels.decode_attention(
         q_BTHK[:, 0],
@@ -808,8 +809,7 @@ class Attention(nnx.Module):
         sinks_H=sinks_H,
       )
       if o_BHK is not None:
-        cache = (k_BGCK[None], v_BGCK[None]) if one else (k_BGCK, v_BGCK)
-        return o_BHK[:, None].astype(q_BTHK.dtype), cache
+        return o_BHK[:, None].astype(q_BTHK.dtype), written
     G = k_BGCK.shape[-3]
     q_BTGRK = lead(q_BTHK.reshape(B, T, G, H // G, K))
     with jax.named_scope('attention'):
@@ -822,9 +822,7 @@ class Attention(nnx.Module):
       s_BGRTC = s_BGRTC[None] if one else s_BGRTC  # softmax_with_sinks takes the batch axis
       p_BGRTC = lead(attention.softmax_with_sinks(s_BGRTC, sinks_GR)).astype(q_BTHK.dtype)
       o_BTGRK = jnp.einsum(f'{b}grtc,{b}gck->{b}tgrk', p_BGRTC, v_BGCK.astype(q_BTHK.dtype))
-    if one:
-      o_BTGRK, k_BGCK, v_BGCK = o_BTGRK[None], k_BGCK[None], v_BGCK[None]
-    return o_BTGRK.reshape(B, T, H, K), (k_BGCK, v_BGCK)
+    return (o_BTGRK[None] if one else o_BTGRK).reshape(B, T, H, K), written
 
 
 def activation_then(down: Callable[..., jax.Array], *pre: jax.Array) -> jax.Array:

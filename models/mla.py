@@ -31,7 +31,7 @@ import ml_collections
 from flax import nnx
 
 from models import attention
-from models.layers import CACHE_AXES, Decoding, Dense, RMSNorm, rope, rope_scaling_params
+from models.layers import CACHE_AXES, Decoding, Dense, RMSNorm, rope, rope_scaling_params, write_slots
 from partitioning import shard_logical
 
 CACHE_NAMES = ('latent', 'rope_key')  # a layer's cache: the normed latent c and the rotary key
@@ -138,9 +138,7 @@ class MLA(nnx.Module):
 
   def _write(self, cache, c_BTR, k_rope_BT1P, d: Decoding) -> tuple[jax.Array, jax.Array]:
     """The new tokens' latents and rotary keys into their slots [index, index + T) (every row the same slots)."""
-    put = lambda c, x: shard_logical(
-      jax.lax.dynamic_update_slice_in_dim(c, x.astype(c.dtype), d.index, axis=2), CACHE_AXES
-    )
+    put = lambda c, x: shard_logical(write_slots(c, x.astype(c.dtype), d.index, axis=2), CACHE_AXES)
     return put(cache[0], c_BTR[:, None]), put(cache[1], k_rope_BT1P.transpose(0, 2, 1, 3))
 
   def _absorbed(self, q_nope_BTHN, q_rope_BTHP, c_BTR, k_rope_BT1P, cache, d: Decoding):
