@@ -149,11 +149,13 @@ def test_decode_attention_is_the_xla_path(case):
 
 
 def check_attention(case):
+  from flax import nnx
+
   from models import attention, layers
 
   B, H, G, K, C, S, index, window, softcap, sinks, dtype = case
   rng = np.random.default_rng(C + index)
-  attn = layers.Attention(H * K, H, num_kv_heads=G, head_dim=K, rngs=__import__('flax').nnx.Rngs(0))
+  attn = layers.Attention(H * K, H, num_kv_heads=G, head_dim=K, rngs=nnx.Rngs(0))
   q = jnp.asarray(rng.standard_normal((B, 1, H, K)), dtype)
   k, v = (jnp.asarray(rng.standard_normal((B, 1, G, K)), dtype) for _ in range(2))
   cache = tuple(jnp.asarray(rng.standard_normal((B, G, C, K)), dtype) for _ in range(2))

@@ -535,12 +535,12 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const float* sp = has_sinks ? sinks.typed_data() : nullptr;
   float* op = out->typed_data();
   const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
-  std::vector<float> scratch(size_t(max_workers) * R * std::max<int64_t>(n, 1));
+  const int64_t scores = R * std::max<int64_t>(n, 1);  // a worker's scratch
+  std::vector<float> scratch(size_t(max_workers) * scores);
   run_chunks(pool, B * G, max_workers, [&](int worker, int64_t item) {
     const int64_t b = item / G, g = item % G, at = (b * G + g) * C * K;
     attend_group(qp + (b * H + g * R) * K, kp + at, vp + at, mp + b * C, n, K, R, scale, softcap,
-                 sp ? sp + g * R : nullptr, scratch.data() + worker * R * std::max<int64_t>(n, 1),
-                 op + (b * H + g * R) * K);
+                 sp ? sp + g * R : nullptr, scratch.data() + worker * scores, op + (b * H + g * R) * K);
   });
   return ffi::Error::Success();
 }
