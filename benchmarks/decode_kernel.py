@@ -4,12 +4,15 @@ layers' attention over their KV caches (layers.Attention's cached step), `--step
 decode loop's), each side's program timed `--reps` times, `--rounds` rounds alternating the sides. XLA's side is
 the model's: a Dense layer's einsum in the weights' dtype, the head's with float32 logits, the attention's XLA path.
 
-  python benchmarks/decode_kernel.py       # rows 1, 4, 8 (float32, bfloat16); GEMM rows 32, 128; attention rows 1, 32
-  python benchmarks/decode_kernel.py --rows 1 --gemm_rows '' --attention_rows ''
+  python benchmarks/decode_kernel.py       # rows 1, 4, 8 (float32, bfloat16); GEMM rows 32, 128 (and 32 in a
+                                           # loop, W packed once); attention rows 1, 32
+  python benchmarks/decode_kernel.py --rows 1 --gemm_rows '' --packed_rows '' --attention_rows ''
 
 Matrix-vector rows (at most kernels.MAX_ROWS) run float32 and bfloat16 weights, activations in float32 as a decode
 step's; GEMM rows are bfloat16 throughout, where the CPU has AVX-512 BF16, one step per execution (a prefill's
-path: XLA's temporaries are fresh pages in every execution, as a prefill's are). Prints, per case, the median ms
+path: XLA's temporaries are fresh pages in every execution, as a prefill's are), and `--packed_rows` `--steps` steps
+in a loop whose body packs W (kernels.decode_matmuls(prepack=True): XLA packs it once, before the loop, as in a
+decode loop of batch 32). Prints, per case, the median ms
 per step of each round (XLA, then the kernel) and the rate: GB/s of weights read (matrix-vector), GFLOP/s (GEMM),
 GB/s of cache read (attention, at slot 5/6 of `--slots`). Refuses a busy machine as benchmarks/generate.py does
 (--max_load, --busy).
@@ -28,6 +31,7 @@ from absl import app, flags  # noqa: E402
 
 flags.DEFINE_string('rows', '1,4,8', 'Matrix-vector row counts (at most models/kernels MAX_ROWS).')
 flags.DEFINE_string('gemm_rows', '32,128', 'bfloat16 GEMM row counts (empty: none).')
+flags.DEFINE_string('packed_rows', '32', 'bfloat16 GEMM row counts in a decode loop, W packed once (empty: none).')
 flags.DEFINE_string('attention_rows', '1,32', 'Rows of the cached-attention cases (empty: none).')
 flags.DEFINE_integer('slots', 192, 'KV cache slots of the attention cases (GPT-2 at prompt 128 + 64 new tokens).')
 flags.DEFINE_integer('hidden', 768, 'Width (GPT-2 124M: 768; the MLP is 4x).')
@@ -41,7 +45,7 @@ flags.DEFINE_bool('busy', False, 'Run on a busy machine anyway (development, not
 FLAGS = flags.FLAGS
 
 
-def chain(ws, head, x, use_kernel: bool, dtype):
+def chain(ws, head, x, use_kernel: bool, dtype, prepack: bool = False):
   """One decode step's matmuls: every weight in order (a row's activations tiled up to a wide matrix's input),
   then the tied head; through the kernel where `use_kernel` (kernels.matmul, as a decode step's Dense layers)."""
   import jax.numpy as jnp
@@ -51,7 +55,7 @@ def chain(ws, head, x, use_kernel: bool, dtype):
   def mm(spec, a, w, preferred):
     # XLA's side is the model's einsum: a Dense layer's in the weights' dtype, the head's with float32 logits
     a = a.astype(w.dtype)
-    with kernels.decode_matmuls(use_kernel):
+    with kernels.decode_matmuls(use_kernel, prepack=prepack):
       got = kernels.matmul(spec, a, w, preferred or w.dtype)
     return got if got is not None else jnp.einsum(spec, a, w, preferred_element_type=preferred)
 
@@ -85,7 +89,7 @@ def alternate(step, carry, steps: int) -> dict[bool, list[float]]:
   return medians
 
 
-def case(rows: int, wdtype: str, xdtype: str, with_head: bool, steps: int) -> str:
+def case(rows: int, wdtype: str, xdtype: str, with_head: bool, steps: int, prepack: bool = False) -> str:
   import jax.numpy as jnp
 
   rng = np.random.default_rng(0)
@@ -94,12 +98,12 @@ def case(rows: int, wdtype: str, xdtype: str, with_head: bool, steps: int) -> st
   ws = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.02, wdtype) for s in shapes]
   head = jnp.asarray(rng.standard_normal((FLAGS.vocab, D), np.float32) * 0.02, wdtype) if with_head else None
   x = jnp.full((rows, D), 0.1, xdtype)
-  medians = alternate(lambda use, x: chain(ws, head, x, use, xdtype).astype(xdtype), x, steps)
+  medians = alternate(lambda use, x: chain(ws, head, x, use, xdtype, prepack).astype(xdtype), x, steps)
   nbytes = sum(w.nbytes for w in ws) + (head.nbytes if with_head else 0)
   flops = 2 * rows * sum(int(np.prod(s)) for s in shapes)
   rate = lambda t: f'{nbytes / t / 1e9:.1f} GB/s' if with_head else f'{flops / t / 1e9:.0f} GFLOP/s'
   fmt = lambda ts: ', '.join(f'{t * 1e3:.2f}' for t in ts) + f' ms ({rate(float(np.median(ts)))})'
-  kind = 'matrix-vector' if with_head else 'GEMM'
+  kind = 'matrix-vector' if with_head else 'GEMM, W packed before the loop' if prepack else 'GEMM'
   return f'| {rows} | {wdtype} | {kind} | {fmt(medians[False])} | {fmt(medians[True])} |'
 
 
@@ -160,6 +164,8 @@ def main(argv) -> None:
       lines.append(case(rows, wdtype, 'float32', with_head=True, steps=FLAGS.steps))
   for rows in [int(r) for r in FLAGS.gemm_rows.split(',') if r] if kernels.bf16_gemm() else []:
     lines.append(case(rows, 'bfloat16', 'bfloat16', with_head=False, steps=1))
+  for rows in [int(r) for r in FLAGS.packed_rows.split(',') if r] if kernels.bf16_gemm() else []:
+    lines.append(case(rows, 'bfloat16', 'bfloat16', with_head=False, steps=FLAGS.steps, prepack=True))
   for rows in [int(r) for r in FLAGS.attention_rows.split(',') if r]:
     for dtype in ('float32', 'bfloat16'):
       lines.append(attention_case(rows, dtype, steps=FLAGS.steps))

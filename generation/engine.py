@@ -376,7 +376,7 @@ class Generator:
       def body(c):
         i, tok_B, cache, out_BN, done_B, kept_BNV = c
         index = P + i - 1  # the slot of tok_B
-        with kernels.decode_matmuls(fast):
+        with kernels.decode_matmuls(fast, prepack=True):  # the same weights every step: packed once, outside
           logits_BV, cache = model().decode(
             tok_B[:, None], (index - pad_B)[:, None], unsqueeze(cache), Decoding(index, valid_BS)
           )

@@ -38,19 +38,32 @@ if kernels.bf16_gemm():
   CASES += GEMM_CASES
 
 
-@pytest.mark.parametrize('spec,xs,ws,xt,wt,ot', CASES, ids=[f'{c[0]}:{c[4]}:{c[1][0]}rows' for c in CASES])
-def test_the_kernel_is_the_einsum(spec, xs, ws, xt, wt, ot):
+# The GEMM cases again with W's panels packed by an operation of their own (a decode loop's body: `prepack`).
+PACKED = [(*c, True) for c in GEMM_CASES] if kernels.bf16_gemm() else []
+
+
+@pytest.mark.parametrize(
+  'spec,xs,ws,xt,wt,ot,prepack',
+  [(*c, False) for c in CASES] + PACKED,
+  ids=[f'{c[0]}:{c[4]}:{c[1][0] * c[1][1]}rows' for c in CASES]
+  + [f'{c[0]}:{c[1][0] * c[1][1]}rows:packed' for c in PACKED],
+)
+def test_the_kernel_is_the_einsum(spec, xs, ws, xt, wt, ot, prepack):
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal(xs), xt)
   w = jnp.asarray(rng.standard_normal(ws) * 0.1, wt)
 
   @jax.jit
   def run(x, w):
-    with kernels.decode_matmuls(True):
+    with kernels.decode_matmuls(True, prepack=prepack):
       return kernels.matmul(spec, x, w, jnp.dtype(ot))
 
   got = run(x, w)
-  assert ('shardzoo_gemm_bf16' if xs[0] * xs[1] > kernels.MAX_ROWS else 'shardzoo_matvec') in run.lower(x, w).as_text()
+  rows = xs[0] * xs[1]
+  target = (
+    'shardzoo_matvec' if rows <= kernels.MAX_ROWS else 'shardzoo_gemm_packed' if prepack else 'shardzoo_gemm_bf16'
+  )
+  assert target in run.lower(x, w).as_text()
   assert got.dtype == jnp.dtype(ot) and got.shape == jnp.einsum(spec, x, w).shape
   want = np.einsum(spec, np.asarray(x, np.float64), np.asarray(w, np.float64))
   # float32 accumulation in another order than float64's; a bfloat16 result is rounded once, to 8 bits
@@ -105,6 +118,33 @@ def test_a_failing_compiler_is_one_line_and_the_decode_falls_back(tmp_path, monk
   assert not kernels.missing(jax.devices()[:2])
 
 
+@pytest.mark.skipif(not kernels.bf16_gemm(), reason='the bfloat16 GEMM needs AVX-512 BF16')
+def test_a_decode_loop_packs_its_gemm_weights_once_outside_the_loop():
+  """decode_matmuls(True, prepack=True) in a loop's body: XLA computes the weights' packing before the loop (the
+  weights are the same every step) and the loop's steps only read the panels; the result equals the unpacked
+  GEMM's. Were the packing left in the body, every step would pack W again (slower, not wrong)."""
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.standard_normal((96, 96)) * 0.1, jnp.bfloat16)
+  head = jnp.asarray(rng.standard_normal((40, 96)) * 0.1, jnp.bfloat16)  # [N, K], as a tied head: 8 columns of tail
+  x = jnp.asarray(rng.standard_normal((12, 96)), jnp.bfloat16)
+
+  def loop(prepack):
+    def body(i, h):
+      with kernels.decode_matmuls(True, prepack=prepack):
+        h = kernels.matmul('md,dk->mk', h, w, jnp.bfloat16)
+        logits = kernels.matmul('mk,vk->mv', h, head, jnp.float32)
+      return ((h + logits[:, :1] * i.astype(jnp.float32)) / 2).astype(jnp.bfloat16)
+
+    return jax.jit(lambda x: jax.lax.fori_loop(0, 3, body, x))
+
+  packed = loop(True)
+  np.testing.assert_array_equal(np.asarray(packed(x), np.float32), np.asarray(loop(False)(x), np.float32))
+  hlo = packed.lower(x).compile().as_text()
+  bodies = [c for c in hlo.split('\n\n') if 'shardzoo_gemm_packed' in c]
+  assert bodies and all('shardzoo_pack_bf16' not in c for c in bodies), 'the packing runs inside the loop'
+  assert hlo.count('custom_call_target="shardzoo_pack_bf16"') == 2
+
+
 def test_a_decode_loop_looks_up_a_bfloat16_table_by_its_bytes():
   """layers.table_rows inside decode_matmuls: a 16-bit table's rows copied as they are (kernels.take_rows), no
   float32 copy of the table in the compiled loop; an id outside the table gives NaNs, as jnp.take's; a float32
@@ -139,6 +179,7 @@ ATTENTION_CASES = [
   (1, 2, 1, 32, 12, 12, 9, 4, None, False, 'bfloat16'),  # one row (the cache without its batch axis), a window
   (2, 4, 4, 16, 4, 12, 9, 4, 5.0, True, 'float32'),  # a ring of 4 slots, soft cap, sinks
   (2, 6, 2, 64, 16, 16, 15, None, None, True, 'bfloat16'),  # the last slot, three heads per group
+  (2, 8, 2, 72, 40, 40, 37, None, None, False, 'float32'),  # 38 slots: two blocks of 16 and 6; four heads a group
 ]
 
 
@@ -208,7 +249,7 @@ def test_builds_for_cpus_without_avx512_compute_the_same(monkeypatch):
   monkeypatch.setattr(kernels, 'ATTENTION_TARGET', attention_target)
   for case in CASES:
     if case[1][0] * case[1][1] <= kernels.MAX_ROWS:
-      test_the_kernel_is_the_einsum(*case)
+      test_the_kernel_is_the_einsum(*case, prepack=False)
   for case in ATTENTION_CASES[1:3]:
     check_attention(case)
 

@@ -27,7 +27,8 @@ def test_generate_benchmark_smoke():
 def test_decode_kernel_benchmark_smoke():
   """benchmarks/decode_kernel.py on tiny shapes: a row per case, both sides timed (where the kernel runs here)."""
   cmd = [sys.executable, 'benchmarks/decode_kernel.py', '--busy', '--hidden=32', '--layers=1', '--vocab=64']
-  cmd += ['--steps=1', '--reps=1', '--rounds=1', '--rows=3', '--gemm_rows=16', '--attention_rows=2', '--slots=12']
+  cmd += ['--steps=2', '--reps=1', '--rounds=1', '--rows=3', '--gemm_rows=16', '--packed_rows=12']
+  cmd += ['--attention_rows=2', '--slots=12']
   r = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   if 'nothing to compare' in r.stderr:
     pytest.skip(r.stderr.strip().splitlines()[-1])
@@ -35,3 +36,4 @@ def test_decode_kernel_benchmark_smoke():
   rows = [line for line in r.stdout.splitlines() if line.startswith('| ') and ' ms (' in line]
   assert len(rows) >= 4 and all(line.count(' ms (') == 2 for line in rows), r.stdout
   assert sum(' attention |' in line for line in rows) == 2, r.stdout  # float32 and bfloat16 caches
+  assert sum('packed before the loop' in line for line in rows) == ('AVX-512 BF16' in r.stdout), r.stdout

@@ -45,6 +45,9 @@ TARGET = 'shardzoo_matvec'
 GEMM_TARGET = 'shardzoo_gemm_bf16'
 TAKE_TARGET = 'shardzoo_take_rows'
 ATTENTION_TARGET = 'shardzoo_decode_attention'
+PACK_TARGET = 'shardzoo_pack_bf16'
+PACKED_GEMM_TARGET = 'shardzoo_gemm_packed'
+PANEL = 32  # matvec.cc: the GEMM's panels of W are 32 columns wide
 MAX_ROWS = 8  # matvec.cc kMaxRows: each weight is loaded once for all rows; beyond a few rows a GEMM's tiles win
 FLAGS = (
   '-O3',
@@ -62,6 +65,7 @@ FLAGS = (
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 _active = contextvars.ContextVar('shardzoo_decode_matmuls', default=False)
+_prepack = contextvars.ContextVar('shardzoo_prepack', default=False)
 
 
 def _compiler() -> str | None:
@@ -131,6 +135,8 @@ def _loaded() -> tuple[str | None, str]:
     isa = lib.shardzoo_matvec_isa().decode()
     if lib.shardzoo_has_bf16_gemm():
       jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.ShardzooGemmBf16), platform='cpu')
+      jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.ShardzooPackBf16), platform='cpu')
+      jax.ffi.register_ffi_target(PACKED_GEMM_TARGET, jax.ffi.pycapsule(lib.ShardzooGemmPacked), platform='cpu')
       isa += ' and AVX-512 BF16'
     return isa, ''
   except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
@@ -179,16 +185,21 @@ def missing(devices: Any = None) -> bool:
 
 
 @contextlib.contextmanager
-def decode_matmuls(enabled: bool):
+def decode_matmuls(enabled: bool, prepack: bool = False):
   """Einsums and 16-bit table lookups traced inside run through the kernel where it applies (`matmul`,
-  `take_rows`); `enabled` comes from status(), which loads the kernel (XLA must know its targets before compiling)."""
+  `take_rows`); `enabled` comes from status(), which loads the kernel (XLA must know its targets before compiling).
+
+  `prepack`: the bfloat16 GEMM's weights are packed into its panels by an operation of their own, which XLA computes
+  once outside a loop whose steps use the same weights (a decode loop's body says so). The loop then holds a second,
+  packed copy of those weights; elsewhere each GEMM packs its panels as it goes (the prefill: one pass over W)."""
   if enabled and not available():
     raise RuntimeError(f'decode_matmuls(True) without the kernel: {_loaded()[1]}')
-  token = _active.set(enabled)
+  token, packing = _active.set(enabled), _prepack.set(prepack)
   try:
     yield
   finally:
     _active.reset(token)
+    _prepack.reset(packing)
 
 
 def plan(spec: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> tuple[int, int, int, bool] | None:
@@ -238,7 +249,12 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array |
   out_shape = jax.eval_shape(lambda a, b: jnp.einsum(spec, a, b), x, w).shape
   # the GEMM rounds a bfloat16 result itself; the matrix-vector rows' float32 result is small
   y_dtype = jnp.bfloat16 if target == GEMM_TARGET and jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
-  y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((M, N), y_dtype))(x2, w.reshape((N, K) if nk else (K, N)), nk=nk)
+  w2, y_struct = w.reshape((N, K) if nk else (K, N)), jax.ShapeDtypeStruct((M, N), y_dtype)
+  if target == GEMM_TARGET and _prepack.get():
+    panels = jax.ffi.ffi_call(PACK_TARGET, jax.ShapeDtypeStruct((-(-N // PANEL), K, PANEL), jnp.bfloat16))(w2, nk=nk)
+    y = jax.ffi.ffi_call(PACKED_GEMM_TARGET, y_struct)(x2, panels)
+  else:
+    y = jax.ffi.ffi_call(target, y_struct)(x2, w2, nk=nk)
   return y.reshape(out_shape).astype(out_dtype)
 
 

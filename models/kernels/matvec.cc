@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -313,8 +314,8 @@ void pack_panel(const uint16_t* w, __m512i* panel, int64_t K, int64_t N, int64_t
   for (int64_t k = 0; k < K; k += 2) {
     const __m512i r0 = _mm512_maskz_loadu_epi16(cols, w + k * N + n);
     const __m512i r1 = _mm512_maskz_loadu_epi16(cols, w + (k + 1) * N + n);
-    panel[k] = _mm512_permutex2var_epi16(r0, lo, r1);
-    panel[k + 1] = _mm512_permutex2var_epi16(r0, hi, r1);
+    _mm512_storeu_si512(panel + k, _mm512_permutex2var_epi16(r0, lo, r1));
+    _mm512_storeu_si512(panel + k + 1, _mm512_permutex2var_epi16(r0, hi, r1));
   }
 }
 
@@ -355,7 +356,8 @@ void pack_panel_nk(const uint16_t* w, __m512i* panel, int64_t K, int64_t N, int6
         r[j] = row < N ? _mm512_maskz_loadu_epi32(cols, d + row * dwords + p0) : _mm512_setzero_si512();
       }
       transpose16(r);
-      for (int64_t i = 0; i < std::min<int64_t>(16, dwords - p0); ++i) panel[2 * (p0 + i) + h] = r[i];
+      for (int64_t i = 0; i < std::min<int64_t>(16, dwords - p0); ++i)
+        _mm512_storeu_si512(panel + 2 * (p0 + i) + h, r[i]);
     }
   }
 }
@@ -369,7 +371,7 @@ void panel_tile(const uint16_t* x, const __m512i* panel, Y* y, int64_t K, int64_
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
-    const __m512bh b0 = (__m512bh)panel[k], b1 = (__m512bh)panel[k + 1];
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + k), b1 = (__m512bh)_mm512_loadu_si512(panel + k + 1);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(x + (m0 + r) * K + k));
@@ -423,31 +425,93 @@ void gemm_panels(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* wp, 
   });
 }
 
+// The panels of W packed ahead (`pack_bf16`) and read in order: in a decode loop XLA computes the packing once,
+// outside the loop (its operand, a weight, is the same every step), so each step streams its panels with nothing
+// to gather. At 32 rows, packing from W's strided rows took as long as the tiles that use a panel.
+template <typename Y>
+void gemm_packed_panels(ffi::ThreadPool& pool, const uint16_t* xp, const __m512i* packed, Y* yp, int64_t M, int64_t K,
+                        int64_t N) {
+  const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
+  const int64_t chunks = (N + 63) / 64;
+  run_chunks(pool, chunks, max_workers, [&](int, int64_t c) {
+    for (int64_t n = c * 64; n < std::min(N, (c + 1) * 64); n += 32)
+      panel_rows(xp, packed + (n / 32) * K, yp, M, K, N, n);
+  });
+}
+
+bool gemm_shapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, bool nk, int64_t& M, int64_t& K,
+                 int64_t& N) {
+  if (xd.size() != 2 || wd.size() != 2) return false;
+  M = xd[0], K = xd[1], N = nk ? wd[0] : wd[1];
+  return (nk ? wd[1] : wd[0]) == K && K % 2 == 0;
+}
+
+template <typename Fn>
+ffi::Error by_result_type(ffi::Result<ffi::AnyBuffer>& y, const char* name, Fn fn) {
+  switch (y->element_type()) {
+    case ffi::DataType::F32:
+      fn(reinterpret_cast<float*>(y->untyped_data()));
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      fn(reinterpret_cast<uint16_t*>(y->untyped_data()));
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument(std::string(name) + ": the result must be float32 or bfloat16");
+  }
+}
+
 // y in float32 or bfloat16 (a bfloat16 model's Dense layers: XLA would round a float32 result in a pass of its own,
 // a tenth of a bfloat16 prefill's time at batch 32).
 ffi::Error gemm_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::AnyBuffer> y,
                      bool nk) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("gemm_bf16: x and w must be 2-d");
-  const int64_t M = xd[0], K = xd[1], N = nk ? wd[0] : wd[1];
-  if ((nk ? wd[1] : wd[0]) != K || K % 2) return ffi::Error::InvalidArgument("gemm_bf16: K differs or is odd");
+  int64_t M, K, N;
+  if (!gemm_shapes(x.dimensions(), w.dimensions(), nk, M, K, N))
+    return ffi::Error::InvalidArgument("gemm_bf16: x and w must be 2-d, K the same and even");
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
-  switch (y->element_type()) {
-    case ffi::DataType::F32:
-      gemm_panels(pool, xp, wp, reinterpret_cast<float*>(y->untyped_data()), M, K, N, nk);
-      return ffi::Error::Success();
-    case ffi::DataType::BF16:
-      gemm_panels(pool, xp, wp, reinterpret_cast<uint16_t*>(y->untyped_data()), M, K, N, nk);
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("gemm_bf16: the result must be float32 or bfloat16");
-  }
+  return by_result_type(y, "gemm_bf16", [&](auto* yp) { gemm_panels(pool, xp, wp, yp, M, K, N, nk); });
+}
+
+// W's panels as gemm_packed reads them: [ceil(N / 32), K, 32] bfloat16, the columns past N zero.
+ffi::Error pack_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::BF16> out, bool nk) {
+  const auto wd = w.dimensions();
+  const auto od = out->dimensions();
+  if (wd.size() != 2 || od.size() != 3) return ffi::Error::InvalidArgument("pack_bf16: w must be 2-d, out 3-d");
+  const int64_t K = nk ? wd[1] : wd[0], N = nk ? wd[0] : wd[1];
+  if (K % 2 || od[0] != (N + 31) / 32 || od[1] != K || od[2] != 32)
+    return ffi::Error::InvalidArgument("pack_bf16: out must be [ceil(N / 32), K, 32] and K even");
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  __m512i* panels = reinterpret_cast<__m512i*>(out->untyped_data());
+  run_chunks(pool, od[0], int(std::max<int64_t>(1, pool.num_threads())), [&](int, int64_t p) {
+    if (nk)
+      pack_panel_nk(wp, panels + p * K, K, N, p * 32);
+    else
+      pack_panel(wp, panels + p * K, K, N, p * 32);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error gemm_packed(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> packed,
+                       ffi::Result<ffi::AnyBuffer> y) {
+  const auto xd = x.dimensions();
+  const auto pd = packed.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[1] != xd[1] || pd[2] != 32 || yd[0] != xd[0] ||
+      (yd[1] + 31) / 32 != pd[0] || xd[1] % 2)
+    return ffi::Error::InvalidArgument("gemm_packed: x [M, K], packed [ceil(N / 32), K, 32], y [M, N], K even");
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const __m512i* pp = reinterpret_cast<const __m512i*>(packed.untyped_data());
+  return by_result_type(y, "gemm_packed",
+                        [&](auto* yp) { gemm_packed_panels(pool, xp, pp, yp, xd[0], xd[1], yd[1]); });
 }
 #else
+ffi::Error unbuilt() { return ffi::Error(ffi::ErrorCode::kUnimplemented, "built without AVX-512 BF16"); }
 ffi::Error gemm_bf16(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>, ffi::Result<ffi::AnyBuffer>, bool) {
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "gemm_bf16: built without AVX-512 BF16");
+  return unbuilt();
+}
+ffi::Error pack_bf16(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::ResultBuffer<ffi::BF16>, bool) { return unbuilt(); }
+ffi::Error gemm_packed(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi::BF16>, ffi::Result<ffi::AnyBuffer>) {
+  return unbuilt();
 }
 #endif
 
@@ -488,28 +552,138 @@ inline void add_row(float* o, float p, const C* v, int64_t K) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// Lane j: the sum of v[j]'s 16 lanes (pairs, then quads within 128-bit lanes, then across them): a third of the
+// shuffles and adds of 16 separate reductions.
+inline __m512 sum16(const __m512 v[16]) {
+  __m512 u[8], w[4];
+  for (int i = 0; i < 8; ++i)
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
+  const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+// q . k[j] for the `count` (<= 16) slots j from k on, in lanes j.
+template <typename C>
+inline __m512 dots16(const float* q, const C* k, int64_t K, int count) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < K; i += 16) {
+    const __mmask16 t = tail(K - i);
+    const __m512 qi = _mm512_maskz_loadu_ps(t, q + i);
+    if (count == 16) {
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qi, load16(k + j * K + i, t), acc[j]);
+    } else {
+      for (int j = 0; j < count; ++j) acc[j] = _mm512_fmadd_ps(qi, load16(k + j * K + i, t), acc[j]);
+    }
+  }
+  return sum16(acc);
+}
+
+// e^x in 16 lanes, as 2^n e^r with |r| <= ln 2 / 2 and Cephes' expf polynomial for e^r (within 2 ulp of expf);
+// below -104 it is 0, and NaN stays NaN (max keeps its second operand's NaN).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __mmask16 slot_mask(const bool* mask, int count) {
+  const __m128i m = _mm_maskz_loadu_epi8(__mmask16(tail(count)), mask);
+  return _mm_test_epi8_mask(m, m);
+}
+#endif
+
 // The R query heads q[R, K] of one KV head over its first n slots k, v [n, K]; s: scratch of R x n scores.
+// With AVX-512, 16 slots' scores at a time (their reductions together) and the exponentials in 16 lanes: one
+// key's dot product and a scalar expf a slot were most of a batch-32 step's attention time.
 template <typename C>
 void attend_group(const float* q, const C* k, const C* v, const bool* mask, int64_t n, int64_t K, int64_t R,
                   float scale, float softcap, const float* sinks, float* s, float* o) {
   constexpr float lowest = -std::numeric_limits<float>::max();
-  for (int64_t c = 0; c < n; ++c) {
-    for (int64_t r = 0; r < R; ++r)
-      s[r * n + c] = mask[c] ? cap_score(dot_row(q + r * K, k + c * K, K) * scale, softcap) : lowest;
-  }
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * n;
+#if defined(__AVX512F__)
+    __m512 top = _mm512_set1_ps(sinks ? sinks[r] : lowest);
+    for (int64_t c = 0; c < n; c += 16) {
+      const int count = int(std::min<int64_t>(16, n - c));
+      const __mmask16 t = tail(count);
+      __m512 sc = _mm512_mul_ps(dots16(q + r * K, k + c * K, K, count), _mm512_set1_ps(scale));
+      if (softcap > 0) {
+        alignas(64) float tmp[16];
+        _mm512_store_ps(tmp, sc);
+        for (int j = 0; j < count; ++j) tmp[j] = cap_score(tmp[j], softcap);
+        sc = _mm512_load_ps(tmp);
+      }
+      sc = _mm512_mask_blend_ps(slot_mask(mask + c, count), _mm512_set1_ps(lowest), sc);
+      _mm512_mask_storeu_ps(sr + c, t, sc);
+      top = _mm512_mask_max_ps(top, t, top, sc);
+    }
+    const float m = _mm512_reduce_max_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t c = 0; c < n; c += 16) {
+      const __mmask16 t = tail(n - c);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(t, sr + c), _mm512_set1_ps(m)));
+      _mm512_mask_storeu_ps(sr + c, t, e);
+      sum = _mm512_mask_add_ps(sum, t, sum, e);
+    }
+    const float total = _mm512_reduce_add_ps(sum) + (sinks ? std::exp(sinks[r] - m) : 0.0f);
+    const __m512 inv = _mm512_set1_ps(1.0f / total);
+    for (int64_t c = 0; c < n; c += 16) {
+      const __mmask16 t = tail(n - c);
+      _mm512_mask_storeu_ps(sr + c, t, _mm512_mul_ps(_mm512_maskz_loadu_ps(t, sr + c), inv));
+    }
+#else
+    for (int64_t c = 0; c < n; ++c)
+      sr[c] = mask[c] ? cap_score(dot_row(q + r * K, k + c * K, K) * scale, softcap) : lowest;
     float m = sinks ? sinks[r] : lowest;
     for (int64_t c = 0; c < n; ++c) m = std::max(m, sr[c]);
     float total = sinks ? std::exp(sinks[r] - m) : 0.0f;
     for (int64_t c = 0; c < n; ++c) total += (sr[c] = std::exp(sr[c] - m));
     const float inv = 1.0f / total;
     for (int64_t c = 0; c < n; ++c) sr[c] *= inv;
+#endif
     std::fill(o + r * K, o + (r + 1) * K, 0.0f);
   }
-  for (int64_t c = 0; c < n; ++c) {
-    if (!mask[c]) continue;  // weight 0 (exp of finfo.min less a real score), unless every slot is masked
-    for (int64_t r = 0; r < R; ++r) add_row(o + r * K, s[r * n + c], v + c * K, K);
+  for (int64_t c = 0; c < n;) {
+#if defined(__AVX512F__)
+    // Four slots a pass where none is masked: each pass reads and writes the output once for four rows of v.
+    if (c + 4 <= n && mask[c] && mask[c + 1] && mask[c + 2] && mask[c + 3]) {
+      for (int64_t r = 0; r < R; ++r) {
+        const float* p = s + r * n + c;
+        const __m512 p0 = _mm512_set1_ps(p[0]), p1 = _mm512_set1_ps(p[1]), p2 = _mm512_set1_ps(p[2]),
+                     p3 = _mm512_set1_ps(p[3]);
+        for (int64_t i = 0; i < K; i += 16) {
+          const __mmask16 t = tail(K - i);
+          const C* vc = v + c * K + i;
+          __m512 acc = _mm512_maskz_loadu_ps(t, o + r * K + i);
+          acc = _mm512_fmadd_ps(p0, load16(vc, t), acc);
+          acc = _mm512_fmadd_ps(p1, load16(vc + K, t), acc);
+          acc = _mm512_fmadd_ps(p2, load16(vc + 2 * K, t), acc);
+          acc = _mm512_fmadd_ps(p3, load16(vc + 3 * K, t), acc);
+          _mm512_mask_storeu_ps(o + r * K + i, t, acc);
+        }
+      }
+      c += 4;
+      continue;
+    }
+#endif
+    if (mask[c])  // a masked slot weighs 0 (exp of finfo.min less a real score), unless every slot is masked
+      for (int64_t r = 0; r < R; ++r) add_row(o + r * K, s[r * n + c], v + c * K, K);
+    ++c;
   }
 }
 
@@ -596,6 +770,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooGemmBf16, gemm_bf16,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("nk"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooPackBf16, pack_bf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<bool>("nk"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooGemmPacked, gemm_packed,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooDecodeAttention, attention_dispatch,
                               ffi::Ffi::Bind()
