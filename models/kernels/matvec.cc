@@ -365,13 +365,18 @@ void pack_panel_nk(const uint16_t* w, __m512i* panel, int64_t K, int64_t N, int6
 // R rows of x against a packed panel: per step, a broadcast pair (x[m, k], x[m, k+1]) of each row against the
 // panel's two registers of that step.
 template <int R, typename Y>
-void panel_tile(const uint16_t* x, const __m512i* panel, Y* y, int64_t K, int64_t N, int64_t m0, int64_t n) {
+void panel_tile(const uint16_t* x, const __m512i* panel, Y* y, int64_t K, int64_t N, int64_t m0, int64_t n,
+                const __m512i* ahead) {
   const __mmask32 cols = panel_cols(N, n);
   __m512 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + k), b1 = (__m512bh)_mm512_loadu_si512(panel + k + 1);
+    if (ahead) {  // the next panel, as far into it as this tile is into its own
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + k), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + k + 1), _MM_HINT_T1);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(x + (m0 + r) * K + k));
@@ -391,18 +396,20 @@ void panel_tile(const uint16_t* x, const __m512i* panel, Y* y, int64_t K, int64_
   }
 }
 
+// The tiles of M rows against one panel; the first also prefetches `ahead` (the next packed panel, or null).
 template <typename Y>
-void panel_rows(const uint16_t* x, const __m512i* panel, Y* y, int64_t M, int64_t K, int64_t N, int64_t n) {
+void panel_rows(const uint16_t* x, const __m512i* panel, Y* y, int64_t M, int64_t K, int64_t N, int64_t n,
+                const __m512i* ahead = nullptr) {
   int64_t m = 0;
-  for (; m + 8 <= M; m += 8) panel_tile<8, Y>(x, panel, y, K, N, m, n);
+  for (; m + 8 <= M; m += 8, ahead = nullptr) panel_tile<8, Y>(x, panel, y, K, N, m, n, ahead);
   switch (M - m) {  // the rows left over, in one tile of their own
-    case 7: panel_tile<7, Y>(x, panel, y, K, N, m, n); break;
-    case 6: panel_tile<6, Y>(x, panel, y, K, N, m, n); break;
-    case 5: panel_tile<5, Y>(x, panel, y, K, N, m, n); break;
-    case 4: panel_tile<4, Y>(x, panel, y, K, N, m, n); break;
-    case 3: panel_tile<3, Y>(x, panel, y, K, N, m, n); break;
-    case 2: panel_tile<2, Y>(x, panel, y, K, N, m, n); break;
-    case 1: panel_tile<1, Y>(x, panel, y, K, N, m, n); break;
+    case 7: panel_tile<7, Y>(x, panel, y, K, N, m, n, ahead); break;
+    case 6: panel_tile<6, Y>(x, panel, y, K, N, m, n, ahead); break;
+    case 5: panel_tile<5, Y>(x, panel, y, K, N, m, n, ahead); break;
+    case 4: panel_tile<4, Y>(x, panel, y, K, N, m, n, ahead); break;
+    case 3: panel_tile<3, Y>(x, panel, y, K, N, m, n, ahead); break;
+    case 2: panel_tile<2, Y>(x, panel, y, K, N, m, n, ahead); break;
+    case 1: panel_tile<1, Y>(x, panel, y, K, N, m, n, ahead); break;
     default: break;
   }
 }
@@ -435,7 +442,7 @@ void gemm_packed_panels(ffi::ThreadPool& pool, const uint16_t* xp, const __m512i
   const int64_t chunks = (N + 63) / 64;
   run_chunks(pool, chunks, max_workers, [&](int, int64_t c) {
     for (int64_t n = c * 64; n < std::min(N, (c + 1) * 64); n += 32)
-      panel_rows(xp, packed + (n / 32) * K, yp, M, K, N, n);
+      panel_rows(xp, packed + (n / 32) * K, yp, M, K, N, n, n + 32 < N ? packed + (n / 32 + 1) * K : nullptr);
   });
 }
 
