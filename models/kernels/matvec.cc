@@ -575,20 +575,21 @@ inline __m512 sum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
-// q . k[j] for the `count` (<= 16) slots j from k on, in lanes j.
+// q . k[j] for the `count` (<= 16) slots j from k on, in lanes j. The keys are read in memory order, one slot after
+// the other (16 slots read side by side, a column of 64 bytes at a time, read the cache at half the rate), and the
+// slots `ahead` further on are prefetched.
 template <typename C>
-inline __m512 dots16(const float* q, const C* k, int64_t K, int count) {
+inline __m512 dots16(const float* q, const C* k, int64_t K, int count, int64_t ahead) {
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < K; i += 16) {
-    const __mmask16 t = tail(K - i);
-    const __m512 qi = _mm512_maskz_loadu_ps(t, q + i);
-    if (count == 16) {
-#pragma GCC unroll 16
-      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qi, load16(k + j * K + i, t), acc[j]);
-    } else {
-      for (int j = 0; j < count; ++j) acc[j] = _mm512_fmadd_ps(qi, load16(k + j * K + i, t), acc[j]);
+  if (ahead > 0) prefetch(k + 16 * K, std::min<int64_t>(ahead, 16) * K);
+  for (int j = 0; j < count; ++j) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K; i += 16) {
+      const __mmask16 t = tail(K - i);
+      a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(t, q + i), load16(k + j * K + i, t), a);
     }
+    acc[j] = a;
   }
   return sum16(acc);
 }
@@ -628,7 +629,7 @@ void attend_group(const float* q, const C* k, const C* v, const bool* mask, int6
     for (int64_t c = 0; c < n; c += 16) {
       const int count = int(std::min<int64_t>(16, n - c));
       const __mmask16 t = tail(count);
-      __m512 sc = _mm512_mul_ps(dots16(q + r * K, k + c * K, K, count), _mm512_set1_ps(scale));
+      __m512 sc = _mm512_mul_ps(dots16(q + r * K, k + c * K, K, count, n - c - 16), _mm512_set1_ps(scale));
       if (softcap > 0) {
         alignas(64) float tmp[16];
         _mm512_store_ps(tmp, sc);
@@ -669,6 +670,7 @@ void attend_group(const float* q, const C* k, const C* v, const bool* mask, int6
 #if defined(__AVX512F__)
     // Four slots a pass where none is masked: each pass reads and writes the output once for four rows of v.
     if (c + 4 <= n && mask[c] && mask[c + 1] && mask[c + 2] && mask[c + 3]) {
+      if (c + 20 <= n) prefetch(v + (c + 16) * K, 4 * K);  // four slots, 16 on
       for (int64_t r = 0; r < R; ++r) {
         const float* p = s + r * n + c;
         const __m512 p0 = _mm512_set1_ps(p[0]), p1 = _mm512_set1_ps(p[1]), p2 = _mm512_set1_ps(p[2]),
