@@ -559,140 +559,28 @@ inline void add_row(float* o, float p, const C* v, int64_t K) {
 #endif
 }
 
-#if defined(__AVX512F__)
-// Lane j: the sum of v[j]'s 16 lanes (pairs, then quads within 128-bit lanes, then across them): a third of the
-// shuffles and adds of 16 separate reductions.
-inline __m512 sum16(const __m512 v[16]) {
-  __m512 u[8], w[4];
-  for (int i = 0; i < 8; ++i)
-    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
-    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
-  const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
-}
-
-// q . k[j] for the `count` (<= 16) slots j from k on, in lanes j. The keys are read in memory order, one slot after
-// the other (16 slots read side by side, a column of 64 bytes at a time, read the cache at half the rate), and the
-// slots `ahead` further on are prefetched.
-template <typename C>
-inline __m512 dots16(const float* q, const C* k, int64_t K, int count, int64_t ahead) {
-  __m512 acc[16];
-  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-  if (ahead > 0) prefetch(k + 16 * K, std::min<int64_t>(ahead, 16) * K);
-  for (int j = 0; j < count; ++j) {
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t i = 0; i < K; i += 16) {
-      const __mmask16 t = tail(K - i);
-      a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(t, q + i), load16(k + j * K + i, t), a);
-    }
-    acc[j] = a;
-  }
-  return sum16(acc);
-}
-
-// e^x in 16 lanes, as 2^n e^r with |r| <= ln 2 / 2 and Cephes' expf polynomial for e^r (within 2 ulp of expf);
-// below -104 it is 0, and NaN stays NaN (max keeps its second operand's NaN).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 slot_mask(const bool* mask, int count) {
-  const __m128i m = _mm_maskz_loadu_epi8(__mmask16(tail(count)), mask);
-  return _mm_test_epi8_mask(m, m);
-}
-#endif
-
 // The R query heads q[R, K] of one KV head over its first n slots k, v [n, K]; s: scratch of R x n scores.
-// With AVX-512, 16 slots' scores at a time (their reductions together) and the exponentials in 16 lanes: one
-// key's dot product and a scalar expf a slot were most of a batch-32 step's attention time.
 template <typename C>
 void attend_group(const float* q, const C* k, const C* v, const bool* mask, int64_t n, int64_t K, int64_t R,
                   float scale, float softcap, const float* sinks, float* s, float* o) {
   constexpr float lowest = -std::numeric_limits<float>::max();
+  for (int64_t c = 0; c < n; ++c) {
+    for (int64_t r = 0; r < R; ++r)
+      s[r * n + c] = mask[c] ? cap_score(dot_row(q + r * K, k + c * K, K) * scale, softcap) : lowest;
+  }
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * n;
-#if defined(__AVX512F__)
-    __m512 top = _mm512_set1_ps(sinks ? sinks[r] : lowest);
-    for (int64_t c = 0; c < n; c += 16) {
-      const int count = int(std::min<int64_t>(16, n - c));
-      const __mmask16 t = tail(count);
-      __m512 sc = _mm512_mul_ps(dots16(q + r * K, k + c * K, K, count, n - c - 16), _mm512_set1_ps(scale));
-      if (softcap > 0) {
-        alignas(64) float tmp[16];
-        _mm512_store_ps(tmp, sc);
-        for (int j = 0; j < count; ++j) tmp[j] = cap_score(tmp[j], softcap);
-        sc = _mm512_load_ps(tmp);
-      }
-      sc = _mm512_mask_blend_ps(slot_mask(mask + c, count), _mm512_set1_ps(lowest), sc);
-      _mm512_mask_storeu_ps(sr + c, t, sc);
-      top = _mm512_mask_max_ps(top, t, top, sc);
-    }
-    const float m = _mm512_reduce_max_ps(top);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t c = 0; c < n; c += 16) {
-      const __mmask16 t = tail(n - c);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(t, sr + c), _mm512_set1_ps(m)));
-      _mm512_mask_storeu_ps(sr + c, t, e);
-      sum = _mm512_mask_add_ps(sum, t, sum, e);
-    }
-    const float total = _mm512_reduce_add_ps(sum) + (sinks ? std::exp(sinks[r] - m) : 0.0f);
-    const __m512 inv = _mm512_set1_ps(1.0f / total);
-    for (int64_t c = 0; c < n; c += 16) {
-      const __mmask16 t = tail(n - c);
-      _mm512_mask_storeu_ps(sr + c, t, _mm512_mul_ps(_mm512_maskz_loadu_ps(t, sr + c), inv));
-    }
-#else
-    for (int64_t c = 0; c < n; ++c)
-      sr[c] = mask[c] ? cap_score(dot_row(q + r * K, k + c * K, K) * scale, softcap) : lowest;
     float m = sinks ? sinks[r] : lowest;
     for (int64_t c = 0; c < n; ++c) m = std::max(m, sr[c]);
     float total = sinks ? std::exp(sinks[r] - m) : 0.0f;
     for (int64_t c = 0; c < n; ++c) total += (sr[c] = std::exp(sr[c] - m));
     const float inv = 1.0f / total;
     for (int64_t c = 0; c < n; ++c) sr[c] *= inv;
-#endif
     std::fill(o + r * K, o + (r + 1) * K, 0.0f);
   }
-  for (int64_t c = 0; c < n;) {
-#if defined(__AVX512F__)
-    // Four slots a pass where none is masked: each pass reads and writes the output once for four rows of v.
-    if (c + 4 <= n && mask[c] && mask[c + 1] && mask[c + 2] && mask[c + 3]) {
-      if (c + 20 <= n) prefetch(v + (c + 16) * K, 4 * K);  // four slots, 16 on
-      for (int64_t r = 0; r < R; ++r) {
-        const float* p = s + r * n + c;
-        const __m512 p0 = _mm512_set1_ps(p[0]), p1 = _mm512_set1_ps(p[1]), p2 = _mm512_set1_ps(p[2]),
-                     p3 = _mm512_set1_ps(p[3]);
-        for (int64_t i = 0; i < K; i += 16) {
-          const __mmask16 t = tail(K - i);
-          const C* vc = v + c * K + i;
-          __m512 acc = _mm512_maskz_loadu_ps(t, o + r * K + i);
-          acc = _mm512_fmadd_ps(p0, load16(vc, t), acc);
-          acc = _mm512_fmadd_ps(p1, load16(vc + K, t), acc);
-          acc = _mm512_fmadd_ps(p2, load16(vc + 2 * K, t), acc);
-          acc = _mm512_fmadd_ps(p3, load16(vc + 3 * K, t), acc);
-          _mm512_mask_storeu_ps(o + r * K + i, t, acc);
-        }
-      }
-      c += 4;
-      continue;
-    }
-#endif
-    if (mask[c])  // a masked slot weighs 0 (exp of finfo.min less a real score), unless every slot is masked
-      for (int64_t r = 0; r < R; ++r) add_row(o + r * K, s[r * n + c], v + c * K, K);
-    ++c;
+  for (int64_t c = 0; c < n; ++c) {
+    if (!mask[c]) continue;  // weight 0 (exp of finfo.min less a real score), unless every slot is masked
+    for (int64_t r = 0; r < R; ++r) add_row(o + r * K, s[r * n + c], v + c * K, K);
   }
 }
 
