@@ -203,8 +203,9 @@ def cache_layout(model: nnx.Module) -> CacheLayout:
 
 def _choose(logits_BV, key, step, temperature, top_p, *, greedy: bool, top_k: int, nucleus: bool) -> jax.Array:
   """The next token of every row (see Sampling)."""
-  if greedy:
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+  if greedy:  # inside decode_matmuls(True): the kernel's argmax (models/kernels)
+    fast = kernels.argmax(logits_BV)
+    return fast if fast is not None else jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
   x_BV = logits_BV.astype(jnp.float32) / temperature
   if top_k:
     kth_B1 = jax.lax.top_k(x_BV, min(top_k, x_BV.shape[-1]))[0][:, -1:]
@@ -362,8 +363,8 @@ class Generator:
         logits_BV, cache = model().decode(
           tokens_BP, pos_BP, layout.zeros(rows, S), Decoding(jnp.int32(0), valid_BS, prefill=True)
         )
+        tok_B = choose(logits_BV, key, 0, temperature, top_p)
       V = logits_BV.shape[-1]
-      tok_B = choose(logits_BV, key, 0, temperature, top_p)
       out_BN = jnp.zeros((rows, N), jnp.int32).at[:, 0].set(tok_B)
       kept_BNV = jnp.zeros((rows, N, V) if keep_logits else (0,), jnp.float32)
       if keep_logits:
@@ -380,8 +381,9 @@ class Generator:
           logits_BV, cache = model().decode(
             tok_B[:, None], (index - pad_B)[:, None], unsqueeze(cache), Decoding(index, valid_BS)
           )
+          chosen_B = choose(logits_BV, key, i, temperature, top_p)
         cache = squeeze(cache)
-        nxt_B = jnp.where(done_B, stop_B, choose(logits_BV, key, i, temperature, top_p))  # done rows repeat it
+        nxt_B = jnp.where(done_B, stop_B, chosen_B)  # done rows repeat it
         out_BN = jax.lax.dynamic_update_slice_in_dim(out_BN, nxt_B[:, None], i, axis=1)
         if keep_logits:
           kept_BNV = jax.lax.dynamic_update_slice_in_dim(kept_BNV, logits_BV[:, None].astype(jnp.float32), i, axis=1)

@@ -145,6 +145,34 @@ def test_a_decode_loop_packs_its_gemm_weights_once_outside_the_loop():
   assert hlo.count('custom_call_target="shardzoo_pack_bf16"') == 2
 
 
+def argmax_cases():
+  """Rows of logits with what jnp.argmax decides: ties (the first wins, across lanes and blocks), a NaN (the first
+  NaN), all -inf (index 0), a maximum in the tail of 16; float32 and bfloat16."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((7, 53)).astype(np.float32)
+  x[0, [5, 21, 40]] = 9.0  # equal maxima in three lanes and blocks
+  x[1, [30, 3]] = np.nan, 99.0
+  x[2] = -np.inf
+  x[3, 52] = 50.0  # the last element, in the tail
+  x[4, [17, 1]] = 8.0  # the same lane's tie, later block second
+  x[5, 0] = np.inf
+  return [jnp.asarray(x), jnp.asarray(x, jnp.bfloat16), jnp.asarray(x[:, :16].reshape(7, 2, 8))]
+
+
+def check_argmax():
+  for x in argmax_cases():
+    with kernels.decode_matmuls(True):
+      got = jax.jit(kernels.argmax)(x)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
+  with kernels.decode_matmuls(False):
+    assert kernels.argmax(x) is None
+
+
+def test_greedy_argmax_is_jnp_argmax():
+  check_argmax()
+
+
 def test_a_decode_loop_looks_up_a_bfloat16_table_by_its_bytes():
   """layers.table_rows inside decode_matmuls: a 16-bit table's rows copied as they are (kernels.take_rows), no
   float32 copy of the table in the compiled loop; an id outside the table gives NaNs, as jnp.take's; a float32
@@ -231,27 +259,29 @@ def _portable_targets():
   lib = ctypes.cdll.LoadLibrary(str(kernels.build('x86-64-v2')))
   lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
   assert lib.shardzoo_matvec_isa() == b'portable C++' and not lib.shardzoo_has_bf16_gemm()
-  targets = (f'{kernels.TARGET}_portable', f'{kernels.ATTENTION_TARGET}_portable')
-  for name, fn in zip(targets, [lib.ShardzooMatvec, lib.ShardzooDecodeAttention]):
+  targets = tuple(f'{t}_portable' for t in (kernels.TARGET, kernels.ATTENTION_TARGET, kernels.ARGMAX_TARGET))
+  for name, fn in zip(targets, [lib.ShardzooMatvec, lib.ShardzooDecodeAttention, lib.ShardzooArgmax]):
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform='cpu')
   return targets
 
 
 @pytest.mark.skipif(platform.machine() not in ('x86_64', 'AMD64'), reason='x86 targets')
 def test_builds_for_cpus_without_avx512_compute_the_same(monkeypatch):
-  """The library for a CPU without AVX-512 (its portable C++ loops) gives the einsums and the cached attention
-  above; one for AVX-512 without BF16 (Skylake: no bfloat16 GEMM) builds."""
+  """The library for a CPU without AVX-512 (its portable C++ loops) gives the einsums, the cached attention and the
+  argmax above; one for AVX-512 without BF16 (Skylake: no bfloat16 GEMM) builds."""
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     skylake = pool.submit(kernels.build, 'skylake-avx512')
-    matvec, attention_target = _portable_targets()
+    matvec, attention_target, argmax_target = _portable_targets()
     assert skylake.result().exists()
   monkeypatch.setattr(kernels, 'TARGET', matvec)
   monkeypatch.setattr(kernels, 'ATTENTION_TARGET', attention_target)
+  monkeypatch.setattr(kernels, 'ARGMAX_TARGET', argmax_target)
   for case in CASES:
     if case[1][0] * case[1][1] <= kernels.MAX_ROWS:
       test_the_kernel_is_the_einsum(*case, prepack=False)
   for case in ATTENTION_CASES[1:3]:
     check_attention(case)
+  check_argmax()
 
 
 def test_a_bfloat16_cache_is_written_without_widening_it():

@@ -630,6 +630,49 @@ ffi::Error attention_dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   }
 }
 
+// The index of each row's largest value, as jnp.argmax: the first of equal maxima, the first NaN where there is
+// one. A greedy decode's choice over the vocabulary: XLA's CPU compiler runs it as a variadic reduce, one element
+// at a time (GPT-2 at batch 32: 3.7 ms a step, the 32 rows' 6.4 MB of logits).
+int32_t argmax_row(const float* x, int64_t V) {
+#if defined(__AVX512F__)
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i at = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  for (int64_t i = 0; i < V; i += 16, idx = _mm512_add_epi32(idx, step)) {
+    const __mmask16 t = tail(V - i);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), t, x + i);
+    if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) {
+      for (int64_t j = i;; ++j)
+        if (std::isnan(x[j])) return int32_t(j);
+    }
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: a lane keeps its first maximum
+    best = _mm512_mask_mov_ps(best, gt, v);
+    at = _mm512_mask_mov_epi32(at, gt, idx);
+  }
+  const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(top, at);
+#else
+  int64_t a = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (std::isnan(x[i])) return int32_t(i);
+    if (x[i] > x[a]) a = i;
+  }
+  return int32_t(a);
+#endif
+}
+
+ffi::Error argmax_rows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || out->element_count() != size_t(xd[0]) || xd[1] < 1)
+    return ffi::Error::InvalidArgument("argmax_rows: x must be [rows, V > 0], the result [rows]");
+  const int64_t V = xd[1];
+  const float* xp = x.typed_data();
+  int32_t* op = out->typed_data();
+  run_chunks(pool, xd[0], int(std::max<int64_t>(1, pool.num_threads())),
+             [&](int, int64_t r) { op[r] = argmax_row(xp + r * V, V); });
+  return ffi::Error::Success();
+}
+
 // Rows of a table by id (a decode's embedding lookup): bytes copied as they are. XLA's CPU compiler gathers a
 // bfloat16 table in float32, and hoisted the widening of the whole table out of the decode loop. An id outside the
 // table gives a row of all-ones bytes: NaNs, as jnp.take's fill.
@@ -695,6 +738,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooDecodeAttention, attention_dispatch,
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
                                   .Attr<bool>("has_sinks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooArgmax, argmax_rows,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooTakeRows, take_rows,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>());
