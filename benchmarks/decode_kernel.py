@@ -68,22 +68,24 @@ def chain(ws, head, x, use_kernel: bool, dtype, prepack: bool = False):
   return x
 
 
-def alternate(step, carry, steps: int) -> dict[bool, list[float]]:
+def alternate(step, carry, steps: int, args=()) -> dict[bool, list[float]]:
   """Median seconds per step of each round, XLA's side (False) and the kernel's (True) alternating: `steps` calls of
-  step(use_kernel, carry) inside one jitted loop per call."""
+  step(use_kernel, carry, *args) inside one jitted loop per call. `args` (the weights) are the program's arguments,
+  as a decode loop's are: XLA computes what depends on them alone once, before the loop (a packing of W)."""
   import jax
 
   programs = {}
   for use in (False, True):
-    programs[use] = jax.jit(lambda c, use=use: jax.lax.fori_loop(0, steps, lambda i, c: step(use, c), c))
-    jax.block_until_ready(programs[use](carry))
+    loop = lambda c, *a, use=use: jax.lax.fori_loop(0, steps, lambda i, c: step(use, c, *a), c)
+    programs[use] = jax.jit(loop)
+    jax.block_until_ready(programs[use](carry, *args))
   medians = {False: [], True: []}
   for r in range(FLAGS.rounds):
     for use in (False, True) if r % 2 == 0 else (True, False):
       times = []
       for _ in range(FLAGS.reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(programs[use](carry))
+        jax.block_until_ready(programs[use](carry, *args))
         times.append((time.perf_counter() - t0) / steps)
       medians[use].append(float(np.median(times)))
   return medians
@@ -98,7 +100,8 @@ def case(rows: int, wdtype: str, xdtype: str, with_head: bool, steps: int, prepa
   ws = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.02, wdtype) for s in shapes]
   head = jnp.asarray(rng.standard_normal((FLAGS.vocab, D), np.float32) * 0.02, wdtype) if with_head else None
   x = jnp.full((rows, D), 0.1, xdtype)
-  medians = alternate(lambda use, x: chain(ws, head, x, use, xdtype, prepack).astype(xdtype), x, steps)
+  step = lambda use, x, ws, head: chain(ws, head, x, use, xdtype, prepack).astype(xdtype)
+  medians = alternate(step, x, steps, (ws, head))
   nbytes = sum(w.nbytes for w in ws) + (head.nbytes if with_head else 0)
   flops = 2 * rows * sum(int(np.prod(s)) for s in shapes)
   rate = lambda t: f'{nbytes / t / 1e9:.1f} GB/s' if with_head else f'{flops / t / 1e9:.0f} GFLOP/s'

@@ -174,10 +174,10 @@ def status(devices: Any = None) -> tuple[bool, str]:
   isa, why = _loaded()
   if isa is None:
     return False, f"decode matmuls: XLA's dot (the kernel is not available: {why})"
-  wide = '; bfloat16 matmuls of more rows (prefill) by AVX-512 BF16 dot products' if bf16_gemm() else ''
+  wide = '; bfloat16 matmuls of more rows (prefill, batches) by AVX-512 BF16 dot products' if bf16_gemm() else ''
   return True, (
-    f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows and the attention over '
-    f'the KV cache{wide}'
+    f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows, the attention over '
+    f"the KV cache and greedy decoding's argmax{wide}"
   )
 
 
