@@ -11,8 +11,8 @@ the model's: a Dense layer's einsum in the weights' dtype, the head's with float
 Matrix-vector rows (at most kernels.MAX_ROWS) run float32 and bfloat16 weights, activations in float32 as a decode
 step's; GEMM rows are bfloat16 throughout, where the CPU has AVX-512 BF16, one step per execution (a prefill's
 path: XLA's temporaries are fresh pages in every execution, as a prefill's are), and `--packed_rows` `--steps` steps
-in a loop whose body packs W (kernels.decode_matmuls(prepack=True): XLA packs it once, before the loop, as in a
-decode loop of batch 32). Prints, per case, the median ms
+in a loop, packing W's panels as it goes and, then, with a body that packs W by an operation of its own
+(kernels.decode_matmuls(prepack=True): XLA packs it once, before the loop, as in a decode loop of batch 32). Prints, per case, the median ms
 per step of each round (XLA, then the kernel) and the rate: GB/s of weights read (matrix-vector), GFLOP/s (GEMM),
 GB/s of cache read (attention, at slot 5/6 of `--slots`). Refuses a busy machine as benchmarks/generate.py does
 (--max_load, --busy).
@@ -107,6 +107,7 @@ def case(rows: int, wdtype: str, xdtype: str, with_head: bool, steps: int, prepa
   rate = lambda t: f'{nbytes / t / 1e9:.1f} GB/s' if with_head else f'{flops / t / 1e9:.0f} GFLOP/s'
   fmt = lambda ts: ', '.join(f'{t * 1e3:.2f}' for t in ts) + f' ms ({rate(float(np.median(ts)))})'
   kind = 'matrix-vector' if with_head else 'GEMM, W packed before the loop' if prepack else 'GEMM'
+  kind += ', in a loop' if not with_head and steps > 1 and not prepack else ''
   return f'| {rows} | {wdtype} | {kind} | {fmt(medians[False])} | {fmt(medians[True])} |'
 
 
@@ -168,7 +169,8 @@ def main(argv) -> None:
   for rows in [int(r) for r in FLAGS.gemm_rows.split(',') if r] if kernels.bf16_gemm() else []:
     lines.append(case(rows, 'bfloat16', 'bfloat16', with_head=False, steps=1))
   for rows in [int(r) for r in FLAGS.packed_rows.split(',') if r] if kernels.bf16_gemm() else []:
-    lines.append(case(rows, 'bfloat16', 'bfloat16', with_head=False, steps=FLAGS.steps, prepack=True))
+    for prepack in (False, True):  # the kernel's side in a loop, packing as it goes and packed before
+      lines.append(case(rows, 'bfloat16', 'bfloat16', with_head=False, steps=FLAGS.steps, prepack=prepack))
   for rows in [int(r) for r in FLAGS.attention_rows.split(',') if r]:
     for dtype in ('float32', 'bfloat16'):
       lines.append(attention_case(rows, dtype, steps=FLAGS.steps))
