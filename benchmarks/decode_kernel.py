@@ -12,10 +12,10 @@ Matrix-vector rows (at most kernels.MAX_ROWS) run float32 and bfloat16 weights, 
 step's; GEMM rows are bfloat16 throughout, where the CPU has AVX-512 BF16, one step per execution (a prefill's
 path: XLA's temporaries are fresh pages in every execution, as a prefill's are), and `--packed_rows` `--steps` steps
 in a loop, packing W's panels as it goes and, then, with a body that packs W by an operation of its own
-(kernels.decode_matmuls(prepack=True): XLA packs it once, before the loop, as in a decode loop of batch 32). Prints, per case, the median ms
-per step of each round (XLA, then the kernel) and the rate: GB/s of weights read (matrix-vector), GFLOP/s (GEMM),
-GB/s of cache read (attention, at slot 5/6 of `--slots`). Refuses a busy machine as benchmarks/generate.py does
-(--max_load, --busy).
+(kernels.decode_matmuls(prepack=True): XLA packs it once, before the loop, as in a decode loop of batch 32). The
+weights are the loops' arguments, as a decode loop's are. Prints, per case, the median ms per step of each round
+(XLA, then the kernel) and the rate: GB/s of weights read (matrix-vector), GFLOP/s (GEMM), GB/s of cache read
+(attention, at slot 5/6 of `--slots`). Refuses a busy machine as benchmarks/generate.py does (--max_load, --busy).
 """
 
 from __future__ import annotations
