@@ -189,8 +189,9 @@ def missing(devices: Any = None) -> bool:
 
 @contextlib.contextmanager
 def decode_matmuls(enabled: bool, prepack: bool = False):
-  """Einsums and 16-bit table lookups traced inside run through the kernel where it applies (`matmul`,
-  `take_rows`); `enabled` comes from status(), which loads the kernel (XLA must know its targets before compiling).
+  """Einsums, 16-bit table lookups, cached attention and greedy argmaxes traced inside run through the kernel where
+  it applies (`matmul`, `take_rows`, `decode_attention`, `argmax`); `enabled` comes from status(), which loads the
+  kernel (XLA must know its targets before compiling).
 
   `prepack`: the bfloat16 GEMM's weights are packed into its panels by an operation of their own, which XLA computes
   once outside a loop whose steps use the same weights (a decode loop's body says so). The loop then holds a second,
