@@ -106,8 +106,8 @@ def case(rows: int, wdtype: str, xdtype: str, with_head: bool, steps: int, prepa
   flops = 2 * rows * sum(int(np.prod(s)) for s in shapes)
   rate = lambda t: f'{nbytes / t / 1e9:.1f} GB/s' if with_head else f'{flops / t / 1e9:.0f} GFLOP/s'
   fmt = lambda ts: ', '.join(f'{t * 1e3:.2f}' for t in ts) + f' ms ({rate(float(np.median(ts)))})'
-  kind = 'matrix-vector' if with_head else 'GEMM, W packed before the loop' if prepack else 'GEMM'
-  kind += ', in a loop' if not with_head and steps > 1 and not prepack else ''
+  loop = ', W packed before the loop' if prepack else ', in a loop' if steps > 1 else ''
+  kind = 'matrix-vector' if with_head else f'GEMM{loop}'
   return f'| {rows} | {wdtype} | {kind} | {fmt(medians[False])} | {fmt(medians[True])} |'
 
 

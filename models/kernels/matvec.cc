@@ -414,35 +414,35 @@ void panel_rows(const uint16_t* x, const __m512i* panel, Y* y, int64_t M, int64_
   }
 }
 
-template <typename Y>
-void gemm_panels(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* wp, Y* yp, int64_t M, int64_t K, int64_t N,
-                 bool nk) {
-  const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
-  const int64_t chunks = (N + 63) / 64;                  // two panels a chunk
-  std::vector<__m512i> panels(size_t(max_workers) * K);  // one per worker
-  run_chunks(pool, chunks, max_workers, [&](int worker, int64_t c) {
-    __m512i* panel = panels.data() + worker * K;
-    for (int64_t n = c * 64; n < std::min(N, (c + 1) * 64); n += 32) {
-      if (nk)
-        pack_panel_nk(wp, panel, K, N, n);
-      else
-        pack_panel(wp, panel, K, N, n);
-      panel_rows(xp, panel, yp, M, K, N, n);
-    }
-  });
+inline void pack_panel_any(const uint16_t* w, __m512i* panel, int64_t K, int64_t N, int64_t n, bool nk) {
+  if (nk)
+    pack_panel_nk(w, panel, K, N, n);
+  else
+    pack_panel(w, panel, K, N, n);
 }
 
-// The panels of W packed ahead (`pack_bf16`) and read in order: in a decode loop XLA computes the packing once,
-// outside the loop (its operand, a weight, is the same every step), so each step streams its panels with nothing
-// to gather. At 32 rows, packing from W's strided rows took as long as the tiles that use a panel.
+// The tiles over W's panels, two panels a chunk of work. `packed` null: each panel packed from W as it is needed,
+// into the worker's scratch. Else the panels W's packing (`pack_bf16`) laid out ahead, read in order: in a decode
+// loop XLA computes that packing once, outside the loop (its operand, a weight, is the same every step), so each
+// step streams its panels with nothing to gather. At 32 rows, packing from W's strided rows took as long as the
+// tiles that use a panel.
 template <typename Y>
-void gemm_packed_panels(ffi::ThreadPool& pool, const uint16_t* xp, const __m512i* packed, Y* yp, int64_t M, int64_t K,
-                        int64_t N) {
+void gemm_panels(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* wp, const __m512i* packed, Y* yp,
+                 int64_t M, int64_t K, int64_t N, bool nk) {
   const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
   const int64_t chunks = (N + 63) / 64;
-  run_chunks(pool, chunks, max_workers, [&](int, int64_t c) {
-    for (int64_t n = c * 64; n < std::min(N, (c + 1) * 64); n += 32)
-      panel_rows(xp, packed + (n / 32) * K, yp, M, K, N, n, n + 32 < N ? packed + (n / 32 + 1) * K : nullptr);
+  std::vector<__m512i> scratch(packed ? 0 : size_t(max_workers) * K);  // a panel per worker
+  run_chunks(pool, chunks, max_workers, [&](int worker, int64_t c) {
+    for (int64_t n = c * 64; n < std::min(N, (c + 1) * 64); n += 32) {
+      if (packed) {
+        const __m512i* panel = packed + (n / 32) * K;
+        panel_rows(xp, panel, yp, M, K, N, n, n + 32 < N ? panel + K : nullptr);
+      } else {
+        __m512i* panel = scratch.data() + worker * K;
+        pack_panel_any(wp, panel, K, N, n, nk);
+        panel_rows(xp, panel, yp, M, K, N, n);
+      }
+    }
   });
 }
 
@@ -476,7 +476,7 @@ ffi::Error gemm_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer
     return ffi::Error::InvalidArgument("gemm_bf16: x and w must be 2-d, K the same and even");
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
-  return by_result_type(y, "gemm_bf16", [&](auto* yp) { gemm_panels(pool, xp, wp, yp, M, K, N, nk); });
+  return by_result_type(y, "gemm_bf16", [&](auto* yp) { gemm_panels(pool, xp, wp, nullptr, yp, M, K, N, nk); });
 }
 
 // W's panels as gemm_packed reads them: [ceil(N / 32), K, 32] bfloat16, the columns past N zero.
@@ -490,10 +490,7 @@ ffi::Error pack_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> w, ffi::Result
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
   __m512i* panels = reinterpret_cast<__m512i*>(out->untyped_data());
   run_chunks(pool, od[0], int(std::max<int64_t>(1, pool.num_threads())), [&](int, int64_t p) {
-    if (nk)
-      pack_panel_nk(wp, panels + p * K, K, N, p * 32);
-    else
-      pack_panel(wp, panels + p * K, K, N, p * 32);
+    pack_panel_any(wp, panels + p * K, K, N, p * 32, nk);
   });
   return ffi::Error::Success();
 }
@@ -508,8 +505,8 @@ ffi::Error gemm_packed(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buff
     return ffi::Error::InvalidArgument("gemm_packed: x [M, K], packed [ceil(N / 32), K, 32], y [M, N], K even");
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
   const __m512i* pp = reinterpret_cast<const __m512i*>(packed.untyped_data());
-  return by_result_type(y, "gemm_packed",
-                        [&](auto* yp) { gemm_packed_panels(pool, xp, pp, yp, xd[0], xd[1], yd[1]); });
+  return by_result_type(
+      y, "gemm_packed", [&](auto* yp) { gemm_panels(pool, xp, nullptr, pp, yp, xd[0], xd[1], yd[1], false); });
 }
 #else
 ffi::Error unbuilt() { return ffi::Error(ffi::ErrorCode::kUnimplemented, "built without AVX-512 BF16"); }
@@ -740,7 +737,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooDecodeAttention, attention_dispatch,
                                   .Attr<bool>("has_sinks"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooArgmax, argmax_rows,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooTakeRows, take_rows,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>());
