@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,13 +128,22 @@ class Run:
   warnings: list[str] = dataclasses.field(default_factory=list)
 
 
-def run_once(cmd: list[str], env: dict[str, str], ckpt_dir: str, log: str, fault: Fault | None, timeout: float) -> Run:
-  """Runs train.py once, delivering `fault` (if any) at its moment; checks nothing, reports what happened."""
+def run_once(
+  cmd: list[str],
+  env: dict[str, str],
+  ckpt_dir: str,
+  log: str,
+  fault: Fault | None,
+  timeout: float,
+  launch: Callable[..., subprocess.Popen] = subprocess.Popen,
+) -> Run:
+  """Runs train.py once (a process `launch` starts: subprocess.Popen's signature), delivering `fault` (if any) at its
+  moment; checks nothing, reports what happened."""
   newest = (complete_steps(ckpt_dir) or [None])[-1]
   stale = _saves(ckpt_dir)  # left by earlier kills: a save of this run only once they have vanished (cleaned up)
   t0 = time.time()
   with open(log, 'w') as out, open(log + '.stderr', 'w') as err:
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
+    proc = launch(cmd, cwd=ROOT, env=env, stdout=out, stderr=err)
     run = Run(fault, 0, None, newest)
     seen: set[str] = set()
     while fault is not None and proc.poll() is None and time.time() - t0 < timeout:
@@ -230,10 +240,12 @@ def soak(
   reference: str | None = None,
   timeout: float = 600.0,
   say=print,
+  launch: Callable[..., subprocess.Popen] = subprocess.Popen,
 ) -> dict[str, Any]:
   """Runs `config` with `overrides` under `faults` in `workdir`/run, restarting after each, then to the end;
   compares its final checkpoint with `reference` (a checkpoint step directory; by default one uninterrupted
-  run in `workdir`/reference). Raises AssertionError at the first thing wrong; returns what happened."""
+  run in `workdir`/reference). `launch` starts each train.py process (subprocess.Popen's signature). Raises
+  AssertionError at the first thing wrong; returns what happened."""
   total = int(overrides['total_steps'])
   run_dir, t0 = os.path.join(workdir, 'run'), time.time()
   ckpt_dir = os.path.join(run_dir, 'checkpoints')
@@ -247,6 +259,7 @@ def soak(
       os.path.join(workdir, 'reference.log'),
       None,
       timeout,
+      launch,
     )
     if ref.returncode != 0:
       raise AssertionError(f'the uninterrupted run failed (log: {workdir}/reference.log)')
@@ -255,7 +268,7 @@ def soak(
   runs: list[Run] = []
   for i, fault in enumerate([*faults, None]):
     log = os.path.join(workdir, f'run{i}.log')
-    run = run_once(command(config, run_dir, overrides), env, ckpt_dir, log, fault, timeout)
+    run = run_once(command(config, run_dir, overrides), env, ckpt_dir, log, fault, timeout, launch)
     check_resumed(run, ckpt_dir, log)
     runs.append(run)
     what = (

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests import children
 from tests.conftest import ROOT, subprocess_env
 from tests.test_multiprocess import _free_port
 
@@ -54,7 +55,7 @@ jax.distributed.shutdown()
 def test_two_processes_assemble_the_batches_of_one():
   port = _free_port()
   procs = [
-    subprocess.Popen(
+    children.Popen(
       [sys.executable, '-c', WORKER, f'127.0.0.1:{port}', str(i), BATCHES],
       cwd=ROOT,
       env={**subprocess_env(2), 'PYTHONPATH': ROOT},

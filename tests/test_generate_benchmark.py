@@ -2,18 +2,18 @@
 to spare two interpreter starts), on whatever machine the suite runs (--busy); the table comes out with the bound
 beside every figure and the two sides' greedy tokens equal. A child process: the script defines its own flags."""
 
-import subprocess
 import sys
 
 import pytest
 
+from tests import children
 from tests.conftest import ROOT, subprocess_env
 
 
 def test_generate_benchmark_smoke():
   cmd = [sys.executable, 'benchmarks/generate.py', '--busy', '--inline', '--probe_mib=16', '--probe_matmul=256']
   cmd += ['--batches=2', '--prompt_len=5', '--new_tokens=3', '--reps=1', '--layers=1', '--hidden=32', '--heads=2']
-  r = subprocess.run(cmd + ['--vocab=128'], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  r = children.run(cmd + ['--vocab=128'], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert 'machine: read bandwidth' in r.stdout and 'INLINE (the sides in one process): not figures' in r.stdout
   assert 'decode matmuls: ' in r.stdout
@@ -29,7 +29,7 @@ def test_decode_kernel_benchmark_smoke():
   cmd = [sys.executable, 'benchmarks/decode_kernel.py', '--busy', '--hidden=32', '--layers=1', '--vocab=64']
   cmd += ['--steps=2', '--reps=1', '--rounds=1', '--rows=3', '--gemm_rows=16', '--packed_rows=12']
   cmd += ['--attention_rows=2', '--slots=12']
-  r = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+  r = children.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
   if 'nothing to compare' in r.stderr:
     pytest.skip(r.stderr.strip().splitlines()[-1])
   assert r.returncode == 0, r.stderr[-3000:]

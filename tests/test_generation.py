@@ -8,7 +8,6 @@ line."""
 import json
 import logging
 import os
-import subprocess
 import sys
 
 os.environ['HF_HUB_OFFLINE'] = '1'
@@ -32,6 +31,7 @@ from configs import vit as vit_config  # noqa: E402
 from errors import ConfigError  # noqa: E402
 from generation import engine  # noqa: E402
 from models import kernels  # noqa: E402
+from tests import children
 from tests.conftest import BACKEND_COMPILE, ROOT, build_trainer, recorded_compile_events, subprocess_env  # noqa: E402
 from tests.test_hf_export import tiny_gpt2_with_tokenizer  # noqa: E402
 from tests.test_hf_families import LLAMA3_ROPE, save, zoo_config  # noqa: E402
@@ -326,7 +326,7 @@ print(json.dumps(dict(
 def test_a_decode_imports_no_training_module_and_allocates_only_the_weights(gpt2_dir):
   """generation.load in a fresh process: no module of training/ is imported (so neither training.optim nor
   training.accumulate, nor any optimizer state), and the arrays alive after decoding are the weights alone."""
-  r = subprocess.run(
+  r = children.run(
     [sys.executable, '-c', _DECODE_ONLY, gpt2_dir[0]],
     cwd=ROOT,
     env=subprocess_env(),
@@ -413,7 +413,7 @@ def test_bad_input_is_one_line(gpt2_gen):
 
 
 def run_generate(*args):
-  return subprocess.run(
+  return children.run(
     [sys.executable, 'generate.py', *args], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300
   )
 

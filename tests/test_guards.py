@@ -18,6 +18,7 @@ from checkpointing import run_config
 from configs import schema
 from errors import ConfigError
 from generation import engine
+from tests import children
 from tests.conftest import ROOT, subprocess_env, tiny_config
 
 # {S}: the sandbox (a run, a ViT run, prompt files, a user's notes). (argv, what the one line must contain.)
@@ -178,7 +179,7 @@ def outcomes(sandbox):
   env = {**subprocess_env(), 'HF_HUB_OFFLINE': '1', 'HF_DATASETS_OFFLINE': '1'}
   t0 = time.perf_counter()
   procs = {
-    entry: subprocess.Popen(
+    entry: children.Popen(
       [sys.executable, 'tests/mistakes.py', entry], cwd=ROOT, env=env, text=True,
       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )

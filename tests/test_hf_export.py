@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 os.environ['HF_HUB_OFFLINE'] = '1'
@@ -24,6 +23,7 @@ from checkpointing import run_config  # noqa: E402
 from configs import gpt2_finetune  # noqa: E402
 from errors import ConfigError, HFExportError  # noqa: E402
 from models import hf_export, hf_import  # noqa: E402
+from tests import children
 from tests.conftest import ROOT, build_trainer, export_hf, subprocess_env  # noqa: E402
 from tests.test_hf_import import forward, gpt2_dir, zoo_config  # noqa: E402,F401  (gpt2_dir: a fixture)
 from training import export, pretrained  # noqa: E402
@@ -83,7 +83,7 @@ def test_finetune_from_a_hub_id_then_export_py_loads_in_transformers(tmp_path, m
     state = train.train_and_evaluate(cfg, str(workdir))['state']
   assert cfg.model.vocab_size == vocab and cfg.dataset.tokenizer == str(snapshot)
 
-  run = subprocess.run(
+  run = children.run(
     [sys.executable, 'export.py', '--workdir', str(workdir), '--out', str(out)],
     cwd=ROOT,
     env=subprocess_env(),
@@ -243,7 +243,7 @@ def test_export_py_checks_dtype_and_max_shard_size_before_anything_else(tmp_path
       export.check_options(None, bad)
   for dtype, size in ((None, '5GB'), ('bfloat16', '500MB'), ('float16', '0.05mb'), ('float32', '1.5 GB')):
     export.check_options(dtype, size)
-  run = subprocess.run(
+  run = children.run(
     [
       sys.executable,
       'export.py',
@@ -272,7 +272,7 @@ def test_export_py_refuses_a_non_empty_out_before_building_the_model(tmp_path):
   run_config.save(gpt2_config.get_config('fsdp,tiny'), str(tmp_path / 'run'))
   (tmp_path / 'hf').mkdir()
   (tmp_path / 'hf' / 'model.safetensors').write_text('an earlier export')
-  run = subprocess.run(
+  run = children.run(
     [sys.executable, 'export.py', '--workdir', str(tmp_path / 'run'), '--out', str(tmp_path / 'hf')],
     cwd=ROOT,
     env=subprocess_env(),

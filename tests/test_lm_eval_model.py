@@ -5,7 +5,6 @@ same greedy flags and the same generated text; evaluate_lm.py runs a task from t
 
 import json
 import os
-import subprocess
 import sys
 
 os.environ['HF_HUB_OFFLINE'] = '1'
@@ -21,6 +20,7 @@ import partitioning  # noqa: E402
 from configs import gpt2 as gpt2_config  # noqa: E402
 from data import tokens  # noqa: E402
 from generation import lm_eval_model  # noqa: E402
+from tests import children  # noqa: E402
 from tests.conftest import ROOT, subprocess_env  # noqa: E402
 from tests.test_hf_export import tiny_gpt2_with_tokenizer  # noqa: E402
 from tests.test_hf_families import zoo_config  # noqa: E402
@@ -106,7 +106,7 @@ def test_per_example_results_are_lm_evals_hugging_face_backends(setup):
 def test_evaluate_lm_py_runs_a_local_task(setup, tmp_path):
   path, include_path = setup
   out = tmp_path / 'results.json'
-  run = subprocess.run(
+  run = children.run(
     [sys.executable, 'evaluate_lm.py', '--init_from', path, '--tasks', 'zoo_mc', '--include_path', include_path,
      '--config.model.dtype=float32', '--out', str(out)],
     cwd=ROOT, env={**subprocess_env(), 'HF_DATASETS_OFFLINE': '1'}, capture_output=True, text=True, timeout=300,

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from tests import children
 from tests.conftest import ROOT, subprocess_env
 
 TINY = [
@@ -35,15 +36,20 @@ TINY = [
 ]
 SLURM_PORTS = 61440  # JAX's SLURM detection puts the coordinator on port 61440 + SLURM_JOB_ID % 4096
 FAKE_SRUN = r"""#!/usr/bin/env python3
-# srun as far as launch/slurm.sbatch needs it: SLURM_NTASKS local tasks, one per "node", with srun's variables.
-import os, subprocess, sys
+# srun as far as launch/slurm.sbatch needs it: SLURM_NTASKS local tasks, one per "node", with srun's variables. The
+# tasks start as the suite's other train.py children do (tests/children.py: forked from a process that has imported
+# the libraries); `python` is the wrapper of this interpreter on PATH.
+import os, sys
+sys.path.insert(0, os.environ['SLURM_SUBMIT_DIR'])
+from tests import children
 cmd = sys.argv[1:]
 while cmd and cmd[0].startswith('--'):
   cmd = cmd[1:]
+cmd = [sys.executable if cmd[0] == 'python' else cmd[0], *cmd[1:]]
 n, out = int(os.environ['SLURM_NTASKS']), os.environ['FAKE_SRUN_OUT']
-procs = [subprocess.Popen(cmd, env={**os.environ, 'SLURM_PROCID': str(i), 'SLURM_LOCALID': '0', 'SLURM_NODEID': str(i),
-                                    'SLURM_STEP_NODELIST': 'localhost', 'SLURM_STEP_NUM_NODES': str(n)},
-                          stdout=open(f'{out}/{i}.out', 'w'), stderr=open(f'{out}/{i}.err', 'w')) for i in range(n)]
+procs = [children.Popen(cmd, env={**os.environ, 'SLURM_PROCID': str(i), 'SLURM_LOCALID': '0', 'SLURM_NODEID': str(i),
+                                  'SLURM_STEP_NODELIST': 'localhost', 'SLURM_STEP_NUM_NODES': str(n)},
+                        stdout=open(f'{out}/{i}.out', 'w'), stderr=open(f'{out}/{i}.err', 'w')) for i in range(n)]
 sys.exit(max(p.wait() for p in procs))
 """
 
@@ -68,7 +74,7 @@ def _start(args: list[str], n: int) -> list[subprocess.Popen]:
   port = _free_port()
   flags = [f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={n}'] if n > 1 else []
   return [
-    subprocess.Popen(
+    children.Popen(
       [sys.executable, 'train.py', *TINY, *args, *flags, *([f'--process_id={i}'] if n > 1 else [])],
       cwd=ROOT,
       env=subprocess_env(n),
@@ -201,7 +207,7 @@ def test_a_killed_process_stops_its_peer_within_the_timeout():
   README.)"""
   timeout, port = 5, _free_port()
   procs = [
-    subprocess.Popen(
+    children.Popen(
       [sys.executable, '-c', PEER, f'127.0.0.1:{port}', str(i), str(timeout)],
       cwd=ROOT,
       env=subprocess_env(2),
@@ -248,7 +254,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_soon():
   a few steps later (train.py saves there), not at the next multiple of a sync interval."""
   port = _free_port()
   procs = [
-    subprocess.Popen(
+    children.Popen(
       [sys.executable, '-c', PREEMPTED, f'127.0.0.1:{port}', str(i)],
       cwd=ROOT,
       env=subprocess_env(2),

@@ -18,6 +18,7 @@ from errors import ConfigError
 from partitioning import hlo
 from planning import candidates, cost, plan_file, report, residuals, stages
 from planning import search as search_lib
+from tests import children
 from tests.conftest import ROOT
 from training import flops
 
@@ -686,7 +687,6 @@ def test_accuracy_fit_recovers_a_known_ranking_and_overhead(tmp_path):
   overhead: the fitted constants rank them exactly and the overhead comes back."""
   import dataclasses
   import json
-  import subprocess
   import sys
 
   true = dataclasses.replace(
@@ -714,7 +714,7 @@ def test_accuracy_fit_recovers_a_known_ranking_and_overhead(tmp_path):
     )
   path = tmp_path / 'synthetic.json'
   path.write_text(json.dumps(dict(config='synthetic', devices=8, search_s=0.0, plans=plans)))
-  out = subprocess.run(
+  out = children.run(
     [sys.executable, 'benchmarks/search_accuracy.py', '--fit', str(path)],
     cwd=ROOT,
     capture_output=True,

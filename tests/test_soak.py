@@ -11,6 +11,7 @@ import pytest
 import train
 from benchmarks import soak
 from configs import default
+from tests import children
 from tests.conftest import TINY_RUN, subprocess_env
 
 
@@ -35,6 +36,7 @@ def test_sigkill_during_saves_and_sigterm_resume_bitwise(tmp_path):
     env=env,
     reference=str(tmp_path / 'reference' / 'checkpoints' / '12'),
     timeout=120,
+    launch=children.Popen,
   )
   assert report['sigkill'] == 1 and report['sigterm'] == 1 and report['runs'] == 3, report
   assert report['interrupted_saves'] >= 1, report  # at least one kill left a half-written save behind

@@ -6,7 +6,6 @@ import functools
 import glob
 import io
 import os
-import subprocess
 import sys
 import time
 
@@ -24,6 +23,7 @@ from configs import resnet as resnet_config
 from errors import ConfigError, ShardingError
 from models import attention, layers, resnet
 from partitioning import hlo
+from tests import children
 from tests.conftest import ROOT, all_eqns, build_trainer, subprocess_env, tiny_config, train_on_random_batches
 from training import flops, profiling
 
@@ -899,7 +899,7 @@ def test_wide_output_heads_run_their_backward_in_the_compute_dtype():
 
 @pytest.mark.slow
 def test_benchmark_smoke_with_torch_peer():
-  r = subprocess.run(
+  r = children.run(
     [
       sys.executable,
       'benchmarks/throughput.py',
@@ -983,7 +983,7 @@ for present in ('gpu', 'tpu', None):
 def test_benchmark_runs_the_torch_peer_beside_gpus_and_cpus_not_tpus():
   """benchmarks/throughput.py --peer torch: on CUDA beside an NVIDIA GPU, on the CPU beside a CPU run, and none on
   a TPU (a CPU peer would be no comparison), saying so. In a child process: the script defines its own flags."""
-  r = subprocess.run(
+  r = children.run(
     [sys.executable, '-c', _PEER_DEVICE], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120
   )
   assert r.returncode == 0, r.stderr[-2000:]

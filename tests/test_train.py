@@ -11,6 +11,7 @@ import data
 import errors
 import models
 import train
+from tests import children
 from tests.conftest import BACKEND_COMPILE, ROOT, recorded_compile_events, subprocess_env, tiny_config
 from training import run
 
@@ -36,7 +37,7 @@ def test_default_config_learns(tmp_path):
 
 
 def _cli(*args, timeout=300):
-  return subprocess.run(
+  return children.run(
     [sys.executable, 'train.py', '--config', 'configs/default.py', *args],
     cwd=ROOT,
     env=subprocess_env(),

@@ -26,7 +26,7 @@ from checkpointing import run_config
 from configs import cli, llama, llama_sft, schema
 from data import pipeline, text, tokens
 from errors import ConfigError
-from tests import conftest
+from tests import children, conftest
 from training import export, tasks
 
 datasets = pytest.importorskip('datasets')
@@ -382,7 +382,7 @@ def test_two_processes_share_the_cache_and_assemble_the_batches_of_one(tmp_path,
   port = _free_port()
   env = {**conftest.subprocess_env(2), 'PYTHONPATH': conftest.ROOT, 'HF_HUB_OFFLINE': '1'}
   procs = [
-    subprocess.Popen(
+    children.Popen(
       [sys.executable, '-c', WORKER, f'127.0.0.1:{port}', str(i), code],
       cwd=conftest.ROOT,
       env=env,
