@@ -304,46 +304,13 @@ class Popen(subprocess.Popen):
     self._forked = forkable(args) and not kwargs.get('shell') and not kwargs.get('preexec_fn')
     super().__init__(args, **kwargs)
 
-  def _execute_child(
-    self,
-    args,
-    executable,
-    preexec_fn,
-    close_fds,
-    pass_fds,
-    cwd,
-    env,
-    startupinfo,
-    creationflags,
-    shell,
-    p2cread,
-    p2cwrite,
-    c2pread,
-    c2pwrite,
-    errread,
-    errwrite,
-    *rest,
-  ):
+  def _execute_child(self, args, *rest):
     if not self._forked:
-      return super()._execute_child(
-        args,
-        executable,
-        preexec_fn,
-        close_fds,
-        pass_fds,
-        cwd,
-        env,
-        startupinfo,
-        creationflags,
-        shell,
-        p2cread,
-        p2cwrite,
-        c2pread,
-        c2pwrite,
-        errread,
-        errwrite,
-        *rest,
-      )
+      return super()._execute_child(args, *rest)
+    # subprocess.Popen's own call: (executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+    # creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, ...)
+    cwd, env = rest[4], rest[5]
+    p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite = rest[9:15]
     argv = [str(a) for a in args[1:]]
     cwd = os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd()
     if argv[0] != '-c':
@@ -351,7 +318,8 @@ class Popen(subprocess.Popen):
     env = dict(os.environ if env is None else {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()})
     fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
     try:
-      self.pid = _zygote_here().spawn(argv, env, cwd, fds)
+      self._zygote = _zygote_here()
+      self.pid = self._zygote.spawn(argv, env, cwd, fds)
       self._child_created = True
     finally:
       self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
@@ -359,7 +327,7 @@ class Popen(subprocess.Popen):
   def _try_wait(self, wait_flags):
     if not self._forked:
       return super()._try_wait(wait_flags)
-    status = _ZYGOTE.wait(self.pid, 0 if wait_flags & os.WNOHANG else None)
+    status = self._zygote.wait(self.pid, 0 if wait_flags & os.WNOHANG else None)
     return (0, 0) if status is None else (self.pid, status)
 
   def _internal_poll(self, _deadstate=None, **kwargs):
