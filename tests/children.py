@@ -14,8 +14,9 @@ print (none, with TF_CPP_MIN_LOG_LEVEL=2) does not appear, and a library that re
 keeps the zygote's reading. That is why the zygote imports only libraries that read no test-varied variable at
 import (Hugging Face's, which read HF_HOME and HF_HUB_OFFLINE then, and tfds, which reads TFDS_DATA_DIR, are left
 to the child), and why JAX's configuration, which JAX reads from JAX_* variables at import, is read again from the
-child's environment. Commands of any other form (another program, `python -c`, `-m`) go to `subprocess.Popen`.
-Tests of what the command line itself does before those imports (tests/test_bad_input_cli.py) keep real processes.
+child's environment. `python -c CODE ...` forks the same way; commands of any other form (another program, `-m`,
+interpreter options) go to `subprocess.Popen`. Tests of what a process does before or while importing, or at its own
+exit, keep real processes (tests/test_bad_input_cli.py among them).
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ def _std_streams(unbuffered: bool) -> None:
   sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, 'r', closefd=False), encoding='utf-8')
 
 
-def _become(request: dict, fds: list[int], sock: socket.socket, before: dict[str, str]) -> tuple[str, list[str]]:
-  """In the forked child: take on the command's streams, environment and directory; (script, argv) to run."""
+def _become(request: dict, fds: list[int], sock: socket.socket, before: dict[str, str]) -> tuple[str, bool]:
+  """In the forked child: take on the command's streams, environment, directory and argv; (the script's path or,
+  for `-c`, its source text; whether it is source text)."""
   sock.close()
   for target, fd in zip((0, 1, 2), fds, strict=True):
     os.dup2(fd, target)
@@ -124,14 +126,14 @@ def _become(request: dict, fds: list[int], sock: socket.socket, before: dict[str
   if argv[0] == '-c':  # python -c CODE ARGS: sys.argv is ['-c', ARGS], the current directory first on the path
     sys.path[0] = ''
     sys.argv = ['-c', *argv[2:]]
-    return argv[1], sys.argv
+    return argv[1], True
   script = os.path.abspath(argv[0])
   sys.path[0] = os.path.dirname(script)
   sys.argv = argv
-  return script, argv
+  return script, False
 
 
-def _serve(sock: socket.socket) -> tuple[str, list[str]] | None:
+def _serve(sock: socket.socket) -> tuple[str, bool] | None:
   """The zygote's loop: fork a child per request, report each child's pid and exit status. Returns in a forked child
   (what to run), or None when the test worker has gone."""
   before = {k: v for k, v in os.environ.items() if k.startswith('JAX_')}
@@ -166,8 +168,7 @@ def _zygote(fd: int) -> None:
   job = _serve(sock)
   if job is None:
     os._exit(0)
-  script, argv = job
-  os._exit(_run(script, code=argv[0] == '-c'))
+  os._exit(_run(*job))
 
 
 def _run(script: str, code: bool = False) -> int:

@@ -20,18 +20,17 @@ command runs as written, not its full length.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
 import json
 import os
 import re
-import runpy
 import shlex
 import signal
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,29 +164,21 @@ def _compilation_cache(directory: str) -> None:
 
 
 def _child(argv: list[str], log: str) -> None:
-  """In the forked child: stdout and stderr to `log`, then the command as `python ...` runs it; exits with its
-  status."""
+  """In the forked child: stdout and stderr to `log`, then the command as `python ...` runs it and ends
+  (tests/children.py's exit: status, traceback, threads joined, the command's own atexit handlers)."""
+  from tests import children  # noqa: PLC0415
+
   fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
   os.dup2(fd, 1)
   os.dup2(fd, 2)
   sys.stdout = os.fdopen(1, 'w', buffering=1)
   sys.stderr = os.fdopen(2, 'w', buffering=1)
-  code = 0
-  try:
-    if argv[1] == '-c':
-      sys.argv = ['-c', *argv[3:]]
-      exec(compile(argv[2], '<string>', 'exec'), {'__name__': '__main__'})
-    else:
-      sys.argv = argv[1:]
-      runpy.run_path(str(ROOT / argv[1]), run_name='__main__')
-  except SystemExit as e:
-    code = e.code if isinstance(e.code, int) else (0 if e.code is None else (print(e.code, file=sys.stderr) or 1))
-  except BaseException:  # noqa: BLE001  (reported in the log, as the interpreter would)
-    traceback.print_exc()
-    code = 1
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(code)
+  atexit._clear()  # noqa: SLF001  (this process's handlers are not the command's)
+  if argv[1] == '-c':
+    sys.argv = ['-c', *argv[3:]]
+    os._exit(children._run(argv[2], code=True))  # noqa: SLF001
+  sys.argv = argv[1:]
+  os._exit(children._run(str(ROOT / argv[1])))  # noqa: SLF001
 
 
 def run_command(argv: list[str], log: str, timeout: float) -> tuple[int, float]:
