@@ -147,7 +147,7 @@ def test_a_decode_loop_packs_its_gemm_weights_once_outside_the_loop():
 
 def argmax_cases():
   """Rows of logits with what jnp.argmax decides: ties (the first wins, across lanes and blocks), a NaN (the first
-  NaN), all -inf (index 0), a maximum in the tail of 16; float32 and bfloat16."""
+  NaN), all -inf (index 0), a maximum in the tail of 16, rows shorter than a register; float32 and bfloat16."""
   rng = np.random.default_rng(0)
   x = rng.standard_normal((7, 53)).astype(np.float32)
   x[0, [5, 21, 40]] = 9.0  # equal maxima in three lanes and blocks
@@ -156,7 +156,13 @@ def argmax_cases():
   x[3, 52] = 50.0  # the last element, in the tail
   x[4, [17, 1]] = 8.0  # the same lane's tie, later block second
   x[5, 0] = np.inf
-  return [jnp.asarray(x), jnp.asarray(x, jnp.bfloat16), jnp.asarray(x[:, :16].reshape(7, 2, 8))]
+  x[6, [50, 2]] = 7.0  # a tie between a register's lane and the tail past the last whole register (AVX2: 8 lanes)
+  return [
+    jnp.asarray(x),
+    jnp.asarray(x, jnp.bfloat16),
+    jnp.asarray(x[:, :16].reshape(7, 2, 8)),
+    jnp.asarray(x[:, :5]),  # shorter than one register
+  ]
 
 
 def check_argmax():
@@ -203,7 +209,7 @@ def test_a_decode_loop_looks_up_a_bfloat16_table_by_its_bytes():
 
 ATTENTION_CASES = [
   # B, H, G, K, C slots, S positions, index, window, softcap, sinks, cache dtype
-  (3, 4, 2, 24, 10, 10, 6, None, None, False, 'float32'),  # grouped heads, K a tail of 16, left pads
+  (3, 4, 2, 20, 10, 10, 6, None, None, False, 'float32'),  # grouped heads, K tails of 16 and 8, left pads
   (1, 2, 1, 32, 12, 12, 9, 4, None, False, 'bfloat16'),  # one row (the cache without its batch axis), a window
   (2, 4, 4, 16, 4, 12, 9, 4, 5.0, True, 'float32'),  # a ring of 4 slots, soft cap, sinks
   (2, 6, 2, 64, 16, 16, 15, None, None, True, 'bfloat16'),  # the last slot, three heads per group
@@ -254,24 +260,34 @@ def check_attention(case):
 
 
 @functools.cache
-def _portable_targets():
-  """The library built for x86-64-v2 (no AVX-512: the portable loops), registered under targets of its own."""
-  lib = ctypes.cdll.LoadLibrary(str(kernels.build('x86-64-v2')))
+def _targets_for(march: str, isa: bytes) -> tuple[str, str, str]:
+  """The library built for `march`, whose loops are `isa`'s, registered under targets of its own."""
+  lib = ctypes.cdll.LoadLibrary(str(kernels.build(march)))
   lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
-  assert lib.shardzoo_matvec_isa() == b'portable C++' and not lib.shardzoo_has_bf16_gemm()
-  targets = tuple(f'{t}_portable' for t in (kernels.TARGET, kernels.ATTENTION_TARGET, kernels.ARGMAX_TARGET))
+  assert lib.shardzoo_matvec_isa() == isa and not lib.shardzoo_has_bf16_gemm()
+  targets = tuple(f'{t}_{march}' for t in (kernels.TARGET, kernels.ATTENTION_TARGET, kernels.ARGMAX_TARGET))
   for name, fn in zip(targets, [lib.ShardzooMatvec, lib.ShardzooDecodeAttention, lib.ShardzooArgmax]):
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform='cpu')
   return targets
 
 
+def _has_avx2() -> bool:
+  with open('/proc/cpuinfo') as f:
+    flags = next((line for line in f if line.startswith('flags')), '').split()
+  return 'avx2' in flags and 'fma' in flags
+
+
 @pytest.mark.skipif(platform.machine() not in ('x86_64', 'AMD64'), reason='x86 targets')
-def test_builds_for_cpus_without_avx512_compute_the_same(monkeypatch):
-  """The library for a CPU without AVX-512 (its portable C++ loops) gives the einsums, the cached attention and the
-  argmax above; one for AVX-512 without BF16 (Skylake: no bfloat16 GEMM) builds."""
+@pytest.mark.parametrize('march,isa', [('x86-64-v2', b'portable C++'), ('x86-64-v3', b'AVX2')])
+def test_builds_for_cpus_without_avx512_compute_the_same(monkeypatch, march, isa):
+  """The library for a CPU without AVX-512 (AVX2 and FMA: x86-64-v3; neither: x86-64-v2's portable C++ loops)
+  gives the einsums, the cached attention and the argmax above; one for AVX-512 without BF16 (Skylake: no bfloat16
+  GEMM) builds."""
+  if march == 'x86-64-v3' and not _has_avx2():
+    pytest.skip('this CPU has no AVX2 and FMA to run it')
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     skylake = pool.submit(kernels.build, 'skylake-avx512')
-    matvec, attention_target, argmax_target = _portable_targets()
+    matvec, attention_target, argmax_target = _targets_for(march, isa)
     assert skylake.result().exists()
   monkeypatch.setattr(kernels, 'TARGET', matvec)
   monkeypatch.setattr(kernels, 'ATTENTION_TARGET', attention_target)
@@ -279,7 +295,7 @@ def test_builds_for_cpus_without_avx512_compute_the_same(monkeypatch):
   for case in CASES:
     if case[1][0] * case[1][1] <= kernels.MAX_ROWS:
       test_the_kernel_is_the_einsum(*case, prepack=False)
-  for case in ATTENTION_CASES[1:3]:
+  for case in ATTENTION_CASES[:3]:
     check_attention(case)
   check_argmax()
 

@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -31,6 +31,72 @@ inline float widen(uint16_t v) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+
+// The vector registers the loops below are written in: AVX-512's sixteen floats, or AVX2's eight (with FMA: the
+// x86-64-v3 CPUs, AMD's Zen 1-3 among them); without either, plain loops the compiler vectorises as it can.
+// vload/vstore take the elements left in the row, so a row's last register reads and writes no further.
+#if defined(__AVX512F__)
+#define SHARDZOO_SIMD "AVX-512"
+using vf = __m512;
+constexpr int64_t kLanes = 16;
+constexpr int kTileRows = 4;  // rows of x per tile of an [N, K] weight: 4 x 4 accumulators of 32 registers
+constexpr bool kFloat32Loops = true;  // float32 weights take these loops too
+inline __mmask16 tail(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+inline vf vload(const float* p, int64_t left) { return _mm512_maskz_loadu_ps(tail(left), p); }
+inline vf vload(const uint16_t* p, int64_t left) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(tail(left), p)), 16));
+}
+inline void vstore(float* p, vf v, int64_t left) { _mm512_mask_storeu_ps(p, tail(left), v); }
+inline vf vset1(float a) { return _mm512_set1_ps(a); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SHARDZOO_SIMD "AVX2"
+using vf = __m256;
+constexpr int64_t kLanes = 8;
+constexpr int kTileRows = 2;  // 2 x 4 accumulators, four rows of W and x's row: 13 of 16 registers
+// float32 weights take the plain loops, which the compiler vectorises for AVX2: on AMD's Zen 3 they streamed GPT-2's
+// float32 weights at the memory's rate, 5-10% faster than these loops' prefetched passes of eight rows; bfloat16
+// weights need the prefetches (10 GB/s without, 14.5 with, the same machine).
+constexpr bool kFloat32Loops = false;
+// AVX2 has no masked 16-bit load: a row's last, partial register goes through a zeroed copy.
+inline vf vload(const float* p, int64_t left) {
+  if (left >= 8) return _mm256_loadu_ps(p);
+  alignas(32) float b[8] = {};
+  std::memcpy(b, p, sizeof(float) * left);
+  return _mm256_load_ps(b);
+}
+inline vf vload(const uint16_t* p, int64_t left) {
+  __m128i h;
+  if (left >= 8) {
+    h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint16_t b[8] = {};
+    std::memcpy(b, p, sizeof(uint16_t) * left);
+    h = _mm_load_si128(reinterpret_cast<const __m128i*>(b));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void vstore(float* p, vf v, int64_t left) {
+  if (left >= 8) return _mm256_storeu_ps(p, v);
+  alignas(32) float b[8];
+  _mm256_store_ps(b, v);
+  std::memcpy(p, b, sizeof(float) * left);
+}
+inline vf vset1(float a) { return _mm256_set1_ps(a); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline float vsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
 
 constexpr int kMaxRows = 8;
 // Columns of a wide [K, N] weight (N >= 4 kBand) one worker takes: one accumulator per worker would be M x N each.
@@ -98,108 +164,106 @@ void nk_rows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t
   }
 }
 
-#if defined(__AVX512F__)
-// The same loops in AVX-512, sixteen columns a register; bfloat16 widens by a shift into the high half.
-inline __m512 load16(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 k) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-}
+#if defined(SHARDZOO_SIMD)
+// The same loops in vector registers of kLanes floats; bfloat16 widens by a shift into the high half.
 // Prefetch `elems` elements from p: the next block of rows, ahead of the hardware's stream detection.
 template <typename W>
 inline void prefetch(const W* p, int64_t elems) {
   for (int64_t i = 0; i < elems; i += 64 / int64_t(sizeof(W))) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
-inline __mmask16 tail(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
 template <typename W>
-void kn_rows_avx(const float* x, const W* w, float* acc, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1,
-                 int64_t n0, int64_t n1) {
-  // Eight rows of W at a time, sixteen columns a register: each weight is loaded and widened once and used for
+void kn_rows_simd(const float* x, const W* w, float* acc, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1,
+                  int64_t n0, int64_t n1) {
+  // Eight rows of W at a time, kLanes columns a register: each weight is loaded and widened once and used for
   // every row of x (broadcast from memory), so a step of M rows reads and converts W once. Whole rows (one
   // block of 8N in memory order) are prefetched; a band of columns is left to the hardware's row streams.
+  if constexpr (sizeof(W) == 4 && !kFloat32Loops) return kn_rows(x, w, acc, M, K, N, k0, k1, n0, n1);
   int64_t k = k0;
   const bool whole = n0 == 0 && n1 == N;
   for (; k + 8 <= k1; k += 8) {
     const W* wk = w + k * N;
     const W* ahead = wk + PF * 8 * N;
     const bool fetch = whole && k + (PF + 1) * 8 <= k1;
-    for (int64_t n = n0; n < n1; n += 16) {
-      const __mmask16 t = tail(n1 - n);
-      if (fetch) prefetch(ahead + n * 8, 128);
-      __m512 v[8];
+    for (int64_t n = n0; n < n1; n += kLanes) {
+      const int64_t left = n1 - n;
+      if (fetch) prefetch(ahead + n * 8, 8 * kLanes);
+      vf v[8];
 #pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) v[i] = load16(wk + i * N + n, t);
+      for (int i = 0; i < 8; ++i) v[i] = vload(wk + i * N + n, left);
       for (int64_t m = 0; m < M; ++m) {
         const float* a = x + m * K + k;
         float* y = acc + m * N + n;
-        __m512 s0 = _mm512_maskz_loadu_ps(t, y);
-        __m512 s1 = _mm512_mul_ps(_mm512_set1_ps(a[1]), v[1]);
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(a[0]), v[0], s0);
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(a[2]), v[2], s0);
-        s1 = _mm512_fmadd_ps(_mm512_set1_ps(a[3]), v[3], s1);
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(a[4]), v[4], s0);
-        s1 = _mm512_fmadd_ps(_mm512_set1_ps(a[5]), v[5], s1);
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(a[6]), v[6], s0);
-        s1 = _mm512_fmadd_ps(_mm512_set1_ps(a[7]), v[7], s1);
-        _mm512_mask_storeu_ps(y, t, _mm512_add_ps(s0, s1));
+        vf s0 = vload(y, left);
+        vf s1 = vmul(vset1(a[1]), v[1]);
+        s0 = vfma(vset1(a[0]), v[0], s0);
+        s0 = vfma(vset1(a[2]), v[2], s0);
+        s1 = vfma(vset1(a[3]), v[3], s1);
+        s0 = vfma(vset1(a[4]), v[4], s0);
+        s1 = vfma(vset1(a[5]), v[5], s1);
+        s0 = vfma(vset1(a[6]), v[6], s0);
+        s1 = vfma(vset1(a[7]), v[7], s1);
+        vstore(y, vadd(s0, s1), left);
       }
     }
   }
   if (k < k1) kn_rows(x, w, acc, M, K, N, k, k1, n0, n1);
 }
 
-// R rows of x (1-4) against four rows of W: 4R accumulators held in registers (constant indices throughout).
+// R rows of x (1 to kTileRows) against four rows of W: 4R accumulators held in registers (constant indices
+// throughout).
 template <int R, typename W>
-void nk_tile_avx(const float* x, const W* w0, float* y, int64_t K, int64_t N, int64_t n, const W* ahead) {
-  __m512 s[R][4];
+void nk_tile_simd(const float* x, const W* w0, float* y, int64_t K, int64_t N, int64_t n, const W* ahead) {
+  vf s[R][4];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) s[r][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 t = tail(K - k);
-    if (ahead) prefetch(ahead + k * 4, 64);
-    const __m512 v0 = load16(w0 + k, t), v1 = load16(w0 + K + k, t);
-    const __m512 v2 = load16(w0 + 2 * K + k, t), v3 = load16(w0 + 3 * K + k, t);
+    for (int j = 0; j < 4; ++j) s[r][j] = vzero();
+  for (int64_t k = 0; k < K; k += kLanes) {
+    const int64_t left = K - k;
+    if (ahead) prefetch(ahead + k * 4, 4 * kLanes);
+    const vf v0 = vload(w0 + k, left), v1 = vload(w0 + K + k, left);
+    const vf v2 = vload(w0 + 2 * K + k, left), v3 = vload(w0 + 3 * K + k, left);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m512 a = load16(x + r * K + k, t);
-      s[r][0] = _mm512_fmadd_ps(a, v0, s[r][0]);
-      s[r][1] = _mm512_fmadd_ps(a, v1, s[r][1]);
-      s[r][2] = _mm512_fmadd_ps(a, v2, s[r][2]);
-      s[r][3] = _mm512_fmadd_ps(a, v3, s[r][3]);
+      const vf a = vload(x + r * K + k, left);
+      s[r][0] = vfma(a, v0, s[r][0]);
+      s[r][1] = vfma(a, v1, s[r][1]);
+      s[r][2] = vfma(a, v2, s[r][2]);
+      s[r][3] = vfma(a, v3, s[r][3]);
     }
   }
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) y[r * N + n + j] = _mm512_reduce_add_ps(s[r][j]);
+    for (int j = 0; j < 4; ++j) y[r * N + n + j] = vsum(s[r][j]);
 }
 
 template <typename W>
-void nk_rows_avx(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  // Four rows of W at a time against up to four rows of x: each weight is loaded and widened once per four rows of
-  // x; a fifth to eighth row of x reads the same four rows of W again, from L1.
+void nk_rows_simd(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  // Four rows of W at a time against up to kTileRows rows of x: each weight is loaded and widened once per tile of
+  // rows of x; the next tile reads the same four rows of W again, from L1.
+  if constexpr (sizeof(W) == 4 && !kFloat32Loops) return nk_rows(x, w, y, M, K, N, n0, n1);
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
     const W* w0 = w + n * K;
     const W* ahead = n + (PF + 1) * 4 <= n1 ? w0 + PF * 4 * K : nullptr;
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
       const float* xm = x + m0 * K;
       float* ym = y + m0 * N;
       const W* fetch = m0 == 0 ? ahead : nullptr;
-      switch (std::min<int64_t>(4, M - m0)) {
-        case 4: nk_tile_avx<4>(xm, w0, ym, K, N, n, fetch); break;
-        case 3: nk_tile_avx<3>(xm, w0, ym, K, N, n, fetch); break;
-        case 2: nk_tile_avx<2>(xm, w0, ym, K, N, n, fetch); break;
-        default: nk_tile_avx<1>(xm, w0, ym, K, N, n, fetch); break;
+      switch (std::min<int64_t>(kTileRows, M - m0)) {
+        case 4: nk_tile_simd<4 <= kTileRows ? 4 : 1>(xm, w0, ym, K, N, n, fetch); break;
+        case 3: nk_tile_simd<3 <= kTileRows ? 3 : 1>(xm, w0, ym, K, N, n, fetch); break;
+        case 2: nk_tile_simd<2>(xm, w0, ym, K, N, n, fetch); break;
+        default: nk_tile_simd<1>(xm, w0, ym, K, N, n, fetch); break;
       }
     }
   }
   if (n < n1) nk_rows(x, w, y, M, K, N, n, n1);
 }
-#define KN_ROWS kn_rows_avx
-#define NK_ROWS nk_rows_avx
+#define KN_ROWS kn_rows_simd
+#define NK_ROWS nk_rows_simd
 #else
 #define KN_ROWS kn_rows
 #define NK_ROWS nk_rows
@@ -529,13 +593,10 @@ inline float cap_score(float s, float softcap) { return softcap > 0 ? softcap * 
 
 template <typename C>
 inline float dot_row(const float* q, const C* k, int64_t K) {
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < K; i += 16) {
-    const __mmask16 t = tail(K - i);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(t, q + i), load16(k + i, t), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
+#if defined(SHARDZOO_SIMD)
+  vf acc = vzero();
+  for (int64_t i = 0; i < K; i += kLanes) acc = vfma(vload(q + i, K - i), vload(k + i, K - i), acc);
+  return vsum(acc);
 #else
   float s = 0;
   for (int64_t i = 0; i < K; ++i) s += q[i] * widen(k[i]);
@@ -545,12 +606,9 @@ inline float dot_row(const float* q, const C* k, int64_t K) {
 
 template <typename C>
 inline void add_row(float* o, float p, const C* v, int64_t K) {
-#if defined(__AVX512F__)
-  const __m512 pv = _mm512_set1_ps(p);
-  for (int64_t i = 0; i < K; i += 16) {
-    const __mmask16 t = tail(K - i);
-    _mm512_mask_storeu_ps(o + i, t, _mm512_fmadd_ps(pv, load16(v + i, t), _mm512_maskz_loadu_ps(t, o + i)));
-  }
+#if defined(SHARDZOO_SIMD)
+  const vf pv = vset1(p);
+  for (int64_t i = 0; i < K; i += kLanes) vstore(o + i, vfma(pv, vload(v + i, K - i), vload(o + i, K - i)), K - i);
 #else
   for (int64_t i = 0; i < K; ++i) o[i] += p * widen(v[i]);
 #endif
@@ -648,6 +706,34 @@ int32_t argmax_row(const float* x, int64_t V) {
   }
   const __mmask16 top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
   return _mm512_mask_reduce_min_epi32(top, at);
+#elif defined(SHARDZOO_SIMD)
+  // Each lane keeps its first maximum (a strict comparison); a NaN is found by the unordered compare.
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256i at = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step = _mm256_set1_epi32(8);
+  int64_t i = 0;
+  for (; i + 8 <= V; i += 8, idx = _mm256_add_epi32(idx, step)) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
+      for (int64_t j = i;; ++j)
+        if (std::isnan(x[j])) return int32_t(j);
+    }
+    const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, gt);
+    at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(idx), gt));
+  }
+  alignas(32) float lane[8];
+  alignas(32) int32_t lane_at[8];
+  _mm256_store_ps(lane, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lane_at), at);
+  int64_t a = -1;  // the first of the lanes' equal maxima; then the elements past the last whole register
+  for (int j = 0; j < 8; ++j)
+    if (i > 0 && (a < 0 || lane[j] > x[a] || (lane[j] == x[a] && lane_at[j] < a))) a = lane_at[j];
+  for (a = a < 0 ? i : a; i < V; ++i) {
+    if (std::isnan(x[i])) return int32_t(i);
+    if (x[i] > x[a]) a = i;
+  }
+  return int32_t(a);
 #else
   int64_t a = 0;
   for (int64_t i = 0; i < V; ++i) {
@@ -755,8 +841,8 @@ extern "C" int shardzoo_has_bf16_gemm() {
 }
 
 extern "C" const char* shardzoo_matvec_isa() {
-#if defined(__AVX512F__)
-  return "AVX-512";
+#if defined(SHARDZOO_SIMD)
+  return SHARDZOO_SIMD;
 #else
   return "portable C++";
 #endif
