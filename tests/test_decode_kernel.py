@@ -34,8 +34,15 @@ GEMM_CASES = [  # more than MAX_ROWS rows: bfloat16 dot products (AVX-512 BF16),
   ('bld,df->blf', (2, 8, 64), (64, 96), 'bfloat16', 'bfloat16', 'float32'),
   ('bld,vd->blv', (1, 13, 70), (37, 70), 'bfloat16', 'bfloat16', 'float32'),  # a head: 13 rows, K tail of 32
 ]
+F32_GEMM_CASES = [  # more than MAX_ROWS rows on an AVX2 CPU: float32 sums, tiles of 6 rows, chunks of 64 columns
+  ('bld,dhk->blhk', (3, 7, 45), (45, 5, 13), 'float32', 'float32', 'float32'),  # 21 rows, 65 columns, K odd: tails
+  ('bld,df->blf', (2, 8, 64), (64, 200), 'bfloat16', 'bfloat16', 'bfloat16'),  # 16 rows, 4 chunks, the last partial
+  ('bld,vd->blv', (1, 13, 70), (37, 70), 'float32', 'bfloat16', 'float32'),  # a tied head: 13 rows, dot products
+]
 if kernels.bf16_gemm():
   CASES += GEMM_CASES
+if kernels.f32_gemm():
+  CASES += F32_GEMM_CASES
 
 
 # The GEMM cases again with W's panels packed by an operation of their own (a decode loop's body: `prepack`).
@@ -60,9 +67,9 @@ def test_the_kernel_is_the_einsum(spec, xs, ws, xt, wt, ot, prepack):
 
   got = run(x, w)
   rows = xs[0] * xs[1]
-  target = (
-    'shardzoo_matvec' if rows <= kernels.MAX_ROWS else 'shardzoo_gemm_packed' if prepack else 'shardzoo_gemm_bf16'
-  )
+  bf16_gemm = rows > kernels.MAX_ROWS and xt == wt == 'bfloat16' and kernels.bf16_gemm()
+  target = 'shardzoo_gemm_packed' if bf16_gemm and prepack else 'shardzoo_gemm_bf16' if bf16_gemm else 'shardzoo_matvec'
+
   assert target in run.lower(x, w).as_text()
   assert got.dtype == jnp.dtype(ot) and got.shape == jnp.einsum(spec, x, w).shape
   want = np.einsum(spec, np.asarray(x, np.float64), np.asarray(w, np.float64))
@@ -86,9 +93,14 @@ def test_it_takes_one_matmul_of_a_few_rows_inside_decode_matmuls_only():
   x, w = jnp.ones((1, 1, 8)), jnp.ones((8, 4))
   assert kernels.matmul('bld,df->blf', x, w, jnp.float32) is None  # outside decode_matmuls(True)
   with kernels.decode_matmuls(True):
-    assert kernels.matmul('bld,df->blf', jnp.ones((kernels.MAX_ROWS + 1, 1, 8)), w, jnp.float32) is None
-    many = jnp.ones((kernels.MAX_ROWS + 1, 1, 8), jnp.bfloat16)  # bfloat16 both: the GEMM, where the CPU has it
-    assert (kernels.matmul('bld,df->blf', many, w.astype(jnp.bfloat16), jnp.float32) is None) != kernels.bf16_gemm()
+    # more rows: the AVX2 library's GEMM takes them up to GEMM_MAX_ROWS, AVX-512 BF16's bfloat16 pairs
+    many = jnp.ones((kernels.MAX_ROWS + 1, 1, 8))
+    assert (kernels.matmul('bld,df->blf', many, w, jnp.float32) is None) != kernels.f32_gemm()
+    assert kernels.matmul('bld,df->blf', jnp.ones((kernels.GEMM_MAX_ROWS + 1, 1, 8)), w, jnp.float32) is None
+    many = many.astype(jnp.bfloat16)
+    assert (kernels.matmul('bld,df->blf', many, w.astype(jnp.bfloat16), jnp.float32) is None) != (
+      kernels.bf16_gemm() or kernels.f32_gemm()
+    )
     assert kernels.matmul('bld,df->blf', x, w.astype(jnp.float16), jnp.float32) is None
     assert kernels.matmul('bld,df->blf', x, w, jnp.float32) is not None
   with kernels.decode_matmuls(False):

@@ -136,7 +136,8 @@ def test_a_bfloat16_decode_stores_its_weights_in_bfloat16_and_decodes_the_same_t
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_a_one_device_decode_runs_the_kernel_and_decodes_as_xla_does(gpt2_dir, dtype, monkeypatch, caplog):
   """On one CPU device a decode step's weight matmuls, the tied head's included, run through the decode kernel
-  (models/kernels), and in bfloat16 the prefill's too (AVX-512 BF16), said once in the log. In float32 its tokens
+  (models/kernels), and the prefill's too in bfloat16 on AVX-512 BF16 and in both on AVX2 (its GEMM), said once in
+  the log. In float32 its tokens
   are transformers' and its logits XLA's dot's (config.decode_matmul='xla') within STEP_ATOL; in bfloat16 the
   prefill's logits are XLA's within bfloat16's rounding (the sums' order differs, so later tokens may part at a
   near tie)."""
@@ -160,7 +161,7 @@ def test_a_one_device_decode_runs_the_kernel_and_decodes_as_xla_does(gpt2_dir, d
     got = gen.generate(PROMPTS, sampling, keep_logits=True)
     gen.generate(PROMPTS[:1], sampling)  # a second program: the choice is not said again
   assert {'bld,dhk->blhk', 'bld,vd->blv'} <= {spec for spec, _ in taken}
-  prefill = dtype == 'bfloat16' and kernels.bf16_gemm()
+  prefill = kernels.f32_gemm() or (dtype == 'bfloat16' and kernels.bf16_gemm())
   assert any(rows > kernels.MAX_ROWS for _, rows in taken) == prefill
   said = [r.getMessage() for r in caplog.records if r.getMessage().startswith('decode matmuls:')]
   assert len(said) == 1 and 'models/kernels/matvec.cc' in said[0], said

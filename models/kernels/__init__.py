@@ -51,6 +51,7 @@ PACK_TARGET = 'shardzoo_pack_bf16'
 PACKED_GEMM_TARGET = 'shardzoo_gemm_packed'
 PANEL = 32  # matvec.cc: the GEMM's panels of W are 32 columns wide
 MAX_ROWS = 8  # matvec.cc kMaxRows: each weight is loaded once for all rows; beyond a few rows a GEMM's tiles win
+GEMM_MAX_ROWS = 4096  # the AVX2 GEMM's rows, as measured (a prefill of 32 x 128 tokens); XLA's dot beyond
 FLAGS = (
   '-O3',
   '-march=native',
@@ -136,6 +137,8 @@ def _loaded() -> tuple[str | None, str]:
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.ShardzooDecodeAttention), platform='cpu')
     lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
     isa = lib.shardzoo_matvec_isa().decode()
+    if lib.shardzoo_has_gemm():
+      isa += ' with its GEMM'  # f32_gemm() reads it from here
     if lib.shardzoo_has_bf16_gemm():
       jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.ShardzooGemmBf16), platform='cpu')
       jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.ShardzooPackBf16), platform='cpu')
@@ -149,6 +152,12 @@ def _loaded() -> tuple[str | None, str]:
 def bf16_gemm() -> bool:
   """Whether bfloat16 matmuls of more than MAX_ROWS rows run through the kernel too (a CPU with AVX-512 BF16)."""
   return (_loaded()[0] or '').endswith('AVX-512 BF16')
+
+
+def f32_gemm() -> bool:
+  """Whether matmuls of more than MAX_ROWS rows (up to GEMM_MAX_ROWS) run through the kernel's float32 GEMM, against
+  float32 or bfloat16 weights (a library built for AVX2, where XLA's dot runs them far below the machine's rate)."""
+  return ' with its GEMM' in (_loaded()[0] or '')
 
 
 def available() -> bool:
@@ -175,6 +184,8 @@ def status(devices: Any = None) -> tuple[bool, str]:
   if isa is None:
     return False, f"decode matmuls: XLA's dot (the kernel is not available: {why})"
   wide = '; bfloat16 matmuls of more rows (prefill, batches) by AVX-512 BF16 dot products' if bf16_gemm() else ''
+  if f32_gemm():
+    wide = f'; matmuls of up to {GEMM_MAX_ROWS} rows (prefill, batches) by its GEMM'
   return True, (
     f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows, the attention over '
     f"the KV cache and greedy decoding's argmax{wide}"
@@ -248,6 +259,8 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array |
     target, x2 = TARGET, x.reshape(M, K).astype(jnp.float32)
   elif x.dtype == w.dtype == jnp.bfloat16 and K % 2 == 0 and bf16_gemm():
     target, x2 = GEMM_TARGET, x.reshape(M, K)
+  elif M <= GEMM_MAX_ROWS and f32_gemm():
+    target, x2 = TARGET, x.reshape(M, K).astype(jnp.float32)
   else:
     return None
   out_shape = jax.eval_shape(lambda a, b: jnp.einsum(spec, a, b), x, w).shape

@@ -239,11 +239,10 @@ void nk_tile_simd(const float* x, const W* w0, float* y, int64_t K, int64_t N, i
     for (int j = 0; j < 4; ++j) y[r * N + n + j] = vsum(s[r][j]);
 }
 
+// Four rows of W at a time against up to kTileRows rows of x: each weight is loaded and widened once per tile of
+// rows of x; the next tile reads the same four rows of W again, from L1.
 template <typename W>
-void nk_rows_simd(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  // Four rows of W at a time against up to kTileRows rows of x: each weight is loaded and widened once per tile of
-  // rows of x; the next tile reads the same four rows of W again, from L1.
-  if constexpr (sizeof(W) == 4 && !kFloat32Loops) return nk_rows(x, w, y, M, K, N, n0, n1);
+void nk_row_tiles(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
     const W* w0 = w + n * K;
@@ -261,6 +260,12 @@ void nk_rows_simd(const float* x, const W* w, float* y, int64_t M, int64_t K, in
     }
   }
   if (n < n1) nk_rows(x, w, y, M, K, N, n, n1);
+}
+
+template <typename W>
+void nk_rows_simd(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  if constexpr (sizeof(W) == 4 && !kFloat32Loops) return nk_rows(x, w, y, M, K, N, n0, n1);
+  nk_row_tiles(x, w, y, M, K, N, n0, n1);
 }
 #define KN_ROWS kn_rows_simd
 #define NK_ROWS nk_rows_simd
@@ -294,6 +299,96 @@ void run_chunks(ffi::ThreadPool& pool, int64_t chunks, int max_workers, Fn fn) {
   while (work->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
 }
 
+#if defined(SHARDZOO_SIMD) && !defined(__AVX512F__)
+// More rows than kMaxRows (a batch's decode step, a prefill) against float32 or bfloat16 weights, float32 sums, for
+// AVX2 CPUs: there XLA's CPU dot ran GPT-2's matrices of 32 rows at about a quarter of the machine's matmul rate
+// (35 GFLOP/s of 132 on AMD's Zen 3). Where AVX-512 runs, XLA's float32 dot reached two thirds of it and the
+// bfloat16 GEMM above takes bfloat16 pairs.
+#define SHARDZOO_GEMM 1
+constexpr int64_t kPanel = 2 * kLanes;  // columns of W per packed panel: two registers
+constexpr int kGemmRows = 6;            // rows of x per tile: 12 accumulators, two of W, one of x: 15 of 16 registers
+
+// Columns [n, n + P kPanel) of a [K, N] weight as P panels of K rows of kPanel (W's dtype; zeros past N): row by
+// row, so each row's P kPanel columns are read together, with the rows kPF ahead prefetched (W's rows are N apart:
+// strided reads the hardware's prefetcher left waiting on memory).
+constexpr int64_t kPF = 4;
+constexpr int64_t kChunkPanels = 4;  // a chunk's panels, packed together: 128 bytes of a row of bfloat16 W
+template <typename W>
+void pack_kn(const W* w, W* panels, int64_t K, int64_t N, int64_t n, int64_t P) {
+  for (int64_t k = 0; k < K; ++k) {
+    const W* row = w + k * N + n;
+    if (k + kPF < K) prefetch(row + kPF * N, std::min(P * kPanel, N - n));
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t take = std::clamp<int64_t>(N - n - p * kPanel, 0, kPanel);
+      W* out = panels + (p * K + k) * kPanel;
+      std::memcpy(out, row + p * kPanel, sizeof(W) * take);
+      std::memset(out + take, 0, sizeof(W) * (kPanel - take));
+    }
+  }
+}
+
+// R rows of x against a packed panel: 2R sums in registers over all of K, one broadcast of x per row and step; a
+// bfloat16 panel is widened as it is loaded.
+template <int R, typename W>
+void panel_tile_f32(const float* x, const W* panel, float* y, int64_t K, int64_t N, int64_t n) {
+  vf acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const vf b0 = vload(panel + k * kPanel, kLanes), b1 = vload(panel + k * kPanel + kLanes, kLanes);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const vf a = vset1(x[r * K + k]);
+      acc[r][0] = vfma(a, b0, acc[r][0]);
+      acc[r][1] = vfma(a, b1, acc[r][1]);
+    }
+  }
+  const int64_t left = N - n;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    vstore(y + r * N + n, acc[r][0], left);
+    if (left > kLanes) vstore(y + r * N + n + kLanes, acc[r][1], left - kLanes);
+  }
+}
+
+template <int R, typename W>
+void panel_tail_f32(int64_t rows, const float* x, const W* panel, float* y, int64_t K, int64_t N, int64_t n) {
+  if constexpr (R > 0) {
+    if (rows == R) return panel_tile_f32<R>(x, panel, y, K, N, n);
+    panel_tail_f32<R - 1>(rows, x, panel, y, K, N, n);
+  }
+}
+
+// y = x . W for M rows: each chunk's panels packed from W as they are needed, into the worker's scratch (in a decode
+// loop, panels packed once before the loop and read from memory each step were no faster: 2026-11-28, Zen 3). A
+// tied head, [N, K], is read as dot products, four rows of W from L1 by every tile of rows of x.
+template <typename W>
+void gemm_f32(ffi::ThreadPool& pool, const float* xp, const W* wp, float* yp, int64_t M, int64_t K, int64_t N,
+              bool nk) {
+  const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
+  if (nk) {
+    const int64_t rows = 64;
+    run_chunks(pool, (N + rows - 1) / rows, max_workers, [&](int, int64_t c) {
+      nk_row_tiles(xp, wp, yp, M, K, N, c * rows, std::min(N, (c + 1) * rows));
+    });
+    return;
+  }
+  constexpr int64_t P = kChunkPanels;
+  std::vector<W> scratch(size_t(max_workers) * P * K * kPanel);
+  run_chunks(pool, (N + P * kPanel - 1) / (P * kPanel), max_workers, [&](int worker, int64_t c) {
+    const int64_t n0 = c * P * kPanel;
+    W* panels = scratch.data() + worker * P * K * kPanel;
+    pack_kn(wp, panels, K, N, n0, P);
+    for (int64_t p = 0, n = n0; p < P && n < N; ++p, n += kPanel) {
+      const W* panel = panels + p * K * kPanel;
+      int64_t m = 0;
+      for (; m + kGemmRows <= M; m += kGemmRows) panel_tile_f32<kGemmRows>(xp + m * K, panel, yp + m * N, K, N, n);
+      panel_tail_f32<kGemmRows - 1>(M - m, xp + m * K, panel, yp + m * N, K, N, n);
+    }
+  });
+}
+#endif
+
 template <typename W>
 ffi::Error matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
                   bool nk) {
@@ -302,7 +397,14 @@ ffi::Error matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("matvec: x and w must be 2-d");
   const int64_t M = xd[0], K = xd[1], N = nk ? wd[0] : wd[1];
   if ((nk ? wd[1] : wd[0]) != K) return ffi::Error::InvalidArgument("matvec: contracting sizes differ");
-  if (M > kMaxRows) return ffi::Error::InvalidArgument("matvec: more rows than the kernel takes");
+  if (M > kMaxRows) {
+#if defined(SHARDZOO_GEMM)
+    gemm_f32(pool, x.typed_data(), reinterpret_cast<const W*>(w.untyped_data()), y->typed_data(), M, K, N, nk);
+    return ffi::Error::Success();
+#else
+    return ffi::Error::InvalidArgument("matvec: more rows than the kernel takes");
+#endif
+  }
   const float* xp = x.typed_data();
   const W* wp = reinterpret_cast<const W*>(w.untyped_data());
   float* yp = y->typed_data();
@@ -830,6 +932,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooArgmax, argmax_rows,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooTakeRows, take_rows,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>());
+
+// Whether ShardzooMatvec takes more than kMaxRows rows (built for AVX2: its GEMM).
+extern "C" int shardzoo_has_gemm() {
+#if defined(SHARDZOO_GEMM)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // Whether ShardzooGemmBf16 runs here (built with AVX-512 BF16).
 extern "C" int shardzoo_has_bf16_gemm() {
