@@ -6,6 +6,9 @@
   rows of W between the caller and XLA's thread pool.
 * `matmul`, more rows of bfloat16 against bfloat16 (the prefill) where the CPU has AVX-512 BF16 (`bf16_gemm`):
   bfloat16 pairs multiplied by vdpbf16ps, where XLA widens both operands first.
+* `matmul`, up to GEMM_MAX_ROWS rows against float32 or bfloat16 weights where the library is built for AVX2
+  (`f32_gemm`): float32 sums in register tiles over packed panels of W. XLA's CPU dot ran such matmuls at about a
+  third of an AVX2 machine's matmul rate.
 * `decode_attention`: a decode step's attention of one new query per row over its KV cache (float32 or bfloat16),
   each cached key and value read once for the query heads that share it. XLA's CPU compiler widens a bfloat16 cache
   into a float32 copy every step and runs the products as batched one-row dots.
@@ -16,9 +19,9 @@
 The library is compiled from source on first use (a C++17 compiler: $CXX, else g++ or c++) into a cache directory
 ($SHARDZOO_CACHE, else ~/.cache/shardzoo), keyed by the source, the compiler, the flags and the CPU. Where it does not
 build, or does not apply (weights sharded over devices, a GPU, an einsum that is not one matmul, float32 beyond
-MAX_ROWS rows), XLA runs. `decode_matmuls(True)` turns it on for what is traced inside (generation/engine.py does,
-for the prefill and the decode step on one CPU device); `status()` says what runs, and why
-(docs/generation.md, "The decode kernel").
+MAX_ROWS rows with AVX-512, beyond GEMM_MAX_ROWS with AVX2), XLA runs. `decode_matmuls(True)` turns it on for what
+is traced inside (generation/engine.py does, for the prefill and the decode step on one CPU device); `status()` says
+what runs, and why (docs/generation.md, "The decode kernel").
 """
 
 from __future__ import annotations
@@ -247,8 +250,8 @@ def plan(spec: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> tuple
 def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array | None:
   """einsum(spec, x, w) through the kernel (float32 accumulation, the result in `out_dtype`) inside
   decode_matmuls(True), where it applies: up to MAX_ROWS rows of any x against float32 or bfloat16 weights, more
-  rows where x and w are both bfloat16 and the CPU has AVX-512 BF16 (`bf16_gemm`); None where it does not (the
-  caller runs XLA's einsum)."""
+  rows where x and w are both bfloat16 and the CPU has AVX-512 BF16 (`bf16_gemm`), up to GEMM_MAX_ROWS rows on
+  AVX2 (`f32_gemm`); None where it does not (the caller runs XLA's einsum)."""
   if not _active.get() or jnp.dtype(w.dtype) not in WEIGHT_DTYPES:
     return None
   found = plan(spec, x.shape, w.shape)
