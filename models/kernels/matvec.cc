@@ -301,9 +301,9 @@ void run_chunks(ffi::ThreadPool& pool, int64_t chunks, int max_workers, Fn fn) {
 
 #if defined(SHARDZOO_SIMD) && !defined(__AVX512F__)
 // More rows than kMaxRows (a batch's decode step, a prefill) against float32 or bfloat16 weights, float32 sums, for
-// AVX2 CPUs: there XLA's CPU dot ran GPT-2's matrices of 32 rows at about a quarter of the machine's matmul rate
-// (35 GFLOP/s of 132 on AMD's Zen 3). Where AVX-512 runs, XLA's float32 dot reached two thirds of it and the
-// bfloat16 GEMM above takes bfloat16 pairs.
+// AVX2 CPUs: there XLA's CPU dot ran GPT-2's matrices of 32 rows at a quarter to a third of the machine's matmul
+// rate (35-52 GFLOP/s of 132 on AMD's Zen 3). Where AVX-512 runs, XLA's float32 dot reached two thirds of it and the
+// bfloat16 GEMM below takes bfloat16 pairs.
 #define SHARDZOO_GEMM 1
 constexpr int64_t kPanel = 2 * kLanes;  // columns of W per packed panel: two registers
 constexpr int kGemmRows = 6;            // rows of x per tile: 12 accumulators, two of W, one of x: 15 of 16 registers
@@ -359,9 +359,9 @@ void panel_tail_f32(int64_t rows, const float* x, const W* panel, float* y, int6
   }
 }
 
-// y = x . W for M rows: each chunk's panels packed from W as they are needed, into the worker's scratch (in a decode
-// loop, panels packed once before the loop and read from memory each step were no faster: 2026-11-28, Zen 3). A
-// tied head, [N, K], is read as dot products, four rows of W from L1 by every tile of rows of x.
+// y = x . W for M rows: each chunk's panels packed from W as they are needed, into the worker's scratch (panels
+// packed once before a decode loop, then read from memory every step, were no faster on Zen 3). A tied head, [N, K],
+// is read as dot products, four rows of W from L1 by every tile of rows of x.
 template <typename W>
 void gemm_f32(ffi::ThreadPool& pool, const float* xp, const W* wp, float* yp, int64_t M, int64_t K, int64_t N,
               bool nk) {
