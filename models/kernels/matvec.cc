@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -99,6 +100,22 @@ inline float vsum(vf v) {
 #endif
 
 constexpr int kMaxRows = 8;
+
+// fn(std::integral_constant<int, R>()) for R = rows, 1 <= rows <= kMax: a tile whose row count is known when
+// compiling, so that its accumulators stay in registers.
+template <int kMax, typename Fn>
+inline void with_rows(int64_t rows, Fn&& fn) {
+  if constexpr (kMax > 0) {
+    if (rows == kMax) return fn(std::integral_constant<int, kMax>());
+    with_rows<kMax - 1>(rows, fn);
+  }
+}
+
+// A worker's scratch, which it writes before it reads: not zeroed (a vector would zero it on every call).
+template <typename T>
+std::unique_ptr<T[]> scratch_of(size_t n) {
+  return std::unique_ptr<T[]>(new T[n]);
+}
 // Columns of a wide [K, N] weight (N >= 4 kBand) one worker takes: one accumulator per worker would be M x N each.
 constexpr int64_t kBand = 4096;
 // Blocks of weight rows prefetched ahead of the block being read. The hardware prefetcher alone, on 4 or 8 rows
@@ -251,12 +268,8 @@ void nk_row_tiles(const float* x, const W* w, float* y, int64_t M, int64_t K, in
       const float* xm = x + m0 * K;
       float* ym = y + m0 * N;
       const W* fetch = m0 == 0 ? ahead : nullptr;
-      switch (std::min<int64_t>(kTileRows, M - m0)) {
-        case 4: nk_tile_simd<4 <= kTileRows ? 4 : 1>(xm, w0, ym, K, N, n, fetch); break;
-        case 3: nk_tile_simd<3 <= kTileRows ? 3 : 1>(xm, w0, ym, K, N, n, fetch); break;
-        case 2: nk_tile_simd<2>(xm, w0, ym, K, N, n, fetch); break;
-        default: nk_tile_simd<1>(xm, w0, ym, K, N, n, fetch); break;
-      }
+      with_rows<kTileRows>(std::min<int64_t>(kTileRows, M - m0),
+                           [&](auto r) { nk_tile_simd<decltype(r)::value>(xm, w0, ym, K, N, n, fetch); });
     }
   }
   if (n < n1) nk_rows(x, w, y, M, K, N, n, n1);
@@ -309,15 +322,15 @@ constexpr int64_t kPanel = 2 * kLanes;  // columns of W per packed panel: two re
 constexpr int kGemmRows = 6;            // rows of x per tile: 12 accumulators, two of W, one of x: 15 of 16 registers
 
 // Columns [n, n + P kPanel) of a [K, N] weight as P panels of K rows of kPanel (W's dtype; zeros past N): row by
-// row, so each row's P kPanel columns are read together, with the rows kPF ahead prefetched (W's rows are N apart:
-// strided reads the hardware's prefetcher left waiting on memory).
-constexpr int64_t kPF = 4;
+// row, so each row's P kPanel columns are read together, with the rows kPackAhead ahead prefetched (W's rows are N
+// apart: strided reads the hardware's prefetcher left waiting on memory).
+constexpr int64_t kPackAhead = 4;  // rows of W (PF above counts blocks of eight)
 constexpr int64_t kChunkPanels = 4;  // a chunk's panels, packed together: 128 bytes of a row of bfloat16 W
 template <typename W>
 void pack_kn(const W* w, W* panels, int64_t K, int64_t N, int64_t n, int64_t P) {
   for (int64_t k = 0; k < K; ++k) {
     const W* row = w + k * N + n;
-    if (k + kPF < K) prefetch(row + kPF * N, std::min(P * kPanel, N - n));
+    if (k + kPackAhead < K) prefetch(row + kPackAhead * N, std::min(P * kPanel, N - n));
     for (int64_t p = 0; p < P; ++p) {
       const int64_t take = std::clamp<int64_t>(N - n - p * kPanel, 0, kPanel);
       W* out = panels + (p * K + k) * kPanel;
@@ -351,14 +364,6 @@ void panel_tile_f32(const float* x, const W* panel, float* y, int64_t K, int64_t
   }
 }
 
-template <int R, typename W>
-void panel_tail_f32(int64_t rows, const float* x, const W* panel, float* y, int64_t K, int64_t N, int64_t n) {
-  if constexpr (R > 0) {
-    if (rows == R) return panel_tile_f32<R>(x, panel, y, K, N, n);
-    panel_tail_f32<R - 1>(rows, x, panel, y, K, N, n);
-  }
-}
-
 // y = x . W for M rows: each chunk's panels packed from W as they are needed, into the worker's scratch (panels
 // packed once before a decode loop, then read from memory every step, were no faster on Zen 3). A tied head, [N, K],
 // is read as dot products, four rows of W from L1 by every tile of rows of x.
@@ -374,16 +379,17 @@ void gemm_f32(ffi::ThreadPool& pool, const float* xp, const W* wp, float* yp, in
     return;
   }
   constexpr int64_t P = kChunkPanels;
-  std::vector<W> scratch(size_t(max_workers) * P * K * kPanel);
+  const auto scratch = scratch_of<W>(size_t(max_workers) * P * K * kPanel);
   run_chunks(pool, (N + P * kPanel - 1) / (P * kPanel), max_workers, [&](int worker, int64_t c) {
     const int64_t n0 = c * P * kPanel;
-    W* panels = scratch.data() + worker * P * K * kPanel;
+    W* panels = scratch.get() + worker * P * K * kPanel;
     pack_kn(wp, panels, K, N, n0, P);
     for (int64_t p = 0, n = n0; p < P && n < N; ++p, n += kPanel) {
       const W* panel = panels + p * K * kPanel;
-      int64_t m = 0;
-      for (; m + kGemmRows <= M; m += kGemmRows) panel_tile_f32<kGemmRows>(xp + m * K, panel, yp + m * N, K, N, n);
-      panel_tail_f32<kGemmRows - 1>(M - m, xp + m * K, panel, yp + m * N, K, N, n);
+      for (int64_t m = 0; m < M; m += kGemmRows)
+        with_rows<kGemmRows>(std::min<int64_t>(kGemmRows, M - m), [&](auto r) {
+          panel_tile_f32<decltype(r)::value>(xp + m * K, panel, yp + m * N, K, N, n);
+        });
     }
   });
 }
@@ -597,14 +603,14 @@ void gemm_panels(ffi::ThreadPool& pool, const uint16_t* xp, const uint16_t* wp, 
                  int64_t M, int64_t K, int64_t N, bool nk) {
   const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
   const int64_t chunks = (N + 63) / 64;
-  std::vector<__m512i> scratch(packed ? 0 : size_t(max_workers) * K);  // a panel per worker
+  const auto scratch = scratch_of<__m512i>(packed ? 0 : size_t(max_workers) * K);  // a panel per worker
   run_chunks(pool, chunks, max_workers, [&](int worker, int64_t c) {
     for (int64_t n = c * 64; n < std::min(N, (c + 1) * 64); n += 32) {
       if (packed) {
         const __m512i* panel = packed + (n / 32) * K;
         panel_rows(xp, panel, yp, M, K, N, n, n + 32 < N ? panel + K : nullptr);
       } else {
-        __m512i* panel = scratch.data() + worker * K;
+        __m512i* panel = scratch.get() + worker * K;
         pack_panel_any(wp, panel, K, N, n, nk);
         panel_rows(xp, panel, yp, M, K, N, n);
       }
