@@ -34,9 +34,12 @@ GEMM_CASES = [  # more than MAX_ROWS rows: bfloat16 dot products (AVX-512 BF16),
   ('bld,df->blf', (2, 8, 64), (64, 96), 'bfloat16', 'bfloat16', 'float32'),
   ('bld,vd->blv', (1, 13, 70), (37, 70), 'bfloat16', 'bfloat16', 'float32'),  # a head: 13 rows, K tail of 32
 ]
-F32_GEMM_CASES = [  # more than MAX_ROWS rows on an AVX2 CPU: float32 sums, tiles of 6 rows, chunks of 64 columns
+# More than MAX_ROWS rows on an AVX2 CPU: float32 sums, tiles of 6 rows, chunks of 128 columns, blocks of 768 rows of W
+# and 96 of x.
+F32_GEMM_CASES = [
   ('bld,dhk->blhk', (3, 7, 45), (45, 5, 13), 'float32', 'float32', 'float32'),  # 21 rows, 65 columns, K odd: tails
-  ('bld,df->blf', (2, 8, 64), (64, 200), 'bfloat16', 'bfloat16', 'bfloat16'),  # 16 rows, 4 chunks, the last partial
+  ('bld,df->blf', (2, 8, 64), (64, 200), 'bfloat16', 'bfloat16', 'bfloat16'),  # 16 rows, 2 chunks, the last partial
+  ('bld,df->blf', (4, 25, 1000), (1000, 150), 'float32', 'float32', 'float32'),  # 2 blocks of W's rows and of x's
   ('bld,vd->blv', (1, 13, 70), (37, 70), 'float32', 'bfloat16', 'float32'),  # a tied head: 13 rows, dot products
 ]
 if kernels.bf16_gemm():

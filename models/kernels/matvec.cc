@@ -318,55 +318,81 @@ void run_chunks(ffi::ThreadPool& pool, int64_t chunks, int max_workers, Fn fn) {
 // rate (35-52 GFLOP/s of 132 on AMD's Zen 3). Where AVX-512 runs, XLA's float32 dot reached two thirds of it and the
 // bfloat16 GEMM below takes bfloat16 pairs.
 #define SHARDZOO_GEMM 1
+// Blocked as BLAS libraries block a GEMM (Goto and van de Geijn): a chunk of kNc columns of W is packed kKc rows at a
+// time, widened to float32, into panels of kKc x kPanel that every tile of rows of x reads from L2, kMc rows of x at
+// a time (so that they stay in L2 too). W is read in runs of kNc columns of a row, and the next block's runs are
+// prefetched into L2 while this block's tiles run, so that reading W and multiplying overlap. (Blocks of 256 rows,
+// whose panels fit L1, were no faster at 32 rows and slower at 1,024 on Zen 3.)
 constexpr int64_t kPanel = 2 * kLanes;  // columns of W per packed panel: two registers
 constexpr int kGemmRows = 6;            // rows of x per tile: 12 accumulators, two of W, one of x: 15 of 16 registers
+constexpr int64_t kKc = 768;            // rows of W per block: a panel of 48 KB
+constexpr int64_t kNc = 128;            // columns of W per chunk of work: eight panels, a row's run of 512 bytes
+constexpr int64_t kMc = 96;             // rows of x per pass over a block's panels
 
-// Columns [n, n + P kPanel) of a [K, N] weight as P panels of K rows of kPanel (W's dtype; zeros past N): row by
-// row, so each row's P kPanel columns are read together, with the rows kPackAhead ahead prefetched (W's rows are N
-// apart: strided reads the hardware's prefetcher left waiting on memory).
-constexpr int64_t kPackAhead = 4;  // rows of W (PF above counts blocks of eight)
-constexpr int64_t kChunkPanels = 4;  // a chunk's panels, packed together: 128 bytes of a row of bfloat16 W
+// A block of W to come, prefetched into L2 a few cache lines at a time: `rows` runs of `elems` elements, `stride`
+// elements apart.
+struct Ahead {
+  const char* base = nullptr;
+  int64_t stride = 0, rows = 0, lines = 0, next = 0;
+  Ahead() = default;
+  template <typename W>
+  Ahead(const W* p, int64_t stride_elems, int64_t rows_, int64_t elems)
+      : base(reinterpret_cast<const char*>(p)), stride(stride_elems * int64_t(sizeof(W))), rows(rows_),
+        lines((elems * int64_t(sizeof(W)) + 63) / 64) {}
+  int64_t total() const { return rows * lines; }
+  void issue(int64_t count) {
+    for (const int64_t end = std::min(total(), next + count); next < end; ++next)
+      _mm_prefetch(base + (next / lines) * stride + (next % lines) * 64, _MM_HINT_T1);
+  }
+};
+
+// Rows [k0, k0 + kc) and columns [n0, n0 + kNc) of a [K, N] weight into kNc / kPanel panels (zeros past N).
 template <typename W>
-void pack_kn(const W* w, W* panels, int64_t K, int64_t N, int64_t n, int64_t P) {
-  for (int64_t k = 0; k < K; ++k) {
-    const W* row = w + k * N + n;
-    if (k + kPackAhead < K) prefetch(row + kPackAhead * N, std::min(P * kPanel, N - n));
-    for (int64_t p = 0; p < P; ++p) {
-      const int64_t take = std::clamp<int64_t>(N - n - p * kPanel, 0, kPanel);
-      W* out = panels + (p * K + k) * kPanel;
-      std::memcpy(out, row + p * kPanel, sizeof(W) * take);
-      std::memset(out + take, 0, sizeof(W) * (kPanel - take));
+void pack_kn(const W* w, float* packed, int64_t N, int64_t n0, int64_t k0, int64_t kc) {
+  const int64_t cols = std::min(kNc, N - n0);
+  for (int64_t k = 0; k < kc; ++k) {
+    const W* row = w + (k0 + k) * N + n0;
+    for (int64_t p = 0; p * kPanel < kNc; ++p) {
+      float* out = packed + (p * kc + k) * kPanel;
+#pragma GCC unroll 2
+      for (int64_t j = 0; j < kPanel; j += kLanes) {
+        const int64_t left = cols - p * kPanel - j;
+        vstore(out + j, left > 0 ? vload(row + p * kPanel + j, left) : vzero(), kLanes);
+      }
     }
   }
 }
 
-// R rows of x against a packed panel: 2R sums in registers over all of K, one broadcast of x per row and step; a
-// bfloat16 panel is widened as it is loaded.
-template <int R, typename W>
-void panel_tile_f32(const float* x, const W* panel, float* y, int64_t K, int64_t N, int64_t n) {
+// R rows of x against kc rows of a panel: 2R sums in registers, started from y's (more) or from zero.
+template <int R>
+void panel_tile_f32(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
+                    int64_t left, bool more) {
   vf acc[R][2];
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
-  for (int64_t k = 0; k < K; ++k) {
-    const vf b0 = vload(panel + k * kPanel, kLanes), b1 = vload(panel + k * kPanel + kLanes, kLanes);
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = more ? vload(y + r * ldy, left) : vzero();
+    acc[r][1] = more && left > kLanes ? vload(y + r * ldy + kLanes, left - kLanes) : vzero();
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const vf b0 = _mm256_load_ps(panel + k * kPanel), b1 = _mm256_load_ps(panel + k * kPanel + kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const vf a = vset1(x[r * K + k]);
+      const vf a = vset1(x[r * ldx + k]);
       acc[r][0] = vfma(a, b0, acc[r][0]);
       acc[r][1] = vfma(a, b1, acc[r][1]);
     }
   }
-  const int64_t left = N - n;
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    vstore(y + r * N + n, acc[r][0], left);
-    if (left > kLanes) vstore(y + r * N + n + kLanes, acc[r][1], left - kLanes);
+    vstore(y + r * ldy, acc[r][0], left);
+    if (left > kLanes) vstore(y + r * ldy + kLanes, acc[r][1], left - kLanes);
   }
 }
 
-// y = x . W for M rows: each chunk's panels packed from W as they are needed, into the worker's scratch (panels
-// packed once before a decode loop, then read from memory every step, were no faster on Zen 3). A tied head, [N, K],
-// is read as dot products, four rows of W from L1 by every tile of rows of x.
+// y = x . W for M rows. [K, N]: chunks of kNc columns split between the workers, each a block of kKc rows of W at a
+// time, packed into the worker's scratch while the block after it (the next chunk's first, after the last) is
+// prefetched. A tied head, [N, K], is read as dot products, four rows of W from L1 by every tile of rows of x (its
+// rows packed the same way, transposed, were no faster: the head's read from memory bounds it either way).
 template <typename W>
 void gemm_f32(ffi::ThreadPool& pool, const float* xp, const W* wp, float* yp, int64_t M, int64_t K, int64_t N,
               bool nk) {
@@ -378,18 +404,34 @@ void gemm_f32(ffi::ThreadPool& pool, const float* xp, const W* wp, float* yp, in
     });
     return;
   }
-  constexpr int64_t P = kChunkPanels;
-  const auto scratch = scratch_of<W>(size_t(max_workers) * P * K * kPanel);
-  run_chunks(pool, (N + P * kPanel - 1) / (P * kPanel), max_workers, [&](int worker, int64_t c) {
-    const int64_t n0 = c * P * kPanel;
-    W* panels = scratch.get() + worker * P * K * kPanel;
-    pack_kn(wp, panels, K, N, n0, P);
-    for (int64_t p = 0, n = n0; p < P && n < N; ++p, n += kPanel) {
-      const W* panel = panels + p * K * kPanel;
-      for (int64_t m = 0; m < M; m += kGemmRows)
-        with_rows<kGemmRows>(std::min<int64_t>(kGemmRows, M - m), [&](auto r) {
-          panel_tile_f32<decltype(r)::value>(xp + m * K, panel, yp + m * N, K, N, n);
-        });
+  const int64_t per_worker = kKc * kNc + kLanes;  // floats, with room to align the panels to a register
+  const auto scratch = scratch_of<float>(size_t(max_workers) * per_worker);
+  const int64_t tiles = (M + kGemmRows - 1) / kGemmRows + M / kMc;  // tiles per panel, about
+  run_chunks(pool, (N + kNc - 1) / kNc, max_workers, [&](int worker, int64_t c) {
+    float* packed = scratch.get() + worker * per_worker;
+    packed += (kLanes - (reinterpret_cast<uintptr_t>(packed) / sizeof(float)) % kLanes) % kLanes;
+    const int64_t n0 = c * kNc, panels = (std::min(kNc, N - n0) + kPanel - 1) / kPanel;
+    for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+      const int64_t kc = std::min(kKc, K - k0);
+      pack_kn(wp, packed, N, n0, k0, kc);
+      const int64_t n_next = k0 + kKc < K ? n0 : n0 + kNc, k_next = k0 + kKc < K ? k0 + kKc : 0;
+      Ahead ahead = n_next < N ? Ahead(wp + k_next * N + n_next, N, std::min(kKc, K - k_next),
+                                       std::min(kNc, N - n_next))
+                               : Ahead();
+      const int64_t per_tile = (ahead.total() + panels * tiles - 1) / (panels * tiles);
+      for (int64_t m0 = 0; m0 < M; m0 += kMc) {
+        const int64_t m1 = std::min(M, m0 + kMc);
+        for (int64_t p = 0; p < panels; ++p) {
+          const float* panel = packed + p * kc * kPanel;
+          const int64_t n = n0 + p * kPanel;
+          for (int64_t m = m0; m < m1; m += kGemmRows) {
+            ahead.issue(per_tile);
+            with_rows<kGemmRows>(std::min<int64_t>(kGemmRows, m1 - m), [&](auto r) {
+              panel_tile_f32<decltype(r)::value>(xp + m * K + k0, K, panel, kc, yp + m * N + n, N, N - n, k0 > 0);
+            });
+          }
+        }
+      }
     }
   });
 }
