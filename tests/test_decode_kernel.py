@@ -229,6 +229,7 @@ ATTENTION_CASES = [
   (2, 4, 4, 16, 4, 12, 9, 4, 5.0, True, 'float32'),  # a ring of 4 slots, soft cap, sinks
   (2, 6, 2, 64, 16, 16, 15, None, None, True, 'bfloat16'),  # the last slot, three heads per group
   (2, 8, 2, 72, 40, 40, 37, None, None, False, 'float32'),  # 38 slots: two blocks of 16 and 6; four heads a group
+  (2, 4, 2, 136, 80, 80, 70, None, None, False, 'bfloat16'),  # 71 slots: blocks of 64 slots and of 64 columns
 ]
 
 

@@ -741,52 +741,99 @@ ffi::Error gemm_packed(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi:
 // denominator.
 inline float cap_score(float s, float softcap) { return softcap > 0 ? softcap * std::tanh(s / softcap) : s; }
 
+#if defined(SHARDZOO_SIMD)
+// Four keys' dot products with q at once: four sums in registers (a chain of FMAs per key would wait on each FMA's
+// latency), each key's row read in order.
+template <typename C>
+inline void dot_rows4(const float* q, const C* k, int64_t K, float* out) {
+  vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  for (int64_t i = 0; i < K; i += kLanes) {
+    const int64_t left = K - i;
+    const vf qv = vload(q + i, left);
+    a0 = vfma(qv, vload(k + i, left), a0);
+    a1 = vfma(qv, vload(k + K + i, left), a1);
+    a2 = vfma(qv, vload(k + 2 * K + i, left), a2);
+    a3 = vfma(qv, vload(k + 3 * K + i, left), a3);
+  }
+  out[0] = vsum(a0), out[1] = vsum(a1), out[2] = vsum(a2), out[3] = vsum(a3);
+}
+
+// o[0, V kLanes) (+)= sum over n slots of p[c] v[c, 0..): V registers of sums, each value row read once (a row of
+// o loaded and stored for every slot would make each slot wait on the last one's store).
+template <int V, typename C>
+inline void weigh_rows(const float* p, const C* v, const bool* mask, int64_t n, int64_t K, int64_t left, bool more,
+                       float* o) {
+  vf acc[V];
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j) acc[j] = more ? vload(o + j * kLanes, left - j * kLanes) : vzero();
+  for (int64_t c = 0; c < n; ++c) {
+    if (!mask[c]) continue;  // weight 0 (exp of finfo.min less a real score), unless every slot is masked
+    const vf pv = vset1(p[c]);
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) acc[j] = vfma(pv, vload(v + c * K + j * kLanes, left - j * kLanes), acc[j]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j) vstore(o + j * kLanes, acc[j], left - j * kLanes);
+}
+#endif
+
 template <typename C>
 inline float dot_row(const float* q, const C* k, int64_t K) {
-#if defined(SHARDZOO_SIMD)
-  vf acc = vzero();
-  for (int64_t i = 0; i < K; i += kLanes) acc = vfma(vload(q + i, K - i), vload(k + i, K - i), acc);
-  return vsum(acc);
-#else
   float s = 0;
   for (int64_t i = 0; i < K; ++i) s += q[i] * widen(k[i]);
   return s;
-#endif
 }
 
-template <typename C>
-inline void add_row(float* o, float p, const C* v, int64_t K) {
-#if defined(SHARDZOO_SIMD)
-  const vf pv = vset1(p);
-  for (int64_t i = 0; i < K; i += kLanes) vstore(o + i, vfma(pv, vload(v + i, K - i), vload(o + i, K - i)), K - i);
-#else
-  for (int64_t i = 0; i < K; ++i) o[i] += p * widen(v[i]);
-#endif
-}
-
-// The R query heads q[R, K] of one KV head over its first n slots k, v [n, K]; s: scratch of R x n scores.
+// The R query heads q[R, K] of one KV head over its first n slots k, v [n, K]; s: scratch of R x n scores. Each key
+// and value is read from memory once for all R heads: four keys at a time against every head, then 64 slots' values
+// at a time (from L1) by every head.
 template <typename C>
 void attend_group(const float* q, const C* k, const C* v, const bool* mask, int64_t n, int64_t K, int64_t R,
                   float scale, float softcap, const float* sinks, float* s, float* o) {
   constexpr float lowest = -std::numeric_limits<float>::max();
-  for (int64_t c = 0; c < n; ++c) {
-    for (int64_t r = 0; r < R; ++r)
-      s[r * n + c] = mask[c] ? cap_score(dot_row(q + r * K, k + c * K, K) * scale, softcap) : lowest;
+  int64_t c = 0;
+#if defined(SHARDZOO_SIMD)
+  for (; c + 4 <= n; c += 4) {
+    // The values weighed next, into L2 while the keys stream: a second stream of reads in flight.
+    for (int64_t i = 0; i < 4 * K; i += 64 / int64_t(sizeof(C)))
+      _mm_prefetch(reinterpret_cast<const char*>(v + c * K + i), _MM_HINT_T1);
+    for (int64_t r = 0; r < R; ++r) dot_rows4(q + r * K, k + c * K, K, s + r * n + c);
   }
+#endif
+  for (; c < n; ++c)
+    for (int64_t r = 0; r < R; ++r) s[r * n + c] = dot_row(q + r * K, k + c * K, K);
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * n;
+    for (c = 0; c < n; ++c) sr[c] = mask[c] ? cap_score(sr[c] * scale, softcap) : lowest;
     float m = sinks ? sinks[r] : lowest;
-    for (int64_t c = 0; c < n; ++c) m = std::max(m, sr[c]);
+    for (c = 0; c < n; ++c) m = std::max(m, sr[c]);
     float total = sinks ? std::exp(sinks[r] - m) : 0.0f;
-    for (int64_t c = 0; c < n; ++c) total += (sr[c] = std::exp(sr[c] - m));
+    for (c = 0; c < n; ++c) total += (sr[c] = std::exp(sr[c] - m));
     const float inv = 1.0f / total;
-    for (int64_t c = 0; c < n; ++c) sr[c] *= inv;
-    std::fill(o + r * K, o + (r + 1) * K, 0.0f);
+    for (c = 0; c < n; ++c) sr[c] *= inv;
   }
-  for (int64_t c = 0; c < n; ++c) {
+#if defined(SHARDZOO_SIMD)
+  constexpr int64_t kSlots = 64, kBlock = 8 * kLanes;  // slots per block (L1); columns of o per pass: 8 registers
+  if (n == 0) std::fill(o, o + R * K, 0.0f);
+  for (int64_t c0 = 0; c0 < n; c0 += kSlots) {
+    const int64_t cn = std::min(kSlots, n - c0);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < K; i += kBlock) {
+        const int64_t left = K - i;
+        with_rows<8>((std::min(left, kBlock) + kLanes - 1) / kLanes, [&](auto vecs) {
+          weigh_rows<decltype(vecs)::value>(s + r * n + c0, v + c0 * K + i, mask + c0, cn, K, left, c0 > 0,
+                                            o + r * K + i);
+        });
+      }
+  }
+#else
+  std::fill(o, o + R * K, 0.0f);
+  for (c = 0; c < n; ++c) {
     if (!mask[c]) continue;  // weight 0 (exp of finfo.min less a real score), unless every slot is masked
-    for (int64_t r = 0; r < R; ++r) add_row(o + r * K, s[r * n + c], v + c * K, K);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < K; ++i) o[r * K + i] += s[r * n + c] * widen(v[c * K + i]);
   }
+#endif
 }
 
 template <typename T>
