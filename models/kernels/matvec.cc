@@ -346,13 +346,13 @@ struct Ahead {
   }
 };
 
-// Rows [k0, k0 + kc) and columns [n0, n0 + kNc) of a [K, N] weight into kNc / kPanel panels (zeros past N).
+// Rows [k0, k0 + kc) and columns [n0, n0 + panels kPanel) of a [K, N] weight into panels (zeros past N).
 template <typename W>
-void pack_kn(const W* w, float* packed, int64_t N, int64_t n0, int64_t k0, int64_t kc) {
+void pack_kn(const W* w, float* packed, int64_t N, int64_t n0, int64_t k0, int64_t kc, int64_t panels) {
   const int64_t cols = std::min(kNc, N - n0);
   for (int64_t k = 0; k < kc; ++k) {
     const W* row = w + (k0 + k) * N + n0;
-    for (int64_t p = 0; p * kPanel < kNc; ++p) {
+    for (int64_t p = 0; p < panels; ++p) {
       float* out = packed + (p * kc + k) * kPanel;
 #pragma GCC unroll 2
       for (int64_t j = 0; j < kPanel; j += kLanes) {
@@ -374,7 +374,7 @@ void panel_tile_f32(const float* x, int64_t ldx, const float* panel, int64_t kc,
     acc[r][1] = more && left > kLanes ? vload(y + r * ldy + kLanes, left - kLanes) : vzero();
   }
   for (int64_t k = 0; k < kc; ++k) {
-    const vf b0 = _mm256_load_ps(panel + k * kPanel), b1 = _mm256_load_ps(panel + k * kPanel + kLanes);
+    const vf b0 = vload(panel + k * kPanel, kLanes), b1 = vload(panel + k * kPanel + kLanes, kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const vf a = vset1(x[r * ldx + k]);
@@ -413,7 +413,7 @@ void gemm_f32(ffi::ThreadPool& pool, const float* xp, const W* wp, float* yp, in
     const int64_t n0 = c * kNc, panels = (std::min(kNc, N - n0) + kPanel - 1) / kPanel;
     for (int64_t k0 = 0; k0 < K; k0 += kKc) {
       const int64_t kc = std::min(kKc, K - k0);
-      pack_kn(wp, packed, N, n0, k0, kc);
+      pack_kn(wp, packed, N, n0, k0, kc, panels);
       const int64_t n_next = k0 + kKc < K ? n0 : n0 + kNc, k_next = k0 + kKc < K ? k0 + kKc : 0;
       Ahead ahead = n_next < N ? Ahead(wp + k_next * N + n_next, N, std::min(kKc, K - k_next),
                                        std::min(kNc, N - n_next))
