@@ -183,10 +183,11 @@ void nk_rows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t
 
 #if defined(SHARDZOO_SIMD)
 // The same loops in vector registers of kLanes floats; bfloat16 widens by a shift into the high half.
-// Prefetch `elems` elements from p: the next block of rows, ahead of the hardware's stream detection.
-template <typename W>
+// Prefetch `elems` elements from p (into L1, or the cache kHint names): the next block of rows, ahead of the
+// hardware's stream detection.
+template <auto kHint = _MM_HINT_T0, typename W>
 inline void prefetch(const W* p, int64_t elems) {
-  for (int64_t i = 0; i < elems; i += 64 / int64_t(sizeof(W))) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+  for (int64_t i = 0; i < elems; i += 64 / int64_t(sizeof(W))) _mm_prefetch(reinterpret_cast<const char*>(p + i), kHint);
 }
 
 template <typename W>
@@ -795,8 +796,7 @@ void attend_group(const float* q, const C* k, const C* v, const bool* mask, int6
 #if defined(SHARDZOO_SIMD)
   for (; c + 4 <= n; c += 4) {
     // The values weighed next, into L2 while the keys stream: a second stream of reads in flight.
-    for (int64_t i = 0; i < 4 * K; i += 64 / int64_t(sizeof(C)))
-      _mm_prefetch(reinterpret_cast<const char*>(v + c * K + i), _MM_HINT_T1);
+    prefetch<_MM_HINT_T1>(v + c * K, 4 * K);
     for (int64_t r = 0; r < R; ++r) dot_rows4(q + r * K, k + c * K, K, s + r * n + c);
   }
 #endif
