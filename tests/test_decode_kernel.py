@@ -48,15 +48,21 @@ if kernels.f32_gemm():
   CASES += F32_GEMM_CASES
 
 
-# The GEMM cases again with W's panels packed by an operation of their own (a decode loop's body: `prepack`).
+# The GEMM cases again with W's panels packed by an operation of their own (a decode loop's body: `prepack`): the
+# bfloat16 GEMM's, and the AVX2 GEMM's with float32 weights (tiles of 6 rows, the last 7-11 rows in two).
 PACKED = [(*c, True) for c in GEMM_CASES] if kernels.bf16_gemm() else []
+if kernels.f32_gemm():
+  PACKED += [(*c, True) for c in F32_GEMM_CASES if c[4] == 'float32'] + [
+    ('bld,df->blf', (1, 32, 96), (96, 40), 'float32', 'float32', 'float32', True),  # 32 rows: 6 x 4 + 4 + 4
+    ('bld,vd->blv', (1, 10, 50), (300, 50), 'float32', 'float32', 'float32', True),  # a head: 19 panels, 3 chunks
+  ]
 
 
 @pytest.mark.parametrize(
   'spec,xs,ws,xt,wt,ot,prepack',
   [(*c, False) for c in CASES] + PACKED,
   ids=[f'{c[0]}:{c[4]}:{c[1][0] * c[1][1]}rows' for c in CASES]
-  + [f'{c[0]}:{c[1][0] * c[1][1]}rows:packed' for c in PACKED],
+  + [f'{c[0]}:{c[4]}:{c[1][0] * c[1][1]}rows:packed' for c in PACKED],
 )
 def test_the_kernel_is_the_einsum(spec, xs, ws, xt, wt, ot, prepack):
   rng = np.random.default_rng(0)
@@ -72,6 +78,8 @@ def test_the_kernel_is_the_einsum(spec, xs, ws, xt, wt, ot, prepack):
   rows = xs[0] * xs[1]
   bf16_gemm = rows > kernels.MAX_ROWS and xt == wt == 'bfloat16' and kernels.bf16_gemm()
   target = 'shardzoo_gemm_packed' if bf16_gemm and prepack else 'shardzoo_gemm_bf16' if bf16_gemm else 'shardzoo_matvec'
+  if prepack and not bf16_gemm and rows > kernels.MAX_ROWS and wt == 'float32':
+    target = 'shardzoo_gemm_f32_packed'
 
   assert target in run.lower(x, w).as_text()
   assert got.dtype == jnp.dtype(ot) and got.shape == jnp.einsum(spec, x, w).shape
@@ -133,31 +141,42 @@ def test_a_failing_compiler_is_one_line_and_the_decode_falls_back(tmp_path, monk
   assert not kernels.missing(jax.devices()[:2])
 
 
-@pytest.mark.skipif(not kernels.bf16_gemm(), reason='the bfloat16 GEMM needs AVX-512 BF16')
-def test_a_decode_loop_packs_its_gemm_weights_once_outside_the_loop():
+@pytest.mark.parametrize('dtype', ['bfloat16', 'float32'])
+def test_a_decode_loop_packs_its_gemm_weights_once_outside_the_loop(dtype):
   """decode_matmuls(True, prepack=True) in a loop's body: XLA computes the weights' packing before the loop (the
   weights are the same every step) and the loop's steps only read the panels; the result equals the unpacked
-  GEMM's. Were the packing left in the body, every step would pack W again (slower, not wrong)."""
+  GEMM's. Were the packing left in the body, every step would pack W again (slower, not wrong). bfloat16: AVX-512
+  BF16's GEMM; float32: the AVX2 GEMM's."""
+  pack, gemm = {
+    'bfloat16': ('shardzoo_pack_bf16', 'shardzoo_gemm_packed'),
+    'float32': ('shardzoo_pack_f32', 'shardzoo_gemm_f32_packed'),
+  }[dtype]
+  if not (kernels.bf16_gemm() if dtype == 'bfloat16' else kernels.f32_gemm() and not kernels.bf16_gemm()):
+    pytest.skip(f'{gemm} does not run on this CPU')
   rng = np.random.default_rng(0)
-  w = jnp.asarray(rng.standard_normal((96, 96)) * 0.1, jnp.bfloat16)
-  head = jnp.asarray(rng.standard_normal((40, 96)) * 0.1, jnp.bfloat16)  # [N, K], as a tied head: 8 columns of tail
-  x = jnp.asarray(rng.standard_normal((12, 96)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((96, 96)) * 0.1, dtype)
+  head = jnp.asarray(rng.standard_normal((40, 96)) * 0.1, dtype)  # [N, K], as a tied head: 8 columns of tail
+  x = jnp.asarray(rng.standard_normal((12, 96)), dtype)
 
   def loop(prepack):
     def body(i, h):
       with kernels.decode_matmuls(True, prepack=prepack):
-        h = kernels.matmul('md,dk->mk', h, w, jnp.bfloat16)
+        h = kernels.matmul('md,dk->mk', h, w, jnp.dtype(dtype))
         logits = kernels.matmul('mk,vk->mv', h, head, jnp.float32)
-      return ((h + logits[:, :1] * i.astype(jnp.float32)) / 2).astype(jnp.bfloat16)
+      return ((h + logits[:, :1] * i.astype(jnp.float32)) / 2).astype(dtype)
 
     return jax.jit(lambda x: jax.lax.fori_loop(0, 3, body, x))
 
   packed = loop(True)
-  np.testing.assert_array_equal(np.asarray(packed(x), np.float32), np.asarray(loop(False)(x), np.float32))
+  got, want = np.asarray(packed(x), np.float32), np.asarray(loop(False)(x), np.float32)
+  if dtype == 'bfloat16':  # the same sums, rounded to 8 bits the same way
+    np.testing.assert_array_equal(got, want)
+  else:  # the head's sums in another order (dot products unpacked, panels packed)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   hlo = packed.lower(x).compile().as_text()
-  bodies = [c for c in hlo.split('\n\n') if 'shardzoo_gemm_packed' in c]
-  assert bodies and all('shardzoo_pack_bf16' not in c for c in bodies), 'the packing runs inside the loop'
-  assert hlo.count('custom_call_target="shardzoo_pack_bf16"') == 2
+  bodies = [c for c in hlo.split('\n\n') if gemm in c]
+  assert bodies and all(pack not in c for c in bodies), 'the packing runs inside the loop'
+  assert hlo.count(f'custom_call_target="{pack}"') == 2
 
 
 def argmax_cases():

@@ -175,6 +175,34 @@ def test_a_one_device_decode_runs_the_kernel_and_decodes_as_xla_does(gpt2_dir, d
   assert taken == []  # 'xla' traced no kernel call
 
 
+def test_a_batch_past_the_kernels_rows_decodes_through_packed_panels_as_xla_does(gpt2_dir, monkeypatch):
+  """A batch of more than MAX_ROWS rows on an AVX2 CPU: each decode step's matmuls run the float32 GEMM over W's
+  panels, packed once outside the loop (`prepack`); its tokens are XLA's and transformers', its logits XLA's within
+  STEP_ATOL."""
+  if not kernels.f32_gemm() or kernels.bf16_gemm():
+    pytest.skip('the float32 GEMM over packed panels runs on AVX2 CPUs without AVX-512 BF16')
+  path, hf_model = gpt2_dir
+  gen = zoo(gpt2_config, 'tp,tiny', path, devices=jax.devices()[:1], scan_layers=False, dtype='float32')
+  packed, matmul = [], kernels.matmul
+
+  def counted(spec, x, w, out_dtype):
+    if kernels._prepack.get():
+      packed.append(kernels.plan(spec, x.shape, w.shape)[0])
+    return matmul(spec, x, w, out_dtype)
+
+  monkeypatch.setattr(kernels, 'matmul', counted)
+  prompts = (PROMPTS * 4)[: kernels.MAX_ROWS + 2]
+  sampling = generation.Sampling(max_new_tokens=NEW, temperature=0.0)
+  got = gen.generate(prompts, sampling, keep_logits=True)
+  assert packed and all(rows == len(prompts) for rows in packed)
+  xla = generation.Generator(gen.graphdef, gen.params, gen.model_state, rules=gen.rules, mesh=gen.mesh, matmul='xla')
+  for p, a, b in zip(prompts, got, xla.generate(prompts, sampling, keep_logits=True), strict=True):
+    assert a.ids == b.ids, p
+    np.testing.assert_allclose(a.logits, b.logits, atol=STEP_ATOL, rtol=0)
+  for p, a in zip(PROMPTS, got):
+    assert a.ids == hf_greedy(hf_model, p, None), p
+
+
 def test_a_one_device_decode_without_the_kernel_warns_once(gpt2_dir, monkeypatch, caplog):
   """Where the kernel would run but is not available (no compiler, a failed build), the decode falls back to XLA's
   dot and says so once, as a warning: the decode is slower than it could be."""

@@ -8,7 +8,8 @@
   bfloat16 pairs multiplied by vdpbf16ps, where XLA widens both operands first.
 * `matmul`, up to GEMM_MAX_ROWS rows against float32 or bfloat16 weights where the library is built for AVX2
   (`f32_gemm`): float32 sums in register tiles over packed panels of W. XLA's CPU dot ran such matmuls at about a
-  third of an AVX2 machine's matmul rate.
+  third of an AVX2 machine's matmul rate. In a decode loop (`prepack`), float32 weights are packed into those panels
+  once, outside the loop, so that each step reads them in order.
 * `decode_attention`: a decode step's attention of one new query per row over its KV cache (float32 or bfloat16),
   each cached key and value read once for the query heads that share it. XLA's CPU compiler widens a bfloat16 cache
   into a float32 copy every step and runs the products as batched one-row dots.
@@ -52,7 +53,9 @@ ATTENTION_TARGET = 'shardzoo_decode_attention'
 ARGMAX_TARGET = 'shardzoo_argmax'
 PACK_TARGET = 'shardzoo_pack_bf16'
 PACKED_GEMM_TARGET = 'shardzoo_gemm_packed'
-PANEL = 32  # matvec.cc: the GEMM's panels of W are 32 columns wide
+PACK_F32_TARGET = 'shardzoo_pack_f32'
+PACKED_F32_TARGET = 'shardzoo_gemm_f32_packed'
+PANEL = 32  # matvec.cc: the bfloat16 GEMM's panels of W are 32 columns wide
 MAX_ROWS = 8  # matvec.cc kMaxRows: each weight is loaded once for all rows; beyond a few rows a GEMM's tiles win
 GEMM_MAX_ROWS = 4096  # the AVX2 GEMM's rows, as measured (a prefill of 32 x 128 tokens); XLA's dot beyond
 FLAGS = (
@@ -72,6 +75,7 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 _active = contextvars.ContextVar('shardzoo_decode_matmuls', default=False)
 _prepack = contextvars.ContextVar('shardzoo_prepack', default=False)
+_f32_panel: list[int] = []  # the float32 GEMM's panel width, once the library is loaded
 
 
 def _compiler() -> str | None:
@@ -142,6 +146,9 @@ def _loaded() -> tuple[str | None, str]:
     isa = lib.shardzoo_matvec_isa().decode()
     if lib.shardzoo_has_gemm():
       isa += ' with its GEMM'  # f32_gemm() reads it from here
+      jax.ffi.register_ffi_target(PACK_F32_TARGET, jax.ffi.pycapsule(lib.ShardzooPackF32), platform='cpu')
+      jax.ffi.register_ffi_target(PACKED_F32_TARGET, jax.ffi.pycapsule(lib.ShardzooGemmF32Packed), platform='cpu')
+      _f32_panel.append(int(lib.shardzoo_f32_panel()))
     if lib.shardzoo_has_bf16_gemm():
       jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.ShardzooGemmBf16), platform='cpu')
       jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.ShardzooPackBf16), platform='cpu')
@@ -188,7 +195,10 @@ def status(devices: Any = None) -> tuple[bool, str]:
     return False, f"decode matmuls: XLA's dot (the kernel is not available: {why})"
   wide = '; bfloat16 matmuls of more rows (prefill, batches) by AVX-512 BF16 dot products' if bf16_gemm() else ''
   if f32_gemm():
-    wide = f'; matmuls of up to {GEMM_MAX_ROWS} rows (prefill, batches) by its GEMM'
+    wide = (
+      f"; matmuls of up to {GEMM_MAX_ROWS} rows (prefill, batches) by its GEMM, a decode loop's float32 weights "
+      'packed into its panels once'
+    )
   return True, (
     f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows, the attention over '
     f"the KV cache and greedy decoding's argmax{wide}"
@@ -207,9 +217,10 @@ def decode_matmuls(enabled: bool, prepack: bool = False):
   it applies (`matmul`, `take_rows`, `decode_attention`, `argmax`); `enabled` comes from status(), which loads the
   kernel (XLA must know its targets before compiling).
 
-  `prepack`: the bfloat16 GEMM's weights are packed into its panels by an operation of their own, which XLA computes
-  once outside a loop whose steps use the same weights (a decode loop's body says so). The loop then holds a second,
-  packed copy of those weights; elsewhere each GEMM packs its panels as it goes (the prefill: one pass over W)."""
+  `prepack`: the GEMM's weights (bfloat16 with AVX-512 BF16, float32 with AVX2) are packed into its panels by an
+  operation of their own, which XLA computes once outside a loop whose steps use the same weights (a decode loop's
+  body says so). The loop then holds a second, packed copy of those weights; elsewhere each GEMM packs its panels as
+  it goes (the prefill: one pass over W)."""
   if enabled and not available():
     raise RuntimeError(f'decode_matmuls(True) without the kernel: {_loaded()[1]}')
   token, packing = _active.set(enabled), _prepack.set(prepack)
@@ -273,6 +284,11 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array |
   if target == GEMM_TARGET and _prepack.get():
     panels = jax.ffi.ffi_call(PACK_TARGET, jax.ShapeDtypeStruct((-(-N // PANEL), K, PANEL), jnp.bfloat16))(w2, nk=nk)
     y = jax.ffi.ffi_call(PACKED_GEMM_TARGET, y_struct)(x2, panels)
+  elif target == TARGET and M > MAX_ROWS and _prepack.get() and w.dtype == jnp.float32:
+    # bfloat16 weights stay as they are: their float32 panels would hold twice their bytes again
+    width = _f32_panel[0]
+    panels = jax.ffi.ffi_call(PACK_F32_TARGET, jax.ShapeDtypeStruct((-(-N // width), K, width), jnp.float32))(w2, nk=nk)
+    y = jax.ffi.ffi_call(PACKED_F32_TARGET, y_struct)(x2, panels)
   else:
     y = jax.ffi.ffi_call(target, y_struct)(x2, w2, nk=nk)
   return y.reshape(out_shape).astype(out_dtype)
