@@ -49,10 +49,10 @@ if kernels.f32_gemm():
 
 
 # The GEMM cases again with W's panels packed by an operation of their own (a decode loop's body: `prepack`): the
-# bfloat16 GEMM's, and the AVX2 GEMM's with float32 weights (tiles of 6 rows, the last 7-11 rows in two).
+# bfloat16 GEMM's, and the AVX2 GEMM's (panels in W's dtype; tiles of 6 rows, the last 7-11 rows in two).
 PACKED = [(*c, True) for c in GEMM_CASES] if kernels.bf16_gemm() else []
 if kernels.f32_gemm():
-  PACKED += [(*c, True) for c in F32_GEMM_CASES if c[4] == 'float32'] + [
+  PACKED += [(*c, True) for c in F32_GEMM_CASES] + [
     ('bld,df->blf', (1, 32, 96), (96, 40), 'float32', 'float32', 'float32', True),  # 32 rows: 6 x 4 + 4 + 4
     ('bld,vd->blv', (1, 10, 50), (300, 50), 'float32', 'float32', 'float32', True),  # a head: 19 panels, 3 chunks
   ]
@@ -78,7 +78,7 @@ def test_the_kernel_is_the_einsum(spec, xs, ws, xt, wt, ot, prepack):
   rows = xs[0] * xs[1]
   bf16_gemm = rows > kernels.MAX_ROWS and xt == wt == 'bfloat16' and kernels.bf16_gemm()
   target = 'shardzoo_gemm_packed' if bf16_gemm and prepack else 'shardzoo_gemm_bf16' if bf16_gemm else 'shardzoo_matvec'
-  if prepack and not bf16_gemm and rows > kernels.MAX_ROWS and wt == 'float32':
+  if prepack and not bf16_gemm and rows > kernels.MAX_ROWS:
     target = 'shardzoo_gemm_f32_packed'
 
   assert target in run.lower(x, w).as_text()
@@ -141,18 +141,20 @@ def test_a_failing_compiler_is_one_line_and_the_decode_falls_back(tmp_path, monk
   assert not kernels.missing(jax.devices()[:2])
 
 
-@pytest.mark.parametrize('dtype', ['bfloat16', 'float32'])
-def test_a_decode_loop_packs_its_gemm_weights_once_outside_the_loop(dtype):
+@pytest.mark.parametrize(
+  'gemm,dtype', [('avx512_bf16', 'bfloat16'), ('avx2', 'float32'), ('avx2', 'bfloat16')], ids=lambda v: v
+)
+def test_a_decode_loop_packs_its_gemm_weights_once_outside_the_loop(gemm, dtype):
   """decode_matmuls(True, prepack=True) in a loop's body: XLA computes the weights' packing before the loop (the
   weights are the same every step) and the loop's steps only read the panels; the result equals the unpacked
-  GEMM's. Were the packing left in the body, every step would pack W again (slower, not wrong). bfloat16: AVX-512
-  BF16's GEMM; float32: the AVX2 GEMM's."""
-  pack, gemm = {
-    'bfloat16': ('shardzoo_pack_bf16', 'shardzoo_gemm_packed'),
-    'float32': ('shardzoo_pack_f32', 'shardzoo_gemm_f32_packed'),
-  }[dtype]
-  if not (kernels.bf16_gemm() if dtype == 'bfloat16' else kernels.f32_gemm() and not kernels.bf16_gemm()):
-    pytest.skip(f'{gemm} does not run on this CPU')
+  GEMM's. Were the packing left in the body, every step would pack W again (slower, not wrong). AVX-512 BF16's
+  bfloat16 GEMM, and the AVX2 GEMM's (float32 sums) over float32 and bfloat16 panels."""
+  pack, packed_gemm = {
+    'avx512_bf16': ('shardzoo_pack_bf16', 'shardzoo_gemm_packed'),
+    'avx2': ('shardzoo_pack_f32', 'shardzoo_gemm_f32_packed'),
+  }[gemm]
+  if not (kernels.bf16_gemm() if gemm == 'avx512_bf16' else kernels.f32_gemm() and not kernels.bf16_gemm()):
+    pytest.skip(f'{packed_gemm} does not run on this CPU')
   rng = np.random.default_rng(0)
   w = jnp.asarray(rng.standard_normal((96, 96)) * 0.1, dtype)
   head = jnp.asarray(rng.standard_normal((40, 96)) * 0.1, dtype)  # [N, K], as a tied head: 8 columns of tail
@@ -169,12 +171,13 @@ def test_a_decode_loop_packs_its_gemm_weights_once_outside_the_loop(dtype):
 
   packed = loop(True)
   got, want = np.asarray(packed(x), np.float32), np.asarray(loop(False)(x), np.float32)
-  if dtype == 'bfloat16':  # the same sums, rounded to 8 bits the same way
+  if gemm == 'avx512_bf16':  # the same sums, rounded to 8 bits the same way
     np.testing.assert_array_equal(got, want)
-  else:  # the head's sums in another order (dot products unpacked, panels packed)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  else:  # the head's sums in another order (dot products unpacked, panels packed), then rounded to the dtype
+    tol = 1e-5 if dtype == 'float32' else 2.0**-7
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
   hlo = packed.lower(x).compile().as_text()
-  bodies = [c for c in hlo.split('\n\n') if gemm in c]
+  bodies = [c for c in hlo.split('\n\n') if packed_gemm in c]
   assert bodies and all(pack not in c for c in bodies), 'the packing runs inside the loop'
   assert hlo.count(f'custom_call_target="{pack}"') == 2
 

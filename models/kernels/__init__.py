@@ -8,8 +8,8 @@
   bfloat16 pairs multiplied by vdpbf16ps, where XLA widens both operands first.
 * `matmul`, up to GEMM_MAX_ROWS rows against float32 or bfloat16 weights where the library is built for AVX2
   (`f32_gemm`): float32 sums in register tiles over packed panels of W. XLA's CPU dot ran such matmuls at about a
-  third of an AVX2 machine's matmul rate. In a decode loop (`prepack`), float32 weights are packed into those panels
-  once, outside the loop, so that each step reads them in order.
+  third of an AVX2 machine's matmul rate. In a decode loop (`prepack`), the weights are packed into those panels once,
+  outside the loop, so that each step reads them in order.
 * `decode_attention`: a decode step's attention of one new query per row over its KV cache (float32 or bfloat16),
   each cached key and value read once for the query heads that share it. XLA's CPU compiler widens a bfloat16 cache
   into a float32 copy every step and runs the products as batched one-row dots.
@@ -196,7 +196,7 @@ def status(devices: Any = None) -> tuple[bool, str]:
   wide = '; bfloat16 matmuls of more rows (prefill, batches) by AVX-512 BF16 dot products' if bf16_gemm() else ''
   if f32_gemm():
     wide = (
-      f"; matmuls of up to {GEMM_MAX_ROWS} rows (prefill, batches) by its GEMM, a decode loop's float32 weights "
+      f"; matmuls of up to {GEMM_MAX_ROWS} rows (prefill, batches) by its GEMM, a decode loop's weights "
       'packed into its panels once'
     )
   return True, (
@@ -217,10 +217,10 @@ def decode_matmuls(enabled: bool, prepack: bool = False):
   it applies (`matmul`, `take_rows`, `decode_attention`, `argmax`); `enabled` comes from status(), which loads the
   kernel (XLA must know its targets before compiling).
 
-  `prepack`: the GEMM's weights (bfloat16 with AVX-512 BF16, float32 with AVX2) are packed into its panels by an
-  operation of their own, which XLA computes once outside a loop whose steps use the same weights (a decode loop's
-  body says so). The loop then holds a second, packed copy of those weights; elsewhere each GEMM packs its panels as
-  it goes (the prefill: one pass over W)."""
+  `prepack`: the GEMM's weights (bfloat16 with AVX-512 BF16, float32 or bfloat16 with AVX2) are packed into its
+  panels by an operation of their own, which XLA computes once outside a loop whose steps use the same weights (a
+  decode loop's body says so). The loop then holds a second, packed copy of those weights; elsewhere each GEMM packs
+  its panels as it goes (the prefill: one pass over W)."""
   if enabled and not available():
     raise RuntimeError(f'decode_matmuls(True) without the kernel: {_loaded()[1]}')
   token, packing = _active.set(enabled), _prepack.set(prepack)
@@ -284,10 +284,9 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array |
   if target == GEMM_TARGET and _prepack.get():
     panels = jax.ffi.ffi_call(PACK_TARGET, jax.ShapeDtypeStruct((-(-N // PANEL), K, PANEL), jnp.bfloat16))(w2, nk=nk)
     y = jax.ffi.ffi_call(PACKED_GEMM_TARGET, y_struct)(x2, panels)
-  elif target == TARGET and M > MAX_ROWS and _prepack.get() and w.dtype == jnp.float32:
-    # bfloat16 weights stay as they are: their float32 panels would hold twice their bytes again
-    width = _f32_panel[0]
-    panels = jax.ffi.ffi_call(PACK_F32_TARGET, jax.ShapeDtypeStruct((-(-N // width), K, width), jnp.float32))(w2, nk=nk)
+  elif target == TARGET and M > MAX_ROWS and _prepack.get():
+    width = _f32_panel[0]  # panels in W's dtype: a bfloat16 weight's are widened in the tiles
+    panels = jax.ffi.ffi_call(PACK_F32_TARGET, jax.ShapeDtypeStruct((-(-N // width), K, width), w.dtype))(w2, nk=nk)
     y = jax.ffi.ffi_call(PACKED_F32_TARGET, y_struct)(x2, panels)
   else:
     y = jax.ffi.ffi_call(target, y_struct)(x2, w2, nk=nk)

@@ -437,29 +437,48 @@ void gemm_f32(ffi::ThreadPool& pool, const float* xp, const W* wp, float* yp, in
   });
 }
 
-// A decode loop's float32 GEMM (a batch of rows against the same weights every step): W's panels packed once, by an
-// operation of their own that XLA computes outside the loop, [ceil(N / kPanel), K, kPanel] float32 (zeros past N),
-// so that each step reads each panel in order, 48 KB at a time for K = 768, with nothing to gather. At 32 rows on
-// Zen 3, packing W's strided runs in the step read it at 4-5 GB/s a core against 9-10 for a run in order, and took
-// as long as the tiles.
+// A decode loop's GEMM (a batch of rows against the same weights every step): W's panels packed once, by an
+// operation of their own that XLA computes outside the loop, [ceil(N / kPanel), K, kPanel] in W's dtype (zeros past
+// N), so that each step reads each panel in order, 48 KB at a time for K = 768 in float32, with nothing to gather.
+// At 32 rows on Zen 3, packing W's strided runs in the step read it at 4-5 GB/s a core against 9-10 for a run in
+// order, and took as long as the tiles. bfloat16 panels are widened in the tiles, as the rows of W are.
 template <typename W>
-void pack_panels_f32(ffi::ThreadPool& pool, const W* w, float* out, int64_t K, int64_t N, bool nk) {
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  run_chunks(pool, panels, int(std::max<int64_t>(1, pool.num_threads())), [&](int, int64_t p) {
-    float* panel = out + p * K * kPanel;
-    const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-    for (int64_t k = 0; k < K; ++k) {
-      float* row = panel + k * kPanel;
-      for (int64_t j = 0; j < kPanel; ++j) row[j] = j < cols ? widen(nk ? w[(n0 + j) * K + k] : w[k * N + n0 + j]) : 0.0f;
+void pack_panels(ffi::ThreadPool& pool, const W* w, W* out, int64_t K, int64_t N, bool nk) {
+  const int64_t panels = (N + kPanel - 1) / kPanel, full = N / kPanel;
+  const int workers = int(std::max<int64_t>(1, pool.num_threads()));
+  if (nk) {  // 16 rows of W [N, K] transposed into each panel, 64 of K at a time: both sides in cache
+    run_chunks(pool, panels, workers, [&](int, int64_t p) {
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      W* panel = out + p * K * kPanel;
+      for (int64_t k0 = 0; k0 < K; k0 += 64) {
+        const int64_t k1 = std::min(K, k0 + 64);
+        for (int64_t j = 0; j < kPanel; ++j) {
+          const W* row = w + (n0 + std::min(j, cols - 1)) * K;
+          for (int64_t k = k0; k < k1; ++k) panel[k * kPanel + j] = j < cols ? row[k] : W(0);
+        }
+      }
+    });
+    return;
+  }
+  // [K, N]: blocks of W's rows, each row read in order and its runs of kPanel columns copied into the panels.
+  const int64_t rows = 16;
+  run_chunks(pool, (K + rows - 1) / rows, workers, [&](int, int64_t c) {
+    for (int64_t k = c * rows; k < std::min(K, (c + 1) * rows); ++k) {
+      const W* row = w + k * N;
+      for (int64_t p = 0; p < full; ++p) std::memcpy(out + (p * K + k) * kPanel, row + p * kPanel, sizeof(W) * kPanel);
+      if (full < panels) {
+        W* tail = out + (full * K + k) * kPanel;
+        for (int64_t j = 0; j < kPanel; ++j) tail[j] = full * kPanel + j < N ? row[full * kPanel + j] : W(0);
+      }
     }
   });
 }
 
 // R rows of x against a whole packed panel (K rows), one cache line of the panel after it prefetched every `every`
 // steps from `ahead` on (the tiles of a panel share that panel's prefetches between them).
-template <int R>
-void packed_tile_f32(const float* x, const float* panel, int64_t K, float* y, int64_t N, int64_t left,
-                     const float* ahead, int64_t every) {
+template <int R, typename W>
+void packed_tile(const float* x, const W* panel, int64_t K, float* y, int64_t N, int64_t left, const W* ahead,
+                 int64_t every) {
   vf acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
@@ -490,7 +509,8 @@ inline int64_t tile_rows(int64_t left) {
 
 constexpr int64_t kPanelsPerChunk = 8;  // panels per chunk of work: 128 columns
 
-void gemm_f32_panels(ffi::ThreadPool& pool, const float* xp, const float* panels, float* yp, int64_t M, int64_t K,
+template <typename W>
+void gemm_panels_f32(ffi::ThreadPool& pool, const float* xp, const W* panels, float* yp, int64_t M, int64_t K,
                      int64_t N) {
   const int64_t count = (N + kPanel - 1) / kPanel;
   int64_t tiles = 0;
@@ -500,16 +520,15 @@ void gemm_f32_panels(ffi::ThreadPool& pool, const float* xp, const float* panels
              [&](int, int64_t c) {
                const int64_t p1 = std::min(count, (c + 1) * kPanelsPerChunk);
                for (int64_t p = c * kPanelsPerChunk; p < p1; ++p) {
-                 const float* panel = panels + p * K * kPanel;
-                 const float* next = p + 1 < p1 ? panel + K * kPanel : nullptr;
+                 const W* panel = panels + p * K * kPanel;
+                 const W* next = p + 1 < p1 ? panel + K * kPanel : nullptr;
                  const int64_t n = p * kPanel;
                  int64_t t = 0;
                  for (int64_t m = 0, r; m < M; m += r, ++t) {
                    r = tile_rows(M - m);
-                   const float* ahead = next ? next + t * share * kPanel : nullptr;
+                   const W* ahead = next ? next + t * share * kPanel : nullptr;
                    with_rows<kGemmRows>(r, [&](auto rows) {
-                     packed_tile_f32<decltype(rows)::value>(xp + m * K, panel, K, yp + m * N + n, N, N - n, ahead,
-                                                            every);
+                     packed_tile<decltype(rows)::value>(xp + m * K, panel, K, yp + m * N + n, N, N - n, ahead, every);
                    });
                  }
                }
@@ -584,23 +603,25 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   }
 }
 
-// W packed into the float32 GEMM's panels ([ceil(N / panel), K, panel], panel = shardzoo_f32_panel()), and that
-// GEMM over them: a decode loop's weights, packed once outside it.
-ffi::Error pack_f32(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> out, bool nk) {
+// W packed into the AVX2 GEMM's panels ([ceil(N / panel), K, panel] in W's dtype, panel = shardzoo_f32_panel()), and
+// that GEMM over them: a decode loop's weights, packed once outside it.
+ffi::Error pack_f32(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, bool nk) {
 #if defined(SHARDZOO_GEMM)
   const auto wd = w.dimensions();
   const auto od = out->dimensions();
-  if (wd.size() != 2 || od.size() != 3) return ffi::Error::InvalidArgument("pack_f32: w must be 2-d, out 3-d");
+  if (wd.size() != 2 || od.size() != 3 || out->element_type() != w.element_type())
+    return ffi::Error::InvalidArgument("pack_f32: w must be 2-d, out 3-d in w's dtype");
   const int64_t K = nk ? wd[1] : wd[0], N = nk ? wd[0] : wd[1];
   if (od[0] != (N + kPanel - 1) / kPanel || od[1] != K || od[2] != kPanel)
     return ffi::Error::InvalidArgument("pack_f32: out must be [ceil(N / panel), K, panel]");
-  float* o = out->typed_data();
   switch (w.element_type()) {
     case ffi::DataType::F32:
-      pack_panels_f32(pool, reinterpret_cast<const float*>(w.untyped_data()), o, K, N, nk);
+      pack_panels(pool, reinterpret_cast<const float*>(w.untyped_data()), reinterpret_cast<float*>(out->untyped_data()),
+                  K, N, nk);
       return ffi::Error::Success();
     case ffi::DataType::BF16:
-      pack_panels_f32(pool, reinterpret_cast<const uint16_t*>(w.untyped_data()), o, K, N, nk);
+      pack_panels(pool, reinterpret_cast<const uint16_t*>(w.untyped_data()),
+                  reinterpret_cast<uint16_t*>(out->untyped_data()), K, N, nk);
       return ffi::Error::Success();
     default:
       return ffi::Error::InvalidArgument("pack_f32: weights must be float32 or bfloat16");
@@ -610,7 +631,7 @@ ffi::Error pack_f32(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::ResultBuffer<ff
 #endif
 }
 
-ffi::Error gemm_f32_packed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+ffi::Error gemm_f32_packed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer panels,
                            ffi::ResultBuffer<ffi::F32> y) {
 #if defined(SHARDZOO_GEMM)
   const auto xd = x.dimensions();
@@ -619,8 +640,18 @@ ffi::Error gemm_f32_packed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[1] != xd[1] || pd[2] != kPanel || yd[0] != xd[0] ||
       (yd[1] + kPanel - 1) / kPanel != pd[0])
     return ffi::Error::InvalidArgument("gemm_f32_packed: x [M, K], panels [ceil(N / panel), K, panel], y [M, N]");
-  gemm_f32_panels(pool, x.typed_data(), panels.typed_data(), y->typed_data(), xd[0], xd[1], yd[1]);
-  return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  switch (panels.element_type()) {
+    case ffi::DataType::F32:
+      gemm_panels_f32(pool, xp, reinterpret_cast<const float*>(panels.untyped_data()), yp, xd[0], xd[1], yd[1]);
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      gemm_panels_f32(pool, xp, reinterpret_cast<const uint16_t*>(panels.untyped_data()), yp, xd[0], xd[1], yd[1]);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("gemm_f32_packed: panels must be float32 or bfloat16");
+  }
 #else
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "built without the AVX2 GEMM");
 #endif
@@ -1108,14 +1139,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooPackF32, pack_f32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("nk"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooGemmF32Packed, gemm_f32_packed,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooGemmBf16, gemm_bf16,
