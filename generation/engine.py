@@ -38,6 +38,10 @@ from models import kernels, mla
 from models.layers import CACHE_AXES, Attention, Decoding
 
 MIN_PROMPT_BUCKET = 8
+# Decode steps from which a batch's loop packs its weights into the GEMM's panels before it runs
+# (kernels.decode_matmuls(prepack=True)): GPT-2 124M's packing took about 300 ms a call in float32 on a Zen 3, what
+# 7-8 of its batch-32 steps saved, and XLA computes it even where the loop then runs no step.
+PREPACK_MIN_STEPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,8 +341,10 @@ class Generator:
       logging.log(logging.WARNING if warn else logging.INFO, '%s', said)
     return use
 
-  def _program(self, rows: int, P: int, S: int, greedy: bool, top_k: int, nucleus: bool, keep_logits: bool):
-    key = (rows, P, S, greedy, top_k, nucleus, keep_logits)
+  def _program(
+    self, rows: int, P: int, S: int, greedy: bool, top_k: int, nucleus: bool, keep_logits: bool, prepack: bool
+  ):
+    key = (rows, P, S, greedy, top_k, nucleus, keep_logits, prepack)
     if key in self._programs:
       return self._programs[key]
     fast = self.decode_kernel()
@@ -377,7 +383,7 @@ class Generator:
       def body(c):
         i, tok_B, cache, out_BN, done_B, kept_BNV = c
         index = P + i - 1  # the slot of tok_B
-        with kernels.decode_matmuls(fast, prepack=True):  # the same weights every step: packed once, outside
+        with kernels.decode_matmuls(fast, prepack=prepack):  # the same weights every step: packed once, outside
           logits_BV, cache = model().decode(
             tok_B[:, None], (index - pad_B)[:, None], unsqueeze(cache), Decoding(index, valid_BS)
           )
@@ -425,7 +431,9 @@ class Generator:
       pad_B[b], live_B[b] = P - len(p), True
       stop_B[b] = -1 if stops[b] is None else stops[b]
     greedy = sampling.temperature == 0
-    program = self._program(rows, P, S, greedy, 0 if greedy else sampling.top_k, sampling.top_p < 1, keep_logits)
+    prepack = sampling.max_new_tokens - 1 >= PREPACK_MIN_STEPS
+    top_k = 0 if greedy else sampling.top_k
+    program = self._program(rows, P, S, greedy, top_k, sampling.top_p < 1, keep_logits, prepack)
     out_BN, steps, kept_BNV = jax.device_get(
       program(
         self.params,

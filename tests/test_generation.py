@@ -177,8 +177,8 @@ def test_a_one_device_decode_runs_the_kernel_and_decodes_as_xla_does(gpt2_dir, d
 
 def test_a_batch_past_the_kernels_rows_decodes_through_packed_panels_as_xla_does(gpt2_dir, monkeypatch):
   """A batch of more than MAX_ROWS rows on an AVX2 CPU: each decode step's matmuls run the float32 GEMM over W's
-  panels, packed once outside the loop (`prepack`); its tokens are XLA's and transformers', its logits XLA's within
-  STEP_ATOL."""
+  panels, packed once outside the loop (`prepack`) where it runs PREPACK_MIN_STEPS steps or more (a decode of one
+  token packs nothing); its tokens are XLA's and transformers', its logits XLA's within STEP_ATOL."""
   if not kernels.f32_gemm() or kernels.bf16_gemm():
     pytest.skip('the float32 GEMM over packed panels runs on AVX2 CPUs without AVX-512 BF16')
   path, hf_model = gpt2_dir
@@ -191,7 +191,10 @@ def test_a_batch_past_the_kernels_rows_decodes_through_packed_panels_as_xla_does
     return matmul(spec, x, w, out_dtype)
 
   monkeypatch.setattr(kernels, 'matmul', counted)
+  monkeypatch.setattr(engine, 'PREPACK_MIN_STEPS', NEW - 1)
   prompts = (PROMPTS * 4)[: kernels.MAX_ROWS + 2]
+  gen.generate(prompts, generation.Sampling(max_new_tokens=1, temperature=0.0))
+  assert packed == []
   sampling = generation.Sampling(max_new_tokens=NEW, temperature=0.0)
   got = gen.generate(prompts, sampling, keep_logits=True)
   assert packed and all(rows == len(prompts) for rows in packed)
