@@ -364,23 +364,29 @@ void pack_kn(const W* w, float* packed, int64_t N, int64_t n0, int64_t k0, int64
   }
 }
 
-// R rows of x against kc rows of a panel: 2R sums in registers, started from y's (more) or from zero.
-template <int R>
-void panel_tile_f32(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
-                    int64_t left, bool more) {
+// R rows of x against kc rows of a panel (float32, or bfloat16 widened as it is loaded): 2R sums in registers,
+// started from y's (more) or from zero. `ahead`: a panel to come, one cache line of it prefetched every `every` rows
+// of this one (the tiles of a panel share that panel's prefetches between them).
+template <int R, typename W = float>
+void panel_tile_f32(const float* x, int64_t ldx, const W* panel, int64_t kc, float* y, int64_t ldy, int64_t left,
+                    bool more, const W* ahead = nullptr, int64_t every = 0) {
   vf acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     acc[r][0] = more ? vload(y + r * ldy, left) : vzero();
     acc[r][1] = more && left > kLanes ? vload(y + r * ldy + kLanes, left - kLanes) : vzero();
   }
-  for (int64_t k = 0; k < kc; ++k) {
-    const vf b0 = vload(panel + k * kPanel, kLanes), b1 = vload(panel + k * kPanel + kLanes, kLanes);
+  if (!ahead) every = kc;
+  for (int64_t k0 = 0; k0 < kc; k0 += every) {
+    if (ahead) prefetch<_MM_HINT_T1>(ahead + (k0 / every) * kPanel, kLanes);
+    for (int64_t k = k0, k1 = std::min(kc, k0 + every); k < k1; ++k) {
+      const vf b0 = vload(panel + k * kPanel, kLanes), b1 = vload(panel + k * kPanel + kLanes, kLanes);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const vf a = vset1(x[r * ldx + k]);
-      acc[r][0] = vfma(a, b0, acc[r][0]);
-      acc[r][1] = vfma(a, b1, acc[r][1]);
+      for (int r = 0; r < R; ++r) {
+        const vf a = vset1(x[r * ldx + k]);
+        acc[r][0] = vfma(a, b0, acc[r][0]);
+        acc[r][1] = vfma(a, b1, acc[r][1]);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -474,33 +480,6 @@ void pack_panels(ffi::ThreadPool& pool, const W* w, W* out, int64_t K, int64_t N
   });
 }
 
-// R rows of x against a whole packed panel (K rows), one cache line of the panel after it prefetched every `every`
-// steps from `ahead` on (the tiles of a panel share that panel's prefetches between them).
-template <int R, typename W>
-void packed_tile(const float* x, const W* panel, int64_t K, float* y, int64_t N, int64_t left, const W* ahead,
-                 int64_t every) {
-  vf acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
-  for (int64_t k0 = 0; k0 < K; k0 += every) {
-    if (ahead) prefetch<_MM_HINT_T1>(ahead + (k0 / every) * kPanel, kLanes);
-    for (int64_t k = k0, k1 = std::min(K, k0 + every); k < k1; ++k) {
-      const vf b0 = vload(panel + k * kPanel, kLanes), b1 = vload(panel + k * kPanel + kLanes, kLanes);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const vf a = vset1(x[r * K + k]);
-        acc[r][0] = vfma(a, b0, acc[r][0]);
-        acc[r][1] = vfma(a, b1, acc[r][1]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    vstore(y + r * N, acc[r][0], left);
-    if (left > kLanes) vstore(y + r * N + kLanes, acc[r][1], left - kLanes);
-  }
-}
-
 // Rows of x per tile: kGemmRows, but the last 7-11 rows in two tiles of about half (a tile of 2 rows has 4 chains of
 // sums, too few to hide the FMA's latency).
 inline int64_t tile_rows(int64_t left) {
@@ -528,7 +507,8 @@ void gemm_panels_f32(ffi::ThreadPool& pool, const float* xp, const W* panels, fl
                    r = tile_rows(M - m);
                    const W* ahead = next ? next + t * share * kPanel : nullptr;
                    with_rows<kGemmRows>(r, [&](auto rows) {
-                     packed_tile<decltype(rows)::value>(xp + m * K, panel, K, yp + m * N + n, N, N - n, ahead, every);
+                     panel_tile_f32<decltype(rows)::value>(xp + m * K, K, panel, K, yp + m * N + n, N, N - n, false,
+                                                           ahead, every);
                    });
                  }
                }
