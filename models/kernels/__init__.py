@@ -56,6 +56,7 @@ PACKED_GEMM_TARGET = 'shardzoo_gemm_packed'
 PACK_F32_TARGET = 'shardzoo_pack_f32'
 PACKED_F32_TARGET = 'shardzoo_gemm_f32_packed'
 PANEL = 32  # matvec.cc: the bfloat16 GEMM's panels of W are 32 columns wide
+F32_PANEL = 16  # matvec.cc kPanel: the AVX2 GEMM's, two registers of 8 floats
 MAX_ROWS = 8  # matvec.cc kMaxRows: each weight is loaded once for all rows; beyond a few rows a GEMM's tiles win
 GEMM_MAX_ROWS = 4096  # the AVX2 GEMM's rows, as measured (a prefill of 32 x 128 tokens); XLA's dot beyond
 FLAGS = (
@@ -75,7 +76,6 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 _active = contextvars.ContextVar('shardzoo_decode_matmuls', default=False)
 _prepack = contextvars.ContextVar('shardzoo_prepack', default=False)
-_f32_panel: list[int] = []  # the float32 GEMM's panel width, once the library is loaded
 
 
 def _compiler() -> str | None:
@@ -148,7 +148,6 @@ def _loaded() -> tuple[str | None, str]:
       isa += ' with its GEMM'  # f32_gemm() reads it from here
       jax.ffi.register_ffi_target(PACK_F32_TARGET, jax.ffi.pycapsule(lib.ShardzooPackF32), platform='cpu')
       jax.ffi.register_ffi_target(PACKED_F32_TARGET, jax.ffi.pycapsule(lib.ShardzooGemmF32Packed), platform='cpu')
-      _f32_panel.append(int(lib.shardzoo_f32_panel()))
     if lib.shardzoo_has_bf16_gemm():
       jax.ffi.register_ffi_target(GEMM_TARGET, jax.ffi.pycapsule(lib.ShardzooGemmBf16), platform='cpu')
       jax.ffi.register_ffi_target(PACK_TARGET, jax.ffi.pycapsule(lib.ShardzooPackBf16), platform='cpu')
@@ -285,8 +284,9 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array |
     panels = jax.ffi.ffi_call(PACK_TARGET, jax.ShapeDtypeStruct((-(-N // PANEL), K, PANEL), jnp.bfloat16))(w2, nk=nk)
     y = jax.ffi.ffi_call(PACKED_GEMM_TARGET, y_struct)(x2, panels)
   elif target == TARGET and M > MAX_ROWS and _prepack.get():
-    width = _f32_panel[0]  # panels in W's dtype: a bfloat16 weight's are widened in the tiles
-    panels = jax.ffi.ffi_call(PACK_F32_TARGET, jax.ShapeDtypeStruct((-(-N // width), K, width), w.dtype))(w2, nk=nk)
+    # panels in W's dtype: a bfloat16 weight's are widened in the tiles
+    shape = (-(-N // F32_PANEL), K, F32_PANEL)
+    panels = jax.ffi.ffi_call(PACK_F32_TARGET, jax.ShapeDtypeStruct(shape, w.dtype))(w2, nk=nk)
     y = jax.ffi.ffi_call(PACKED_F32_TARGET, y_struct)(x2, panels)
   else:
     y = jax.ffi.ffi_call(target, y_struct)(x2, w2, nk=nk)

@@ -583,8 +583,23 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   }
 }
 
-// W packed into the AVX2 GEMM's panels ([ceil(N / panel), K, panel] in W's dtype, panel = shardzoo_f32_panel()), and
-// that GEMM over them: a decode loop's weights, packed once outside it.
+// fn(the buffer's data as float* or uint16_t*) for a float32 or bfloat16 buffer; else the error `wrong`.
+template <typename B, typename Fn>
+ffi::Error by_dtype(B& buffer, const std::string& wrong, Fn fn) {
+  switch (buffer.element_type()) {
+    case ffi::DataType::F32:
+      fn(reinterpret_cast<float*>(buffer.untyped_data()));
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      fn(reinterpret_cast<uint16_t*>(buffer.untyped_data()));
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument(wrong);
+  }
+}
+
+// W packed into the AVX2 GEMM's panels ([ceil(N / kPanel), K, kPanel] in W's dtype; kernels.F32_PANEL says kPanel),
+// and that GEMM over them: a decode loop's weights, packed once outside it.
 ffi::Error pack_f32(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, bool nk) {
 #if defined(SHARDZOO_GEMM)
   const auto wd = w.dimensions();
@@ -594,18 +609,10 @@ ffi::Error pack_f32(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::Result<ffi::Any
   const int64_t K = nk ? wd[1] : wd[0], N = nk ? wd[0] : wd[1];
   if (od[0] != (N + kPanel - 1) / kPanel || od[1] != K || od[2] != kPanel)
     return ffi::Error::InvalidArgument("pack_f32: out must be [ceil(N / panel), K, panel]");
-  switch (w.element_type()) {
-    case ffi::DataType::F32:
-      pack_panels(pool, reinterpret_cast<const float*>(w.untyped_data()), reinterpret_cast<float*>(out->untyped_data()),
-                  K, N, nk);
-      return ffi::Error::Success();
-    case ffi::DataType::BF16:
-      pack_panels(pool, reinterpret_cast<const uint16_t*>(w.untyped_data()),
-                  reinterpret_cast<uint16_t*>(out->untyped_data()), K, N, nk);
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("pack_f32: weights must be float32 or bfloat16");
-  }
+  return by_dtype(w, "pack_f32: weights must be float32 or bfloat16", [&](auto* wp) {
+    pack_panels<std::remove_pointer_t<decltype(wp)>>(pool, wp, reinterpret_cast<decltype(wp)>(out->untyped_data()),
+                                                     K, N, nk);
+  });
 #else
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "built without the AVX2 GEMM");
 #endif
@@ -622,16 +629,10 @@ ffi::Error gemm_f32_packed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     return ffi::Error::InvalidArgument("gemm_f32_packed: x [M, K], panels [ceil(N / panel), K, panel], y [M, N]");
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
-  switch (panels.element_type()) {
-    case ffi::DataType::F32:
-      gemm_panels_f32(pool, xp, reinterpret_cast<const float*>(panels.untyped_data()), yp, xd[0], xd[1], yd[1]);
-      return ffi::Error::Success();
-    case ffi::DataType::BF16:
-      gemm_panels_f32(pool, xp, reinterpret_cast<const uint16_t*>(panels.untyped_data()), yp, xd[0], xd[1], yd[1]);
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("gemm_f32_packed: panels must be float32 or bfloat16");
-  }
+  return by_dtype(panels, "gemm_f32_packed: panels must be float32 or bfloat16",
+                  [&](auto* pp) {
+                    gemm_panels_f32<std::remove_pointer_t<decltype(pp)>>(pool, xp, pp, yp, xd[0], xd[1], yd[1]);
+                  });
 #else
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "built without the AVX2 GEMM");
 #endif
@@ -800,20 +801,6 @@ bool gemm_shapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd, bool 
   return (nk ? wd[1] : wd[0]) == K && K % 2 == 0;
 }
 
-template <typename Fn>
-ffi::Error by_result_type(ffi::Result<ffi::AnyBuffer>& y, const char* name, Fn fn) {
-  switch (y->element_type()) {
-    case ffi::DataType::F32:
-      fn(reinterpret_cast<float*>(y->untyped_data()));
-      return ffi::Error::Success();
-    case ffi::DataType::BF16:
-      fn(reinterpret_cast<uint16_t*>(y->untyped_data()));
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument(std::string(name) + ": the result must be float32 or bfloat16");
-  }
-}
-
 // y in float32 or bfloat16 (a bfloat16 model's Dense layers: XLA would round a float32 result in a pass of its own,
 // a tenth of a bfloat16 prefill's time at batch 32).
 ffi::Error gemm_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::Result<ffi::AnyBuffer> y,
@@ -823,7 +810,8 @@ ffi::Error gemm_bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer
     return ffi::Error::InvalidArgument("gemm_bf16: x and w must be 2-d, K the same and even");
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
-  return by_result_type(y, "gemm_bf16", [&](auto* yp) { gemm_panels(pool, xp, wp, nullptr, yp, M, K, N, nk); });
+  return by_dtype(*y, "gemm_bf16: the result must be float32 or bfloat16",
+                  [&](auto* yp) { gemm_panels(pool, xp, wp, nullptr, yp, M, K, N, nk); });
 }
 
 // W's panels as gemm_packed reads them: [ceil(N / 32), K, 32] bfloat16, the columns past N zero.
@@ -852,8 +840,8 @@ ffi::Error gemm_packed(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buff
     return ffi::Error::InvalidArgument("gemm_packed: x [M, K], packed [ceil(N / 32), K, 32], y [M, N], K even");
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
   const __m512i* pp = reinterpret_cast<const __m512i*>(packed.untyped_data());
-  return by_result_type(
-      y, "gemm_packed", [&](auto* yp) { gemm_panels(pool, xp, nullptr, pp, yp, xd[0], xd[1], yd[1], false); });
+  return by_dtype(*y, "gemm_packed: the result must be float32 or bfloat16",
+                  [&](auto* yp) { gemm_panels(pool, xp, nullptr, pp, yp, xd[0], xd[1], yd[1], false); });
 }
 #else
 ffi::Error unbuilt() { return ffi::Error(ffi::ErrorCode::kUnimplemented, "built without AVX-512 BF16"); }
@@ -1178,15 +1166,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooTakeRows, take_rows,
 extern "C" int shardzoo_has_gemm() {
 #if defined(SHARDZOO_GEMM)
   return 1;
-#else
-  return 0;
-#endif
-}
-
-// The columns of a panel of ShardzooPackF32's output (0 where the GEMM is not built).
-extern "C" int shardzoo_f32_panel() {
-#if defined(SHARDZOO_GEMM)
-  return int(kPanel);
 #else
   return 0;
 #endif
