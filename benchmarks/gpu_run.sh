@@ -6,10 +6,12 @@
 # The calls measured on a GPU are listed on docs/performance.md (training against PyTorch, then generation:
 #   bash benchmarks/gpu_run.sh generate:420:"benchmarks/generate.py --family llama --batches 1,32 --max_load 4").
 # Logs (and each throughput run's JSON) go to /tmp/shardzoo_bench, packed into $OUT/all.tgz at the end when $OUT is
-# set (the device tool returns at most 8 files). Wheels in .whl/ (e.g. ml_collections) are installed first if present:
-# the GPU image lacks ml_collections and reaches no registry, so before the first call run, here,
-#   pip download ml_collections==1.1.0 --no-deps -d .whl
-# (.whl/ is git-ignored) and name .whl in the device tool's carry.
+# set (the device tool returns at most 8 files). Wheels in .whl/ are installed first if present: the GPU image (Python
+# 3.12) lacks ml_collections, grain and grain's array_record, portpicker and googleapis-common-protos, and reaches no
+# registry, so before the first call run, here (.whl/ is git-ignored), and name .whl in the device tool's carry:
+#   for p in ml_collections==1.1.0 grain==0.2.18 array_record==0.8.6 portpicker==1.6.0 googleapis-common-protos==1.76.0
+#   do pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform any -d .whl $p; done
 export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
 LOGS=/tmp/shardzoo_bench; mkdir -p "$LOGS"
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -97,10 +97,12 @@ def peer_spec(config, device: str) -> dict:
       num_classes=m.num_classes,
       stride_in_1x1=m.stride_in_1x1,
     )
-  elif getattr(getattr(models, m.name, None), 'to_hf_config', None):  # the family's config.json (MoE: Mixtral's)
-    spec['hf_config'] = getattr(models, m.name).to_hf_config(m)
+  elif (family := models.HF_FAMILIES.get(m.name)) and family.to_config:  # the config.json an export writes
+    spec['hf_config'] = family.to_config(m)
   else:
     return {}
+  if m.get('num_experts'):  # the zoo's router losses, added to the peer's loss from its router logits
+    spec['moe_aux'] = [m.top_k, m.aux_loss_weight, m.router_z_loss_weight]
   return spec
 
 

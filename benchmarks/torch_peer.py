@@ -8,11 +8,13 @@ this project (the model files import JAX): the spec carries everything. The pare
 (throughput.py's peer_spec; the architecture from the family's `to_hf_config`, models/<family>.py).
 
 SPEC.json
-  family     'gpt2' | 'llama' | 'moe' | 'vit' | 'bert' | 'resnet'
-  task       'lm' (gpt2, llama, moe) | 'classification' (vit, resnet) | 'mlm' | 'text_classification' (bert)
-  hf_config  config.json as a dict (model_type, sizes, ...) for every family but resnet; the model is
-             GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, ViTForImageClassification,
-             BertForMaskedLM or BertForSequenceClassification, float32 parameters, SDPA attention
+  family     'vit' | 'bert' | 'resnet', or any causal LM family (gpt2, llama, qwen3, gemma3, moe, gpt_oss, ...)
+  task       'lm' (the causal LMs) | 'classification' (vit, resnet) | 'mlm' | 'text_classification' (bert)
+  hf_config  config.json as a dict (model_type, sizes, ...) for every family but resnet; a causal LM is the class
+             its `architectures` names (GPT2LMHeadModel, Qwen3ForCausalLM, GptOssForCausalLM, ...), the others
+             ViTForImageClassification, BertForMaskedLM or BertForSequenceClassification; float32 parameters,
+             SDPA attention where transformers has it for the class (else its eager attention, noted)
+  moe_aux    for a sparse family: [top_k, load-balancing weight, router z weight], the zoo's (config.model)
   resnet     for resnet: {"block": "basic"|"bottleneck", "stage_sizes": [...], "width": 64, "num_classes": K}
              (torchvision's ResNet; other widths and numbers of stages from its blocks)
   optim      config.optim as a dict, every field of its optimizer set (as configs/schema.py completes it):
@@ -38,9 +40,9 @@ BATCH.npz: the global batch our train step consumes, as numpy arrays:
   mlm                  inputs, targets, mask, input_mask, token_types (B, L)
   text_classification  inputs, input_mask, token_types (B, L), label, mask (B,)
 The loss is ours (training/tasks.py): sum(mask * cross-entropy(float32 logits, targets or label)) /
-max(sum(mask), 1), plus for MoE the weighted load-balancing and router z losses of every layer
-(hf_config's router_aux_loss_coef and router_z_loss_coef) from the router logits, computed as the zoo
-does (HF's own Mixtral aux loss is computed too, unused). Weight decay applies to >= 2-D parameters.
+max(sum(mask), 1), plus for a sparse family the weighted load-balancing and router z losses of every layer
+(spec moe_aux) from the router logits, computed as the zoo does (HF's own aux loss is computed too, unused).
+Weight decay applies to >= 2-D parameters.
 RESULT.json
   {"ok": true, "step_time_s": median, "step_times_s": [...], "peak_memory_bytes": int (cuda) | null,
    "first_step_s": the first step (compile included), "losses": [first step's, last step's],
@@ -65,18 +67,13 @@ from typing import Any
 
 import numpy as np
 
+# Every other family is a causal LM ('lm'), the class its config.json's `architectures` names.
 TASKS = {
-  'gpt2': ('lm',),
-  'llama': ('lm',),
-  'moe': ('lm',),
   'vit': ('classification',),
   'bert': ('mlm', 'text_classification'),
   'resnet': ('classification',),
 }
 HF_CLASSES = {
-  ('gpt2', 'lm'): 'GPT2LMHeadModel',
-  ('llama', 'lm'): 'LlamaForCausalLM',
-  ('moe', 'lm'): 'MixtralForCausalLM',
   ('vit', 'classification'): 'ViTForImageClassification',
   ('bert', 'mlm'): 'BertForMaskedLM',
   ('bert', 'text_classification'): 'BertForSequenceClassification',
@@ -104,13 +101,18 @@ class Skip(Exception):
 def check_spec(spec: dict, batch: dict[str, np.ndarray]) -> dict:
   """The spec with defaults filled in; SpecError naming the first bad field."""
   family, task = spec.get('family'), spec.get('task')
-  if family not in TASKS:
-    raise SpecError(f'spec family={family!r} is not known; known: {sorted(TASKS)}')
-  if task not in TASKS[family]:
-    raise SpecError(f'spec task={task!r} does not fit family {family!r}; it trains {list(TASKS[family])}')
+  if not isinstance(family, str) or not family:
+    raise SpecError(f'spec family={family!r} must name the model family')
+  if task not in TASKS.get(family, ('lm',)):
+    raise SpecError(f'spec task={task!r} does not fit family {family!r}; it trains {list(TASKS.get(family, ("lm",)))}')
   key = 'resnet' if family == 'resnet' else 'hf_config'
   if not isinstance(spec.get(key), dict):
     raise SpecError(f'spec has no {key!r} dict for family {family!r}')
+  if task == 'lm' and not (isinstance(arch := spec[key].get('architectures'), list) and len(arch) == 1):
+    raise SpecError(f'spec hf_config.architectures={arch!r} must name the one causal LM class of family {family!r}')
+  aux = spec.get('moe_aux')
+  if aux is not None and not (isinstance(aux, list | tuple) and len(aux) == 3):
+    raise SpecError(f'spec moe_aux={aux!r} must be [top_k, load-balancing weight, router z weight]')
   if family == 'resnet':
     missing = [k for k in ('block', 'stage_sizes', 'width', 'num_classes') if k not in spec['resnet']]
     if missing or spec['resnet']['block'] not in ('basic', 'bottleneck'):
@@ -144,13 +146,28 @@ def build_hf(torch: Any, spec: dict, notes: list[str]) -> Any:
     import transformers
   except ImportError as e:
     raise Skip(f'transformers is not installed ({e})') from None
-  cls = getattr(transformers, HF_CLASSES[spec['family'], spec['task']])
-  if spec.get('init_from'):
-    model = cls.from_pretrained(spec['init_from'], attn_implementation='sdpa', dtype=torch.float32)
-    notes.append(f'weights from {spec["init_from"]}')
-  else:
+  lm = spec['task'] == 'lm'
+  name = spec['hf_config']['architectures'][0] if lm else HF_CLASSES[spec['family'], spec['task']]
+  if not hasattr(transformers, name):
+    raise Skip(f'transformers {transformers.__version__} has no {name}')
+  cls = getattr(transformers, name)
+
+  def build(attention: str) -> Any:
+    if spec.get('init_from'):
+      return cls.from_pretrained(spec['init_from'], attn_implementation=attention, dtype=torch.float32)
     d = dict(spec['hf_config'])
-    model = cls(transformers.AutoConfig.for_model(d.pop('model_type'), attn_implementation='sdpa', **d))
+    return cls(transformers.AutoConfig.for_model(d.pop('model_type'), attn_implementation=attention, **d))
+
+  try:
+    model = build('sdpa')
+  except ValueError as e:  # a class without an SDPA path (GPT-OSS's sinks) says so when built
+    if 'scaled_dot_product_attention' not in str(e):
+      raise
+    model = build('eager')
+  if model.config._attn_implementation != 'sdpa':  # also where the class chose for itself (Gemma 2's soft cap)
+    notes.append(f"{name} runs transformers' {model.config._attn_implementation} attention (it has no SDPA path)")
+  if spec.get('init_from'):
+    notes.append(f'weights from {spec["init_from"]}')
   policy = spec.get('remat_policy')
   if policy == 'dots':
     notes.append(
@@ -166,7 +183,7 @@ def build_hf(torch: Any, spec: dict, notes: list[str]) -> Any:
     else:
       model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
   experts = getattr(model.config, '_experts_implementation', None)
-  if spec['family'] == 'moe' and experts:
+  if spec.get('moe_aux') and experts:
     notes.append(f'experts implementation {experts!r} (dropless)')
   return model
 
@@ -234,7 +251,7 @@ def loss_fn(torch: Any, spec: dict, model: Any, b: dict[str, Any], weight: Any =
   `parts` micro-batches: the cross-entropy sum over the whole batch's `weight`, the aux losses over `parts`."""
   task, family, aux = spec['task'], spec['family'], 0.0
   if task == 'lm':
-    moe = family == 'moe'
+    moe = bool(spec.get('moe_aux'))
     out = model(input_ids=b['inputs'], use_cache=False, **({'output_router_logits': True} if moe else {}))
     logits, target = out.logits, b['targets']
     if moe:
@@ -299,15 +316,6 @@ def run(spec: dict, batch: dict[str, np.ndarray]) -> dict:
   torch.manual_seed(0)
   build = build_resnet if spec['family'] == 'resnet' else build_hf
   model = build(torch, spec, notes)
-  if spec['family'] == 'moe':
-    # top-k and the zoo's loss weights (models/moe.to_hf_config): Mixtral's router_aux_loss_coef is the zoo's
-    # weight x layers / top_k; router_z_loss_coef is not Mixtral's, the zoo's own
-    c = model.config
-    spec['moe_aux'] = (
-      c.num_experts_per_tok,
-      c.router_aux_loss_coef * c.num_experts_per_tok / c.num_hidden_layers,
-      getattr(c, 'router_z_loss_coef', 0.0),
-    )
   if spec['family'] == 'resnet':
     model = model.to(memory_format=torch.channels_last)
   model = model.to(device).train()

@@ -403,7 +403,7 @@ def _hf_config(c: dict) -> dict:
 def to_hf_config(cfg: Any) -> dict:
   """config.model -> config.json of the same MixtralForCausalLM: the real vocabulary (not the padded rows),
   no dropout or router jitter, and the loss weights as router_aux_loss_coef (Mixtral's) and
-  router_z_loss_coef (not a Mixtral field: transformers keeps it as an attribute; the torch peer reads it).
+  router_z_loss_coef (not a Mixtral field: transformers keeps it as an attribute).
   Mixtral's load-balancing loss is over the tokens of every layer at once and counts each of a token's top_k
   assignments, where the zoo's sums the layers' losses of assignment shares: the same penalty is
   router_aux_loss_coef = aux_loss_weight x num_layers / top_k (exactly so where the layers route alike)."""

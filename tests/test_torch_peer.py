@@ -61,7 +61,9 @@ def spec_for(config_file, arg, **overrides):
   if m.name == 'resnet':
     spec['resnet'] = dict(block=m.block, stage_sizes=list(m.stage_sizes), width=m.width, num_classes=m.num_classes)
   else:
-    spec['hf_config'] = getattr(models, m.name).to_hf_config(m)
+    spec['hf_config'] = models.HF_FAMILIES[m.name].to_config(m)
+  if m.get('num_experts'):
+    spec['moe_aux'] = [m.top_k, m.aux_loss_weight, m.router_z_loss_weight]
   spec.update(overrides)
   return spec, c
 
@@ -164,6 +166,11 @@ def test_vit_script_starts_near_ln_classes(tmp_path):
   assert abs(result['losses'][0] - math.log(c.model.num_classes)) < 0.3
 
 
+def our_num_params(cfg) -> int:
+  abstract = nnx.eval_shape(lambda: models.create(cfg.model, nnx.Rngs(0)))
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
 @pytest.mark.parametrize(
   'config_file,arg,classes',
   [
@@ -171,15 +178,23 @@ def test_vit_script_starts_near_ln_classes(tmp_path):
     (moe_config, 'tiny', None),
     (bert_config, 'tiny', None),
     (bert_config, 'tiny,classify', 2),
+    *[(importlib.import_module(f'configs.{name}'), 'tiny', None) for name in ('qwen2', 'qwen3', 'mistral', 'gemma')],
+    *[(importlib.import_module(f'configs.{name}'), 'tiny', None) for name in ('gemma2', 'gemma3', 'phi3', 'olmo2')],
+    *[(importlib.import_module(f'configs.{name}'), 'tiny', None) for name in ('qwen3_moe', 'gpt_oss', 'deepseek_v3')],
   ],
+  ids=lambda v: getattr(v, '__name__', str(v)).removeprefix('configs.'),
 )
 def test_other_families_run_in_process(config_file, arg, classes):
+  """Every family the benchmark times: the class its config.json names, as many parameters as ours."""
   spec, c = spec_for(config_file, arg, remat=True)
   result = peer.run(spec, make_batch(c))
   check_ran(result)
-  assert result['num_params'] == getattr(models, c.model.name).num_params(c.model)
+  assert result['model'] == spec['hf_config'].get('architectures', [result['model']])[0]
+  assert result['num_params'] == our_num_params(c)
   # At init the logits are near zero: the loss is near ln(classes) (MoE adds its small weighted aux losses).
   assert abs(result['losses'][0] - math.log(classes or c.model.vocab_size)) < 0.3
+  if c.model.name in ('gemma2', 'gpt_oss'):  # no SDPA path in transformers: said, not hidden
+    assert any('eager attention' in n for n in result['notes']), result['notes']
 
 
 def test_the_peer_recomputes_what_our_policy_recomputes_or_says_how_it_differs():
@@ -218,8 +233,13 @@ def test_resnet_runs_or_is_skipped_without_torchvision(tmp_path):
 def test_what_cannot_run_is_a_reason(tmp_path):
   spec, c = spec_for(gpt2_config, 'tiny')
   batch = make_batch(c)
-  rc, result = run_main(tmp_path, dict(spec, family='gpt3'), batch)
-  assert (rc, result['ok']) == (2, False) and "family='gpt3'" in result['reason']
+  rc, result = run_main(tmp_path, dict(spec, family=''), batch)
+  assert (rc, result['ok']) == (2, False) and "family=''" in result['reason']
+  headless = {k: v for k, v in spec['hf_config'].items() if k != 'architectures'}
+  with pytest.raises(peer.SpecError, match=r'hf_config.architectures=None must name the one causal LM class'):
+    peer.run(dict(spec, hf_config=headless), batch)
+  rc, result = run_main(tmp_path, dict(spec, hf_config=dict(spec['hf_config'], architectures=['GPT9000LM'])), batch)
+  assert (rc, result['ok'], result.get('skipped')) == (0, False, True) and 'has no GPT9000LM' in result['reason']
   with pytest.raises(peer.SpecError, match=r"batch has no field\(s\) \['targets'\]"):
     peer.run(spec, {k: v for k, v in batch.items() if k != 'targets'})
   with pytest.raises(peer.SpecError, match="task='classification' does not fit family 'gpt2'"):
