@@ -779,11 +779,29 @@ class Attention(nnx.Module):
       k_BGCK, v_BGCK = (write_slots(c, to_cache(x), d.index, axis=slot) for c, x in zip(cache, (k_BTGK, v_BTGK)))
     axes = CACHE_AXES[1:] if one else CACHE_AXES
     k_BGCK, v_BGCK = (shard_logical(c, axes) for c in (k_BGCK, v_BGCK))
-    if d.prefill:  # the prompt alone, causal with its pads masked: attend's kernel choice, no S-long keys
-      o_BTHK = attention.attend(
-        q_BTHK, k_BTGK, v_BTGK, causal=True, impl=self.impl, valid_BL=d.valid_BS[:, :T], logits=logits, sinks_H=sinks_H
+    if d.prefill:  # the prompt alone, causal with its pads masked: no S-long keys
+      o_BTHK = kernels.prefill_attention(  # models/kernels' on one CPU device, else attend's kernel choice
+        q_BTHK,
+        k_BTGK,
+        v_BTGK,
+        d.valid_BS[:, :T],
+        scale=logits.scale_for(K),
+        softcap=logits.softcap,
+        window=logits.window,
+        sinks_H=sinks_H,
       )
-      return o_BTHK, (k_BGCK, v_BGCK)
+      if o_BTHK is None:
+        o_BTHK = attention.attend(
+          q_BTHK,
+          k_BTGK,
+          v_BTGK,
+          causal=True,
+          impl=self.impl,
+          valid_BL=d.valid_BS[:, :T],
+          logits=logits,
+          sinks_H=sinks_H,
+        )
+      return o_BTHK.astype(q_BTHK.dtype), (k_BGCK, v_BGCK)
     # A query sees the real slots up to its own (within its window); softmax in float32 (as
     # jax.nn.dot_product_attention's).
     q_T = d.index + jnp.arange(T)

@@ -297,14 +297,70 @@ def check_attention(case):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+PREFILL_CASES = [
+  # B, T prompt, H, G, K, C slots, S positions, window, softcap, sinks, dtype
+  (3, 19, 4, 2, 20, 24, 24, None, None, False, 'float32'),  # grouped heads, K tails, left pads, T not a tile's multiple
+  (2, 40, 6, 2, 64, 48, 48, None, None, True, 'bfloat16'),  # three heads a group, keys in registers of 16 and 8
+  (2, 23, 4, 4, 16, 7, 30, 7, 5.0, True, 'float32'),  # a window of 7 (a ring of 7 slots), soft cap, sinks
+  (1, 13, 2, 1, 136, 16, 16, 5, None, False, 'bfloat16'),  # one row, a window, 136 columns: blocks of 64 and a tail
+]
+
+
+@pytest.mark.parametrize('case', PREFILL_CASES, ids=lambda c: f'B{c[0]}T{c[1]}H{c[2]}G{c[3]}:{c[10]}')
+def test_prefill_attention_is_the_xla_path(case):
+  """layers.Attention's prefill (the prompt attending to itself) through the kernel equals attention.attend's XLA
+  path at every position with a key to see, and writes the same cache; a left pad's position gets zeros."""
+  check_prefill(case)
+
+
+def check_prefill(case):
+  from flax import nnx
+
+  from models import attention, layers
+
+  B, T, H, G, K, C, S, window, softcap, sinks, dtype = case
+  rng = np.random.default_rng(T + K)
+  attn = layers.Attention(H * K, H, num_kv_heads=G, head_dim=K, rngs=nnx.Rngs(0))
+  q = jnp.asarray(rng.standard_normal((B, T, H, K)), dtype)
+  k, v = (jnp.asarray(rng.standard_normal((B, T, G, K)), dtype) for _ in range(2))
+  cache = tuple(jnp.zeros((B, G, C, K), dtype) for _ in range(2))
+  valid = np.ones((B, S), bool)
+  valid[0, :3] = False  # a left-padded prompt
+  sinks_H = jnp.asarray(rng.standard_normal(H), jnp.float32) if sinks else None
+  d = layers.Decoding(index=jnp.int32(0), valid_BS=jnp.asarray(valid), prefill=True)
+  logits = attention.Logits(softcap=softcap, window=window)
+
+  def step(fast):
+    @jax.jit
+    def run(q, k, v, cache, d, sinks_H):
+      with kernels.decode_matmuls(fast):
+        return attn._cached(q, k, v, cache, d, logits, sinks_H)
+
+    return run, run(q, k, v, cache, d, sinks_H)
+
+  run, (got, got_cache) = step(True)
+  assert kernels.PREFILL_TARGET in run.lower(q, k, v, cache, d, sinks_H).as_text()
+  _, (want, want_cache) = step(False)
+  assert got.dtype == want.dtype and got.shape == want.shape == (B, T, H, K)
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  tol = 2.0**-7 if dtype == 'bfloat16' else 1e-5  # XLA rounds bfloat16 probabilities to 8 bits
+  np.testing.assert_allclose(got[:, 3:], want[:, 3:], rtol=tol, atol=tol)
+  np.testing.assert_allclose(got[1:], want[1:], rtol=tol, atol=tol)
+  assert not got[0, :3].any()  # the pads see no key: zeros, which nothing reads
+  for a, b in zip(got_cache, want_cache):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @functools.cache
-def _targets_for(march: str, isa: bytes) -> tuple[str, str, str]:
+def _targets_for(march: str, isa: bytes) -> tuple[str, str, str, str]:
   """The library built for `march`, whose loops are `isa`'s, registered under targets of its own."""
   lib = ctypes.cdll.LoadLibrary(str(kernels.build(march)))
   lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
   assert lib.shardzoo_matvec_isa() == isa and not lib.shardzoo_has_bf16_gemm()
-  targets = tuple(f'{t}_{march}' for t in (kernels.TARGET, kernels.ATTENTION_TARGET, kernels.ARGMAX_TARGET))
-  for name, fn in zip(targets, [lib.ShardzooMatvec, lib.ShardzooDecodeAttention, lib.ShardzooArgmax]):
+  names = (kernels.TARGET, kernels.ATTENTION_TARGET, kernels.ARGMAX_TARGET, kernels.PREFILL_TARGET)
+  targets = tuple(f'{t}_{march}' for t in names)
+  fns = [lib.ShardzooMatvec, lib.ShardzooDecodeAttention, lib.ShardzooArgmax, lib.ShardzooPrefillAttention]
+  for name, fn in zip(targets, fns):
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform='cpu')
   return targets
 
@@ -313,22 +369,25 @@ def _targets_for(march: str, isa: bytes) -> tuple[str, str, str]:
 @pytest.mark.parametrize('march,isa', [('x86-64-v2', b'portable C++'), ('x86-64-v3', b'AVX2')])
 def test_builds_for_cpus_without_avx512_compute_the_same(monkeypatch, march, isa):
   """The library for a CPU without AVX-512 (AVX2 and FMA: x86-64-v3; neither: x86-64-v2's portable C++ loops)
-  gives the einsums, the cached attention and the argmax above; one for AVX-512 without BF16 (Skylake: no bfloat16
-  GEMM) builds."""
+  gives the einsums, the cached and the prompt's attention and the argmax above; one for AVX-512 without BF16
+  (Skylake: no bfloat16 GEMM) builds."""
   if march == 'x86-64-v3' and not {'avx2', 'fma'} <= set(kernels._cpu_flags().split()):
     pytest.skip('this CPU has no AVX2 and FMA to run it')
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     skylake = pool.submit(kernels.build, 'skylake-avx512')
-    matvec, attention_target, argmax_target = _targets_for(march, isa)
+    matvec, attention_target, argmax_target, prefill_target = _targets_for(march, isa)
     assert skylake.result().exists()
   monkeypatch.setattr(kernels, 'TARGET', matvec)
   monkeypatch.setattr(kernels, 'ATTENTION_TARGET', attention_target)
   monkeypatch.setattr(kernels, 'ARGMAX_TARGET', argmax_target)
+  monkeypatch.setattr(kernels, 'PREFILL_TARGET', prefill_target)
   for case in CASES:
     if case[1][0] * case[1][1] <= kernels.MAX_ROWS:
       test_the_kernel_is_the_einsum(*case, prepack=False)
   for case in ATTENTION_CASES[:3]:
     check_attention(case)
+  for case in PREFILL_CASES[:3]:
+    check_prefill(case)
   check_argmax()
 
 

@@ -50,6 +50,7 @@ TARGET = 'shardzoo_matvec'
 GEMM_TARGET = 'shardzoo_gemm_bf16'
 TAKE_TARGET = 'shardzoo_take_rows'
 ATTENTION_TARGET = 'shardzoo_decode_attention'
+PREFILL_TARGET = 'shardzoo_prefill_attention'
 ARGMAX_TARGET = 'shardzoo_argmax'
 PACK_TARGET = 'shardzoo_pack_bf16'
 PACKED_GEMM_TARGET = 'shardzoo_gemm_packed'
@@ -142,6 +143,7 @@ def _loaded() -> tuple[str | None, str]:
     jax.ffi.register_ffi_target(TAKE_TARGET, jax.ffi.pycapsule(lib.ShardzooTakeRows), platform='cpu')
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.ShardzooArgmax), platform='cpu')
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.ShardzooDecodeAttention), platform='cpu')
+    jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(lib.ShardzooPrefillAttention), platform='cpu')
     lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
     isa = lib.shardzoo_matvec_isa().decode()
     if lib.shardzoo_has_gemm():
@@ -200,7 +202,7 @@ def status(devices: Any = None) -> tuple[bool, str]:
     )
   return True, (
     f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows, the attention over '
-    f"the KV cache and greedy decoding's argmax{wide}"
+    f"the prompt and over the KV cache, and greedy decoding's argmax{wide}"
   )
 
 
@@ -343,5 +345,38 @@ def decode_attention(
     sinks,
     scale=np.float32(scale),
     softcap=np.float32(softcap or 0.0),
+    has_sinks=sinks_H is not None,
+  )
+
+
+def prefill_attention(
+  q_BTHK: jax.Array,
+  k_BTGK: jax.Array,
+  v_BTGK: jax.Array,
+  valid_BT: jax.Array,
+  *,
+  scale: float,
+  softcap: float | None = None,
+  window: int | None = None,
+  sinks_H: jax.Array | None = None,
+) -> jax.Array | None:
+  """A prompt's causal attention inside decode_matmuls(True), q (B, T, H, K) against k, v (B, T, G, K) as the
+  projections leave them (no transposes): key s is seen by query t where s <= t, t - s < window and valid_BT[b, s];
+  the (B, T, H, K) output in float32 (scores scaled, soft-capped, masked, softmax in float32 with the sinks' logits in
+  its denominator, as attention.attend's XLA path; a query that sees no key, a left pad's, gets zeros). None
+  elsewhere (the caller runs attention.attend)."""
+  if not _active.get() or jnp.dtype(k_BTGK.dtype) not in WEIGHT_DTYPES or v_BTGK.dtype != k_BTGK.dtype:
+    return None
+  H = q_BTHK.shape[2]
+  sinks = jnp.zeros((H,), jnp.float32) if sinks_H is None else sinks_H.astype(jnp.float32)
+  return jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q_BTHK.shape, jnp.float32))(
+    q_BTHK.astype(jnp.float32),
+    k_BTGK,
+    v_BTGK,
+    valid_BT.astype(jnp.bool_),
+    sinks,
+    scale=np.float32(scale),
+    softcap=np.float32(softcap or 0.0),
+    window=np.int64(window or 0),
     has_sinks=sinks_H is not None,
   )

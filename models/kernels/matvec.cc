@@ -54,6 +54,12 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2(vf n) {  // 2^n for whole n in [-126, 127], by the exponent's bits
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SHARDZOO_SIMD "AVX2"
 using vf = __m256;
@@ -96,6 +102,36 @@ inline float vsum(vf v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline float vhmax(vf v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2(vf n) {  // 2^n for whole n in [-126, 127], by the exponent's bits
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+#endif
+
+#if defined(SHARDZOO_SIMD)
+// exp(x) for x <= 0 (a softmax's shifted scores), within 2 ulp of std::exp: x = n ln 2 + r, |r| <= ln 2 / 2, and
+// Cephes' polynomial for exp(r). Below -87 it returns 2^-126 rather than 0 or a denormal: a key it weighs so is one
+// the caller masked, and it skips those.
+inline vf vexp(vf x) {
+  x = vmax(x, vset1(-87.0f));
+  const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+  vf r = vfma(n, vset1(-0.693359375f), x);  // ln 2 in two parts: n ln 2 exactly enough
+  r = vfma(n, vset1(2.12194440e-4f), r);
+  vf p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vmul(p, vpow2(n));
 }
 #endif
 
@@ -1002,6 +1038,186 @@ ffi::Error attention_dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   }
 }
 
+// A prompt's causal attention (the prefill), q (B, T, H, K) against k and v (B, T, G, K) as the projections make them:
+// XLA's CPU compiler transposes the keys and values into the layout its dot wants with loops that ran at under 1
+// GB/s, and runs the masks and softmax as separate passes (GPT-2's prefill at batch 32 x 128: a sixth of its time).
+// One work item is a row's KV head: its keys transposed once into scratch (K x T, from L1/L2 afterwards), then for
+// each of its R query heads, four queries at a time, the scores of the keys they may see, the softmax in float32
+// (scaled, soft-capped, masked as layers.Attention's XLA path: finfo.min, the sinks' logits in the denominator) and
+// the weighted values. Key s is seen by query t where s <= t, t - s < window (0: no window) and valid[b, s]; a query
+// that sees no key (a left pad's) gets zeros, an output nothing reads.
+#if defined(SHARDZOO_SIMD)
+// o[0, V kLanes) = scale x the sum over keys c in [c0, c1) of p[c] v[c * stride, ...): the sums in V registers.
+template <int V, typename C>
+inline void weigh_keys(const float* p, float scale, const C* v, int64_t stride, const bool* ok, int64_t c0,
+                       int64_t c1, int64_t left, float* o) {
+  vf acc[V];
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j) acc[j] = vzero();
+  for (int64_t c = c0; c < c1; ++c) {
+    if (!ok[c]) continue;
+    const vf pv = vset1(p[c] * scale);
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) acc[j] = vfma(pv, vload(v + c * stride + j * kLanes, left - j * kLanes), acc[j]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j) vstore(o + j * kLanes, acc[j], left - j * kLanes);
+}
+
+// s[i * T + c] for the kQ queries q[i] and the keys c in [c0, c0 + W kLanes), from the transposed keys kt (K x T):
+// each register of keys loaded once for the tile's queries, each query's element broadcast once for W registers.
+template <int W, int kQ>
+inline void score_tile(const float* const* q, const float* kt, int64_t T, int64_t K, int64_t c0, float* s) {
+  vf a[kQ][W];
+#pragma GCC unroll 8
+  for (int i = 0; i < kQ; ++i)
+    for (int w = 0; w < W; ++w) a[i][w] = vzero();
+  for (int64_t d = 0; d < K; ++d) {
+    vf kv[W];
+    for (int w = 0; w < W; ++w) kv[w] = vload(kt + d * T + c0 + w * kLanes, kLanes);
+#pragma GCC unroll 8
+    for (int i = 0; i < kQ; ++i) {
+      const vf qv = vset1(q[i][d]);
+      for (int w = 0; w < W; ++w) a[i][w] = vfma(qv, kv[w], a[i][w]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < kQ; ++i)
+    for (int w = 0; w < W; ++w) vstore(s + i * T + c0 + w * kLanes, a[i][w], kLanes);
+}
+#endif
+
+template <typename C>
+void prefill_group(const float* q, const C* k, const C* v, const bool* valid, int64_t T, int64_t H, int64_t G,
+                   int64_t K, int64_t R, int64_t window, float scale, float softcap, const float* sinks, float* kt,
+                   float* s, float* bias, int64_t* seen, float* o) {
+  constexpr float lowest = -std::numeric_limits<float>::infinity();
+  constexpr int kQ = 6;  // queries per tile: 6 x 2 registers of sums, 2 of keys, 1 of a query: 15 of AVX2's 16
+  const int64_t stride = G * K;  // between one token's rows of k (or v) and the next's
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t d = 0; d < K; ++d) kt[d * T + t] = widen(k[t * stride + d]);
+  seen[0] = 0;
+  for (int64_t c = 0; c < T; ++c) {
+    bias[c] = valid[c] ? 0.0f : lowest;  // a masked key's score: -inf, weight exactly 0 (XLA: finfo.min, also 0)
+    seen[c + 1] = seen[c] + valid[c];
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t t0 = 0; t0 < T; t0 += kQ) {
+      const int64_t nq = std::min<int64_t>(kQ, T - t0), hi = t0 + nq;  // keys [lo, hi) cover the tile's queries
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, t0 - window + 1) : 0;
+      const float* qr[kQ];
+      for (int64_t i = 0; i < kQ; ++i) qr[i] = q + ((t0 + std::min(i, nq - 1)) * H + r) * K;
+      int64_t c = lo;
+#if defined(SHARDZOO_SIMD)
+      for (; c + 2 * kLanes <= hi; c += 2 * kLanes) score_tile<2, kQ>(qr, kt, T, K, c, s);
+      for (; c + kLanes <= hi; c += kLanes) score_tile<1, kQ>(qr, kt, T, K, c, s);
+#endif
+      for (; c < hi; ++c)
+        for (int64_t i = 0; i < kQ; ++i) {
+          float dot = 0;
+          for (int64_t d = 0; d < K; ++d) dot += qr[i][d] * kt[d * T + c];
+          s[i * T + c] = dot;
+        }
+      for (int64_t i = 0; i < nq; ++i) {
+        const int64_t t = t0 + i, first = window > 0 ? std::max<int64_t>(0, t - window + 1) : 0, end = t + 1;
+        float* si = s + i * T;
+        float* ot = o + (t * H + r) * K;
+        if (seen[end] == seen[first]) {  // no key to see (a left pad): zeros, which nothing reads
+          std::fill(ot, ot + K, 0.0f);
+          continue;
+        }
+        float m = sinks ? sinks[r] : lowest;
+        c = first;
+#if defined(SHARDZOO_SIMD)
+        if (softcap <= 0) {
+          vf vm = vset1(lowest);
+          for (; c + kLanes <= end; c += kLanes) {
+            const vf x = vadd(vmul(vload(si + c, kLanes), vset1(scale)), vload(bias + c, kLanes));
+            vstore(si + c, x, kLanes);
+            vm = vmax(vm, x);
+          }
+          m = std::max(m, vhmax(vm));
+        }
+#endif
+        for (; c < end; ++c) m = std::max(m, si[c] = cap_score(si[c] * scale, softcap) + bias[c]);
+        float total = sinks ? std::exp(sinks[r] - m) : 0.0f;
+        c = first;
+#if defined(SHARDZOO_SIMD)
+        vf vt = vzero();
+        for (; c + kLanes <= end; c += kLanes) {
+          const vf e = vexp(vadd(vload(si + c, kLanes), vset1(-m)));
+          vstore(si + c, e, kLanes);
+          vt = vadd(vt, e);
+        }
+        total += vsum(vt);
+#endif
+        for (; c < end; ++c) total += (si[c] = std::exp(si[c] - m));
+        const float inv = 1.0f / total;
+#if defined(SHARDZOO_SIMD)
+        constexpr int64_t kBlock = 8 * kLanes;  // columns of the output per pass: eight registers of sums
+        for (int64_t d = 0; d < K; d += kBlock) {
+          const int64_t left = K - d;
+          with_rows<8>((std::min(left, kBlock) + kLanes - 1) / kLanes, [&](auto vecs) {
+            weigh_keys<decltype(vecs)::value>(si, inv, v + d, stride, valid, first, end, left, ot + d);
+          });
+        }
+#else
+        std::fill(ot, ot + K, 0.0f);
+        for (c = first; c < end; ++c)
+          if (valid[c])
+            for (int64_t d = 0; d < K; ++d) ot[d] += si[c] * inv * widen(v[c * stride + d]);
+#endif
+      }
+    }
+  }
+}
+
+template <typename C>
+ffi::Error prefill_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                             ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                             float scale, float softcap, int64_t window, bool has_sinks) {
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 ||
+      !std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end()))
+    return ffi::Error::InvalidArgument("prefill_attention: q (B, T, H, K), k and v (B, T, G, K)");
+  const int64_t B = qd[0], T = qd[1], H = qd[2], K = qd[3], G = kd[2];
+  if (kd[0] != B || kd[1] != T || kd[3] != K || H % G || valid.element_count() != size_t(B * T))
+    return ffi::Error::InvalidArgument("prefill_attention: q, k, v and valid sizes differ");
+  const int64_t R = H / G;
+  const float* qp = q.typed_data();
+  const C* kp = reinterpret_cast<const C*>(k.untyped_data());
+  const C* vp = reinterpret_cast<const C*>(v.untyped_data());
+  const bool* mp = valid.typed_data();
+  const float* sp = has_sinks ? sinks.typed_data() : nullptr;
+  float* op = out->typed_data();
+  const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
+  const int64_t per = K * T + 8 * T;  // a worker's scratch: the transposed keys, a tile's scores, the keys' masks
+  auto scratch = scratch_of<float>(size_t(max_workers) * per);
+  auto seen = scratch_of<int64_t>(size_t(max_workers) * (T + 1));
+  run_chunks(pool, B * G, max_workers, [&](int worker, int64_t item) {
+    const int64_t b = item / G, g = item % G;
+    float* mine = scratch.get() + worker * per;
+    prefill_group(qp + (b * T * H + g * R) * K, kp + (b * T * G + g) * K, vp + (b * T * G + g) * K, mp + b * T, T,
+                  H, G, K, R, window, scale, softcap, sp ? sp + g * R : nullptr, mine, mine + K * T,
+                  mine + K * T + 6 * T, seen.get() + worker * (T + 1), op + (b * T * H + g * R) * K);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error prefill_dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                            ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                            float scale, float softcap, int64_t window, bool has_sinks) {
+  if (k.element_type() != v.element_type()) return ffi::Error::InvalidArgument("prefill_attention: k and v differ");
+  switch (k.element_type()) {
+    case ffi::DataType::F32:
+      return prefill_attention<float>(pool, q, k, v, valid, sinks, out, scale, softcap, window, has_sinks);
+    case ffi::DataType::BF16:
+      return prefill_attention<uint16_t>(pool, q, k, v, valid, sinks, out, scale, softcap, window, has_sinks);
+    default:
+      return ffi::Error::InvalidArgument("prefill_attention: k and v must be float32 or bfloat16");
+  }
+}
+
 // The index of each row's largest value, as jnp.argmax: the first of equal maxima, the first NaN where there is
 // one. A greedy decode's choice over the vocabulary: XLA's CPU compiler runs it as a variadic reduce, one element
 // at a time (GPT-2 at batch 32: 3.7 ms a step, the 32 rows' 6.4 MB of logits).
@@ -1151,6 +1367,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooDecodeAttention, attention_dispatch,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
+                                  .Attr<bool>("has_sinks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooPrefillAttention, prefill_dispatch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("window")
                                   .Attr<bool>("has_sinks"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooArgmax, argmax_rows,
