@@ -215,7 +215,10 @@ def run_theirs(shapes: dict, dtype: str, device: str) -> dict:
     model.generation_config.cache_implementation = 'static'
     model.forward = torch.compile(model.forward, mode='reduce-overhead', fullgraph=True)
   kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-  out = dict(peer='static cache + torch.compile' if compiled else 'default (dynamic) cache', torch=torch.__version__)
+  out = dict(
+    peer='static cache + torch.compile' if compiled else 'default (dynamic) cache',
+    versions=f'transformers {transformers.__version__} on torch {torch.__version__}',
+  )
   for B in [int(b) for b in FLAGS.batches.split(',')]:
     x = torch.tensor(prompts_for(B, shapes['vocab']), device=device)
     mask = torch.ones_like(x)
@@ -417,7 +420,7 @@ def table(shapes: dict, machine: dict, machine_load: dict, runs: dict, dtype: st
     f'{FLAGS.family}: {shapes["params"] / 1e6:.1f}M parameters, {dtype} (ours stored as {ours0["param_dtypes"]}), '
     f'prompt {P}, {N} new tokens, {FLAGS.reps} repetitions x {FLAGS.rounds} process(es) per side; '
     f'decode matmuls: {ours0["matmul"]}; '
-    f'{machine["device"]}; transformers {theirs0["torch"]} {theirs0["peer"]}',
+    f'{machine["device"]}; {theirs0["versions"]}, {theirs0["peer"]}',
     f'machine: read bandwidth {bw / 1e9:.1f} GB/s (the fastest reader: {machine["reader"]}; '
     + ', '.join(f'{k} {v / 1e9:.1f}' for k, v in machine['readers'].items())
     + f"; an in-place copy moved {machine['copy_bw'] / 1e9:.1f}, read + written; a CPU's bounds use the read rate "

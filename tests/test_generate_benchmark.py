@@ -17,6 +17,10 @@ def test_generate_benchmark_smoke():
   assert r.returncode == 0, r.stderr[-3000:]
   assert 'machine: read bandwidth' in r.stdout and 'INLINE (the sides in one process): not figures' in r.stdout
   assert 'decode matmuls: ' in r.stdout
+  import torch
+  import transformers
+
+  assert f'transformers {transformers.__version__} on torch {torch.__version__}' in r.stdout  # the peer's versions
   rows = [line.split('|')[1:-1] for line in r.stdout.splitlines() if line.startswith('| 2 |')]
   assert len(rows) == 1, r.stdout
   cells = [c.strip() for c in rows[0]]
