@@ -261,6 +261,22 @@ def test_decode_attention_is_the_xla_path(case):
   check_attention(case)
 
 
+def kernel_and_xla(attn, target, logits, q, k, v, cache, d, sinks_H):
+  """attn._cached jitted inside decode_matmuls(True), whose program must call `target`, and inside
+  decode_matmuls(False): (output, cache) of each."""
+  args = q, k, v, cache, d, sinks_H
+
+  def run(fast):
+    def cached(q, k, v, cache, d, sinks_H):
+      with kernels.decode_matmuls(fast):
+        return attn._cached(q, k, v, cache, d, logits, sinks_H)
+
+    return jax.jit(cached)
+
+  assert target in run(True).lower(*args).as_text()
+  return run(True)(*args), run(False)(*args)
+
+
 def check_attention(case):
   from flax import nnx
 
@@ -278,17 +294,9 @@ def check_attention(case):
   d = layers.Decoding(index=jnp.int32(index), valid_BS=jnp.asarray(valid))
   logits = attention.Logits(softcap=softcap, window=window)
 
-  def step(fast):
-    @jax.jit
-    def run(q, k, v, cache, d, sinks_H):
-      with kernels.decode_matmuls(fast):
-        return attn._cached(q, k, v, cache, d, logits, sinks_H)
-
-    return run, run(q, k, v, cache, d, sinks_H)
-
-  run, (got, got_cache) = step(True)
-  assert 'shardzoo_decode_attention' in run.lower(q, k, v, cache, d, sinks_H).as_text()
-  _, (want, want_cache) = step(False)
+  (got, got_cache), (want, want_cache) = kernel_and_xla(
+    attn, kernels.ATTENTION_TARGET, logits, q, k, v, cache, d, sinks_H
+  )
   assert got.dtype == want.dtype and got.shape == want.shape == (B, 1, H, K)
   # float32 throughout against XLA's float32 scores; in bfloat16 XLA rounds the probabilities and the output to 8 bits
   tol = 2.0**-7 if dtype == 'bfloat16' else 1e-5
@@ -330,17 +338,9 @@ def check_prefill(case):
   d = layers.Decoding(index=jnp.int32(0), valid_BS=jnp.asarray(valid), prefill=True)
   logits = attention.Logits(softcap=softcap, window=window)
 
-  def step(fast):
-    @jax.jit
-    def run(q, k, v, cache, d, sinks_H):
-      with kernels.decode_matmuls(fast):
-        return attn._cached(q, k, v, cache, d, logits, sinks_H)
-
-    return run, run(q, k, v, cache, d, sinks_H)
-
-  run, (got, got_cache) = step(True)
-  assert kernels.PREFILL_TARGET in run.lower(q, k, v, cache, d, sinks_H).as_text()
-  _, (want, want_cache) = step(False)
+  (got, got_cache), (want, want_cache) = kernel_and_xla(
+    attn, kernels.PREFILL_TARGET, logits, q, k, v, cache, d, sinks_H
+  )
   assert got.dtype == want.dtype and got.shape == want.shape == (B, T, H, K)
   got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
   tol = 2.0**-7 if dtype == 'bfloat16' else 1e-5  # XLA rounds bfloat16 probabilities to 8 bits
