@@ -332,21 +332,8 @@ def decode_attention(
   may be (G, C, K)) where mask_BC is set, inside decode_matmuls(True): the (B, H, K) output in float32 (scores
   scaled, soft-capped, masked, softmax in float32 with the sinks' logits in its denominator, as layers.Attention's
   XLA path); None elsewhere (the caller runs XLA's)."""
-  if not _active.get() or jnp.dtype(k_BGCK.dtype) not in WEIGHT_DTYPES or v_BGCK.dtype != k_BGCK.dtype:
-    return None
-  B, H, K = q_BHK.shape
-  sinks = jnp.zeros((H,), jnp.float32) if sinks_H is None else sinks_H.astype(jnp.float32)
-  return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((B, H, K), jnp.float32))(
-    q_BHK.astype(jnp.float32),
-    k_BGCK,
-    v_BGCK,
-    mask_BC.astype(jnp.bool_),
-    jnp.asarray(filled, jnp.int32),
-    sinks,
-    scale=np.float32(scale),
-    softcap=np.float32(softcap or 0.0),
-    has_sinks=sinks_H is not None,
-  )
+  masks = (mask_BC.astype(jnp.bool_), jnp.asarray(filled, jnp.int32))
+  return _attention(ATTENTION_TARGET, q_BHK, k_BGCK, v_BGCK, masks, scale=scale, softcap=softcap, sinks_H=sinks_H)
 
 
 def prefill_attention(
@@ -365,18 +352,36 @@ def prefill_attention(
   the (B, T, H, K) output in float32 (scores scaled, soft-capped, masked, softmax in float32 with the sinks' logits in
   its denominator, as attention.attend's XLA path; a query that sees no key, a left pad's, gets zeros). None
   elsewhere (the caller runs attention.attend)."""
-  if not _active.get() or jnp.dtype(k_BTGK.dtype) not in WEIGHT_DTYPES or v_BTGK.dtype != k_BTGK.dtype:
-    return None
-  H = q_BTHK.shape[2]
-  sinks = jnp.zeros((H,), jnp.float32) if sinks_H is None else sinks_H.astype(jnp.float32)
-  return jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q_BTHK.shape, jnp.float32))(
-    q_BTHK.astype(jnp.float32),
+  masks = (valid_BT.astype(jnp.bool_),)
+  return _attention(
+    PREFILL_TARGET,
+    q_BTHK,
     k_BTGK,
     v_BTGK,
-    valid_BT.astype(jnp.bool_),
+    masks,
+    scale=scale,
+    softcap=softcap,
+    sinks_H=sinks_H,
+    window=np.int64(window or 0),
+  )
+
+
+def _attention(target, q, k, v, masks, *, scale, softcap, sinks_H, **attrs) -> jax.Array | None:
+  """`target`(q in float32, k, v, *masks, the sinks' logits (H,)) -> float32 of q's shape, inside
+  decode_matmuls(True) for float32 or bfloat16 k and v alike; None elsewhere. The heads are q's second-to-last axis;
+  a model without sinks passes zeros, which has_sinks tells the kernel to ignore."""
+  if not _active.get() or jnp.dtype(k.dtype) not in WEIGHT_DTYPES or v.dtype != k.dtype:
+    return None
+  H = q.shape[-2]
+  sinks = jnp.zeros((H,), jnp.float32) if sinks_H is None else sinks_H.astype(jnp.float32)
+  return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+    q.astype(jnp.float32),
+    k,
+    v,
+    *masks,
     sinks,
     scale=np.float32(scale),
     softcap=np.float32(softcap or 0.0),
-    window=np.int64(window or 0),
     has_sinks=sinks_H is not None,
+    **attrs,
   )

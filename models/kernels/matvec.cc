@@ -1024,28 +1024,39 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   return ffi::Error::Success();
 }
 
+// fn(float{} or uint16_t{}), the element type of an attention's keys and values, float32 or bfloat16 alike; else
+// the error "<who>: k and v differ" or "<who>: <what> must be float32 or bfloat16".
+template <typename Fn>
+ffi::Error by_kv_dtype(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const std::string& who,
+                       const std::string& what, Fn fn) {
+  if (k.element_type() != v.element_type()) return ffi::Error::InvalidArgument(who + ": k and v differ");
+  switch (k.element_type()) {
+    case ffi::DataType::F32:
+      return fn(float{});
+    case ffi::DataType::BF16:
+      return fn(uint16_t{});
+    default:
+      return ffi::Error::InvalidArgument(who + ": " + what + " must be float32 or bfloat16");
+  }
+}
+
 ffi::Error attention_dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                               ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> filled, ffi::Buffer<ffi::F32> sinks,
                               ffi::ResultBuffer<ffi::F32> out, float scale, float softcap, bool has_sinks) {
-  if (k.element_type() != v.element_type()) return ffi::Error::InvalidArgument("decode_attention: k and v differ");
-  switch (k.element_type()) {
-    case ffi::DataType::F32:
-      return decode_attention<float>(pool, q, k, v, mask, filled, sinks, out, scale, softcap, has_sinks);
-    case ffi::DataType::BF16:
-      return decode_attention<uint16_t>(pool, q, k, v, mask, filled, sinks, out, scale, softcap, has_sinks);
-    default:
-      return ffi::Error::InvalidArgument("decode_attention: the cache must be float32 or bfloat16");
-  }
+  return by_kv_dtype(k, v, "decode_attention", "the cache", [&](auto c) {
+    return decode_attention<decltype(c)>(pool, q, k, v, mask, filled, sinks, out, scale, softcap, has_sinks);
+  });
 }
 
 // A prompt's causal attention (the prefill), q (B, T, H, K) against k and v (B, T, G, K) as the projections make them:
 // XLA's CPU compiler transposes the keys and values into the layout its dot wants with loops that ran at under 1
-// GB/s, and runs the masks and softmax as separate passes (GPT-2's prefill at batch 32 x 128: a sixth of its time).
+// GB/s, and runs the masks and softmax as separate passes (GPT-2's layer at 32 x 128: 62 ms against this loop's 16).
 // One work item is a row's KV head: its keys transposed once into scratch (K x T, from L1/L2 afterwards), then for
-// each of its R query heads, four queries at a time, the scores of the keys they may see, the softmax in float32
-// (scaled, soft-capped, masked as layers.Attention's XLA path: finfo.min, the sinks' logits in the denominator) and
-// the weighted values. Key s is seen by query t where s <= t, t - s < window (0: no window) and valid[b, s]; a query
-// that sees no key (a left pad's) gets zeros, an output nothing reads.
+// each of its R query heads, six queries at a time, the scores of the keys they may see, the softmax in float32
+// (scaled, soft-capped, masked as attention.attend's XLA path, whose finfo.min weighs a masked key 0 as this -inf
+// does; the sinks' logits in the denominator) and the weighted values. Key s is seen by query t where s <= t,
+// t - s < window (0: no window) and valid[b, s]; a query that sees no key (a left pad's) gets zeros, an output
+// nothing reads.
 #if defined(SHARDZOO_SIMD)
 // o[0, V kLanes) = scale x the sum over keys c in [c0, c1) of p[c] v[c * stride, ...): the sums in V registers.
 template <int V, typename C>
@@ -1207,15 +1218,9 @@ ffi::Error prefill_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
 ffi::Error prefill_dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
                             float scale, float softcap, int64_t window, bool has_sinks) {
-  if (k.element_type() != v.element_type()) return ffi::Error::InvalidArgument("prefill_attention: k and v differ");
-  switch (k.element_type()) {
-    case ffi::DataType::F32:
-      return prefill_attention<float>(pool, q, k, v, valid, sinks, out, scale, softcap, window, has_sinks);
-    case ffi::DataType::BF16:
-      return prefill_attention<uint16_t>(pool, q, k, v, valid, sinks, out, scale, softcap, window, has_sinks);
-    default:
-      return ffi::Error::InvalidArgument("prefill_attention: k and v must be float32 or bfloat16");
-  }
+  return by_kv_dtype(k, v, "prefill_attention", "k and v", [&](auto c) {
+    return prefill_attention<decltype(c)>(pool, q, k, v, valid, sinks, out, scale, softcap, window, has_sinks);
+  });
 }
 
 // The index of each row's largest value, as jnp.argmax: the first of equal maxima, the first NaN where there is
