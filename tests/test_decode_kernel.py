@@ -410,3 +410,39 @@ def test_a_bfloat16_cache_is_written_without_widening_it():
     ),
   )
   assert 'f32[2,3,16,8]' not in got.lower(cache, new).compile().as_text()
+
+
+@pytest.mark.parametrize(
+  'cache_shape,x_shape,axis,at',
+  [
+    ((3, 16, 8), (3, 1, 8), 1, 5),  # a decode step of one row: the cache without its batch axis
+    ((2, 3, 16, 8), (2, 3, 1, 8), 2, 15),  # the last slot
+    ((2, 3, 16, 8), (2, 3, 4, 8), 2, 14),  # a prompt's 4 slots from 14: clamped to 12, as dynamic_update_slice
+  ],
+)
+def test_the_kernel_writes_a_16bit_cache_in_place(cache_shape, x_shape, axis, at):
+  """kernels.write_slots: the slots dynamic_update_slice writes, in a decode loop whose cache is its carry, with no
+  copy of the cache (XLA's write of a bfloat16 slice copied the whole cache every step); a float32 cache is left to
+  XLA, whose write is in place."""
+  rng = np.random.default_rng(0)
+  cache = jnp.asarray(rng.standard_normal(cache_shape), jnp.bfloat16)
+  new = jnp.asarray(rng.standard_normal(x_shape), jnp.bfloat16)
+
+  def loop(use):
+    def body(i, c):
+      with kernels.decode_matmuls(use):
+        got = kernels.write_slots(c, new * (i + 1), at + i - 2, axis) if use else None
+      return got if got is not None else jax.lax.dynamic_update_slice_in_dim(c, new * (i + 1), at + i - 2, axis)
+
+    return jax.jit(lambda c: jax.lax.fori_loop(0, 3, body, c), donate_argnums=0)
+
+  kernel = loop(True)
+  hlo = kernel.lower(cache).compile().as_text()
+  calls = [ln for ln in hlo.splitlines() if 'shardzoo_write_slots' in ln]
+  assert calls and all('output_to_operand_aliasing={{}: (0, {})}' in ln for ln in calls), calls
+  shape = f'bf16[{",".join(map(str, cache_shape))}]'
+  assert not [ln for ln in hlo.splitlines() if f'= {shape}' in ln and (' copy(' in ln or 'fusion(' in ln)], hlo
+  want = np.asarray(loop(False)(jnp.array(cache)), np.float32)
+  np.testing.assert_array_equal(np.asarray(kernel(jnp.array(cache)), np.float32), want)
+  with kernels.decode_matmuls(True):
+    assert kernels.write_slots(cache.astype(jnp.float32), new.astype(jnp.float32), at, axis) is None

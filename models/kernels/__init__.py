@@ -16,6 +16,8 @@
 * `argmax`: a greedy decode's choice of token, which XLA's CPU compiler runs one element at a time.
 * `take_rows`: a decode's lookup of a 16-bit table, its bytes copied (XLA's CPU compiler gathers bfloat16 in
   float32, and widened the whole table once per generate call).
+* `write_slots`: a decode's write of its new keys and values into a 16-bit KV cache, in place (XLA's CPU compiler
+  copied the whole cache to write one slot).
 
 The library is compiled from source on first use (a C++17 compiler: $CXX, else g++ or c++) into a cache directory
 ($SHARDZOO_CACHE, else ~/.cache/shardzoo), keyed by the source, the compiler, the flags and the CPU. Where it does not
@@ -49,6 +51,7 @@ SOURCE = pathlib.Path(__file__).with_name('matvec.cc')
 TARGET = 'shardzoo_matvec'
 GEMM_TARGET = 'shardzoo_gemm_bf16'
 TAKE_TARGET = 'shardzoo_take_rows'
+WRITE_TARGET = 'shardzoo_write_slots'
 ATTENTION_TARGET = 'shardzoo_decode_attention'
 PREFILL_TARGET = 'shardzoo_prefill_attention'
 ARGMAX_TARGET = 'shardzoo_argmax'
@@ -141,6 +144,7 @@ def _loaded() -> tuple[str | None, str]:
     lib = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ShardzooMatvec), platform='cpu')
     jax.ffi.register_ffi_target(TAKE_TARGET, jax.ffi.pycapsule(lib.ShardzooTakeRows), platform='cpu')
+    jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.ShardzooWriteSlots), platform='cpu')
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.ShardzooArgmax), platform='cpu')
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.ShardzooDecodeAttention), platform='cpu')
     jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(lib.ShardzooPrefillAttention), platform='cpu')
@@ -214,9 +218,9 @@ def missing(devices: Any = None) -> bool:
 
 @contextlib.contextmanager
 def decode_matmuls(enabled: bool, prepack: bool = False):
-  """Einsums, 16-bit table lookups, cached attention and greedy argmaxes traced inside run through the kernel where
-  it applies (`matmul`, `take_rows`, `decode_attention`, `argmax`); `enabled` comes from status(), which loads the
-  kernel (XLA must know its targets before compiling).
+  """Einsums, 16-bit table lookups, cached attention, 16-bit cache writes and greedy argmaxes traced inside run
+  through the kernel where it applies (`matmul`, `take_rows`, `decode_attention`, `write_slots`, `argmax`); `enabled`
+  comes from status(), which loads the kernel (XLA must know its targets before compiling).
 
   `prepack`: the GEMM's weights (bfloat16 with AVX-512 BF16, float32 or bfloat16 with AVX2) are packed into its
   panels by an operation of their own, which XLA computes once outside a loop whose steps use the same weights (a
@@ -304,6 +308,16 @@ def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array | None:
     return None
   out = jax.ShapeDtypeStruct((*ids.shape, table.shape[1]), table.dtype)
   return jax.ffi.ffi_call(TAKE_TARGET, out)(table, ids.astype(jnp.int32))
+
+
+def write_slots(cache: jax.Array, x: jax.Array, at: jax.Array | int, axis: int) -> jax.Array | None:
+  """dynamic_update_slice_in_dim(cache, x, at, axis) for a 16-bit cache inside decode_matmuls(True), written in
+  place: the result aliases the cache's buffer, and only x's bytes are copied. None elsewhere (the caller runs XLA's
+  write, which is in place for a float32 cache; a 16-bit one XLA copies whole to write a slot)."""
+  if not _active.get() or jnp.dtype(cache.dtype).itemsize != 2 or x.dtype != cache.dtype or x.ndim != cache.ndim:
+    return None
+  call = jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype), input_output_aliases={0: 0})
+  return call(cache, x, jnp.asarray(at, jnp.int32), axis=np.int64(axis))
 
 
 def argmax(logits: jax.Array) -> jax.Array | None:
