@@ -898,6 +898,41 @@ ffi::Error gemm_packed(ffi::ThreadPool, ffi::Buffer<ffi::BF16>, ffi::Buffer<ffi:
 // denominator.
 inline float cap_score(float s, float softcap) { return softcap > 0 ? softcap * std::tanh(s / softcap) : s; }
 
+// The softmax of the scores s[c0, c1) in place, left unnormalised: each scaled, soft-capped and added to bias[c] (0,
+// or the mask's lowest), then exp(s - max), the max and the sum taken with the sink's logit where there is one (nullptr:
+// none; `lowest`, the max without one). Returns 1 / the sum. The exponentials run in vector registers (vexp): a
+// scalar std::exp a score was a fifth of GPT-2's attention over the cache at batch 32.
+inline float softmax_span(float* s, const float* bias, int64_t c0, int64_t c1, float scale, float softcap,
+                          const float* sink, float lowest) {
+  float m = sink ? *sink : lowest;
+  int64_t c = c0;
+#if defined(SHARDZOO_SIMD)
+  if (softcap <= 0) {
+    vf vm = vset1(lowest);
+    for (; c + kLanes <= c1; c += kLanes) {
+      const vf x = vadd(vmul(vload(s + c, kLanes), vset1(scale)), vload(bias + c, kLanes));
+      vstore(s + c, x, kLanes);
+      vm = vmax(vm, x);
+    }
+    m = std::max(m, vhmax(vm));
+  }
+#endif
+  for (; c < c1; ++c) m = std::max(m, s[c] = cap_score(s[c] * scale, softcap) + bias[c]);
+  float total = sink ? std::exp(*sink - m) : 0.0f;
+  c = c0;
+#if defined(SHARDZOO_SIMD)
+  vf vt = vzero();
+  for (; c + kLanes <= c1; c += kLanes) {
+    const vf e = vexp(vadd(vload(s + c, kLanes), vset1(-m)));
+    vstore(s + c, e, kLanes);
+    vt = vadd(vt, e);
+  }
+  total += vsum(vt);
+#endif
+  for (; c < c1; ++c) total += (s[c] = std::exp(s[c] - m));
+  return 1.0f / total;
+}
+
 #if defined(SHARDZOO_SIMD)
 // Four keys' dot products with q at once: four sums in registers (a chain of FMAs per key would wait on each FMA's
 // latency), each key's row read in order.
@@ -941,7 +976,8 @@ inline float dot_row(const float* q, const C* k, int64_t K) {
   return s;
 }
 
-// The R query heads q[R, K] of one KV head over its first n slots k, v [n, K]; s: scratch of R x n scores. Each key
+// The R query heads q[R, K] of one KV head over its first n slots k, v [n, K]; s: scratch of (R + 1) x n floats (the
+// scores, the mask's biases). Each key
 // and value is read from memory once for all R heads: four keys at a time against every head, then 64 slots' values
 // at a time (from L1) by every head.
 template <typename C>
@@ -958,14 +994,11 @@ void attend_group(const float* q, const C* k, const C* v, const bool* mask, int6
 #endif
   for (; c < n; ++c)
     for (int64_t r = 0; r < R; ++r) s[r * n + c] = dot_row(q + r * K, k + c * K, K);
+  float* bias = s + R * n;  // a masked slot's score: finfo.min, as the XLA path's (its weight is 0 all the same)
+  for (c = 0; c < n; ++c) bias[c] = mask[c] ? 0.0f : lowest;
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * n;
-    for (c = 0; c < n; ++c) sr[c] = mask[c] ? cap_score(sr[c] * scale, softcap) : lowest;
-    float m = sinks ? sinks[r] : lowest;
-    for (c = 0; c < n; ++c) m = std::max(m, sr[c]);
-    float total = sinks ? std::exp(sinks[r] - m) : 0.0f;
-    for (c = 0; c < n; ++c) total += (sr[c] = std::exp(sr[c] - m));
-    const float inv = 1.0f / total;
+    const float inv = softmax_span(sr, bias, 0, n, scale, softcap, sinks ? sinks + r : nullptr, lowest);
     for (c = 0; c < n; ++c) sr[c] *= inv;
   }
 #if defined(SHARDZOO_SIMD)
@@ -1014,7 +1047,7 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   const float* sp = has_sinks ? sinks.typed_data() : nullptr;
   float* op = out->typed_data();
   const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
-  const int64_t scores = R * std::max<int64_t>(n, 1);  // a worker's scratch
+  const int64_t scores = (R + 1) * std::max<int64_t>(n, 1);  // a worker's scratch: scores and the mask's biases
   std::vector<float> scratch(size_t(max_workers) * scores);
   run_chunks(pool, B * G, max_workers, [&](int worker, int64_t item) {
     const int64_t b = item / G, g = item % G, at = (b * G + g) * C * K;
@@ -1137,33 +1170,7 @@ void prefill_group(const float* q, const C* k, const C* v, const bool* valid, in
           std::fill(ot, ot + K, 0.0f);
           continue;
         }
-        float m = sinks ? sinks[r] : lowest;
-        c = first;
-#if defined(SHARDZOO_SIMD)
-        if (softcap <= 0) {
-          vf vm = vset1(lowest);
-          for (; c + kLanes <= end; c += kLanes) {
-            const vf x = vadd(vmul(vload(si + c, kLanes), vset1(scale)), vload(bias + c, kLanes));
-            vstore(si + c, x, kLanes);
-            vm = vmax(vm, x);
-          }
-          m = std::max(m, vhmax(vm));
-        }
-#endif
-        for (; c < end; ++c) m = std::max(m, si[c] = cap_score(si[c] * scale, softcap) + bias[c]);
-        float total = sinks ? std::exp(sinks[r] - m) : 0.0f;
-        c = first;
-#if defined(SHARDZOO_SIMD)
-        vf vt = vzero();
-        for (; c + kLanes <= end; c += kLanes) {
-          const vf e = vexp(vadd(vload(si + c, kLanes), vset1(-m)));
-          vstore(si + c, e, kLanes);
-          vt = vadd(vt, e);
-        }
-        total += vsum(vt);
-#endif
-        for (; c < end; ++c) total += (si[c] = std::exp(si[c] - m));
-        const float inv = 1.0f / total;
+        const float inv = softmax_span(si, bias, first, end, scale, softcap, sinks ? sinks + r : nullptr, lowest);
 #if defined(SHARDZOO_SIMD)
         constexpr int64_t kBlock = 8 * kLanes;  // columns of the output per pass: eight registers of sums
         for (int64_t d = 0; d < K; d += kBlock) {
