@@ -28,6 +28,9 @@ CASES = [
   ('bld,dv->blv', (2, 1, 64), (64, 16400), 'float32', 'bfloat16', 'float32'),  # an untied head: bands of columns
   ('bld,vd->blv', (1, 1, 40), (37, 40), 'float32', 'float32', 'float32'),  # [N, K] (a tied head), tails
   ('bld,vd->blv', (2, 1, 768), (520, 768), 'bfloat16', 'bfloat16', 'float32'),  # 3 chunks of rows, f32 logits
+  # one row against long rows of W (16 a pass with AVX-512), chunks of 68, 68 and 70 rows: 16s, a 4 and 2 left over
+  ('bld,df->blf', (1, 1, 206), (206, 1100), 'float32', 'bfloat16', 'float32'),
+  ('bld,df->blf', (1, 1, 206), (206, 600), 'float32', 'float32', 'float32'),
 ]
 GEMM_CASES = [  # more than MAX_ROWS rows: bfloat16 dot products (AVX-512 BF16), tiles of 8 (KN) and 4 (NK) rows
   ('bld,dhk->blhk', (3, 7, 46), (46, 5, 13), 'bfloat16', 'bfloat16', 'bfloat16'),  # 21 rows, 65 columns: tails
