@@ -432,6 +432,8 @@ def mask_padded_vocab(logits_BLV: jax.Array, vocab: int) -> jax.Array:
   """Padded vocabulary rows get -1e9 logits: no probability mass, no gradient."""
   if logits_BLV.shape[-1] == vocab:
     return logits_BLV
+  if (masked := kernels.mask_columns(logits_BLV, vocab, -1e9)) is not None:  # a decode on one CPU device
+    return masked
   return jnp.where(jnp.arange(logits_BLV.shape[-1]) < vocab, logits_BLV, -1e9)
 
 

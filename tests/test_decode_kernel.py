@@ -449,3 +449,20 @@ def test_the_kernel_writes_a_16bit_cache_in_place(cache_shape, x_shape, axis, at
   np.testing.assert_array_equal(np.asarray(kernel(jnp.array(cache)), np.float32), want)
   with kernels.decode_matmuls(True):
     assert kernels.write_slots(cache.astype(jnp.float32), new.astype(jnp.float32), at, axis) is None
+
+
+def test_a_decode_masks_the_padded_vocabulary_in_place():
+  """layers.mask_padded_vocab inside a decode (kernels.mask_columns): the logits the select gives, written by a
+  dynamic_update_slice of the padded columns alone, not a select over all of them."""
+  from models import layers
+
+  logits = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 40)), jnp.float32)
+  want = layers.mask_padded_vocab(logits, 37)
+
+  def decode(x):
+    with kernels.decode_matmuls(True):
+      return layers.mask_padded_vocab(x * 1.0, 37)
+
+  np.testing.assert_array_equal(np.asarray(jax.jit(decode)(logits)), np.asarray(want))
+  hlo = jax.jit(decode).lower(logits).compile().as_text()
+  assert 'dynamic-update-slice' in hlo and 'select(' not in hlo, hlo
