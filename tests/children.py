@@ -5,7 +5,8 @@ grain before its first line of work, and the suite starts dozens of them. `Popen
 `[sys.executable, SCRIPT, ...]` commands, but the child is forked from a *zygote*: one process per test worker that
 imported those libraries once (without starting a JAX backend) and forks a child per command. The child then runs
 as `python SCRIPT ...` does: the command's environment, working directory, standard streams (pipes, files, the
-inherited ones), `sys.argv` and `sys.path[0]`, default signal handlers, `__main__` run by runpy, and the
+inherited ones), `sys.argv` and `sys.path[0]`, a fresh interpreter's signal handlers (SIGPIPE ignored, as Python
+starts: a write to a closed pipe or socket raises, it does not kill), `__main__` run by runpy, and the
 interpreter's own exit (atexit handlers, non-daemon threads joined, the exit status of SystemExit or 1 after an
 uncaught exception's traceback). Its pid is real (signals reach it); its exit status comes back from the zygote.
 
@@ -114,8 +115,11 @@ def _become(request: dict, fds: list[int], sock: socket.socket, before: dict[str
     if fd > 2:
       os.close(fd)
   signal.signal(signal.SIGINT, signal.default_int_handler)
-  for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE, signal.SIGHUP):
+  for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
     signal.signal(sig, signal.SIG_DFL)
+  # Python starts with SIGPIPE ignored. With it at its default, a 2-process run whose peer had closed the
+  # coordination socket died of SIGPIPE (exit -13) where `python train.py` gets EPIPE.
+  signal.signal(signal.SIGPIPE, signal.SIG_IGN)
   atexit._clear()  # noqa: SLF001  (the zygote's handlers are not the command's)
   os.environ.clear()
   os.environ.update(request['env'])
