@@ -105,6 +105,9 @@ def _std_streams(unbuffered: bool) -> None:
   sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, 'r', closefd=False), encoding='utf-8')
 
 
+INHERITED = (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP)  # a child's, from the test's process
+
+
 def _become(request: dict, fds: list[int], sock: socket.socket, before: dict[str, str]) -> tuple[str, bool]:
   """In the forked child: take on the command's streams, environment, directory and argv; (the script's path or,
   for `-c`, its source text; whether it is source text)."""
@@ -114,11 +117,14 @@ def _become(request: dict, fds: list[int], sock: socket.socket, before: dict[str
   for fd in set(fds):
     if fd > 2:
       os.close(fd)
-  signal.signal(signal.SIGINT, signal.default_int_handler)
-  for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
-    signal.signal(sig, signal.SIG_DFL)
-  # Python starts with SIGPIPE ignored. With it at its default, a 2-process run whose peer had closed the
-  # coordination socket died of SIGPIPE (exit -13) where `python train.py` gets EPIPE.
+  # As a started interpreter's: what its parent ignored stays ignored, the rest at its default, SIGINT raising
+  # KeyboardInterrupt, and SIGPIPE ignored as Python starts (at its default, a 2-process run whose peer had closed
+  # the coordination socket died of SIGPIPE, exit -13, where `python train.py` gets EPIPE).
+  for sig in INHERITED:
+    ignored = int(sig) in request['ignored']
+    signal.signal(
+      sig, signal.SIG_IGN if ignored else signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+    )
   signal.signal(signal.SIGPIPE, signal.SIG_IGN)
   atexit._clear()  # noqa: SLF001  (the zygote's handlers are not the command's)
   os.environ.clear()
@@ -264,7 +270,9 @@ class _Zygote:
     with self.lock:
       self.next_id += 1
       rid = self.next_id
-      _send(self.sock, {'id': rid, 'argv': argv, 'env': env, 'cwd': cwd}, fds)
+      # the signals a started command would inherit as ignored (an exec keeps SIG_IGN; nohup ignores SIGHUP)
+      ignored = [int(sig) for sig in INHERITED if signal.getsignal(sig) == signal.SIG_IGN]
+      _send(self.sock, {'id': rid, 'argv': argv, 'env': env, 'cwd': cwd, 'ignored': ignored}, fds)
     with self.cond:
       self.cond.wait_for(lambda: rid in self.started or self.sock is None)
       if rid not in self.started:

@@ -12,7 +12,7 @@ from tests.conftest import ROOT, subprocess_env
 SCRIPT = r"""
 import os, signal, sys
 import jax
-print([signal.getsignal(s) for s in (signal.SIGPIPE, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD)])  # as started
+print([signal.getsignal(s) for s in (signal.SIGPIPE, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGINT)])
 print(sys.argv, os.getcwd(), os.environ.get('SHARDZOO_CHILD_NOTE'), jax.config.jax_default_matmul_precision)
 print(sys.path[0], [(s.line_buffering, s.write_through, type(s.buffer).__name__) for s in (sys.stdout, sys.stderr)])
 print('to stderr', file=sys.stderr)
