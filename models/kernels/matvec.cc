@@ -268,8 +268,8 @@ void kn_rows_simd(const float* x, const W* w, float* acc, int64_t M, int64_t K, 
   const bool whole = n0 == 0 && n1 == N;
 #if defined(__AVX512F__)
   if (M == 1 && whole) {
-    k = N * int64_t(sizeof(W)) < 2048 ? k : kn_one_row<16>(x, w, acc, N, k, k1);
-    k = kn_one_row<4>(x, w, acc, N, k, k1);
+    if (N * int64_t(sizeof(W)) >= 2048) k = kn_one_row<16>(x, w, acc, N, k, k1);
+    k = kn_one_row<4>(x, w, acc, N, k, k1);  // all of it for shorter rows; the rest, fewer than 16, for longer
     if (k < k1) kn_rows(x, w, acc, M, K, N, k, k1, n0, n1);
     return;
   }
