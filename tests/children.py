@@ -5,8 +5,9 @@ grain before its first line of work, and the suite starts dozens of them. `Popen
 `[sys.executable, SCRIPT, ...]` commands, but the child is forked from a *zygote*: one process per test worker that
 imported those libraries once (without starting a JAX backend) and forks a child per command. The child then runs
 as `python SCRIPT ...` does: the command's environment, working directory, standard streams (pipes, files, the
-inherited ones), `sys.argv` and `sys.path[0]`, a fresh interpreter's signal handlers (SIGPIPE ignored, as Python
-starts: a write to a closed pipe or socket raises, it does not kill), `__main__` run by runpy, and the
+inherited ones), `sys.argv` and `sys.path[0]`, the signal handlers a started interpreter has (what the test's
+process ignores stays ignored, as across an exec; SIGPIPE ignored, as Python starts: a write to a closed pipe or
+socket raises, it does not kill), `__main__` run by runpy, and the
 interpreter's own exit (atexit handlers, non-daemon threads joined, the exit status of SystemExit or 1 after an
 uncaught exception's traceback). Its pid is real (signals reach it); its exit status comes back from the zygote.
 

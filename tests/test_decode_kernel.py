@@ -463,6 +463,7 @@ def test_a_decode_masks_the_padded_vocabulary_in_place():
     with kernels.decode_matmuls(True):
       return layers.mask_padded_vocab(x * 1.0, 37)
 
-  np.testing.assert_array_equal(np.asarray(jax.jit(decode)(logits)), np.asarray(want))
-  hlo = jax.jit(decode).lower(logits).compile().as_text()
+  run = jax.jit(decode)
+  np.testing.assert_array_equal(np.asarray(run(logits)), np.asarray(want))
+  hlo = run.lower(logits).compile().as_text()
   assert 'dynamic-update-slice' in hlo and 'select(' not in hlo, hlo
