@@ -1,7 +1,8 @@
 """The decode kernel (models/kernels): each einsum it takes equals numpy's in float64 over the same (widened) values,
 for both weight layouts, float32 and bfloat16, 1 to MAX_ROWS rows and sizes that leave tails; it takes only what is
-one matmul of a few rows inside decode_matmuls(True); a compiler that fails is one line naming it and the source,
-and the decode falls back to XLA's dot. A decode through it equals XLA's: tests/test_generation.py."""
+one matmul of a few rows inside decode_matmuls(True); a call gives the same bits each time; a compiler that fails is
+one line naming it and the source, and the decode falls back to XLA's dot. A decode through it equals XLA's:
+tests/test_generation.py."""
 
 import concurrent.futures
 import ctypes
@@ -90,6 +91,22 @@ def test_the_kernel_is_the_einsum(spec, xs, ws, xt, wt, ot, prepack):
   # float32 accumulation in another order than float64's; a bfloat16 result is rounded once, to 8 bits
   tol = 2.0**-8 if ot == 'bfloat16' else 1e-5
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+@pytest.mark.parametrize('wt', ['float32', 'bfloat16'])
+def test_a_call_gives_the_same_bits_however_its_chunks_were_shared(wt):
+  # one row against 3072 rows of W: 16 chunks of rows, claimed by whichever worker is free; with an accumulator per
+  # worker, 30 calls gave 5-12 different results
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((1, 1, 3072)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((3072, 768)), wt)
+
+  @jax.jit
+  def run(x, w):
+    with kernels.decode_matmuls(True):
+      return kernels.matmul('bld,df->blf', x, w, jnp.float32)
+
+  assert len({np.asarray(run(x, w)).tobytes() for _ in range(30)}) == 1
 
 
 def test_it_takes_one_matmul_of_a_few_rows_inside_decode_matmuls_only():
