@@ -21,10 +21,11 @@ bandwidth and the FLOPs it must do over its matmul rate. A decode step reads eve
 and does 2 FLOPs per weight per row plus its attention (4 per cached key element per row); at batch 1 the bytes
 bound it, at batch 32 the FLOPs. The bandwidth is the fastest read of 256 MiB by a jitted sum and, on a CPU, by
 numpy's sums in a thread per core and by the decode kernel itself (models/kernels: one row times the 256 MiB as a
-matrix): a decode step reads, and writes almost nothing, so an in-place copy's rate (bytes read + written, printed
-beside it) is not one it can reach. The prefill needs 2 FLOPs per weight per token plus its
-causal attention, at best at the rate of a jitted 2048^3 matmul (the fastest of float32, the compute dtype and, for
-bfloat16 on a CPU with AVX-512 BF16, the decode kernel's GEMM), and reads the weights once.
+matrix), on 2 MB pages as a CPU decode's weights are (generation.load): a decode step reads, and writes almost
+nothing, so an in-place copy's rate (bytes read + written, printed beside it) is not one it can reach. The prefill
+needs 2 FLOPs per weight per token plus its causal attention, at best at the rate of a jitted 2048^3 matmul (the
+fastest of float32, the compute dtype and, for bfloat16 on a CPU with AVX-512 BF16, the decode kernel's GEMM), and
+reads the weights once.
 'of bound' is bound / measured: 100% is the machine's limit.
 
 The Hugging Face model is built from its config class with random weights (torch.manual_seed(0)) and saved; the zoo
@@ -183,6 +184,7 @@ def run_ours(shapes: dict, dtype: str) -> dict:
   )
   # The memory's read rate moved by a third between runs minutes apart on CPU-2: it is read again in this process
   # just before and after each batch's repetitions, and the bound of that batch uses the faster of the two.
+  # (numpy asks Linux for huge pages for arrays of 4 MiB and more: the probe is on 2 MB pages, as the weights are)
   probe = np.ones(FLAGS.probe_mib << 18, np.float32) if jax.devices()[0].platform == 'cpu' else None
   for B in [int(b) for b in FLAGS.batches.split(',')]:
     prompts = prompts_for(B, shapes['vocab'])
@@ -285,6 +287,7 @@ def run_machine(dtype: str) -> dict:
   # well beyond any cache; the copy is in place (donated), so no fresh pages: each byte read and written once
   copy = jax.jit(lambda a: a * 1.0000001, donate_argnums=0)
   x = copy(jnp.ones((FLAGS.probe_mib << 18,), jnp.float32))
+  kernels.huge_pages(x)  # on 2 MB pages, as generation.load puts a CPU decode's weights
   times = []
   for _ in range(10):
     t0 = time.perf_counter()

@@ -107,7 +107,7 @@ def load(
     placed, _ = build(config, mesh)
     params = unstack_layers(params, placed.shardings['params'])
     model_state = unstack_layers(model_state, placed.shardings['model_state'])
-  return Generator(
+  generator = Generator(
     placed.graphdef,
     params,
     model_state,
@@ -117,6 +117,8 @@ def load(
     vocab=config.model.vocab_size,
     matmul=config.decode_matmul,
   )
+  generator.huge_pages()
+  return generator
 
 
 def unstack_layers(stored: Any, shardings: Any) -> Any:

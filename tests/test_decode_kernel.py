@@ -7,6 +7,7 @@ tests/test_generation.py."""
 import concurrent.futures
 import ctypes
 import functools
+import os
 import platform
 import stat
 
@@ -107,6 +108,49 @@ def test_a_call_gives_the_same_bits_however_its_chunks_were_shared(wt):
       return kernels.matmul('bld,df->blf', x, w, jnp.float32)
 
   assert len({np.asarray(run(x, w)).tobytes() for _ in range(30)}) == 1
+
+
+def huge_pages_here() -> bool:
+  """Whether this machine collapses ranges into transparent huge pages (Linux 6.1+, THP not 'never')."""
+  try:
+    with open('/sys/kernel/mm/transparent_hugepage/enabled') as f:
+      mode = f.read()
+  except OSError:
+    return False
+  release = tuple(int(p) for p in platform.release().split('.')[:2] if p.isdigit())
+  return '[never]' not in mode and release >= (6, 1)
+
+
+def huge_bytes(start: int, end: int) -> int:
+  """AnonHugePages of the mappings of this process that overlap [start, end) (/proc/self/smaps)."""
+  total, inside = 0, False
+  with open('/proc/self/smaps') as f:
+    for line in f:
+      head = line.split()[0]
+      if '-' in head and ':' not in head:
+        lo, hi = (int(v, 16) for v in head.split('-'))
+        inside = lo < end and start < hi
+      elif inside and head == 'AnonHugePages:':
+        total += int(line.split()[1]) * 1024
+  return total
+
+
+@pytest.mark.skipif(not huge_pages_here(), reason='no transparent huge pages to collapse into here')
+def test_huge_pages_moves_arrays_onto_2mb_pages_unchanged_and_says_why_not(monkeypatch):
+  x = jnp.arange(3 << 20, dtype=jnp.float32)  # 12 MiB
+  small = jnp.ones((1000,))  # under `least`: left where it is
+  backed, total, why = kernels.huge_pages({'w': x, 'b': small})
+  start = x.unsafe_buffer_pointer()
+  assert (total, why) == (x.nbytes, '') and backed >= x.nbytes - 2 * kernels.HUGE_PAGE, (backed, why)
+  assert huge_bytes(start, start + x.nbytes) >= backed
+  np.testing.assert_array_equal(np.asarray(x), np.arange(3 << 20, dtype=np.float32))
+  monkeypatch.setattr(kernels, 'MADV_COLLAPSE', 12345)  # an advice the OS refuses: nothing moves, and why
+  assert kernels.huge_pages(x) == (
+    0,
+    x.nbytes,
+    f'madvise(MADV_COLLAPSE): {os.strerror(22)} (it needs Linux 6.1+ and transparent huge pages)',
+  )
+  assert kernels.huge_pages(small) == (0, 0, 'no CPU arrays to move')
 
 
 def test_it_takes_one_matmul_of_a_few_rows_inside_decode_matmuls_only():

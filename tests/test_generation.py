@@ -219,6 +219,26 @@ def test_a_one_device_decode_without_the_kernel_warns_once(gpt2_dir, monkeypatch
   assert said == [(logging.WARNING, f"decode matmuls: XLA's dot ({why})")], said
 
 
+HUGE_PAGES = kernels.huge_pages  # the real one, for the test that counts its calls
+
+
+def test_a_cpu_decode_s_weights_are_moved_onto_huge_pages_said_once(gpt2_dir, monkeypatch, caplog):
+  """generation.load moves a CPU decode's weights onto 2 MB pages (kernels.huge_pages; here every leaf, the tiny
+  model's being under the 1 MiB it takes), said once in the log; where the OS refuses, the log says why."""
+  from tests.test_decode_kernel import huge_pages_here
+
+  moved = []
+  monkeypatch.setattr(kernels, 'huge_pages', lambda tree: moved.append(tree) or HUGE_PAGES(tree, least=0))
+  monkeypatch.setattr(engine, '_logged', set())
+  with caplog.at_level(logging.INFO):
+    gen = zoo(gpt2_config, 'tp,tiny', gpt2_dir[0], devices=jax.devices()[:1], scan_layers=False)
+    gen.huge_pages()
+  assert len(moved) == 2 and moved[0] is gen.params
+  said = [r.getMessage() for r in caplog.records if r.getMessage().startswith('decode weights on')]
+  where = 'decode weights on 2 MB pages: ' if huge_pages_here() else 'decode weights on 4 KB pages: '
+  assert len(said) == 1 and said[0].startswith(where), said
+
+
 # --- Llama (grouped-query attention; tied and untied heads; llama3 rope scaling) and Mixtral ---------------
 
 LLAMA_CASES = {  # name -> (LlamaConfig overrides, zoo preset, scan_layers)

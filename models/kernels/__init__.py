@@ -18,6 +18,9 @@
   float32, and widened the whole table once per generate call).
 * `write_slots`: a decode's write of its new keys and values into a 16-bit KV cache, in place (XLA's CPU compiler
   copied the whole cache to write one slot).
+* `huge_pages`: a generator's weights moved onto 2 MB pages (Linux's MADV_COLLAPSE). XLA allocates them on 4 KB
+  pages, where a stream of reads crosses a page every 64 cache lines; a batch-1 decode step, which reads every
+  weight once, took 7% longer on them.
 
 The library is compiled from source on first use (a C++17 compiler: $CXX, else g++ or c++) into a cache directory
 ($SHARDZOO_CACHE, else ~/.cache/shardzoo), keyed by the source, the compiler, the flags and the CPU. Where it does not
@@ -208,6 +211,45 @@ def status(devices: Any = None) -> tuple[bool, str]:
     f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows, the attention over '
     f"the prompt and over the KV cache, and greedy decoding's argmax{wide}"
   )
+
+
+MADV_COLLAPSE = 25  # linux/mman.h (Linux 6.1+): back a range with transparent huge pages now, copying it
+HUGE_PAGE = 2 << 20
+
+
+def huge_pages(tree: Any, least: int = 1 << 20) -> tuple[int, int, str]:
+  """Moves the CPU arrays of `tree` of at least `least` bytes onto 2 MB pages, where the kernel can: each 2 MB-aligned
+  block they touch is collapsed (madvise MADV_COLLAPSE; the contents and addresses stay, neighbours in a block move
+  too). Returns (bytes of those arrays now on huge pages, their bytes, why none are: '' when some are). Blocks the
+  OS will not collapse (the array shares it with an unmapped range, no free huge page) stay as they are."""
+  arrays = [
+    shard.data
+    for leaf in jax.tree.leaves(tree)
+    if isinstance(leaf, jax.Array) and leaf.nbytes >= least
+    for shard in leaf.addressable_shards
+    if shard.data.devices().pop().platform == 'cpu'
+  ]
+  total = sum(a.nbytes for a in arrays)
+  if not arrays:
+    return 0, 0, 'no CPU arrays to move'
+  if platform.system() != 'Linux':
+    return 0, total, f'huge pages are collapsed on Linux only (this is {platform.system()})'
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+  done: dict[int, int] = {}  # block -> errno (0: on a huge page)
+  backed = 0
+  for a in arrays:
+    start = a.unsafe_buffer_pointer()
+    end = start + a.nbytes
+    for block in range(start // HUGE_PAGE * HUGE_PAGE, end, HUGE_PAGE):
+      if block not in done:
+        done[block] = 0 if libc.madvise(block, HUGE_PAGE, MADV_COLLAPSE) == 0 else ctypes.get_errno()
+      if not done[block]:
+        backed += min(end, block + HUGE_PAGE) - max(start, block)
+  if backed:
+    return backed, total, ''
+  err = next(e for e in done.values() if e)
+  return 0, total, f'madvise(MADV_COLLAPSE): {os.strerror(err)} (it needs Linux 6.1+ and transparent huge pages)'
 
 
 def missing(devices: Any = None) -> bool:
