@@ -218,7 +218,7 @@ HUGE_PAGE = 2 << 20
 
 
 def huge_pages(tree: Any, least: int = 1 << 20) -> tuple[int, int, str]:
-  """Moves the CPU arrays of `tree` of at least `least` bytes onto 2 MB pages, where the kernel can: each 2 MB-aligned
+  """Moves the CPU arrays of `tree` of at least `least` bytes onto 2 MB pages, where Linux can: each 2 MB-aligned
   block they touch is collapsed (madvise MADV_COLLAPSE; the contents and addresses stay, neighbours in a block move
   too). Returns (bytes of those arrays now on huge pages, their bytes, why none are: '' when some are). Blocks the
   OS will not collapse (the array shares it with an unmapped range, no free huge page) stay as they are."""
