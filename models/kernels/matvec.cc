@@ -632,7 +632,8 @@ ffi::Error matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     });
     return ffi::Error::Success();
   }
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(16, K / 64));
+  constexpr int64_t kMaxChunks = 16;  // a tree of four levels below
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(kMaxChunks, K / 64));
   const int64_t per = (K / chunks + 3) / 4 * 4;
   const int workers = int(std::min<int64_t>(max_workers, chunks));
   // Split K: each chunk of rows sums into its own accumulator, and the accumulators are added pairwise up a fixed
@@ -642,7 +643,7 @@ ffi::Error matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   const auto acc = scratch_of<float>(size_t(chunks) * M * N);
   float* ap = acc.get();
   const int64_t MN = M * N;
-  std::atomic<int> arrived[4][8] = {};  // per level of the tree (16 chunks at most), per pair: halves done
+  std::atomic<int> arrived[4][kMaxChunks / 2] = {};  // per level of the tree (2^4 chunks), per pair: halves done
   run_chunks(pool, chunks, workers, [&](int, int64_t c) {
     const int64_t k0 = c * per, k1 = c + 1 == chunks ? K : std::min(K, (c + 1) * per);
     float* a = ap + c * MN;
