@@ -30,6 +30,7 @@ CASES = [
   ('bld,dv->blv', (2, 1, 64), (64, 16400), 'float32', 'bfloat16', 'float32'),  # an untied head: bands of columns
   ('bld,vd->blv', (1, 1, 40), (37, 40), 'float32', 'float32', 'float32'),  # [N, K] (a tied head), tails
   ('bld,vd->blv', (2, 1, 768), (520, 768), 'bfloat16', 'bfloat16', 'float32'),  # 3 chunks of rows, f32 logits
+  ('bld,vd->blv', (1, 1, 100), (300, 100), 'float32', 'bfloat16', 'float32'),  # one row: W's rows in turn, K tail
   # one row against long rows of W (16 a pass with AVX-512), chunks of 68, 68 and 70 rows: 16s, a 4 and 2 left over
   ('bld,df->blf', (1, 1, 206), (206, 1100), 'float32', 'bfloat16', 'float32'),
   ('bld,df->blf', (1, 1, 206), (206, 600), 'float32', 'float32', 'float32'),

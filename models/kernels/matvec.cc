@@ -336,10 +336,29 @@ void nk_tile_simd(const float* x, const W* w0, float* y, int64_t K, int64_t N, i
     for (int j = 0; j < 4; ++j) y[r * N + n + j] = vsum(s[r][j]);
 }
 
+// One row of x against rows [n, n1) of an [N, K] weight, one row of W after the other: the weights are read strictly
+// in memory order, as a plain read loop reads them. A batch-1 float32 decode step of GPT-2 (whose tied head is
+// [vocab, embed]) took 6% less time than with four rows of W side by side; bfloat16 was no different.
+template <typename W>
+void nk_one_row(const float* x, const W* w, float* y, int64_t K, int64_t n, int64_t n1) {
+  for (; n < n1; ++n) {
+    const W* wn = w + n * K;
+    vf s0 = vzero(), s1 = vzero();  // two chains of sums
+    int64_t k = 0;
+    for (; k + 2 * kLanes <= K; k += 2 * kLanes) {
+      s0 = vfma(vload(x + k, kLanes), vload(wn + k, kLanes), s0);
+      s1 = vfma(vload(x + k + kLanes, kLanes), vload(wn + k + kLanes, kLanes), s1);
+    }
+    for (; k < K; k += kLanes) s0 = vfma(vload(x + k, K - k), vload(wn + k, K - k), s0);
+    y[n] = vsum(vadd(s0, s1));
+  }
+}
+
 // Four rows of W at a time against up to kTileRows rows of x: each weight is loaded and widened once per tile of
 // rows of x; the next tile reads the same four rows of W again, from L1.
 template <typename W>
 void nk_row_tiles(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  if (M == 1) return nk_one_row(x, w, y, K, n0, n1);
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
     const W* w0 = w + n * K;
