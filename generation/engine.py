@@ -234,7 +234,13 @@ class Generated:
   logits: np.ndarray | None = None
 
 
-_logged: set[str] = set()  # the decode matmul choices logged once per process
+_logged: set[str] = set()  # the decode's choices (matmuls, pages) logged once per process
+
+
+def _say_once(said: str, level: int = logging.INFO) -> None:
+  if said not in _logged:
+    _logged.add(said)
+    logging.log(level, '%s', said)
 
 
 class Generator:
@@ -336,9 +342,8 @@ class Generator:
     else:
       devices = list(self.mesh.devices.flat if self.mesh is not None else jax.tree.leaves(self.params)[0].devices())
       (use, said), warn = kernels.status(devices), kernels.missing(devices)
-    if said not in _logged:  # a kernel that would run but did not build is a warning: the decode is slower
-      _logged.add(said)
-      logging.log(logging.WARNING if warn else logging.INFO, '%s', said)
+    # a kernel that would run but did not build is a warning: the decode is slower
+    _say_once(said, logging.WARNING if warn else logging.INFO)
     return use
 
   def huge_pages(self) -> None:
@@ -353,9 +358,7 @@ class Generator:
       if backed
       else f'decode weights on 4 KB pages: {why}'
     )
-    if said not in _logged:
-      _logged.add(said)
-      logging.info('%s', said)
+    _say_once(said)
 
   def _program(
     self, rows: int, P: int, S: int, greedy: bool, top_k: int, nucleus: bool, keep_logits: bool, prepack: bool
