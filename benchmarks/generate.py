@@ -260,8 +260,8 @@ def numpy_read_bandwidth(x: np.ndarray) -> float:
 
 
 def kernel_matmul(a, b):
-  """a @ b through the decode kernel (models/kernels), as a decode step's matmuls (a few rows) or a bfloat16
-  prefill's run."""
+  """a @ b through the decode kernel (models/kernels), as a decode step's matmuls (a few rows) or a prefill's
+  GEMM runs."""
   from models import kernels
 
   with kernels.decode_matmuls(True):
@@ -306,7 +306,11 @@ def run_machine(dtype: str) -> dict:
   for dt in sorted({'float32', dtype}):
     a = jnp.ones((n, n), dt)
     flops[dt] = 2 * n**3 / best(jax.jit(lambda a, b: a @ b), a, a, n=20 if jax.devices()[0].platform == 'gpu' else 5)
-  if cpu_kernel and dtype == 'bfloat16' and kernels.bf16_gemm():  # the decode kernel's GEMM may beat XLA's
+  # the decode kernel's GEMMs may beat XLA's dot: the bound takes the fastest
+  if cpu_kernel and kernels.f32_gemm() and n <= kernels.GEMM_MAX_ROWS:
+    a = jnp.ones((n, n), jnp.float32)
+    flops['float32, the decode kernel'] = 2 * n**3 / best(jax.jit(kernel_matmul), a, a, n=5)
+  if cpu_kernel and dtype == 'bfloat16' and kernels.bf16_gemm():
     a = jnp.ones((n, n), dtype)
     flops['bfloat16, the decode kernel'] = 2 * n**3 / best(jax.jit(kernel_matmul), a, a, n=5)
   return dict(

@@ -40,8 +40,8 @@ GEMM_CASES = [  # more than MAX_ROWS rows: bfloat16 dot products (AVX-512 BF16),
   ('bld,df->blf', (2, 8, 64), (64, 96), 'bfloat16', 'bfloat16', 'float32'),
   ('bld,vd->blv', (1, 13, 70), (37, 70), 'bfloat16', 'bfloat16', 'float32'),  # a head: 13 rows, K tail of 32
 ]
-# More than MAX_ROWS rows on an AVX2 CPU: float32 sums, tiles of 6 rows, chunks of 128 columns, blocks of 768 rows of W
-# and 96 of x.
+# More than MAX_ROWS rows through the float32 GEMM (a library built for AVX2 or AVX-512): float32 sums, tiles of 6 rows
+# (AVX2) or 8 (AVX-512), chunks of 128 columns, blocks of 768 rows of W and 96 of x.
 F32_GEMM_CASES = [
   ('bld,dhk->blhk', (3, 7, 45), (45, 5, 13), 'float32', 'float32', 'float32'),  # 21 rows, 65 columns, K odd: tails
   ('bld,df->blf', (2, 8, 64), (64, 200), 'bfloat16', 'bfloat16', 'bfloat16'),  # 16 rows, 2 chunks, the last partial
@@ -54,14 +54,16 @@ if kernels.f32_gemm():
   CASES += F32_GEMM_CASES
 
 
-# The GEMM cases again with W's panels packed by an operation of their own (a decode loop's body: `prepack`): the
-# bfloat16 GEMM's, and the AVX2 GEMM's (panels in W's dtype; tiles of 6 rows, the last 7-11 rows in two).
+# More of the float32 GEMM's rows (tiles of R rows, the last R + 1 to 2R - 1 rows in two), over panels in W's dtype.
+F32_PACKED_CASES = [
+  ('bld,df->blf', (1, 32, 96), (96, 40), 'float32', 'float32', 'float32'),  # 32 rows: 6 x 4 + 4 + 4, 8 x 4
+  ('bld,df->blf', (3, 9, 80), (80, 70), 'float32', 'bfloat16', 'float32'),  # 27 rows: 6 x 3 + 5 + 4, 8 x 2 + 6 + 5
+  ('bld,vd->blv', (1, 10, 50), (300, 50), 'float32', 'float32', 'float32'),  # a tied head: 19 or 10 panels
+]
+# The GEMM cases again with W's panels packed by an operation of their own (a decode loop's body: `prepack`).
 PACKED = [(*c, True) for c in GEMM_CASES] if kernels.bf16_gemm() else []
 if kernels.f32_gemm():
-  PACKED += [(*c, True) for c in F32_GEMM_CASES] + [
-    ('bld,df->blf', (1, 32, 96), (96, 40), 'float32', 'float32', 'float32', True),  # 32 rows: 6 x 4 + 4 + 4
-    ('bld,vd->blv', (1, 10, 50), (300, 50), 'float32', 'float32', 'float32', True),  # a head: 19 panels, 3 chunks
-  ]
+  PACKED += [(*c, True) for c in F32_GEMM_CASES + F32_PACKED_CASES]
 
 
 @pytest.mark.parametrize(
@@ -207,30 +209,31 @@ def test_a_failing_compiler_is_one_line_and_the_decode_falls_back(tmp_path, monk
 
 
 @pytest.mark.parametrize(
-  'gemm,dtype', [('avx512_bf16', 'bfloat16'), ('avx2', 'float32'), ('avx2', 'bfloat16')], ids=lambda v: v
+  'gemm,dtype', [('avx512_bf16', 'bfloat16'), ('float32', 'float32'), ('float32', 'bfloat16')], ids=lambda v: v
 )
 def test_a_decode_loop_packs_its_gemm_weights_once_outside_the_loop(gemm, dtype):
   """decode_matmuls(True, prepack=True) in a loop's body: XLA computes the weights' packing before the loop (the
   weights are the same every step) and the loop's steps only read the panels; the result equals the unpacked
   GEMM's. Were the packing left in the body, every step would pack W again (slower, not wrong). AVX-512 BF16's
-  bfloat16 GEMM, and the AVX2 GEMM's (float32 sums) over float32 and bfloat16 panels."""
+  bfloat16 GEMM, and the float32 GEMM's (float32 sums) over float32 and bfloat16 panels."""
   pack, packed_gemm = {
     'avx512_bf16': ('shardzoo_pack_bf16', 'shardzoo_gemm_packed'),
-    'avx2': ('shardzoo_pack_f32', 'shardzoo_gemm_f32_packed'),
+    'float32': ('shardzoo_pack_f32', 'shardzoo_gemm_f32_packed'),
   }[gemm]
-  if not (kernels.bf16_gemm() if gemm == 'avx512_bf16' else kernels.f32_gemm() and not kernels.bf16_gemm()):
+  if not (kernels.bf16_gemm() if gemm == 'avx512_bf16' else kernels.f32_gemm()):
     pytest.skip(f'{packed_gemm} does not run on this CPU')
   rng = np.random.default_rng(0)
   w = jnp.asarray(rng.standard_normal((96, 96)) * 0.1, dtype)
   head = jnp.asarray(rng.standard_normal((40, 96)) * 0.1, dtype)  # [N, K], as a tied head: 8 columns of tail
-  x = jnp.asarray(rng.standard_normal((12, 96)), dtype)
+  act = jnp.dtype(dtype if gemm == 'avx512_bf16' else jnp.float32)  # bfloat16 pairs take the bfloat16 GEMM
+  x = jnp.asarray(rng.standard_normal((12, 96)), act)
 
   def loop(prepack):
     def body(i, h):
       with kernels.decode_matmuls(True, prepack=prepack):
-        h = kernels.matmul('md,dk->mk', h, w, jnp.dtype(dtype))
+        h = kernels.matmul('md,dk->mk', h, w, act)
         logits = kernels.matmul('mk,vk->mv', h, head, jnp.float32)
-      return ((h + logits[:, :1] * i.astype(jnp.float32)) / 2).astype(dtype)
+      return ((h + logits[:, :1] * i.astype(jnp.float32)) / 2).astype(act)
 
     return jax.jit(lambda x: jax.lax.fori_loop(0, 3, body, x))
 
@@ -239,7 +242,7 @@ def test_a_decode_loop_packs_its_gemm_weights_once_outside_the_loop(gemm, dtype)
   if gemm == 'avx512_bf16':  # the same sums, rounded to 8 bits the same way
     np.testing.assert_array_equal(got, want)
   else:  # the head's sums in another order (dot products unpacked, panels packed), then rounded to the dtype
-    tol = 1e-5 if dtype == 'float32' else 2.0**-7
+    tol = 1e-5 if act == jnp.float32 else 2.0**-7
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
   hlo = packed.lower(x).compile().as_text()
   bodies = [c for c in hlo.split('\n\n') if packed_gemm in c]
@@ -430,12 +433,23 @@ def _targets_for(march: str, isa: bytes) -> tuple[str, str, str, str]:
   return targets
 
 
+@functools.cache
+def _gemm_targets_for(march: str) -> tuple[str, str, int]:
+  """The float32 GEMM's packing and packed targets of the library built for `march`, and its panel width."""
+  lib = ctypes.cdll.LoadLibrary(str(kernels.build(march)))
+  assert lib.shardzoo_has_gemm()
+  names = (f'{kernels.PACK_F32_TARGET}_{march}', f'{kernels.PACKED_F32_TARGET}_{march}')
+  for name, fn in zip(names, (lib.ShardzooPackF32, lib.ShardzooGemmF32Packed)):
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform='cpu')
+  return (*names, lib.shardzoo_gemm_panel())
+
+
 @pytest.mark.skipif(platform.machine() not in ('x86_64', 'AMD64'), reason='x86 targets')
 @pytest.mark.parametrize('march,isa', [('x86-64-v2', b'portable C++'), ('x86-64-v3', b'AVX2')])
 def test_builds_for_cpus_without_avx512_compute_the_same(monkeypatch, march, isa):
   """The library for a CPU without AVX-512 (AVX2 and FMA: x86-64-v3; neither: x86-64-v2's portable C++ loops)
-  gives the einsums, the cached and the prompt's attention and the argmax above; one for AVX-512 without BF16
-  (Skylake: no bfloat16 GEMM) builds."""
+  gives the einsums, the cached and the prompt's attention and the argmax above, and the AVX2 one its float32 GEMM's
+  (W packed as it goes, and packed once); one for AVX-512 without BF16 (Skylake: no bfloat16 GEMM) builds."""
   if march == 'x86-64-v3' and not {'avx2', 'fma'} <= set(kernels._cpu_flags().split()):
     pytest.skip('this CPU has no AVX2 and FMA to run it')
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -449,6 +463,16 @@ def test_builds_for_cpus_without_avx512_compute_the_same(monkeypatch, march, isa
   for case in CASES:
     if case[1][0] * case[1][1] <= kernels.MAX_ROWS:
       test_the_kernel_is_the_einsum(*case, prepack=False)
+  if march == 'x86-64-v3':  # its float32 GEMM (tiles of 6 rows, panels of 16 columns), activations in float32
+    pack, packed, panel = _gemm_targets_for(march)
+    assert panel == 16
+    monkeypatch.setattr(kernels, 'PACK_F32_TARGET', pack)
+    monkeypatch.setattr(kernels, 'PACKED_F32_TARGET', packed)
+    monkeypatch.setattr(kernels, 'f32_gemm', lambda: True)
+    monkeypatch.setattr(kernels, 'f32_panel', lambda: panel)
+    for case in [c for c in F32_GEMM_CASES + F32_PACKED_CASES if c[3] == 'float32']:
+      for prepack in (False, True):
+        test_the_kernel_is_the_einsum(*case, prepack=prepack)
   for case in ATTENTION_CASES[:3]:
     check_attention(case)
   for case in PREFILL_CASES[:3]:

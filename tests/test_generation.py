@@ -176,11 +176,11 @@ def test_a_one_device_decode_runs_the_kernel_and_decodes_as_xla_does(gpt2_dir, d
 
 
 def test_a_batch_past_the_kernels_rows_decodes_through_packed_panels_as_xla_does(gpt2_dir, monkeypatch):
-  """A batch of more than MAX_ROWS rows on an AVX2 CPU: each decode step's matmuls run the float32 GEMM over W's
-  panels, packed once outside the loop (`prepack`) where it runs PREPACK_MIN_STEPS steps or more (a decode of one
-  token packs nothing); its tokens are XLA's and transformers', its logits XLA's within STEP_ATOL."""
-  if not kernels.f32_gemm() or kernels.bf16_gemm():
-    pytest.skip('the float32 GEMM over packed panels runs on AVX2 CPUs without AVX-512 BF16')
+  """A float32 batch of more than MAX_ROWS rows: each decode step's matmuls run the float32 GEMM over W's panels,
+  packed once outside the loop (`prepack`) where it runs PREPACK_MIN_STEPS steps or more (a decode of one token
+  packs nothing); its tokens are XLA's and transformers', its logits XLA's within STEP_ATOL."""
+  if not kernels.f32_gemm():
+    pytest.skip('the float32 GEMM runs on CPUs with AVX2 or AVX-512')
   path, hf_model = gpt2_dir
   gen = zoo(gpt2_config, 'tp,tiny', path, devices=jax.devices()[:1], scan_layers=False, dtype='float32')
   packed, matmul = [], kernels.matmul

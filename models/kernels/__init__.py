@@ -6,10 +6,11 @@
   rows of W between the caller and XLA's thread pool.
 * `matmul`, more rows of bfloat16 against bfloat16 (the prefill) where the CPU has AVX-512 BF16 (`bf16_gemm`):
   bfloat16 pairs multiplied by vdpbf16ps, where XLA widens both operands first.
-* `matmul`, up to GEMM_MAX_ROWS rows against float32 or bfloat16 weights where the library is built for AVX2
-  (`f32_gemm`): float32 sums in register tiles over packed panels of W. XLA's CPU dot ran such matmuls at about a
-  third of an AVX2 machine's matmul rate. In a decode loop (`prepack`), the weights are packed into those panels once,
-  outside the loop, so that each step reads them in order.
+* `matmul`, up to GEMM_MAX_ROWS rows against float32 or bfloat16 weights where the library is built for AVX2 or
+  AVX-512 (`f32_gemm`): float32 sums in register tiles over packed panels of W. XLA's CPU dot ran such matmuls at
+  about a third of an AVX2 machine's matmul rate, and at 32 rows at two thirds of an AVX-512 one's. In a decode loop
+  (`prepack`), the weights are packed into those panels once, outside the loop, so that each step reads them in
+  order.
 * `decode_attention`: a decode step's attention of one new query per row over its KV cache (float32 or bfloat16),
   each cached key and value read once for the query heads that share it. XLA's CPU compiler widens a bfloat16 cache
   into a float32 copy every step and runs the products as batched one-row dots.
@@ -24,11 +25,11 @@
 
 The library is compiled from source on first use (a C++17 compiler: $CXX, else g++ or c++) into a cache directory
 ($SHARDZOO_CACHE, else ~/.cache/shardzoo), keyed by the source, the compiler, the flags and the CPU. Where it does not
-build, or does not apply (weights sharded over devices, a GPU, an einsum that is not one matmul, float32 beyond
-MAX_ROWS rows with AVX-512, beyond GEMM_MAX_ROWS with AVX2), XLA runs. `decode_matmuls(True)` turns it on for what
-is traced inside (generation/engine.py does, for the prefill and the decode step on one CPU device); `status()` says
-what runs, and why (docs/generation.md, "The decode kernel").
-"""
+build, or does not apply (weights sharded over devices, a GPU, an einsum that is not one matmul, more than
+GEMM_MAX_ROWS rows but bfloat16 pairs on AVX-512 BF16, more than MAX_ROWS where the CPU has neither AVX2 nor
+AVX-512), XLA runs.
+`decode_matmuls(True)` turns it on for what is traced inside (generation/engine.py does, for the prefill and the
+decode step on one CPU device); `status()` says what runs, and why (docs/generation.md, "The decode kernel")."""
 
 from __future__ import annotations
 
@@ -63,9 +64,8 @@ PACKED_GEMM_TARGET = 'shardzoo_gemm_packed'
 PACK_F32_TARGET = 'shardzoo_pack_f32'
 PACKED_F32_TARGET = 'shardzoo_gemm_f32_packed'
 PANEL = 32  # matvec.cc: the bfloat16 GEMM's panels of W are 32 columns wide
-F32_PANEL = 16  # matvec.cc kPanel: the AVX2 GEMM's, two registers of 8 floats
 MAX_ROWS = 8  # matvec.cc kMaxRows: each weight is loaded once for all rows; beyond a few rows a GEMM's tiles win
-GEMM_MAX_ROWS = 4096  # the AVX2 GEMM's rows, as measured (a prefill of 32 x 128 tokens); XLA's dot beyond
+GEMM_MAX_ROWS = 4096  # the float32 GEMM's rows, as measured (a prefill of 32 x 128 tokens); XLA's dot beyond
 FLAGS = (
   '-O3',
   '-march=native',
@@ -174,8 +174,19 @@ def bf16_gemm() -> bool:
 
 def f32_gemm() -> bool:
   """Whether matmuls of more than MAX_ROWS rows (up to GEMM_MAX_ROWS) run through the kernel's float32 GEMM, against
-  float32 or bfloat16 weights (a library built for AVX2, where XLA's dot runs them far below the machine's rate)."""
+  float32 or bfloat16 weights (a library built for AVX2 or AVX-512, where XLA's dot runs them below the machine's
+  rate); bfloat16 activations against bfloat16 weights take the bfloat16 GEMM instead where it runs."""
   return ' with its GEMM' in (_loaded()[0] or '')
+
+
+@functools.cache
+def f32_panel() -> int:
+  """Columns of W in a panel of the float32 GEMM (matvec.cc kPanel: two vector registers, 16 floats with AVX2 and 32
+  with AVX-512), the shape its packing returns; 0 where it does not run."""
+  if not f32_gemm():
+    return 0
+  lib = ctypes.cdll.LoadLibrary(str(build()))  # the library _loaded() loaded: the same handle
+  return int(lib.shardzoo_gemm_panel())
 
 
 def available() -> bool:
@@ -201,12 +212,14 @@ def status(devices: Any = None) -> tuple[bool, str]:
   isa, why = _loaded()
   if isa is None:
     return False, f"decode matmuls: XLA's dot (the kernel is not available: {why})"
-  wide = '; bfloat16 matmuls of more rows (prefill, batches) by AVX-512 BF16 dot products' if bf16_gemm() else ''
+  wide = ''
   if f32_gemm():
     wide = (
-      f"; matmuls of up to {GEMM_MAX_ROWS} rows (prefill, batches) by its GEMM, a decode loop's weights "
+      f"; matmuls of up to {GEMM_MAX_ROWS} rows (prefill, batches) by its float32 GEMM, a decode loop's weights "
       'packed into its panels once'
     )
+  if bf16_gemm():
+    wide += '; bfloat16 matmuls of more rows (prefill, batches) by AVX-512 BF16 dot products'
   return True, (
     f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows, the attention over '
     f"the prompt and over the KV cache, and greedy decoding's argmax{wide}"
@@ -309,8 +322,8 @@ def plan(spec: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> tuple
 def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array | None:
   """einsum(spec, x, w) through the kernel (float32 accumulation, the result in `out_dtype`) inside
   decode_matmuls(True), where it applies: up to MAX_ROWS rows of any x against float32 or bfloat16 weights, more
-  rows where x and w are both bfloat16 and the CPU has AVX-512 BF16 (`bf16_gemm`), up to GEMM_MAX_ROWS rows on
-  AVX2 (`f32_gemm`); None where it does not (the caller runs XLA's einsum)."""
+  rows where x and w are both bfloat16 and the CPU has AVX-512 BF16 (`bf16_gemm`), up to GEMM_MAX_ROWS rows of
+  others with AVX2 or AVX-512 (`f32_gemm`); None where it does not (the caller runs XLA's einsum)."""
   if not _active.get() or jnp.dtype(w.dtype) not in WEIGHT_DTYPES:
     return None
   found = plan(spec, x.shape, w.shape)
@@ -334,7 +347,7 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array |
     y = jax.ffi.ffi_call(PACKED_GEMM_TARGET, y_struct)(x2, panels)
   elif target == TARGET and M > MAX_ROWS and _prepack.get():
     # panels in W's dtype: a bfloat16 weight's are widened in the tiles
-    shape = (-(-N // F32_PANEL), K, F32_PANEL)
+    shape = (-(-N // f32_panel()), K, f32_panel())
     panels = jax.ffi.ffi_call(PACK_F32_TARGET, jax.ShapeDtypeStruct(shape, w.dtype))(w2, nk=nk)
     y = jax.ffi.ffi_call(PACKED_F32_TARGET, y_struct)(x2, panels)
   else:

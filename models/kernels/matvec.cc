@@ -1,8 +1,8 @@
 // y[M, N] = x[M, K] . W for a few rows M (a decode step): W is [K, N] ("kn") or [N, K] ("nk", a tied output head),
 // float32 or bfloat16; x and y are float32. A decode step is bound by reading W once, so the loops stream W from
 // memory in order, widen bfloat16 in registers (XLA's CPU dot widens it into a float32 copy first), and split the
-// rows of W between the caller and XLA's intra-op thread pool. Beside it: a bfloat16 GEMM for more rows, a decode
-// step's attention over the KV cache, and the rows of a 16-bit table by id.
+// rows of W between the caller and XLA's intra-op thread pool. Beside it: a float32 and a bfloat16 GEMM for more rows,
+// a decode step's attention over the KV cache, and the rows of a 16-bit table by id.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -411,11 +411,11 @@ void run_chunks(ffi::ThreadPool& pool, int64_t chunks, int max_workers, Fn fn) {
   while (work->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
 }
 
-#if defined(SHARDZOO_SIMD) && !defined(__AVX512F__)
-// More rows than kMaxRows (a batch's decode step, a prefill) against float32 or bfloat16 weights, float32 sums, for
-// AVX2 CPUs: there XLA's CPU dot ran GPT-2's matrices of 32 rows at a quarter to a third of the machine's matmul
-// rate (35-52 GFLOP/s of 132 on AMD's Zen 3). Where AVX-512 runs, XLA's float32 dot reached two thirds of it and the
-// bfloat16 GEMM below takes bfloat16 pairs.
+#if defined(SHARDZOO_SIMD)
+// More rows than kMaxRows (a batch's decode step, a prefill) against float32 or bfloat16 weights, float32 sums. XLA's
+// CPU dot ran GPT-2's matrices of 32 rows at a quarter to a third of an AVX2 machine's matmul rate (35-52 GFLOP/s of
+// 132 on AMD's Zen 3), and at 32 rows at 136 GFLOP/s of 215 on an AMD EPYC with AVX-512, where these tiles over
+// packed panels reached 205.
 #define SHARDZOO_GEMM 1
 // Blocked as BLAS libraries block a GEMM (Goto and van de Geijn): a chunk of kNc columns of W is packed kKc rows at a
 // time, widened to float32, into panels of kKc x kPanel that every tile of rows of x reads from L2, kMc rows of x at
@@ -423,10 +423,16 @@ void run_chunks(ffi::ThreadPool& pool, int64_t chunks, int max_workers, Fn fn) {
 // prefetched into L2 while this block's tiles run, so that reading W and multiplying overlap. (Blocks of 256 rows,
 // whose panels fit L1, were no faster at 32 rows and slower at 1,024 on Zen 3.)
 constexpr int64_t kPanel = 2 * kLanes;  // columns of W per packed panel: two registers
-constexpr int kGemmRows = 6;            // rows of x per tile: 12 accumulators, two of W, one of x: 15 of 16 registers
-constexpr int64_t kKc = 768;            // rows of W per block: a panel of 48 KB
-constexpr int64_t kNc = 128;            // columns of W per chunk of work: eight panels, a row's run of 512 bytes
-constexpr int64_t kMc = 96;             // rows of x per pass over a block's panels
+#if defined(__AVX512F__)
+// Rows of x per tile: 16 accumulators, two of W, one of x, of 32 registers. Tiles of 6 rows ran GPT-2's matrices of
+// 32 rows 10% slower, of 12 and 14 rows 5-12% slower.
+constexpr int kGemmRows = 8;
+#else
+constexpr int kGemmRows = 6;  // rows of x per tile: 12 accumulators, two of W, one of x: 15 of 16 registers
+#endif
+constexpr int64_t kKc = 768;  // rows of W per block: a panel of 48 KB (AVX2) or 96 KB (AVX-512) in float32
+constexpr int64_t kNc = 128;  // columns of W per chunk of work: a row's run of 512 bytes
+constexpr int64_t kMc = 96;   // rows of x per pass over a block's panels
 
 // A block of W to come, prefetched into L2 a few cache lines at a time: `rows` runs of `elems` elements, `stride`
 // elements apart.
@@ -578,13 +584,20 @@ void pack_panels(ffi::ThreadPool& pool, const W* w, W* out, int64_t K, int64_t N
   });
 }
 
-// Rows of x per tile: kGemmRows, but the last 7-11 rows in two tiles of about half (a tile of 2 rows has 4 chains of
-// sums, too few to hide the FMA's latency).
+// Rows of x per tile: kGemmRows, but the last kGemmRows + 1 to 2 kGemmRows - 1 rows in two tiles of about half (a
+// tile of 2 rows has 4 chains of sums, too few to hide the FMA's latency).
 inline int64_t tile_rows(int64_t left) {
   return left <= kGemmRows ? left : left < 2 * kGemmRows ? (left + 1) / 2 : kGemmRows;
 }
 
-constexpr int64_t kPanelsPerChunk = 8;  // panels per chunk of work: 128 columns
+#if defined(__AVX512F__)
+// Panels per chunk of work: one, which the hardware prefetcher streams alone. On an AMD EPYC with AVX-512, chunks of
+// two panels, the second prefetched into L2 as the first's tiles ran, took 10% longer at 32 rows (and chunks of 8, a
+// quarter of them on one worker, for N = 768, 50% longer).
+constexpr int64_t kPanelsPerChunk = 1;
+#else
+constexpr int64_t kPanelsPerChunk = 8;  // panels per chunk of work: 128 columns, the next panel prefetched
+#endif
 
 template <typename W>
 void gemm_panels_f32(ffi::ThreadPool& pool, const float* xp, const W* panels, float* yp, int64_t M, int64_t K,
@@ -709,7 +722,7 @@ ffi::Error by_dtype(B& buffer, const std::string& wrong, Fn fn) {
   }
 }
 
-// W packed into the AVX2 GEMM's panels ([ceil(N / kPanel), K, kPanel] in W's dtype; kernels.F32_PANEL says kPanel),
+// W packed into the float32 GEMM's panels ([ceil(N / kPanel), K, kPanel] in W's dtype; shardzoo_gemm_panel says kPanel),
 // and that GEMM over them: a decode loop's weights, packed once outside it.
 ffi::Error pack_f32(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, bool nk) {
 #if defined(SHARDZOO_GEMM)
@@ -725,7 +738,7 @@ ffi::Error pack_f32(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::Result<ffi::Any
                                                      K, N, nk);
   });
 #else
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "built without the AVX2 GEMM");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "built without the float32 GEMM");
 #endif
 }
 
@@ -745,7 +758,7 @@ ffi::Error gemm_f32_packed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
                     gemm_panels_f32<std::remove_pointer_t<decltype(pp)>>(pool, xp, pp, yp, xd[0], xd[1], yd[1]);
                   });
 #else
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "built without the AVX2 GEMM");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "built without the float32 GEMM");
 #endif
 }
 
@@ -754,7 +767,7 @@ ffi::Error gemm_f32_packed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 // head), each packed once into `panel` (K registers' worth, in L1/L2) as the bfloat16 pairs AVX-512 BF16's vdpbf16ps
 // takes, and read by every tile of 8 rows of x, whose 8 x 32 float32 sums stay in registers (as torch's oneDNN path
 // multiplies; XLA's CPU dot widens both operands into float32 copies first). K must be even (every model's widths
-// are). A float32 GEMM of the same shape ran no faster than XLA's dot: at 32 rows both wait on W's strided rows.
+// are).
 #define SHARDZOO_BF16_GEMM 1
 
 inline __mmask32 panel_cols(int64_t N, int64_t n) {
@@ -1513,10 +1526,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooWriteSlots, write_slots,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooTakeRows, take_rows,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>());
 
-// Whether ShardzooMatvec takes more than kMaxRows rows (built for AVX2: its GEMM).
+// Whether ShardzooMatvec takes more than kMaxRows rows (built for AVX2 or AVX-512: its float32 GEMM).
 extern "C" int shardzoo_has_gemm() {
 #if defined(SHARDZOO_GEMM)
   return 1;
+#else
+  return 0;
+#endif
+}
+
+// The float32 GEMM's panel width (columns of W), which ShardzooPackF32's output shape takes; 0 without it.
+extern "C" int shardzoo_gemm_panel() {
+#if defined(SHARDZOO_GEMM)
+  return int(kPanel);
 #else
   return 0;
 #endif
