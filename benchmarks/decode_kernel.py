@@ -5,14 +5,15 @@ decode loop's), each side's program timed `--reps` times, `--rounds` rounds alte
 the model's: a Dense layer's einsum in the weights' dtype, the head's with float32 logits, the attention's XLA path.
 
   python benchmarks/decode_kernel.py       # rows 1, 4, 8 (float32, bfloat16); GEMM rows 32, 128 (and 32 in a
-                                           # loop, W packed once); attention rows 1, 32
+                                           # loop, W packed once), float32 and bfloat16; attention rows 1, 32
   python benchmarks/decode_kernel.py --rows 1 --gemm_rows '' --packed_rows '' --attention_rows ''
 
 Matrix-vector rows (at most kernels.MAX_ROWS) run float32 and bfloat16 weights, activations in float32 as a decode
-step's; GEMM rows are bfloat16 throughout, where the CPU has AVX-512 BF16, one step per execution (a prefill's
-path: XLA's temporaries are fresh pages in every execution, as a prefill's are), and `--packed_rows` `--steps` steps
-in a loop, packing W's panels as it goes and, then, with a body that packs W by an operation of its own
-(kernels.decode_matmuls(prepack=True): XLA packs it once, before the loop, as in a decode loop of batch 32). The
+step's; GEMM rows run float32 throughout (where the library has its float32 GEMM: AVX2 or AVX-512) and bfloat16
+throughout (where the CPU has AVX-512 BF16), one step per execution (a prefill's path: XLA's temporaries are fresh
+pages in every execution, as a prefill's are), and `--packed_rows` `--steps` steps in a loop, packing W's panels as
+it goes and, then, with a body that packs W by an operation of its own (kernels.decode_matmuls(prepack=True): XLA
+packs it once, before the loop, as in a decode loop of batch 32). The
 weights are the loops' arguments, as a decode loop's are. Prints, per case, the median ms per step of each round
 (XLA, then the kernel) and the rate: GB/s of weights read (matrix-vector), GFLOP/s (GEMM), GB/s of cache read
 (attention, at slot 5/6 of `--slots`). Refuses a busy machine as benchmarks/generate.py does (--max_load, --busy).
@@ -168,11 +169,15 @@ def main(argv) -> None:
   for rows in [int(r) for r in FLAGS.rows.split(',') if r]:
     for wdtype in ('float32', 'bfloat16'):
       lines.append(case(rows, wdtype, 'float32', with_head=True, steps=FLAGS.steps))
-  for rows in [int(r) for r in FLAGS.gemm_rows.split(',') if r] if kernels.bf16_gemm() else []:
-    lines.append(case(rows, 'bfloat16', 'bfloat16', with_head=False, steps=1))
-  for rows in [int(r) for r in FLAGS.packed_rows.split(',') if r] if kernels.bf16_gemm() else []:
-    for prepack in (False, True):  # the kernel's side in a loop, packing as it goes and packed before
-      lines.append(case(rows, 'bfloat16', 'bfloat16', with_head=False, steps=FLAGS.steps, prepack=prepack))
+  # the GEMMs: float32 (a library built for AVX2 or AVX-512) and bfloat16 pairs (AVX-512 BF16)
+  gemms = [dt for dt, runs in (('float32', kernels.f32_gemm()), ('bfloat16', kernels.bf16_gemm())) if runs]
+  for rows in [int(r) for r in FLAGS.gemm_rows.split(',') if r]:
+    for dt in gemms:
+      lines.append(case(rows, dt, dt, with_head=False, steps=1))
+  for rows in [int(r) for r in FLAGS.packed_rows.split(',') if r]:
+    for dt in gemms:
+      for prepack in (False, True):  # the kernel's side in a loop, packing as it goes and packed before
+        lines.append(case(rows, dt, dt, with_head=False, steps=FLAGS.steps, prepack=prepack))
   for rows in [int(r) for r in FLAGS.attention_rows.split(',') if r]:
     for dtype in ('float32', 'bfloat16'):
       lines.append(attention_case(rows, dtype, steps=FLAGS.steps))
