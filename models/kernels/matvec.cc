@@ -425,7 +425,7 @@ void run_chunks(ffi::ThreadPool& pool, int64_t chunks, int max_workers, Fn fn) {
 constexpr int64_t kPanel = 2 * kLanes;  // columns of W per packed panel: two registers
 #if defined(__AVX512F__)
 // Rows of x per tile: 16 accumulators, two of W, one of x, of 32 registers. Tiles of 6 rows ran GPT-2's matrices of
-// 32 rows 10% slower, of 12 and 14 rows 5-12% slower.
+// 32 rows 10% slower, of 14 rows 5% slower (and 12 rows no faster than 8).
 constexpr int kGemmRows = 8;
 #else
 constexpr int kGemmRows = 6;  // rows of x per tile: 12 accumulators, two of W, one of x: 15 of 16 registers
@@ -592,8 +592,8 @@ inline int64_t tile_rows(int64_t left) {
 
 #if defined(__AVX512F__)
 // Panels per chunk of work: one, which the hardware prefetcher streams alone. On an AMD EPYC with AVX-512, chunks of
-// two panels, the second prefetched into L2 as the first's tiles ran, took 10% longer at 32 rows (and chunks of 8, a
-// quarter of them on one worker, for N = 768, 50% longer).
+// two panels, the second prefetched into L2 as the first's tiles ran, took 10% longer at 32 rows, and chunks of eight
+// (three for N = 768, between two workers) a third longer, with tiles of 6 rows.
 constexpr int64_t kPanelsPerChunk = 1;
 #else
 constexpr int64_t kPanelsPerChunk = 8;  // panels per chunk of work: 128 columns, the next panel prefetched
