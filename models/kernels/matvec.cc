@@ -56,6 +56,7 @@ inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+inline vf vkeep(vf x, vf fill, int64_t left) { return _mm512_mask_blend_ps(tail(left), fill, x); }  // x's first lanes
 inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf vpow2(vf n) {  // 2^n for whole n in [-126, 127], by the exponent's bits
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
@@ -108,6 +109,11 @@ inline float vhmax(vf v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline vf vkeep(vf x, vf fill, int64_t left) {  // x's first `left` lanes, fill's after them
+  if (left >= 8) return x;
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_blendv_ps(fill, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(int(left)), lane)));
 }
 inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf vpow2(vf n) {  // 2^n for whole n in [-126, 127], by the exponent's bits
@@ -988,8 +994,9 @@ inline float cap_score(float s, float softcap) { return softcap > 0 ? softcap * 
 
 // The softmax of the scores s[c0, c1) in place, left unnormalised: each scaled, soft-capped and added to bias[c] (0,
 // or the mask's lowest), then exp(s - max), the max and the sum taken with the sink's logit where there is one (nullptr:
-// none; `lowest`, the max without one). Returns 1 / the sum. The exponentials run in vector registers (vexp): a
-// scalar std::exp a score was 5-11% of GPT-2's attention over the cache at batch 32, half of it at one row.
+// none; `lowest`, the max without one). Returns 1 / the sum. The exponentials run in vector registers (vexp), the
+// span's last, partial register masked: a scalar std::exp a score was 5-11% of GPT-2's attention over the cache at
+// batch 32, half of it at one row, and the partial registers' scalar tails an eighth of its prompt attention.
 inline float softmax_span(float* s, const float* bias, int64_t c0, int64_t c1, float scale, float softcap,
                           const float* sink, float lowest) {
   float m = sink ? *sink : lowest;
@@ -997,10 +1004,11 @@ inline float softmax_span(float* s, const float* bias, int64_t c0, int64_t c1, f
 #if defined(SHARDZOO_SIMD)
   if (softcap <= 0) {
     vf vm = vset1(lowest);
-    for (; c + kLanes <= c1; c += kLanes) {
-      const vf x = vadd(vmul(vload(s + c, kLanes), vset1(scale)), vload(bias + c, kLanes));
-      vstore(s + c, x, kLanes);
-      vm = vmax(vm, x);
+    for (; c < c1; c += kLanes) {
+      const int64_t left = c1 - c;
+      const vf x = vadd(vmul(vload(s + c, left), vset1(scale)), vload(bias + c, left));
+      vstore(s + c, x, left);
+      vm = vmax(vm, vkeep(x, vset1(lowest), left));
     }
     m = std::max(m, vhmax(vm));
   }
@@ -1010,9 +1018,10 @@ inline float softmax_span(float* s, const float* bias, int64_t c0, int64_t c1, f
   c = c0;
 #if defined(SHARDZOO_SIMD)
   vf vt = vzero();
-  for (; c + kLanes <= c1; c += kLanes) {
-    const vf e = vexp(vadd(vload(s + c, kLanes), vset1(-m)));
-    vstore(s + c, e, kLanes);
+  for (; c < c1; c += kLanes) {
+    const int64_t left = c1 - c;
+    const vf e = vkeep(vexp(vadd(vload(s + c, left), vset1(-m))), vzero(), left);
+    vstore(s + c, e, left);
     vt = vadd(vt, e);
   }
   total += vsum(vt);
@@ -1171,42 +1180,29 @@ ffi::Error attention_dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
 // A prompt's causal attention (the prefill), q (B, T, H, K) against k and v (B, T, G, K) as the projections make them:
 // XLA's CPU compiler transposes the keys and values into the layout its dot wants with loops that ran at under 1
-// GB/s, and runs the masks and softmax as separate passes (GPT-2's layer at 32 x 128: 62 ms against this loop's 16).
+// GB/s, and runs the masks and softmax as separate passes (GPT-2's layer at 32 x 128: 62 ms against this loop's 16,
+// since 6).
 // One work item is a row's KV head: its keys transposed once into scratch (K x T, from L1/L2 afterwards), then for
 // each of its R query heads, six queries at a time, the scores of the keys they may see, the softmax in float32
 // (scaled, soft-capped, masked as attention.attend's XLA path, whose finfo.min weighs a masked key 0 as this -inf
-// does; the sinks' logits in the denominator) and the weighted values. Key s is seen by query t where s <= t,
+// does; the sinks' logits in the denominator) and the weighted values, the six queries' sums together. Key s is seen by query t where s <= t,
 // t - s < window (0: no window) and valid[b, s]; a query that sees no key (a left pad's) gets zeros, an output
 // nothing reads.
 #if defined(SHARDZOO_SIMD)
-// o[0, V kLanes) = scale x the sum over keys c in [c0, c1) of p[c] v[c * stride, ...): the sums in V registers.
-template <int V, typename C>
-inline void weigh_keys(const float* p, float scale, const C* v, int64_t stride, const bool* ok, int64_t c0,
-                       int64_t c1, int64_t left, float* o) {
-  vf acc[V];
-#pragma GCC unroll 8
-  for (int j = 0; j < V; ++j) acc[j] = vzero();
-  for (int64_t c = c0; c < c1; ++c) {
-    if (!ok[c]) continue;
-    const vf pv = vset1(p[c] * scale);
-#pragma GCC unroll 8
-    for (int j = 0; j < V; ++j) acc[j] = vfma(pv, vload(v + c * stride + j * kLanes, left - j * kLanes), acc[j]);
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < V; ++j) vstore(o + j * kLanes, acc[j], left - j * kLanes);
-}
-
-// s[i * T + c] for the kQ queries q[i] and the keys c in [c0, c0 + W kLanes), from the transposed keys kt (K x T):
-// each register of keys loaded once for the tile's queries, each query's element broadcast once for W registers.
+// s[i * T + c] for the kQ queries q[i] and the keys c in [c0, c0 + min(n, W kLanes)), from the transposed keys kt
+// (K x T): each register of keys loaded once for the tile's queries, each query's element broadcast once for W
+// registers. A last register of fewer than kLanes keys is loaded and stored masked (one key at a time, in scalar
+// loops, had been a quarter of GPT-2's prompt attention).
 template <int W, int kQ>
-inline void score_tile(const float* const* q, const float* kt, int64_t T, int64_t K, int64_t c0, float* s) {
+inline void score_tile(const float* const* q, const float* kt, int64_t T, int64_t K, int64_t c0, int64_t n,
+                       float* s) {
   vf a[kQ][W];
 #pragma GCC unroll 8
   for (int i = 0; i < kQ; ++i)
     for (int w = 0; w < W; ++w) a[i][w] = vzero();
   for (int64_t d = 0; d < K; ++d) {
     vf kv[W];
-    for (int w = 0; w < W; ++w) kv[w] = vload(kt + d * T + c0 + w * kLanes, kLanes);
+    for (int w = 0; w < W; ++w) kv[w] = vload(kt + d * T + c0 + w * kLanes, n - w * kLanes);
 #pragma GCC unroll 8
     for (int i = 0; i < kQ; ++i) {
       const vf qv = vset1(q[i][d]);
@@ -1215,7 +1211,34 @@ inline void score_tile(const float* const* q, const float* kt, int64_t T, int64_
   }
 #pragma GCC unroll 8
   for (int i = 0; i < kQ; ++i)
-    for (int w = 0; w < W; ++w) vstore(s + i * T + c0 + w * kLanes, a[i][w], kLanes);
+    for (int w = 0; w < W; ++w) vstore(s + i * T + c0 + w * kLanes, a[i][w], n - w * kLanes);
+}
+
+// o[i * ldo + ...) = inv[i] x the sum over keys c in [c0, c1) of p[i * T + c] v[c * stride + ...), for Q queries
+// and V registers of columns: each key's values loaded once for the Q queries, Q x V sums in registers. One query at
+// a time had read every value row again from L2 for each query, and each of its V chains of sums waited on the FMA
+// before it.
+template <int Q, int V, typename C>
+inline void weigh_tile(const float* p, int64_t T, const float* inv, const C* v, int64_t stride, const bool* ok,
+                       int64_t c0, int64_t c1, int64_t left, float* o, int64_t ldo) {
+  vf acc[Q][V];
+#pragma GCC unroll 8
+  for (int i = 0; i < Q; ++i)
+    for (int j = 0; j < V; ++j) acc[i][j] = vzero();
+  for (int64_t c = c0; c < c1; ++c) {
+    if (!ok[c]) continue;  // a masked key: weight 0 (its values need not be finite)
+    vf vv[V];
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) vv[j] = vload(v + c * stride + j * kLanes, left - j * kLanes);
+#pragma GCC unroll 8
+    for (int i = 0; i < Q; ++i) {
+      const vf pv = vset1(p[i * T + c]);
+      for (int j = 0; j < V; ++j) acc[i][j] = vfma(pv, vv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < Q; ++i)
+    for (int j = 0; j < V; ++j) vstore(o + i * ldo + j * kLanes, vmul(acc[i][j], vset1(inv[i])), left - j * kLanes);
 }
 #endif
 
@@ -1226,8 +1249,11 @@ void prefill_group(const float* q, const C* k, const C* v, const bool* valid, in
   constexpr float lowest = -std::numeric_limits<float>::infinity();
   constexpr int kQ = 6;  // queries per tile: 6 x 2 registers of sums, 2 of keys, 1 of a query: 15 of AVX2's 16
   const int64_t stride = G * K;  // between one token's rows of k (or v) and the next's
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t d = 0; d < K; ++d) kt[d * T + t] = widen(k[t * stride + d]);
+  // 16 tokens at a time, so that each row of kt is written a cache line at a time (a token at a time wrote to K
+  // lines per token, and took a fifth of GPT-2's prompt attention).
+  for (int64_t t0 = 0; t0 < T; t0 += 16)
+    for (int64_t d = 0; d < K; ++d)
+      for (int64_t t = t0; t < std::min(T, t0 + 16); ++t) kt[d * T + t] = widen(k[t * stride + d]);
   seen[0] = 0;
   for (int64_t c = 0; c < T; ++c) {
     bias[c] = valid[c] ? 0.0f : lowest;  // a masked key's score: -inf, weight exactly 0 (XLA: finfo.min, also 0)
@@ -1241,8 +1267,8 @@ void prefill_group(const float* q, const C* k, const C* v, const bool* valid, in
       for (int64_t i = 0; i < kQ; ++i) qr[i] = q + ((t0 + std::min(i, nq - 1)) * H + r) * K;
       int64_t c = lo;
 #if defined(SHARDZOO_SIMD)
-      for (; c + 2 * kLanes <= hi; c += 2 * kLanes) score_tile<2, kQ>(qr, kt, T, K, c, s);
-      for (; c + kLanes <= hi; c += kLanes) score_tile<1, kQ>(qr, kt, T, K, c, s);
+      for (; c + 2 * kLanes <= hi; c += 2 * kLanes) score_tile<2, kQ>(qr, kt, T, K, c, 2 * kLanes, s);
+      for (; c < hi; c += kLanes) score_tile<1, kQ>(qr, kt, T, K, c, hi - c, s);
 #endif
       for (; c < hi; ++c)
         for (int64_t i = 0; i < kQ; ++i) {
@@ -1250,30 +1276,44 @@ void prefill_group(const float* q, const C* k, const C* v, const bool* valid, in
           for (int64_t d = 0; d < K; ++d) dot += qr[i][d] * kt[d * T + c];
           s[i * T + c] = dot;
         }
+      // Each query's weights over the tile's keys [lo, hi): its softmax over its own span, zeros outside it (and all
+      // zeros for a query with no key to see, a left pad's: an output of zeros, which nothing reads).
+      float inv[kQ];
       for (int64_t i = 0; i < nq; ++i) {
         const int64_t t = t0 + i, first = window > 0 ? std::max<int64_t>(0, t - window + 1) : 0, end = t + 1;
         float* si = s + i * T;
-        float* ot = o + (t * H + r) * K;
-        if (seen[end] == seen[first]) {  // no key to see (a left pad): zeros, which nothing reads
-          std::fill(ot, ot + K, 0.0f);
+        if (seen[end] == seen[first]) {
+          inv[i] = 0.0f;
+          std::fill(si + lo, si + hi, 0.0f);
           continue;
         }
-        const float inv = softmax_span(si, bias, first, end, scale, softcap, sinks ? sinks + r : nullptr, lowest);
-#if defined(SHARDZOO_SIMD)
-        constexpr int64_t kBlock = 8 * kLanes;  // columns of the output per pass: eight registers of sums
-        for (int64_t d = 0; d < K; d += kBlock) {
-          const int64_t left = K - d;
-          with_rows<8>((std::min(left, kBlock) + kLanes - 1) / kLanes, [&](auto vecs) {
-            weigh_keys<decltype(vecs)::value>(si, inv, v + d, stride, valid, first, end, left, ot + d);
-          });
-        }
-#else
-        std::fill(ot, ot + K, 0.0f);
-        for (c = first; c < end; ++c)
-          if (valid[c])
-            for (int64_t d = 0; d < K; ++d) ot[d] += si[c] * inv * widen(v[c * stride + d]);
-#endif
+        inv[i] = softmax_span(si, bias, first, end, scale, softcap, sinks ? sinks + r : nullptr, lowest);
+        std::fill(si + lo, si + first, 0.0f);
+        std::fill(si + end, si + hi, 0.0f);
       }
+      float* ot = o + (t0 * H + r) * K;  // the tile's first query's row; the next query's is H K further
+#if defined(SHARDZOO_SIMD)
+      // columns of the output per pass: the tile's queries' sums in registers (6 x 4 of AVX-512's 32, 6 x 2 of
+      // AVX2's 16), with the key's values and a weight
+      constexpr int kVecs = kLanes == 16 ? 4 : 2;
+      for (int64_t d = 0; d < K; d += kVecs * kLanes) {
+        const int64_t left = K - d;
+        with_rows<kVecs>((std::min<int64_t>(left, kVecs * kLanes) + kLanes - 1) / kLanes, [&](auto vecs) {
+          with_rows<kQ>(nq, [&](auto rows) {
+            weigh_tile<decltype(rows)::value, decltype(vecs)::value>(s, T, inv, v + d, stride, valid, lo, hi, left,
+                                                                     ot + d, H * K);
+          });
+        });
+      }
+#else
+      for (int64_t i = 0; i < nq; ++i) {
+        float* oi = ot + i * H * K;
+        std::fill(oi, oi + K, 0.0f);
+        for (c = lo; c < hi; ++c)
+          if (valid[c])
+            for (int64_t d = 0; d < K; ++d) oi[d] += s[i * T + c] * inv[i] * widen(v[c * stride + d]);
+      }
+#endif
     }
   }
 }
