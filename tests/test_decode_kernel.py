@@ -145,7 +145,9 @@ def test_huge_pages_moves_arrays_onto_2mb_pages_unchanged_and_says_why_not(monke
   backed, total, why = kernels.huge_pages({'w': x, 'b': small})
   start = x.unsafe_buffer_pointer()
   assert (total, why) == (x.nbytes, '') and backed >= x.nbytes - 2 * kernels.HUGE_PAGE, (backed, why)
-  assert huge_bytes(start, start + x.nbytes) >= backed
+  # the blocks at the array's two ends hold other memory too, which Linux may split off again (it splits huge pages
+  # that are mostly zeros); the blocks inside stay
+  assert huge_bytes(start, start + x.nbytes) >= x.nbytes - 2 * kernels.HUGE_PAGE
   np.testing.assert_array_equal(np.asarray(x), np.arange(3 << 20, dtype=np.float32))
   monkeypatch.setattr(kernels, 'MADV_COLLAPSE', 12345)  # an advice the OS refuses: nothing moves, and why
   assert kernels.huge_pages(x) == (
