@@ -728,8 +728,8 @@ ffi::Error by_dtype(B& buffer, const std::string& wrong, Fn fn) {
   }
 }
 
-// W packed into the float32 GEMM's panels ([ceil(N / kPanel), K, kPanel] in W's dtype; shardzoo_gemm_panel says kPanel),
-// and that GEMM over them: a decode loop's weights, packed once outside it.
+// W packed into the float32 GEMM's panels ([ceil(N / kPanel), K, kPanel] in W's dtype; shardzoo_gemm_panel says
+// kPanel), and that GEMM over them: a decode loop's weights, packed once outside it.
 ffi::Error pack_f32(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out, bool nk) {
 #if defined(SHARDZOO_GEMM)
   const auto wd = w.dimensions();
@@ -1180,14 +1180,13 @@ ffi::Error attention_dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 
 // A prompt's causal attention (the prefill), q (B, T, H, K) against k and v (B, T, G, K) as the projections make them:
 // XLA's CPU compiler transposes the keys and values into the layout its dot wants with loops that ran at under 1
-// GB/s, and runs the masks and softmax as separate passes (GPT-2's layer at 32 x 128: 62 ms against this loop's 16,
-// since 6).
+// GB/s, and runs the masks and softmax as separate passes (GPT-2's layer at 32 x 128: 62 ms against this loop's 8.5).
 // One work item is a row's KV head: its keys transposed once into scratch (K x T, from L1/L2 afterwards), then for
 // each of its R query heads, six queries at a time, the scores of the keys they may see, the softmax in float32
 // (scaled, soft-capped, masked as attention.attend's XLA path, whose finfo.min weighs a masked key 0 as this -inf
-// does; the sinks' logits in the denominator) and the weighted values, the six queries' sums together. Key s is seen by query t where s <= t,
-// t - s < window (0: no window) and valid[b, s]; a query that sees no key (a left pad's) gets zeros, an output
-// nothing reads.
+// does; the sinks' logits in the denominator) and the weighted values, the six queries' sums together. Key s is
+// seen by query t where s <= t, t - s < window (0: no window) and valid[b, s]; a query that sees no key (a left
+// pad's) gets zeros, an output nothing reads.
 #if defined(SHARDZOO_SIMD)
 // s[i * T + c] for the kQ queries q[i] and the keys c in [c0, c0 + min(n, W kLanes)), from the transposed keys kt
 // (K x T): each register of keys loaded once for the tile's queries, each query's element broadcast once for W
