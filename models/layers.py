@@ -122,6 +122,28 @@ class Dense(nnx.Module):
     return self.layer(x)
 
 
+def project(denses: Sequence[Dense], x: jax.Array) -> list[jax.Array]:
+  """[d(x) for d in denses]; in a decode step of a few rows on one CPU device (models/kernels), plain Dense layers of
+  one einsum and dtype take one kernel call between them (kernels.matmuls), with the same values. A subclass (LoRA's)
+  runs its own call."""
+  layers = [d.layer for d in denses]
+  same = {(e.einsum_str.replace(' ', ''), e.dtype, e.preferred_element_type, e.precision) for e in layers}
+  if all(type(d) is Dense for d in denses) and len(same) == 1 and layers[0].precision is None:
+    spec = layers[0].einsum_str.replace(' ', '')
+    promoted = [
+      e.promote_dtype((x, e.kernel[...], e.bias[...] if e.bias is not None else None), dtype=e.dtype) for e in layers
+    ]
+    xp, w0 = promoted[0][:2]
+    out_dtype = layers[0].preferred_element_type or jnp.result_type(xp, w0)
+    if (ys := kernels.matmuls(spec, xp, [w for _, w, _ in promoted], out_dtype)) is not None:
+      # each bias added as nnx.Einsum adds it
+      return [
+        y if b is None else y + jnp.reshape(b, e._infer_broadcasted_bias_shape(spec, xp, w))
+        for e, y, (_, w, b) in zip(layers, ys, promoted)
+      ]
+  return [d(x) for d in denses]
+
+
 class LayerNorm(nnx.LayerNorm):
   def __init__(
     self, dim: int, *, eps: float = 1e-5, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32, rngs: nnx.Rngs
@@ -718,9 +740,10 @@ class Attention(nnx.Module):
     (theta, scaling) in place of the module's (Gemma 3's local layers). With `cache` (this layer's keys and values,
     (B, G, C, K) each; C < the decode's slots: a ring of the window's last keys) and `decoding`: the new keys and
     values are written into it, and (output, cache) returned."""
-    q_BLHK = shard_logical(self.query(x_BLD), ('batch', 'length', 'heads', 'kv'))
-    k_BLGK = shard_logical(self.key(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
-    v_BLGK = shard_logical(self.value(x_BLD), ('batch', 'length', 'kv_heads', 'kv'))
+    q_BLHK, k_BLGK, v_BLGK = project((self.query, self.key, self.value), x_BLD)
+    q_BLHK = shard_logical(q_BLHK, ('batch', 'length', 'heads', 'kv'))
+    k_BLGK = shard_logical(k_BLGK, ('batch', 'length', 'kv_heads', 'kv'))
+    v_BLGK = shard_logical(v_BLGK, ('batch', 'length', 'kv_heads', 'kv'))
     if self.qk_norm:
       q_BLHK, k_BLGK = self.q_norm(q_BLHK), self.k_norm(k_BLGK)
     theta, scaling = rotary if rotary is not None else (self.rope_theta, self.rope_scaling)

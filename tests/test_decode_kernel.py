@@ -187,6 +187,85 @@ def test_it_takes_one_matmul_of_a_few_rows_inside_decode_matmuls_only():
     assert kernels.matmul('bld,df->blf', x, w, jnp.float32) is None
 
 
+MATMULS_CASES = [  # rows, K, the three N, weight dtype
+  (1, 768, (768, 256, 256), 'bfloat16'),  # grouped heads: the key and value narrower than the query
+  (3, 100, (64, 48, 48), 'float32'),  # a K tail (not a multiple of the chunks' 4 rows)
+  (8, 1040, (40, 33, 16383), 'bfloat16'),  # MAX_ROWS rows, 16 chunks of K a weight, the widest N taken
+]
+
+
+def check_matmuls(M, K, Ns, wt):
+  """Three matmuls of one x in one call (kernels.matmuls) give matmul's bits, each; the HLO holds one call."""
+  rng = np.random.default_rng(K)
+  x = jnp.asarray(rng.standard_normal((M, 1, K)), jnp.float32)
+  ws = [jnp.asarray(rng.standard_normal((K, N)), wt) for N in Ns]
+
+  def apart(x, ws):
+    with kernels.decode_matmuls(True):
+      return [kernels.matmul('bld,df->blf', x, w, jnp.float32) for w in ws]
+
+  def together(x, ws):
+    with kernels.decode_matmuls(True):
+      return kernels.matmuls('bld,df->blf', x, ws, jnp.float32)
+
+  text, t = jax.jit(together).lower(x, ws).as_text(), kernels.MATVEC3_TARGET
+  assert text.count(f'custom_call @{t}(') + text.count(f'custom_call @"{t}"(') == 1  # a name with '-' is quoted
+  for a, b in zip(jax.jit(apart)(x, ws), jax.jit(together)(x, ws), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize('case', MATMULS_CASES, ids=lambda c: f'M{c[0]}K{c[1]}:{c[3]}')
+def test_three_matmuls_of_one_x_are_one_call_with_the_same_bits(case):
+  check_matmuls(*case)
+
+
+def test_matmuls_leaves_what_one_call_does_not_take():
+  x, w = jnp.ones((1, 1, 64)), jnp.ones((64, 32))
+  assert kernels.matmuls('bld,df->blf', x, [w] * 3, jnp.float32) is None  # outside decode_matmuls(True)
+  with kernels.decode_matmuls(True):
+    assert kernels.matmuls('bld,df->blf', x, [w] * 3, jnp.float32) is not None
+    assert kernels.matmuls('bld,df->blf', x, [w] * 2, jnp.float32) is None  # two
+    assert kernels.matmuls('bld,df->blf', x, [w, w, w.astype(jnp.bfloat16)], jnp.float32) is None  # mixed dtypes
+    assert kernels.matmuls('bld,fd->blf', x, [w.T] * 3, jnp.float32) is None  # [N, K]: a head's layout
+    wide = jnp.ones((64, kernels.MATVEC3_MAX_N))
+    assert kernels.matmuls('bld,df->blf', x, [w, w, wide], jnp.float32) is None  # bands of columns
+    many = jnp.ones((kernels.MAX_ROWS + 1, 1, 64))
+    assert kernels.matmuls('bld,df->blf', many, [w] * 3, jnp.float32) is None  # a GEMM's rows
+
+
+def test_a_layers_query_key_and_value_are_one_call_where_plain(monkeypatch):
+  """layers.project: plain Dense layers (biases added as nnx.Einsum adds them) give what each gives alone, in one
+  call inside decode_matmuls(True); a LoRA layer among them takes its own call."""
+  from flax import nnx
+
+  from models import layers, lora
+
+  rngs = nnx.Rngs(0)
+  kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
+  q = layers.Dense('bld,dhk->blhk', (64, 4, 16), ('embed', 'heads', 'kv'), bias_axes=('heads', 'kv'), **kw)
+  k = layers.Dense('bld,dhk->blhk', (64, 2, 16), ('embed', 'kv_heads', 'kv'), bias_axes=('kv_heads', 'kv'), **kw)
+  v = layers.Dense('bld,dhk->blhk', (64, 2, 16), ('embed', 'kv_heads', 'kv'), **kw)
+  for d in (q, k):
+    d.layer.bias[...] = jax.random.normal(jax.random.key(1), d.layer.bias.shape, jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(2), (1, 1, 64), jnp.bfloat16)
+
+  def run(denses):
+    with kernels.decode_matmuls(True):
+      return layers.project(denses, x)
+
+  calls = []
+  monkeypatch.setattr(kernels, 'matmuls', lambda *a, orig=kernels.matmuls: calls.append(1) or orig(*a))
+  together = run((q, k, v))
+  assert calls and all(y.dtype == jnp.bfloat16 for y in together)
+  with kernels.decode_matmuls(True):
+    for y, d in zip(together, (q, k, v), strict=True):
+      np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(d(x), np.float32))
+  calls.clear()
+  adapted = lora.LoRADense(k, rank=2, alpha=4.0, rngs=rngs)
+  run((q, adapted, v))
+  assert not calls
+
+
 def test_a_failing_compiler_is_one_line_and_the_decode_falls_back(tmp_path, monkeypatch):
   cxx = tmp_path / 'cxx'
   cxx.write_text(
@@ -422,14 +501,16 @@ def check_prefill(case):
 
 
 @functools.cache
-def _targets_for(march: str, isa: bytes) -> tuple[str, str, str, str]:
+def _targets_for(march: str, isa: bytes) -> tuple[str, str, str, str, str]:
   """The library built for `march`, whose loops are `isa`'s, registered under targets of its own."""
   lib = ctypes.cdll.LoadLibrary(str(kernels.build(march)))
   lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
   assert lib.shardzoo_matvec_isa() == isa and not lib.shardzoo_has_bf16_gemm()
   names = (kernels.TARGET, kernels.ATTENTION_TARGET, kernels.ARGMAX_TARGET, kernels.PREFILL_TARGET)
+  names += (kernels.MATVEC3_TARGET,)
   targets = tuple(f'{t}_{march}' for t in names)
   fns = [lib.ShardzooMatvec, lib.ShardzooDecodeAttention, lib.ShardzooArgmax, lib.ShardzooPrefillAttention]
+  fns += [lib.ShardzooMatvec3]
   for name, fn in zip(targets, fns):
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform='cpu')
   return targets
@@ -456,9 +537,10 @@ def test_builds_for_cpus_without_avx512_compute_the_same(monkeypatch, march, isa
     pytest.skip('this CPU has no AVX2 and FMA to run it')
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
     skylake = pool.submit(kernels.build, 'skylake-avx512')
-    matvec, attention_target, argmax_target, prefill_target = _targets_for(march, isa)
+    matvec, attention_target, argmax_target, prefill_target, matvec3 = _targets_for(march, isa)
     assert skylake.result().exists()
   monkeypatch.setattr(kernels, 'TARGET', matvec)
+  monkeypatch.setattr(kernels, 'MATVEC3_TARGET', matvec3)
   monkeypatch.setattr(kernels, 'ATTENTION_TARGET', attention_target)
   monkeypatch.setattr(kernels, 'ARGMAX_TARGET', argmax_target)
   monkeypatch.setattr(kernels, 'PREFILL_TARGET', prefill_target)
@@ -480,6 +562,8 @@ def test_builds_for_cpus_without_avx512_compute_the_same(monkeypatch, march, isa
   for case in PREFILL_CASES[:3]:
     check_prefill(case)
   check_argmax()
+  for case in MATMULS_CASES[:2]:
+    check_matmuls(*case)
 
 
 def test_a_bfloat16_cache_is_written_without_widening_it():

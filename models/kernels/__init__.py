@@ -3,7 +3,8 @@
 * `matmul`, up to MAX_ROWS rows: a decode step must read every weight once, so its time is the weights' bytes over
   the memory's read rate. XLA's CPU dot reads float32 weights below that rate and widens bfloat16 weights into a
   float32 copy before it multiplies; the kernel streams them in order, widens bfloat16 in registers and splits the
-  rows of W between the caller and XLA's thread pool.
+  rows of W between the caller and XLA's thread pool. `matmuls`: three such matmuls of one x (a layer's query, key
+  and value projections) in one call.
 * `matmul`, more rows of bfloat16 against bfloat16 (the prefill) where the CPU has AVX-512 BF16 (`bf16_gemm`):
   bfloat16 pairs multiplied by vdpbf16ps, where XLA widens both operands first.
 * `matmul`, up to GEMM_MAX_ROWS rows against float32 or bfloat16 weights where the library is built for AVX2 or
@@ -45,6 +46,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -53,6 +55,7 @@ import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name('matvec.cc')
 TARGET = 'shardzoo_matvec'
+MATVEC3_TARGET = 'shardzoo_matvec3'
 GEMM_TARGET = 'shardzoo_gemm_bf16'
 TAKE_TARGET = 'shardzoo_take_rows'
 WRITE_TARGET = 'shardzoo_write_slots'
@@ -65,6 +68,7 @@ PACK_F32_TARGET = 'shardzoo_pack_f32'
 PACKED_F32_TARGET = 'shardzoo_gemm_f32_packed'
 PANEL = 32  # matvec.cc: the bfloat16 GEMM's panels of W are 32 columns wide
 MAX_ROWS = 8  # matvec.cc kMaxRows: each weight is loaded once for all rows; beyond a few rows a GEMM's tiles win
+MATVEC3_MAX_N = 4 * 4096  # matvec.cc kBand * 4: wider weights take bands of columns, a call each
 GEMM_MAX_ROWS = 4096  # the float32 GEMM's rows, as measured (a prefill of 32 x 128 tokens); XLA's dot beyond
 FLAGS = (
   '-O3',
@@ -146,6 +150,7 @@ def _loaded() -> tuple[str | None, str]:
   try:
     lib = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ShardzooMatvec), platform='cpu')
+    jax.ffi.register_ffi_target(MATVEC3_TARGET, jax.ffi.pycapsule(lib.ShardzooMatvec3), platform='cpu')
     jax.ffi.register_ffi_target(TAKE_TARGET, jax.ffi.pycapsule(lib.ShardzooTakeRows), platform='cpu')
     jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.ShardzooWriteSlots), platform='cpu')
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.ShardzooArgmax), platform='cpu')
@@ -353,6 +358,28 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array |
   else:
     y = jax.ffi.ffi_call(target, y_struct)(x2, w2, nk=nk)
   return y.reshape(out_shape).astype(out_dtype)
+
+
+def matmuls(spec: str, x: jax.Array, ws: Sequence[jax.Array], out_dtype: Any) -> list[jax.Array] | None:
+  """[einsum(spec, x, w) for w in ws] through one call of the kernel inside decode_matmuls(True), where it applies:
+  three [K, N] weights (w's contracted letters first) of one dtype, each N below MATVEC3_MAX_N, against up to MAX_ROWS
+  rows of x; None elsewhere (the caller runs each matmul on its own). Each result equals `matmul`'s bit for bit: a
+  decode step of one row paid the pool's hand-off and an idle memory between three calls (GPT-2 at batch 1: three
+  calls of a 768 x 768 weight took 3-5% longer a step than one call of their 768 x 2304)."""
+  if not _active.get() or len(ws) != 3 or len({jnp.dtype(w.dtype) for w in ws}) != 1:
+    return None
+  if jnp.dtype(ws[0].dtype) not in WEIGHT_DTYPES:
+    return None
+  plans = [plan(spec, x.shape, w.shape) for w in ws]
+  if any(p is None or p[3] or not 0 < p[0] <= MAX_ROWS or p[2] >= MATVEC3_MAX_N for p in plans):
+    return None
+  M, K = plans[0][:2]
+  x2 = x.reshape(M, K).astype(jnp.float32)
+  outs = jax.ffi.ffi_call(MATVEC3_TARGET, [jax.ShapeDtypeStruct((M, p[2]), jnp.float32) for p in plans])(
+    x2, *(w.reshape(K, p[2]) for w, p in zip(ws, plans))
+  )
+  shapes = [jax.eval_shape(lambda a, b: jnp.einsum(spec, a, b), x, w).shape for w in ws]
+  return [y.reshape(shape).astype(out_dtype) for y, shape in zip(outs, shapes)]
 
 
 def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array | None:

@@ -633,6 +633,55 @@ void gemm_panels_f32(ffi::ThreadPool& pool, const float* xp, const W* panels, fl
 }
 #endif
 
+// A [K, N] weight of a few rows' matmul and its result (kn_split).
+template <typename W>
+struct KnMatrix {
+  const W* w;
+  float* y;
+  int64_t N;
+};
+
+// y_i = x . W_i for `count` (up to kMaxMatrices) [K, N_i] weights of one x (M <= kMaxRows rows): a layer's query,
+// key and value projections in one call, where three calls each paid the pool's hand-off and left the memory idle
+// between them. Split K: each chunk of rows of a weight sums into its own accumulator, and a weight's accumulators
+// are added pairwise up a fixed binary tree over its chunks (left + right), so the result does not depend on which
+// worker took which chunk (greedy decoding gives the same tokens each run), nor on the weights beside it. The worker
+// that completes a pair adds it, while the other goes on to the next chunk.
+constexpr int kMaxMatrices = 3;
+template <typename W>
+void kn_split(ffi::ThreadPool& pool, const float* xp, const KnMatrix<W>* mats, int count, int64_t M, int64_t K) {
+  constexpr int64_t kMaxChunks = 16;  // a tree of four levels below
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(kMaxChunks, K / 64));
+  const int64_t per = (K / chunks + 3) / 4 * 4;
+  const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
+  const int workers = int(std::min<int64_t>(max_workers, chunks * count));
+  int64_t offset[kMaxMatrices + 1] = {0};  // each weight's accumulators in the scratch
+  for (int i = 0; i < count; ++i) offset[i + 1] = offset[i] + chunks * M * mats[i].N;
+  const auto acc = scratch_of<float>(size_t(offset[count]));
+  float* const base = acc.get();
+  // per weight, per level of the tree (2^4 chunks), per pair: halves done
+  std::atomic<int> arrived[kMaxMatrices][4][kMaxChunks / 2] = {};
+  run_chunks(pool, chunks * count, workers, [&](int, int64_t job) {
+    const int i = int(job / chunks);
+    const int64_t c = job % chunks, N = mats[i].N, MN = M * N;
+    const int64_t k0 = c * per, k1 = c + 1 == chunks ? K : std::min(K, (c + 1) * per);
+    float* const ap = base + offset[i];
+    float* a = ap + c * MN;
+    std::fill(a, a + MN, 0.0f);
+    if (k0 < k1) KN_ROWS(xp, mats[i].w, a, M, K, N, k0, k1, 0, N);
+    for (int level = 0; (int64_t(1) << level) < chunks; ++level) {
+      const int64_t node = c >> level, left = (node & ~int64_t(1)) << level, right = left + (int64_t(1) << level);
+      if (right >= chunks) continue;  // no right half: the left goes up as it is
+      if (arrived[i][level][node >> 1].fetch_add(1, std::memory_order_acq_rel) == 0) return;  // the other adds them
+      float* __restrict l = ap + left * MN;
+      const float* __restrict r = ap + right * MN;
+#pragma GCC ivdep
+      for (int64_t e = 0; e < MN; ++e) l[e] += r[e];
+    }
+  });
+  for (int i = 0; i < count; ++i) std::memcpy(mats[i].y, base + offset[i], sizeof(float) * M * mats[i].N);
+}
+
 template <typename W>
 ffi::Error matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
                   bool nk) {
@@ -670,34 +719,8 @@ ffi::Error matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     });
     return ffi::Error::Success();
   }
-  constexpr int64_t kMaxChunks = 16;  // a tree of four levels below
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(kMaxChunks, K / 64));
-  const int64_t per = (K / chunks + 3) / 4 * 4;
-  const int workers = int(std::min<int64_t>(max_workers, chunks));
-  // Split K: each chunk of rows sums into its own accumulator, and the accumulators are added pairwise up a fixed
-  // binary tree over the chunks (left + right), so the result does not depend on which worker took which chunk
-  // (greedy decoding gives the same tokens each run). The worker that completes a pair adds it, while the other
-  // goes on to the next chunk.
-  const auto acc = scratch_of<float>(size_t(chunks) * M * N);
-  float* ap = acc.get();
-  const int64_t MN = M * N;
-  std::atomic<int> arrived[4][kMaxChunks / 2] = {};  // per level of the tree (2^4 chunks), per pair: halves done
-  run_chunks(pool, chunks, workers, [&](int, int64_t c) {
-    const int64_t k0 = c * per, k1 = c + 1 == chunks ? K : std::min(K, (c + 1) * per);
-    float* a = ap + c * MN;
-    std::fill(a, a + MN, 0.0f);
-    if (k0 < k1) KN_ROWS(xp, wp, a, M, K, N, k0, k1, 0, N);
-    for (int level = 0; (int64_t(1) << level) < chunks; ++level) {
-      const int64_t node = c >> level, left = (node & ~int64_t(1)) << level, right = left + (int64_t(1) << level);
-      if (right >= chunks) continue;  // no right half: the left goes up as it is
-      if (arrived[level][node >> 1].fetch_add(1, std::memory_order_acq_rel) == 0) return;  // the other adds them
-      float* __restrict l = ap + left * MN;
-      const float* __restrict r = ap + right * MN;
-#pragma GCC ivdep
-      for (int64_t i = 0; i < MN; ++i) l[i] += r[i];
-    }
-  });
-  std::memcpy(yp, ap, sizeof(float) * MN);
+  const KnMatrix<W> one{wp, yp, N};
+  kn_split(pool, xp, &one, 1, M, K);
   return ffi::Error::Success();
 }
 
@@ -710,6 +733,41 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
       return matvec<uint16_t>(pool, x, w, y, nk);
     default:
       return ffi::Error::InvalidArgument("matvec: weights must be float32 or bfloat16");
+  }
+}
+
+// Three [K, N_i] weights of one dtype against one x of up to kMaxRows rows (kernels.matmuls): kn_split over all of
+// them in one call. Each N_i below kBand * 4: a wider weight takes matvec's bands of columns, one call each.
+template <typename W>
+ffi::Error matvec3_of(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, ffi::AnyBuffer* ws,
+                      ffi::Result<ffi::Buffer<ffi::F32>>* ys) {
+  KnMatrix<W> mats[3];
+  for (int i = 0; i < 3; ++i) {
+    const auto wd = ws[i].dimensions(), yd = ys[i]->dimensions();
+    if (wd.size() != 2 || wd[0] != K || yd.size() != 2 || yd[0] != M || yd[1] != wd[1] || wd[1] >= kBand * 4)
+      return ffi::Error::InvalidArgument("matvec3: each w must be [K, N < 16384] and its y [M, N]");
+    mats[i] = {reinterpret_cast<const W*>(ws[i].untyped_data()), ys[i]->typed_data(), wd[1]};
+  }
+  kn_split(pool, xp, mats, 3, M, K);
+  return ffi::Error::Success();
+}
+
+ffi::Error matvec3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w0, ffi::AnyBuffer w1,
+                   ffi::AnyBuffer w2, ffi::Result<ffi::Buffer<ffi::F32>> y0, ffi::Result<ffi::Buffer<ffi::F32>> y1,
+                   ffi::Result<ffi::Buffer<ffi::F32>> y2) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[0] > kMaxRows) return ffi::Error::InvalidArgument("matvec3: x must be [M <= 8, K]");
+  if (w1.element_type() != w0.element_type() || w2.element_type() != w0.element_type())
+    return ffi::Error::InvalidArgument("matvec3: the weights must share a dtype");
+  ffi::AnyBuffer ws[3] = {w0, w1, w2};
+  ffi::Result<ffi::Buffer<ffi::F32>> ys[3] = {y0, y1, y2};
+  switch (w0.element_type()) {
+    case ffi::DataType::F32:
+      return matvec3_of<float>(pool, x.typed_data(), xd[0], xd[1], ws, ys);
+    case ffi::DataType::BF16:
+      return matvec3_of<uint16_t>(pool, x.typed_data(), xd[0], xd[1], ws, ys);
+    default:
+      return ffi::Error::InvalidArgument("matvec3: weights must be float32 or bfloat16");
   }
 }
 
@@ -1483,6 +1541,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooMatvec, dispatch,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("nk"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooMatvec3, matvec3,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooPackF32, pack_f32,
                               ffi::Ffi::Bind()
