@@ -128,7 +128,8 @@ def project(denses: Sequence[Dense], x: jax.Array) -> list[jax.Array]:
   runs its own call."""
   layers = [d.layer for d in denses]
   same = {(e.einsum_str.replace(' ', ''), e.dtype, e.preferred_element_type, e.precision) for e in layers}
-  if all(type(d) is Dense for d in denses) and len(same) == 1 and layers[0].precision is None:
+  plain = all(type(d) is Dense for d in denses) and len(same) == 1 and layers[0].precision is None
+  if kernels.active() and plain:
     spec = layers[0].einsum_str.replace(' ', '')
     promoted = [
       e.promote_dtype((x, e.kernel[...], e.bias[...] if e.bias is not None else None), dtype=e.dtype) for e in layers

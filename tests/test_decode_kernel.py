@@ -253,10 +253,15 @@ def test_a_layers_query_key_and_value_are_one_call_where_plain(monkeypatch):
     with kernels.decode_matmuls(True):
       return layers.project(denses, x)
 
-  calls = []
-  monkeypatch.setattr(kernels, 'matmuls', lambda *a, orig=kernels.matmuls: calls.append(1) or orig(*a))
+  calls = []  # what kernels.matmuls returned: None where the layers ran on their own
+
+  def matmuls(*a, orig=kernels.matmuls):
+    calls.append(orig(*a))
+    return calls[-1]
+
+  monkeypatch.setattr(kernels, 'matmuls', matmuls)
   together = run((q, k, v))
-  assert calls and all(y.dtype == jnp.bfloat16 for y in together)
+  assert len(calls) == 1 and calls[0] is not None and all(y.dtype == jnp.bfloat16 for y in together)
   with kernels.decode_matmuls(True):
     for y, d in zip(together, (q, k, v), strict=True):
       np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(d(x), np.float32))

@@ -297,6 +297,11 @@ def decode_matmuls(enabled: bool, prepack: bool = False):
     _prepack.reset(packing)
 
 
+def active() -> bool:
+  """Whether what is traced now is inside decode_matmuls(True)."""
+  return _active.get()
+
+
 def plan(spec: str, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> tuple[int, int, int, bool] | None:
   """(rows M, contracted size K, output size N, whether w is [N, K]) where `spec` is one matmul of x's rows with w
   (x's contracted letters last, in w's order; w's contracted letters first or last; the output x's other letters
@@ -367,7 +372,7 @@ def matmuls(spec: str, x: jax.Array, ws: Sequence[jax.Array], out_dtype: Any) ->
   call pays the pool's hand-off and leaves the memory idle around it: a bfloat16 GPT-2 decode at batch 1 took 3% less
   time a step with its 36 projections in 12 calls (float32, whose weights take twice as long to read, within its
   spread)."""
-  if not _active.get() or len(ws) != 3 or len({jnp.dtype(w.dtype) for w in ws}) != 1:
+  if not active() or len(ws) != 3 or len({jnp.dtype(w.dtype) for w in ws}) != 1:
     return None
   if jnp.dtype(ws[0].dtype) not in WEIGHT_DTYPES:
     return None
