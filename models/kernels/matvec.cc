@@ -736,41 +736,6 @@ ffi::Error dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   }
 }
 
-// Three [K, N_i] weights of one dtype against one x of up to kMaxRows rows (kernels.matmuls): kn_split over all of
-// them in one call. Each N_i below kBand * 4: a wider weight takes matvec's bands of columns, one call each.
-template <typename W>
-ffi::Error matvec3_of(ffi::ThreadPool& pool, const float* xp, int64_t M, int64_t K, ffi::AnyBuffer* ws,
-                      ffi::Result<ffi::Buffer<ffi::F32>>* ys) {
-  KnMatrix<W> mats[3];
-  for (int i = 0; i < 3; ++i) {
-    const auto wd = ws[i].dimensions(), yd = ys[i]->dimensions();
-    if (wd.size() != 2 || wd[0] != K || yd.size() != 2 || yd[0] != M || yd[1] != wd[1] || wd[1] >= kBand * 4)
-      return ffi::Error::InvalidArgument("matvec3: each w must be [K, N < 16384] and its y [M, N]");
-    mats[i] = {reinterpret_cast<const W*>(ws[i].untyped_data()), ys[i]->typed_data(), wd[1]};
-  }
-  kn_split(pool, xp, mats, 3, M, K);
-  return ffi::Error::Success();
-}
-
-ffi::Error matvec3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w0, ffi::AnyBuffer w1,
-                   ffi::AnyBuffer w2, ffi::Result<ffi::Buffer<ffi::F32>> y0, ffi::Result<ffi::Buffer<ffi::F32>> y1,
-                   ffi::Result<ffi::Buffer<ffi::F32>> y2) {
-  const auto xd = x.dimensions();
-  if (xd.size() != 2 || xd[0] > kMaxRows) return ffi::Error::InvalidArgument("matvec3: x must be [M <= 8, K]");
-  if (w1.element_type() != w0.element_type() || w2.element_type() != w0.element_type())
-    return ffi::Error::InvalidArgument("matvec3: the weights must share a dtype");
-  ffi::AnyBuffer ws[3] = {w0, w1, w2};
-  ffi::Result<ffi::Buffer<ffi::F32>> ys[3] = {y0, y1, y2};
-  switch (w0.element_type()) {
-    case ffi::DataType::F32:
-      return matvec3_of<float>(pool, x.typed_data(), xd[0], xd[1], ws, ys);
-    case ffi::DataType::BF16:
-      return matvec3_of<uint16_t>(pool, x.typed_data(), xd[0], xd[1], ws, ys);
-    default:
-      return ffi::Error::InvalidArgument("matvec3: weights must be float32 or bfloat16");
-  }
-}
-
 // fn(the buffer's data as float* or uint16_t*) for a float32 or bfloat16 buffer; else the error `wrong`.
 template <typename B, typename Fn>
 ffi::Error by_dtype(B& buffer, const std::string& wrong, Fn fn) {
@@ -784,6 +749,32 @@ ffi::Error by_dtype(B& buffer, const std::string& wrong, Fn fn) {
     default:
       return ffi::Error::InvalidArgument(wrong);
   }
+}
+
+// Three [K, N_i] weights of one dtype against one x of up to kMaxRows rows (kernels.matmuls): kn_split over all of
+// them in one call. Each N_i below kBand * 4: a wider weight takes matvec's bands of columns, one call each.
+ffi::Error matvec3(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w0, ffi::AnyBuffer w1,
+                   ffi::AnyBuffer w2, ffi::Result<ffi::Buffer<ffi::F32>> y0, ffi::Result<ffi::Buffer<ffi::F32>> y1,
+                   ffi::Result<ffi::Buffer<ffi::F32>> y2) {
+  const auto xd = x.dimensions();
+  if (xd.size() != 2 || xd[0] > kMaxRows) return ffi::Error::InvalidArgument("matvec3: x must be [M <= 8, K]");
+  if (w1.element_type() != w0.element_type() || w2.element_type() != w0.element_type())
+    return ffi::Error::InvalidArgument("matvec3: the weights must share a dtype");
+  const int64_t M = xd[0], K = xd[1];
+  ffi::AnyBuffer ws[3] = {w0, w1, w2};
+  ffi::Result<ffi::Buffer<ffi::F32>> ys[3] = {y0, y1, y2};
+  for (int i = 0; i < 3; ++i) {
+    const auto wd = ws[i].dimensions(), yd = ys[i]->dimensions();
+    if (wd.size() != 2 || wd[0] != K || yd.size() != 2 || yd[0] != M || yd[1] != wd[1] || wd[1] >= kBand * 4)
+      return ffi::Error::InvalidArgument("matvec3: each w must be [K, N < 16384] and its y [M, N]");
+  }
+  return by_dtype(w0, "matvec3: weights must be float32 or bfloat16", [&](auto* first) {
+    using W = std::remove_pointer_t<decltype(first)>;
+    KnMatrix<W> mats[3];
+    for (int i = 0; i < 3; ++i)
+      mats[i] = {reinterpret_cast<const W*>(ws[i].untyped_data()), ys[i]->typed_data(), ws[i].dimensions()[1]};
+    kn_split(pool, x.typed_data(), mats, 3, M, K);
+  });
 }
 
 // W packed into the float32 GEMM's panels ([ceil(N / kPanel), K, kPanel] in W's dtype; shardzoo_gemm_panel says
