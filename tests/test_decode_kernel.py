@@ -26,12 +26,12 @@ CASES = [
   ('bld,dhk->blhk', (1, 1, 45), (45, 3, 7), 'float32', 'float32', 'float32'),  # K, N not multiples of 8, 16
   ('bld,df->blf', (3, 1, 64), (64, 100), 'bfloat16', 'bfloat16', 'bfloat16'),  # bf16 compute, 3 rows
   ('blhk,hkd->bld', (8, 1, 2, 24), (2, 24, 40), 'float32', 'float32', 'float32'),  # MAX_ROWS rows
-  ('bld,df->blf', (2, 1, 1040), (1040, 33), 'float32', 'bfloat16', 'float32'),  # 16 chunks of K, prefetched
+  ('bld,df->blf', (2, 1, 1040), (1040, 33), 'float32', 'bfloat16', 'float32'),  # chunks of K, prefetched
   ('bld,dv->blv', (2, 1, 64), (64, 16400), 'float32', 'bfloat16', 'float32'),  # an untied head: bands of columns
   ('bld,vd->blv', (1, 1, 40), (37, 40), 'float32', 'float32', 'float32'),  # [N, K] (a tied head), tails
   ('bld,vd->blv', (2, 1, 768), (520, 768), 'bfloat16', 'bfloat16', 'float32'),  # 3 chunks of rows, f32 logits
   ('bld,vd->blv', (1, 1, 100), (300, 100), 'float32', 'bfloat16', 'float32'),  # one row: W's rows in turn, K tail
-  # one row against long rows of W (16 a pass with AVX-512), chunks of 68, 68 and 70 rows: 16s, a 4 and 2 left over
+  # one row against long rows of W (16 a pass with AVX-512): each chunk's 16s, then a 4 and the rest left over
   ('bld,df->blf', (1, 1, 206), (206, 1100), 'float32', 'bfloat16', 'float32'),
   ('bld,df->blf', (1, 1, 206), (206, 600), 'float32', 'float32', 'float32'),
 ]
@@ -73,6 +73,26 @@ if kernels.f32_gemm():
   + [f'{c[0]}:{c[4]}:{c[1][0] * c[1][1]}rows:packed' for c in PACKED],
 )
 def test_the_kernel_is_the_einsum(spec, xs, ws, xt, wt, ot, prepack):
+  check_einsum(spec, xs, ws, xt, wt, ot, prepack)
+
+
+# Matmuls of up to MAX_ROWS rows against [K, N] weights narrower than bands of columns: K is split into chunks (one
+# per worker by default).
+SPLIT_CASES = [
+  c for c in CASES if (p := kernels.plan(*c[:3]))[0] <= kernels.MAX_ROWS and not p[3] and p[2] < kernels.MATVEC3_MAX_N
+]
+
+
+@pytest.mark.parametrize('split', [3, 16])
+@pytest.mark.parametrize('case', SPLIT_CASES, ids=lambda c: f'{c[0]}:{c[4]}:K{kernels.plan(*c[:3])[1]}')
+def test_a_weight_split_into_more_chunks_than_workers_is_the_einsum(monkeypatch, case, split):
+  # the tree that adds the chunks' sums, with a node whose right half is missing (3) and four full levels (16)
+  monkeypatch.setattr(kernels, 'SPLIT_CHUNKS', split)
+  check_einsum(*case, False)
+
+
+def check_einsum(spec, xs, ws, xt, wt, ot, prepack):
+  """kernels.matmul(spec) runs its kernel and equals the einsum in float64 within float32's (or bfloat16's) rounding."""
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal(xs), xt)
   w = jnp.asarray(rng.standard_normal(ws) * 0.1, wt)
@@ -97,10 +117,12 @@ def test_the_kernel_is_the_einsum(spec, xs, ws, xt, wt, ot, prepack):
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+@pytest.mark.parametrize('split', [0, 16])
 @pytest.mark.parametrize('wt', ['float32', 'bfloat16'])
-def test_a_call_gives_the_same_bits_however_its_chunks_were_shared(wt):
-  # one row against 3072 rows of W: 16 chunks of rows, claimed by whichever worker is free; with an accumulator per
-  # worker, 30 calls gave 5-12 different results
+def test_a_call_gives_the_same_bits_however_its_chunks_were_shared(monkeypatch, wt, split):
+  # one row against 3072 rows of W: a chunk of rows per worker (0) or 16, claimed by whichever worker is free; with an
+  # accumulator per worker, 30 calls gave 5-12 different results
+  monkeypatch.setattr(kernels, 'SPLIT_CHUNKS', split)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((1, 1, 3072)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((3072, 768)), wt)
@@ -190,7 +212,7 @@ def test_it_takes_one_matmul_of_a_few_rows_inside_decode_matmuls_only():
 MATMULS_CASES = [  # rows, K, the three N, weight dtype
   (1, 768, (768, 256, 256), 'bfloat16'),  # grouped heads: the key and value narrower than the query
   (3, 100, (64, 48, 48), 'float32'),  # a K tail (not a multiple of the chunks' 4 rows)
-  (8, 1040, (40, 33, 16383), 'bfloat16'),  # MAX_ROWS rows, 16 chunks of K a weight, the widest N taken
+  (8, 1040, (40, 33, 16383), 'bfloat16'),  # MAX_ROWS rows, the widest N taken
 ]
 
 
@@ -214,8 +236,10 @@ def check_matmuls(M, K, Ns, wt):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize('split', [0, 3])
 @pytest.mark.parametrize('case', MATMULS_CASES, ids=lambda c: f'M{c[0]}K{c[1]}:{c[3]}')
-def test_three_matmuls_of_one_x_are_one_call_with_the_same_bits(case):
+def test_three_matmuls_of_one_x_are_one_call_with_the_same_bits(monkeypatch, case, split):
+  monkeypatch.setattr(kernels, 'SPLIT_CHUNKS', split)  # 3: each weight's tree has a node without a right half
   check_matmuls(*case)
 
 

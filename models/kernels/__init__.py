@@ -69,6 +69,9 @@ PACKED_F32_TARGET = 'shardzoo_gemm_f32_packed'
 PANEL = 32  # matvec.cc: the bfloat16 GEMM's panels of W are 32 columns wide
 MAX_ROWS = 8  # matvec.cc kMaxRows: each weight is loaded once for all rows; beyond a few rows a GEMM's tiles win
 MATVEC3_MAX_N = 4 * 4096  # matvec.cc kBand * 4: wider weights take bands of columns, a call each
+# Chunks of K a weight of up to MAX_ROWS rows is split into (matvec.cc kn_split; up to 16): 0 for one per worker of
+# XLA's pool, each a fixed share of K summed up a fixed tree. Tests set more, to run that tree on a 2-core machine.
+SPLIT_CHUNKS = 0
 GEMM_MAX_ROWS = 4096  # the float32 GEMM's rows, as measured (a prefill of 32 x 128 tokens); XLA's dot beyond
 FLAGS = (
   '-O3',
@@ -360,6 +363,8 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array |
     shape = (-(-N // f32_panel()), K, f32_panel())
     panels = jax.ffi.ffi_call(PACK_F32_TARGET, jax.ShapeDtypeStruct(shape, w.dtype))(w2, nk=nk)
     y = jax.ffi.ffi_call(PACKED_F32_TARGET, y_struct)(x2, panels)
+  elif target == TARGET:
+    y = jax.ffi.ffi_call(target, y_struct)(x2, w2, nk=nk, split=np.int64(SPLIT_CHUNKS))
   else:
     y = jax.ffi.ffi_call(target, y_struct)(x2, w2, nk=nk)
   return y.reshape(out_shape).astype(out_dtype)
@@ -382,7 +387,7 @@ def matmuls(spec: str, x: jax.Array, ws: Sequence[jax.Array], out_dtype: Any) ->
   M, K = plans[0][:2]
   x2 = x.reshape(M, K).astype(jnp.float32)
   outs = jax.ffi.ffi_call(MATVEC3_TARGET, [jax.ShapeDtypeStruct((M, p[2]), jnp.float32) for p in plans])(
-    x2, *(w.reshape(K, p[2]) for w, p in zip(ws, plans))
+    x2, *(w.reshape(K, p[2]) for w, p in zip(ws, plans)), split=np.int64(SPLIT_CHUNKS)
   )
   shapes = [jax.eval_shape(lambda a, b: jnp.einsum(spec, a, b), x, w).shape for w in ws]
   return [y.reshape(shape).astype(out_dtype) for y, shape in zip(outs, shapes)]
