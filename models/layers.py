@@ -126,11 +126,12 @@ def project(denses: Sequence[Dense], x: jax.Array) -> list[jax.Array]:
   """[d(x) for d in denses]; in a decode step of a few rows on one CPU device (models/kernels), plain Dense layers of
   one einsum and dtype take one kernel call between them (kernels.matmuls), with the same values. A subclass (LoRA's)
   runs its own call."""
+  if not kernels.active():
+    return [d(x) for d in denses]
   layers = [d.layer for d in denses]
   same = {(e.einsum_str.replace(' ', ''), e.dtype, e.preferred_element_type, e.precision) for e in layers}
-  plain = all(type(d) is Dense for d in denses) and len(same) == 1 and layers[0].precision is None
-  if kernels.active() and plain:
-    spec = layers[0].einsum_str.replace(' ', '')
+  if all(type(d) is Dense for d in denses) and len(same) == 1 and layers[0].precision is None:
+    spec = next(iter(same))[0]
     promoted = [
       e.promote_dtype((x, e.kernel[...], e.bias[...] if e.bias is not None else None), dtype=e.dtype) for e in layers
     ]

@@ -535,11 +535,21 @@ def _targets_for(march: str, isa: bytes) -> tuple[str, str, str, str, str]:
   lib = ctypes.cdll.LoadLibrary(str(kernels.build(march)))
   lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
   assert lib.shardzoo_matvec_isa() == isa and not lib.shardzoo_has_bf16_gemm()
-  names = (kernels.TARGET, kernels.ATTENTION_TARGET, kernels.ARGMAX_TARGET, kernels.PREFILL_TARGET)
-  names += (kernels.MATVEC3_TARGET,)
+  names = (
+    kernels.TARGET,
+    kernels.ATTENTION_TARGET,
+    kernels.ARGMAX_TARGET,
+    kernels.PREFILL_TARGET,
+    kernels.MATVEC3_TARGET,
+  )
   targets = tuple(f'{t}_{march}' for t in names)
-  fns = [lib.ShardzooMatvec, lib.ShardzooDecodeAttention, lib.ShardzooArgmax, lib.ShardzooPrefillAttention]
-  fns += [lib.ShardzooMatvec3]
+  fns = [
+    lib.ShardzooMatvec,
+    lib.ShardzooDecodeAttention,
+    lib.ShardzooArgmax,
+    lib.ShardzooPrefillAttention,
+    lib.ShardzooMatvec3,
+  ]
   for name, fn in zip(targets, fns):
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform='cpu')
   return targets

@@ -363,10 +363,9 @@ def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array |
     shape = (-(-N // f32_panel()), K, f32_panel())
     panels = jax.ffi.ffi_call(PACK_F32_TARGET, jax.ShapeDtypeStruct(shape, w.dtype))(w2, nk=nk)
     y = jax.ffi.ffi_call(PACKED_F32_TARGET, y_struct)(x2, panels)
-  elif target == TARGET:
-    y = jax.ffi.ffi_call(target, y_struct)(x2, w2, nk=nk, split=np.int64(SPLIT_CHUNKS))
   else:
-    y = jax.ffi.ffi_call(target, y_struct)(x2, w2, nk=nk)
+    split = {'split': np.int64(SPLIT_CHUNKS)} if target == TARGET else {}  # the GEMM's panels take no split of K
+    y = jax.ffi.ffi_call(target, y_struct)(x2, w2, nk=nk, **split)
   return y.reshape(out_shape).astype(out_dtype)
 
 
