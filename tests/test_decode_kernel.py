@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models import kernels
 
@@ -178,6 +179,14 @@ def test_huge_pages_moves_arrays_onto_2mb_pages_unchanged_and_says_why_not(monke
     f'madvise(MADV_COLLAPSE): {os.strerror(22)} (it needs Linux 6.1+ and transparent huge pages)',
   )
   assert kernels.huge_pages(small) == (0, 0, 'no CPU arrays to move')
+
+
+def test_huge_pages_takes_every_array_of_one_program_s_outputs():
+  """Arrays one jit gave out under one sharding share its cached set of devices: reading an array's device must
+  not empty that set for the next (a generator's weights placed by one program)."""
+  one = NamedSharding(jax.make_mesh((1,), ('d',)), PartitionSpec())
+  a, b = jax.jit(lambda: [jnp.zeros(1 << 18), jnp.ones(1 << 18)], out_shardings=one)()
+  assert kernels.huge_pages({'a': a, 'b': b})[1] == a.nbytes + b.nbytes
 
 
 def test_it_takes_one_matmul_of_a_few_rows_inside_decode_matmuls_only():

@@ -248,7 +248,7 @@ def huge_pages(tree: Any, least: int = 1 << 20) -> tuple[int, int, str]:
     for leaf in jax.tree.leaves(tree)
     if isinstance(leaf, jax.Array) and leaf.nbytes >= least
     for shard in leaf.addressable_shards
-    if shard.data.devices().pop().platform == 'cpu'
+    if shard.device.platform == 'cpu'
   ]
   total = sum(a.nbytes for a in arrays)
   if not arrays:
