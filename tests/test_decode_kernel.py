@@ -544,24 +544,16 @@ def _targets_for(march: str, isa: bytes) -> tuple[str, str, str, str, str]:
   lib = ctypes.cdll.LoadLibrary(str(kernels.build(march)))
   lib.shardzoo_matvec_isa.restype = ctypes.c_char_p
   assert lib.shardzoo_matvec_isa() == isa and not lib.shardzoo_has_bf16_gemm()
-  names = (
-    kernels.TARGET,
-    kernels.ATTENTION_TARGET,
-    kernels.ARGMAX_TARGET,
-    kernels.PREFILL_TARGET,
-    kernels.MATVEC3_TARGET,
-  )
-  targets = tuple(f'{t}_{march}' for t in names)
-  fns = [
-    lib.ShardzooMatvec,
-    lib.ShardzooDecodeAttention,
-    lib.ShardzooArgmax,
-    lib.ShardzooPrefillAttention,
-    lib.ShardzooMatvec3,
+  pairs = [
+    (kernels.TARGET, lib.ShardzooMatvec),
+    (kernels.ATTENTION_TARGET, lib.ShardzooDecodeAttention),
+    (kernels.ARGMAX_TARGET, lib.ShardzooArgmax),
+    (kernels.PREFILL_TARGET, lib.ShardzooPrefillAttention),
+    (kernels.MATVEC3_TARGET, lib.ShardzooMatvec3),
   ]
-  for name, fn in zip(targets, fns):
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform='cpu')
-  return targets
+  for target, fn in pairs:
+    jax.ffi.register_ffi_target(f'{target}_{march}', jax.ffi.pycapsule(fn), platform='cpu')
+  return tuple(f'{target}_{march}' for target, _ in pairs)
 
 
 @functools.cache
