@@ -653,9 +653,8 @@ void kn_split(ffi::ThreadPool& pool, const float* xp, const KnMatrix<W>* mats, i
               int64_t split) {
   constexpr int64_t kMaxChunks = 16;  // a tree of four levels below
   // `split` chunks a weight (tests), else one per worker, of at least 64 rows: each chunk pays a start of its own (its
-  // accumulator, the prefetch's ramp, an add up the tree). On 2 cores a batch-1 GPT-2's chain of matmuls took 19%
-  // less time (bfloat16, in the memory's fast spells; 7% in slow ones) and 5% (float32) in 2 chunks a weight than
-  // in 12 of 64 rows.
+  // accumulator, the prefetch's ramp, an add up the tree), so more chunks than workers only add starts
+  // (docs/performance.md, "One chunk a worker").
   const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
   const int64_t chunks =
     std::max<int64_t>(1, std::min<int64_t>(kMaxChunks, split > 0 ? split : std::min<int64_t>(K / 64, max_workers)));
