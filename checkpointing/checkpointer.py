@@ -313,6 +313,12 @@ class Checkpointer:
     'unverified' (a checkpoint written without checksums), 'damaged:<why>' (any failure to read the checkpoint's
     own files), or 'error:<why>' for a checkpoint this run's config cannot take (error: the CheckpointError)."""
     source, step_dir = f'checkpoint {self.directory}/{step}', epath.Path(self.directory) / str(step)
+    with storage.abandoned_reads.reading(self.directory):
+      return self._read_step(target, data_iter, step, source, step_dir)
+
+  def _read_step(
+    self, target: dict[str, Any], data_iter: Any, step: int, source: str, step_dir: epath.Path
+  ) -> tuple[Any, str, CheckpointError | None]:
     try:
       abstract = self.check(target, step)
       saved = None

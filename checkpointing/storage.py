@@ -20,7 +20,7 @@ import tempfile
 import threading
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -323,22 +323,45 @@ class AbandonedReads(logging.Filter):
   those then fails to call back into the closed loop (RuntimeError 'Event loop is closed', through
   sys.unraisablehook, or printed bare when it lands while the interpreter exits), fails itself when collected
   unfinished (its own read error, through sys.unraisablehook) or is logged by asyncio once collected
-  ('Task/Future exception was never retrieved'): hundreds of tracebacks after the one error or
+  ('Task/Future/_GatheringFuture exception was never retrieved'): hundreds of tracebacks after the one error or
   warning that already names the damaged checkpoint. A
   TensorStore completion into a closed loop is dropped instead of raising (`install`: its result could never be
   delivered), and once a checkpoint is found damaged (`met`) what still reaches the hooks from those reads is
-  filtered."""
+  filtered. asyncio can log an abandoned task as orbax drops it, before its error reaches the checkpointer:
+  while a checkpoint is read (`reading`) such a log is held until the read ends, then dropped if the checkpoint
+  was found damaged, else passed on as it came."""
 
   def __init__(self):
     super().__init__()
     self.damaged: set[str] = set()
+    self._reading: list[str] = []
+    self._held: list[logging.LogRecord] = []
     self._previous_hook = None
 
   def met(self, directory: str) -> None:
     if not self.damaged:
-      logging.getLogger('asyncio').addFilter(self)
+      self._listen()
       self._previous_hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
     self.damaged.add(str(directory))
+
+  @contextlib.contextmanager
+  def reading(self, directory: str):
+    """Around a read of a checkpoint under `directory`: asyncio's logs of its abandoned reads are held until it
+    ends (see the class)."""
+    self._listen()
+    self._reading.append(str(directory))
+    try:
+      yield
+    finally:
+      self._reading.remove(str(directory))
+      held, self._held = self._held, []
+      for record in held:  # through the filter again: dropped where the damage is now known
+        logging.getLogger('asyncio').handle(record)
+
+  def _listen(self) -> None:
+    asyncio_log = logging.getLogger('asyncio')
+    if self not in asyncio_log.filters:
+      asyncio_log.addFilter(self)
 
   def install(self) -> None:
     """Wraps asyncio's call_soon_threadsafe before any read (TensorStore takes the loop's bound method when a read
@@ -365,14 +388,24 @@ class AbandonedReads(logging.Filter):
     if not (isinstance(e, RuntimeError) and str(e) == 'Event loop is closed' or self._about_damaged(e)):
       self._previous_hook(unraisable)
 
-  def _about_damaged(self, e: BaseException | None) -> bool:
-    """An abandoned read's own failure (a coroutine collected unfinished), about a checkpoint found damaged."""
-    return e is not None and any(d in f'{e} {e.__cause__}' for d in self.damaged)
+  def _about_damaged(self, e: BaseException | None, directories: Iterable[str] | None = None) -> bool:
+    """An abandoned read's own failure (a coroutine collected unfinished), about a checkpoint found damaged (or
+    under one of `directories`)."""
+    return e is not None and any(
+      d in f'{e} {e.__cause__}' for d in (self.damaged if directories is None else directories)
+    )
 
   def filter(self, record: logging.LogRecord) -> bool:  # asyncio's logger
     e = record.exc_info[1] if record.exc_info else None
-    abandoned = ('Task exception was never retrieved', 'Future exception was never retrieved')
-    return not (str(record.msg).startswith(abandoned) and self._about_damaged(e))
+    # asyncio's message: '<Task, Future or a subclass> exception was never retrieved', then the future's lines
+    if not str(record.msg).partition('\n')[0].endswith(' exception was never retrieved'):
+      return True
+    if self._about_damaged(e):
+      return False
+    if self._about_damaged(e, self._reading):
+      self._held.append(record)
+      return False
+    return True
 
 
 abandoned_reads = AbandonedReads()

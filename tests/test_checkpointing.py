@@ -3,6 +3,7 @@ input."""
 
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ import pytest
 import data
 import models
 import training
-from checkpointing import checkpointer, integrity, weights
+from checkpointing import checkpointer, integrity, storage, weights
 from errors import CheckpointError, DamagedCheckpointError
 from tests.conftest import ROOT, build_trainer, subprocess_env, tiny_config, train_on_random_batches
 from training.trainer import state_tree
@@ -392,6 +393,34 @@ def test_only_tensorstore_completions_into_a_closed_loop_are_dropped():
   assert loop.call_soon_threadsafe(ran.append, ts.Future(3)) is None
   with pytest.raises(RuntimeError, match='Event loop is closed'):
     loop.call_soon_threadsafe(ran.append, 4)
+
+
+def test_an_abandoned_read_s_log_is_held_while_reading_then_dropped_or_passed_on(caplog, monkeypatch):
+  """asyncio can log an abandoned read (any Future subclass's 'never retrieved') before the checkpointer knows the
+  damage: held while the checkpoint is read, dropped once it is found damaged, passed on as it came if not."""
+  monkeypatch.setattr(sys, 'unraisablehook', sys.unraisablehook)  # `met` installs its own
+  reads, log = storage.AbandonedReads(), logging.getLogger('asyncio')
+
+  def abandoned(kind: str, where: str) -> None:
+    e = ValueError(f'OUT_OF_RANGE: Error reading "w/0.0" in OCDBT database at local file "{where}/4/state/"')
+    log.error(f'{kind} exception was never retrieved\nfuture: <{kind} finished>', exc_info=(ValueError, e, None))
+
+  try:
+    with caplog.at_level(logging.ERROR, logger='asyncio'):
+      with reads.reading('/ck/a'):
+        abandoned('Task', '/ck/a')
+        abandoned('_GatheringFuture', '/ck/a')
+        assert not caplog.records
+        reads.met('/ck/a')
+      assert not caplog.records  # the damage known: dropped
+      with reads.reading('/ck/b'):
+        abandoned('Task', '/ck/b')
+        assert not caplog.records
+      assert [r.getMessage().split('\n')[0] for r in caplog.records] == ['Task exception was never retrieved']
+      abandoned('Future', '/ck/c')  # no read under way: as it comes
+      assert len(caplog.records) == 2
+  finally:
+    log.removeFilter(reads)
 
 
 @pytest.mark.parametrize('corrupt', [1, 2], ids=['every data file truncated', 'one array file halved'])
