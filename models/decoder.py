@@ -60,13 +60,14 @@ from models.layers import (
   mask_padded_vocab,
   padded_vocab,
   rope_scaling_params,
+  silu,
   stack_options,
 )
 from partitioning import shard_logical
 
 ACT = ('batch', 'length', 'embed')
 NORMS = ('pre', 'pre_post', 'post')
-ACTIVATIONS = {'silu': jax.nn.silu, 'gelu_tanh': gelu_tanh}
+ACTIVATIONS = {'silu': silu, 'gelu_tanh': gelu_tanh}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from models.layers import (
   Stack,
   axes,
   dtypes,
-  gelu_tanh,
+  gelu_new,
   logits_dtype,
   loss_chunks,
   padded_vocab,
@@ -43,7 +43,7 @@ class Block(nnx.Module):
     self.attn = Attention(cfg.embed_dim, cfg.num_heads, out_init_scale=scale, impl=cfg.attention, **kw)
     self.ln2 = LayerNorm(cfg.embed_dim, eps=cfg.norm_eps, **kw)
     # HF's "gelu_new" is the tanh approximation.
-    self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=gelu_tanh, out_init_scale=scale, **kw)
+    self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, activation=gelu_new, out_init_scale=scale, **kw)
 
   def __call__(
     self, x_BLD: jax.Array, segment_ids_BL: jax.Array | None, *, cache: Any = None, decoding: Any = None

@@ -69,7 +69,9 @@ from models.layers import (
   active_scope,
   axes,
   dtypes,
+  eager_rounding,
   padded_vocab,
+  silu,
 )
 from partitioning import shard_logical
 
@@ -163,6 +165,16 @@ def capacity(cfg: Any, group_size: int) -> int:
 SWIGLU_ALPHA = 1.702  # GPT-OSS's clamped SwiGLU: gate * sigmoid(alpha * gate)
 
 
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+  """GPT-OSS's experts' activation, (clip(up) + 1) * g * sigmoid(alpha g) with g = min(gate, limit), in
+  transformers' order of torch operations, each rounded to gate's dtype (layers.eager_rounding)."""
+  wide, r = eager_rounding(gate.dtype)
+  g = jnp.minimum(gate, limit).astype(wide)
+  u = jnp.clip(up, -limit, limit).astype(wide)
+  glu = r(g * r(jax.nn.sigmoid(r(g * SWIGLU_ALPHA))))
+  return (r(u + 1) * glu).astype(gate.dtype)
+
+
 def expert_dim(cfg: Any) -> int:
   """An expert's hidden width: expert_mlp_dim, or mlp_dim where the family has one width (Mixtral)."""
   return cfg.mlp_dim if cfg.expert_mlp_dim is None else cfg.expert_mlp_dim
@@ -244,10 +256,8 @@ class MoEMLP(nnx.Module):
       b_EF2 = self.gate_up_bias[...].astype(dt)
       g_EGCF, u_EGCF = g_EGCF + b_EF2[:, None, None, :, 0], u_EGCF + b_EF2[:, None, None, :, 1]
     if self.activation == 'clamped':  # GPT-OSS
-      g_EGCF = jnp.minimum(g_EGCF, self.limit)
-      u_EGCF = jnp.clip(u_EGCF, -self.limit, self.limit)
-      return (u_EGCF + 1) * g_EGCF * jax.nn.sigmoid(SWIGLU_ALPHA * g_EGCF)
-    return jax.nn.silu(g_EGCF) * u_EGCF
+      return clamped_swiglu(g_EGCF, u_EGCF, self.limit)
+    return silu(g_EGCF) * u_EGCF
 
   def __call__(self, x_BLD: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     B, L, D = x_BLD.shape
