@@ -28,6 +28,19 @@ def test_generate_benchmark_smoke():
   assert all(float(gb) > 0 for gb in cells[13].split('/')), r.stdout  # the read rate before and after ours' reps
 
 
+def test_the_same_tokens_column_counts_the_rows_that_agree():
+  """'True' when every row's tokens are the peer's; else the rows that are and where the earliest other parts. A
+  child process: importing the script defines its flags."""
+  code = (
+    'import sys; sys.path.insert(0, "benchmarks"); import generate as g; '
+    'print(g.agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]])); '
+    'print(g.agreement([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[1, 2, 3], [4, 0, 6], [7, 8, 0]]))'
+  )
+  r = children.run([sys.executable, '-c', code], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.stdout.splitlines() == ['True', '1/3 rows (the first other parts at token 2)'], r.stdout
+
+
 def test_decode_kernel_benchmark_smoke():
   """benchmarks/decode_kernel.py on tiny shapes: a row per case, both sides timed (where the kernel runs here)."""
   cmd = [sys.executable, 'benchmarks/decode_kernel.py', '--busy', '--hidden=32', '--layers=1', '--vocab=64']
