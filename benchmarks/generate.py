@@ -13,7 +13,8 @@ Built so that it cannot flatter either side:
   programs during each process (/proc/stat less this run's own): a busy machine (load over --max_load, or others
   using over --max_load cores while a side ran) is refused, or with --busy its rows are flagged 'BUSY';
 * the same prompts (seeded by the batch size) go to both sides, and their greedy tokens are compared (equal in
-  float32; in bfloat16 the two libraries round differently, and a near tie may go the other way).
+  float32; in bfloat16 the two libraries round differently, and a near tie may go the other way: the column then
+  says how many rows are equal and where the earliest of the others parts).
 
 The bound beside each figure is a roofline: the larger of the bytes a step must move over the machine's read
 bandwidth and the FLOPs it must do over its matmul rate. A decode step reads every weight it multiplies with once
