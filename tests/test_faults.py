@@ -304,6 +304,9 @@ def test_a_full_filesystem_stops_the_first_save_in_one_line_and_the_rerun_resume
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(full))
 
 
+ZSTD_MAGIC = bytes.fromhex('28b52ffd')
+
+
 def stored_blocks(data: bytes, least: int = 256) -> list[tuple[int, int]]:
   """(start, size) of each block of at least `least` bytes that a zstd frame in `data` stores as it is (a raw block,
   where compressing did not pay), in a frame without a content checksum: bytes flipped there decompress without an
@@ -323,9 +326,6 @@ def stored_blocks(data: bytes, least: int = 256) -> list[tuple[int, int]]:
         break
     at = data.find(ZSTD_MAGIC, at + 4)
   return found
-
-
-ZSTD_MAGIC = bytes.fromhex('28b52ffd')
 
 
 def test_a_flipped_byte_fails_the_checksum_and_the_rerun_resumes_bitwise(tmp_path, capsys):
