@@ -774,6 +774,19 @@ class Attention(nnx.Module):
     o_BLHK = shard_logical(o_BLHK, ('batch', 'length', 'heads', 'kv'))
     return self.out(o_BLHK)
 
+  @staticmethod
+  def _decode_mask(d: Decoding, T: int, C: int, S: int, ring: bool, logits: attention.Logits) -> jax.Array:
+    """(B, T, C): the slots each of T new queries sees, the real ones up to its own (within its window)."""
+    q_T = d.index + jnp.arange(T)
+    if ring:  # slot c holds token index - ((index - c) mod C): the last C tokens, the query's window
+      token_C = d.index - jnp.mod(d.index - jnp.arange(C), C)
+      valid_BC = jnp.take(d.valid_BS, jnp.maximum(token_C, 0), axis=1) & (token_C >= 0)[None]
+      return valid_BC[:, None, :] & (token_C[None, :] <= q_T[:, None])[None]
+    seen_TS = jnp.arange(S)[None, :] <= q_T[:, None]
+    if logits.window is not None:
+      seen_TS = seen_TS & (q_T[:, None] - jnp.arange(S)[None, :] < logits.window)
+    return d.valid_BS[:, None, :] & seen_TS[None]
+
   def _cached(self, q_BTHK, k_BTGK, v_BTGK, cache, d: Decoding, logits: attention.Logits, sinks_H: Any = None):
     """Attention of T new queries with the KV cache. Every row writes the same slots (prompts are left-padded),
     so the write is one dynamic_update_slice on the unsharded slot axis, not a per-row scatter (which SPMD
@@ -794,6 +807,23 @@ class Attention(nnx.Module):
     lead, b, slot = ((lambda x: x[0]), '', 1) if one else ((lambda x: x), 'b', 2)
     to_cache = lambda x: lead(x.transpose(0, 2, 1, 3).astype(cache[0].dtype))  # (B, T, G, K) -> (B, G, T, K)
     cache = tuple(lead(c) for c in cache)
+    axes = CACHE_AXES[1:] if one else CACHE_AXES
+    back = lambda k, v: (k[None], v[None]) if one else (k, v)  # the batch axis back for the caller
+    if T == 1 and not d.prefill:  # models/kernels' attention, which writes the step's slot itself, on one CPU device
+      fused = kernels.decode_attention(
+        q_BTHK[:, 0],
+        *cache,  # (G, C, K) where `one`: with its batch axis added back, XLA copied the cache to write it
+        *(to_cache(x) for x in (k_BTGK, v_BTGK)),
+        d.index % C if ring else d.index,
+        self._decode_mask(d, T, C, S, ring, logits)[:, 0],
+        jnp.minimum(d.index + 1, C),
+        scale=logits.scale_for(K),
+        softcap=logits.softcap,
+        sinks_H=sinks_H,
+      )
+      if fused is not None:
+        o_BHK, *kv = fused
+        return o_BHK[:, None].astype(q_BTHK.dtype), back(*(shard_logical(c, axes) for c in kv))
     if ring and d.prefill:
       if logits.window is None or C != logits.window:
         raise ValueError(f'a ring of {C} slots for a window of {logits.window}')
@@ -807,7 +837,6 @@ class Attention(nnx.Module):
       k_BGCK, v_BGCK = (write_slots(c, to_cache(x), d.index % C, axis=slot) for c, x in zip(cache, (k_BTGK, v_BTGK)))
     else:
       k_BGCK, v_BGCK = (write_slots(c, to_cache(x), d.index, axis=slot) for c, x in zip(cache, (k_BTGK, v_BTGK)))
-    axes = CACHE_AXES[1:] if one else CACHE_AXES
     k_BGCK, v_BGCK = (shard_logical(c, axes) for c in (k_BGCK, v_BGCK))
     if d.prefill:  # the prompt alone, causal with its pads masked: no S-long keys
       o_BTHK = kernels.prefill_attention(  # models/kernels' on one CPU device, else attend's kernel choice
@@ -832,32 +861,7 @@ class Attention(nnx.Module):
           sinks_H=sinks_H,
         )
       return o_BTHK.astype(q_BTHK.dtype), (k_BGCK, v_BGCK)
-    # A query sees the real slots up to its own (within its window); softmax in float32 (as
-    # jax.nn.dot_product_attention's).
-    q_T = d.index + jnp.arange(T)
-    if ring:  # slot c holds token index - ((index - c) mod C): the last C tokens, the query's window
-      token_C = d.index - jnp.mod(d.index - jnp.arange(C), C)
-      valid_BC = jnp.take(d.valid_BS, jnp.maximum(token_C, 0), axis=1) & (token_C >= 0)[None]
-      mask_BTC = valid_BC[:, None, :] & (token_C[None, :] <= q_T[:, None])[None]
-    else:
-      seen_TS = jnp.arange(S)[None, :] <= q_T[:, None]
-      if logits.window is not None:
-        seen_TS = seen_TS & (q_T[:, None] - jnp.arange(S)[None, :] < logits.window)
-      mask_BTC = d.valid_BS[:, None, :] & seen_TS[None]
-    written = (k_BGCK[None], v_BGCK[None]) if one else (k_BGCK, v_BGCK)  # the batch axis back for the caller
-    if T == 1:  # models/kernels' attention over the cache, inside a decode on one CPU device
-      o_BHK = kernels.decode_attention(
-        q_BTHK[:, 0],
-        k_BGCK,  # (G, C, K) where `one`: with its batch axis added back, XLA copied the cache to write it
-        v_BGCK,
-        mask_BTC[:, 0],
-        jnp.minimum(d.index + 1, C),
-        scale=logits.scale_for(K),
-        softcap=logits.softcap,
-        sinks_H=sinks_H,
-      )
-      if o_BHK is not None:
-        return o_BHK[:, None].astype(q_BTHK.dtype), written
+    mask_BTC = self._decode_mask(d, T, C, S, ring, logits)
     G = k_BGCK.shape[-3]
     q_BTGRK = lead(q_BTHK.reshape(B, T, G, H // G, K))
     with jax.named_scope('attention'):
@@ -870,7 +874,7 @@ class Attention(nnx.Module):
       s_BGRTC = s_BGRTC[None] if one else s_BGRTC  # softmax_with_sinks takes the batch axis
       p_BGRTC = lead(attention.softmax_with_sinks(s_BGRTC, sinks_GR)).astype(q_BTHK.dtype)
       o_BTGRK = jnp.einsum(f'{b}grtc,{b}gck->{b}tgrk', p_BGRTC, v_BGCK.astype(q_BTHK.dtype))
-    return (o_BTGRK[None] if one else o_BTGRK).reshape(B, T, H, K), written
+    return (o_BTGRK[None] if one else o_BTGRK).reshape(B, T, H, K), back(k_BGCK, v_BGCK)
 
 
 def activation_then(down: Callable[..., jax.Array], *pre: jax.Array) -> jax.Array:

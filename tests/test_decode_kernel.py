@@ -444,13 +444,14 @@ ATTENTION_CASES = [
 
 @pytest.mark.parametrize('case', ATTENTION_CASES, ids=lambda c: f'B{c[0]}H{c[1]}G{c[2]}C{c[4]}:{c[10]}')
 def test_decode_attention_is_the_xla_path(case):
-  """layers.Attention's cached step through the kernel equals its XLA path: the output and the written cache."""
+  """layers.Attention's cached step through the kernel equals its XLA path: the output and the written cache, which
+  the kernel's attention writes itself (no call of write_slots)."""
   check_attention(case)
 
 
-def kernel_and_xla(attn, target, logits, q, k, v, cache, d, sinks_H):
-  """attn._cached jitted inside decode_matmuls(True), whose program must call `target`, and inside
-  decode_matmuls(False): (output, cache) of each."""
+def kernel_and_xla(attn, target, logits, q, k, v, cache, d, sinks_H, absent=()):
+  """attn._cached jitted inside decode_matmuls(True), whose program must call `target` and none of `absent`, and
+  inside decode_matmuls(False): (output, cache) of each."""
   args = q, k, v, cache, d, sinks_H
 
   def run(fast):
@@ -460,7 +461,8 @@ def kernel_and_xla(attn, target, logits, q, k, v, cache, d, sinks_H):
 
     return jax.jit(cached)
 
-  assert target in run(True).lower(*args).as_text()
+  text = run(True).lower(*args).as_text()
+  assert target in text and not [a for a in absent if a in text], absent
   return run(True)(*args), run(False)(*args)
 
 
@@ -482,10 +484,52 @@ def check_attention(case):
   logits = attention.Logits(softcap=softcap, window=window)
 
   (got, got_cache), (want, want_cache) = kernel_and_xla(
-    attn, kernels.ATTENTION_TARGET, logits, q, k, v, cache, d, sinks_H
+    attn, kernels.ATTENTION_TARGET, logits, q, k, v, cache, d, sinks_H, absent=(kernels.WRITE_TARGET,)
   )
   assert got.dtype == want.dtype and got.shape == want.shape == (B, 1, H, K)
   # float32 throughout against XLA's float32 scores; in bfloat16 XLA rounds the probabilities and the output to 8 bits
+  tol = 2.0**-7 if dtype == 'bfloat16' else 1e-5
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+  for a, b in zip(got_cache, want_cache):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize('B,dtype', [(2, 'bfloat16'), (1, 'float32')], ids=['batch2:bfloat16', 'one-row:float32'])
+def test_a_decode_loop_writes_its_cache_inside_the_attention_in_place(B, dtype):
+  """A decode loop whose carry is the KV cache: each step's kernel attention writes the step's slot into the cache's
+  own buffers (its results alias them: no copy of the cache in the compiled loop, no write_slots call); after 3
+  steps the caches and outputs equal XLA's. One row's loop carries its cache without the batch axis, as
+  generation/engine.py does."""
+  from flax import nnx
+
+  from models import attention, layers
+
+  H, G, K, C = 4, 2, 16, 12
+  rng = np.random.default_rng(B)
+  attn = layers.Attention(H * K, H, num_kv_heads=G, head_dim=K, rngs=nnx.Rngs(0))
+  q, k, v = (jnp.asarray(rng.standard_normal((3, B, 1, n, K)), dtype) for n in (H, G, G))
+  carried = (G, C, K) if B == 1 else (B, G, C, K)
+  cache = tuple(jnp.asarray(rng.standard_normal(carried), dtype) for _ in range(2))
+  valid = jnp.ones((B, C), bool)
+
+  def loop(fast):
+    def body(i, carry):
+      cache, out = carry
+      d = layers.Decoding(index=5 + i, valid_BS=valid)
+      with kernels.decode_matmuls(fast):
+        o, cache = attn._cached(q[i], k[i], v[i], tuple(c.reshape(B, G, C, K) for c in cache), d, attention.Logits())
+      return tuple(c.reshape(carried) for c in cache), out + o.astype(jnp.float32)
+
+    return jax.jit(lambda c: jax.lax.fori_loop(0, 3, body, (c, jnp.zeros((B, 1, H, K)))), donate_argnums=0)
+
+  kernel = loop(True)
+  hlo = kernel.lower(cache).compile().as_text()
+  calls = [ln for ln in hlo.splitlines() if 'shardzoo_decode_attention' in ln and 'custom-call(' in ln]
+  assert calls and all('output_to_operand_aliasing={{1}: (1, {}), {2}: (2, {})}' in ln for ln in calls), calls
+  assert 'shardzoo_write_slots' not in hlo
+  shape = f'{"bf16" if dtype == "bfloat16" else "f32"}[{",".join(map(str, carried))}]'
+  assert not [ln for ln in hlo.splitlines() if f'= {shape}' in ln and ' copy(' in ln], hlo
+  (got_cache, got), (want_cache, want) = kernel(tuple(map(jnp.array, cache))), loop(False)(tuple(map(jnp.array, cache)))
   tol = 2.0**-7 if dtype == 'bfloat16' else 1e-5
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
   for a, b in zip(got_cache, want_cache):

@@ -13,13 +13,14 @@
   (`prepack`), the weights are packed into those panels once, outside the loop, so that each step reads them in
   order.
 * `decode_attention`: a decode step's attention of one new query per row over its KV cache (float32 or bfloat16),
-  each cached key and value read once for the query heads that share it. XLA's CPU compiler widens a bfloat16 cache
-  into a float32 copy every step and runs the products as batched one-row dots.
+  each cached key and value read once for the query heads that share it, the step's own key and value written into
+  the cache in place first. XLA's CPU compiler widens a bfloat16 cache into a float32 copy every step and runs the
+  products as batched one-row dots.
 * `argmax`: a greedy decode's choice of token, which XLA's CPU compiler runs one element at a time.
 * `take_rows`: a decode's lookup of a 16-bit table, its bytes copied (XLA's CPU compiler gathers bfloat16 in
   float32, and widened the whole table once per generate call).
-* `write_slots`: a decode's write of its new keys and values into a 16-bit KV cache, in place (XLA's CPU compiler
-  copied the whole cache to write one slot).
+* `write_slots`: a prompt's keys and values written into a 16-bit KV cache, in place (XLA's CPU compiler copied
+  the whole cache to write one slot).
 * `huge_pages`: a generator's weights moved onto 2 MB pages (Linux's MADV_COLLAPSE). XLA allocates them on 4 KB
   pages, where a stream of reads crosses a page every 64 cache lines; a batch-1 decode step, which reads every
   weight once, took 7% longer on them.
@@ -439,19 +440,46 @@ def decode_attention(
   q_BHK: jax.Array,
   k_BGCK: jax.Array,
   v_BGCK: jax.Array,
+  k_new: jax.Array,
+  v_new: jax.Array,
+  at: jax.Array | int,
   mask_BC: jax.Array,
   filled: jax.Array,
   *,
   scale: float,
   softcap: float | None = None,
   sinks_H: jax.Array | None = None,
-) -> jax.Array | None:
-  """Attention of one query per row, q (B, H, K), over the first `filled` slots of its cache (B, G, C, K; one row's
-  may be (G, C, K)) where mask_BC is set, inside decode_matmuls(True): the (B, H, K) output in float32 (scores
-  scaled, soft-capped, masked, softmax in float32 with the sinks' logits in its denominator, as layers.Attention's
-  XLA path); None elsewhere (the caller runs XLA's)."""
-  masks = (mask_BC.astype(jnp.bool_), jnp.asarray(filled, jnp.int32))
-  return _attention(ATTENTION_TARGET, q_BHK, k_BGCK, v_BGCK, masks, scale=scale, softcap=softcap, sinks_H=sinks_H)
+) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+  """A decode step's attention inside decode_matmuls(True): this step's keys and values, k_new and v_new (the caches'
+  shape with one slot), written into slot `at` of the caches (B, G, C, K; one row's may be (G, C, K)) in place, then
+  one query per row, q (B, H, K), over the first `filled` slots where mask_BC is set: ((B, H, K) in float32, k, v),
+  the scores scaled, soft-capped, masked, softmax in float32 with the sinks' logits in its denominator, as
+  layers.Attention's XLA path; None elsewhere (the caller writes, then runs XLA's). Each group's slot is written
+  just before its keys are read: in calls of their own, GPT-2's 24 writes a step took 45 us each at batch 32 in
+  bfloat16, each of a write's 384 rows of 128 bytes in a 4 KB page of its own."""
+  if not _active.get() or any(a.dtype != k_BGCK.dtype for a in (v_BGCK, k_new, v_new)):
+    return None
+  if jnp.dtype(k_BGCK.dtype) not in WEIGHT_DTYPES:
+    return None
+  H = q_BHK.shape[-2]
+  sinks = jnp.zeros((H,), jnp.float32) if sinks_H is None else sinks_H.astype(jnp.float32)
+  shapes = (jax.ShapeDtypeStruct(q_BHK.shape, jnp.float32), jax.ShapeDtypeStruct(k_BGCK.shape, k_BGCK.dtype))
+  call = jax.ffi.ffi_call(ATTENTION_TARGET, (*shapes, shapes[1]), input_output_aliases={1: 1, 2: 2})
+  o, k, v = call(
+    q_BHK.astype(jnp.float32),
+    k_BGCK,
+    v_BGCK,
+    mask_BC.astype(jnp.bool_),
+    jnp.asarray(filled, jnp.int32),
+    sinks,
+    k_new,
+    v_new,
+    jnp.asarray(at, jnp.int32),
+    scale=np.float32(scale),
+    softcap=np.float32(softcap or 0.0),
+    has_sinks=sinks_H is not None,
+  )
+  return o, k, v
 
 
 def prefill_attention(
