@@ -398,23 +398,28 @@ void nk_rows_simd(const float* x, const W* w, float* y, int64_t M, int64_t K, in
 struct Work {
   std::atomic<int64_t> next{0}, done{0};
   int64_t chunks = 0;
-  std::atomic<int> workers{0};
 };
+
+// drain(worker) on the caller (worker 0) and on up to max_workers - 1 of the pool's threads, until all of work's
+// chunks are done.
+template <typename Drain>
+void run_drains(ffi::ThreadPool& pool, const Work& work, int max_workers, Drain drain) {
+  const int helpers = int(std::min<int64_t>(pool.num_threads(), max_workers - 1));
+  for (int t = 1; t <= helpers; ++t) pool.Schedule([drain, t] { drain(t); });
+  drain(0);
+  while (work.done.load(std::memory_order_acquire) < work.chunks) std::this_thread::yield();
+}
 
 template <typename Fn>
 void run_chunks(ffi::ThreadPool& pool, int64_t chunks, int max_workers, Fn fn) {
   auto work = std::make_shared<Work>();
   work->chunks = chunks;
-  auto drain = [work, fn](int worker) {
+  run_drains(pool, *work, max_workers, [work, fn](int worker) {
     for (int64_t c; (c = work->next.fetch_add(1)) < work->chunks;) {
       fn(worker, c);
       work->done.fetch_add(1, std::memory_order_release);
     }
-  };
-  const int helpers = int(std::min<int64_t>(pool.num_threads(), max_workers - 1));
-  for (int t = 1; t <= helpers; ++t) pool.Schedule([drain, t] { drain(t); });
-  drain(0);
-  while (work->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  });
 }
 
 // run_chunks, each worker claiming its next chunk before it runs this one: fn(worker, chunk, next) where `next` is
@@ -424,18 +429,14 @@ template <typename Fn>
 void run_chunks_ahead(ffi::ThreadPool& pool, int64_t chunks, int max_workers, Fn fn) {
   auto work = std::make_shared<Work>();
   work->chunks = chunks;
-  auto drain = [work, fn](int worker) {
+  run_drains(pool, *work, max_workers, [work, fn](int worker) {
     for (int64_t c = work->next.fetch_add(1); c < work->chunks;) {
       const int64_t next = work->next.fetch_add(1);
       fn(worker, c, next < work->chunks ? next : int64_t(-1));
       work->done.fetch_add(1, std::memory_order_release);
       c = next;
     }
-  };
-  const int helpers = int(std::min<int64_t>(pool.num_threads(), max_workers - 1));
-  for (int t = 1; t <= helpers; ++t) pool.Schedule([drain, t] { drain(t); });
-  drain(0);
-  while (work->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  });
 }
 
 #if defined(SHARDZOO_SIMD)
