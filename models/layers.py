@@ -861,7 +861,7 @@ class Attention(nnx.Module):
           sinks_H=sinks_H,
         )
       return o_BTHK.astype(q_BTHK.dtype), (k_BGCK, v_BGCK)
-    mask_BTC = self._decode_mask(d, T, C, S, ring, logits)
+    mask_BTC = self._decode_mask(d, T, C, S, ring, logits)  # softmax in float32, as jax.nn.dot_product_attention's
     G = k_BGCK.shape[-3]
     q_BTGRK = lead(q_BTHK.reshape(B, T, G, H // G, K))
     with jax.named_scope('attention'):
