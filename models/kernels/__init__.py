@@ -457,29 +457,13 @@ def decode_attention(
   layers.Attention's XLA path; None elsewhere (the caller writes, then runs XLA's). Each group's slot is written
   just before its keys are read: in calls of their own, GPT-2's 24 writes a step took 45 us each at batch 32 in
   bfloat16, each of a write's 384 rows of 128 bytes in a 4 KB page of its own."""
-  if not _active.get() or any(a.dtype != k_BGCK.dtype for a in (v_BGCK, k_new, v_new)):
+  if any(a.dtype != k_BGCK.dtype for a in (k_new, v_new)):
     return None
-  if jnp.dtype(k_BGCK.dtype) not in WEIGHT_DTYPES:
-    return None
-  H = q_BHK.shape[-2]
-  sinks = jnp.zeros((H,), jnp.float32) if sinks_H is None else sinks_H.astype(jnp.float32)
-  shapes = (jax.ShapeDtypeStruct(q_BHK.shape, jnp.float32), jax.ShapeDtypeStruct(k_BGCK.shape, k_BGCK.dtype))
-  call = jax.ffi.ffi_call(ATTENTION_TARGET, (*shapes, shapes[1]), input_output_aliases={1: 1, 2: 2})
-  o, k, v = call(
-    q_BHK.astype(jnp.float32),
-    k_BGCK,
-    v_BGCK,
-    mask_BC.astype(jnp.bool_),
-    jnp.asarray(filled, jnp.int32),
-    sinks,
-    k_new,
-    v_new,
-    jnp.asarray(at, jnp.int32),
-    scale=np.float32(scale),
-    softcap=np.float32(softcap or 0.0),
-    has_sinks=sinks_H is not None,
+  masks = (mask_BC.astype(jnp.bool_), jnp.asarray(filled, jnp.int32))
+  new_slot = (k_new, v_new, jnp.asarray(at, jnp.int32))
+  return _attention(
+    ATTENTION_TARGET, q_BHK, k_BGCK, v_BGCK, masks, scale=scale, softcap=softcap, sinks_H=sinks_H, new_slot=new_slot
   )
-  return o, k, v
 
 
 def prefill_attention(
@@ -512,20 +496,29 @@ def prefill_attention(
   )
 
 
-def _attention(target, q, k, v, masks, *, scale, softcap, sinks_H, **attrs) -> jax.Array | None:
+def _attention(target, q, k, v, masks, *, scale, softcap, sinks_H, new_slot=None, **attrs) -> Any:
   """`target`(q in float32, k, v, *masks, the sinks' logits (H,)) -> float32 of q's shape, inside
   decode_matmuls(True) for float32 or bfloat16 k and v alike; None elsewhere. The heads are q's second-to-last axis;
-  a model without sinks passes zeros, which has_sinks tells the kernel to ignore."""
+  a model without sinks passes zeros, which has_sinks tells the kernel to ignore. `new_slot` (k_new, v_new, at):
+  operands after the sinks' that the kernel writes into k and v, in place; the call then returns (output, k, v),
+  k and v in their operands' buffers."""
   if not _active.get() or jnp.dtype(k.dtype) not in WEIGHT_DTYPES or v.dtype != k.dtype:
     return None
   H = q.shape[-2]
   sinks = jnp.zeros((H,), jnp.float32) if sinks_H is None else sinks_H.astype(jnp.float32)
-  return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+  out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+  if new_slot is not None:
+    caches = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    call = jax.ffi.ffi_call(target, (out, *caches), input_output_aliases={1: 1, 2: 2})
+  else:
+    call = jax.ffi.ffi_call(target, out)
+  return call(
     q.astype(jnp.float32),
     k,
     v,
     *masks,
     sinks,
+    *(new_slot or ()),
     scale=np.float32(scale),
     softcap=np.float32(softcap or 0.0),
     has_sinks=sinks_H is not None,

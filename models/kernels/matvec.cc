@@ -1220,63 +1220,45 @@ ffi::Error by_kv_dtype(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const s
   }
 }
 
-// A decode step's keys and values for slot `at` of the caches, (B, G, K) as k and v's rows, written by the attention
-// itself just before it reads that group of the cache. A call of their own each (24 a
-// step for GPT-2) took 45 us at batch 32 to write 384 rows of 128 bytes, each row in a 4 KB page of its own.
+// A decode step's attention: each group's new key and value (k_new, v_new: (B, G, K) rows) written into slot `at` of
+// its cache just before the group's keys are read, then its R query heads over the first n slots. Written by calls
+// of their own, GPT-2's 24 writes a step took 45 us each at batch 32, each of a write's 384 rows of 128 bytes in a
+// 4 KB page of its own.
 template <typename T>
-struct NewSlot {
-  const T* k = nullptr;
-  const T* v = nullptr;
-  int64_t at = 0;
-};
-
-// A cache of one row may come without its batch axis (G, C, K): layers.Attention carries it so, and adding the axis
-// back made XLA copy the cache to write it.
-ffi::Error attention_shapes(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd,
-                            size_t mask_elements, int64_t& B, int64_t& H, int64_t& K, int64_t& G, int64_t& C) {
-  if (qd.size() != 3 || kd.size() < 3 || kd.size() > 4 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
-    return ffi::Error::InvalidArgument("decode_attention: q (B, H, K), k and v (B, G, C, K) or (G, C, K)");
-  const size_t lead = kd.size() - 3;
-  B = qd[0], H = qd[1], K = qd[2], G = kd[lead], C = kd[lead + 1];
-  if ((lead ? kd[0] : 1) != B || kd[lead + 2] != K || H % G || mask_elements != size_t(B * C))
-    return ffi::Error::InvalidArgument("decode_attention: q, cache and mask sizes differ");
-  return ffi::Error::Success();
-}
-
-template <typename T>
-void decode_attention(ffi::ThreadPool& pool, const float* qp, T* kp, T* vp, const bool* mp, int64_t B, int64_t H,
-                      int64_t K, int64_t G, int64_t C, int64_t n, const float* sp, float* op, float scale,
-                      float softcap, NewSlot<T> slot) {
+void decode_attention(ffi::ThreadPool& pool, const float* qp, T* kp, T* vp, const T* k_new, const T* v_new,
+                      int64_t at, const bool* mp, int64_t B, int64_t H, int64_t K, int64_t G, int64_t C, int64_t n,
+                      const float* sp, float* op, float scale, float softcap) {
   const int64_t R = H / G;
   const int max_workers = int(std::max<int64_t>(1, pool.num_threads()));
   const int64_t scores = (R + 1) * std::max<int64_t>(n, 1);  // a worker's scratch: scores and the mask's biases
   std::vector<float> scratch(size_t(max_workers) * scores);
   run_chunks_ahead(pool, B * G, max_workers, [&](int worker, int64_t item, int64_t next) {
-    const int64_t b = item / G, g = item % G, at = (b * G + g) * C * K;
-    if (slot.k) {
-      std::memcpy(kp + at + slot.at * K, slot.k + item * K, K * sizeof(T));
-      std::memcpy(vp + at + slot.at * K, slot.v + item * K, K * sizeof(T));
-    }
-    attend_group(qp + (b * H + g * R) * K, kp + at, vp + at, mp + b * C, n, K, R, scale, softcap,
+    const int64_t b = item / G, g = item % G, base = item * C * K;
+    std::memcpy(kp + base + at * K, k_new + item * K, K * sizeof(T));
+    std::memcpy(vp + base + at * K, v_new + item * K, K * sizeof(T));
+    attend_group(qp + (b * H + g * R) * K, kp + base, vp + base, mp + b * C, n, K, R, scale, softcap,
                  sp ? sp + g * R : nullptr, scratch.data() + worker * scores, op + (b * H + g * R) * K,
                  next >= 0 ? kp + next * C * K : nullptr);
   });
 }
 
-// A decode step's attention (kernels.decode_attention): k_new and v_new (the caches' shape with one slot) written into
-// slot `at` (clamped into the cache) of k and v, whose buffers the results k_out and v_out are (aliased), then q
-// against the first `filled` slots where the mask is set.
+// kernels.decode_attention: k_new and v_new (the caches' shape with one slot) written into slot `at` (clamped into
+// the cache) of k and v, whose buffers the results k_out and v_out are (aliased), then q against the first `filled`
+// slots where the mask is set. A cache of one row may come without its batch axis (G, C, K): layers.Attention
+// carries it so, and adding the axis back made XLA copy the cache to write it.
 ffi::Error attention_dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                    ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> filled,
-                                    ffi::Buffer<ffi::F32> sinks, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
-                                    ffi::Buffer<ffi::S32> at, ffi::ResultBuffer<ffi::F32> out,
-                                    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out, float scale,
-                                    float softcap, bool has_sinks) {
-  int64_t B, H, K, G, C;
-  if (auto e = attention_shapes(q.dimensions(), k.dimensions(), v.dimensions(), mask.element_count(), B, H, K, G, C);
-      e.failure())
-    return e;
-  const auto kd = k.dimensions(), nd = k_new.dimensions();
+                              ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> filled, ffi::Buffer<ffi::F32> sinks,
+                              ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> at,
+                              ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
+                              ffi::Result<ffi::AnyBuffer> v_out, float scale, float softcap, bool has_sinks) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), nd = k_new.dimensions();
+  if (qd.size() != 3 || kd.size() < 3 || kd.size() > 4 ||
+      !std::equal(kd.begin(), kd.end(), v.dimensions().begin(), v.dimensions().end()))
+    return ffi::Error::InvalidArgument("decode_attention: q (B, H, K), k and v (B, G, C, K) or (G, C, K)");
+  const size_t lead = kd.size() - 3;
+  const int64_t B = qd[0], H = qd[1], K = qd[2], G = kd[lead], C = kd[lead + 1];
+  if ((lead ? kd[0] : 1) != B || kd[lead + 2] != K || H % G || mask.element_count() != size_t(B * C))
+    return ffi::Error::InvalidArgument("decode_attention: q, cache and mask sizes differ");
   if (k_new.element_type() != k.element_type() || v_new.element_type() != k.element_type() ||
       nd.size() != kd.size() || !std::equal(nd.begin(), nd.end(), v_new.dimensions().begin(), v_new.dimensions().end()))
     return ffi::Error::InvalidArgument("decode_attention: k_new and v_new must be the cache's dtype and rank");
@@ -1284,17 +1266,16 @@ ffi::Error attention_dispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     if (nd[i] != (i == kd.size() - 2 ? 1 : kd[i]))
       return ffi::Error::InvalidArgument("decode_attention: k_new and v_new must be the cache's shape, one slot");
   const int64_t n = std::clamp<int64_t>(filled.typed_data()[0], 0, C);
+  const int64_t slot = std::clamp<int64_t>(at.typed_data()[0], 0, C - 1);
   return by_kv_dtype(k, v, "decode_attention", "the cache", [&](auto c) {
     using T = decltype(c);
     T* kp = reinterpret_cast<T*>(k_out->untyped_data());
     T* vp = reinterpret_cast<T*>(v_out->untyped_data());
     if (kp != k.untyped_data()) std::memcpy(kp, k.untyped_data(), k.size_bytes());  // XLA did not alias them
     if (vp != v.untyped_data()) std::memcpy(vp, v.untyped_data(), v.size_bytes());
-    const NewSlot<T> slot{reinterpret_cast<const T*>(k_new.untyped_data()),
-                          reinterpret_cast<const T*>(v_new.untyped_data()),
-                          std::clamp<int64_t>(at.typed_data()[0], 0, C - 1)};
-    decode_attention<T>(pool, q.typed_data(), kp, vp, mask.typed_data(), B, H, K, G, C, n,
-                        has_sinks ? sinks.typed_data() : nullptr, out->typed_data(), scale, softcap, slot);
+    decode_attention<T>(pool, q.typed_data(), kp, vp, reinterpret_cast<const T*>(k_new.untyped_data()),
+                        reinterpret_cast<const T*>(v_new.untyped_data()), slot, mask.typed_data(), B, H, K, G, C, n,
+                        has_sinks ? sinks.typed_data() : nullptr, out->typed_data(), scale, softcap);
     return ffi::Error::Success();
   });
 }
