@@ -941,6 +941,8 @@ def in_float32(f: Callable[[jax.Array], jax.Array], name: str) -> Callable[[jax.
   """`f` computed in (at least) float32 and rounded once to x's dtype, as torch's fused activation kernels do."""
 
   def g(x: jax.Array) -> jax.Array:
+    if (fast := kernels.elementwise16(g, x)) is not None:  # a decode on one CPU device (models/kernels)
+      return fast
     return f(x.astype(eager_rounding(x.dtype)[0])).astype(x.dtype)
 
   g.__name__ = g.__qualname__ = name
@@ -957,6 +959,8 @@ def eager_rounding(dtype: Any) -> tuple[Any, Callable[[jax.Array], jax.Array]]:
 def _gelu_new(x: jax.Array) -> jax.Array:
   """transformers' "gelu_new" (GPT-2): 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in its order of torch
   operations, each rounded to x's dtype."""
+  if (fast := kernels.elementwise16(_gelu_new, x)) is not None:  # a decode on one CPU device (models/kernels)
+    return fast
   wide, r = eager_rounding(x.dtype)
   w = x.astype(wide)
   t = r(jnp.tanh(r(_SQRT_2_OVER_PI * r(w + r(_GELU_CUBIC * r(w * w * w))))))

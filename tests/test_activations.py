@@ -14,7 +14,7 @@ from flax import nnx
 from transformers.activations import ACT2FN
 
 from configs import schema
-from models import bert, decoder, gpt2, layers, moe, vit
+from models import bert, decoder, gpt2, kernels, layers, moe, vit
 
 SMALLEST_NORMAL = float(jnp.finfo(jnp.bfloat16).tiny)
 
@@ -50,11 +50,24 @@ ACTIVATIONS = {  # zoo function -> transformers' (the hidden_act its families' c
 }
 
 
+@pytest.mark.parametrize('path', ['xla', 'lookup'])
 @pytest.mark.parametrize('name', list(ACTIVATIONS))
-def test_an_activation_in_bfloat16_equals_transformers(name):
+def test_an_activation_in_bfloat16_equals_transformers(name, path):
+  """Both ways a bfloat16 activation runs: XLA's loop, and inside a CPU decode (models/kernels) a table of its values
+  looked up."""
   ours, peer = ACTIVATIONS[name]
+  if path == 'lookup':
+    if not kernels.available():
+      pytest.skip(f'the decode kernel is not available here: {kernels._loaded()[1]}')
+    plain = ours
+
+    def ours(x):
+      with kernels.decode_matmuls(True):
+        return plain(x)
+
   x = every_bfloat16()
   xj, xt = bf16(x)
+  assert (kernels.LOOKUP_TARGET in jax.jit(ours).lower(xj).as_text()) == (path == 'lookup')
   got = np.asarray(jax.jit(ours)(xj).astype(jnp.float32))
   # jax's bfloat16 operations differed on 0.27% (gelu_new) to 3.4% (silu) of [-4, 4]
   check(got, ACT2FN[peer](xt).float().numpy(), x, at_most=5e-4)

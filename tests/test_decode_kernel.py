@@ -431,6 +431,29 @@ def test_a_decode_loop_looks_up_a_bfloat16_table_by_its_bytes():
     assert kernels.take_rows(table.astype(jnp.float32), ids) is None
 
 
+@pytest.mark.parametrize('name', ['gelu_new', 'gelu_tanh', 'gelu_erf', 'silu'])
+def test_a_bfloat16_activation_is_looked_up_with_xla_s_bits(name):
+  """layers' activations of a bfloat16 x inside decode_matmuls(True): one lookup (kernels.elementwise16) in place of
+  XLA's loop, with its bits on every bfloat16 (NaNs, infinities and subnormals among them) and on a shape of three
+  chunks and a tail; float32 is left to XLA. Against transformers: tests/test_activations.py."""
+  from models import layers
+
+  f = getattr(layers, name)
+
+  @jax.jit
+  def looked_up(x):
+    with kernels.decode_matmuls(True):
+      return f(x)
+
+  every = jnp.asarray(np.arange(1 << 16, dtype=np.uint16).view(jnp.bfloat16).reshape(16, 4096))
+  rows = jnp.asarray(np.random.default_rng(0).standard_normal((3, 17001)) * 4, jnp.bfloat16)
+  for x in (every, rows):
+    hlo = looked_up.lower(x).compile().as_text()
+    assert kernels.LOOKUP_TARGET in hlo and 'tanh' not in hlo and 'exp' not in hlo
+    np.testing.assert_array_equal(np.asarray(looked_up(x)).view(np.uint16), np.asarray(jax.jit(f)(x)).view(np.uint16))
+  assert kernels.LOOKUP_TARGET not in looked_up.lower(every.astype(jnp.float32)).as_text()
+
+
 ATTENTION_CASES = [
   # B, H, G, K, C slots, S positions, index, window, softcap, sinks, cache dtype
   (3, 4, 2, 20, 10, 10, 6, None, None, False, 'float32'),  # grouped heads, K tails of 16 and 8, left pads

@@ -1576,6 +1576,26 @@ ffi::Error write_slots(ffi::AnyBuffer cache, ffi::AnyBuffer x, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
+
+// y = table[x], element by element: a function of a 16-bit float (a bfloat16 MLP's activation) looked up in the 65,536
+// values it takes, which kernels.elementwise16 computes with XLA's own loop. XLA's loops computed GPT-2's gelu_new, whose
+// every operation rounds to bfloat16, at about a nanosecond an element on two cores, bound by the instruction rate (some
+// 115 vector operations for 16 values); a lookup is a load, and the entries an MLP's values use stay in L1 or L2.
+ffi::Error lookup16(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U16> table, ffi::Result<ffi::AnyBuffer> y) {
+  if (ffi::ByteWidth(x.element_type()) != 2 || x.element_type() != y->element_type() ||
+      x.element_count() != y->element_count())
+    return ffi::Error::InvalidArgument("lookup16: x and y must be of one 16-bit type and size");
+  if (table.element_count() != 65536) return ffi::Error::InvalidArgument("lookup16: the table takes 65,536 entries");
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const uint16_t* tp = table.typed_data();
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y->untyped_data());
+  const int64_t n = int64_t(x.element_count()), per = 16384, chunks = (n + per - 1) / per;
+  run_chunks(pool, chunks, chunks > 1 ? int(std::max<int64_t>(1, pool.num_threads())) : 1, [&](int, int64_t c) {
+    for (int64_t i = c * per, end = std::min(n, i + per); i < end; ++i) yp[i] = tp[xp[i]];
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooMatvec, dispatch,
@@ -1667,6 +1687,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooPrefillAttention, prefill_dispatch,
                                   .Attr<float>("softcap")
                                   .Attr<int64_t>("window")
                                   .Attr<bool>("has_sinks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooLookup16, lookup16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ShardzooArgmax, argmax_rows,
                               ffi::Ffi::Bind()
