@@ -565,6 +565,8 @@ PREFILL_CASES = [
   (2, 40, 6, 2, 64, 48, 48, None, None, True, 'bfloat16'),  # three heads a group, keys in registers of 16 and 8
   (2, 23, 4, 4, 16, 7, 30, 7, 5.0, True, 'float32'),  # a window of 7 (a ring of 7 slots), soft cap, sinks
   (1, 13, 2, 1, 136, 16, 16, 5, None, False, 'bfloat16'),  # one row, a window, 136 columns: blocks of 64 and a tail
+  # bfloat16 dot products (AVX-512 BF16): 96 columns (registers of 64 and 32), a window, a soft cap, an odd span
+  (2, 37, 4, 2, 96, 40, 40, 9, 4.0, False, 'bfloat16'),
 ]
 
 

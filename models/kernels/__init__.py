@@ -510,8 +510,9 @@ def prefill_attention(
   """A prompt's causal attention inside decode_matmuls(True), q (B, T, H, K) against k, v (B, T, G, K) as the
   projections leave them (no transposes): key s is seen by query t where s <= t, t - s < window and valid_BT[b, s];
   the (B, T, H, K) output in float32 (scores scaled, soft-capped, masked, softmax in float32 with the sinks' logits in
-  its denominator, as attention.attend's XLA path; a query that sees no key, a left pad's, gets zeros). None
-  elsewhere (the caller runs attention.attend)."""
+  its denominator, as attention.attend's XLA path; a query that sees no key, a left pad's, gets zeros). A bfloat16 q
+  over bfloat16 k and v on AVX-512 BF16 takes bfloat16 dot products, its weights rounded to bfloat16 as the XLA path
+  rounds them. None elsewhere (the caller runs attention.attend)."""
   masks = (valid_BT.astype(jnp.bool_),)
   return _attention(
     PREFILL_TARGET,
@@ -523,6 +524,7 @@ def prefill_attention(
     softcap=softcap,
     sinks_H=sinks_H,
     window=np.int64(window or 0),
+    q_bf16=q_BTHK.dtype == jnp.bfloat16,  # its products and weights in bfloat16, as the XLA path's
   )
 
 
