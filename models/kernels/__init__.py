@@ -232,7 +232,10 @@ def status(devices: Any = None) -> tuple[bool, str]:
       'packed into its panels once'
     )
   if bf16_gemm():
-    wide += '; bfloat16 matmuls of more rows (prefill, batches) by AVX-512 BF16 dot products'
+    wide += (
+      "; bfloat16 matmuls of more rows (prefill, batches) and a bfloat16 prompt's attention by AVX-512 BF16 dot "
+      'products'
+    )
   return True, (
     f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows, the attention over '
     f"the prompt and over the KV cache, greedy decoding's argmax and bfloat16 activations by a table{wide}"
@@ -448,7 +451,7 @@ def elementwise16(f: Any, x: jax.Array) -> jax.Array | None:
   value at each of bfloat16's 65,536 values, which XLA computes once per process (a program of its own), so the
   values are XLA's bit for bit; None elsewhere (the caller runs f). An MLP's activation: XLA's CPU loops spent about a
   nanosecond an element on GPT-2's gelu_new, every torch operation of which rounds to bfloat16 (13.7 ms over a
-  batch-32 prefill's 4,096 x 3,072); the lookup 4.4 ms."""
+  batch-32 prefill's 4,096 x 3,072); the lookup about 4 ms."""
   if not _active.get() or x.dtype != jnp.bfloat16 or _loaded()[0] is None:
     return None
   table = jnp.asarray(_table16(f, x.dtype))
