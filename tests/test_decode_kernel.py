@@ -562,7 +562,8 @@ def test_a_decode_loop_writes_its_cache_inside_the_attention_in_place(B, dtype):
 PREFILL_CASES = [
   # B, T prompt, H, G, K, C slots, S positions, window, softcap, sinks, dtype
   (3, 19, 4, 2, 20, 24, 24, None, None, False, 'float32'),  # grouped heads, K tails, left pads, T not a tile's multiple
-  (2, 40, 6, 2, 64, 48, 48, None, None, True, 'bfloat16'),  # three heads a group, keys in registers of 16 and 8
+  # three heads a group, keys in registers of 16 and 8 (AVX-512 BF16: its dot products, registers of 32 and 16)
+  (2, 40, 6, 2, 64, 48, 48, None, None, True, 'bfloat16'),
   (2, 23, 4, 4, 16, 7, 30, 7, 5.0, True, 'float32'),  # a window of 7 (a ring of 7 slots), soft cap, sinks
   (1, 13, 2, 1, 136, 16, 16, 5, None, False, 'bfloat16'),  # one row, a window, 136 columns: blocks of 64 and a tail
   # bfloat16 dot products (AVX-512 BF16): 96 columns (registers of 64 and 32), a window, a soft cap, an odd span

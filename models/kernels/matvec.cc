@@ -1421,7 +1421,7 @@ inline bool prefill_bf16_width(int64_t K) { return K > 0 && K % 32 == 0; }
 template <typename C>
 void prefill_group(const float* q, const C* k, const C* v, const bool* valid, int64_t T, int64_t H, int64_t G,
                    int64_t K, int64_t R, int64_t window, float scale, float softcap, const float* sinks, float* kt,
-                   float* s, float* bias, int64_t* seen, float* o, bool dp = false, float* extra = nullptr) {
+                   float* s, float* bias, int64_t* seen, float* o, bool dp, float* extra) {
   constexpr float lowest = -std::numeric_limits<float>::infinity();
   constexpr int kQ = 6;  // queries per tile: 6 x 2 registers of sums, 2 of keys, 1 of a query: 15 of AVX2's 16
   const int64_t stride = G * K;  // between one token's rows of k (or v) and the next's
@@ -1432,13 +1432,14 @@ void prefill_group(const float* q, const C* k, const C* v, const bool* valid, in
   uint16_t* p16 = reinterpret_cast<uint16_t*>(extra);
   uint32_t* q2 = reinterpret_cast<uint32_t*>(extra) + kQ * T / 2;  // after p16's kQ x T
   const int64_t K2 = K / 2;
-  if constexpr (std::is_same_v<C, uint16_t>)
+  if constexpr (std::is_same_v<C, uint16_t>) {
     if (dp)
       for (int64_t t0 = 0; t0 < T; t0 += 16)
         for (int64_t d = 0; d < K2; ++d)
           for (int64_t t = t0; t < std::min(T, t0 + 16); ++t) std::memcpy(kt2 + d * T + t, k + t * stride + 2 * d, 4);
-  if (!dp)
+  }
 #endif
+  if (!dp)
     for (int64_t t0 = 0; t0 < T; t0 += 16)
       for (int64_t d = 0; d < K; ++d)
         for (int64_t t = t0; t < std::min(T, t0 + 16); ++t) kt[d * T + t] = widen(k[t * stride + d]);
@@ -1703,7 +1704,6 @@ ffi::Error write_slots(ffi::AnyBuffer cache, ffi::AnyBuffer x, ffi::Buffer<ffi::
   for (int64_t o = 0; o < outer; ++o) std::memcpy(dst + (o * C + start) * inner, src + o * T * inner, T * inner);
   return ffi::Error::Success();
 }
-
 
 // y = table[x], element by element: a function of a 16-bit float (a bfloat16 MLP's activation) looked up in the 65,536
 // values it takes, which kernels.elementwise16 computes with XLA's own loop. XLA's loops computed GPT-2's gelu_new, whose
