@@ -450,7 +450,7 @@ def elementwise16(f: Any, x: jax.Array) -> jax.Array | None:
   """f(x) for an elementwise f of a bfloat16 x inside decode_matmuls(True): each element looked up in a table of f's
   value at each of bfloat16's 65,536 values, which XLA computes once per process (a program of its own), so the
   values are XLA's bit for bit; None elsewhere (the caller runs f). An MLP's activation: XLA's CPU loops spent about a
-  nanosecond an element on GPT-2's gelu_new, every torch operation of which rounds to bfloat16 (13.7 ms over a
+  nanosecond an element on GPT-2's gelu_new, every torch operation of which rounds to bfloat16 (13.5 ms over a
   batch-32 prefill's 4,096 x 3,072); the lookup about 4 ms."""
   if not _active.get() or x.dtype != jnp.bfloat16 or _loaded()[0] is None:
     return None
