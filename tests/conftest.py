@@ -3,7 +3,11 @@
 import atexit
 import contextlib
 import os
+import platform
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping
 from typing import Any
@@ -68,6 +72,55 @@ def pytest_addoption(parser):
 # module fixtures and compiled programs are built once. `pytest -n 0` runs everything in this process.
 def pytest_xdist_auto_num_workers(config):
   return min(4, os.cpu_count() or 1)
+
+
+# The decode kernel's libraries, this CPU's and three other x86 targets' (test_decode_kernel.py), take about 45 s of
+# compiling, which a cold cache (CI, a fresh machine) paid inside the tests. One background process at the lowest
+# priority compiles them from the session's start, in the moments the workers leave a core idle; a test that needs
+# one before it is done waits on kernels.build()'s lock instead of compiling it again.
+KERNEL_TARGETS = ('native', 'skylake-avx512', 'x86-64-v3', 'x86-64-v2')
+_BUILD_CODE = """
+import importlib.util, os, signal, sys
+os.nice(19)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # build() removes its partial file on the way out
+spec = importlib.util.spec_from_file_location('shardzoo_kernels', sys.argv[1])
+kernels = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kernels)
+for march in sys.argv[2:]:
+  try:
+    kernels.build(march)
+  except RuntimeError:  # the test that needs it builds it again and reports why
+    pass
+"""
+
+
+def _selects_kernel_tests(config) -> bool:
+  here = os.path.join(ROOT, 'tests')
+  paths = [os.path.abspath(str(a).split('::')[0]) for a in config.args] or [here]
+  return any(p in (here, ROOT, os.path.join(here, 'test_decode_kernel.py')) for p in paths)
+
+
+def pytest_sessionstart(session):
+  config = session.config
+  if hasattr(config, 'workerinput') or platform.machine() not in ('x86_64', 'AMD64'):
+    return  # the main process only; the other targets are x86's
+  if os.environ.get('SHARDZOO_DECODE_KERNEL', '1') == '0' or not _selects_kernel_tests(config):
+    return
+  source = os.path.join(ROOT, 'models', 'kernels', '__init__.py')
+  config._kernel_builds = subprocess.Popen(
+    [sys.executable, '-c', _BUILD_CODE, source, *KERNEL_TARGETS],
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+    start_new_session=True,
+  )
+
+
+def pytest_sessionfinish(session):
+  builds = getattr(session.config, '_kernel_builds', None)
+  if builds is not None and builds.poll() is None:  # a short run: stop the compiles it did not need
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(builds.pid, signal.SIGTERM)
+    builds.wait()
 
 
 # The files that take longest, or hold a test of 15 s or more, longest first (a quiet 2-core run's durations). The

@@ -8,8 +8,11 @@ import concurrent.futures
 import ctypes
 import functools
 import os
+import pathlib
 import platform
 import stat
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -325,6 +328,31 @@ def test_a_failing_compiler_is_one_line_and_the_decode_falls_back(tmp_path, monk
   use, said = kernels.status(jax.devices()[:2])
   assert not use and 'the kernel runs on one device; the weights are on 2' in said
   assert not kernels.missing(jax.devices()[:2])
+
+
+def test_processes_that_build_at_once_compile_once(tmp_path, monkeypatch):
+  """build() from several processes at once (a multi-process launch on one host, the test session's background
+  build and its workers): one compiles, the others wait on its lock and load the same file."""
+  cxx = tmp_path / 'cxx'
+  log = tmp_path / 'compiles'
+  cxx.write_text(
+    '#!/bin/sh\n[ "$1" = --version ] && { echo "c++ (fake) 1.0"; exit 0; }\n'
+    f'echo compile >> {log}\nsleep 1\nfor out; do :; done\necho library > "$out"\n'
+  )
+  cxx.chmod(cxx.stat().st_mode | stat.S_IEXEC)
+  env = {**os.environ, 'CXX': str(cxx), 'SHARDZOO_CACHE': str(tmp_path / 'cache')}
+  code = (
+    'import importlib.util as u, sys; s = u.spec_from_file_location("k", sys.argv[1]); k = u.module_from_spec(s); '
+    's.loader.exec_module(k); print(k.build())'
+  )
+  procs = [
+    subprocess.Popen([sys.executable, '-c', code, kernels.__file__], env=env, stdout=subprocess.PIPE, text=True)
+    for _ in range(3)
+  ]
+  paths = {p.communicate(timeout=120)[0].strip() for p in procs}
+  assert [p.returncode for p in procs] == [0, 0, 0]
+  assert len(paths) == 1 and log.read_text() == 'compile\n'
+  assert pathlib.Path(paths.pop()).read_text() == 'library\n'
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,11 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
+try:
+  import fcntl
+except ImportError:  # Windows: no advisory locks; concurrent builds each compile and rename into place
+  fcntl = None
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,20 +137,27 @@ def build(march: str = 'native') -> pathlib.Path:
   if out.exists():
     return out
   out.parent.mkdir(parents=True, exist_ok=True)
-  # Built beside its final name and renamed into place, so processes building at once never load a partial file.
-  fd, tmp = tempfile.mkstemp(suffix='.so', dir=out.parent)
-  os.close(fd)
-  try:
-    done = subprocess.run(
-      [cxx, *flags, f'-I{include}', str(SOURCE), '-o', tmp], capture_output=True, text=True, timeout=300
-    )
-    if done.returncode:
-      lines = [ln for ln in done.stderr.splitlines() if 'error' in ln] or done.stderr.splitlines() or ['(no output)']
-      raise RuntimeError(f'{pathlib.Path(cxx).name} failed on {SOURCE.name}: {lines[0].strip()}')
-    os.replace(tmp, out)
-  finally:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
+  # Processes that need the library at once (a multi-process launch on one host, a test session's workers) compile
+  # it once: the others wait on this lock, then find it built.
+  with open(out.with_suffix('.lock'), 'w') as lock:
+    if fcntl is not None:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+    if out.exists():
+      return out
+    # Built beside its final name and renamed into place, so a process that does not lock never loads a partial file.
+    fd, tmp = tempfile.mkstemp(suffix='.so', dir=out.parent)
+    os.close(fd)
+    try:
+      done = subprocess.run(
+        [cxx, *flags, f'-I{include}', str(SOURCE), '-o', tmp], capture_output=True, text=True, timeout=300
+      )
+      if done.returncode:
+        lines = [ln for ln in done.stderr.splitlines() if 'error' in ln] or done.stderr.splitlines() or ['(no output)']
+        raise RuntimeError(f'{pathlib.Path(cxx).name} failed on {SOURCE.name}: {lines[0].strip()}')
+      os.replace(tmp, out)
+    finally:
+      if os.path.exists(tmp):
+        os.unlink(tmp)
   return out
 
 
