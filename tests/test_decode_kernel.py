@@ -38,6 +38,10 @@ CASES = [
   # one row against long rows of W (16 a pass with AVX-512): each chunk's 16s, then a 4 and the rest left over
   ('bld,df->blf', (1, 1, 206), (206, 1100), 'float32', 'bfloat16', 'float32'),
   ('bld,df->blf', (1, 1, 206), (206, 600), 'float32', 'float32', 'float32'),
+  # one bfloat16 row against bfloat16 W (AVX-512 BF16: pairs of W's rows by dot products): 16 rows a pass, then 4s,
+  # then the 2 left over; 1,100 columns, the last 12 past whole registers of 32
+  ('bld,df->blf', (1, 1, 206), (206, 1100), 'bfloat16', 'bfloat16', 'float32'),
+  ('bld,dhk->blhk', (1, 1, 46), (46, 3, 12), 'bfloat16', 'bfloat16', 'float32'),  # short rows: 4 a pass, 4 columns past
 ]
 GEMM_CASES = [  # more than MAX_ROWS rows: bfloat16 dot products (AVX-512 BF16), tiles of 8 (KN) and 4 (NK) rows
   ('bld,dhk->blhk', (3, 7, 46), (46, 5, 13), 'bfloat16', 'bfloat16', 'bfloat16'),  # 21 rows, 65 columns: tails

@@ -6,7 +6,8 @@
   rows of W between the caller and XLA's thread pool. `matmuls`: three such matmuls of one x (a layer's query, key
   and value projections) in one call.
 * `matmul`, more rows of bfloat16 against bfloat16 (the prefill) where the CPU has AVX-512 BF16 (`bf16_gemm`):
-  bfloat16 pairs multiplied by vdpbf16ps, where XLA widens both operands first.
+  bfloat16 pairs multiplied by vdpbf16ps, where XLA widens both operands first. One row of bfloat16 values against
+  a bfloat16 [K, N] weight takes the same instruction, in a third of the widening loop's instructions.
 * `matmul`, up to GEMM_MAX_ROWS rows against float32 or bfloat16 weights where the library is built for AVX2 or
   AVX-512 (`f32_gemm`): float32 sums in register tiles over packed panels of W. XLA's CPU dot ran such matmuls at
   about a third of an AVX2 machine's matmul rate, and at 32 rows at two thirds of an AVX-512 one's. In a decode loop
@@ -245,8 +246,8 @@ def status(devices: Any = None) -> tuple[bool, str]:
     )
   if bf16_gemm():
     wide += (
-      "; bfloat16 matmuls of more rows (prefill, batches) and a bfloat16 prompt's attention by AVX-512 BF16 dot "
-      'products'
+      "; bfloat16 matmuls of more rows (prefill, batches), a bfloat16 row's [K, N] matmuls and a bfloat16 prompt's "
+      'attention by AVX-512 BF16 dot products'
     )
   return True, (
     f'decode matmuls: the kernel ({isa}, models/kernels/matvec.cc) for <= {MAX_ROWS} rows, the attention over '
