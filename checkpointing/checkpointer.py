@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import gc
 import glob
 import json
@@ -500,9 +501,15 @@ class Checkpointer:
   def _remove_partial(self, step: int, settle_s: float = 0.3, timeout_s: float = 5.0) -> str:
     """Removes the failed save's <step>.orbax-checkpoint-tmp*, and says what is on disk after. Orbax's other writer
     threads of that save may still be finishing (and recreating directories) after the first one failed, so it is
-    removed until it stays gone; a removal that fails (a read-only directory) is not tried again."""
+    removed until it stays gone: a directory they wrote into while it was emptied (not empty) or an entry they
+    removed first (gone) is removed in the next round; a removal that fails otherwise (a read-only directory) is not
+    tried again."""
     failed: list[BaseException] = []
     seen = []
+
+    def record(fn, path, info) -> None:
+      if not (isinstance(info[1], OSError) and info[1].errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT)):
+        failed.append(info[1])
 
     def remove() -> None:
       deadline = time.monotonic() + timeout_s
@@ -510,7 +517,7 @@ class Checkpointer:
         partials = self._partials(step)
         seen.extend(partials)
         for partial in partials:
-          shutil.rmtree(partial, onerror=lambda fn, path, info: failed.append(info[1]))
+          shutil.rmtree(partial, onerror=record)
         time.sleep(settle_s)
         if not partials and not self._partials(step):
           return
