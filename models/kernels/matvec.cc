@@ -268,11 +268,20 @@ int64_t kn_one_row(const float* x, const W* w, float* acc, int64_t N, int64_t k,
 #endif
 
 #if defined(__AVX512BF16__)
+// vdpbf16ps over two rows unpacked into pairs (unpacklo/unpackhi_epi16, which work within 128-bit lanes) sums 32
+// columns into lo (each lane's first 4 columns of 8) and hi (its last 4): stored to o[0, 32) in column order.
+inline void store_unpacked(float* o, __m512 lo, __m512 hi) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _mm512_storeu_ps(o, _mm512_permutex2var_ps(lo, first, hi));
+  _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(lo, second, hi));
+}
+
 // One row of x whose values are bfloat16 (a bfloat16 model's activation, widened by the caller) against R rows of a
 // bfloat16 [K, N] weight a pass, by AVX-512 BF16's vdpbf16ps: rows k + 2j and k + 2j + 1 interleaved into the pairs it
 // takes, x's pairs `xpairs` (from row k0) broadcast once a pass. Unpacking within 128-bit lanes leaves each lane's
-// first 4 columns of 8 in lo and its last 4 in hi: acc's 32 columns are permuted into that order and back around each
-// pass. Widening each weight and multiplying it takes about three times the instructions: on an AMD EPYC that loop
+// first 4 columns of 8 in lo and its last 4 in hi: acc's 32 columns are permuted into that order and back
+// (store_unpacked) around each pass. Widening each weight and multiplying it takes about three times the instructions: on an AMD EPYC that loop
 // read GPT-2's matrices at 61-78 GB/s from cache, close enough to the memory's fast spells (46) to fall behind it.
 // The products are exact and summed in float32 as the widening loop sums them, in another order; denormals count as
 // zero. Returns the first row it left.
@@ -283,8 +292,6 @@ int64_t kn_one_row_dp(const uint32_t* xpairs, int64_t k0, const uint16_t* w, flo
   constexpr bool kFetch = R < 16;  // as kn_one_row: short rows prefetched two passes ahead, long ones not
   const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
   const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   const int64_t whole = N / 32 * 32;
   for (; k + R <= k1; k += R) {
     const uint16_t* wk = w + k * N;
@@ -303,8 +310,7 @@ int64_t kn_one_row_dp(const uint32_t* xpairs, int64_t k0, const uint16_t* w, flo
         lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_unpacklo_epi16(r0, r1), p[j]);
         hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_unpackhi_epi16(r0, r1), p[j]);
       }
-      _mm512_storeu_ps(acc + n, _mm512_permutex2var_ps(lo, first, hi));
-      _mm512_storeu_ps(acc + n + 16, _mm512_permutex2var_ps(lo, second, hi));
+      store_unpacked(acc + n, lo, hi);
     }
   }
   return k;
@@ -1474,14 +1480,9 @@ inline void weigh_tile_bf16(const uint16_t* p16, int64_t T, const uint16_t* v, i
       }
     }
   }
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 #pragma GCC unroll 8
   for (int i = 0; i < Q; ++i)
-    for (int j = 0; j < J; ++j) {
-      _mm512_storeu_ps(o + i * ldo + 32 * j, _mm512_permutex2var_ps(lo[i][j], first, hi[i][j]));
-      _mm512_storeu_ps(o + i * ldo + 32 * j + 16, _mm512_permutex2var_ps(lo[i][j], second, hi[i][j]));
-    }
+    for (int j = 0; j < J; ++j) store_unpacked(o + i * ldo + 32 * j, lo[i][j], hi[i][j]);
 }
 
 // Whether prefill_group's bfloat16 path takes heads of width K (whole registers of 32 columns).
