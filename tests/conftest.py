@@ -79,19 +79,26 @@ def pytest_xdist_auto_num_workers(config):
 # priority compiles them from the session's start, in the moments the workers leave a core idle; a test that needs
 # one before it is done waits on kernels.build()'s lock instead of compiling it again.
 KERNEL_TARGETS = ('native', 'skylake-avx512', 'x86-64-v3', 'x86-64-v2')
-_BUILD_CODE = """
-import importlib.util, os, signal, sys
-os.nice(19)
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # build() removes its partial file on the way out
+# A child's code that loads models/kernels/__init__.py (its sys.argv[1]) as `kernels`, without models/__init__'s
+# imports of every model.
+LOAD_KERNELS = """
+import importlib.util, sys
 spec = importlib.util.spec_from_file_location('shardzoo_kernels', sys.argv[1])
 kernels = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(kernels)
+"""
+_BUILD_CODE = (
+  'import os, signal\nos.nice(19)\n'
+  + LOAD_KERNELS
+  + """
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # build() removes its partial file on the way out
 for march in sys.argv[2:]:
   try:
     kernels.build(march)
   except RuntimeError:  # the test that needs it builds it again and reports why
     pass
 """
+)
 
 
 def _selects_kernel_tests(config) -> bool:

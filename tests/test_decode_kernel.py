@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models import kernels
+from tests.conftest import LOAD_KERNELS
 
 if not kernels.available():
   pytest.skip(f'the decode kernel is not available here: {kernels._loaded()[1]}', allow_module_level=True)
@@ -345,10 +346,7 @@ def test_processes_that_build_at_once_compile_once(tmp_path, monkeypatch):
   )
   cxx.chmod(cxx.stat().st_mode | stat.S_IEXEC)
   env = {**os.environ, 'CXX': str(cxx), 'SHARDZOO_CACHE': str(tmp_path / 'cache')}
-  code = (
-    'import importlib.util as u, sys; s = u.spec_from_file_location("k", sys.argv[1]); k = u.module_from_spec(s); '
-    's.loader.exec_module(k); print(k.build())'
-  )
+  code = LOAD_KERNELS + 'print(kernels.build())'
   procs = [
     subprocess.Popen([sys.executable, '-c', code, kernels.__file__], env=env, stdout=subprocess.PIPE, text=True)
     for _ in range(3)
